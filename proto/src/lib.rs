@@ -1,0 +1,35 @@
+//! walship's wire contracts, generated from `proto/` by `build.rs`.
+//!
+//! * [`replication`]: `tidal.replication.v1.WalShipping`, node-to-node
+//!   replication (seed contract; walship's additions use new field numbers).
+//! * [`dataplane`]: `dataplane.v1.DataPlane` (coordinator <-> node task
+//!   stream) and `dataplane.v1.PeerExchange` (node -> node segment fetch).
+//! * [`log`]: `walship.v1.Log`, the client API.
+//!
+//! Every service uses [`codec::StrictCodec`], which answers an undecodable
+//! message with `INVALID_ARGUMENT` rather than `INTERNAL`: a malformed request
+//! is the caller's fault and must not look like a server failure.
+
+pub mod codec;
+
+/// `tidal.replication.v1`: WalShipping.
+pub mod replication {
+    tonic::include_proto!("tidal.replication.v1");
+}
+
+/// `dataplane.v1`: DataPlane and PeerExchange.
+pub mod dataplane {
+    tonic::include_proto!("dataplane.v1");
+}
+
+/// `walship.v1`: the client Log service.
+pub mod log {
+    tonic::include_proto!("walship.v1");
+}
+
+/// Encoded `FileDescriptorSet` of every walship proto, for gRPC reflection.
+pub const FILE_DESCRIPTOR_SET: &[u8] = tonic::include_file_descriptor_set!("walship_descriptor");
+
+/// Name of the response metadata key that carries the current leader of a
+/// shard (`<node_id>@<grpc address>`) on a not-leader refusal.
+pub const LEADER_METADATA_KEY: &str = "walship-leader";

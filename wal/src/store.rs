@@ -1,0 +1,157 @@
+//! The storage seam: a multi-shard, append-only log of [`Frame`]s with
+//! explicit positions.
+//!
+//! Every implementation keeps, per shard:
+//! * `first_seqno`: the oldest record still retained (compaction moves it up);
+//! * `last_seqno`: the newest record written;
+//! * `durable_seqno`: the newest record fsynced, `durable_seqno <= last_seqno`.
+//!
+//! An empty log has `last_seqno == first_seqno - 1`. Appends must continue a
+//! shard's log exactly (`first == last_seqno + 1`, contiguous): gaps and
+//! overwrites are refused and leave the store unchanged. The only way to
+//! replace records is [`LogStore::truncate_suffix`] followed by an append.
+//! Positions survive restarts, including a fully compacted shard's.
+//!
+//! Mutating calls are made by one writer at a time (the group-commit thread);
+//! reads may run concurrently with them. Calls block: never make them on a
+//! tokio worker thread.
+//!
+//! Implementations: [`crate::EngineStore`] (raft-engine, production) and
+//! [`crate::MemStore`] (in-memory test double). Both pass the conformance
+//! suite in `conformance.rs`.
+
+use crate::record::{CodecError, Frame};
+
+/// A shard's id. In raft-engine it is the region id.
+pub type ShardId = u32;
+
+/// Positions of one shard's log.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct LogBounds {
+    pub first_seqno: u64,
+    pub last_seqno: u64,
+    pub durable_seqno: u64,
+}
+
+impl LogBounds {
+    /// The bounds of a shard that has never held a record.
+    pub const EMPTY: LogBounds = LogBounds { first_seqno: 1, last_seqno: 0, durable_seqno: 0 };
+
+    pub fn is_empty(&self) -> bool {
+        self.last_seqno < self.first_seqno
+    }
+}
+
+/// Frames to append to one shard; `frames` must be non-empty and contiguous.
+#[derive(Debug, Clone)]
+pub struct ShardAppend {
+    pub shard: ShardId,
+    pub frames: Vec<Frame>,
+}
+
+/// Why a store call was refused or failed.
+#[derive(Debug, thiserror::Error)]
+pub enum StoreError {
+    #[error("shard {0} is not hosted here")]
+    UnknownShard(ShardId),
+    #[error("shard {shard}: append starting at seqno {found} does not continue the log (next is {expected})")]
+    NotContinuous { shard: ShardId, expected: u64, found: u64 },
+    #[error("shard {shard}: frames are not contiguous at seqno {found} (expected {expected})")]
+    NotContiguous { shard: ShardId, expected: u64, found: u64 },
+    #[error("shard {shard}: an append must carry at least one record")]
+    EmptyAppend { shard: ShardId },
+    #[error("shard {shard}: range [{from}, {to}] is outside the retained log [{first}, {last}]")]
+    OutOfRange { shard: ShardId, from: u64, to: u64, first: u64, last: u64 },
+    #[error("shard {shard}: {what}")]
+    BadPosition { shard: ShardId, what: String },
+    #[error("shard {shard}: stored record at seqno {seqno} is corrupt: {source}")]
+    Corrupt { shard: ShardId, seqno: u64, source: CodecError },
+    #[error("storage failure: {0}")]
+    Io(String),
+}
+
+impl StoreError {
+    /// A fatal error leaves the WAL's durability unknown: the process must
+    /// stop rather than continue on it.
+    pub fn is_fatal(&self) -> bool {
+        matches!(self, StoreError::Io(_) | StoreError::Corrupt { .. })
+    }
+}
+
+pub type StoreResult<T> = Result<T, StoreError>;
+
+/// A multi-shard log store. See the module docs for the contract.
+pub trait LogStore: Send + Sync + 'static {
+    /// Registers a shard (idempotent, durable on return).
+    fn create_shard(&self, shard: ShardId) -> StoreResult<()>;
+
+    /// Every shard registered, in ascending order.
+    fn shards(&self) -> Vec<ShardId>;
+
+    fn bounds(&self, shard: ShardId) -> StoreResult<LogBounds>;
+
+    /// Appends to one or more shards as one atomic write: every part is
+    /// validated before anything is written, and either all parts are written
+    /// or none. With `sync`, everything written so far (on every shard) is
+    /// durable on return.
+    fn append(&self, batch: &[ShardAppend], sync: bool) -> StoreResult<()>;
+
+    /// Frames `[from, to]` (inclusive, within the retained, written log),
+    /// stopping before the total size passes `max_bytes` but always returning
+    /// at least one frame. Every frame's checksum is verified.
+    fn read(&self, shard: ShardId, from: u64, to: u64, max_bytes: usize) -> StoreResult<Vec<Frame>>;
+
+    /// Removes every record after `keep_through` (divergence repair).
+    /// `first_seqno - 1 <= keep_through`; a `keep_through >= last_seqno` is a
+    /// no-op. Durable on return.
+    fn truncate_suffix(&self, shard: ShardId, keep_through: u64) -> StoreResult<()>;
+
+    /// Discards records before `first_kept` (retention). Only durable records
+    /// may be discarded: `first_kept <= durable_seqno + 1`. Durable on return.
+    fn compact_prefix(&self, shard: ShardId, first_kept: u64) -> StoreResult<()>;
+}
+
+/// Checks that `frames` may be appended to a shard whose next seqno is `next`.
+pub(crate) fn check_continues(shard: ShardId, next: u64, frames: &[Frame]) -> StoreResult<()> {
+    let first = frames.first().ok_or(StoreError::EmptyAppend { shard })?.seqno();
+    if first != next {
+        return Err(StoreError::NotContinuous { shard, expected: next, found: first });
+    }
+    for (i, frame) in frames.iter().enumerate() {
+        let expected = first + i as u64;
+        if frame.seqno() != expected {
+            return Err(StoreError::NotContiguous { shard, expected, found: frame.seqno() });
+        }
+    }
+    Ok(())
+}
+
+/// Checks a read range against a shard's bounds.
+pub(crate) fn check_range(shard: ShardId, bounds: LogBounds, from: u64, to: u64) -> StoreResult<()> {
+    if from > to || from < bounds.first_seqno || to > bounds.last_seqno {
+        return Err(StoreError::OutOfRange { shard, from, to, first: bounds.first_seqno, last: bounds.last_seqno });
+    }
+    Ok(())
+}
+
+/// Checks a truncation point against a shard's bounds.
+pub(crate) fn check_truncate(shard: ShardId, bounds: LogBounds, keep_through: u64) -> StoreResult<()> {
+    if keep_through + 1 < bounds.first_seqno {
+        return Err(StoreError::BadPosition {
+            shard,
+            what: format!("cannot truncate to {keep_through}: records before {} are compacted", bounds.first_seqno),
+        });
+    }
+    Ok(())
+}
+
+/// Checks a compaction point against a shard's bounds.
+pub(crate) fn check_compact(shard: ShardId, bounds: LogBounds, first_kept: u64) -> StoreResult<()> {
+    if first_kept > bounds.durable_seqno + 1 {
+        return Err(StoreError::BadPosition {
+            shard,
+            what: format!("cannot compact to {first_kept}: only records through {} are durable", bounds.durable_seqno),
+        });
+    }
+    Ok(())
+}
