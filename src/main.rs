@@ -1,1 +1,65 @@
-fn main() {}
+//! The `walship` binary: CLI parsing, configuration and process wiring only.
+//! Everything with behaviour lives in the workspace crates.
+
+mod bench;
+mod client;
+mod config;
+mod node;
+
+use anyhow::Result;
+use clap::{Parser, Subcommand};
+
+#[derive(Parser)]
+#[command(name = "walship", version, about = "A sharded, replicated write-ahead-log service")]
+struct Cli {
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Subcommand)]
+enum Command {
+    /// Run a shard node: its WAL, the client Log service (gRPC) and its admin HTTP API.
+    Node(node::NodeArgs),
+    /// Run an embedded local cluster with no other setup (today: one node with a few shards).
+    Dev(node::DevArgs),
+    /// Append records to a shard: one per stdin line, or generated with --count/--size.
+    Append(client::AppendArgs),
+    /// Read a range of records from a shard.
+    Read(client::ReadArgs),
+    /// Stream a shard's records from a seqno, following new appends.
+    Tail(client::TailArgs),
+    /// Measure append throughput and latency against this machine's raw disk limits.
+    Bench(bench::BenchArgs),
+}
+
+fn main() -> std::process::ExitCode {
+    match run() {
+        Ok(()) => std::process::ExitCode::SUCCESS,
+        Err(e) => {
+            eprintln!("error: {e:#}");
+            std::process::ExitCode::FAILURE
+        }
+    }
+}
+
+fn run() -> Result<()> {
+    tracing_subscriber::fmt()
+        .with_env_filter(
+            tracing_subscriber::EnvFilter::try_from_env("WALSHIP_LOG")
+                .unwrap_or_else(|_| "info,raft_engine=warn".into()),
+        )
+        .with_writer(std::io::stderr)
+        .init();
+    let cli = Cli::parse();
+    let runtime = tokio::runtime::Builder::new_multi_thread().enable_all().build()?;
+    runtime.block_on(async move {
+        match cli.command {
+            Command::Node(args) => node::run_node(args).await,
+            Command::Dev(args) => node::run_dev(args).await,
+            Command::Append(args) => client::append(args).await,
+            Command::Read(args) => client::read(args).await,
+            Command::Tail(args) => client::tail(args).await,
+            Command::Bench(args) => bench::run(args).await,
+        }
+    })
+}

@@ -172,12 +172,11 @@ impl LogStore for EngineStore {
             let entries: Vec<Entry> = part
                 .frames
                 .iter()
-                .map(|frame| {
-                    let mut entry = Entry::default();
-                    entry.index = frame.seqno();
-                    entry.term = frame.epoch();
-                    entry.data = frame.as_bytes().clone();
-                    entry
+                .map(|frame| Entry {
+                    index: frame.seqno(),
+                    term: frame.epoch(),
+                    data: frame.as_bytes().clone(),
+                    ..Entry::default()
                 })
                 .collect();
             batch.add_entries::<RecordEntry>(part.shard as u64, &entries).map_err(io)?;

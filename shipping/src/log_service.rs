@@ -1,0 +1,318 @@
+//! The `walship.v1.Log` service: append, read and tail a shard's log.
+//!
+//! Every request is validated completely before anything is queued, so a
+//! refused request changes nothing. Each refusal maps to one gRPC status:
+//!
+//! | condition | status |
+//! | --- | --- |
+//! | shard not hosted by this node | `NOT_FOUND` |
+//! | empty batch, record over the size limit, too many records, unknown durability, seqno 0, `to < from` | `INVALID_ARGUMENT` |
+//! | range before the oldest retained or past the newest durable record | `OUT_OF_RANGE` |
+//! | WAL writer stopped | `UNAVAILABLE` (retryable) |
+//!
+//! Reads and tails only ever return durable records: they are bounded by the
+//! shard's durable watch.
+
+use std::pin::Pin;
+use std::time::Instant;
+
+use futures::Stream;
+use prometheus::{Histogram, HistogramOpts, HistogramVec, IntCounterVec, Opts, Registry};
+use tonic::{Request, Response, Status};
+use walship_proto::log::log_server::Log;
+use walship_proto::log::{
+    AppendRequest, AppendResponse, Durability, ReadRequest, ReadResponse, Record, TailRequest, TailResponse,
+};
+use walship_wal::{Frame, NewRecord, ShardId, StoreError, Wal, WalError};
+
+/// Request limits a node enforces on its clients.
+#[derive(Debug, Clone, serde::Deserialize, serde::Serialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct LogLimits {
+    /// Largest key + payload of one record.
+    pub max_record_bytes: usize,
+    /// Most records in one append.
+    pub max_batch_records: usize,
+    /// Largest total key + payload of one append.
+    pub max_batch_bytes: usize,
+    /// Read response size when the client asks for 0 (the default).
+    pub default_read_bytes: usize,
+    /// Upper bound on a read response's size, whatever the client asks.
+    pub max_read_bytes: usize,
+}
+
+impl Default for LogLimits {
+    fn default() -> Self {
+        LogLimits {
+            max_record_bytes: 1 << 20,
+            max_batch_records: 100_000,
+            max_batch_bytes: 32 << 20,
+            default_read_bytes: 4 << 20,
+            max_read_bytes: 32 << 20,
+        }
+    }
+}
+
+/// Metrics of the client API.
+#[derive(Clone)]
+pub struct LogServiceMetrics {
+    /// Append latency, request received to acknowledged, by durability.
+    append_seconds: HistogramVec,
+    /// Records per append request.
+    append_batch_records: Histogram,
+    /// Refused requests by RPC and gRPC status code.
+    rejected: IntCounterVec,
+}
+
+impl LogServiceMetrics {
+    pub fn new(registry: &Registry) -> prometheus::Result<LogServiceMetrics> {
+        let append_seconds = HistogramVec::new(
+            HistogramOpts::new(
+                "walship_append_seconds",
+                "Append latency on the node, request received to acknowledged",
+            )
+            .buckets(prometheus::exponential_buckets(25e-6, 2.0, 20)?),
+            &["durability"],
+        )?;
+        let append_batch_records = Histogram::with_opts(
+            HistogramOpts::new("walship_append_batch_records", "Records carried by one append request")
+                .buckets(prometheus::exponential_buckets(1.0, 4.0, 10)?),
+        )?;
+        let rejected = IntCounterVec::new(
+            Opts::new("walship_requests_rejected_total", "Client requests refused, by RPC and gRPC status code"),
+            &["rpc", "code"],
+        )?;
+        registry.register(Box::new(append_seconds.clone()))?;
+        registry.register(Box::new(append_batch_records.clone()))?;
+        registry.register(Box::new(rejected.clone()))?;
+        Ok(LogServiceMetrics { append_seconds, append_batch_records, rejected })
+    }
+}
+
+/// The Log service of one node.
+#[derive(Clone)]
+pub struct LogService {
+    wal: Wal,
+    limits: LogLimits,
+    metrics: LogServiceMetrics,
+    /// The epoch this node writes in. Leadership is static until the
+    /// failover issue makes it come from the coordinator.
+    epoch: u64,
+}
+
+fn wal_status(error: WalError) -> Status {
+    match error {
+        WalError::Store(StoreError::UnknownShard(shard)) => {
+            Status::not_found(format!("shard {shard} is not hosted by this node"))
+        }
+        WalError::Store(e @ StoreError::OutOfRange { .. }) => Status::out_of_range(e.to_string()),
+        WalError::Store(e @ StoreError::EmptyAppend { .. }) => Status::invalid_argument(e.to_string()),
+        WalError::Store(e @ (StoreError::NotContinuous { .. } | StoreError::NotContiguous { .. })) => {
+            Status::failed_precondition(e.to_string())
+        }
+        WalError::Store(e @ StoreError::BadPosition { .. }) => Status::failed_precondition(e.to_string()),
+        WalError::Store(e @ (StoreError::Corrupt { .. } | StoreError::Io(_))) => Status::internal(e.to_string()),
+        WalError::Closed => Status::unavailable("the WAL writer has stopped"),
+    }
+}
+
+fn to_record(frame: &Frame) -> Record {
+    Record {
+        seqno: frame.seqno(),
+        epoch: frame.epoch(),
+        timestamp_us: frame.timestamp_us(),
+        key: frame.key(),
+        payload: frame.payload(),
+        crc32: frame.crc32(),
+    }
+}
+
+fn durability_name(d: Durability) -> &'static str {
+    match d {
+        Durability::Local => "local",
+        Durability::Quorum | Durability::Unspecified => "quorum",
+        Durability::All => "all",
+    }
+}
+
+type TailStream = Pin<Box<dyn Stream<Item = Result<TailResponse, Status>> + Send>>;
+
+impl LogService {
+    pub fn new(wal: Wal, limits: LogLimits, metrics: LogServiceMetrics, epoch: u64) -> LogService {
+        LogService { wal, limits, metrics, epoch }
+    }
+
+    fn reject(&self, rpc: &str, status: Status) -> Status {
+        self.metrics.rejected.with_label_values(&[rpc, &format!("{:?}", status.code())]).inc();
+        status
+    }
+
+    fn validate_append(&self, req: &AppendRequest) -> Result<Durability, Status> {
+        let durability = Durability::try_from(req.durability)
+            .map_err(|_| Status::invalid_argument(format!("unknown durability {}", req.durability)))?;
+        self.wal.positions(req.shard_id).map_err(wal_status)?;
+        if req.records.is_empty() {
+            return Err(Status::invalid_argument("an append must carry at least one record"));
+        }
+        if req.records.len() > self.limits.max_batch_records {
+            return Err(Status::invalid_argument(format!(
+                "{} records in one append; the limit is {} (max_batch_records)",
+                req.records.len(),
+                self.limits.max_batch_records
+            )));
+        }
+        let mut total = 0usize;
+        for (index, record) in req.records.iter().enumerate() {
+            let size = record.key.len() + record.payload.len();
+            if size > self.limits.max_record_bytes {
+                return Err(Status::invalid_argument(format!(
+                    "record {index} is {size} bytes (key + payload); the limit is {} bytes (max_record_bytes)",
+                    self.limits.max_record_bytes
+                )));
+            }
+            total += size;
+        }
+        if total > self.limits.max_batch_bytes {
+            return Err(Status::invalid_argument(format!(
+                "append carries {total} bytes; the limit is {} bytes (max_batch_bytes)",
+                self.limits.max_batch_bytes
+            )));
+        }
+        Ok(durability)
+    }
+
+    /// Checks `from` for a read or tail: seqnos start at 1 and compacted
+    /// records are gone.
+    fn check_from(&self, shard: ShardId, from: u64) -> Result<walship_wal::Positions, Status> {
+        let positions = self.wal.positions(shard).map_err(wal_status)?;
+        if from == 0 {
+            return Err(Status::invalid_argument("from_seqno must be >= 1 (seqnos start at 1)"));
+        }
+        if from < positions.first_seqno {
+            return Err(Status::out_of_range(format!(
+                "shard {shard}: seqno {from} is compacted; the oldest retained is {}",
+                positions.first_seqno
+            )));
+        }
+        Ok(positions)
+    }
+
+    fn read_limit(&self, asked: u64) -> usize {
+        match asked {
+            0 => self.limits.default_read_bytes,
+            n => (n.min(usize::MAX as u64) as usize).min(self.limits.max_read_bytes),
+        }
+    }
+
+    async fn read_inner(&self, req: ReadRequest) -> Result<ReadResponse, Status> {
+        let shard = req.shard_id;
+        let positions = self.check_from(shard, req.from_seqno)?;
+        let durable = positions.durable_seqno;
+        let to = if req.to_seqno == 0 { durable } else { req.to_seqno };
+        if to < req.from_seqno {
+            if req.to_seqno == 0 {
+                return Err(Status::out_of_range(format!(
+                    "shard {shard}: nothing at seqno {}; the newest durable is {durable}",
+                    req.from_seqno
+                )));
+            }
+            return Err(Status::invalid_argument(format!("to_seqno {to} is before from_seqno {}", req.from_seqno)));
+        }
+        if to > durable {
+            return Err(Status::out_of_range(format!(
+                "shard {shard}: range [{}, {to}] passes the newest durable seqno {durable}",
+                req.from_seqno
+            )));
+        }
+        let frames =
+            self.wal.read(shard, req.from_seqno, to, self.read_limit(req.max_bytes)).await.map_err(wal_status)?;
+        let next_seqno = frames.last().map_or(req.from_seqno, |f| f.seqno() + 1);
+        Ok(ReadResponse {
+            records: frames.iter().map(to_record).collect(),
+            next_seqno,
+            durable_seqno: durable,
+            first_seqno: positions.first_seqno,
+        })
+    }
+}
+
+#[tonic::async_trait]
+impl Log for LogService {
+    async fn append(&self, request: Request<AppendRequest>) -> Result<Response<AppendResponse>, Status> {
+        let started = Instant::now();
+        let req = request.into_inner();
+        let durability = self.validate_append(&req).map_err(|s| self.reject("append", s))?;
+        self.metrics.append_batch_records.observe(req.records.len() as f64);
+        let records = req.records.into_iter().map(|r| NewRecord { key: r.key, payload: r.payload }).collect();
+        // One replica per shard: local durability meets every level.
+        let appended = self
+            .wal
+            .append(req.shard_id, self.epoch, records)
+            .await
+            .map_err(|e| self.reject("append", wal_status(e)))?;
+        self.metrics
+            .append_seconds
+            .with_label_values(&[durability_name(durability)])
+            .observe(started.elapsed().as_secs_f64());
+        Ok(Response::new(AppendResponse {
+            first_seqno: appended.first_seqno,
+            last_seqno: appended.last_seqno,
+            epoch: self.epoch,
+        }))
+    }
+
+    async fn read(&self, request: Request<ReadRequest>) -> Result<Response<ReadResponse>, Status> {
+        self.read_inner(request.into_inner()).await.map(Response::new).map_err(|s| self.reject("read", s))
+    }
+
+    type TailStream = TailStream;
+
+    async fn tail(&self, request: Request<TailRequest>) -> Result<Response<TailStream>, Status> {
+        let req = request.into_inner();
+        let shard = req.shard_id;
+        let positions = self.check_from(shard, req.from_seqno).map_err(|s| self.reject("tail", s))?;
+        if req.from_seqno > positions.durable_seqno + 1 {
+            return Err(self.reject(
+                "tail",
+                Status::out_of_range(format!(
+                    "shard {shard}: cannot tail from {}; the newest durable seqno is {}",
+                    req.from_seqno, positions.durable_seqno
+                )),
+            ));
+        }
+        let durable = self.wal.durable_watch(shard).map_err(wal_status)?;
+        let stream = tail_stream(self.wal.clone(), shard, durable, req.from_seqno, self.limits.default_read_bytes);
+        Ok(Response::new(Box::pin(stream)))
+    }
+}
+
+/// Streams durable frames from `from`, waiting on the shard's durable watch
+/// when caught up. Ends when the client goes away, the WAL stops, or a read
+/// fails (reported as the stream's last item).
+fn tail_stream(
+    wal: Wal,
+    shard: ShardId,
+    durable: tokio::sync::watch::Receiver<u64>,
+    from: u64,
+    chunk_bytes: usize,
+) -> impl Stream<Item = Result<TailResponse, Status>> + Send {
+    futures::stream::unfold(Some((wal, durable, from)), move |state| async move {
+        let (wal, mut durable, next) = state?;
+        loop {
+            let newest = *durable.borrow_and_update();
+            if newest >= next {
+                return match wal.read(shard, next, newest, chunk_bytes).await {
+                    Ok(frames) => {
+                        let after = frames.last().map_or(next, |f| f.seqno() + 1);
+                        let response = TailResponse { records: frames.iter().map(to_record).collect() };
+                        Some((Ok(response), Some((wal, durable, after))))
+                    }
+                    Err(e) => Some((Err(wal_status(e)), None)),
+                };
+            }
+            if durable.changed().await.is_err() {
+                return None;
+            }
+        }
+    })
+}

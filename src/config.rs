@@ -1,0 +1,126 @@
+//! Node configuration: a TOML file, overridden by command-line flags.
+//! `ops/node.example.toml` documents every key.
+
+use std::net::SocketAddr;
+use std::path::{Path, PathBuf};
+
+use anyhow::{Context, Result, bail};
+use serde::Deserialize;
+use walship_shipping::LogLimits;
+
+/// A node's configuration.
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct NodeConfig {
+    pub node_id: u32,
+    /// gRPC listen address (Log, and later WalShipping and PeerExchange);
+    /// port 0 picks a free port, printed at start.
+    #[serde(default = "default_listen")]
+    pub grpc_addr: SocketAddr,
+    /// Admin HTTP listen address; port 0 picks a free port.
+    #[serde(default = "default_listen")]
+    pub admin_addr: SocketAddr,
+    /// Where the WAL lives (`<data_dir>/wal`).
+    pub data_dir: PathBuf,
+    /// Shards this node hosts.
+    pub shards: Vec<u32>,
+    #[serde(default)]
+    pub limits: LogLimits,
+    #[serde(default)]
+    pub wal: WalTuning,
+}
+
+/// WAL tuning (see `walship_wal::WalConfig`).
+#[derive(Debug, Clone, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct WalTuning {
+    /// Microseconds the group-commit writer may wait for appenders it just
+    /// woke before committing a smaller batch.
+    pub linger_us: u64,
+    /// Bytes after which one group commit stops taking requests.
+    pub max_batch_bytes: usize,
+    /// raft-engine log file size before rotation.
+    pub target_file_bytes: u64,
+}
+
+impl Default for WalTuning {
+    fn default() -> Self {
+        let wal = walship_wal::WalConfig::default();
+        let store = walship_wal::EngineStoreConfig::default();
+        WalTuning {
+            linger_us: wal.linger.as_micros() as u64,
+            max_batch_bytes: wal.max_batch_bytes,
+            target_file_bytes: store.target_file_bytes,
+        }
+    }
+}
+
+fn default_listen() -> SocketAddr {
+    "127.0.0.1:0".parse().expect("valid address")
+}
+
+impl NodeConfig {
+    pub fn load(path: &Path) -> Result<NodeConfig> {
+        let text = std::fs::read_to_string(path).with_context(|| format!("reading {}", path.display()))?;
+        toml::from_str(&text).with_context(|| format!("parsing {}", path.display()))
+    }
+
+    pub fn validate(&self) -> Result<()> {
+        if self.shards.is_empty() {
+            bail!("a node must host at least one shard");
+        }
+        let mut seen = self.shards.clone();
+        seen.sort_unstable();
+        seen.dedup();
+        if seen.len() != self.shards.len() {
+            bail!("shard list {:?} has duplicates", self.shards);
+        }
+        if self.limits.max_record_bytes == 0 || self.limits.max_batch_records == 0 {
+            bail!("limits must be positive");
+        }
+        Ok(())
+    }
+}
+
+/// Parses a shard list such as `1,2,5-8`.
+pub fn parse_shards(text: &str) -> Result<Vec<u32>> {
+    let mut shards = Vec::new();
+    for part in text.split(',').map(str::trim).filter(|p| !p.is_empty()) {
+        match part.split_once('-') {
+            Some((a, b)) => {
+                let (a, b): (u32, u32) = (a.trim().parse()?, b.trim().parse()?);
+                if a > b {
+                    bail!("bad shard range {part}");
+                }
+                shards.extend(a..=b);
+            }
+            None => shards.push(part.parse().with_context(|| format!("bad shard id {part:?}"))?),
+        }
+    }
+    Ok(shards)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn shard_lists() {
+        assert_eq!(parse_shards("1,2,5-7").unwrap(), vec![1, 2, 5, 6, 7]);
+        assert!(parse_shards("3-1").is_err());
+        assert!(parse_shards("x").is_err());
+    }
+
+    #[test]
+    fn example_config_parses() {
+        let text = include_str!("../ops/node.example.toml");
+        let config: NodeConfig = toml::from_str(text).unwrap();
+        config.validate().unwrap();
+    }
+
+    #[test]
+    fn unknown_keys_are_refused() {
+        let err = toml::from_str::<NodeConfig>("node_id = 1\ndata_dir = \"x\"\nshards = [1]\nbogus = 2\n");
+        assert!(err.is_err());
+    }
+}

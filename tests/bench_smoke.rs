@@ -1,0 +1,34 @@
+//! Smoke run of `walship bench` (a fraction of a second per cell) so the
+//! harness cannot rot. It checks the harness produces figures, never their
+//! values: speed lives in the benchmark's printed ratios, not in tests.
+
+mod common;
+
+use std::process::Command;
+
+#[test]
+fn bench_prints_figures_and_ratios() {
+    let dir = tempfile::tempdir().unwrap();
+    let json = dir.path().join("out.json");
+    let output = Command::new(common::walship_bin())
+        .args(["bench", "--sizes", "100", "--appenders", "2", "--shards", "1", "--duration", "0.2", "--warmup", "0.05"])
+        .arg("--dir")
+        .arg(dir.path().join("data"))
+        .arg("--json")
+        .arg(&json)
+        .env("WALSHIP_LOG", "warn")
+        .output()
+        .unwrap();
+    let stdout = String::from_utf8_lossy(&output.stdout);
+    assert!(output.status.success(), "bench failed: {}", String::from_utf8_lossy(&output.stderr));
+    assert!(stdout.contains("raw disk: 4 KiB write+fdatasync"), "{stdout}");
+    assert!(stdout.contains("| wal | 100 | 1 | 2 |") && stdout.contains("| grpc | 100 | 1 | 2 |"), "{stdout}");
+    let report: serde_json::Value = serde_json::from_slice(&std::fs::read(json).unwrap()).unwrap();
+    assert!(report["baseline"]["seq_write_mib_s"].as_f64().unwrap() > 0.0);
+    let cells = report["cells"].as_array().unwrap();
+    assert_eq!(cells.len(), 2);
+    for cell in cells {
+        assert!(cell["records_per_s"].as_f64().unwrap() > 0.0, "{cell}");
+        assert!(cell["p99_ratio"].as_f64().unwrap() > 0.0, "{cell}");
+    }
+}

@@ -1,0 +1,234 @@
+//! Black-box CLI: the real `walship` binary's `append`, `read` and `tail`
+//! subcommands against a real `walship node` process.
+
+mod common;
+
+use std::process::{Command, Output, Stdio};
+use std::time::Duration;
+
+use base64::Engine as _;
+use common::{NodeProcess, http_get, wait_until};
+use serde_json::Value;
+use tokio::io::{AsyncBufReadExt, BufReader};
+
+/// Upper bound on any one CLI invocation.
+const CLI_TIMEOUT: Duration = Duration::from_secs(30);
+
+/// A `walship` client command against `server`.
+fn walship(args: &[&str]) -> Command {
+    let mut command = Command::new(common::walship_bin());
+    command.args(args).env("WALSHIP_LOG", "warn").env_remove("WALSHIP_SERVER");
+    command
+}
+
+/// Runs `command` to completion (with `stdin` fed to it), within CLI_TIMEOUT.
+async fn run(command: Command, stdin: Option<&str>) -> Output {
+    let mut command = tokio::process::Command::from(command);
+    command
+        .stdin(if stdin.is_some() { Stdio::piped() } else { Stdio::null() })
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .kill_on_drop(true);
+    let mut child = command.spawn().expect("spawn walship");
+    if let Some(input) = stdin {
+        use tokio::io::AsyncWriteExt;
+        let mut pipe = child.stdin.take().expect("piped stdin");
+        pipe.write_all(input.as_bytes()).await.expect("write stdin");
+        // Dropping the pipe closes it: end of input.
+    }
+    tokio::time::timeout(CLI_TIMEOUT, child.wait_with_output())
+        .await
+        .unwrap_or_else(|_| panic!("walship did not finish within {CLI_TIMEOUT:?}"))
+        .expect("wait for walship")
+}
+
+fn describe(output: &Output) -> String {
+    format!(
+        "exit {:?}\nstdout:\n{}\nstderr:\n{}",
+        output.status,
+        String::from_utf8_lossy(&output.stdout),
+        String::from_utf8_lossy(&output.stderr)
+    )
+}
+
+/// Parses every stdout line as one JSON object.
+fn json_lines(output: &Output) -> Vec<Value> {
+    String::from_utf8(output.stdout.clone())
+        .expect("utf-8 stdout")
+        .lines()
+        .map(|line| serde_json::from_str(line).unwrap_or_else(|e| panic!("not a JSON line ({e}): {line:?}")))
+        .collect()
+}
+
+fn start_node(dir: &tempfile::TempDir) -> NodeProcess {
+    NodeProcess::start(1, dir.path(), "1-3", &[])
+}
+
+async fn wait_healthy(node: &NodeProcess) {
+    wait_until("admin /healthz answers 200", Duration::from_secs(10), || async {
+        http_get(&format!("{}/healthz", node.admin)).await.0 == 200
+    })
+    .await;
+}
+
+fn assert_record(line: &Value, shard: u64, seqno: u64, payload: &str) {
+    assert_eq!(line["shard"].as_u64(), Some(shard), "shard of {line}");
+    assert_eq!(line["seqno"].as_u64(), Some(seqno), "seqno of {line}");
+    assert_eq!(line["payload"].as_str(), Some(payload), "payload of {line}");
+    assert_eq!(line["key"].as_str(), Some(""), "stdin lines carry no key: {line}");
+    assert!(line["crc32"].is_u64(), "crc32 missing or not a number: {line}");
+    assert!(line["epoch"].as_u64().is_some_and(|e| e >= 1), "epoch of {line}");
+    assert!(line["timestamp_us"].as_u64().is_some_and(|t| t > 0), "timestamp_us of {line}");
+    let b64 = base64::engine::general_purpose::STANDARD;
+    assert_eq!(
+        b64.decode(line["payload_b64"].as_str().expect("payload_b64")).expect("base64"),
+        payload.as_bytes(),
+        "payload_b64 of {line}"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn append_stdin_lines_then_read_and_tail_them() {
+    let dir = tempfile::tempdir().unwrap();
+    let node = start_node(&dir);
+    wait_healthy(&node).await;
+    let server = node.grpc.as_str();
+
+    let append = run(
+        walship(&["append", "--server", server, "--shard", "1", "--durability", "local"]),
+        Some("alpha\nbeta\ngamma\n"),
+    )
+    .await;
+    assert!(append.status.success(), "append failed: {}", describe(&append));
+    let text = String::from_utf8_lossy(&append.stdout);
+    assert!(text.contains("1..=3"), "append should report seqnos 1..=3: {}", describe(&append));
+
+    let read = run(walship(&["read", "--server", server, "--shard", "1", "--from", "1", "--json"]), None).await;
+    assert!(read.status.success(), "read failed: {}", describe(&read));
+    let lines = json_lines(&read);
+    assert_eq!(lines.len(), 3, "three records: {}", describe(&read));
+    for (line, (seqno, payload)) in lines.iter().zip([(1, "alpha"), (2, "beta"), (3, "gamma")]) {
+        assert_record(line, 1, seqno, payload);
+    }
+    // Distinct contents, distinct checksums.
+    let crcs: std::collections::BTreeSet<u64> = lines.iter().map(|l| l["crc32"].as_u64().unwrap()).collect();
+    assert_eq!(crcs.len(), 3, "crc32s should differ: {lines:?}");
+
+    // A partial range, closed at both ends.
+    let read =
+        run(walship(&["read", "--server", server, "--shard", "1", "--from", "2", "--to", "2", "--json"]), None).await;
+    assert!(read.status.success(), "read 2..=2 failed: {}", describe(&read));
+    let partial = json_lines(&read);
+    assert_eq!(partial.len(), 1, "{}", describe(&read));
+    assert_eq!(partial[0], lines[1], "the same record, whichever way it is read");
+
+    // Tail from 1 prints the 3 records, then follows a new append.
+    let mut tail =
+        tokio::process::Command::from(walship(&["tail", "--server", server, "--shard", "1", "--from", "1", "--json"]))
+            .stdin(Stdio::null())
+            .stdout(Stdio::piped())
+            .stderr(Stdio::inherit())
+            .kill_on_drop(true)
+            .spawn()
+            .expect("spawn walship tail");
+    let mut out = BufReader::new(tail.stdout.take().expect("piped stdout")).lines();
+    let mut next_line = async || -> Value {
+        let line = tokio::time::timeout(CLI_TIMEOUT, out.next_line())
+            .await
+            .expect("tail printed no line in time")
+            .expect("read tail stdout")
+            .expect("tail exited early");
+        serde_json::from_str(&line).unwrap_or_else(|e| panic!("tail line is not JSON ({e}): {line:?}"))
+    };
+    for (i, expected) in lines.iter().enumerate() {
+        let line = next_line().await;
+        assert_eq!(&line, expected, "tail record {}", i + 1);
+    }
+    let append =
+        run(walship(&["append", "--server", server, "--shard", "1", "--durability", "local"]), Some("delta\n")).await;
+    assert!(append.status.success(), "second append failed: {}", describe(&append));
+    assert_record(&next_line().await, 1, 4, "delta");
+
+    tail.kill().await.expect("kill walship tail");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn append_generated_records_in_batches() {
+    let dir = tempfile::tempdir().unwrap();
+    let node = start_node(&dir);
+    wait_healthy(&node).await;
+    let server = node.grpc.as_str();
+
+    let append = run(
+        walship(&[
+            "append", "--server", server, "--count", "250", "--size", "64", "--batch", "100", "--json", "--shard", "2",
+        ]),
+        None,
+    )
+    .await;
+    assert!(append.status.success(), "append failed: {}", describe(&append));
+    let lines = json_lines(&append);
+    assert_eq!(lines.len(), 3, "one JSON line per batch of at most 100: {}", describe(&append));
+    let mut ranges: Vec<(u64, u64)> = lines
+        .iter()
+        .map(|l| {
+            assert_eq!(l["shard"].as_u64(), Some(2), "shard of {l}");
+            assert!(l["epoch"].as_u64().is_some_and(|e| e >= 1), "epoch of {l}");
+            (l["first_seqno"].as_u64().expect("first_seqno"), l["last_seqno"].as_u64().expect("last_seqno"))
+        })
+        .collect();
+    ranges.sort();
+    let mut next = 1;
+    for &(first, last) in &ranges {
+        assert_eq!(first, next, "ranges must tile 1..=250 without gaps or overlap: {ranges:?}");
+        assert!(last >= first && last - first < 100, "batch of at most 100: {ranges:?}");
+        next = last + 1;
+    }
+    assert_eq!(next, 251, "ranges must end at 250: {ranges:?}");
+    assert_eq!(ranges, vec![(1, 100), (101, 200), (201, 250)]);
+
+    // Every generated record reads back: 64-byte payloads, keys 0..250.
+    let read = run(walship(&["read", "--server", server, "--shard", "2", "--json"]), None).await;
+    assert!(read.status.success(), "read failed: {}", describe(&read));
+    let records = json_lines(&read);
+    assert_eq!(records.len(), 250, "250 records read back");
+    let b64 = base64::engine::general_purpose::STANDARD;
+    for (i, r) in records.iter().enumerate() {
+        assert_eq!(r["seqno"].as_u64(), Some(i as u64 + 1), "seqno of {r}");
+        assert_eq!(r["key"].as_str(), Some(i.to_string().as_str()), "key of {r}");
+        let payload = b64.decode(r["payload_b64"].as_str().expect("payload_b64")).expect("base64");
+        assert_eq!(payload.len(), 64, "payload size of {r}");
+        assert!(r["crc32"].is_u64(), "crc32 of {r}");
+    }
+
+    // Shard 1 untouched.
+    let (code, body) = http_get(&format!("{}/v1/status", node.admin)).await;
+    assert_eq!(code, 200);
+    let status: Value = serde_json::from_str(&body).unwrap();
+    let shards = status["shards"].as_array().unwrap();
+    let durable = |id: u64| shards.iter().find(|s| s["shard_id"] == id).unwrap()["durable_seqno"].as_u64().unwrap();
+    assert_eq!((durable(1), durable(2), durable(3)), (0, 250, 0), "{body}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn client_commands_fail_on_an_unknown_shard() {
+    let dir = tempfile::tempdir().unwrap();
+    let node = start_node(&dir);
+    wait_healthy(&node).await;
+    let server = node.grpc.as_str();
+
+    let read = run(walship(&["read", "--server", server, "--shard", "9", "--from", "1", "--json"]), None).await;
+    assert!(!read.status.success(), "read of shard 9 should fail: {}", describe(&read));
+    let stderr = String::from_utf8_lossy(&read.stderr);
+    assert!(stderr.contains("NotFound"), "stderr should name NotFound: {}", describe(&read));
+    assert!(stderr.contains('9'), "stderr should name the shard: {}", describe(&read));
+    assert!(read.stdout.is_empty(), "nothing on stdout: {}", describe(&read));
+
+    let append = run(walship(&["append", "--server", server, "--shard", "9"]), Some("x\n")).await;
+    assert!(!append.status.success(), "append to shard 9 should fail: {}", describe(&append));
+    assert!(String::from_utf8_lossy(&append.stderr).contains("NotFound"), "{}", describe(&append));
+
+    let tail = run(walship(&["tail", "--server", server, "--shard", "9", "--from", "1"]), None).await;
+    assert!(!tail.status.success(), "tail of shard 9 should fail: {}", describe(&tail));
+    assert!(String::from_utf8_lossy(&tail.stderr).contains("NotFound"), "{}", describe(&tail));
+}
