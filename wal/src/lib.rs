@@ -27,4 +27,4 @@ pub use metrics::WalMetrics;
 pub use record::{CodecError, Frame, RecordFields};
 pub use segment::Segment;
 pub use store::{LogBounds, LogStore, ShardAppend, ShardId, StoreError};
-pub use wal::{Appended, NewRecord, Positions, Wal, WalConfig, WalError};
+pub use wal::{Appended, NewRecord, Positions, ShardCounters, Wal, WalConfig, WalError};

@@ -53,6 +53,16 @@ pub struct Positions {
     pub durable_seqno: u64,
 }
 
+/// Work a shard's WAL has done since this process started: the basis of
+/// byte-lag and throughput figures (differences of two readings).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct ShardCounters {
+    /// Records made durable.
+    pub records: u64,
+    /// Encoded frame bytes made durable.
+    pub bytes: u64,
+}
+
 /// Errors of the WAL's API.
 #[derive(Debug, thiserror::Error)]
 pub enum WalError {
@@ -138,6 +148,10 @@ impl Request {
 struct ShardPositions {
     first: AtomicU64,
     last: AtomicU64,
+    /// Counted before `durable` is published, so a reader that has seen a
+    /// durable seqno also sees at least the bytes that brought it there.
+    records: AtomicU64,
+    bytes: AtomicU64,
     durable: watch::Sender<u64>,
     gauges: ShardGauges,
 }
@@ -147,6 +161,8 @@ impl ShardPositions {
         let positions = ShardPositions {
             first: AtomicU64::new(bounds.first_seqno),
             last: AtomicU64::new(bounds.last_seqno),
+            records: AtomicU64::new(0),
+            bytes: AtomicU64::new(0),
             durable: watch::Sender::new(bounds.durable_seqno),
             gauges,
         };
@@ -235,6 +251,11 @@ impl Wal {
             durable_seqno: *p.durable.borrow(),
             last_seqno: p.last.load(Ordering::Acquire),
         })
+    }
+
+    pub fn counters(&self, shard: ShardId) -> WalResult<ShardCounters> {
+        let p = self.shared.shard(shard)?;
+        Ok(ShardCounters { records: p.records.load(Ordering::Acquire), bytes: p.bytes.load(Ordering::Acquire) })
     }
 
     /// A watch of the shard's durable seqno: senders, tails and uploads wait
@@ -500,6 +521,13 @@ impl Writer {
         metrics.group_commit_records.observe(batch.records as f64);
         metrics.records_appended.inc_by(batch.records as u64);
         metrics.bytes_appended.inc_by(batch.bytes as u64);
+        for part in &batch.parts {
+            if let Ok(positions) = self.shared.shard(part.shard) {
+                let bytes: usize = part.frames.iter().map(Frame::len).sum();
+                positions.records.fetch_add(part.frames.len() as u64, Ordering::AcqRel);
+                positions.bytes.fetch_add(bytes as u64, Ordering::AcqRel);
+            }
+        }
         let shards: Vec<ShardId> = batch.parts.iter().map(|p| p.shard).collect();
         self.publish(&shards);
         for waiter in batch.waiters {

@@ -1,0 +1,265 @@
+//! The cluster configuration: nodes, shards with their replica sets and
+//! initial leaders, and replication tuning. One TOML file, the same on every
+//! node (`ops/cluster.example.toml` documents every key).
+//!
+//! Leadership is static in this file: the failover issue moves it into the
+//! coordinator's KV. The epoch is carried everywhere already.
+
+use std::collections::{BTreeMap, BTreeSet};
+use std::net::SocketAddr;
+use std::path::Path;
+use std::time::Duration;
+
+use serde::{Deserialize, Serialize};
+
+use crate::NodeId;
+
+/// A node of the cluster.
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq, Eq)]
+#[serde(deny_unknown_fields)]
+pub struct NodeSpec {
+    pub id: NodeId,
+    /// gRPC address peers and clients dial (Log, WalShipping).
+    pub grpc_addr: SocketAddr,
+    /// Admin HTTP address.
+    pub admin_addr: SocketAddr,
+    /// Failure domain (zone or region); `region_id` on the wire.
+    #[serde(default)]
+    pub region: u32,
+}
+
+/// A shard: who holds replicas and who leads.
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq, Eq)]
+#[serde(deny_unknown_fields)]
+pub struct ShardSpec {
+    pub id: u32,
+    /// Node ids holding a replica (the leader included).
+    pub replicas: Vec<NodeId>,
+    /// The initial leader.
+    pub leader: NodeId,
+    /// The leader's epoch (static until failover exists).
+    #[serde(default = "one")]
+    pub epoch: u64,
+}
+
+fn one() -> u64 {
+    1
+}
+
+/// Replication tuning; defaults suit loopback tests and `walship dev`.
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
+#[serde(default, deny_unknown_fields)]
+pub struct ReplicationConfig {
+    /// ShipSegment requests in flight per follower.
+    pub ship_window: usize,
+    /// Largest segment payload per ShipSegment / stream chunk.
+    pub ship_batch_bytes: usize,
+    /// Deadline of one ShipSegment RPC.
+    pub ship_timeout_ms: u64,
+    /// An idle leader sends keepalives this often, so a caught-up follower
+    /// reports zero lag rather than a stale one.
+    pub keepalive_ms: u64,
+    /// A follower more than this many bytes behind is switched from push to
+    /// pull (StreamSegments catch-up).
+    pub catchup_threshold_bytes: u64,
+    /// Bytes per second one node serves to catch-up streams, all of them
+    /// together, so catch-up cannot starve live appends.
+    pub catchup_rate_bytes_per_s: u64,
+    /// How long a follower holds an out-of-order segment waiting for the one
+    /// before it (windowed ships can overtake each other) before calling it
+    /// a gap.
+    pub reorder_wait_ms: u64,
+    /// Bytes of WAL each replica keeps for readers, per shard.
+    pub retain_bytes: u64,
+    /// Hard bound per shard: past it the leader discards WAL a lagging
+    /// follower still needs and marks that follower as needing re-seed.
+    pub max_retain_bytes: u64,
+    /// How often retention runs.
+    pub retention_interval_ms: u64,
+    /// How often a node sends Heartbeat.
+    pub heartbeat_ms: u64,
+    /// Where heartbeats go (a node's or, later, the coordinator's gRPC
+    /// address); none = not sent.
+    pub heartbeat_to: Option<SocketAddr>,
+}
+
+impl Default for ReplicationConfig {
+    fn default() -> Self {
+        ReplicationConfig {
+            ship_window: 8,
+            ship_batch_bytes: 1 << 20,
+            ship_timeout_ms: 5_000,
+            keepalive_ms: 200,
+            catchup_threshold_bytes: 64 << 20,
+            catchup_rate_bytes_per_s: 256 << 20,
+            reorder_wait_ms: 500,
+            retain_bytes: 1 << 30,
+            max_retain_bytes: 4 << 30,
+            retention_interval_ms: 5_000,
+            heartbeat_ms: 1_000,
+            heartbeat_to: None,
+        }
+    }
+}
+
+impl ReplicationConfig {
+    pub fn keepalive(&self) -> Duration {
+        Duration::from_millis(self.keepalive_ms)
+    }
+}
+
+/// The whole cluster.
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
+#[serde(deny_unknown_fields)]
+pub struct ClusterConfig {
+    #[serde(default = "default_cluster_id")]
+    pub cluster_id: String,
+    pub nodes: Vec<NodeSpec>,
+    pub shards: Vec<ShardSpec>,
+    #[serde(default)]
+    pub replication: ReplicationConfig,
+}
+
+fn default_cluster_id() -> String {
+    "walship".into()
+}
+
+/// Why a cluster configuration was refused.
+#[derive(Debug, thiserror::Error)]
+pub enum ConfigError {
+    #[error("reading {path}: {source}")]
+    Read { path: String, source: std::io::Error },
+    #[error("parsing {path}: {source}")]
+    Parse { path: String, source: toml::de::Error },
+    #[error("invalid cluster config: {0}")]
+    Invalid(String),
+}
+
+impl ClusterConfig {
+    pub fn load(path: &Path) -> Result<ClusterConfig, ConfigError> {
+        let shown = path.display().to_string();
+        let text = std::fs::read_to_string(path).map_err(|source| ConfigError::Read { path: shown.clone(), source })?;
+        let config: ClusterConfig = toml::from_str(&text).map_err(|source| ConfigError::Parse { path: shown, source })?;
+        config.validate()?;
+        Ok(config)
+    }
+
+    /// A one-node cluster: every shard has this node as its only replica.
+    pub fn single_node(node: NodeSpec, shards: &[u32]) -> ClusterConfig {
+        let id = node.id;
+        ClusterConfig {
+            cluster_id: default_cluster_id(),
+            nodes: vec![node],
+            shards: shards.iter().map(|&s| ShardSpec { id: s, replicas: vec![id], leader: id, epoch: 1 }).collect(),
+            replication: ReplicationConfig::default(),
+        }
+    }
+
+    pub fn validate(&self) -> Result<(), ConfigError> {
+        let bad = |m: String| Err(ConfigError::Invalid(m));
+        let mut ids = BTreeSet::new();
+        let mut addrs = BTreeSet::new();
+        for node in &self.nodes {
+            if !ids.insert(node.id) {
+                return bad(format!("node id {} appears twice", node.id));
+            }
+            for addr in [node.grpc_addr, node.admin_addr] {
+                if addr.port() != 0 && !addrs.insert(addr) {
+                    return bad(format!("address {addr} is used twice"));
+                }
+            }
+        }
+        if self.shards.is_empty() {
+            return bad("no shards".into());
+        }
+        let mut shard_ids = BTreeSet::new();
+        for shard in &self.shards {
+            if !shard_ids.insert(shard.id) {
+                return bad(format!("shard {} appears twice", shard.id));
+            }
+            let replicas: BTreeSet<_> = shard.replicas.iter().collect();
+            if replicas.len() != shard.replicas.len() || replicas.is_empty() {
+                return bad(format!("shard {}: replicas {:?} must be distinct and non-empty", shard.id, shard.replicas));
+            }
+            if let Some(unknown) = shard.replicas.iter().find(|r| !ids.contains(r)) {
+                return bad(format!("shard {}: replica {unknown} is not a configured node", shard.id));
+            }
+            if !shard.replicas.contains(&shard.leader) {
+                return bad(format!("shard {}: leader {} is not one of its replicas", shard.id, shard.leader));
+            }
+            if shard.epoch == 0 {
+                return bad(format!("shard {}: epochs start at 1", shard.id));
+            }
+        }
+        let r = &self.replication;
+        if r.ship_window == 0 || r.ship_batch_bytes == 0 || r.keepalive_ms == 0 || r.heartbeat_ms == 0 {
+            return bad("replication: ship_window, ship_batch_bytes, keepalive_ms and heartbeat_ms must be positive".into());
+        }
+        if r.max_retain_bytes < r.retain_bytes {
+            return bad("replication: max_retain_bytes must be >= retain_bytes".into());
+        }
+        Ok(())
+    }
+
+    pub fn node(&self, id: NodeId) -> Option<&NodeSpec> {
+        self.nodes.iter().find(|n| n.id == id)
+    }
+
+    /// The shards `node` holds a replica of.
+    pub fn shards_of(&self, node: NodeId) -> Vec<&ShardSpec> {
+        self.shards.iter().filter(|s| s.replicas.contains(&node)).collect()
+    }
+
+    /// Node id -> gRPC address.
+    pub fn addresses(&self) -> BTreeMap<NodeId, SocketAddr> {
+        self.nodes.iter().map(|n| (n.id, n.grpc_addr)).collect()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn node(id: NodeId, port: u16) -> NodeSpec {
+        NodeSpec {
+            id,
+            grpc_addr: format!("127.0.0.1:{port}").parse().unwrap(),
+            admin_addr: format!("127.0.0.1:{}", port + 100).parse().unwrap(),
+            region: 0,
+        }
+    }
+
+    fn three() -> ClusterConfig {
+        ClusterConfig {
+            cluster_id: "t".into(),
+            nodes: vec![node(1, 7001), node(2, 7002), node(3, 7003)],
+            shards: vec![ShardSpec { id: 1, replicas: vec![1, 2, 3], leader: 1, epoch: 1 }],
+            replication: ReplicationConfig::default(),
+        }
+    }
+
+    #[test]
+    fn valid_config_passes() {
+        three().validate().unwrap();
+    }
+
+    #[test]
+    fn each_mistake_is_named() {
+        let cases: Vec<(fn(&mut ClusterConfig), &str)> = vec![
+            (|c| c.nodes[1].id = 1, "node id 1 appears twice"),
+            (|c| c.nodes[1].grpc_addr = c.nodes[0].grpc_addr, "used twice"),
+            (|c| c.shards[0].replicas = vec![1, 1], "distinct"),
+            (|c| c.shards[0].replicas = vec![1, 9], "replica 9 is not a configured node"),
+            (|c| c.shards[0].leader = 4, "leader 4 is not one of its replicas"),
+            (|c| c.shards[0].epoch = 0, "epochs start at 1"),
+            (|c| c.shards.push(c.shards[0].clone()), "shard 1 appears twice"),
+            (|c| c.replication.ship_window = 0, "ship_window"),
+        ];
+        for (mutate, expected) in cases {
+            let mut config = three();
+            mutate(&mut config);
+            let err = config.validate().unwrap_err().to_string();
+            assert!(err.contains(expected), "{err:?} should mention {expected:?}");
+        }
+    }
+}

@@ -1,0 +1,595 @@
+//! One shard's leader: what to ship to each follower, when a record is
+//! committed, how far behind each follower is, and what retention may
+//! discard.
+//!
+//! Invariants kept here:
+//! * `commit` is the highest seqno durable on a majority of the replica set
+//!   (the leader counts with its own durable position); it never decreases
+//!   and never passes the leader's durable position. Only durable records are
+//!   ever offered for shipping.
+//! * A follower's `acked` only ever comes from its own reply (its durable
+//!   frontier); nothing the leader sends counts until the follower says so.
+//! * At most `window` requests are in flight per follower, and a follower
+//!   more than `catchup_threshold_bytes` behind gets no pushes at all (it
+//!   pulls), so a slow or dead follower costs bounded memory and never
+//!   blocks appends, other followers or other shards.
+//! * Replies from an older session are the shell's to drop; a reply that
+//!   reveals a newer epoch makes this leader deposed.
+
+use std::collections::{BTreeMap, VecDeque};
+
+use serde::Serialize;
+
+use crate::NodeId;
+
+/// How the leader feeds one follower.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum ShipMode {
+    /// State unknown (start, or after a failed RPC): one keepalive at a time
+    /// until the follower answers with its position.
+    Probe,
+    /// Live push of durable segments, windowed.
+    Push,
+    /// Too far behind for push: the follower pulls with StreamSegments; the
+    /// leader only sends keepalives (which nudge it) and watches it progress.
+    CatchUp,
+    /// It needs records the leader no longer retains: it must be re-seeded
+    /// from archived segments (the object-store issue); keepalives only.
+    NeedsReseed,
+}
+
+impl ShipMode {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            ShipMode::Probe => "probe",
+            ShipMode::Push => "push",
+            ShipMode::CatchUp => "catch_up",
+            ShipMode::NeedsReseed => "needs_reseed",
+        }
+    }
+
+    pub const ALL: [ShipMode; 4] = [ShipMode::Probe, ShipMode::Push, ShipMode::CatchUp, ShipMode::NeedsReseed];
+}
+
+/// Tuning the leader core needs.
+#[derive(Debug, Clone, Copy)]
+pub struct LeaderSettings {
+    pub window: usize,
+    pub catchup_threshold_bytes: u64,
+    pub keepalive_us: u64,
+}
+
+/// What the leader knows of one follower.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+pub struct FollowerProgress {
+    /// The follower's durable frontier, as it last reported.
+    pub acked: u64,
+    /// Next seqno to push.
+    pub next: u64,
+    /// Requests sent and not yet answered.
+    pub in_flight: usize,
+    pub mode: ShipMode,
+    /// When the last request went out (µs); none yet = a keepalive is due.
+    pub last_sent_us: Option<u64>,
+    /// When the last reply came back (µs).
+    pub last_reply_us: Option<u64>,
+}
+
+/// What the shell should send next to a follower.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ShipDecision {
+    /// Ship durable frames `[from, up_to]`; the shell may stop earlier at its
+    /// byte bound and reports what it sent with [`LeaderCore::on_sent`].
+    Send { from: u64, up_to: u64 },
+    /// Send an empty segment carrying the leader's positions.
+    Keepalive,
+    Idle,
+}
+
+/// A follower's answer to one request.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ShipReply {
+    /// Accepted; `applied` is its durable frontier.
+    Applied { applied: u64 },
+    /// Refused as a gap; it holds everything through `applied`.
+    Gap { applied: u64 },
+    /// Refused: it has seen a newer epoch.
+    StaleEpoch { epoch: u64 },
+    /// No answer (transport failure, timeout) or an unexpected refusal.
+    Failed,
+}
+
+/// Lag of one follower, measured on the leader's clock.
+#[derive(Debug, Clone, Copy, PartialEq, Serialize)]
+pub struct Lag {
+    pub records: u64,
+    pub bytes: u64,
+    /// A follower writes, fsyncs and makes records readable in one group
+    /// commit and answers only after that, so write, flush and apply lag are
+    /// the same span: now minus when the leader made the oldest record the
+    /// follower lacks durable.
+    pub write_seconds: f64,
+    pub flush_seconds: f64,
+    pub apply_seconds: f64,
+}
+
+/// What a retention pass should do.
+#[derive(Debug, Clone, PartialEq, Eq, Default)]
+pub struct RetentionPlan {
+    /// Discard records before this seqno.
+    pub compact_to: Option<u64>,
+    /// Followers that will need records no longer retained.
+    pub reseed: Vec<NodeId>,
+}
+
+/// One group commit as the leader saw it: the basis of byte and time lag.
+#[derive(Debug, Clone, Copy)]
+struct Mark {
+    seqno: u64,
+    /// Cumulative durable bytes of this shard (process-local counter).
+    bytes: u64,
+    at_us: u64,
+}
+
+/// Marks kept at most (older ones are dropped; lag past them is estimated).
+const LEDGER_CAP: usize = 100_000;
+
+/// The leader side of one shard.
+#[derive(Debug, Clone)]
+pub struct LeaderCore {
+    epoch: u64,
+    settings: LeaderSettings,
+    durable: u64,
+    first: u64,
+    commit: u64,
+    followers: BTreeMap<NodeId, FollowerProgress>,
+    ledger: VecDeque<Mark>,
+    /// Average frame size so far, for estimates past the ledger.
+    avg_frame_bytes: u64,
+    started_us: u64,
+}
+
+impl LeaderCore {
+    /// A leader at `epoch` whose WAL holds `[first, durable]`, with the given
+    /// followers (the leader itself excluded).
+    pub fn new(
+        epoch: u64,
+        followers: &[NodeId],
+        first: u64,
+        durable: u64,
+        settings: LeaderSettings,
+        now_us: u64,
+    ) -> LeaderCore {
+        let progress = FollowerProgress {
+            acked: 0,
+            next: durable + 1,
+            in_flight: 0,
+            mode: ShipMode::Probe,
+            last_sent_us: None,
+            last_reply_us: None,
+        };
+        let mut core = LeaderCore {
+            epoch,
+            settings,
+            durable,
+            first,
+            commit: 0,
+            followers: followers.iter().map(|&f| (f, progress)).collect(),
+            ledger: VecDeque::new(),
+            avg_frame_bytes: 0,
+            started_us: now_us,
+        };
+        core.recompute_commit();
+        core
+    }
+
+    pub fn epoch(&self) -> u64 {
+        self.epoch
+    }
+
+    pub fn durable(&self) -> u64 {
+        self.durable
+    }
+
+    pub fn commit(&self) -> u64 {
+        self.commit
+    }
+
+    /// The highest seqno durable on every replica.
+    pub fn all_durable(&self) -> u64 {
+        self.followers.values().map(|f| f.acked).fold(self.durable, u64::min)
+    }
+
+    pub fn progress(&self, follower: NodeId) -> Option<FollowerProgress> {
+        self.followers.get(&follower).copied()
+    }
+
+    pub fn followers(&self) -> impl Iterator<Item = (NodeId, FollowerProgress)> + '_ {
+        self.followers.iter().map(|(&n, &p)| (n, p))
+    }
+
+    /// The leader's own WAL made records durable through `durable`;
+    /// `bytes`/`records` are the shard's cumulative durable counters.
+    /// Returns whether the commit position moved.
+    pub fn on_local_durable(&mut self, durable: u64, records: u64, bytes: u64, now_us: u64) -> bool {
+        if durable <= self.durable {
+            return false;
+        }
+        self.durable = durable;
+        if records > 0 {
+            self.avg_frame_bytes = bytes / records;
+        }
+        self.ledger.push_back(Mark { seqno: durable, bytes, at_us: now_us });
+        if self.ledger.len() > LEDGER_CAP {
+            self.ledger.pop_front();
+        }
+        self.recompute_commit()
+    }
+
+    /// The leader's WAL now starts at `first` (after compaction).
+    pub fn on_compacted(&mut self, first: u64) {
+        self.first = self.first.max(first);
+    }
+
+    /// Decides what to send to `follower` now.
+    pub fn poll_ship(&mut self, follower: NodeId, now_us: u64) -> ShipDecision {
+        let settings = self.settings;
+        let durable = self.durable;
+        let Some(p) = self.followers.get_mut(&follower) else { return ShipDecision::Idle };
+        let keepalive_due = p.last_sent_us.is_none_or(|t| now_us.saturating_sub(t) >= settings.keepalive_us);
+        match p.mode {
+            ShipMode::Push if p.next <= durable => {
+                if p.in_flight < settings.window {
+                    ShipDecision::Send { from: p.next, up_to: durable }
+                } else {
+                    ShipDecision::Idle
+                }
+            }
+            // Caught up (push), or not pushing: a keepalive when nothing is
+            // in flight and the interval has passed.
+            _ if p.in_flight == 0 && keepalive_due => ShipDecision::Keepalive,
+            _ => ShipDecision::Idle,
+        }
+    }
+
+    /// The shell sent frames `[from, last]` to `follower`.
+    pub fn on_sent(&mut self, follower: NodeId, from: u64, last: u64, now_us: u64) {
+        if let Some(p) = self.followers.get_mut(&follower) {
+            debug_assert_eq!(from, p.next);
+            p.next = last + 1;
+            p.in_flight += 1;
+            p.last_sent_us = Some(now_us);
+        }
+    }
+
+    /// The shell sent a keepalive to `follower`.
+    pub fn on_keepalive_sent(&mut self, follower: NodeId, now_us: u64) {
+        if let Some(p) = self.followers.get_mut(&follower) {
+            p.in_flight += 1;
+            p.last_sent_us = Some(now_us);
+        }
+    }
+
+    /// A follower answered. Returns `Ok(commit moved)` or `Err(newer epoch)`
+    /// when the follower has seen a newer epoch than this leader's.
+    pub fn on_reply(&mut self, follower: NodeId, reply: ShipReply, now_us: u64) -> Result<bool, u64> {
+        let first = self.first;
+        let durable = self.durable;
+        let threshold = self.settings.catchup_threshold_bytes;
+        let Some(p) = self.followers.get(&follower).copied() else { return Ok(false) };
+        let was = p.mode;
+        let mut p = FollowerProgress { in_flight: p.in_flight.saturating_sub(1), ..p };
+        match reply {
+            ShipReply::StaleEpoch { epoch } if epoch > self.epoch => {
+                self.followers.insert(follower, p);
+                return Err(epoch);
+            }
+            ShipReply::StaleEpoch { .. } | ShipReply::Failed => {
+                p.mode = ShipMode::Probe;
+                p.next = p.acked + 1;
+            }
+            ShipReply::Applied { applied } | ShipReply::Gap { applied } => {
+                p.last_reply_us = Some(now_us);
+                p.acked = p.acked.max(applied.min(durable));
+                if matches!(reply, ShipReply::Gap { .. }) || p.next <= p.acked {
+                    p.next = p.acked + 1;
+                }
+                let behind = self.bytes_between(p.acked, durable);
+                p.mode = if p.acked + 1 < first {
+                    ShipMode::NeedsReseed
+                } else {
+                    match p.mode {
+                        ShipMode::Push if behind > threshold => ShipMode::CatchUp,
+                        ShipMode::Push => ShipMode::Push,
+                        // Leave catch-up once half the threshold away, so a
+                        // follower near the line does not flap.
+                        _ if behind <= threshold / 2 => ShipMode::Push,
+                        _ => ShipMode::CatchUp,
+                    }
+                };
+                if p.mode == ShipMode::Push && was != ShipMode::Push {
+                    p.next = p.acked + 1;
+                }
+            }
+        }
+        self.followers.insert(follower, p);
+        self.prune_ledger();
+        Ok(self.recompute_commit())
+    }
+
+    /// Lag of `follower` at `now_us`.
+    pub fn lag(&self, follower: NodeId, now_us: u64) -> Option<Lag> {
+        let p = self.followers.get(&follower)?;
+        let records = self.durable.saturating_sub(p.acked);
+        let bytes = self.bytes_between(p.acked, self.durable);
+        let seconds = if records == 0 {
+            0.0
+        } else {
+            // When the oldest record it lacks became durable here.
+            let since = self.ledger.iter().find(|m| m.seqno > p.acked).map_or(self.started_us, |m| m.at_us);
+            now_us.saturating_sub(since) as f64 / 1e6
+        };
+        Some(Lag { records, bytes, write_seconds: seconds, flush_seconds: seconds, apply_seconds: seconds })
+    }
+
+    /// Plans a retention pass. `retain_bytes`: what readers keep;
+    /// `max_retain_bytes`: the hard bound even for lagging followers.
+    pub fn plan_retention(&self, retain_bytes: u64, max_retain_bytes: u64) -> RetentionPlan {
+        let avg = self.avg_frame_bytes;
+        if avg == 0 {
+            return RetentionPlan::default();
+        }
+        let end = self.durable + 1;
+        let desired = end.saturating_sub(retain_bytes / avg).max(self.first);
+        let hold = self
+            .followers
+            .values()
+            .filter(|p| p.mode != ShipMode::NeedsReseed)
+            .map(|p| p.acked + 1)
+            .fold(end, u64::min);
+        let hard = end.saturating_sub(max_retain_bytes / avg);
+        let mut compact_to = desired.min(hold);
+        let mut reseed = Vec::new();
+        if compact_to < hard {
+            compact_to = hard;
+            reseed = self
+                .followers
+                .iter()
+                .filter(|(_, p)| p.mode != ShipMode::NeedsReseed && p.acked + 1 < hard)
+                .map(|(&n, _)| n)
+                .collect();
+        }
+        RetentionPlan { compact_to: (compact_to > self.first).then_some(compact_to), reseed }
+    }
+
+    /// Marks followers as needing re-seed (retention discarded what they need).
+    pub fn mark_reseed(&mut self, followers: &[NodeId]) {
+        for f in followers {
+            if let Some(p) = self.followers.get_mut(f) {
+                p.mode = ShipMode::NeedsReseed;
+            }
+        }
+    }
+
+    /// Bytes of the records `(from, to]`, from the ledger where it reaches,
+    /// estimated from the average frame size where it does not.
+    fn bytes_between(&self, from: u64, to: u64) -> u64 {
+        if to <= from {
+            return 0;
+        }
+        let at = |s: u64| self.ledger.iter().rev().find(|m| m.seqno <= s).map(|m| m.bytes);
+        match (at(from), at(to)) {
+            (Some(a), Some(b)) => b.saturating_sub(a),
+            _ => (to - from) * self.avg_frame_bytes,
+        }
+    }
+
+    /// Drops marks no follower's lag needs (all but the newest one at or
+    /// below the slowest follower's acked position).
+    fn prune_ledger(&mut self) {
+        let slowest = self.followers.values().map(|p| p.acked).min().unwrap_or(self.durable);
+        while self.ledger.len() > 1 && self.ledger[1].seqno <= slowest {
+            self.ledger.pop_front();
+        }
+    }
+
+    fn recompute_commit(&mut self) -> bool {
+        let mut durable: Vec<u64> = self.followers.values().map(|p| p.acked).collect();
+        durable.push(self.durable);
+        durable.sort_unstable_by(|a, b| b.cmp(a));
+        let majority = durable.len() / 2 + 1;
+        let quorum = durable[majority - 1].min(self.durable);
+        if quorum > self.commit {
+            self.commit = quorum;
+            true
+        } else {
+            false
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const SETTINGS: LeaderSettings = LeaderSettings { window: 2, catchup_threshold_bytes: 10_000, keepalive_us: 1_000 };
+
+    fn leader() -> LeaderCore {
+        LeaderCore::new(5, &[2, 3], 1, 0, SETTINGS, 0)
+    }
+
+    /// Puts a follower into push mode at `acked` by answering a probe.
+    fn probe(core: &mut LeaderCore, f: NodeId, acked: u64, now: u64) {
+        assert_eq!(core.poll_ship(f, now), ShipDecision::Keepalive);
+        core.on_keepalive_sent(f, now);
+        core.on_reply(f, ShipReply::Applied { applied: acked }, now).unwrap();
+    }
+
+    #[test]
+    fn followers_start_in_probe_and_get_one_keepalive() {
+        let mut core = leader();
+        assert_eq!(core.poll_ship(2, 5_000), ShipDecision::Keepalive);
+        core.on_keepalive_sent(2, 5_000);
+        assert_eq!(core.poll_ship(2, 9_000), ShipDecision::Idle, "one probe at a time");
+        core.on_reply(2, ShipReply::Applied { applied: 0 }, 9_000).unwrap();
+        assert_eq!(core.progress(2).unwrap().mode, ShipMode::Push);
+    }
+
+    #[test]
+    fn only_durable_records_are_offered_and_the_window_bounds_in_flight() {
+        let mut core = leader();
+        probe(&mut core, 2, 0, 1_000);
+        assert_eq!(core.poll_ship(2, 1_500), ShipDecision::Idle, "nothing durable yet and keepalive not due");
+        core.on_local_durable(10, 10, 1_000, 2_000);
+        assert_eq!(core.poll_ship(2, 2_000), ShipDecision::Send { from: 1, up_to: 10 });
+        core.on_sent(2, 1, 4, 2_000);
+        assert_eq!(core.poll_ship(2, 2_000), ShipDecision::Send { from: 5, up_to: 10 });
+        core.on_sent(2, 5, 10, 2_000);
+        core.on_local_durable(12, 12, 1_200, 2_100);
+        assert_eq!(core.poll_ship(2, 2_100), ShipDecision::Idle, "window of 2 is full");
+        core.on_reply(2, ShipReply::Applied { applied: 4 }, 2_200).unwrap();
+        assert_eq!(core.poll_ship(2, 2_200), ShipDecision::Send { from: 11, up_to: 12 });
+    }
+
+    #[test]
+    fn commit_is_the_majority_durable_position() {
+        let mut core = leader();
+        probe(&mut core, 2, 0, 0);
+        probe(&mut core, 3, 0, 0);
+        assert!(!core.on_local_durable(10, 10, 100, 1));
+        assert_eq!(core.commit(), 0, "leader alone is not a majority of 3");
+        assert!(core.on_reply(2, ShipReply::Applied { applied: 7 }, 2).unwrap());
+        assert_eq!(core.commit(), 7);
+        assert_eq!(core.all_durable(), 0);
+        assert!(core.on_reply(3, ShipReply::Applied { applied: 10 }, 3).unwrap());
+        assert_eq!(core.commit(), 10);
+        assert_eq!(core.all_durable(), 7);
+        // A late, smaller reply never moves commit back.
+        core.on_keepalive_sent(2, 4);
+        assert!(!core.on_reply(2, ShipReply::Applied { applied: 3 }, 4).unwrap());
+        assert_eq!((core.commit(), core.progress(2).unwrap().acked), (10, 7));
+    }
+
+    #[test]
+    fn a_follower_cannot_ack_past_the_leaders_durable_position() {
+        let mut core = leader();
+        core.on_local_durable(5, 5, 50, 0);
+        probe(&mut core, 2, 9, 0);
+        assert_eq!(core.progress(2).unwrap().acked, 5);
+        assert_eq!(core.commit(), 5);
+    }
+
+    #[test]
+    fn single_replica_commits_on_local_durability() {
+        let mut core = LeaderCore::new(1, &[], 1, 0, SETTINGS, 0);
+        assert!(core.on_local_durable(3, 3, 30, 0));
+        assert_eq!((core.commit(), core.all_durable()), (3, 3));
+    }
+
+    #[test]
+    fn gap_rewinds_and_failure_probes() {
+        let mut core = leader();
+        probe(&mut core, 2, 0, 0);
+        core.on_local_durable(20, 20, 200, 1);
+        core.on_sent(2, 1, 10, 1);
+        core.on_sent(2, 11, 20, 1);
+        core.on_reply(2, ShipReply::Gap { applied: 0 }, 2).unwrap();
+        assert_eq!(core.progress(2).unwrap().next, 1, "rewound to the follower's frontier");
+        core.on_reply(2, ShipReply::Failed, 3).unwrap();
+        let p = core.progress(2).unwrap();
+        assert_eq!((p.mode, p.in_flight, p.next), (ShipMode::Probe, 0, 1));
+        assert_eq!(core.poll_ship(2, 3), ShipDecision::Idle, "keepalive interval not passed since the last send");
+        assert_eq!(core.poll_ship(2, 1_001), ShipDecision::Keepalive);
+    }
+
+    #[test]
+    fn a_newer_epoch_deposes_the_leader() {
+        let mut core = leader();
+        core.on_keepalive_sent(2, 0);
+        assert_eq!(core.on_reply(2, ShipReply::StaleEpoch { epoch: 6 }, 1), Err(6));
+        core.on_keepalive_sent(3, 0);
+        assert_eq!(core.on_reply(3, ShipReply::StaleEpoch { epoch: 5 }, 1), Ok(false));
+    }
+
+    #[test]
+    fn far_behind_follower_is_switched_to_catch_up_and_back() {
+        let mut core = leader();
+        core.on_local_durable(1_000, 1_000, 100_000, 0);
+        // 100 B a record: 1,000 records behind = 100 KB > 10 KB threshold.
+        probe(&mut core, 2, 0, 10);
+        assert_eq!(core.progress(2).unwrap().mode, ShipMode::CatchUp);
+        assert_eq!(core.poll_ship(2, 20), ShipDecision::Idle);
+        assert_eq!(core.poll_ship(2, 2_000), ShipDecision::Keepalive, "catch-up gets nudges, no pushes");
+        core.on_keepalive_sent(2, 2_000);
+        // It pulled most of it: 96 records (9.6 KB) behind is not yet below 5 KB.
+        core.on_reply(2, ShipReply::Applied { applied: 904 }, 2_100).unwrap();
+        assert_eq!(core.progress(2).unwrap().mode, ShipMode::CatchUp);
+        core.on_keepalive_sent(2, 3_200);
+        core.on_reply(2, ShipReply::Applied { applied: 990 }, 3_300).unwrap();
+        let p = core.progress(2).unwrap();
+        assert_eq!((p.mode, p.next), (ShipMode::Push, 991));
+        assert_eq!(core.poll_ship(2, 3_300), ShipDecision::Send { from: 991, up_to: 1_000 });
+    }
+
+    #[test]
+    fn slow_pushed_follower_falls_back_to_catch_up() {
+        let mut core = leader();
+        probe(&mut core, 2, 0, 0);
+        core.on_local_durable(10, 10, 1_000, 1);
+        core.on_sent(2, 1, 10, 1);
+        core.on_local_durable(1_000, 1_000, 100_000, 2);
+        core.on_reply(2, ShipReply::Applied { applied: 10 }, 3).unwrap();
+        assert_eq!(core.progress(2).unwrap().mode, ShipMode::CatchUp);
+    }
+
+    #[test]
+    fn lag_in_records_bytes_and_seconds() {
+        let mut core = leader();
+        probe(&mut core, 2, 0, 0);
+        probe(&mut core, 3, 0, 0);
+        core.on_local_durable(10, 10, 1_000, 1_000_000);
+        core.on_local_durable(20, 20, 2_000, 2_000_000);
+        core.on_reply(3, ShipReply::Applied { applied: 20 }, 2_000_000).unwrap();
+        core.on_keepalive_sent(2, 2_000_000);
+        core.on_reply(2, ShipReply::Applied { applied: 10 }, 2_500_000).unwrap();
+        let lag = core.lag(2, 4_000_000).unwrap();
+        assert_eq!((lag.records, lag.bytes), (10, 1_000));
+        // Record 11 became durable at t=2 s; now is 4 s.
+        assert!((lag.flush_seconds - 2.0).abs() < 1e-9, "{lag:?}");
+        assert_eq!(lag.write_seconds, lag.apply_seconds);
+        // Caught up: zero, not stale, however long ago the last write was.
+        let caught_up = core.lag(3, 60_000_000).unwrap();
+        assert_eq!((caught_up.records, caught_up.bytes, caught_up.flush_seconds), (0, 0, 0.0));
+    }
+
+    #[test]
+    fn retention_holds_for_followers_up_to_the_hard_bound() {
+        let mut core = leader();
+        probe(&mut core, 2, 0, 0);
+        probe(&mut core, 3, 0, 0);
+        core.on_local_durable(1_000, 1_000, 100_000, 1);
+        core.on_reply(3, ShipReply::Applied { applied: 1_000 }, 2).unwrap();
+        core.on_keepalive_sent(2, 2);
+        core.on_reply(2, ShipReply::Applied { applied: 600 }, 2).unwrap();
+        // Readers keep 10 KB (100 records); follower 2 needs 601.. : held.
+        assert_eq!(core.plan_retention(10_000, 100_000), RetentionPlan { compact_to: Some(601), reseed: vec![] });
+        // Hard bound 20 KB (200 records): discard to 801, follower 2 needs re-seed.
+        let plan = core.plan_retention(10_000, 20_000);
+        assert_eq!(plan, RetentionPlan { compact_to: Some(801), reseed: vec![2] });
+        core.mark_reseed(&plan.reseed);
+        core.on_compacted(801);
+        assert_eq!(core.progress(2).unwrap().mode, ShipMode::NeedsReseed);
+        // A re-seed follower no longer holds retention back.
+        assert_eq!(core.plan_retention(10_000, 20_000).compact_to, Some(901));
+        // Its replies keep it in NeedsReseed while it lacks compacted records.
+        core.on_keepalive_sent(2, 3);
+        core.on_reply(2, ShipReply::Applied { applied: 600 }, 3).unwrap();
+        assert_eq!(core.progress(2).unwrap().mode, ShipMode::NeedsReseed);
+    }
+
+    #[test]
+    fn retention_without_data_does_nothing() {
+        assert_eq!(leader().plan_retention(0, 0), RetentionPlan::default());
+    }
+}
