@@ -89,6 +89,36 @@ pub async fn connect(server: &str) -> Result<LogClient<Channel>> {
     Ok(LogClient::new(channel).max_decoding_message_size(64 << 20).max_encoding_message_size(64 << 20))
 }
 
+/// The leader's gRPC address from a not-leader refusal (`<id>@<addr>`).
+fn leader_hint(status: &tonic::Status) -> Option<String> {
+    if status.code() != tonic::Code::FailedPrecondition {
+        return None;
+    }
+    let hint = status.metadata().get(walship_proto::LEADER_METADATA_KEY)?.to_str().ok()?;
+    hint.split_once('@').map(|(_, addr)| addr.to_string())
+}
+
+/// Sends an append, following not-leader hints (a refused append was not
+/// applied, so retrying it on the leader is safe).
+async fn append_following_leader(
+    client: &mut LogClient<Channel>,
+    request: AppendRequest,
+) -> Result<walship_proto::log::AppendResponse> {
+    for _ in 0..4 {
+        match client.append(request.clone()).await {
+            Ok(response) => return Ok(response.into_inner()),
+            Err(status) => match leader_hint(&status) {
+                Some(leader) => {
+                    tracing::info!(%leader, "following the leader hint");
+                    *client = connect(&leader).await?;
+                }
+                None => return Err(status_error(status)),
+            },
+        }
+    }
+    anyhow::bail!("gave up after following 4 leader hints")
+}
+
 fn status_error(status: tonic::Status) -> anyhow::Error {
     anyhow::anyhow!("{:?}: {}", status.code(), status.message())
 }
@@ -104,7 +134,7 @@ pub async fn append(args: AppendArgs) -> Result<()> {
             records,
             durability: Durability::from(args.durability) as i32,
         };
-        let r = client.append(request).await.map_err(status_error)?.into_inner();
+        let r = append_following_leader(&mut client, request).await?;
         if args.server.json {
             println!(
                 "{}",

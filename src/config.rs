@@ -22,7 +22,9 @@ pub struct NodeConfig {
     pub admin_addr: SocketAddr,
     /// Where the WAL lives (`<data_dir>/wal`).
     pub data_dir: PathBuf,
-    /// Shards this node hosts.
+    /// Shards this node hosts when it runs alone (no cluster config); with a
+    /// cluster config the shards come from there.
+    #[serde(default)]
     pub shards: Vec<u32>,
     #[serde(default)]
     pub limits: LogLimits,
@@ -65,9 +67,12 @@ impl NodeConfig {
         toml::from_str(&text).with_context(|| format!("parsing {}", path.display()))
     }
 
-    pub fn validate(&self) -> Result<()> {
-        if self.shards.is_empty() {
-            bail!("a node must host at least one shard");
+    pub fn validate(&self, clustered: bool) -> Result<()> {
+        if self.shards.is_empty() && !clustered {
+            bail!("a node must host at least one shard (--shards), or take its shards from --cluster");
+        }
+        if !self.shards.is_empty() && clustered {
+            bail!("shards come from the cluster config; do not also give --shards");
         }
         let mut seen = self.shards.clone();
         seen.sort_unstable();
@@ -115,7 +120,7 @@ mod tests {
     fn example_config_parses() {
         let text = include_str!("../ops/node.example.toml");
         let config: NodeConfig = toml::from_str(text).unwrap();
-        config.validate().unwrap();
+        config.validate(false).unwrap();
     }
 
     #[test]

@@ -4,6 +4,7 @@
 mod bench;
 mod client;
 mod config;
+mod dev;
 mod node;
 
 use anyhow::Result;
@@ -20,8 +21,8 @@ struct Cli {
 enum Command {
     /// Run a shard node: its WAL, the client Log service (gRPC) and its admin HTTP API.
     Node(node::NodeArgs),
-    /// Run an embedded local cluster with no other setup (today: one node with a few shards).
-    Dev(node::DevArgs),
+    /// Run an embedded local cluster: three nodes on loopback, shards at RF=3, no other setup.
+    Dev(dev::DevArgs),
     /// Append records to a shard: one per stdin line, or generated with --count/--size.
     Append(client::AppendArgs),
     /// Read a range of records from a shard.
@@ -55,7 +56,7 @@ fn run() -> Result<()> {
     runtime.block_on(async move {
         match cli.command {
             Command::Node(args) => node::run_node(args).await,
-            Command::Dev(args) => node::run_dev(args).await,
+            Command::Dev(args) => dev::run_dev(args).await,
             Command::Append(args) => client::append(args).await,
             Command::Read(args) => client::read(args).await,
             Command::Tail(args) => client::tail(args).await,

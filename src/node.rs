@@ -12,19 +12,25 @@ use tokio::net::TcpListener;
 use tokio_util::sync::CancellationToken;
 use walship_admin_api::NodeAdmin;
 use walship_proto::log::log_server::LogServer;
-use walship_shipping::{LogLimits, LogService, LogServiceMetrics};
+use walship_proto::replication::wal_shipping_server::WalShippingServer;
+use walship_shipping::peers::MAX_PEER_MESSAGE_BYTES;
+use walship_shipping::{
+    ClusterConfig, LogLimits, LogService, LogServiceMetrics, NodeSpec, ReplicationMetrics, ReplicationNode,
+    WalShippingService,
+};
 use walship_wal::{EngineStore, EngineStoreConfig, Wal, WalConfig, WalMetrics};
 
 use crate::config::{NodeConfig, WalTuning, parse_shards};
-
-/// The epoch every node writes in until leadership becomes dynamic.
-const STATIC_EPOCH: u64 = 1;
 
 #[derive(Args, Debug)]
 pub struct NodeArgs {
     /// TOML config file (see ops/node.example.toml); flags override its values.
     #[arg(long, env = "WALSHIP_NODE_CONFIG")]
     config: Option<PathBuf>,
+    /// Cluster config (see ops/cluster.example.toml): peers, shards, replica
+    /// sets and leaders. Without it the node runs alone with --shards.
+    #[arg(long, env = "WALSHIP_CLUSTER_CONFIG")]
+    cluster: Option<PathBuf>,
     /// This node's id.
     #[arg(long)]
     node_id: Option<u32>,
@@ -46,7 +52,8 @@ pub struct NodeArgs {
 }
 
 impl NodeArgs {
-    fn into_config(self) -> Result<NodeConfig> {
+    fn into_config(self) -> Result<(NodeConfig, Option<ClusterConfig>)> {
+        let cluster = self.cluster.as_deref().map(ClusterConfig::load).transpose()?;
         let mut config = match &self.config {
             Some(path) => NodeConfig::load(path)?,
             None => NodeConfig {
@@ -61,6 +68,15 @@ impl NodeArgs {
         };
         if let Some(id) = self.node_id {
             config.node_id = id;
+        }
+        if let Some(cluster) = &cluster {
+            // The cluster config says where peers find this node; listen there
+            // unless told otherwise.
+            let spec = cluster
+                .node(config.node_id)
+                .with_context(|| format!("node {} is not in the cluster config", config.node_id))?;
+            config.grpc_addr = spec.grpc_addr;
+            config.admin_addr = spec.admin_addr;
         }
         if let Some(addr) = self.grpc {
             config.grpc_addr = addr;
@@ -77,25 +93,9 @@ impl NodeArgs {
         if let Some(max) = self.max_record_bytes {
             config.limits.max_record_bytes = max;
         }
-        config.validate()?;
-        Ok(config)
+        config.validate(cluster.is_some())?;
+        Ok((config, cluster))
     }
-}
-
-#[derive(Args, Debug)]
-pub struct DevArgs {
-    /// Where the dev cluster keeps its data.
-    #[arg(long, default_value = ".walship/dev")]
-    data_dir: PathBuf,
-    /// Number of shards (ids 1..=N).
-    #[arg(long, default_value_t = 4)]
-    shards: u32,
-    /// gRPC listen address of the node.
-    #[arg(long, default_value = "127.0.0.1:7400")]
-    grpc: SocketAddr,
-    /// Admin HTTP listen address of the node.
-    #[arg(long, default_value = "127.0.0.1:7480")]
-    admin: SocketAddr,
 }
 
 /// A started node.
@@ -127,8 +127,21 @@ async fn shutdown_signal() {
     }
 }
 
-/// Opens the WAL and starts serving. Returns once both listeners are bound.
-pub async fn start_node(config: NodeConfig) -> Result<RunningNode> {
+/// Opens the WAL, starts replication and serving. Returns once both
+/// listeners are bound. Without a cluster config the node is a one-node
+/// cluster of its `shards`.
+pub async fn start_node(config: NodeConfig, cluster: Option<ClusterConfig>) -> Result<RunningNode> {
+    let grpc_listener =
+        TcpListener::bind(config.grpc_addr).await.with_context(|| format!("binding gRPC {}", config.grpc_addr))?;
+    let admin_listener =
+        TcpListener::bind(config.admin_addr).await.with_context(|| format!("binding admin {}", config.admin_addr))?;
+    let grpc_addr = grpc_listener.local_addr()?;
+    let admin_addr = admin_listener.local_addr()?;
+    let cluster = cluster.unwrap_or_else(|| {
+        let spec = NodeSpec { id: config.node_id, grpc_addr, admin_addr, region: 0 };
+        ClusterConfig::single_node(spec, &config.shards)
+    });
+
     let registry = prometheus::Registry::new();
     let wal_dir = config.data_dir.join("wal");
     std::fs::create_dir_all(&wal_dir).with_context(|| format!("creating {}", wal_dir.display()))?;
@@ -138,26 +151,34 @@ pub async fn start_node(config: NodeConfig) -> Result<RunningNode> {
     let store = tokio::task::spawn_blocking(move || EngineStore::open(&wal_dir, &store_config))
         .await?
         .context("opening the WAL")?;
+    let store = Arc::new(store);
     let wal_config = WalConfig {
         linger: Duration::from_micros(config.wal.linger_us),
         max_batch_bytes: config.wal.max_batch_bytes,
         ..WalConfig::default()
     };
-    let wal = Wal::start(Arc::new(store), wal_config, WalMetrics::new(&registry)?)?;
-    for &shard in &config.shards {
-        wal.create_shard(shard)?;
-    }
+    let wal = Wal::start(store.clone(), wal_config, WalMetrics::new(&registry)?)?;
+    let disk_bytes = Box::new(move || store.disk_bytes());
+    let node = ReplicationNode::start(
+        config.node_id,
+        Arc::new(cluster),
+        wal.clone(),
+        ReplicationMetrics::new(&registry)?,
+        disk_bytes,
+    )
+    .map_err(|status| anyhow::anyhow!("starting replication: {}", status.message()))?;
     for shard in wal.shards() {
         let p = wal.positions(shard)?;
         tracing::info!(shard, first = p.first_seqno, last = p.last_seqno, durable = p.durable_seqno, "recovered");
     }
     tracing::info!(elapsed_ms = opened.elapsed().as_millis() as u64, "WAL open");
 
-    let log = LogService::new(wal.clone(), config.limits.clone(), LogServiceMetrics::new(&registry)?, STATIC_EPOCH);
+    let log = LogService::new(node.clone(), config.limits.clone(), LogServiceMetrics::new(&registry)?);
     // Room for a maximal append plus protobuf framing of every record.
     let max_message = config.limits.max_batch_bytes + config.limits.max_batch_records * 16 + (1 << 20);
     let (health, health_service) = tonic_health::server::health_reporter();
     health.set_serving::<LogServer<LogService>>().await;
+    health.set_serving::<WalShippingServer<WalShippingService>>().await;
     // Both reflection versions: older grpcurl and tools only speak v1alpha.
     let reflection = || {
         tonic_reflection::server::Builder::configure()
@@ -167,15 +188,11 @@ pub async fn start_node(config: NodeConfig) -> Result<RunningNode> {
     let reflection_v1 = reflection().build_v1()?;
     let reflection_v1alpha = reflection().build_v1alpha()?;
 
-    let grpc_listener =
-        TcpListener::bind(config.grpc_addr).await.with_context(|| format!("binding gRPC {}", config.grpc_addr))?;
-    let admin_listener =
-        TcpListener::bind(config.admin_addr).await.with_context(|| format!("binding admin {}", config.admin_addr))?;
-    let grpc_addr = grpc_listener.local_addr()?;
-    let admin_addr = admin_listener.local_addr()?;
-    let shutdown = CancellationToken::new();
-
+    let shutdown = node.shutdown.clone();
     let grpc_shutdown = shutdown.clone();
+    let shipping = WalShippingServer::new(WalShippingService::new(node.clone()))
+        .max_decoding_message_size(MAX_PEER_MESSAGE_BYTES)
+        .max_encoding_message_size(MAX_PEER_MESSAGE_BYTES);
     let grpc = tokio::spawn(async move {
         tonic::transport::Server::builder()
             .add_service(health_service)
@@ -184,6 +201,7 @@ pub async fn start_node(config: NodeConfig) -> Result<RunningNode> {
             .add_service(
                 LogServer::new(log).max_decoding_message_size(max_message).max_encoding_message_size(max_message),
             )
+            .add_service(shipping)
             .serve_with_incoming_shutdown(
                 // Small request/response RPCs: Nagle plus delayed ACKs would add ~40 ms.
                 tonic::transport::server::TcpIncoming::from(grpc_listener).with_nodelay(Some(true)),
@@ -192,8 +210,7 @@ pub async fn start_node(config: NodeConfig) -> Result<RunningNode> {
             .await
             .context("gRPC server")
     });
-    let admin =
-        Arc::new(NodeAdmin { node_id: config.node_id, wal, epoch: STATIC_EPOCH, registry, started: Instant::now() });
+    let admin = Arc::new(NodeAdmin { node, registry, started: Instant::now() });
     let admin_shutdown = shutdown.clone();
     let http = tokio::spawn(async move {
         axum::serve(admin_listener, walship_admin_api::node_router(admin))
@@ -206,33 +223,10 @@ pub async fn start_node(config: NodeConfig) -> Result<RunningNode> {
 }
 
 pub async fn run_node(args: NodeArgs) -> Result<()> {
-    let config = args.into_config()?;
+    let (config, cluster) = args.into_config()?;
     let node_id = config.node_id;
-    let node = start_node(config).await?;
+    let node = start_node(config, cluster).await?;
     // One stable, parseable line for scripts and tests.
     println!("walship node {node_id} listening grpc={} admin={}", node.grpc_addr, node.admin_addr);
-    node.run_until_signal().await
-}
-
-pub async fn run_dev(args: DevArgs) -> Result<()> {
-    let config = NodeConfig {
-        node_id: 1,
-        grpc_addr: args.grpc,
-        admin_addr: args.admin,
-        data_dir: args.data_dir.join("node-1"),
-        shards: (1..=args.shards.max(1)).collect(),
-        limits: LogLimits::default(),
-        wal: WalTuning::default(),
-    };
-    let data_dir = config.data_dir.clone();
-    let node = start_node(config).await?;
-    let (grpc, admin) = (node.grpc_addr, node.admin_addr);
-    println!("walship dev: 1 node, shards 1..={}, data in {}", args.shards.max(1), data_dir.display());
-    println!("  node 1  gRPC   http://{grpc}");
-    println!("  node 1  admin  http://{admin}/v1/status   http://{admin}/metrics");
-    println!("try:");
-    println!("  echo hello | walship append --server {grpc} --shard 1");
-    println!("  walship read --server {grpc} --shard 1 --from 1");
-    println!("Ctrl-C stops the cluster.");
     node.run_until_signal().await
 }

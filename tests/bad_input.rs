@@ -395,14 +395,14 @@ async fn bad_requests_are_refused_precisely_and_change_nothing() {
             name: "read from past the newest durable (open end)",
             call: Call::Read(ReadRequest { shard_id: 1, from_seqno: durable1 + 1, to_seqno: 0, max_bytes: 0 }),
             code: Code::OutOfRange,
-            words: vec!["durable"],
+            words: vec!["committed"],
             numbers: vec![durable1 + 1, durable1],
         },
         Case {
             name: "read from far past the newest durable (open end)",
             call: Call::Read(ReadRequest { shard_id: 1, from_seqno: durable1 + 100, to_seqno: 0, max_bytes: 0 }),
             code: Code::OutOfRange,
-            words: vec!["durable"],
+            words: vec!["committed"],
             numbers: vec![durable1],
         },
         Case {
@@ -414,14 +414,14 @@ async fn bad_requests_are_refused_precisely_and_change_nothing() {
                 max_bytes: 0,
             }),
             code: Code::OutOfRange,
-            words: vec!["durable"],
+            words: vec!["committed"],
             numbers: vec![durable1],
         },
         Case {
             name: "read with to_seqno past the newest durable",
             call: Call::Read(ReadRequest { shard_id: 1, from_seqno: 1, to_seqno: durable1 + 1, max_bytes: 0 }),
             code: Code::OutOfRange,
-            words: vec!["durable"],
+            words: vec!["committed"],
             numbers: vec![durable1 + 1, durable1],
         },
         Case {
@@ -449,7 +449,7 @@ async fn bad_requests_are_refused_precisely_and_change_nothing() {
             name: "tail from durable + 2",
             call: Call::Tail(TailRequest { shard_id: 1, from_seqno: durable1 + 2 }),
             code: Code::OutOfRange,
-            words: vec!["durable"],
+            words: vec!["committed"],
             numbers: vec![durable1 + 2, durable1],
         },
         Case {

@@ -1,44 +1,83 @@
 //! `ops/METRICS.md` must list exactly the `walship_*` metric families a node
-//! really exposes on `/metrics`, with the same type.
+//! exposes on `/metrics`, with the same type: every exposed family is
+//! catalogued, and every catalogued family is exposed once the cluster has
+//! done the work that creates its first series.
 
 mod common;
 
 use std::collections::BTreeMap;
+use std::time::Duration;
 
 use bytes::Bytes;
-use common::{NodeProcess, http_get};
+use common::{Cluster, http_get, wait_until};
 use walship_proto::log::{AppendRecord, AppendRequest};
 
-fn catalogue() -> BTreeMap<String, String> {
+/// name -> (type, has labels)
+fn catalogue() -> BTreeMap<String, (String, bool)> {
     let text = std::fs::read_to_string(concat!(env!("CARGO_MANIFEST_DIR"), "/ops/METRICS.md")).unwrap();
     text.lines()
         .filter_map(|line| {
             let cells: Vec<&str> = line.split('|').map(str::trim).collect();
             let name = cells.get(1)?.strip_prefix('`')?.strip_suffix('`')?;
-            name.starts_with("walship_").then(|| (name.to_string(), cells[2].to_string()))
+            name.starts_with("walship_").then(|| (name.to_string(), (cells[2].to_string(), !cells[3].is_empty())))
         })
         .collect()
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn catalogue_matches_what_a_node_exposes() {
-    let dir = tempfile::tempdir().unwrap();
-    let node = NodeProcess::start(1, dir.path(), "1-2", &[]);
-    let mut client = node.client().await;
-    // Exercise the labelled families so they have series to show.
-    let record = AppendRecord { key: Bytes::new(), payload: Bytes::from_static(b"x") };
-    client.append(AppendRequest { shard_id: 1, records: vec![record], durability: 0 }).await.unwrap();
-    client.append(AppendRequest { shard_id: 7, records: vec![], durability: 0 }).await.unwrap_err();
-
-    let (status, body) = http_get(&format!("{}/metrics", node.admin)).await;
-    assert_eq!(status, 200);
-    let exposed: BTreeMap<String, String> = body
-        .lines()
+fn exposed(body: &str) -> BTreeMap<String, String> {
+    body.lines()
         .filter_map(|line| line.strip_prefix("# TYPE "))
         .filter_map(|rest| rest.split_once(' '))
         .filter(|(name, _)| name.starts_with("walship_"))
         .map(|(name, kind)| (name.to_string(), kind.to_string()))
-        .collect();
-    assert!(!exposed.is_empty(), "no walship_ metrics in:\n{body}");
-    assert_eq!(catalogue(), exposed, "ops/METRICS.md (left) vs /metrics (right)");
+        .collect()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn catalogue_matches_what_nodes_expose() {
+    let mut cluster = Cluster::start(3, 1, "keepalive_ms = 50\nheartbeat_ms = 100");
+    let mut client = cluster.node(1).client().await;
+    let record = AppendRecord { key: Bytes::new(), payload: Bytes::from_static(b"x") };
+    client.append(AppendRequest { shard_id: 1, records: vec![record], durability: 0 }).await.unwrap();
+    client.append(AppendRequest { shard_id: 7, records: vec![], durability: 0 }).await.unwrap_err();
+    let catalogue = catalogue();
+    let leader_admin = cluster.node(1).admin.clone();
+    // Heartbeats and lag gauges appear within a few intervals.
+    wait_until("heartbeats and lag gauges on node 1", Duration::from_secs(20), || {
+        let url = format!("{leader_admin}/metrics");
+        async move {
+            let body = http_get(&url).await.1;
+            body.contains("walship_heartbeats_received_total") && body.contains("walship_replica_lag_seconds")
+        }
+    })
+    .await;
+    let mut union = BTreeMap::new();
+    for id in 1..=3 {
+        let admin = cluster.node(id).admin.clone();
+        let (status, body) = http_get(&format!("{admin}/metrics")).await;
+        assert_eq!(status, 200);
+        let families = exposed(&body);
+        assert!(!families.is_empty(), "node {id} exposes no walship_ metrics");
+        for (name, kind) in &families {
+            let documented =
+                catalogue.get(name).unwrap_or_else(|| panic!("node {id} exposes {name}, missing from ops/METRICS.md"));
+            assert_eq!(&documented.0, kind, "{name}: type in ops/METRICS.md");
+        }
+        union.extend(families);
+    }
+    for (name, (_, labelled)) in &catalogue {
+        assert!(union.contains_key(name) || *labelled, "{name} is catalogued, unlabelled, and exposed by no node");
+    }
+    // The labelled families this run exercised must be there too.
+    for name in [
+        "walship_replica_lag_records",
+        "walship_replica_lag_bytes",
+        "walship_replica_ship_mode",
+        "walship_catchup_bytes_total",
+        "walship_requests_rejected_total",
+        "walship_heartbeats_sent_total",
+        "walship_shard_commit_seqno",
+    ] {
+        assert!(union.contains_key(name), "{name} not exposed after the work that creates it");
+    }
 }

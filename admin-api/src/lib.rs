@@ -19,16 +19,13 @@ use axum::http::{StatusCode, header};
 use axum::response::{IntoResponse, Response};
 use axum::routing::get;
 use prometheus::{Encoder, Registry, TextEncoder};
-use walship_wal::Wal;
+use walship_shipping::ReplicationNode;
 
-use crate::models::{ApiError, NodeStatus, ShardStatus};
+use crate::models::{ApiError, NodeStatus};
 
 /// What a node's admin API reads from.
 pub struct NodeAdmin {
-    pub node_id: u32,
-    pub wal: Wal,
-    /// The epoch this node writes in (static until failover exists).
-    pub epoch: u64,
+    pub node: Arc<ReplicationNode>,
     pub registry: Registry,
     pub started: Instant,
 }
@@ -60,22 +57,11 @@ async fn metrics(State(admin): State<Arc<NodeAdmin>>) -> Response {
 }
 
 async fn status(State(admin): State<Arc<NodeAdmin>>) -> Response {
-    let mut shards = Vec::new();
-    for shard in admin.wal.shards() {
-        match admin.wal.positions(shard) {
-            Ok(p) => shards.push(ShardStatus {
-                shard_id: shard,
-                role: "leader".into(),
-                epoch: admin.epoch,
-                first_seqno: p.first_seqno,
-                last_seqno: p.last_seqno,
-                durable_seqno: p.durable_seqno,
-            }),
-            Err(e) => {
-                return ApiError::new(StatusCode::INTERNAL_SERVER_ERROR, "wal", e.to_string()).into_response();
-            }
-        }
-    }
-    Json(NodeStatus { node_id: admin.node_id, uptime_seconds: admin.started.elapsed().as_secs(), shards })
-        .into_response()
+    Json(NodeStatus {
+        node_id: admin.node.me,
+        uptime_seconds: admin.started.elapsed().as_secs(),
+        shards: admin.node.status(),
+        heartbeats_received: admin.node.received_heartbeats(),
+    })
+    .into_response()
 }

@@ -5,24 +5,18 @@ use axum::http::StatusCode;
 use axum::response::{IntoResponse, Response};
 use serde::{Deserialize, Serialize};
 
+pub use walship_shipping::replica::{FollowerStatus, ReceivedHeartbeat, ReplicaStatus};
+
 /// `GET /v1/status` on a node.
-#[derive(Debug, Clone, Serialize, Deserialize, PartialEq, Eq)]
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
 pub struct NodeStatus {
     pub node_id: u32,
     pub uptime_seconds: u64,
-    pub shards: Vec<ShardStatus>,
-}
-
-/// One shard replica on a node.
-#[derive(Debug, Clone, Serialize, Deserialize, PartialEq, Eq)]
-pub struct ShardStatus {
-    pub shard_id: u32,
-    /// `leader` or `follower`.
-    pub role: String,
-    pub epoch: u64,
-    pub first_seqno: u64,
-    pub last_seqno: u64,
-    pub durable_seqno: u64,
+    /// Every shard replica this node hosts: role, epoch, positions and, on
+    /// leaders, each follower's progress and lag.
+    pub shards: Vec<ReplicaStatus>,
+    /// Heartbeats this node received (when it is the configured receiver).
+    pub heartbeats_received: Vec<ReceivedHeartbeat>,
 }
 
 /// The error body every endpoint answers with: `{"error": {"code", "message"}}`.

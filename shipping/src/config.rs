@@ -139,7 +139,8 @@ impl ClusterConfig {
     pub fn load(path: &Path) -> Result<ClusterConfig, ConfigError> {
         let shown = path.display().to_string();
         let text = std::fs::read_to_string(path).map_err(|source| ConfigError::Read { path: shown.clone(), source })?;
-        let config: ClusterConfig = toml::from_str(&text).map_err(|source| ConfigError::Parse { path: shown, source })?;
+        let config: ClusterConfig =
+            toml::from_str(&text).map_err(|source| ConfigError::Parse { path: shown, source })?;
         config.validate()?;
         Ok(config)
     }
@@ -179,7 +180,10 @@ impl ClusterConfig {
             }
             let replicas: BTreeSet<_> = shard.replicas.iter().collect();
             if replicas.len() != shard.replicas.len() || replicas.is_empty() {
-                return bad(format!("shard {}: replicas {:?} must be distinct and non-empty", shard.id, shard.replicas));
+                return bad(format!(
+                    "shard {}: replicas {:?} must be distinct and non-empty",
+                    shard.id, shard.replicas
+                ));
             }
             if let Some(unknown) = shard.replicas.iter().find(|r| !ids.contains(r)) {
                 return bad(format!("shard {}: replica {unknown} is not a configured node", shard.id));
@@ -193,7 +197,9 @@ impl ClusterConfig {
         }
         let r = &self.replication;
         if r.ship_window == 0 || r.ship_batch_bytes == 0 || r.keepalive_ms == 0 || r.heartbeat_ms == 0 {
-            return bad("replication: ship_window, ship_batch_bytes, keepalive_ms and heartbeat_ms must be positive".into());
+            return bad(
+                "replication: ship_window, ship_batch_bytes, keepalive_ms and heartbeat_ms must be positive".into()
+            );
         }
         if r.max_retain_bytes < r.retain_bytes {
             return bad("replication: max_retain_bytes must be >= retain_bytes".into());
@@ -245,7 +251,8 @@ mod tests {
 
     #[test]
     fn each_mistake_is_named() {
-        let cases: Vec<(fn(&mut ClusterConfig), &str)> = vec![
+        type Mutation = fn(&mut ClusterConfig);
+        let cases: Vec<(Mutation, &str)> = vec![
             (|c| c.nodes[1].id = 1, "node id 1 appears twice"),
             (|c| c.nodes[1].grpc_addr = c.nodes[0].grpc_addr, "used twice"),
             (|c| c.shards[0].replicas = vec![1, 1], "distinct"),

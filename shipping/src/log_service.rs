@@ -6,24 +6,32 @@
 //! | condition | status |
 //! | --- | --- |
 //! | shard not hosted by this node | `NOT_FOUND` |
+//! | append to a follower (metadata `walship-leader: <id>@<addr>` names the leader) | `FAILED_PRECONDITION` |
 //! | empty batch, record over the size limit, too many records, unknown durability, seqno 0, `to < from` | `INVALID_ARGUMENT` |
-//! | range before the oldest retained or past the newest durable record | `OUT_OF_RANGE` |
+//! | range before the oldest retained or past the newest committed record | `OUT_OF_RANGE` |
 //! | WAL writer stopped | `UNAVAILABLE` (retryable) |
 //!
-//! Reads and tails only ever return durable records: they are bounded by the
-//! shard's durable watch.
+//! Appends are acknowledged at the durability asked for: `LOCAL` once the
+//! leader has fsynced, `QUORUM` (the default) once a majority of the replica
+//! set has, `ALL` once every replica has. Reads and tails, on any replica,
+//! only return committed records (durable on a majority), so nothing a read
+//! returned can be lost in a failover.
 
 use std::pin::Pin;
 use std::time::Instant;
 
 use futures::Stream;
 use prometheus::{Histogram, HistogramOpts, HistogramVec, IntCounterVec, Opts, Registry};
+use std::sync::Arc;
 use tonic::{Request, Response, Status};
 use walship_proto::log::log_server::Log;
 use walship_proto::log::{
     AppendRequest, AppendResponse, Durability, ReadRequest, ReadResponse, Record, TailRequest, TailResponse,
 };
+
 use walship_wal::{Frame, NewRecord, ShardId, StoreError, Wal, WalError};
+
+use crate::replica::{ReplicationNode, ShardReplica};
 
 /// Request limits a node enforces on its clients.
 #[derive(Debug, Clone, serde::Deserialize, serde::Serialize)]
@@ -92,12 +100,10 @@ impl LogServiceMetrics {
 /// The Log service of one node.
 #[derive(Clone)]
 pub struct LogService {
+    node: Arc<ReplicationNode>,
     wal: Wal,
     limits: LogLimits,
     metrics: LogServiceMetrics,
-    /// The epoch this node writes in. Leadership is static until the
-    /// failover issue makes it come from the coordinator.
-    epoch: u64,
 }
 
 fn wal_status(error: WalError) -> Status {
@@ -138,8 +144,29 @@ fn durability_name(d: Durability) -> &'static str {
 type TailStream = Pin<Box<dyn Stream<Item = Result<TailResponse, Status>> + Send>>;
 
 impl LogService {
-    pub fn new(wal: Wal, limits: LogLimits, metrics: LogServiceMetrics, epoch: u64) -> LogService {
-        LogService { wal, limits, metrics, epoch }
+    pub fn new(node: Arc<ReplicationNode>, limits: LogLimits, metrics: LogServiceMetrics) -> LogService {
+        LogService { wal: node.wal.clone(), node, limits, metrics }
+    }
+
+    fn replica(&self, shard: ShardId) -> Result<&Arc<ShardReplica>, Status> {
+        self.node.replica(shard).ok_or_else(|| Status::not_found(format!("shard {shard} is not hosted by this node")))
+    }
+
+    /// The leader replica of `shard`, or the not-leader refusal naming it.
+    fn leader_replica(&self, shard: ShardId) -> Result<&Arc<ShardReplica>, Status> {
+        let replica = self.replica(shard)?;
+        if replica.is_leader() {
+            return Ok(replica);
+        }
+        let leader = self.node.describe(replica.leader_id(self.node.me));
+        let mut status = Status::failed_precondition(format!(
+            "node {} is a follower of shard {shard}; append to its leader, node {leader}",
+            self.node.me
+        ));
+        if let Ok(value) = leader.parse() {
+            status.metadata_mut().insert(walship_proto::LEADER_METADATA_KEY, value);
+        }
+        Err(status)
     }
 
     fn reject(&self, rpc: &str, status: Status) -> Status {
@@ -147,10 +174,10 @@ impl LogService {
         status
     }
 
-    fn validate_append(&self, req: &AppendRequest) -> Result<Durability, Status> {
+    fn validate_append(&self, req: &AppendRequest) -> Result<(Durability, &Arc<ShardReplica>), Status> {
         let durability = Durability::try_from(req.durability)
             .map_err(|_| Status::invalid_argument(format!("unknown durability {}", req.durability)))?;
-        self.wal.positions(req.shard_id).map_err(wal_status)?;
+        let replica = self.leader_replica(req.shard_id)?;
         if req.records.is_empty() {
             return Err(Status::invalid_argument("an append must carry at least one record"));
         }
@@ -178,12 +205,14 @@ impl LogService {
                 self.limits.max_batch_bytes
             )));
         }
-        Ok(durability)
+        Ok((durability, replica))
     }
 
     /// Checks `from` for a read or tail: seqnos start at 1 and compacted
     /// records are gone.
-    fn check_from(&self, shard: ShardId, from: u64) -> Result<walship_wal::Positions, Status> {
+    /// Returns the first retained seqno and the newest readable (committed).
+    fn check_from(&self, shard: ShardId, from: u64) -> Result<(u64, u64), Status> {
+        let readable = self.replica(shard)?.readable();
         let positions = self.wal.positions(shard).map_err(wal_status)?;
         if from == 0 {
             return Err(Status::invalid_argument("from_seqno must be >= 1 (seqnos start at 1)"));
@@ -194,7 +223,7 @@ impl LogService {
                 positions.first_seqno
             )));
         }
-        Ok(positions)
+        Ok((positions.first_seqno, readable))
     }
 
     fn read_limit(&self, asked: u64) -> usize {
@@ -206,13 +235,12 @@ impl LogService {
 
     async fn read_inner(&self, req: ReadRequest) -> Result<ReadResponse, Status> {
         let shard = req.shard_id;
-        let positions = self.check_from(shard, req.from_seqno)?;
-        let durable = positions.durable_seqno;
+        let (first_seqno, durable) = self.check_from(shard, req.from_seqno)?;
         let to = if req.to_seqno == 0 { durable } else { req.to_seqno };
         if to < req.from_seqno {
             if req.to_seqno == 0 {
                 return Err(Status::out_of_range(format!(
-                    "shard {shard}: nothing at seqno {}; the newest durable is {durable}",
+                    "shard {shard}: nothing at seqno {}; the newest committed is {durable}",
                     req.from_seqno
                 )));
             }
@@ -220,7 +248,7 @@ impl LogService {
         }
         if to > durable {
             return Err(Status::out_of_range(format!(
-                "shard {shard}: range [{}, {to}] passes the newest durable seqno {durable}",
+                "shard {shard}: range [{}, {to}] passes the newest committed seqno {durable}",
                 req.from_seqno
             )));
         }
@@ -231,7 +259,7 @@ impl LogService {
             records: frames.iter().map(to_record).collect(),
             next_seqno,
             durable_seqno: durable,
-            first_seqno: positions.first_seqno,
+            first_seqno,
         })
     }
 }
@@ -241,15 +269,20 @@ impl Log for LogService {
     async fn append(&self, request: Request<AppendRequest>) -> Result<Response<AppendResponse>, Status> {
         let started = Instant::now();
         let req = request.into_inner();
-        let durability = self.validate_append(&req).map_err(|s| self.reject("append", s))?;
+        let (durability, replica) = self.validate_append(&req).map_err(|s| self.reject("append", s))?;
+        let replica = replica.clone();
         self.metrics.append_batch_records.observe(req.records.len() as f64);
         let records = req.records.into_iter().map(|r| NewRecord { key: r.key, payload: r.payload }).collect();
-        // One replica per shard: local durability meets every level.
         let appended = self
             .wal
-            .append(req.shard_id, self.epoch, records)
+            .append(req.shard_id, replica.epoch, records)
             .await
             .map_err(|e| self.reject("append", wal_status(e)))?;
+        match durability {
+            Durability::Local => {}
+            Durability::Quorum | Durability::Unspecified => replica.wait_commit(appended.last_seqno).await,
+            Durability::All => replica.wait_all(appended.last_seqno).await,
+        }
         self.metrics
             .append_seconds
             .with_label_values(&[durability_name(durability)])
@@ -257,7 +290,7 @@ impl Log for LogService {
         Ok(Response::new(AppendResponse {
             first_seqno: appended.first_seqno,
             last_seqno: appended.last_seqno,
-            epoch: self.epoch,
+            epoch: replica.epoch,
         }))
     }
 
@@ -270,24 +303,24 @@ impl Log for LogService {
     async fn tail(&self, request: Request<TailRequest>) -> Result<Response<TailStream>, Status> {
         let req = request.into_inner();
         let shard = req.shard_id;
-        let positions = self.check_from(shard, req.from_seqno).map_err(|s| self.reject("tail", s))?;
-        if req.from_seqno > positions.durable_seqno + 1 {
+        let (_, readable) = self.check_from(shard, req.from_seqno).map_err(|s| self.reject("tail", s))?;
+        if req.from_seqno > readable + 1 {
             return Err(self.reject(
                 "tail",
                 Status::out_of_range(format!(
-                    "shard {shard}: cannot tail from {}; the newest durable seqno is {}",
-                    req.from_seqno, positions.durable_seqno
+                    "shard {shard}: cannot tail from {}; the newest committed seqno is {readable}",
+                    req.from_seqno
                 )),
             ));
         }
-        let durable = self.wal.durable_watch(shard).map_err(wal_status)?;
+        let durable = self.replica(shard)?.readable_watch();
         let stream = tail_stream(self.wal.clone(), shard, durable, req.from_seqno, self.limits.default_read_bytes);
         Ok(Response::new(Box::pin(stream)))
     }
 }
 
-/// Streams durable frames from `from`, waiting on the shard's durable watch
-/// when caught up. Ends when the client goes away, the WAL stops, or a read
+/// Streams committed frames from `from`, waiting on the replica's readable
+/// watch when caught up. Ends when the client goes away, the WAL stops, or a read
 /// fails (reported as the stream's last item).
 fn tail_stream(
     wal: Wal,

@@ -121,3 +121,113 @@ pub async fn http_request(method: &str, addr_and_path: &str, body: Option<&str>)
     let body = text.split_once("\r\n\r\n").map(|(_, b)| b.to_string()).unwrap_or_default();
     (status, body)
 }
+
+/// A free loopback port (bound then released: another process could take
+/// it in between, which loopback tests accept).
+pub fn free_port() -> u16 {
+    std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port()
+}
+
+/// A cluster of `walship node` processes sharing one cluster config.
+pub struct Cluster {
+    pub dir: tempfile::TempDir,
+    pub config_path: PathBuf,
+    pub nodes: Vec<NodeProcess>,
+}
+
+impl Cluster {
+    /// `nodes` nodes, shards `1..=shards` replicated on all of them; shard i
+    /// is led by node ((i-1) mod nodes)+1. `replication` is extra TOML for
+    /// the `[replication]` table (e.g. "keepalive_ms = 100").
+    pub fn start(nodes: u32, shards: u32, replication: &str) -> Cluster {
+        let dir = tempfile::tempdir().unwrap();
+        let mut toml = String::from("cluster_id = \"test\"\n");
+        let mut ports = Vec::new();
+        for id in 1..=nodes {
+            let (g, a) = (free_port(), free_port());
+            ports.push((g, a));
+            toml += &format!(
+                "[[nodes]]\nid = {id}\ngrpc_addr = \"127.0.0.1:{g}\"\nadmin_addr = \"127.0.0.1:{a}\"\nregion = {id}\n"
+            );
+        }
+        let replicas: Vec<String> = (1..=nodes).map(|n| n.to_string()).collect();
+        for shard in 1..=shards {
+            toml += &format!(
+                "[[shards]]\nid = {shard}\nreplicas = [{}]\nleader = {}\n",
+                replicas.join(", "),
+                (shard - 1) % nodes + 1
+            );
+        }
+        toml += &format!("[replication]\nheartbeat_to = \"127.0.0.1:{}\"\n{replication}\n", ports[0].0);
+        let config_path = dir.path().join("cluster.toml");
+        std::fs::write(&config_path, toml).unwrap();
+        let nodes = (1..=nodes).map(|id| Self::spawn(&config_path, dir.path(), id)).collect();
+        Cluster { dir, config_path, nodes }
+    }
+
+    fn spawn(config: &Path, dir: &Path, id: u32) -> NodeProcess {
+        let data = dir.join(format!("node-{id}"));
+        let mut child = Command::new(walship_bin())
+            .args(["node", "--node-id", &id.to_string(), "--cluster"])
+            .arg(config)
+            .arg("--data-dir")
+            .arg(&data)
+            .env("WALSHIP_LOG", std::env::var("WALSHIP_TEST_LOG").unwrap_or_else(|_| "warn".into()))
+            .stdout(Stdio::piped())
+            .stderr(Stdio::inherit())
+            .spawn()
+            .expect("spawn walship node");
+        let stdout = child.stdout.take().expect("piped stdout");
+        let mut line = String::new();
+        BufReader::new(stdout).read_line(&mut line).expect("read listening line");
+        let field = |name: &str| {
+            line.split_whitespace()
+                .find_map(|w| w.strip_prefix(&format!("{name}=")))
+                .unwrap_or_else(|| panic!("node {id} did not start: {line:?}"))
+                .to_string()
+        };
+        NodeProcess {
+            grpc: field("grpc"),
+            admin: field("admin"),
+            child,
+            data_dir: data,
+            node_id: id,
+            shards: String::new(),
+        }
+    }
+
+    pub fn node(&mut self, id: u32) -> &mut NodeProcess {
+        &mut self.nodes[id as usize - 1]
+    }
+
+    /// Restarts a (killed) node on its data dir and configured ports.
+    pub fn restart(&mut self, id: u32) {
+        self.node(id).kill9();
+        let node = Self::spawn(&self.config_path, self.dir.path(), id);
+        self.nodes[id as usize - 1] = node;
+    }
+
+    /// Sends a signal (SIGSTOP/SIGCONT) to a node.
+    pub fn signal(&mut self, id: u32, signal: i32) {
+        let pid = self.node(id).child.id() as i32;
+        // SAFETY: kill(2) on a child process this test spawned.
+        assert_eq!(unsafe { libc::kill(pid, signal) }, 0);
+    }
+
+    /// `GET /v1/status` of a node, as JSON.
+    pub async fn status(&mut self, id: u32) -> Option<serde_json::Value> {
+        let url = format!("{}/v1/status", self.node(id).admin);
+        let (code, body) = tokio::time::timeout(Duration::from_secs(2), http_get(&url)).await.ok()?;
+        (code == 200).then(|| serde_json::from_str(&body).ok()).flatten()
+    }
+}
+
+impl Drop for Cluster {
+    fn drop(&mut self) {
+        // Resume anything stopped so the kill in NodeProcess::drop lands.
+        for node in &mut self.nodes {
+            // SAFETY: kill(2) on a child process this test spawned.
+            unsafe { libc::kill(node.child.id() as i32, libc::SIGCONT) };
+        }
+    }
+}

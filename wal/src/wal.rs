@@ -290,9 +290,27 @@ impl Wal {
     /// the leader's segment); they must continue the shard's log exactly.
     /// Not cancellation-safe, like [`Wal::append`].
     pub async fn append_frames(&self, shard: ShardId, frames: Vec<Frame>) -> WalResult<Appended> {
+        self.enqueue_frames(shard, frames).await?.await
+    }
+
+    /// Queues frames like [`Wal::append_frames`] and returns once they are in
+    /// the writer's queue, in order behind everything queued before; the
+    /// returned future resolves when they are durable. A follower holds its
+    /// per-shard ordering lock only across this call, so segments queued back
+    /// to back still share one group commit.
+    pub async fn enqueue_frames(
+        &self,
+        shard: ShardId,
+        frames: Vec<Frame>,
+    ) -> WalResult<impl std::future::Future<Output = WalResult<Appended>> + use<>> {
         self.shared.shard(shard)?;
         let (reply, rx) = oneshot::channel();
-        self.submit(Request::AppendFrames { shard, frames, reply }, rx).await
+        self.shared.metrics.queue_depth.inc();
+        if self.tx.send_async(Request::AppendFrames { shard, frames, reply }).await.is_err() {
+            self.shared.metrics.queue_depth.dec();
+            return Err(WalError::Closed);
+        }
+        Ok(async move { rx.await.map_err(|_| WalError::Closed)? })
     }
 
     /// Removes every record after `keep_through`, in order with appends.

@@ -81,7 +81,10 @@ pub struct FollowerProgress {
 pub enum ShipDecision {
     /// Ship durable frames `[from, up_to]`; the shell may stop earlier at its
     /// byte bound and reports what it sent with [`LeaderCore::on_sent`].
-    Send { from: u64, up_to: u64 },
+    Send {
+        from: u64,
+        up_to: u64,
+    },
     /// Send an empty segment carrying the leader's positions.
     Keepalive,
     Idle,
@@ -217,8 +220,8 @@ impl LeaderCore {
             return false;
         }
         self.durable = durable;
-        if records > 0 {
-            self.avg_frame_bytes = bytes / records;
+        if let Some(avg) = bytes.checked_div(records) {
+            self.avg_frame_bytes = avg;
         }
         self.ledger.push_back(Mark { seqno: durable, bytes, at_us: now_us });
         if self.ledger.len() > LEDGER_CAP {

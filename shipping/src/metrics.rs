@@ -1,0 +1,184 @@
+//! Replication metrics (`walship_*`); `ops/METRICS.md` is the catalogue.
+
+use prometheus::{
+    Gauge, GaugeVec, Histogram, HistogramOpts, IntCounter, IntCounterVec, IntGauge, IntGaugeVec, Opts, Registry,
+};
+
+use crate::NodeId;
+use crate::core::leader::{FollowerProgress, Lag, ShipMode};
+
+#[derive(Clone)]
+pub struct ReplicationMetrics {
+    commit_seqno: IntGaugeVec,
+    acked_seqno: IntGaugeVec,
+    lag_records: IntGaugeVec,
+    lag_bytes: IntGaugeVec,
+    lag_seconds: GaugeVec,
+    mode: IntGaugeVec,
+    in_flight: IntGaugeVec,
+    /// Records per ShipSegment sent.
+    pub ship_batch_records: Histogram,
+    pub segments_shipped: IntCounter,
+    pub bytes_shipped: IntCounter,
+    pub ship_errors: IntCounterVec,
+    /// Follower side: bytes applied by source (push, stream).
+    pub received_bytes: IntCounterVec,
+    /// Leader side: bytes served to catch-up streams.
+    pub catchup_served_bytes: IntCounter,
+    /// Follower side: inbound ships and streams refused, by reason.
+    pub ship_refused: IntCounterVec,
+    pub heartbeats_received: IntCounter,
+    pub heartbeats_sent: IntCounterVec,
+    pub disk_bytes: IntGauge,
+    pub append_rate: Gauge,
+}
+
+fn register<T: prometheus::core::Collector + Clone + 'static>(registry: &Registry, c: T) -> prometheus::Result<T> {
+    registry.register(Box::new(c.clone()))?;
+    Ok(c)
+}
+
+impl ReplicationMetrics {
+    pub fn new(registry: &Registry) -> prometheus::Result<ReplicationMetrics> {
+        let per_follower = |name: &str, help: &str| IntGaugeVec::new(Opts::new(name, help), &["shard", "follower"]);
+        Ok(ReplicationMetrics {
+            commit_seqno: register(
+                registry,
+                IntGaugeVec::new(
+                    Opts::new("walship_shard_commit_seqno", "Newest seqno durable on a majority (leader's view)"),
+                    &["shard"],
+                )?,
+            )?,
+            acked_seqno: register(
+                registry,
+                per_follower(
+                    "walship_replica_acked_seqno",
+                    "Follower's durable seqno as it last reported to the leader",
+                )?,
+            )?,
+            lag_records: register(
+                registry,
+                per_follower(
+                    "walship_replica_lag_records",
+                    "Records durable on the leader and not yet on the follower",
+                )?,
+            )?,
+            lag_bytes: register(
+                registry,
+                per_follower("walship_replica_lag_bytes", "Bytes durable on the leader and not yet on the follower")?,
+            )?,
+            lag_seconds: register(
+                registry,
+                GaugeVec::new(
+                    Opts::new(
+                        "walship_replica_lag_seconds",
+                        "Age on the leader's clock of the oldest record the follower has not written/flushed/applied",
+                    ),
+                    &["shard", "follower", "stage"],
+                )?,
+            )?,
+            mode: register(
+                registry,
+                IntGaugeVec::new(
+                    Opts::new("walship_replica_ship_mode", "1 for the follower's current ship mode"),
+                    &["shard", "follower", "mode"],
+                )?,
+            )?,
+            in_flight: register(
+                registry,
+                per_follower("walship_ship_queue_depth", "ShipSegment requests in flight to the follower")?,
+            )?,
+            ship_batch_records: register(
+                registry,
+                Histogram::with_opts(
+                    HistogramOpts::new("walship_ship_batch_records", "Records carried by one ShipSegment")
+                        .buckets(prometheus::exponential_buckets(1.0, 4.0, 10)?),
+                )?,
+            )?,
+            segments_shipped: register(
+                registry,
+                IntCounter::new("walship_ship_segments_total", "Segments shipped to followers by ShipSegment")?,
+            )?,
+            bytes_shipped: register(
+                registry,
+                IntCounter::new("walship_ship_bytes_total", "Segment bytes shipped to followers by ShipSegment")?,
+            )?,
+            ship_errors: register(
+                registry,
+                IntCounterVec::new(
+                    Opts::new("walship_ship_errors_total", "ShipSegment requests that failed, by follower"),
+                    &["follower"],
+                )?,
+            )?,
+            received_bytes: register(
+                registry,
+                IntCounterVec::new(
+                    Opts::new(
+                        "walship_catchup_bytes_total",
+                        "Segment bytes a follower applied, by source (push, stream)",
+                    ),
+                    &["source"],
+                )?,
+            )?,
+            catchup_served_bytes: register(
+                registry,
+                IntCounter::new(
+                    "walship_catchup_served_bytes_total",
+                    "Segment bytes this leader served to catch-up streams",
+                )?,
+            )?,
+            ship_refused: register(
+                registry,
+                IntCounterVec::new(
+                    Opts::new("walship_ship_refused_total", "Inbound ShipSegment/StreamSegments refused, by reason"),
+                    &["reason"],
+                )?,
+            )?,
+            heartbeats_received: register(
+                registry,
+                IntCounter::new("walship_heartbeats_received_total", "Heartbeats this node received")?,
+            )?,
+            heartbeats_sent: register(
+                registry,
+                IntCounterVec::new(
+                    Opts::new("walship_heartbeats_sent_total", "Heartbeats sent, by outcome (ok, error)"),
+                    &["outcome"],
+                )?,
+            )?,
+            disk_bytes: register(
+                registry,
+                IntGauge::new("walship_wal_disk_bytes", "Bytes the node's WAL files occupy")?,
+            )?,
+            append_rate: register(
+                registry,
+                Gauge::new(
+                    "walship_node_append_rate",
+                    "Records per second this node made durable, over the last heartbeat interval",
+                )?,
+            )?,
+        })
+    }
+
+    pub fn unregistered() -> ReplicationMetrics {
+        ReplicationMetrics::new(&Registry::new()).expect("fresh registry")
+    }
+
+    pub fn set_commit(&self, shard: u32, commit: u64) {
+        self.commit_seqno.with_label_values(&[&shard.to_string()]).set(commit as i64);
+    }
+
+    pub fn set_follower(&self, shard: u32, follower: NodeId, progress: &FollowerProgress, lag: &Lag) {
+        let (s, f) = (shard.to_string(), follower.to_string());
+        self.acked_seqno.with_label_values(&[&s, &f]).set(progress.acked as i64);
+        self.lag_records.with_label_values(&[&s, &f]).set(lag.records as i64);
+        self.lag_bytes.with_label_values(&[&s, &f]).set(lag.bytes as i64);
+        for (stage, value) in [("write", lag.write_seconds), ("flush", lag.flush_seconds), ("apply", lag.apply_seconds)]
+        {
+            self.lag_seconds.with_label_values(&[&s, &f, stage]).set(value);
+        }
+        for mode in ShipMode::ALL {
+            self.mode.with_label_values(&[&s, &f, mode.as_str()]).set(i64::from(mode == progress.mode));
+        }
+        self.in_flight.with_label_values(&[&s, &f]).set(progress.in_flight as i64);
+    }
+}

@@ -1,0 +1,50 @@
+//! gRPC channels to the other nodes, created lazily (a peer that is down
+//! costs nothing until it is dialed) with TCP_NODELAY and bounded connect
+//! times.
+
+use std::collections::BTreeMap;
+use std::net::SocketAddr;
+use std::time::Duration;
+
+use tonic::transport::{Channel, Endpoint};
+use walship_proto::replication::wal_shipping_client::WalShippingClient;
+
+use crate::NodeId;
+
+/// Largest message a replication client sends or accepts.
+pub const MAX_PEER_MESSAGE_BYTES: usize = 64 << 20;
+
+/// Lazily connected channels, one per peer node.
+#[derive(Clone)]
+pub struct Peers {
+    peers: BTreeMap<NodeId, (SocketAddr, Channel)>,
+}
+
+/// A lazily connected channel to `addr`.
+pub fn lazy_channel(addr: SocketAddr) -> Channel {
+    Endpoint::from_shared(format!("http://{addr}"))
+        .expect("a socket address is a valid URI authority")
+        .connect_timeout(Duration::from_secs(1))
+        .tcp_nodelay(true)
+        .http2_keep_alive_interval(Duration::from_secs(5))
+        .keep_alive_timeout(Duration::from_secs(5))
+        .connect_lazy()
+}
+
+impl Peers {
+    pub fn new(addresses: &BTreeMap<NodeId, SocketAddr>) -> Peers {
+        Peers { peers: addresses.iter().map(|(&id, &addr)| (id, (addr, lazy_channel(addr)))).collect() }
+    }
+
+    pub fn address(&self, node: NodeId) -> Option<SocketAddr> {
+        self.peers.get(&node).map(|(addr, _)| *addr)
+    }
+
+    pub fn shipping(&self, node: NodeId) -> Option<WalShippingClient<Channel>> {
+        self.peers.get(&node).map(|(_, channel)| {
+            WalShippingClient::new(channel.clone())
+                .max_decoding_message_size(MAX_PEER_MESSAGE_BYTES)
+                .max_encoding_message_size(MAX_PEER_MESSAGE_BYTES)
+        })
+    }
+}
