@@ -1,0 +1,449 @@
+//! Replication black-box tests: three real `walship node` processes on
+//! loopback, RF=3. Every test waits on conditions with timeouts, never bare
+//! sleeps, and checks invariants over what clients were told (acknowledged
+//! appends) against what the replicas hold.
+
+mod common;
+
+use std::collections::BTreeMap;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::time::Duration;
+
+use bytes::Bytes;
+use common::{Cluster, wait_until};
+use serde_json::Value;
+use tokio::sync::Mutex;
+use walship_proto::log::log_client::LogClient;
+use walship_proto::log::{AppendRecord, AppendRequest, Durability, ReadRequest, Record};
+
+const WAIT: Duration = Duration::from_secs(30);
+
+/// shard -> seqno -> payload, for every acknowledged append.
+type Acked = Arc<Mutex<BTreeMap<u32, BTreeMap<u64, Bytes>>>>;
+
+fn shard_entry(status: &Value, shard: u32) -> Option<&Value> {
+    status["shards"].as_array()?.iter().find(|s| s["shard_id"] == shard)
+}
+
+fn field(status: &Value, shard: u32, name: &str) -> u64 {
+    shard_entry(status, shard).and_then(|s| s[name].as_u64()).unwrap_or(0)
+}
+
+fn follower(status: &Value, shard: u32, node: u32) -> Option<Value> {
+    shard_entry(status, shard)?["followers"].as_array()?.iter().find(|f| f["node_id"] == node).cloned()
+}
+
+/// Clients appending to `shard` through `grpc` until `stop`; acks recorded.
+/// A failed append (node down, deadline) ends that client: its outcome is
+/// unknown, which is allowed.
+fn load(
+    grpc: String,
+    shard: u32,
+    clients: u32,
+    durability: Durability,
+    acked: Acked,
+    stop: Arc<AtomicBool>,
+    count: Arc<AtomicU64>,
+) -> Vec<tokio::task::JoinHandle<u64>> {
+    (0..clients)
+        .map(|c| {
+            let (grpc, acked, stop, count) = (grpc.clone(), acked.clone(), stop.clone(), count.clone());
+            tokio::spawn(async move {
+                let channel =
+                    tonic::transport::Endpoint::from_shared(format!("http://{grpc}")).unwrap().connect().await.unwrap();
+                let mut log = LogClient::new(channel);
+                let mut n = 0u64;
+                let mut failures = 0;
+                while !stop.load(Ordering::Relaxed) {
+                    let payloads: Vec<Bytes> = (0..1 + n % 3)
+                        .map(|i| Bytes::from(format!("s{shard}-c{c}-n{n}-{i}-{}", "x".repeat((n % 50) as usize))))
+                        .collect();
+                    n += 1;
+                    let records =
+                        payloads.iter().map(|p| AppendRecord { key: Bytes::new(), payload: p.clone() }).collect();
+                    let mut request =
+                        tonic::Request::new(AppendRequest { shard_id: shard, records, durability: durability as i32 });
+                    request.set_timeout(Duration::from_secs(10));
+                    match log.append(request).await {
+                        Ok(r) => {
+                            let r = r.into_inner();
+                            let mut acked = acked.lock().await;
+                            let shard_acked = acked.entry(shard).or_default();
+                            for (i, p) in payloads.into_iter().enumerate() {
+                                assert!(
+                                    shard_acked.insert(r.first_seqno + i as u64, p).is_none(),
+                                    "seqno acknowledged twice"
+                                );
+                            }
+                            count.fetch_add(1, Ordering::Relaxed);
+                        }
+                        Err(_) => {
+                            failures += 1;
+                            if failures > 3 {
+                                break;
+                            }
+                        }
+                    }
+                }
+                n
+            })
+        })
+        .collect()
+}
+
+async fn wait_acks(count: &Arc<AtomicU64>, at_least: u64) {
+    let c = count.clone();
+    wait_until(&format!("{at_least} acknowledged appends"), WAIT, move || {
+        let c = c.clone();
+        async move { c.load(Ordering::Relaxed) >= at_least }
+    })
+    .await;
+}
+
+async fn stop_load(stop: &Arc<AtomicBool>, tasks: Vec<tokio::task::JoinHandle<u64>>) {
+    stop.store(true, Ordering::Relaxed);
+    for t in tasks {
+        t.await.unwrap();
+    }
+}
+
+/// Waits until every node holds `shard` durable through the leader's last
+/// seqno and knows it committed; returns that seqno.
+async fn converge(cluster: &mut Cluster, shard: u32, leader: u32) -> u64 {
+    let target = Arc::new(AtomicU64::new(0));
+    let mut last_seen = String::new();
+    let deadline = std::time::Instant::now() + WAIT;
+    loop {
+        let Some(ls) = cluster.status(leader).await else { panic!("leader {leader} status") };
+        let last = field(&ls, shard, "last_seqno");
+        let mut all = field(&ls, shard, "commit_seqno") == last && field(&ls, shard, "durable_seqno") == last;
+        for id in 1..=cluster.nodes.len() as u32 {
+            let s = cluster.status(id).await;
+            let ok = s
+                .as_ref()
+                .is_some_and(|s| field(s, shard, "durable_seqno") == last && field(s, shard, "commit_seqno") >= last);
+            all &= ok;
+            if !ok {
+                last_seen = format!("node {id}: {:?}", s.as_ref().and_then(|s| shard_entry(s, shard)));
+            }
+        }
+        if all {
+            target.store(last, Ordering::Relaxed);
+            return last;
+        }
+        assert!(std::time::Instant::now() < deadline, "shard {shard} did not converge on {last}: {last_seen}");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+}
+
+/// The value of one series (`name{labels}` exactly as exposed) on a node.
+async fn metric(cluster: &mut Cluster, id: u32, series: &str) -> f64 {
+    let body = common::http_get(&format!("{}/metrics", cluster.node(id).admin)).await.1;
+    body.lines().find_map(|l| l.strip_prefix(series).and_then(|v| v.trim().parse().ok())).unwrap_or(0.0)
+}
+
+async fn read_all(grpc: &str, shard: u32, to: u64) -> Vec<Record> {
+    let channel = tonic::transport::Endpoint::from_shared(format!("http://{grpc}")).unwrap().connect().await.unwrap();
+    let mut log = LogClient::new(channel).max_decoding_message_size(64 << 20);
+    let mut out = Vec::new();
+    let mut from = 1;
+    while from <= to {
+        let r = log
+            .read(ReadRequest { shard_id: shard, from_seqno: from, to_seqno: to, max_bytes: 0 })
+            .await
+            .unwrap()
+            .into_inner();
+        from = r.next_seqno;
+        out.extend(r.records);
+    }
+    out
+}
+
+/// All replicas hold byte-identical records `1..=last` (seqno, epoch,
+/// timestamp, key, payload and crc32), contiguous, and every acknowledged
+/// record is among them with its payload.
+async fn assert_identical(cluster: &mut Cluster, shard: u32, last: u64, acked: &Acked) {
+    let reference = read_all(&cluster.node(1).grpc.clone(), shard, last).await;
+    assert_eq!(reference.len() as u64, last, "node 1 holds 1..={last} of shard {shard}");
+    for (i, r) in reference.iter().enumerate() {
+        assert_eq!(r.seqno, 1 + i as u64, "contiguous seqnos");
+    }
+    for id in 2..=cluster.nodes.len() as u32 {
+        let other = read_all(&cluster.node(id).grpc.clone(), shard, last).await;
+        assert!(other == reference, "node {id} differs from node 1 on shard {shard}");
+    }
+    let acked = acked.lock().await;
+    for (seqno, payload) in acked.get(&shard).into_iter().flatten() {
+        assert!(*seqno <= last, "acknowledged seqno {seqno} beyond the log's end {last}");
+        assert_eq!(&reference[*seqno as usize - 1].payload, payload, "acknowledged record {seqno}");
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn quorum_appends_leave_all_replicas_byte_identical() {
+    let mut cluster = Cluster::start(3, 2, "");
+    let acked: Acked = Arc::default();
+    let stop = Arc::new(AtomicBool::new(false));
+    let count = Arc::new(AtomicU64::new(0));
+    let mut tasks =
+        load(cluster.node(1).grpc.clone(), 1, 16, Durability::Quorum, acked.clone(), stop.clone(), count.clone());
+    tasks.extend(load(
+        cluster.node(2).grpc.clone(),
+        2,
+        16,
+        Durability::Quorum,
+        acked.clone(),
+        stop.clone(),
+        count.clone(),
+    ));
+    wait_acks(&count, 3_000).await;
+    stop_load(&stop, tasks).await;
+    for (shard, leader) in [(1, 1), (2, 2)] {
+        let last = converge(&mut cluster, shard, leader).await;
+        assert_identical(&mut cluster, shard, last, &acked).await;
+        eprintln!("shard {shard}: {last} records identical on 3 replicas");
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn killed_follower_catches_up_and_lag_returns_to_zero() {
+    let mut cluster = Cluster::start(3, 1, "keepalive_ms = 100");
+    let acked: Acked = Arc::default();
+    let stop = Arc::new(AtomicBool::new(false));
+    let count = Arc::new(AtomicU64::new(0));
+    let tasks =
+        load(cluster.node(1).grpc.clone(), 1, 8, Durability::Quorum, acked.clone(), stop.clone(), count.clone());
+    wait_acks(&count, 500).await;
+    cluster.node(3).kill9();
+    let at_kill = count.load(Ordering::Relaxed);
+    // QUORUM keeps succeeding with one follower down.
+    wait_acks(&count, at_kill + 1_000).await;
+    stop_load(&stop, tasks).await;
+    let leader_last = field(&cluster.status(1).await.unwrap(), 1, "last_seqno");
+    cluster.restart(3);
+    let last = converge(&mut cluster, 1, 1).await;
+    assert_eq!(last, leader_last);
+    assert_identical(&mut cluster, 1, last, &acked).await;
+    // What it missed came by the catch-up stream it pulled at boot...
+    let streamed = metric(&mut cluster, 3, "walship_catchup_bytes_total{source=\"stream\"}").await;
+    assert!(streamed > 0.0, "node 3 applied nothing from StreamSegments");
+    // ...and live push takes over afterwards.
+    let mut leader = cluster.node(1).client().await;
+    let after = leader
+        .append(AppendRequest {
+            shard_id: 1,
+            records: vec![AppendRecord { key: Bytes::new(), payload: Bytes::from_static(b"after") }],
+            durability: Durability::All as i32,
+        })
+        .await
+        .unwrap()
+        .into_inner();
+    assert_eq!(after.first_seqno, last + 1);
+    assert!(metric(&mut cluster, 3, "walship_catchup_bytes_total{source=\"push\"}").await > 0.0);
+    assert_eq!(
+        metric(&mut cluster, 3, "walship_catchup_bytes_total{source=\"stream\"}").await,
+        streamed,
+        "no second stream needed"
+    );
+    // Lag back to zero in every unit, and it stays zero while idle.
+    let mut zero_checks = 0;
+    wait_until("follower 3's lag to read zero 10 times in a row", WAIT, || {
+        let f = futures::executor::block_on(cluster.status(1)).and_then(|s| follower(&s, 1, 3));
+        let zero = f.is_some_and(|f| {
+            f["lag_records"] == 0
+                && f["lag_bytes"] == 0
+                && f["lag_flush_seconds"] == 0.0
+                && f["lag_write_seconds"] == 0.0
+        });
+        zero_checks = if zero { zero_checks + 1 } else { 0 };
+        async move { zero_checks >= 10 }
+    })
+    .await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn killed_leader_keeps_every_acknowledged_record() {
+    let mut cluster = Cluster::start(3, 1, "");
+    let acked: Acked = Arc::default();
+    let stop = Arc::new(AtomicBool::new(false));
+    let count = Arc::new(AtomicU64::new(0));
+    let tasks =
+        load(cluster.node(1).grpc.clone(), 1, 16, Durability::Quorum, acked.clone(), stop.clone(), count.clone());
+    wait_acks(&count, 2_000).await;
+    cluster.node(1).kill9();
+    stop_load(&stop, tasks).await;
+    let max_acked = acked.lock().await[&1].keys().next_back().copied().unwrap();
+    // Before the leader returns: every acknowledged record is durable on at
+    // least one follower, which with the dead leader's copy is a majority.
+    let mut follower_durable = Vec::new();
+    for id in [2, 3] {
+        follower_durable.push(field(&cluster.status(id).await.unwrap(), 1, "durable_seqno"));
+    }
+    let best = *follower_durable.iter().max().unwrap();
+    assert!(best >= max_acked, "followers hold {follower_durable:?}, acknowledged through {max_acked}");
+    cluster.restart(1);
+    let leader_durable = field(&cluster.status(1).await.unwrap(), 1, "durable_seqno");
+    assert!(leader_durable >= max_acked, "restarted leader holds {leader_durable} < {max_acked} acknowledged");
+    let last = converge(&mut cluster, 1, 1).await;
+    assert_identical(&mut cluster, 1, last, &acked).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn paused_follower_lag_grows_in_all_units_then_returns_to_zero() {
+    // A low catch-up threshold: once resumed, the follower is too far behind
+    // for push and must pull.
+    let mut cluster =
+        Cluster::start(3, 1, "keepalive_ms = 100\nship_timeout_ms = 1000\ncatchup_threshold_bytes = 20000");
+    let acked: Acked = Arc::default();
+    let stop = Arc::new(AtomicBool::new(false));
+    let count = Arc::new(AtomicU64::new(0));
+    let tasks =
+        load(cluster.node(1).grpc.clone(), 1, 4, Durability::Quorum, acked.clone(), stop.clone(), count.clone());
+    wait_acks(&count, 200).await;
+    cluster.signal(3, libc::SIGSTOP);
+    let lag = |cluster: &mut Cluster| {
+        let f = futures::executor::block_on(cluster.status(1)).and_then(|s| follower(&s, 1, 3)).unwrap();
+        (f["lag_records"].as_u64().unwrap(), f["lag_bytes"].as_u64().unwrap(), f["lag_flush_seconds"].as_f64().unwrap())
+    };
+    let mut first = None;
+    wait_until("lag of the paused follower to grow in records, bytes and seconds", WAIT, || {
+        let now = lag(&mut cluster);
+        let grown = match first {
+            None => {
+                if now.0 > 0 {
+                    first = Some(now);
+                }
+                false
+            }
+            Some(f) => now.0 > f.0 && now.1 > f.1 && now.2 > f.2 && now.2 > 0.5,
+        };
+        async move { grown }
+    })
+    .await;
+    let appended_while_paused = count.load(Ordering::Relaxed);
+    wait_acks(&count, appended_while_paused + 100).await;
+    cluster.signal(3, libc::SIGCONT);
+    stop_load(&stop, tasks).await;
+    let last = converge(&mut cluster, 1, 1).await;
+    wait_until("paused follower's lag back to zero", WAIT, || {
+        let zero = lag(&mut cluster) == (0, 0, 0.0);
+        async move { zero }
+    })
+    .await;
+    assert!(
+        metric(&mut cluster, 3, "walship_catchup_bytes_total{source=\"stream\"}").await > 0.0,
+        "a follower far past the threshold pulls with StreamSegments"
+    );
+    assert!(metric(&mut cluster, 1, "walship_catchup_served_bytes_total").await > 0.0);
+    let mode = follower(&cluster.status(1).await.unwrap(), 1, 3).unwrap()["mode"].clone();
+    assert_eq!(mode, "push", "back to push once caught up");
+    assert_identical(&mut cluster, 1, last, &acked).await;
+}
+
+/// The client's deadline passed (tonic's server answers an expired
+/// `grpc-timeout` with CANCELLED, the client's own timer with
+/// DEADLINE_EXCEEDED).
+fn assert_timed_out(status: tonic::Status) {
+    assert!(matches!(status.code(), tonic::Code::DeadlineExceeded | tonic::Code::Cancelled), "{status:?}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn all_waits_for_every_replica_and_local_waits_for_none() {
+    let mut cluster = Cluster::start(3, 1, "keepalive_ms = 100");
+    let mut client = cluster.node(1).client().await;
+    let append = |durability: Durability, text: &str| AppendRequest {
+        shard_id: 1,
+        records: vec![AppendRecord { key: Bytes::new(), payload: Bytes::from(text.to_string()) }],
+        durability: durability as i32,
+    };
+    client.append(append(Durability::All, "all-up")).await.unwrap();
+    cluster.node(3).kill9();
+
+    // ALL blocks while node 3 is down...
+    let mut all_client = client.clone();
+    let pending_all = tokio::spawn(async move { all_client.append(append(Durability::All, "all-pending")).await });
+    // ...while QUORUM and LOCAL appends issued after it complete.
+    for i in 0..20 {
+        client.append(append(Durability::Quorum, &format!("q{i}"))).await.unwrap();
+        client.append(append(Durability::Local, &format!("l{i}"))).await.unwrap();
+    }
+    assert!(!pending_all.is_finished(), "ALL completed with a replica down");
+    let mut bounded = tonic::Request::new(append(Durability::All, "all-deadline"));
+    bounded.set_timeout(Duration::from_millis(500));
+    assert_timed_out(client.append(bounded).await.unwrap_err());
+
+    // ...and completes when it returns.
+    cluster.restart(3);
+    let done = tokio::time::timeout(WAIT, pending_all).await.expect("ALL completes once the replica is back");
+    let r = done.unwrap().unwrap().into_inner();
+    let durable3 = field(&cluster.status(3).await.unwrap(), 1, "durable_seqno");
+    assert!(durable3 >= r.last_seqno, "ALL acknowledged {} but node 3 holds {durable3}", r.last_seqno);
+
+    // LOCAL never waits for followers: both down, it still succeeds, QUORUM cannot.
+    cluster.node(2).kill9();
+    cluster.node(3).kill9();
+    let local = client.append(append(Durability::Local, "local-alone")).await.unwrap().into_inner();
+    assert!(local.last_seqno > r.last_seqno);
+    let mut quorum = tonic::Request::new(append(Durability::Quorum, "quorum-alone"));
+    quorum.set_timeout(Duration::from_millis(500));
+    assert_timed_out(client.append(quorum).await.unwrap_err());
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn followers_refuse_appends_naming_the_leader_and_serve_committed_reads() {
+    let mut cluster = Cluster::start(3, 1, "keepalive_ms = 100");
+    let mut follower = cluster.node(2).client().await;
+    let request = AppendRequest {
+        shard_id: 1,
+        records: vec![AppendRecord { key: Bytes::new(), payload: Bytes::from_static(b"x") }],
+        durability: 0,
+    };
+    let refused = follower.append(request.clone()).await.unwrap_err();
+    assert_eq!(refused.code(), tonic::Code::FailedPrecondition);
+    let hint = refused.metadata().get(walship_proto::LEADER_METADATA_KEY).unwrap().to_str().unwrap().to_string();
+    assert_eq!(hint, format!("1@{}", cluster.node(1).grpc));
+    assert!(refused.message().contains("leader"), "{}", refused.message());
+    assert_eq!(field(&cluster.status(2).await.unwrap(), 1, "last_seqno"), 0, "the refused append changed nothing");
+
+    // The hint leads to a leader that accepts; the follower then serves the
+    // committed record.
+    let mut leader = cluster.node(1).client().await;
+    let r = leader.append(request).await.unwrap().into_inner();
+    wait_until("follower to serve the committed record", WAIT, || {
+        let mut f = follower.clone();
+        async move {
+            f.read(ReadRequest { shard_id: 1, from_seqno: r.first_seqno, to_seqno: 0, max_bytes: 0 })
+                .await
+                .is_ok_and(|resp| resp.into_inner().records.first().is_some_and(|rec| &rec.payload[..] == b"x"))
+        }
+    })
+    .await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn heartbeats_reach_the_configured_receiver() {
+    let mut cluster = Cluster::start(3, 2, "heartbeat_ms = 100");
+    let mut client = cluster.node(1).client().await;
+    let request = AppendRequest {
+        shard_id: 1,
+        records: vec![AppendRecord { key: Bytes::new(), payload: Bytes::from_static(b"hb") }],
+        durability: Durability::All as i32,
+    };
+    client.append(request).await.unwrap();
+    // Node 1 is the receiver: it sees every node's report for every shard,
+    // with positions and, from the leader, per-follower lag.
+    wait_until("heartbeats from all 3 nodes for both shards, showing seqno 1", WAIT, || {
+        let status = futures::executor::block_on(cluster.status(1));
+        let ok = status.is_some_and(|s| {
+            let hbs = s["heartbeats_received"].as_array().cloned().unwrap_or_default();
+            let from =
+                |node: u64, shard: u64| hbs.iter().find(|h| h["node_id"] == node && h["shard_id"] == shard).cloned();
+            (1..=3).all(|n| (1..=2).all(|sh| from(n, sh).is_some()))
+                && (1..=3).all(|n| from(n, 1).is_some_and(|h| h["durable_seqno"] == 1 && h["entity_count"] == 1))
+                && from(1, 1).is_some_and(|h| h["replication_lag"].as_object().is_some_and(|m| m.len() == 2))
+        });
+        async move { ok }
+    })
+    .await;
+}
