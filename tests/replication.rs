@@ -447,3 +447,69 @@ async fn heartbeats_reach_the_configured_receiver() {
     })
     .await;
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn retention_holds_for_a_lagging_follower_up_to_the_bound_then_marks_it_for_reseed() {
+    // Readers keep ~20 KB; a lagging follower is waited for up to ~200 KB.
+    let mut cluster = Cluster::start(
+        3,
+        1,
+        "retain_bytes = 20000\nmax_retain_bytes = 200000\nretention_interval_ms = 100\nkeepalive_ms = 100\nship_timeout_ms = 1000",
+    );
+    let mut leader = cluster.node(1).client().await;
+    let append = |n: usize| AppendRequest {
+        shard_id: 1,
+        records: (0..n)
+            .map(|i| AppendRecord { key: Bytes::new(), payload: Bytes::from(format!("{i:0>100}")) })
+            .collect(),
+        durability: Durability::Quorum as i32,
+    };
+    leader.append(append(100)).await.unwrap();
+    converge(&mut cluster, 1, 1).await;
+    cluster.node(3).kill9();
+    // ~136 B frames: 600 more records (~80 KB) is past what readers keep but
+    // within the bound, so the leader must keep everything node 3 lacks.
+    for _ in 0..6 {
+        leader.append(append(100)).await.unwrap();
+    }
+    wait_until("node 2 (caught up) to compact its own copy past what readers keep", WAIT, || {
+        let s = futures::executor::block_on(cluster.status(2));
+        let first = s.map_or(0, |s| field(&s, 1, "first_seqno"));
+        async move { first > 100 }
+    })
+    .await;
+    let s = cluster.status(1).await.unwrap();
+    assert_eq!(field(&s, 1, "first_seqno"), 101, "leader keeps 101.. for node 3 (acked 100)");
+    // Node 3 comes back within the bound and catches up from the leader.
+    cluster.restart(3);
+    let last = converge(&mut cluster, 1, 1).await;
+    assert_eq!(last, 700);
+
+    // Now past the bound: node 3 down while ~400 KB are appended.
+    cluster.node(3).kill9();
+    for _ in 0..30 {
+        leader.append(append(100)).await.unwrap();
+    }
+    wait_until("leader to mark node 3 as needing a re-seed and compact past it", WAIT, || {
+        let s = futures::executor::block_on(cluster.status(1));
+        let ok = s.is_some_and(|s| {
+            follower(&s, 1, 3).is_some_and(|f| f["mode"] == "needs_reseed") && field(&s, 1, "first_seqno") > 701
+        });
+        async move { ok }
+    })
+    .await;
+    // The quorum still works, and node 3's catch-up is refused (it needs
+    // records no longer retained) rather than served a gap.
+    leader.append(append(1)).await.unwrap();
+    cluster.restart(3);
+    wait_until("node 3's catch-up to be refused as needing a re-seed", WAIT, || {
+        let refused =
+            futures::executor::block_on(metric(&mut cluster, 1, "walship_ship_refused_total{reason=\"needs_reseed\"}"));
+        async move { refused > 0.0 }
+    })
+    .await;
+    let s3 = cluster.status(3).await.unwrap();
+    assert_eq!(field(&s3, 1, "durable_seqno"), 700, "nothing was applied to node 3 across the gap");
+    let f = follower(&cluster.status(1).await.unwrap(), 1, 3).unwrap();
+    assert_eq!(f["mode"], "needs_reseed");
+}

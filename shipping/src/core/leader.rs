@@ -289,7 +289,10 @@ impl LeaderCore {
                 return Err(epoch);
             }
             ShipReply::StaleEpoch { .. } | ShipReply::Failed => {
-                p.mode = ShipMode::Probe;
+                // An unreachable follower that needs a re-seed still does.
+                if p.mode != ShipMode::NeedsReseed {
+                    p.mode = ShipMode::Probe;
+                }
                 p.next = p.acked + 1;
             }
             ShipReply::Applied { applied } | ShipReply::Gap { applied } => {
@@ -585,9 +588,13 @@ mod tests {
         assert_eq!(core.progress(2).unwrap().mode, ShipMode::NeedsReseed);
         // A re-seed follower no longer holds retention back.
         assert_eq!(core.plan_retention(10_000, 20_000).compact_to, Some(901));
-        // Its replies keep it in NeedsReseed while it lacks compacted records.
+        // Its replies, and its silence, keep it in NeedsReseed while it
+        // lacks compacted records.
         core.on_keepalive_sent(2, 3);
         core.on_reply(2, ShipReply::Applied { applied: 600 }, 3).unwrap();
+        assert_eq!(core.progress(2).unwrap().mode, ShipMode::NeedsReseed);
+        core.on_keepalive_sent(2, 4);
+        core.on_reply(2, ShipReply::Failed, 4).unwrap();
         assert_eq!(core.progress(2).unwrap().mode, ShipMode::NeedsReseed);
     }
 
