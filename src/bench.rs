@@ -1,13 +1,16 @@
 //! `walship bench`: append throughput and latency, printed beside this
 //! machine's raw disk limits measured in the same run.
 //!
-//! Two paths are measured over the same matrix (record sizes x concurrent
-//! appenders x shards), each appender issuing one single-record append at a
-//! time:
+//! Paths measured over the same matrix (record sizes x concurrent appenders
+//! x shards), each appender issuing one single-record append at a time:
 //! * `wal`: the node's WAL in process (group commit on raft-engine, no
 //!   network) — what the storage path can do;
-//! * `grpc`: a real `walship node` child process driven over loopback gRPC
-//!   at `local` durability — what a client sees.
+//! * `local`: one `walship node` child process over loopback gRPC at `local`
+//!   durability — what a client of a single node sees;
+//! * `quorum`, `all`: three `walship node` processes (RF=3, leaders spread
+//!   over the nodes, appenders sending to each shard's leader) at `quorum`
+//!   and `all` durability. All three replicas write to the same disk here,
+//!   so the disk ratio counts three copies of every byte.
 //!
 //! The raw baseline is a 4 KiB write + fdatasync loop (latency) and 1 MiB
 //! sequential writes with an fdatasync every 8 MiB (bandwidth), on the same
@@ -35,10 +38,30 @@ use walship_proto::log::{AppendRecord, AppendRequest, Durability};
 use walship_wal::{EngineStore, NewRecord, Wal, WalConfig, WalMetrics};
 
 #[derive(ValueEnum, Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Mode {
+pub enum BenchPath {
     Wal,
-    Grpc,
-    Both,
+    Local,
+    Quorum,
+    All,
+}
+
+impl BenchPath {
+    fn name(self) -> &'static str {
+        match self {
+            BenchPath::Wal => "wal",
+            BenchPath::Local => "local",
+            BenchPath::Quorum => "rf3-quorum",
+            BenchPath::All => "rf3-all",
+        }
+    }
+
+    /// Copies of every record the one disk writes.
+    fn copies(self) -> f64 {
+        match self {
+            BenchPath::Wal | BenchPath::Local => 1.0,
+            BenchPath::Quorum | BenchPath::All => 3.0,
+        }
+    }
 }
 
 #[derive(Args, Debug)]
@@ -47,13 +70,13 @@ pub struct BenchArgs {
     #[arg(long, default_value = ".walship/bench")]
     dir: PathBuf,
     /// Which paths to measure.
-    #[arg(long, value_enum, default_value = "both")]
-    mode: Mode,
+    #[arg(long, value_enum, value_delimiter = ',', default_value = "wal,local,quorum,all")]
+    paths: Vec<BenchPath>,
     /// Record payload sizes in bytes.
     #[arg(long, value_delimiter = ',', default_value = "100,1024,16384")]
     sizes: Vec<usize>,
     /// Concurrent appenders.
-    #[arg(long, value_delimiter = ',', default_value = "1,16,256")]
+    #[arg(long, value_delimiter = ',', default_value = "1,16,64,256")]
     appenders: Vec<usize>,
     /// Shard counts.
     #[arg(long, value_delimiter = ',', default_value = "1,8")]
@@ -79,7 +102,7 @@ struct Baseline {
 
 #[derive(Debug, Clone, Serialize)]
 struct Cell {
-    mode: &'static str,
+    path: &'static str,
     record_bytes: usize,
     shards: u32,
     appenders: usize,
@@ -88,8 +111,12 @@ struct Cell {
     p50_us: f64,
     p99_us: f64,
     p999_us: f64,
-    /// MiB/s of record payload ÷ raw sequential write MiB/s.
+    /// MiB/s of record payload written to the one disk (all copies) ÷ raw
+    /// sequential write MiB/s.
     bandwidth_ratio: f64,
+    /// records/s ÷ the single-node `local` path's records/s in the same cell,
+    /// when both were measured.
+    vs_local: Option<f64>,
     /// p99 append latency ÷ raw 4 KiB fdatasync p99.
     p99_ratio: f64,
 }
@@ -189,7 +216,7 @@ where
 }
 
 fn cell(
-    mode: &'static str,
+    path: BenchPath,
     size: usize,
     shards: u32,
     appenders: usize,
@@ -201,7 +228,7 @@ fn cell(
     let mib_per_s = records_per_s * size as f64 / (1 << 20) as f64;
     let p99 = lat.value_at_quantile(0.99) as f64;
     Cell {
-        mode,
+        path: path.name(),
         record_bytes: size,
         shards,
         appenders,
@@ -210,7 +237,8 @@ fn cell(
         p50_us: lat.value_at_quantile(0.5) as f64,
         p99_us: p99,
         p999_us: lat.value_at_quantile(0.999) as f64,
-        bandwidth_ratio: mib_per_s / base.seq_write_mib_s,
+        bandwidth_ratio: mib_per_s * path.copies() / base.seq_write_mib_s,
+        vs_local: None,
         p99_ratio: p99 / base.fdatasync_4k_p99_us,
     }
 }
@@ -253,24 +281,26 @@ async fn wal_cell(
     result
 }
 
-/// A `walship node` child process for the gRPC path.
-struct ChildNode {
-    child: std::process::Child,
-    grpc: String,
+/// `walship node` child processes, killed when dropped.
+struct Target {
+    /// gRPC address of shard i's leader at index i-1.
+    leaders: Vec<String>,
+    children: Vec<std::process::Child>,
 }
 
-impl Drop for ChildNode {
+impl Drop for Target {
     fn drop(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
+        for child in &mut self.children {
+            let _ = child.kill();
+            let _ = child.wait();
+        }
     }
 }
 
-fn spawn_node(data: &Path, shards: u32) -> Result<ChildNode> {
-    let exe = std::env::current_exe()?;
-    let mut child = Command::new(exe)
-        .args(["node", "--node-id", "1", "--grpc", "127.0.0.1:0", "--admin", "127.0.0.1:0", "--shards"])
-        .arg(format!("1-{shards}"))
+fn spawn_node(args: &[String], data: &Path) -> Result<(std::process::Child, String)> {
+    let mut child = Command::new(std::env::current_exe()?)
+        .arg("node")
+        .args(args)
         .arg("--data-dir")
         .arg(data)
         .env("WALSHIP_LOG", "warn")
@@ -284,43 +314,95 @@ fn spawn_node(data: &Path, shards: u32) -> Result<ChildNode> {
         .find_map(|w| w.strip_prefix("grpc="))
         .with_context(|| format!("node did not print its address: {line:?}"))?
         .to_string();
-    Ok(ChildNode { child, grpc })
+    Ok((child, grpc))
+}
+
+/// One node hosting shards `1..=shards` alone.
+fn single_node(data: &Path, shards: u32) -> Result<Target> {
+    let args: Vec<String> = ["--node-id", "1", "--grpc", "127.0.0.1:0", "--admin", "127.0.0.1:0", "--shards"]
+        .iter()
+        .map(|s| s.to_string())
+        .chain([format!("1-{shards}")])
+        .collect();
+    let (child, grpc) = spawn_node(&args, data)?;
+    Ok(Target { leaders: vec![grpc; shards as usize], children: vec![child] })
+}
+
+/// Three nodes, every shard at RF=3, leaders spread over the nodes.
+fn three_nodes(data: &Path, shards: u32) -> Result<Target> {
+    use walship_shipping::{ClusterConfig, NodeSpec, ReplicationConfig, ShardSpec};
+    let port = || -> Result<std::net::SocketAddr> { Ok(std::net::TcpListener::bind("127.0.0.1:0")?.local_addr()?) };
+    let mut nodes = Vec::new();
+    for id in 1..=3 {
+        nodes.push(NodeSpec { id, grpc_addr: port()?, admin_addr: port()?, region: id });
+    }
+    let shard_specs: Vec<ShardSpec> =
+        (1..=shards).map(|id| ShardSpec { id, replicas: vec![1, 2, 3], leader: (id - 1) % 3 + 1, epoch: 1 }).collect();
+    let leaders = shard_specs.iter().map(|s| nodes[s.leader as usize - 1].grpc_addr.to_string()).collect();
+    let config = ClusterConfig {
+        cluster_id: "bench".into(),
+        nodes,
+        shards: shard_specs,
+        replication: ReplicationConfig::default(),
+    };
+    std::fs::create_dir_all(data)?;
+    let file = data.join("cluster.toml");
+    std::fs::write(&file, toml::to_string_pretty(&config)?)?;
+    let mut children = Vec::new();
+    for id in 1..=3 {
+        let args = vec!["--node-id".to_string(), id.to_string(), "--cluster".into(), file.display().to_string()];
+        children.push(spawn_node(&args, &data.join(format!("node-{id}")))?.0);
+    }
+    Ok(Target { leaders, children })
 }
 
 async fn grpc_cell(
+    path: BenchPath,
     dir: &Path,
     size: usize,
     shards: u32,
     appenders: usize,
     args: &BenchArgs,
 ) -> Result<(Histogram<u64>, f64)> {
-    let data = dir.join(format!("node-{size}-{shards}-{appenders}"));
+    let data = dir.join(format!("{}-{size}-{shards}-{appenders}", path.name()));
     let _ = std::fs::remove_dir_all(&data);
-    let node = spawn_node(&data, shards)?;
-    // A few HTTP/2 connections, shared round-robin by the appenders.
-    let mut clients = Vec::new();
-    for _ in 0..appenders.clamp(1, 8) {
-        let channel: Channel = Endpoint::from_shared(format!("http://{}", node.grpc))?.connect().await?;
-        clients.push(LogClient::new(channel));
+    let (target, durability) = match path {
+        BenchPath::Local => (single_node(&data, shards)?, Durability::Local),
+        BenchPath::Quorum => (three_nodes(&data, shards)?, Durability::Quorum),
+        BenchPath::All => (three_nodes(&data, shards)?, Durability::All),
+        BenchPath::Wal => bail!("the wal path runs in process"),
+    };
+    // A few HTTP/2 connections per leader, shared round-robin by the appenders.
+    let mut clients: Vec<Vec<LogClient<Channel>>> = Vec::new();
+    for leader in &target.leaders {
+        let mut per = Vec::new();
+        for _ in 0..appenders.div_ceil(shards as usize).clamp(1, 4) {
+            let channel: Channel =
+                Endpoint::from_shared(format!("http://{leader}"))?.tcp_nodelay(true).connect().await?;
+            per.push(LogClient::new(channel));
+        }
+        clients.push(per);
     }
     let clients = Arc::new(clients);
     let body = payload(size);
     let result =
         drive(appenders, Duration::from_secs_f64(args.warmup), Duration::from_secs_f64(args.duration), move |i| {
-            let mut client = clients[i % clients.len()].clone();
+            let shard = i % clients.len();
+            let per = &clients[shard];
+            let mut client = per[(i / clients.len()) % per.len()].clone();
             let body = body.clone();
             async move {
                 let request = AppendRequest {
-                    shard_id: 1 + (i as u32 % shards),
+                    shard_id: shard as u32 + 1,
                     records: vec![AppendRecord { key: Bytes::new(), payload: body }],
-                    durability: Durability::Local as i32,
+                    durability: durability as i32,
                 };
                 client.append(request).await.map_err(|s| anyhow::anyhow!("append: {s}"))?;
                 Ok(())
             }
         })
         .await;
-    drop(node);
+    drop(target);
     let _ = std::fs::remove_dir_all(&data);
     result
 }
@@ -333,13 +415,14 @@ fn print_table(base: &Baseline, cells: &[Cell]) {
     );
     println!();
     println!(
-        "| path | record B | shards | appenders | records/s | MiB/s | p50 µs | p99 µs | p999 µs | MiB/s ÷ disk | p99 ÷ fsync p99 |"
+        "| path | record B | shards | appenders | records/s | MiB/s | p50 µs | p99 µs | p999 µs | disk MiB/s ÷ disk limit | p99 ÷ fsync p99 | ÷ local |"
     );
-    println!("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|");
+    println!("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|");
     for c in cells {
+        let vs_local = c.vs_local.map_or("".to_string(), |r| format!("{r:.2}"));
         println!(
-            "| {} | {} | {} | {} | {:.0} | {:.1} | {:.0} | {:.0} | {:.0} | {:.2} | {:.2} |",
-            c.mode,
+            "| {} | {} | {} | {} | {:.0} | {:.1} | {:.0} | {:.0} | {:.0} | {:.2} | {:.2} | {} |",
+            c.path,
             c.record_bytes,
             c.shards,
             c.appenders,
@@ -349,14 +432,20 @@ fn print_table(base: &Baseline, cells: &[Cell]) {
             c.p99_us,
             c.p999_us,
             c.bandwidth_ratio,
-            c.p99_ratio
+            c.p99_ratio,
+            vs_local
         );
     }
 }
 
 pub async fn run(args: BenchArgs) -> Result<()> {
-    if args.sizes.is_empty() || args.appenders.is_empty() || args.shards.is_empty() || args.duration <= 0.0 {
-        bail!("--sizes, --appenders and --shards need values and --duration must be positive");
+    if args.paths.is_empty()
+        || args.sizes.is_empty()
+        || args.appenders.is_empty()
+        || args.shards.is_empty()
+        || args.duration <= 0.0
+    {
+        bail!("--paths, --sizes, --appenders and --shards need values and --duration must be positive");
     }
     if args.appenders.contains(&0) || args.shards.contains(&0) {
         bail!("--appenders and --shards must be at least 1");
@@ -364,28 +453,32 @@ pub async fn run(args: BenchArgs) -> Result<()> {
     std::fs::create_dir_all(&args.dir).with_context(|| format!("creating {}", args.dir.display()))?;
     eprintln!("measuring the raw disk under {} ...", args.dir.display());
     let base = measure_baseline(&args.dir)?;
-    let mut cells = Vec::new();
-    let modes: &[&'static str] = match args.mode {
-        Mode::Wal => &["wal"],
-        Mode::Grpc => &["grpc"],
-        Mode::Both => &["wal", "grpc"],
-    };
-    for &mode in modes {
+    let mut cells: Vec<Cell> = Vec::new();
+    for &path in &args.paths {
         for &shards in &args.shards {
             for &size in &args.sizes {
                 for &appenders in &args.appenders {
-                    let (lat, seconds) = match mode {
-                        "wal" => wal_cell(&args.dir, size, shards, appenders, &args).await?,
-                        _ => grpc_cell(&args.dir, size, shards, appenders, &args).await?,
+                    let (lat, seconds) = match path {
+                        BenchPath::Wal => wal_cell(&args.dir, size, shards, appenders, &args).await?,
+                        _ => grpc_cell(path, &args.dir, size, shards, appenders, &args).await?,
                     };
-                    let c = cell(mode, size, shards, appenders, &lat, seconds, &base);
+                    let c = cell(path, size, shards, appenders, &lat, seconds, &base);
                     eprintln!(
-                        "{mode:>4} {size:>6} B  {shards} shard(s)  {appenders:>3} appenders: {:>9.0} rec/s {:>7.1} MiB/s  p99 {:>6.0} µs",
-                        c.records_per_s, c.mib_per_s, c.p99_us
+                        "{:>10} {size:>6} B  {shards} shard(s)  {appenders:>3} appenders: {:>9.0} rec/s {:>7.1} MiB/s  p99 {:>6.0} µs",
+                        c.path, c.records_per_s, c.mib_per_s, c.p99_us
                     );
                     cells.push(c);
                 }
             }
+        }
+    }
+    let local: Vec<Cell> = cells.iter().filter(|c| c.path == "local").cloned().collect();
+    for c in &mut cells {
+        if c.path.starts_with("rf3") {
+            c.vs_local = local
+                .iter()
+                .find(|l| (l.record_bytes, l.shards, l.appenders) == (c.record_bytes, c.shards, c.appenders))
+                .map(|l| c.records_per_s / l.records_per_s);
         }
     }
     print_table(&base, &cells);

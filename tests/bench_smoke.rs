@@ -22,13 +22,17 @@ fn bench_prints_figures_and_ratios() {
     let stdout = String::from_utf8_lossy(&output.stdout);
     assert!(output.status.success(), "bench failed: {}", String::from_utf8_lossy(&output.stderr));
     assert!(stdout.contains("raw disk: 4 KiB write+fdatasync"), "{stdout}");
-    assert!(stdout.contains("| wal | 100 | 1 | 2 |") && stdout.contains("| grpc | 100 | 1 | 2 |"), "{stdout}");
+    for path in ["wal", "local", "rf3-quorum", "rf3-all"] {
+        assert!(stdout.contains(&format!("| {path} | 100 | 1 | 2 |")), "no {path} row in:\n{stdout}");
+    }
     let report: serde_json::Value = serde_json::from_slice(&std::fs::read(json).unwrap()).unwrap();
     assert!(report["baseline"]["seq_write_mib_s"].as_f64().unwrap() > 0.0);
     let cells = report["cells"].as_array().unwrap();
-    assert_eq!(cells.len(), 2);
+    assert_eq!(cells.len(), 4);
     for cell in cells {
         assert!(cell["records_per_s"].as_f64().unwrap() > 0.0, "{cell}");
         assert!(cell["p99_ratio"].as_f64().unwrap() > 0.0, "{cell}");
+        let replicated = cell["path"].as_str().unwrap().starts_with("rf3");
+        assert_eq!(cell["vs_local"].as_f64().is_some(), replicated, "{cell}");
     }
 }
