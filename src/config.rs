@@ -43,6 +43,9 @@ pub struct WalTuning {
     pub max_batch_bytes: usize,
     /// raft-engine log file size before rotation.
     pub target_file_bytes: u64,
+    /// Bytes of each shard's newest records kept in memory for shippers and
+    /// tails.
+    pub tail_cache_bytes: usize,
 }
 
 impl Default for WalTuning {
@@ -53,6 +56,7 @@ impl Default for WalTuning {
             linger_us: wal.linger.as_micros() as u64,
             max_batch_bytes: wal.max_batch_bytes,
             target_file_bytes: store.target_file_bytes,
+            tail_cache_bytes: wal.tail_cache_bytes,
         }
     }
 }

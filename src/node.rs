@@ -155,6 +155,7 @@ pub async fn start_node(config: NodeConfig, cluster: Option<ClusterConfig>) -> R
     let wal_config = WalConfig {
         linger: Duration::from_micros(config.wal.linger_us),
         max_batch_bytes: config.wal.max_batch_bytes,
+        tail_cache_bytes: config.wal.tail_cache_bytes,
         ..WalConfig::default()
     };
     let wal = Wal::start(store.clone(), wal_config, WalMetrics::new(&registry)?)?;

@@ -11,7 +11,7 @@ fn bench_prints_figures_and_ratios() {
     let dir = tempfile::tempdir().unwrap();
     let json = dir.path().join("out.json");
     let output = Command::new(common::walship_bin())
-        .args(["bench", "--sizes", "100", "--appenders", "2", "--shards", "1", "--duration", "0.2", "--warmup", "0.05"])
+        .args(["bench", "--sizes", "100", "--appenders", "2", "--shards", "1", "--duration", "0.5", "--warmup", "0.2"])
         .arg("--dir")
         .arg(dir.path().join("data"))
         .arg("--json")

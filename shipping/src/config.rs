@@ -245,6 +245,17 @@ mod tests {
     }
 
     #[test]
+    fn example_cluster_config_parses_and_is_valid() {
+        let config: ClusterConfig = toml::from_str(include_str!("../../ops/cluster.example.toml")).unwrap();
+        config.validate().unwrap();
+        assert_eq!(config.shards_of(2).len(), 3);
+        assert_eq!(config.replication.heartbeat_to, Some("10.0.0.1:7400".parse().unwrap()));
+        // Every [replication] key the example shows carries the default.
+        let defaults = ReplicationConfig { heartbeat_to: config.replication.heartbeat_to, ..Default::default() };
+        assert_eq!(config.replication, defaults);
+    }
+
+    #[test]
     fn valid_config_passes() {
         three().validate().unwrap();
     }

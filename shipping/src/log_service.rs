@@ -279,6 +279,9 @@ impl Log for LogService {
             .await
             .map_err(|e| self.reject("append", wal_status(e)))?;
         match durability {
+            // With one replica the commit is the local fsync; waiting for it
+            // to be published keeps read-your-write for every level.
+            Durability::Local if replica.replicas.len() == 1 => replica.wait_commit(appended.last_seqno).await,
             Durability::Local => {}
             Durability::Quorum | Durability::Unspecified => replica.wait_commit(appended.last_seqno).await,
             Durability::All => replica.wait_all(appended.last_seqno).await,

@@ -96,11 +96,20 @@ pub struct WalConfig {
     /// requests are queued than the previous commit carried, so a lone
     /// appender never waits.
     pub linger: Duration,
+    /// Bytes of each shard's newest durable frames kept in memory, so the
+    /// readers at the head of the log (shippers, tails, short catch-ups)
+    /// never go back to the storage engine.
+    pub tail_cache_bytes: usize,
 }
 
 impl Default for WalConfig {
     fn default() -> Self {
-        WalConfig { max_batch_bytes: 8 << 20, queue_capacity: 16 * 1024, linger: Duration::from_micros(200) }
+        WalConfig {
+            max_batch_bytes: 8 << 20,
+            queue_capacity: 16 * 1024,
+            linger: Duration::from_micros(200),
+            tail_cache_bytes: 8 << 20,
+        }
     }
 }
 
@@ -144,6 +153,76 @@ impl Request {
     }
 }
 
+/// A shard's newest durable frames, contiguous, within a byte budget.
+/// Only the writer thread changes it, always before the positions it covers
+/// are published.
+#[derive(Default)]
+struct TailCache {
+    frames: std::collections::VecDeque<Frame>,
+    bytes: usize,
+}
+
+impl TailCache {
+    fn push(&mut self, frames: &[Frame], budget: usize) {
+        if let (Some(back), Some(first)) = (self.frames.back(), frames.first())
+            && back.seqno() + 1 != first.seqno()
+        {
+            self.clear();
+        }
+        for frame in frames {
+            self.bytes += frame.len();
+            self.frames.push_back(frame.clone());
+        }
+        while self.bytes > budget {
+            match self.frames.pop_front() {
+                Some(f) => self.bytes -= f.len(),
+                None => break,
+            }
+        }
+    }
+
+    fn clear(&mut self) {
+        self.frames.clear();
+        self.bytes = 0;
+    }
+
+    /// Drops frames after `keep_through`.
+    fn truncate(&mut self, keep_through: u64) {
+        while self.frames.back().is_some_and(|f| f.seqno() > keep_through) {
+            let f = self.frames.pop_back().expect("checked");
+            self.bytes -= f.len();
+        }
+    }
+
+    /// Drops frames before `first_kept`.
+    fn compact(&mut self, first_kept: u64) {
+        while self.frames.front().is_some_and(|f| f.seqno() < first_kept) {
+            let f = self.frames.pop_front().expect("checked");
+            self.bytes -= f.len();
+        }
+    }
+
+    /// Frames `[from, to]` if the cache holds all of them, cut at
+    /// `max_bytes` like a store read (at least one frame).
+    fn read(&self, from: u64, to: u64, max_bytes: usize) -> Option<Vec<Frame>> {
+        let first = self.frames.front()?.seqno();
+        let last = self.frames.back()?.seqno();
+        if from < first || to > last || from > to {
+            return None;
+        }
+        let mut out = Vec::new();
+        let mut size = 0;
+        for frame in self.frames.range((from - first) as usize..=(to - first) as usize) {
+            size += frame.len();
+            if size > max_bytes && !out.is_empty() {
+                break;
+            }
+            out.push(frame.clone());
+        }
+        Some(out)
+    }
+}
+
 /// Per-shard positions shared between the writer and readers.
 struct ShardPositions {
     first: AtomicU64,
@@ -152,6 +231,8 @@ struct ShardPositions {
     /// durable seqno also sees at least the bytes that brought it there.
     records: AtomicU64,
     bytes: AtomicU64,
+    /// The newest durable frames, contiguous, oldest first.
+    tail: parking_lot::Mutex<TailCache>,
     durable: watch::Sender<u64>,
     gauges: ShardGauges,
 }
@@ -163,6 +244,7 @@ impl ShardPositions {
             last: AtomicU64::new(bounds.last_seqno),
             records: AtomicU64::new(0),
             bytes: AtomicU64::new(0),
+            tail: parking_lot::Mutex::new(TailCache::default()),
             durable: watch::Sender::new(bounds.durable_seqno),
             gauges,
         };
@@ -331,7 +413,9 @@ impl Wal {
     /// thread. Callers bound `to` by the position they may expose (durable or
     /// committed).
     pub async fn read(&self, shard: ShardId, from: u64, to: u64, max_bytes: usize) -> WalResult<Vec<Frame>> {
-        self.shared.shard(shard)?;
+        if let Some(frames) = self.shared.shard(shard)?.tail.lock().read(from, to, max_bytes) {
+            return Ok(frames);
+        }
         let store = self.shared.store.clone();
         tokio::task::spawn_blocking(move || store.read(shard, from, to, max_bytes))
             .await
@@ -483,12 +567,20 @@ impl Writer {
                 }
                 Request::Truncate { shard, keep_through, reply } => {
                     self.commit(std::mem::take(&mut batch));
+                    if let Ok(p) = self.shared.shard(shard) {
+                        p.tail.lock().truncate(keep_through);
+                    }
                     let result = self.shared.store.truncate_suffix(shard, keep_through);
                     let _ = reply.send(self.after_control(shard, result));
                 }
                 Request::Compact { shard, first_kept, reply } => {
                     self.commit(std::mem::take(&mut batch));
                     let result = self.shared.store.compact_prefix(shard, first_kept);
+                    if result.is_ok()
+                        && let Ok(p) = self.shared.shard(shard)
+                    {
+                        p.tail.lock().compact(first_kept);
+                    }
                     let _ = reply.send(self.after_control(shard, result));
                 }
             }
@@ -544,6 +636,7 @@ impl Writer {
                 let bytes: usize = part.frames.iter().map(Frame::len).sum();
                 positions.records.fetch_add(part.frames.len() as u64, Ordering::AcqRel);
                 positions.bytes.fetch_add(bytes as u64, Ordering::AcqRel);
+                positions.tail.lock().push(&part.frames, self.config.tail_cache_bytes);
             }
         }
         let shards: Vec<ShardId> = batch.parts.iter().map(|p| p.shard).collect();
@@ -615,6 +708,39 @@ mod tests {
         let dir = tempfile::tempdir().unwrap();
         let store = EngineStore::open(dir.path(), &Default::default()).unwrap();
         many_appenders_get_contiguous_seqnos(Arc::new(store)).await;
+    }
+
+    #[test]
+    fn tail_cache_keeps_the_newest_contiguous_frames_within_budget() {
+        let frames = crate::conformance::frames(1, 10, 1);
+        let one = frames[0].len();
+        let mut cache = TailCache::default();
+        cache.push(&frames[..6], one * 4);
+        assert_eq!(cache.frames.len(), 4, "budget of 4 frames");
+        assert_eq!(cache.read(3, 6, usize::MAX).unwrap(), frames[2..6].to_vec());
+        assert_eq!(cache.read(2, 6, usize::MAX), None, "2 was evicted: the store serves it");
+        assert_eq!(cache.read(5, 7, usize::MAX), None, "7 is not cached yet");
+        assert_eq!(cache.read(3, 6, one).unwrap().len(), 1, "max_bytes cuts, at least one frame");
+        // A push that does not continue the cached run replaces it.
+        cache.push(&frames[7..9], one * 4);
+        assert_eq!(cache.read(8, 9, usize::MAX).unwrap(), frames[7..9].to_vec());
+        assert_eq!(cache.read(6, 6, usize::MAX), None);
+        cache.truncate(8);
+        assert_eq!(cache.read(9, 9, usize::MAX), None);
+        cache.compact(9);
+        assert!(cache.frames.is_empty());
+        assert_eq!(cache.bytes, 0);
+    }
+
+    #[tokio::test]
+    async fn reads_after_truncation_see_the_replacement_not_the_cached_tail() {
+        let wal = Wal::start(Arc::new(MemStore::new()), WalConfig::default(), WalMetrics::unregistered()).unwrap();
+        wal.create_shard(1).unwrap();
+        wal.append(1, 1, records(5)).await.unwrap();
+        wal.truncate_suffix(1, 3).await.unwrap();
+        wal.append_frames(1, crate::conformance::frames(4, 2, 2)).await.unwrap();
+        let epochs: Vec<u64> = wal.read(1, 1, 5, usize::MAX).await.unwrap().iter().map(Frame::epoch).collect();
+        assert_eq!(epochs, vec![1, 1, 1, 2, 2]);
     }
 
     #[tokio::test]
