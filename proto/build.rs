@@ -10,6 +10,7 @@ const PROTOS: &[&str] = &[
     "proto/dataplane/v1/dataplane.proto",
     "proto/dataplane/v1/peer.proto",
     "proto/walship/v1/log.proto",
+    "proto/walship/v1/control.proto",
 ];
 
 fn main() -> Result<(), Box<dyn std::error::Error>> {

@@ -340,6 +340,7 @@ fn three_nodes(data: &Path, shards: u32) -> Result<Target> {
         (1..=shards).map(|id| ShardSpec { id, replicas: vec![1, 2, 3], leader: (id - 1) % 3 + 1, epoch: 1 }).collect();
     let leaders = shard_specs.iter().map(|s| nodes[s.leader as usize - 1].grpc_addr.to_string()).collect();
     let config = ClusterConfig {
+        coordinators: Vec::new(),
         cluster_id: "bench".into(),
         nodes,
         shards: shard_specs,

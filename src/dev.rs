@@ -80,7 +80,8 @@ fn dev_cluster(args: &DevArgs) -> Result<ClusterConfig> {
         .map(|id| ShardSpec { id, replicas: replicas.clone(), leader: (id - 1) % args.nodes + 1, epoch: 1 })
         .collect();
     let replication = ReplicationConfig { heartbeat_to: Some(nodes[0].grpc_addr), ..ReplicationConfig::default() };
-    let config = ClusterConfig { cluster_id: "walship-dev".into(), nodes, shards, replication };
+    let config =
+        ClusterConfig { cluster_id: "walship-dev".into(), coordinators: Vec::new(), nodes, shards, replication };
     config.validate()?;
     Ok(config)
 }

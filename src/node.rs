@@ -11,12 +11,13 @@ use clap::Args;
 use tokio::net::TcpListener;
 use tokio_util::sync::CancellationToken;
 use walship_admin_api::NodeAdmin;
+use walship_proto::log::control_server::ControlServer;
 use walship_proto::log::log_server::LogServer;
 use walship_proto::replication::wal_shipping_server::WalShippingServer;
 use walship_shipping::peers::MAX_PEER_MESSAGE_BYTES;
 use walship_shipping::{
-    ClusterConfig, LogLimits, LogService, LogServiceMetrics, NodeSpec, ReplicationMetrics, ReplicationNode,
-    WalShippingService,
+    ClusterConfig, ControlService, LogLimits, LogService, LogServiceMetrics, NodeSpec, ReplicationMetrics,
+    ReplicationNode, WalShippingService,
 };
 use walship_wal::{EngineStore, EngineStoreConfig, Wal, WalConfig, WalMetrics};
 
@@ -49,10 +50,14 @@ pub struct NodeArgs {
     /// Largest key + payload of one record, in bytes.
     #[arg(long)]
     max_record_bytes: Option<usize>,
+    /// Honour the coordinator's crash drills (the process aborts as if
+    /// killed). For dev and test clusters only.
+    #[arg(long)]
+    allow_crash_drills: bool,
 }
 
 impl NodeArgs {
-    fn into_config(self) -> Result<(NodeConfig, Option<ClusterConfig>)> {
+    fn into_config(self) -> Result<(NodeConfig, Option<ClusterConfig>, bool)> {
         let cluster = self.cluster.as_deref().map(ClusterConfig::load).transpose()?;
         let mut config = match &self.config {
             Some(path) => NodeConfig::load(path)?,
@@ -94,7 +99,7 @@ impl NodeArgs {
             config.limits.max_record_bytes = max;
         }
         config.validate(cluster.is_some())?;
-        Ok((config, cluster))
+        Ok((config, cluster, self.allow_crash_drills))
     }
 }
 
@@ -130,7 +135,11 @@ async fn shutdown_signal() {
 /// Opens the WAL, starts replication and serving. Returns once both
 /// listeners are bound. Without a cluster config the node is a one-node
 /// cluster of its `shards`.
-pub async fn start_node(config: NodeConfig, cluster: Option<ClusterConfig>) -> Result<RunningNode> {
+pub async fn start_node(
+    config: NodeConfig,
+    cluster: Option<ClusterConfig>,
+    allow_crash_drills: bool,
+) -> Result<RunningNode> {
     let grpc_listener =
         TcpListener::bind(config.grpc_addr).await.with_context(|| format!("binding gRPC {}", config.grpc_addr))?;
     let admin_listener =
@@ -166,7 +175,9 @@ pub async fn start_node(config: NodeConfig, cluster: Option<ClusterConfig>) -> R
         wal.clone(),
         ReplicationMetrics::new(&registry)?,
         disk_bytes,
+        allow_crash_drills,
     )
+    .await
     .map_err(|status| anyhow::anyhow!("starting replication: {}", status.message()))?;
     for shard in wal.shards() {
         let p = wal.positions(shard)?;
@@ -180,6 +191,7 @@ pub async fn start_node(config: NodeConfig, cluster: Option<ClusterConfig>) -> R
     let (health, health_service) = tonic_health::server::health_reporter();
     health.set_serving::<LogServer<LogService>>().await;
     health.set_serving::<WalShippingServer<WalShippingService>>().await;
+    health.set_serving::<ControlServer<ControlService>>().await;
     // Both reflection versions: older grpcurl and tools only speak v1alpha.
     let reflection = || {
         tonic_reflection::server::Builder::configure()
@@ -190,6 +202,7 @@ pub async fn start_node(config: NodeConfig, cluster: Option<ClusterConfig>) -> R
     let reflection_v1alpha = reflection().build_v1alpha()?;
 
     let shutdown = node.shutdown.clone();
+    let control_node = node.clone();
     let grpc_shutdown = shutdown.clone();
     let shipping = WalShippingServer::new(WalShippingService::new(node.clone()))
         .max_decoding_message_size(MAX_PEER_MESSAGE_BYTES)
@@ -203,6 +216,7 @@ pub async fn start_node(config: NodeConfig, cluster: Option<ClusterConfig>) -> R
                 LogServer::new(log).max_decoding_message_size(max_message).max_encoding_message_size(max_message),
             )
             .add_service(shipping)
+            .add_service(ControlServer::new(ControlService::new(control_node)))
             .serve_with_incoming_shutdown(
                 // Small request/response RPCs: Nagle plus delayed ACKs would add ~40 ms.
                 tonic::transport::server::TcpIncoming::from(grpc_listener).with_nodelay(Some(true)),
@@ -224,9 +238,9 @@ pub async fn start_node(config: NodeConfig, cluster: Option<ClusterConfig>) -> R
 }
 
 pub async fn run_node(args: NodeArgs) -> Result<()> {
-    let (config, cluster) = args.into_config()?;
+    let (config, cluster, allow_crash_drills) = args.into_config()?;
     let node_id = config.node_id;
-    let node = start_node(config, cluster).await?;
+    let node = start_node(config, cluster, allow_crash_drills).await?;
     // One stable, parseable line for scripts and tests.
     println!("walship node {node_id} listening grpc={} admin={}", node.grpc_addr, node.admin_addr);
     node.run_until_signal().await

@@ -22,7 +22,8 @@ pub mod dataplane {
     tonic::include_proto!("dataplane.v1");
 }
 
-/// `walship.v1`: the client Log service.
+/// `walship.v1`: the client Log service and the Control service
+/// (leadership: fence, assign, epoch ends; drills).
 pub mod log {
     tonic::include_proto!("walship.v1");
 }

@@ -78,9 +78,15 @@ pub struct ReplicationConfig {
     pub retention_interval_ms: u64,
     /// How often a node sends Heartbeat.
     pub heartbeat_ms: u64,
-    /// Where heartbeats go (a node's or, later, the coordinator's gRPC
-    /// address); none = not sent.
+    /// Where heartbeats go besides every coordinator (e.g. a node's gRPC
+    /// address in a static cluster); none = coordinators only.
     pub heartbeat_to: Option<SocketAddr>,
+    /// Coordinator: a leader whose heartbeats stop for this long is lost and
+    /// its shards fail over (defaults tuned for loopback).
+    pub leader_timeout_ms: u64,
+    /// Coordinator: the active coordinator's lease; a standby takes over
+    /// this long after the active one stops renewing.
+    pub coordinator_lease_ms: u64,
 }
 
 impl Default for ReplicationConfig {
@@ -96,8 +102,10 @@ impl Default for ReplicationConfig {
             retain_bytes: 1 << 30,
             max_retain_bytes: 4 << 30,
             retention_interval_ms: 5_000,
-            heartbeat_ms: 1_000,
+            heartbeat_ms: 50,
             heartbeat_to: None,
+            leader_timeout_ms: 250,
+            coordinator_lease_ms: 2_000,
         }
     }
 }
@@ -108,12 +116,28 @@ impl ReplicationConfig {
     }
 }
 
+/// A coordinator (`walship coord`).
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq, Eq)]
+#[serde(deny_unknown_fields)]
+pub struct CoordinatorSpec {
+    pub id: String,
+    /// gRPC address nodes send heartbeats to.
+    pub grpc_addr: SocketAddr,
+    /// Admin HTTP address (cluster API and dashboard).
+    pub admin_addr: SocketAddr,
+}
+
 /// The whole cluster.
 #[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
 #[serde(deny_unknown_fields)]
 pub struct ClusterConfig {
     #[serde(default = "default_cluster_id")]
     pub cluster_id: String,
+    /// Coordinators. With none, leadership is static (the shards' `leader`
+    /// and `epoch` below); with some, the active coordinator owns it and the
+    /// shards' `leader` is only the initial assignment.
+    #[serde(default)]
+    pub coordinators: Vec<CoordinatorSpec>,
     pub nodes: Vec<NodeSpec>,
     pub shards: Vec<ShardSpec>,
     #[serde(default)]
@@ -150,6 +174,7 @@ impl ClusterConfig {
         let id = node.id;
         ClusterConfig {
             cluster_id: default_cluster_id(),
+            coordinators: Vec::new(),
             nodes: vec![node],
             shards: shards.iter().map(|&s| ShardSpec { id: s, replicas: vec![id], leader: id, epoch: 1 }).collect(),
             replication: ReplicationConfig::default(),
@@ -207,6 +232,11 @@ impl ClusterConfig {
         Ok(())
     }
 
+    /// Leadership comes from a coordinator rather than this file.
+    pub fn coordinated(&self) -> bool {
+        !self.coordinators.is_empty()
+    }
+
     pub fn node(&self, id: NodeId) -> Option<&NodeSpec> {
         self.nodes.iter().find(|n| n.id == id)
     }
@@ -238,6 +268,7 @@ mod tests {
     fn three() -> ClusterConfig {
         ClusterConfig {
             cluster_id: "t".into(),
+            coordinators: Vec::new(),
             nodes: vec![node(1, 7001), node(2, 7002), node(3, 7003)],
             shards: vec![ShardSpec { id: 1, replicas: vec![1, 2, 3], leader: 1, epoch: 1 }],
             replication: ReplicationConfig::default(),

@@ -26,7 +26,7 @@ pub use config::{ClusterConfig, NodeSpec, ReplicationConfig, ShardSpec};
 pub use log_service::{LogLimits, LogService, LogServiceMetrics};
 pub use metrics::ReplicationMetrics;
 pub use replica::{ReplicaStatus, ReplicationNode};
-pub use server::WalShippingService;
+pub use server::{ControlService, WalShippingService};
 
 /// A node's id in the cluster configuration.
 pub type NodeId = u32;

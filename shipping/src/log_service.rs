@@ -31,7 +31,11 @@ use walship_proto::log::{
 
 use walship_wal::{Frame, NewRecord, ShardId, StoreError, Wal, WalError};
 
-use crate::replica::{ReplicationNode, ShardReplica};
+use crate::replica::{ReplicationNode, Role, ShardReplica};
+
+/// Response metadata on an append whose outcome the node cannot know (it
+/// stopped leading while waiting for the durability asked for): `unknown`.
+pub const OUTCOME_METADATA_KEY: &str = "walship-outcome";
 
 /// Request limits a node enforces on its clients.
 #[derive(Debug, Clone, serde::Deserialize, serde::Serialize)]
@@ -119,6 +123,9 @@ fn wal_status(error: WalError) -> Status {
         WalError::Store(e @ StoreError::BadPosition { .. }) => Status::failed_precondition(e.to_string()),
         WalError::Store(e @ (StoreError::Corrupt { .. } | StoreError::Io(_))) => Status::internal(e.to_string()),
         WalError::Closed => Status::unavailable("the WAL writer has stopped"),
+        WalError::StaleEpoch { shard, epoch, promised } => Status::unavailable(format!(
+            "shard {shard}: leadership moved on (epoch {promised}) before this append in epoch {epoch} was written; it was not written"
+        )),
     }
 }
 
@@ -152,32 +159,40 @@ impl LogService {
         self.node.replica(shard).ok_or_else(|| Status::not_found(format!("shard {shard} is not hosted by this node")))
     }
 
-    /// The leader replica of `shard`, or the not-leader refusal naming it.
-    fn leader_replica(&self, shard: ShardId) -> Result<&Arc<ShardReplica>, Status> {
-        let replica = self.replica(shard)?;
-        if replica.is_leader() {
-            return Ok(replica);
-        }
-        let leader = self.node.describe(replica.leader_id(self.node.me));
-        let mut status = Status::failed_precondition(format!(
-            "node {} is a follower of shard {shard}; append to its leader, node {leader}",
-            self.node.me
-        ));
-        if let Ok(value) = leader.parse() {
-            status.metadata_mut().insert(walship_proto::LEADER_METADATA_KEY, value);
-        }
-        Err(status)
-    }
-
     fn reject(&self, rpc: &str, status: Status) -> Status {
         self.metrics.rejected.with_label_values(&[rpc, &format!("{:?}", status.code())]).inc();
         status
     }
 
-    fn validate_append(&self, req: &AppendRequest) -> Result<(Durability, &Arc<ShardReplica>), Status> {
+    /// The leader replica of `shard` and its epoch, or the not-leader
+    /// refusal naming the leader when known.
+    fn leader_replica(&self, shard: ShardId) -> Result<(&Arc<ShardReplica>, u64), Status> {
+        let replica = self.replica(shard)?;
+        let view = replica.view();
+        match view.role {
+            Role::Leader => Ok((replica, view.epoch)),
+            Role::Follower { leader } => {
+                let leader = self.node.describe(leader);
+                let mut status = Status::failed_precondition(format!(
+                    "node {} is a follower of shard {shard}; append to its leader, node {leader}",
+                    self.node.me
+                ));
+                if let Ok(value) = leader.parse() {
+                    status.metadata_mut().insert(walship_proto::LEADER_METADATA_KEY, value);
+                }
+                Err(status)
+            }
+            Role::Unassigned => Err(Status::unavailable(format!(
+                "shard {shard} has no leader assigned on node {} (epoch {}); a failover is in progress",
+                self.node.me, view.epoch
+            ))),
+        }
+    }
+
+    fn validate_append(&self, req: &AppendRequest) -> Result<(Durability, &Arc<ShardReplica>, u64), Status> {
         let durability = Durability::try_from(req.durability)
             .map_err(|_| Status::invalid_argument(format!("unknown durability {}", req.durability)))?;
-        let replica = self.leader_replica(req.shard_id)?;
+        let (replica, epoch) = self.leader_replica(req.shard_id)?;
         if req.records.is_empty() {
             return Err(Status::invalid_argument("an append must carry at least one record"));
         }
@@ -205,7 +220,7 @@ impl LogService {
                 self.limits.max_batch_bytes
             )));
         }
-        Ok((durability, replica))
+        Ok((durability, replica, epoch))
     }
 
     /// Checks `from` for a read or tail: seqnos start at 1 and compacted
@@ -269,32 +284,36 @@ impl Log for LogService {
     async fn append(&self, request: Request<AppendRequest>) -> Result<Response<AppendResponse>, Status> {
         let started = Instant::now();
         let req = request.into_inner();
-        let (durability, replica) = self.validate_append(&req).map_err(|s| self.reject("append", s))?;
+        let (durability, replica, epoch) = self.validate_append(&req).map_err(|s| self.reject("append", s))?;
         let replica = replica.clone();
         self.metrics.append_batch_records.observe(req.records.len() as f64);
         let records = req.records.into_iter().map(|r| NewRecord { key: r.key, payload: r.payload }).collect();
-        let appended = self
-            .wal
-            .append(req.shard_id, replica.epoch, records)
-            .await
-            .map_err(|e| self.reject("append", wal_status(e)))?;
-        match durability {
+        let appended =
+            self.wal.append(req.shard_id, epoch, records).await.map_err(|e| self.reject("append", wal_status(e)))?;
+        let reached = match durability {
             // With one replica the commit is the local fsync; waiting for it
             // to be published keeps read-your-write for every level.
             Durability::Local if replica.replicas.len() == 1 => replica.wait_commit(appended.last_seqno).await,
-            Durability::Local => {}
+            Durability::Local => true,
             Durability::Quorum | Durability::Unspecified => replica.wait_commit(appended.last_seqno).await,
             Durability::All => replica.wait_all(appended.last_seqno).await,
+        };
+        if !reached {
+            let mut status = Status::unavailable(format!(
+                "shard {}: this node stopped leading before seqnos {}..={} reached {} durability; their outcome is unknown",
+                req.shard_id,
+                appended.first_seqno,
+                appended.last_seqno,
+                durability_name(durability)
+            ));
+            status.metadata_mut().insert(OUTCOME_METADATA_KEY, "unknown".parse().expect("ascii"));
+            return Err(self.reject("append", status));
         }
         self.metrics
             .append_seconds
             .with_label_values(&[durability_name(durability)])
             .observe(started.elapsed().as_secs_f64());
-        Ok(Response::new(AppendResponse {
-            first_seqno: appended.first_seqno,
-            last_seqno: appended.last_seqno,
-            epoch: replica.epoch,
-        }))
+        Ok(Response::new(AppendResponse { first_seqno: appended.first_seqno, last_seqno: appended.last_seqno, epoch }))
     }
 
     async fn read(&self, request: Request<ReadRequest>) -> Result<Response<ReadResponse>, Status> {

@@ -7,6 +7,7 @@ use std::net::SocketAddr;
 use std::time::Duration;
 
 use tonic::transport::{Channel, Endpoint};
+use walship_proto::log::control_client::ControlClient;
 use walship_proto::replication::wal_shipping_client::WalShippingClient;
 
 use crate::NodeId;
@@ -46,5 +47,9 @@ impl Peers {
                 .max_decoding_message_size(MAX_PEER_MESSAGE_BYTES)
                 .max_encoding_message_size(MAX_PEER_MESSAGE_BYTES)
         })
+    }
+
+    pub fn control(&self, node: NodeId) -> Option<ControlClient<Channel>> {
+        self.peers.get(&node).map(|(_, channel)| ControlClient::new(channel.clone()))
     }
 }

@@ -15,6 +15,14 @@
 //! Only durable records are ever shipped or served; a follower's
 //! `applied_seqno` is its durable frontier; reads on any replica stop at the
 //! commit position it knows.
+//!
+//! Leadership is dynamic: `fence` raises a replica's promised epoch (durably;
+//! it refuses everything older from then on and stops leading), `assign`
+//! makes it the leader of an epoch or a follower of one. A follower repairs
+//! its log against a new leader before applying anything from it: it asks
+//! where its last record's epoch ends in the leader's log (`EpochEnd`) and
+//! truncates the divergent tail, like Kafka's leader-epoch truncation. Role
+//! changes are serialised per shard.
 
 use std::collections::BTreeMap;
 use std::sync::Arc;
@@ -29,13 +37,14 @@ use tokio::sync::watch;
 use tokio_util::sync::CancellationToken;
 use tonic::Status;
 use tonic::metadata::MetadataValue;
+use walship_proto::log::{AssignResponse, EpochEndRequest, FenceResponse};
 use walship_proto::replication::{HeartbeatRequest, ShipSegmentRequest, StreamRequest, WalSegmentId};
 use walship_wal::{Segment, ShardId, Wal};
 
 use crate::NodeId;
 use crate::config::{ClusterConfig, ShardSpec};
 use crate::core::follower::{FollowerView, Inbound, InboundSegment, check_envelope, classify};
-use crate::core::leader::{FollowerProgress, Lag, LeaderCore, LeaderSettings, ShipDecision, ShipReply};
+use crate::core::leader::{FollowerProgress, Lag, LeaderCore, LeaderSettings, LeaderStart, ShipDecision, ShipReply};
 use crate::limiter::RateLimiter;
 use crate::metrics::ReplicationMetrics;
 use crate::peers::Peers;
@@ -53,7 +62,18 @@ pub fn now_us() -> u64 {
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Role {
     Leader,
-    Follower { leader: NodeId },
+    Follower {
+        leader: NodeId,
+    },
+    /// Fenced, or restarted under a coordinator: waits for an assignment.
+    Unassigned,
+}
+
+/// A replica's role and the epoch it holds it in.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct View {
+    pub role: Role,
+    pub epoch: u64,
 }
 
 /// Where an inbound segment came from.
@@ -73,9 +93,12 @@ impl Source {
 }
 
 struct LeaderState {
+    epoch: u64,
     core: Mutex<LeaderCore>,
     /// The durable position the core has folded in; shippers wait on it.
     core_durable: watch::Sender<u64>,
+    /// Stops this leadership's tasks.
+    stop: CancellationToken,
 }
 
 struct FollowerState {
@@ -83,7 +106,8 @@ struct FollowerState {
     apply_lock: tokio::sync::Mutex<()>,
     /// One past everything applied or queued.
     next_expected: watch::Sender<u64>,
-    epoch_seen: AtomicU64,
+    /// The epoch whose leader this log has been reconciled with.
+    repaired_epoch: AtomicU64,
     /// The newest commit position a leader told us.
     leader_commit: AtomicU64,
     catchup_running: AtomicBool,
@@ -93,16 +117,24 @@ struct FollowerState {
 /// One shard's replica on this node.
 pub struct ShardReplica {
     pub shard: ShardId,
-    pub epoch: u64,
-    pub role: Role,
     pub replicas: Vec<NodeId>,
+    view: parking_lot::RwLock<View>,
+    /// The newest epoch promised (durable in the WAL); mirrors `Wal::epoch`.
+    epoch_seen: AtomicU64,
     /// What reads may return through: the commit position (leader) or
     /// `min(durable, leader's commit)` (follower).
     readable: watch::Sender<u64>,
     /// Highest seqno durable on every replica (leader only).
     all_durable: watch::Sender<u64>,
-    leader: Option<LeaderState>,
-    follower: Option<FollowerState>,
+    /// Bumped whenever this replica stops leading: appends waiting for a
+    /// commit under the old leadership give up (their outcome is unknown).
+    generation: watch::Sender<u64>,
+    leader: Mutex<Option<Arc<LeaderState>>>,
+    follower: FollowerState,
+    /// Drills: a paused follower refuses ships and does not catch up.
+    paused: AtomicBool,
+    /// Serialises role changes.
+    transition: tokio::sync::Mutex<()>,
 }
 
 /// A follower as the leader sees it, for status pages.
@@ -125,10 +157,15 @@ pub struct FollowerStatus {
 #[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
 pub struct ReplicaStatus {
     pub shard_id: u32,
-    /// `leader` or `follower`.
+    /// `leader`, `follower` or `unassigned` (fenced, awaiting the
+    /// coordinator).
     pub role: String,
+    /// The epoch of the replica's current role.
     pub epoch: u64,
-    pub leader: NodeId,
+    /// The newest epoch it has promised to (refuses anything older).
+    pub epoch_seen: u64,
+    /// None while unassigned.
+    pub leader: Option<NodeId>,
     pub replicas: Vec<NodeId>,
     pub first_seqno: u64,
     pub last_seqno: u64,
@@ -155,53 +192,54 @@ pub struct ReceivedHeartbeat {
 }
 
 impl ShardReplica {
-    fn new(spec: &ShardSpec, me: NodeId, wal: &Wal, settings: LeaderSettings) -> Result<ShardReplica, Status> {
+    fn new(spec: &ShardSpec, wal: &Wal) -> Result<ShardReplica, Status> {
         let positions = wal.positions(spec.id).map_err(|e| Status::internal(e.to_string()))?;
-        let followers: Vec<NodeId> = spec.replicas.iter().copied().filter(|&r| r != me).collect();
-        let (role, leader, follower) = if spec.leader == me {
-            let core = LeaderCore::new(
-                spec.epoch,
-                &followers,
-                positions.first_seqno,
-                positions.durable_seqno,
-                settings,
-                now_us(),
-            );
-            let state =
-                LeaderState { core: Mutex::new(core), core_durable: watch::Sender::new(positions.durable_seqno) };
-            (Role::Leader, Some(state), None)
-        } else {
-            let state = FollowerState {
+        let promised = wal.epoch(spec.id).map_err(|e| Status::internal(e.to_string()))?;
+        Ok(ShardReplica {
+            shard: spec.id,
+            replicas: spec.replicas.clone(),
+            view: parking_lot::RwLock::new(View { role: Role::Unassigned, epoch: promised }),
+            epoch_seen: AtomicU64::new(promised),
+            readable: watch::Sender::new(0),
+            all_durable: watch::Sender::new(0),
+            generation: watch::Sender::new(0),
+            leader: Mutex::new(None),
+            follower: FollowerState {
                 apply_lock: tokio::sync::Mutex::new(()),
                 next_expected: watch::Sender::new(positions.last_seqno + 1),
-                epoch_seen: AtomicU64::new(spec.epoch),
+                repaired_epoch: AtomicU64::new(0),
                 leader_commit: AtomicU64::new(0),
                 catchup_running: AtomicBool::new(false),
                 last_contact_us: AtomicU64::new(0),
-            };
-            (Role::Follower { leader: spec.leader }, None, Some(state))
-        };
-        Ok(ShardReplica {
-            shard: spec.id,
-            epoch: spec.epoch,
-            role,
-            replicas: spec.replicas.clone(),
-            readable: watch::Sender::new(0),
-            all_durable: watch::Sender::new(0),
-            leader,
-            follower,
+            },
+            paused: AtomicBool::new(false),
+            transition: tokio::sync::Mutex::new(()),
         })
     }
 
-    pub fn is_leader(&self) -> bool {
-        self.role == Role::Leader
+    pub fn view(&self) -> View {
+        *self.view.read()
     }
 
-    pub fn leader_id(&self, me: NodeId) -> NodeId {
-        match self.role {
-            Role::Leader => me,
-            Role::Follower { leader } => leader,
+    pub fn is_leader(&self) -> bool {
+        self.view().role == Role::Leader
+    }
+
+    pub fn epoch_seen(&self) -> u64 {
+        self.epoch_seen.load(Ordering::Acquire)
+    }
+
+    /// The leader as this replica knows it.
+    pub fn leader_id(&self, me: NodeId) -> Option<NodeId> {
+        match self.view().role {
+            Role::Leader => Some(me),
+            Role::Follower { leader } => Some(leader),
+            Role::Unassigned => None,
         }
+    }
+
+    fn leader_state(&self) -> Option<Arc<LeaderState>> {
+        self.leader.lock().clone()
     }
 
     /// What reads may return through.
@@ -213,31 +251,48 @@ impl ShardReplica {
         self.readable.subscribe()
     }
 
-    /// Waits until `seqno` is durable on a majority (leader only).
+    /// Waits until `seqno` is durable on a majority. False if this replica
+    /// stopped leading first: the append's outcome is then unknown.
     /// Cancellation-safe.
-    pub async fn wait_commit(&self, seqno: u64) {
-        let mut rx = self.readable.subscribe();
-        let _ = rx.wait_for(|c| *c >= seqno).await;
+    pub async fn wait_commit(&self, seqno: u64) -> bool {
+        self.wait_or_stepped_down(&self.readable, seqno).await
     }
 
-    /// Waits until `seqno` is durable on every replica (leader only).
-    /// Cancellation-safe.
-    pub async fn wait_all(&self, seqno: u64) {
-        let mut rx = self.all_durable.subscribe();
-        let _ = rx.wait_for(|c| *c >= seqno).await;
+    /// Waits until `seqno` is durable on every replica; false as
+    /// [`ShardReplica::wait_commit`]. Cancellation-safe.
+    pub async fn wait_all(&self, seqno: u64) -> bool {
+        self.wait_or_stepped_down(&self.all_durable, seqno).await
+    }
+
+    async fn wait_or_stepped_down(&self, position: &watch::Sender<u64>, seqno: u64) -> bool {
+        let mut generation = self.generation.subscribe();
+        let current = *generation.borrow_and_update();
+        if !self.is_leader() {
+            return false;
+        }
+        let mut rx = position.subscribe();
+        tokio::select! {
+            reached = rx.wait_for(|c| *c >= seqno) => reached.is_ok(),
+            _ = generation.wait_for(|g| *g != current) => false,
+        }
     }
 
     fn publish_leader(&self, core: &LeaderCore, metrics: &ReplicationMetrics) {
         let commit = core.commit();
-        self.readable.send_if_modified(|r| std::mem::replace(r, commit) != commit);
+        self.readable.send_if_modified(|r| {
+            let changed = commit > *r;
+            if changed {
+                *r = commit;
+            }
+            changed
+        });
         let all = core.all_durable();
         self.all_durable.send_if_modified(|a| std::mem::replace(a, all) != all);
         metrics.set_commit(self.shard, commit);
     }
 
     fn publish_follower(&self, durable: u64) {
-        let Some(f) = &self.follower else { return };
-        let readable = durable.min(f.leader_commit.load(Ordering::Acquire));
+        let readable = durable.min(self.follower.leader_commit.load(Ordering::Acquire));
         self.readable.send_if_modified(|r| {
             let changed = readable > *r;
             if changed {
@@ -258,6 +313,8 @@ pub struct ReplicationNode {
     pub metrics: ReplicationMetrics,
     replicas: BTreeMap<ShardId, Arc<ShardReplica>>,
     catchup_budget: RateLimiter,
+    settings: LeaderSettings,
+    allow_crash_drills: bool,
     heartbeats: Mutex<BTreeMap<(NodeId, u32), (ReceivedHeartbeat, Instant)>>,
     disk_bytes: Box<dyn Fn() -> u64 + Send + Sync>,
     pub shutdown: CancellationToken,
@@ -282,12 +339,15 @@ fn metadata_u64(status: &Status, key: &str) -> Option<u64> {
 impl ReplicationNode {
     /// Builds the replicas this node hosts (creating their WAL shards) and
     /// starts every background task. `disk_bytes` reports the WAL's size.
-    pub fn start(
+    /// In a static cluster each replica takes its role from the config; under
+    /// a coordinator it waits, unassigned, for the coordinator's word.
+    pub async fn start(
         me: NodeId,
         config: Arc<ClusterConfig>,
         wal: Wal,
         metrics: ReplicationMetrics,
         disk_bytes: Box<dyn Fn() -> u64 + Send + Sync>,
+        allow_crash_drills: bool,
     ) -> Result<Arc<ReplicationNode>, Status> {
         let node_spec = config
             .node(me)
@@ -297,11 +357,12 @@ impl ReplicationNode {
             window: r.ship_window,
             catchup_threshold_bytes: r.catchup_threshold_bytes,
             keepalive_us: r.keepalive_ms * 1_000,
+            probe_us: (r.keepalive_ms * 1_000).min(25_000),
         };
         let mut replicas = BTreeMap::new();
         for spec in config.shards_of(me) {
             wal.create_shard(spec.id).map_err(|e| Status::internal(e.to_string()))?;
-            replicas.insert(spec.id, Arc::new(ShardReplica::new(spec, me, &wal, settings)?));
+            replicas.insert(spec.id, Arc::new(ShardReplica::new(spec, &wal)?));
         }
         let mut addresses = config.addresses();
         addresses.remove(&me);
@@ -310,6 +371,8 @@ impl ReplicationNode {
             region: node_spec.region,
             peers: Peers::new(&addresses),
             catchup_budget: RateLimiter::new(r.catchup_rate_bytes_per_s),
+            settings,
+            allow_crash_drills,
             config,
             wal,
             metrics,
@@ -318,16 +381,12 @@ impl ReplicationNode {
             disk_bytes,
             shutdown: CancellationToken::new(),
         });
-        for replica in node.replicas.values() {
-            if replica.is_leader() {
-                tokio::spawn(node.clone().run_leader_driver(replica.clone()));
-                for &follower in replica.replicas.iter().filter(|&&r| r != me) {
-                    tokio::spawn(node.clone().run_shipper(replica.clone(), follower));
-                }
-            } else {
-                // Boot: pull whatever was missed while this node was away.
-                node.start_catchup(replica.clone());
+        if !node.config.coordinated() {
+            for spec in node.config.shards_of(me) {
+                node.assign(spec.id, spec.epoch, spec.leader, 0).await?;
             }
+        }
+        for replica in node.replicas.values() {
             tokio::spawn(node.clone().run_retention(replica.clone()));
         }
         tokio::spawn(node.clone().run_heartbeats());
@@ -337,6 +396,10 @@ impl ReplicationNode {
 
     pub fn replica(&self, shard: ShardId) -> Option<&Arc<ShardReplica>> {
         self.replicas.get(&shard)
+    }
+
+    fn replica_or_not_found(&self, shard: ShardId) -> Result<Arc<ShardReplica>, Status> {
+        self.replica(shard).cloned().ok_or_else(|| refusal(&self.metrics, "unknown_shard", self.unknown_shard(shard)))
     }
 
     pub fn replicas(&self) -> impl Iterator<Item = &Arc<ShardReplica>> {
@@ -355,11 +418,238 @@ impl ReplicationNode {
         Status::not_found(format!("shard {shard} is not hosted by node {}", self.me))
     }
 
+    fn stale_epoch(&self, shard: ShardId, epoch: u64, seen: u64) -> Status {
+        refusal(
+            &self.metrics,
+            "stale_epoch",
+            with_metadata(
+                Status::failed_precondition(format!(
+                    "shard {shard}: epoch {epoch} is older than epoch {seen} already seen"
+                )),
+                EPOCH_METADATA_KEY,
+                seen,
+            ),
+        )
+    }
+
+    // ---- leadership ----------------------------------------------------
+
+    /// Durably promises `epoch` (refusing older ones from now on).
+    async fn promise(&self, replica: &ShardReplica, epoch: u64) -> Result<(), Status> {
+        if epoch > replica.epoch_seen() {
+            self.wal.set_epoch(replica.shard, epoch).await.map_err(|e| Status::internal(e.to_string()))?;
+            replica.epoch_seen.fetch_max(epoch, Ordering::AcqRel);
+        }
+        Ok(())
+    }
+
+    /// Stops leading, if it was: its tasks stop and appends waiting for a
+    /// commit under it give up.
+    fn stop_leading(&self, replica: &ShardReplica) {
+        if let Some(leader) = replica.leader.lock().take() {
+            leader.stop.cancel();
+            replica.generation.send_modify(|g| *g += 1);
+            tracing::info!(shard = replica.shard, epoch = leader.epoch, "stopped leading");
+        }
+    }
+
+    /// Waits until everything queued to the WAL from ships is durable, so a
+    /// position reported afterwards covers it.
+    async fn settle(&self, replica: &ShardReplica) -> Result<(), Status> {
+        let _guard = replica.follower.apply_lock.lock().await;
+        let queued = *replica.follower.next_expected.borrow() - 1;
+        let mut durable = self.wal.durable_watch(replica.shard).map_err(|e| Status::internal(e.to_string()))?;
+        let _ = durable.wait_for(|d| *d >= queued).await;
+        Ok(())
+    }
+
+    /// Where this replica's log stands.
+    pub async fn position(&self, shard: ShardId) -> Result<FenceResponse, Status> {
+        let replica = self.replica_or_not_found(shard)?;
+        let p = self.wal.positions(shard).map_err(|e| Status::internal(e.to_string()))?;
+        let last_epoch = if p.last_seqno >= p.first_seqno {
+            self.wal.epoch_at(shard, p.last_seqno).await.map_err(|e| Status::internal(e.to_string()))?
+        } else {
+            0
+        };
+        let commit = match replica.leader_state() {
+            Some(leader) => leader.core.lock().commit(),
+            None => replica.follower.leader_commit.load(Ordering::Acquire).max(replica.readable()),
+        };
+        Ok(FenceResponse {
+            node_id: self.me,
+            last_epoch,
+            last_seqno: p.last_seqno,
+            durable_seqno: p.durable_seqno,
+            commit_seqno: commit,
+            epoch_seen: replica.epoch_seen(),
+            first_seqno: p.first_seqno,
+        })
+    }
+
+    /// Raises the replica's epoch: it refuses anything older from now on
+    /// and stops leading. Answers where its log ends.
+    pub async fn fence(&self, shard: ShardId, epoch: u64) -> Result<FenceResponse, Status> {
+        let replica = self.replica_or_not_found(shard)?;
+        let _transition = replica.transition.lock().await;
+        let seen = replica.epoch_seen();
+        if epoch < seen {
+            return Err(self.stale_epoch(shard, epoch, seen));
+        }
+        self.promise(&replica, epoch).await?;
+        let view = replica.view();
+        if epoch > view.epoch || (epoch == view.epoch && view.role == Role::Leader) {
+            self.stop_leading(&replica);
+            *replica.view.write() = View { role: Role::Unassigned, epoch };
+        }
+        drop(_transition);
+        self.settle(&replica).await?;
+        self.position(shard).await
+    }
+
+    /// Makes this replica the leader of `epoch` (when `leader` is this node)
+    /// or a follower of `leader` in it. Idempotent for the current epoch.
+    pub fn assign(
+        self: &Arc<Self>,
+        shard: ShardId,
+        epoch: u64,
+        leader: NodeId,
+        commit_floor: u64,
+    ) -> impl std::future::Future<Output = Result<AssignResponse, Status>> + Send + 'static {
+        let node = self.clone();
+        async move { node.assign_inner(shard, epoch, leader, commit_floor).await }
+    }
+
+    async fn assign_inner(
+        self: &Arc<Self>,
+        shard: ShardId,
+        epoch: u64,
+        leader: NodeId,
+        commit_floor: u64,
+    ) -> Result<AssignResponse, Status> {
+        let replica = self.replica_or_not_found(shard)?;
+        if !replica.replicas.contains(&leader) {
+            return Err(refusal(
+                &self.metrics,
+                "bad_request",
+                Status::invalid_argument(format!("node {leader} holds no replica of shard {shard}")),
+            ));
+        }
+        let _transition = replica.transition.lock().await;
+        let seen = replica.epoch_seen();
+        if epoch < seen {
+            return Err(self.stale_epoch(shard, epoch, seen));
+        }
+        let view = replica.view();
+        let wanted = if leader == self.me { Role::Leader } else { Role::Follower { leader } };
+        if !(view.epoch == epoch && view.role == wanted) {
+            self.promise(&replica, epoch).await?;
+            self.stop_leading(&replica);
+            if leader == self.me {
+                drop(_transition);
+                self.settle(&replica).await?;
+                self.become_leader(&replica, epoch, commit_floor).await?;
+            } else {
+                *replica.view.write() = View { role: wanted, epoch };
+                replica.follower.last_contact_us.store(now_us(), Ordering::Release);
+                tracing::info!(shard, epoch, leader, "following");
+                self.start_catchup(replica.clone());
+            }
+        }
+        let last = self.wal.positions(shard).map(|p| p.last_seqno).unwrap_or(0);
+        let role = if leader == self.me { "leader" } else { "follower" };
+        Ok(AssignResponse { epoch, role: role.into(), last_seqno: last })
+    }
+
+    async fn become_leader(
+        self: &Arc<Self>,
+        replica: &Arc<ShardReplica>,
+        epoch: u64,
+        commit_floor: u64,
+    ) -> Result<(), Status> {
+        let internal = |e: walship_wal::WalError| Status::internal(e.to_string());
+        let p = self.wal.positions(replica.shard).map_err(internal)?;
+        // The stream baseline: everything up to here predates this epoch.
+        let (_, before) = self.wal.epoch_end(replica.shard, epoch - 1).await.map_err(internal)?;
+        let followers: Vec<NodeId> = replica.replicas.iter().copied().filter(|&r| r != self.me).collect();
+        let start = LeaderStart {
+            epoch,
+            first: p.first_seqno,
+            durable: p.durable_seqno,
+            epoch_start: before + 1,
+            commit_floor: commit_floor.max(replica.follower.leader_commit.load(Ordering::Acquire)),
+        };
+        let core = LeaderCore::new(start, &followers, self.settings, now_us());
+        let state = Arc::new(LeaderState {
+            epoch,
+            core: Mutex::new(core),
+            core_durable: watch::Sender::new(p.durable_seqno),
+            stop: self.shutdown.child_token(),
+        });
+        {
+            let core = state.core.lock();
+            replica.publish_leader(&core, &self.metrics);
+        }
+        *replica.leader.lock() = Some(state.clone());
+        *replica.view.write() = View { role: Role::Leader, epoch };
+        tokio::spawn(self.clone().run_leader_driver(replica.clone(), state.clone()));
+        for follower in followers {
+            tokio::spawn(self.clone().run_shipper(replica.clone(), state.clone(), follower));
+        }
+        tracing::info!(shard = replica.shard, epoch, stream_baseline = before, "leading");
+        Ok(())
+    }
+
+    /// A follower answered with a newer epoch: this leader was deposed.
+    async fn step_down(self: Arc<Self>, replica: Arc<ShardReplica>, epoch: u64) {
+        let _transition = replica.transition.lock().await;
+        if replica.view().epoch >= epoch {
+            return;
+        }
+        if let Err(status) = self.promise(&replica, epoch).await {
+            tracing::error!(shard = replica.shard, %status, "recording the newer epoch");
+        }
+        self.stop_leading(&replica);
+        *replica.view.write() = View { role: Role::Unassigned, epoch };
+        tracing::warn!(shard = replica.shard, epoch, "deposed: a follower has seen a newer epoch");
+    }
+
+    /// The last seqno of this replica's log whose epoch is `<= epoch`.
+    pub async fn epoch_end(&self, request: EpochEndRequest) -> Result<(u64, u64), Status> {
+        self.replica_or_not_found(request.shard_id)?;
+        self.wal.epoch_end(request.shard_id, request.epoch).await.map_err(|e| Status::internal(e.to_string()))
+    }
+
+    /// Drills: pause or resume a follower replica.
+    pub fn pause(self: &Arc<Self>, shard: ShardId, paused: bool) -> Result<(), Status> {
+        let replica = self.replica_or_not_found(shard)?;
+        if replica.is_leader() && paused {
+            return Err(Status::failed_precondition(format!("node {} leads shard {shard}: pause a follower", self.me)));
+        }
+        replica.paused.store(paused, Ordering::Release);
+        if !paused {
+            self.start_catchup(replica);
+        }
+        Ok(())
+    }
+
+    /// Drills: abort like a crash, if allowed.
+    pub fn crash(&self, reason: &str) -> Result<(), Status> {
+        if !self.allow_crash_drills {
+            return Err(Status::permission_denied("crash drills are not enabled on this node (--allow-crash-drills)"));
+        }
+        tracing::warn!(reason, "crash drill: aborting");
+        tokio::spawn(async {
+            tokio::time::sleep(Duration::from_millis(5)).await;
+            std::process::abort();
+        });
+        Ok(())
+    }
+
     // ---- leader side -------------------------------------------------
 
-    async fn run_leader_driver(self: Arc<Self>, replica: Arc<ShardReplica>) {
+    async fn run_leader_driver(self: Arc<Self>, replica: Arc<ShardReplica>, leader: Arc<LeaderState>) {
         let Ok(mut durable) = self.wal.durable_watch(replica.shard) else { return };
-        let leader = replica.leader.as_ref().expect("leader replica");
         loop {
             let seqno = *durable.borrow_and_update();
             let counters = self.wal.counters(replica.shard).unwrap_or_default();
@@ -371,16 +661,15 @@ impl ReplicationNode {
             leader.core_durable.send_replace(seqno);
             tokio::select! {
                 changed = durable.changed() => if changed.is_err() { return },
-                _ = self.shutdown.cancelled() => return,
+                _ = leader.stop.cancelled() => return,
             }
         }
     }
 
-    async fn run_shipper(self: Arc<Self>, replica: Arc<ShardReplica>, follower: NodeId) {
-        let leader = replica.leader.as_ref().expect("leader replica");
+    async fn run_shipper(self: Arc<Self>, replica: Arc<ShardReplica>, leader: Arc<LeaderState>, follower: NodeId) {
         let mut core_durable = leader.core_durable.subscribe();
         let mut in_flight = FuturesUnordered::new();
-        let keepalive = self.config.replication.keepalive();
+        let keepalive = Duration::from_micros(self.settings.probe_us.min(self.settings.keepalive_us));
         let batch_bytes = self.config.replication.ship_batch_bytes;
         loop {
             // Issue everything the core allows right now.
@@ -404,11 +693,11 @@ impl ReplicationNode {
                             }
                         };
                         leader.core.lock().on_sent(follower, from, last, now_us());
-                        in_flight.push(self.ship(&replica, follower, Some(segment)));
+                        in_flight.push(self.ship(&replica, &leader, follower, Some(segment)));
                     }
                     ShipDecision::Keepalive => {
                         leader.core.lock().on_keepalive_sent(follower, now_us());
-                        in_flight.push(self.ship(&replica, follower, None));
+                        in_flight.push(self.ship(&replica, &leader, follower, None));
                     }
                     ShipDecision::Idle => break,
                 }
@@ -418,17 +707,20 @@ impl ReplicationNode {
                     if matches!(reply, ShipReply::Failed) {
                         self.metrics.ship_errors.with_label_values(&[&follower.to_string()]).inc();
                     }
-                    let mut core = leader.core.lock();
-                    if let Err(epoch) = core.on_reply(follower, reply, now_us()) {
-                        // Static leadership: this can only be a misconfiguration
-                        // until the coordinator drives failover.
-                        tracing::error!(shard = replica.shard, follower, epoch, mine = core.epoch(), "follower has seen a newer epoch: this leader is deposed");
+                    let deposed = {
+                        let mut core = leader.core.lock();
+                        let deposed = core.on_reply(follower, reply, now_us()).err();
+                        replica.publish_leader(&core, &self.metrics);
+                        deposed
+                    };
+                    if let Some(epoch) = deposed {
+                        tokio::spawn(self.clone().step_down(replica.clone(), epoch));
+                        return;
                     }
-                    replica.publish_leader(&core, &self.metrics);
                 }
                 changed = core_durable.changed() => if changed.is_err() { return },
                 _ = tokio::time::sleep(keepalive) => {}
-                _ = self.shutdown.cancelled() => return,
+                _ = leader.stop.cancelled() => return,
             }
         }
     }
@@ -437,11 +729,12 @@ impl ReplicationNode {
     fn ship(
         &self,
         replica: &ShardReplica,
+        leader: &LeaderState,
         follower: NodeId,
         segment: Option<Segment>,
     ) -> impl std::future::Future<Output = ShipReply> + use<> {
         let (durable, commit) = {
-            let core = replica.leader.as_ref().expect("leader").core.lock();
+            let core = leader.core.lock();
             (core.durable(), core.commit())
         };
         let (seqno, count, payload) = match &segment {
@@ -459,7 +752,7 @@ impl ReplicationNode {
             event_count: count,
             leader_last_seq: durable,
             stream_baseline: 0,
-            epoch: replica.epoch,
+            epoch: leader.epoch,
             leader_node_id: self.me,
             commit_seqno: commit,
         };
@@ -494,12 +787,9 @@ impl ReplicationNode {
         self: &Arc<Self>,
         request: StreamRequest,
     ) -> Result<tokio::sync::mpsc::Receiver<Result<ShipSegmentRequest, Status>>, Status> {
-        let replica = self
-            .replica(request.shard_id)
-            .ok_or_else(|| refusal(&self.metrics, "unknown_shard", self.unknown_shard(request.shard_id)))?
-            .clone();
-        let Some(leader) = &replica.leader else {
-            let hint = self.describe(replica.leader_id(self.me));
+        let replica = self.replica_or_not_found(request.shard_id)?;
+        let Some(leader) = replica.leader_state() else {
+            let hint = replica.leader_id(self.me).map_or("unknown".to_string(), |l| self.describe(l));
             return Err(refusal(
                 &self.metrics,
                 "not_leader",
@@ -509,14 +799,14 @@ impl ReplicationNode {
                 )),
             ));
         };
-        if request.epoch > replica.epoch {
+        if request.epoch > leader.epoch {
             return Err(refusal(
                 &self.metrics,
                 "stale_epoch",
                 with_metadata(
                     Status::failed_precondition(format!(
                         "requester has seen epoch {} but this leader is at epoch {}",
-                        request.epoch, replica.epoch
+                        request.epoch, leader.epoch
                     )),
                     EPOCH_METADATA_KEY,
                     request.epoch,
@@ -527,7 +817,10 @@ impl ReplicationNode {
             return Err(refusal(&self.metrics, "bad_request", Status::invalid_argument("from_seqno must be >= 1")));
         }
         let positions = self.wal.positions(replica.shard).map_err(|e| Status::internal(e.to_string()))?;
-        let durable = leader.core.lock().durable();
+        let (durable, baseline) = {
+            let core = leader.core.lock();
+            (core.durable(), core.epoch_start() - 1)
+        };
         if request.from_seqno < positions.first_seqno {
             return Err(refusal(
                 &self.metrics,
@@ -554,8 +847,12 @@ impl ReplicationNode {
             let mut next = request.from_seqno;
             let batch = node.config.replication.ship_batch_bytes;
             loop {
+                if leader.stop.is_cancelled() {
+                    let _ = tx.send(Err(Status::unavailable("this replica stopped leading"))).await;
+                    return;
+                }
                 let (durable, commit) = {
-                    let core = replica.leader.as_ref().expect("leader").core.lock();
+                    let core = leader.core.lock();
                     (core.durable(), core.commit())
                 };
                 if next > durable {
@@ -585,8 +882,8 @@ impl ReplicationNode {
                     }),
                     event_count: segment.frames().len() as u64,
                     leader_last_seq: durable,
-                    stream_baseline: 0,
-                    epoch: replica.epoch,
+                    stream_baseline: baseline,
+                    epoch: leader.epoch,
                     leader_node_id: node.me,
                     commit_seqno: commit,
                     payload: segment.encoded().clone(),
@@ -605,13 +902,12 @@ impl ReplicationNode {
     /// Applies an inbound segment or keepalive (pushed by ShipSegment or
     /// streamed by catch-up). Returns the durable frontier to report.
     /// Validation happens before anything is queued: a refusal changes
-    /// nothing.
+    /// nothing. A segment from the leader of an epoch this replica has not
+    /// reconciled with yet is refused (`UNAVAILABLE`, retryable) while the
+    /// replica repairs its log against that leader.
     pub async fn apply_inbound(self: &Arc<Self>, request: &ShipSegmentRequest, source: Source) -> Result<u64, Status> {
         let id = request.id.unwrap_or_default();
-        let replica = self
-            .replica(id.shard_id)
-            .ok_or_else(|| refusal(&self.metrics, "unknown_shard", self.unknown_shard(id.shard_id)))?
-            .clone();
+        let replica = self.replica_or_not_found(id.shard_id)?;
         let segment = if request.payload.is_empty() {
             None
         } else {
@@ -631,26 +927,63 @@ impl ReplicationNode {
             segment.as_ref().map(|s| (s.shard_id(), s.first_seqno(), s.last_seqno())),
         )
         .map_err(|m| refusal(&self.metrics, "bad_request", Status::invalid_argument(m)))?;
-        let Some(follower) = &replica.follower else {
-            return Err(refusal(
-                &self.metrics,
-                "not_follower",
-                Status::failed_precondition(format!(
-                    "node {} is the leader of shard {}, not a follower",
-                    self.me, replica.shard
-                )),
-            ));
-        };
-        let expected_leader = replica.leader_id(self.me);
-        if request.leader_node_id != expected_leader {
-            return Err(refusal(
-                &self.metrics,
-                "wrong_leader",
-                Status::failed_precondition(format!(
-                    "shard {}: segment from node {} but the leader is node {expected_leader}",
-                    replica.shard, request.leader_node_id
-                )),
-            ));
+        let seen = replica.epoch_seen();
+        if request.epoch < seen {
+            return Err(self.stale_epoch(replica.shard, request.epoch, seen));
+        }
+        let view = replica.view();
+        match view.role {
+            Role::Leader if request.epoch <= view.epoch => {
+                return Err(refusal(
+                    &self.metrics,
+                    "not_follower",
+                    Status::failed_precondition(format!(
+                        "node {} is the leader of shard {}, not a follower",
+                        self.me, replica.shard
+                    )),
+                ));
+            }
+            Role::Follower { leader } if request.epoch == view.epoch && request.leader_node_id != leader => {
+                return Err(refusal(
+                    &self.metrics,
+                    "wrong_leader",
+                    Status::failed_precondition(format!(
+                        "shard {}: segment from node {} but the leader is node {leader}",
+                        replica.shard, request.leader_node_id
+                    )),
+                ));
+            }
+            Role::Follower { .. } if request.epoch == view.epoch => {}
+            _ => {
+                // A leader of a newer epoch (or of the epoch we were fenced
+                // at) we have not been told about: epochs are unique per
+                // leader, so follow it.
+                if !replica.replicas.contains(&request.leader_node_id) {
+                    return Err(refusal(
+                        &self.metrics,
+                        "wrong_leader",
+                        Status::failed_precondition(format!(
+                            "node {} holds no replica of shard {}",
+                            request.leader_node_id, replica.shard
+                        )),
+                    ));
+                }
+                self.assign(replica.shard, request.epoch, request.leader_node_id, 0).await?;
+            }
+        }
+        let follower = &replica.follower;
+        if replica.paused.load(Ordering::Acquire) {
+            return Err(Status::unavailable(format!(
+                "shard {} replica on node {} is paused (drill)",
+                replica.shard, self.me
+            )));
+        }
+        if follower.repaired_epoch.load(Ordering::Acquire) < request.epoch {
+            self.start_catchup(replica.clone());
+            return Err(Status::unavailable(format!(
+                "shard {}: reconciling with the leader of epoch {} before applying its segments",
+                replica.shard, request.epoch
+            )));
         }
         let inbound = InboundSegment {
             epoch: request.epoch,
@@ -666,26 +999,10 @@ impl ReplicationNode {
         }
         let guard = follower.apply_lock.lock().await;
         let durable = self.wal.positions(replica.shard).map_err(|e| Status::internal(e.to_string()))?.durable_seqno;
-        let view = FollowerView {
-            epoch_seen: follower.epoch_seen.load(Ordering::Acquire),
-            next_expected: *follower.next_expected.borrow(),
-            durable,
-        };
+        let view =
+            FollowerView { epoch_seen: replica.epoch_seen(), next_expected: *follower.next_expected.borrow(), durable };
         let pending = match classify(view, inbound) {
-            Inbound::StaleEpoch { seen } => {
-                return Err(refusal(
-                    &self.metrics,
-                    "stale_epoch",
-                    with_metadata(
-                        Status::failed_precondition(format!(
-                            "shard {}: epoch {} is older than epoch {seen} already seen",
-                            replica.shard, request.epoch
-                        )),
-                        EPOCH_METADATA_KEY,
-                        seen,
-                    ),
-                ));
-            }
+            Inbound::StaleEpoch { seen } => return Err(self.stale_epoch(replica.shard, request.epoch, seen)),
             Inbound::Gap { expected } => {
                 drop(guard);
                 self.start_catchup(replica.clone());
@@ -725,7 +1042,6 @@ impl ReplicationNode {
                 Some(queued)
             }
         };
-        follower.epoch_seen.fetch_max(request.epoch, Ordering::AcqRel);
         follower.leader_commit.fetch_max(request.commit_seqno, Ordering::AcqRel);
         follower.last_contact_us.store(now_us(), Ordering::Release);
         drop(guard);
@@ -742,17 +1058,29 @@ impl ReplicationNode {
         Ok(durable)
     }
 
-    /// Starts a catch-up stream for a follower shard unless one runs.
+    /// Starts reconciling with and pulling from the leader, unless that is
+    /// already running: first divergence repair (once per epoch), then a
+    /// catch-up stream.
     pub fn start_catchup(self: &Arc<Self>, replica: Arc<ShardReplica>) {
-        let Some(follower) = &replica.follower else { return };
-        if follower.catchup_running.swap(true, Ordering::AcqRel) {
+        if replica.follower.catchup_running.swap(true, Ordering::AcqRel) {
             return;
         }
         let node = self.clone();
         tokio::spawn(async move {
-            let mut backoff = Duration::from_millis(100);
+            let mut backoff = Duration::from_millis(20);
             loop {
-                match node.catch_up_once(&replica).await {
+                let view = replica.view();
+                let Role::Follower { leader } = view.role else { break };
+                if replica.paused.load(Ordering::Acquire) {
+                    break;
+                }
+                let attempt = async {
+                    if replica.follower.repaired_epoch.load(Ordering::Acquire) < view.epoch {
+                        node.repair(&replica, leader, view.epoch).await?;
+                    }
+                    node.catch_up_once(&replica, leader, view.epoch).await
+                };
+                match attempt.await {
                     Ok(()) => break,
                     Err(status) => {
                         tracing::debug!(shard = replica.shard, %status, "catch-up attempt failed; retrying");
@@ -760,25 +1088,66 @@ impl ReplicationNode {
                             _ = tokio::time::sleep(backoff) => {}
                             _ = node.shutdown.cancelled() => break,
                         }
-                        backoff = (backoff * 2).min(Duration::from_secs(2));
+                        backoff = (backoff * 2).min(Duration::from_secs(1));
                     }
                 }
             }
-            replica.follower.as_ref().expect("follower").catchup_running.store(false, Ordering::Release);
+            replica.follower.catchup_running.store(false, Ordering::Release);
         });
     }
 
-    async fn catch_up_once(self: &Arc<Self>, replica: &Arc<ShardReplica>) -> Result<(), Status> {
-        let follower = replica.follower.as_ref().expect("follower");
-        let leader = replica.leader_id(self.me);
+    /// Truncates whatever this follower's log holds past the point where it
+    /// diverges from the leader of `epoch`: repeatedly, ask the leader where
+    /// our last record's epoch ends in its log, and cut to the lower of that
+    /// and where the same epoch ends in ours.
+    async fn repair(&self, replica: &ShardReplica, leader: NodeId, epoch: u64) -> Result<(), Status> {
+        let internal = |e: walship_wal::WalError| Status::internal(e.to_string());
+        let mut client = self.peers.control(leader).ok_or_else(|| Status::unavailable("leader address unknown"))?;
+        let _guard = replica.follower.apply_lock.lock().await;
+        for _ in 0..64 {
+            let p = self.wal.positions(replica.shard).map_err(internal)?;
+            if p.last_seqno < p.first_seqno {
+                break;
+            }
+            let last_epoch = self.wal.epoch_at(replica.shard, p.last_seqno).await.map_err(internal)?;
+            let mut request = tonic::Request::new(EpochEndRequest { shard_id: replica.shard, epoch: last_epoch });
+            request.set_timeout(Duration::from_secs(2));
+            let answer = client.epoch_end(request).await?.into_inner();
+            let (_, ours) = self.wal.epoch_end(replica.shard, answer.epoch).await.map_err(internal)?;
+            let keep = answer.end_seqno.min(ours);
+            if keep >= p.last_seqno {
+                break;
+            }
+            if keep + 1 < p.first_seqno {
+                return Err(Status::out_of_range(format!(
+                    "shard {}: diverges from the leader before seqno {}, which is compacted here; needs a re-seed",
+                    replica.shard, p.first_seqno
+                )));
+            }
+            tracing::warn!(
+                shard = replica.shard,
+                epoch,
+                from = keep + 1,
+                to = p.last_seqno,
+                "truncating a divergent tail"
+            );
+            self.wal.truncate_suffix(replica.shard, keep).await.map_err(internal)?;
+        }
+        let last = self.wal.positions(replica.shard).map_err(internal)?.last_seqno;
+        replica.follower.next_expected.send_replace(last + 1);
+        replica.follower.repaired_epoch.fetch_max(epoch, Ordering::AcqRel);
+        Ok(())
+    }
+
+    async fn catch_up_once(
+        self: &Arc<Self>,
+        replica: &Arc<ShardReplica>,
+        leader: NodeId,
+        epoch: u64,
+    ) -> Result<(), Status> {
         let mut client = self.peers.shipping(leader).ok_or_else(|| Status::unavailable("leader address unknown"))?;
-        let from = *follower.next_expected.borrow();
-        let request = StreamRequest {
-            shard_id: replica.shard,
-            from_seqno: from,
-            epoch: follower.epoch_seen.load(Ordering::Acquire),
-            follower_node_id: self.me,
-        };
+        let from = *replica.follower.next_expected.borrow();
+        let request = StreamRequest { shard_id: replica.shard, from_seqno: from, epoch, follower_node_id: self.me };
         let mut stream = client.stream_segments(request).await?.into_inner();
         while let Some(message) = stream.message().await? {
             self.apply_inbound(&message, Source::Stream).await?;
@@ -797,7 +1166,7 @@ impl ReplicationNode {
                 _ = tick.tick() => {}
                 _ = self.shutdown.cancelled() => return,
             }
-            let compact_to = match &replica.leader {
+            let compact_to = match replica.leader_state() {
                 Some(leader) => {
                     let plan = leader.core.lock().plan_retention(r.retain_bytes, r.max_retain_bytes);
                     if !plan.reseed.is_empty() {
@@ -819,7 +1188,7 @@ impl ReplicationNode {
             if let Some(to) = compact_to {
                 match self.wal.compact_prefix(replica.shard, to).await {
                     Ok(()) => {
-                        if let Some(leader) = &replica.leader {
+                        if let Some(leader) = replica.leader_state() {
                             leader.core.lock().on_compacted(to);
                         }
                         tracing::info!(shard = replica.shard, first_seqno = to, "compacted");
@@ -841,7 +1210,8 @@ impl ReplicationNode {
                     last_seqno: 0,
                     durable_seqno: 0,
                 });
-                let (commit, followers) = match &replica.leader {
+                let view = replica.view();
+                let (commit, followers) = match replica.leader_state() {
                     Some(leader) => {
                         let core = leader.core.lock();
                         let followers = core
@@ -852,14 +1222,18 @@ impl ReplicationNode {
                             .collect();
                         (core.commit(), followers)
                     }
-                    None => {
-                        (replica.follower.as_ref().map_or(0, |f| f.leader_commit.load(Ordering::Acquire)), Vec::new())
-                    }
+                    None => (replica.follower.leader_commit.load(Ordering::Acquire), Vec::new()),
+                };
+                let role = match view.role {
+                    Role::Leader => "leader",
+                    Role::Follower { .. } => "follower",
+                    Role::Unassigned => "unassigned",
                 };
                 ReplicaStatus {
                     shard_id: replica.shard,
-                    role: if replica.is_leader() { "leader" } else { "follower" }.into(),
-                    epoch: replica.epoch,
+                    role: role.into(),
+                    epoch: view.epoch,
+                    epoch_seen: replica.epoch_seen(),
                     leader: replica.leader_id(self.me),
                     replicas: replica.replicas.clone(),
                     first_seqno: p.first_seqno,
@@ -908,7 +1282,14 @@ impl ReplicationNode {
 
     async fn run_heartbeats(self: Arc<Self>) {
         let interval = Duration::from_millis(self.config.replication.heartbeat_ms);
-        let target = self.config.replication.heartbeat_to.map(crate::peers::lazy_channel);
+        let targets: Vec<_> = self
+            .config
+            .coordinators
+            .iter()
+            .map(|c| c.grpc_addr)
+            .chain(self.config.replication.heartbeat_to)
+            .map(crate::peers::lazy_channel)
+            .collect();
         let mut tick = tokio::time::interval(interval);
         tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
         let mut last_records: BTreeMap<ShardId, (u64, Instant)> = BTreeMap::new();
@@ -930,7 +1311,13 @@ impl ReplicationNode {
                 let elapsed = now.duration_since(at).as_secs_f64();
                 let rate = if elapsed > 0.0 { (c.records - prev) as f64 / elapsed } else { 0.0 };
                 node_rate += rate;
-                let (commit, lag) = match &replica.leader {
+                let view = replica.view();
+                let last_epoch = if p.last_seqno >= p.first_seqno {
+                    self.wal.epoch_at(replica.shard, p.last_seqno).await.unwrap_or(0)
+                } else {
+                    0
+                };
+                let (commit, lag) = match replica.leader_state() {
                     Some(leader) => {
                         let core = leader.core.lock();
                         let lag =
@@ -948,20 +1335,28 @@ impl ReplicationNode {
                     replication_lag: lag,
                     last_heartbeat_ns: now_us() * 1_000,
                     node_id: self.me,
-                    epoch: replica.epoch,
+                    epoch: view.epoch,
                     last_seqno: p.last_seqno,
                     durable_seqno: p.durable_seqno,
                     commit_seqno: commit,
+                    is_leader: view.role == Role::Leader,
+                    leader_node_id: replica.leader_id(self.me).unwrap_or(0),
+                    last_epoch,
                 });
             }
             self.metrics.append_rate.set(node_rate);
-            let Some(channel) = &target else { continue };
-            let mut client = walship_proto::replication::wal_shipping_client::WalShippingClient::new(channel.clone());
-            for request in requests {
-                let mut request = tonic::Request::new(request);
-                request.set_timeout(interval);
-                let outcome = if client.heartbeat(request).await.is_ok() { "ok" } else { "error" };
-                self.metrics.heartbeats_sent.with_label_values(&[outcome]).inc();
+            let mut sends = Vec::new();
+            for channel in &targets {
+                for request in &requests {
+                    let mut client =
+                        walship_proto::replication::wal_shipping_client::WalShippingClient::new(channel.clone());
+                    let mut request = tonic::Request::new(request.clone());
+                    request.set_timeout(interval.max(Duration::from_millis(200)));
+                    sends.push(async move { client.heartbeat(request).await.is_ok() });
+                }
+            }
+            for ok in futures::future::join_all(sends).await {
+                self.metrics.heartbeats_sent.with_label_values(&[if ok { "ok" } else { "error" }]).inc();
             }
         }
     }
@@ -977,7 +1372,7 @@ impl ReplicationNode {
             }
             let now = now_us();
             for replica in self.replicas.values() {
-                let Some(leader) = &replica.leader else { continue };
+                let Some(leader) = replica.leader_state() else { continue };
                 let core = leader.core.lock();
                 for (id, progress) in core.followers() {
                     if let Some(lag) = core.lag(id, now) {

@@ -17,6 +17,11 @@ use std::sync::Arc;
 use futures::Stream;
 use tokio_stream::wrappers::ReceiverStream;
 use tonic::{Request, Response, Status};
+use walship_proto::log::control_server::Control;
+use walship_proto::log::{
+    AssignRequest, AssignResponse, CrashRequest, CrashResponse, EpochEndRequest, EpochEndResponse, FenceRequest,
+    FenceResponse, PauseRequest, PauseResponse, PositionRequest,
+};
 use walship_proto::replication::wal_shipping_server::WalShipping;
 use walship_proto::replication::{
     HeartbeatRequest, HeartbeatResponse, ShipSegmentRequest, ShipSegmentResponse, StreamRequest,
@@ -47,7 +52,7 @@ impl WalShipping for WalShippingService {
         let request = request.into_inner();
         let applied = self.node.apply_inbound(&request, Source::Push).await?;
         let epoch =
-            self.node.replica(request.id.unwrap_or_default().shard_id).map_or(0, |r| r.epoch.max(request.epoch));
+            self.node.replica(request.id.unwrap_or_default().shard_id).map_or(0, |r| r.epoch_seen().max(request.epoch));
         Ok(Response::new(ShipSegmentResponse { accepted: true, applied_seqno: applied, epoch }))
     }
 
@@ -61,5 +66,64 @@ impl WalShipping for WalShippingService {
     async fn heartbeat(&self, request: Request<HeartbeatRequest>) -> Result<Response<HeartbeatResponse>, Status> {
         self.node.on_heartbeat(request.get_ref())?;
         Ok(Response::new(HeartbeatResponse { acknowledged: true }))
+    }
+}
+
+/// The `walship.v1.Control` service of a node: leadership changes from the
+/// coordinator, epoch ends for followers repairing their logs, and drill
+/// hooks. Refusals: `NOT_FOUND` (shard not hosted), `FAILED_PRECONDITION`
+/// with `walship-epoch` (an older epoch than promised), `INVALID_ARGUMENT`
+/// (epoch 0, leader outside the replica set), `PERMISSION_DENIED` (crash
+/// drills not enabled).
+#[derive(Clone)]
+pub struct ControlService {
+    node: Arc<ReplicationNode>,
+}
+
+impl ControlService {
+    pub fn new(node: Arc<ReplicationNode>) -> ControlService {
+        ControlService { node }
+    }
+}
+
+fn positive_epoch(epoch: u64) -> Result<(), Status> {
+    if epoch == 0 {
+        return Err(Status::invalid_argument("epochs start at 1"));
+    }
+    Ok(())
+}
+
+#[tonic::async_trait]
+impl Control for ControlService {
+    async fn fence(&self, request: Request<FenceRequest>) -> Result<Response<FenceResponse>, Status> {
+        let r = request.into_inner();
+        positive_epoch(r.epoch)?;
+        self.node.fence(r.shard_id, r.epoch).await.map(Response::new)
+    }
+
+    async fn assign(&self, request: Request<AssignRequest>) -> Result<Response<AssignResponse>, Status> {
+        let r = request.into_inner();
+        positive_epoch(r.epoch)?;
+        self.node.assign(r.shard_id, r.epoch, r.leader, r.commit_seqno).await.map(Response::new)
+    }
+
+    async fn position(&self, request: Request<PositionRequest>) -> Result<Response<FenceResponse>, Status> {
+        self.node.position(request.into_inner().shard_id).await.map(Response::new)
+    }
+
+    async fn epoch_end(&self, request: Request<EpochEndRequest>) -> Result<Response<EpochEndResponse>, Status> {
+        let (epoch, end_seqno) = self.node.epoch_end(request.into_inner()).await?;
+        Ok(Response::new(EpochEndResponse { epoch, end_seqno }))
+    }
+
+    async fn pause(&self, request: Request<PauseRequest>) -> Result<Response<PauseResponse>, Status> {
+        let r = request.into_inner();
+        self.node.pause(r.shard_id, r.paused)?;
+        Ok(Response::new(PauseResponse {}))
+    }
+
+    async fn crash(&self, request: Request<CrashRequest>) -> Result<Response<CrashResponse>, Status> {
+        self.node.crash(&request.into_inner().reason)?;
+        Ok(Response::new(CrashResponse {}))
     }
 }

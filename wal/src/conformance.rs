@@ -221,6 +221,18 @@ pub(crate) fn frames_survive_byte_identical(h: &mut dyn Harness) {
     assert_eq!(h.store().read(7, 1, 1, 1).unwrap(), vec![odd]);
 }
 
+pub(crate) fn epoch_promise_survives_and_never_moves_back(h: &mut dyn Harness) {
+    h.store().create_shard(1).unwrap();
+    assert_eq!(h.store().epoch(1).unwrap(), 0);
+    h.store().set_epoch(1, 5).unwrap();
+    h.store().set_epoch(1, 3).unwrap();
+    assert_eq!(h.store().epoch(1).unwrap(), 5, "a lower epoch is ignored");
+    h.restart();
+    assert_eq!(h.store().epoch(1).unwrap(), 5, "the promise is durable");
+    assert!(matches!(h.store().set_epoch(9, 1), Err(StoreError::UnknownShard(9))));
+    assert!(matches!(h.store().epoch(9), Err(StoreError::UnknownShard(9))));
+}
+
 macro_rules! conformance_suite {
     ($harness:expr) => {
         #[test]
@@ -258,6 +270,10 @@ macro_rules! conformance_suite {
         #[test]
         fn restart_keeps_durable_records() {
             crate::conformance::restart_keeps_durable_records(&mut $harness);
+        }
+        #[test]
+        fn epoch_promise_survives_and_never_moves_back() {
+            crate::conformance::epoch_promise_survives_and_never_moves_back(&mut $harness);
         }
         #[test]
         fn frames_survive_byte_identical() {

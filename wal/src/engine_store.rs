@@ -28,6 +28,7 @@ use crate::store::{
 
 const FIRST_KEY: &[u8] = b"walship/first";
 const TRUNCATED_KEY: &[u8] = b"walship/truncated";
+const EPOCH_KEY: &[u8] = b"walship/epoch";
 /// Upper bound of the protobuf framing raft-engine adds around one frame
 /// (tags and varints of index, term and the data length).
 const ENTRY_FRAMING_BYTES: usize = 32;
@@ -72,6 +73,8 @@ struct ShardState {
 pub struct EngineStore {
     engine: Engine,
     shards: Mutex<BTreeMap<ShardId, ShardState>>,
+    /// Serialises epoch read-modify-writes so the epoch never moves back.
+    epoch_lock: Mutex<()>,
 }
 
 fn io(e: raft_engine::Error) -> StoreError {
@@ -107,7 +110,7 @@ impl EngineStore {
             let bounds = LogBounds { first_seqno: first, last_seqno: last, durable_seqno: last };
             shards.insert(shard, ShardState { bounds, truncated: marker.is_some() });
         }
-        let store = EngineStore { engine, shards: Mutex::new(shards) };
+        let store = EngineStore { engine, shards: Mutex::new(shards), epoch_lock: Mutex::new(()) };
         // Whatever recovery found may still sit in the page cache only.
         store.write(&mut Self::sync_marker(), true)?;
         Ok(store)
@@ -274,5 +277,21 @@ impl LogStore for EngineStore {
         // Drop whole log files no shard needs any more.
         self.engine.purge_expired_files().map_err(io)?;
         Ok(())
+    }
+
+    fn set_epoch(&self, shard: ShardId, epoch: u64) -> StoreResult<()> {
+        self.state(shard)?;
+        let _guard = self.epoch_lock.lock();
+        if get_u64(&self.engine, shard, EPOCH_KEY).is_some_and(|current| current >= epoch) {
+            return Ok(());
+        }
+        let mut batch = LogBatch::default();
+        batch.put(shard as u64, EPOCH_KEY.to_vec(), epoch.to_le_bytes().to_vec()).map_err(io)?;
+        self.write(&mut batch, true)
+    }
+
+    fn epoch(&self, shard: ShardId) -> StoreResult<u64> {
+        self.state(shard)?;
+        Ok(get_u64(&self.engine, shard, EPOCH_KEY).unwrap_or(0))
     }
 }

@@ -17,6 +17,7 @@ use crate::store::{
 #[derive(Debug)]
 struct MemShard {
     first_seqno: u64,
+    epoch: u64,
     durable_seqno: u64,
     /// Frames `first_seqno..`, in order.
     frames: VecDeque<Frame>,
@@ -57,6 +58,7 @@ impl LogStore for MemStore {
     fn create_shard(&self, shard: ShardId) -> StoreResult<()> {
         self.shards.lock().entry(shard).or_insert(MemShard {
             first_seqno: 1,
+            epoch: 0,
             durable_seqno: 0,
             frames: VecDeque::new(),
         });
@@ -130,5 +132,16 @@ impl LogStore for MemStore {
             s.first_seqno = first_kept;
         }
         Ok(())
+    }
+
+    fn set_epoch(&self, shard: ShardId, epoch: u64) -> StoreResult<()> {
+        let mut shards = self.shards.lock();
+        let s = shards.get_mut(&shard).ok_or(StoreError::UnknownShard(shard))?;
+        s.epoch = s.epoch.max(epoch);
+        Ok(())
+    }
+
+    fn epoch(&self, shard: ShardId) -> StoreResult<u64> {
+        Ok(self.shards.lock().get(&shard).ok_or(StoreError::UnknownShard(shard))?.epoch)
     }
 }

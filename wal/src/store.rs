@@ -109,6 +109,14 @@ pub trait LogStore: Send + Sync + 'static {
     /// Discards records before `first_kept` (retention). Only durable records
     /// may be discarded: `first_kept <= durable_seqno + 1`. Durable on return.
     fn compact_prefix(&self, shard: ShardId, first_kept: u64) -> StoreResult<()>;
+
+    /// Records the newest epoch this replica has promised to (it refuses
+    /// older ones from then on). Never moves backwards: a lower value is
+    /// ignored. Durable on return.
+    fn set_epoch(&self, shard: ShardId, epoch: u64) -> StoreResult<()>;
+
+    /// The epoch last recorded with [`LogStore::set_epoch`] (0 if none).
+    fn epoch(&self, shard: ShardId) -> StoreResult<u64>;
 }
 
 /// Checks that `frames` may be appended to a shard whose next seqno is `next`.

@@ -70,6 +70,8 @@ pub enum WalError {
     Store(#[from] StoreError),
     #[error("the WAL writer has stopped")]
     Closed,
+    #[error("shard {shard}: epoch {epoch} is older than epoch {promised} this replica has promised to")]
+    StaleEpoch { shard: ShardId, epoch: u64, promised: u64 },
 }
 
 impl WalError {
@@ -231,6 +233,9 @@ struct ShardPositions {
     /// durable seqno also sees at least the bytes that brought it there.
     records: AtomicU64,
     bytes: AtomicU64,
+    /// Leader appends in an older epoch are refused (set on fencing, so an
+    /// append queued before a leadership change cannot land after it).
+    min_epoch: AtomicU64,
     /// The newest durable frames, contiguous, oldest first.
     tail: parking_lot::Mutex<TailCache>,
     durable: watch::Sender<u64>,
@@ -244,6 +249,7 @@ impl ShardPositions {
             last: AtomicU64::new(bounds.last_seqno),
             records: AtomicU64::new(0),
             bytes: AtomicU64::new(0),
+            min_epoch: AtomicU64::new(0),
             tail: parking_lot::Mutex::new(TailCache::default()),
             durable: watch::Sender::new(bounds.durable_seqno),
             gauges,
@@ -333,6 +339,49 @@ impl Wal {
             durable_seqno: *p.durable.borrow(),
             last_seqno: p.last.load(Ordering::Acquire),
         })
+    }
+
+    /// Records the newest epoch this replica promised to, durably, and
+    /// refuses leader appends in older epochs from now on.
+    pub async fn set_epoch(&self, shard: ShardId, epoch: u64) -> WalResult<()> {
+        self.shared.shard(shard)?.min_epoch.fetch_max(epoch, Ordering::AcqRel);
+        let store = self.shared.store.clone();
+        tokio::task::spawn_blocking(move || store.set_epoch(shard, epoch)).await.map_err(|_| WalError::Closed)??;
+        Ok(())
+    }
+
+    /// The newest epoch this replica promised to (0 if never).
+    pub fn epoch(&self, shard: ShardId) -> WalResult<u64> {
+        let promised = self.shared.store.epoch(shard)?;
+        self.shared.shard(shard)?.min_epoch.fetch_max(promised, Ordering::AcqRel);
+        Ok(promised)
+    }
+
+    /// The epoch of the record at `seqno`.
+    pub async fn epoch_at(&self, shard: ShardId, seqno: u64) -> WalResult<u64> {
+        let frames = self.read(shard, seqno, seqno, 1).await?;
+        Ok(frames.first().map_or(0, Frame::epoch))
+    }
+
+    /// The last seqno whose record's epoch is `<= epoch`, with that record's
+    /// epoch (`(0, first_seqno - 1)` when there is none). Epochs never
+    /// decrease along a log, so this is a binary search of O(log n) reads.
+    pub async fn epoch_end(&self, shard: ShardId, epoch: u64) -> WalResult<(u64, u64)> {
+        let p = self.positions(shard)?;
+        let none = (0, p.first_seqno - 1);
+        if p.last_seqno < p.first_seqno || self.epoch_at(shard, p.first_seqno).await? > epoch {
+            return Ok(none);
+        }
+        let (mut lo, mut hi) = (p.first_seqno, p.last_seqno);
+        while lo < hi {
+            let mid = lo + (hi - lo).div_ceil(2);
+            if self.epoch_at(shard, mid).await? <= epoch {
+                lo = mid;
+            } else {
+                hi = mid - 1;
+            }
+        }
+        Ok((self.epoch_at(shard, lo).await?, lo))
     }
 
     pub fn counters(&self, shard: ShardId) -> WalResult<ShardCounters> {
@@ -521,6 +570,11 @@ impl Writer {
         for request in queued {
             match request {
                 Request::Append { shard, epoch, records, reply } => {
+                    let promised = self.shared.shard(shard).map_or(0, |p| p.min_epoch.load(Ordering::Acquire));
+                    if epoch < promised {
+                        let _ = reply.send(Err(WalError::StaleEpoch { shard, epoch, promised }));
+                        continue;
+                    }
                     let first = match self.next_seqno(&mut batch, shard) {
                         Ok(next) => next,
                         Err(e) => {
@@ -741,6 +795,28 @@ mod tests {
         wal.append_frames(1, crate::conformance::frames(4, 2, 2)).await.unwrap();
         let epochs: Vec<u64> = wal.read(1, 1, 5, usize::MAX).await.unwrap().iter().map(Frame::epoch).collect();
         assert_eq!(epochs, vec![1, 1, 1, 2, 2]);
+    }
+
+    #[tokio::test]
+    async fn epochs_fence_leader_appends_and_locate_epoch_ends() {
+        let wal = Wal::start(Arc::new(MemStore::new()), WalConfig::default(), WalMetrics::unregistered()).unwrap();
+        wal.create_shard(1).unwrap();
+        assert_eq!(wal.epoch_end(1, 5).await.unwrap(), (0, 0), "empty log");
+        wal.append(1, 2, records(3)).await.unwrap(); // 1..=3 in epoch 2
+        wal.append(1, 4, records(2)).await.unwrap(); // 4..=5 in epoch 4
+        wal.append(1, 7, records(1)).await.unwrap(); // 6 in epoch 7
+        assert_eq!(wal.epoch_end(1, 1).await.unwrap(), (0, 0));
+        assert_eq!(wal.epoch_end(1, 2).await.unwrap(), (2, 3));
+        assert_eq!(wal.epoch_end(1, 3).await.unwrap(), (2, 3));
+        assert_eq!(wal.epoch_end(1, 6).await.unwrap(), (4, 5));
+        assert_eq!(wal.epoch_end(1, 9).await.unwrap(), (7, 6));
+        wal.set_epoch(1, 8).await.unwrap();
+        assert_eq!(wal.epoch(1).unwrap(), 8);
+        assert!(matches!(wal.append(1, 7, records(1)).await, Err(WalError::StaleEpoch { promised: 8, .. })));
+        assert_eq!(wal.positions(1).unwrap().last_seqno, 6, "the refused append wrote nothing");
+        // Followers still apply older-epoch records from the new leader.
+        wal.append_frames(1, crate::conformance::frames(7, 1, 7)).await.unwrap();
+        wal.append(1, 8, records(1)).await.unwrap();
     }
 
     #[tokio::test]

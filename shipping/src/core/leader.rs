@@ -7,6 +7,12 @@
 //!   (the leader counts with its own durable position); it never decreases
 //!   and never passes the leader's durable position. Only durable records are
 //!   ever offered for shipping.
+//! * Counting replicas only commits once the majority position reaches a
+//!   record of this leader's own epoch (`epoch_start`): older-epoch records
+//!   on a majority may still be overwritten by a leader with a newer last
+//!   epoch (Raft's "figure 8"), so they commit together with the first
+//!   record of this epoch. Until then the commit is the floor the
+//!   coordinator handed over (positions some earlier leader announced).
 //! * A follower's `acked` only ever comes from its own reply (its durable
 //!   frontier); nothing the leader sends counts until the follower says so.
 //! * At most `window` requests are in flight per follower, and a follower
@@ -58,6 +64,22 @@ pub struct LeaderSettings {
     pub window: usize,
     pub catchup_threshold_bytes: u64,
     pub keepalive_us: u64,
+    /// How soon an unanswered (probe-mode) follower is probed again.
+    pub probe_us: u64,
+}
+
+/// Where a leader starts.
+#[derive(Debug, Clone, Copy)]
+pub struct LeaderStart {
+    pub epoch: u64,
+    /// The leader's WAL holds `[first, durable]`.
+    pub first: u64,
+    pub durable: u64,
+    /// The first seqno of this leader's own epoch (its last seqno + 1 when it
+    /// is promoted).
+    pub epoch_start: u64,
+    /// A commit position known to be safe (announced by an earlier leader).
+    pub commit_floor: u64,
 }
 
 /// What the leader knows of one follower.
@@ -142,6 +164,7 @@ const LEDGER_CAP: usize = 100_000;
 #[derive(Debug, Clone)]
 pub struct LeaderCore {
     epoch: u64,
+    epoch_start: u64,
     settings: LeaderSettings,
     durable: u64,
     first: u64,
@@ -154,30 +177,24 @@ pub struct LeaderCore {
 }
 
 impl LeaderCore {
-    /// A leader at `epoch` whose WAL holds `[first, durable]`, with the given
-    /// followers (the leader itself excluded).
-    pub fn new(
-        epoch: u64,
-        followers: &[NodeId],
-        first: u64,
-        durable: u64,
-        settings: LeaderSettings,
-        now_us: u64,
-    ) -> LeaderCore {
+    /// A leader starting at `start`, with the given followers (the leader
+    /// itself excluded).
+    pub fn new(start: LeaderStart, followers: &[NodeId], settings: LeaderSettings, now_us: u64) -> LeaderCore {
         let progress = FollowerProgress {
             acked: 0,
-            next: durable + 1,
+            next: start.durable + 1,
             in_flight: 0,
             mode: ShipMode::Probe,
             last_sent_us: None,
             last_reply_us: None,
         };
         let mut core = LeaderCore {
-            epoch,
+            epoch: start.epoch,
+            epoch_start: start.epoch_start,
             settings,
-            durable,
-            first,
-            commit: 0,
+            durable: start.durable,
+            first: start.first,
+            commit: start.commit_floor.min(start.durable),
             followers: followers.iter().map(|&f| (f, progress)).collect(),
             ledger: VecDeque::new(),
             avg_frame_bytes: 0,
@@ -189,6 +206,11 @@ impl LeaderCore {
 
     pub fn epoch(&self) -> u64 {
         self.epoch
+    }
+
+    /// The first seqno of this leader's own epoch.
+    pub fn epoch_start(&self) -> u64 {
+        self.epoch_start
     }
 
     pub fn durable(&self) -> u64 {
@@ -240,7 +262,8 @@ impl LeaderCore {
         let settings = self.settings;
         let durable = self.durable;
         let Some(p) = self.followers.get_mut(&follower) else { return ShipDecision::Idle };
-        let keepalive_due = p.last_sent_us.is_none_or(|t| now_us.saturating_sub(t) >= settings.keepalive_us);
+        let interval = if p.mode == ShipMode::Probe { settings.probe_us } else { settings.keepalive_us };
+        let keepalive_due = p.last_sent_us.is_none_or(|t| now_us.saturating_sub(t) >= interval);
         match p.mode {
             ShipMode::Push if p.next <= durable => {
                 if p.in_flight < settings.window {
@@ -406,7 +429,7 @@ impl LeaderCore {
         durable.sort_unstable_by(|a, b| b.cmp(a));
         let majority = durable.len() / 2 + 1;
         let quorum = durable[majority - 1].min(self.durable);
-        if quorum > self.commit {
+        if quorum > self.commit && quorum >= self.epoch_start {
             self.commit = quorum;
             true
         } else {
@@ -419,10 +442,15 @@ impl LeaderCore {
 mod tests {
     use super::*;
 
-    const SETTINGS: LeaderSettings = LeaderSettings { window: 2, catchup_threshold_bytes: 10_000, keepalive_us: 1_000 };
+    const SETTINGS: LeaderSettings =
+        LeaderSettings { window: 2, catchup_threshold_bytes: 10_000, keepalive_us: 1_000, probe_us: 1_000 };
+
+    fn start(epoch: u64, durable: u64, epoch_start: u64, commit_floor: u64) -> LeaderStart {
+        LeaderStart { epoch, first: 1, durable, epoch_start, commit_floor }
+    }
 
     fn leader() -> LeaderCore {
-        LeaderCore::new(5, &[2, 3], 1, 0, SETTINGS, 0)
+        LeaderCore::new(start(5, 0, 1, 0), &[2, 3], SETTINGS, 0)
     }
 
     /// Puts a follower into push mode at `acked` by answering a probe.
@@ -488,7 +516,7 @@ mod tests {
 
     #[test]
     fn single_replica_commits_on_local_durability() {
-        let mut core = LeaderCore::new(1, &[], 1, 0, SETTINGS, 0);
+        let mut core = LeaderCore::new(start(1, 0, 1, 0), &[], SETTINGS, 0);
         assert!(core.on_local_durable(3, 3, 30, 0));
         assert_eq!((core.commit(), core.all_durable()), (3, 3));
     }
@@ -596,6 +624,26 @@ mod tests {
         core.on_keepalive_sent(2, 4);
         core.on_reply(2, ShipReply::Failed, 4).unwrap();
         assert_eq!(core.progress(2).unwrap().mode, ShipMode::NeedsReseed);
+    }
+
+    #[test]
+    fn older_epoch_records_commit_only_with_one_of_this_epoch() {
+        // Promoted at epoch 4 holding 1..=9 from earlier epochs; an earlier
+        // leader had announced commit 6.
+        let mut core = LeaderCore::new(start(4, 9, 10, 6), &[2, 3], SETTINGS, 0);
+        assert_eq!(core.commit(), 6, "starts at the handed-over floor");
+        probe(&mut core, 2, 9, 1);
+        assert_eq!(core.commit(), 6, "9 is on a majority but from an older epoch: not committed by counting");
+        core.on_local_durable(10, 10, 1_000, 2);
+        assert_eq!(core.commit(), 6);
+        core.on_sent(2, 10, 10, 2);
+        core.on_reply(2, ShipReply::Applied { applied: 10 }, 3).unwrap();
+        assert_eq!(core.commit(), 10, "the first epoch-4 record on a majority commits everything before it");
+    }
+
+    #[test]
+    fn commit_floor_never_passes_the_leaders_log() {
+        assert_eq!(LeaderCore::new(start(2, 5, 6, 99), &[2], SETTINGS, 0).commit(), 5);
     }
 
     #[test]
