@@ -4,6 +4,7 @@
 mod bench;
 mod client;
 mod config;
+mod coord;
 mod dev;
 mod node;
 
@@ -21,6 +22,8 @@ struct Cli {
 enum Command {
     /// Run a shard node: its WAL, the client Log service (gRPC) and its admin HTTP API.
     Node(node::NodeArgs),
+    /// Run a coordinator: leadership in a compare-and-set KV, failure detection, failover, the cluster admin API.
+    Coord(coord::CoordArgs),
     /// Run an embedded local cluster: three nodes on loopback, shards at RF=3, no other setup.
     Dev(dev::DevArgs),
     /// Append records to a shard: one per stdin line, or generated with --count/--size.
@@ -57,6 +60,7 @@ fn run() -> Result<()> {
         match cli.command {
             Command::Node(args) => node::run_node(args).await,
             Command::Dev(args) => dev::run_dev(args).await,
+            Command::Coord(args) => coord::run_coord(args).await,
             Command::Append(args) => client::append(args).await,
             Command::Read(args) => client::read(args).await,
             Command::Tail(args) => client::tail(args).await,

@@ -124,7 +124,7 @@ impl RunningNode {
     }
 }
 
-async fn shutdown_signal() {
+pub async fn shutdown_signal() {
     let mut term = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()).expect("SIGTERM handler");
     tokio::select! {
         _ = tokio::signal::ctrl_c() => {}

@@ -49,3 +49,69 @@ impl IntoResponse for ApiError {
         (self.status, Json(self.body)).into_response()
     }
 }
+
+pub use walship_shipping::control::state::FailoverRecord;
+
+/// `GET /v1/cluster` on the coordinator.
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
+pub struct ClusterView {
+    pub cluster_id: String,
+    pub coordinator: CoordinatorView,
+    pub nodes: Vec<NodeView>,
+    pub shards: usize,
+    pub shards_without_leader: usize,
+    pub recent_failovers: Vec<FailoverRecord>,
+}
+
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
+pub struct CoordinatorView {
+    pub id: String,
+    /// This coordinator holds the lease.
+    pub active: bool,
+    pub lease_holder: String,
+    pub lease_term: u64,
+    /// What backs the leadership KV (`file:` or `nats:`).
+    pub kv: String,
+    pub uptime_seconds: u64,
+}
+
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
+pub struct NodeView {
+    pub node_id: u32,
+    pub grpc_addr: String,
+    pub admin_addr: String,
+    pub region: u32,
+    pub last_heartbeat_ms_ago: Option<u64>,
+    /// Heard from within the leader timeout.
+    pub alive: bool,
+}
+
+/// `GET /v1/shards/{id}` on the coordinator.
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
+pub struct ShardView {
+    pub shard_id: u32,
+    pub leader: Option<u32>,
+    pub epoch: u64,
+    pub commit_floor: u64,
+    pub replicas: Vec<ReplicaView>,
+    pub last_failover: Option<FailoverRecord>,
+}
+
+/// One replica as the coordinator sees it (from its heartbeats and, for
+/// lag, its leader's).
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
+pub struct ReplicaView {
+    pub node_id: u32,
+    /// `leader`, `follower`, `unassigned` or `unknown` (never heard from).
+    pub role: String,
+    pub alive: bool,
+    pub last_heartbeat_ms_ago: Option<u64>,
+    pub epoch: u64,
+    pub last_epoch: u64,
+    pub last_seqno: u64,
+    pub durable_seqno: u64,
+    pub commit_seqno: u64,
+    pub lag_records: Option<u64>,
+    pub lag_bytes: Option<u64>,
+    pub lag_seconds: Option<f64>,
+}

@@ -14,6 +14,7 @@
 //! adds the coordinator; the epoch already fences every message.
 
 pub mod config;
+pub mod control;
 pub mod core;
 pub mod limiter;
 pub mod log_service;

@@ -1317,14 +1317,22 @@ impl ReplicationNode {
                 } else {
                     0
                 };
-                let (commit, lag) = match replica.leader_state() {
+                let mut lag_records = std::collections::HashMap::new();
+                let mut lag_bytes = std::collections::HashMap::new();
+                let mut lag_seconds = std::collections::HashMap::new();
+                let commit = match replica.leader_state() {
                     Some(leader) => {
                         let core = leader.core.lock();
-                        let lag =
-                            core.followers().map(|(id, pr)| (id, core.durable().saturating_sub(pr.acked))).collect();
-                        (core.commit(), lag)
+                        for (id, _) in core.followers() {
+                            if let Some(lag) = core.lag(id, now_us()) {
+                                lag_records.insert(id, lag.records);
+                                lag_bytes.insert(id, lag.bytes);
+                                lag_seconds.insert(id, lag.flush_seconds);
+                            }
+                        }
+                        core.commit()
                     }
-                    None => (replica.readable(), Default::default()),
+                    None => replica.readable(),
                 };
                 requests.push(HeartbeatRequest {
                     shard_id: replica.shard,
@@ -1332,7 +1340,9 @@ impl ReplicationNode {
                     entity_count: (p.last_seqno + 1).saturating_sub(p.first_seqno),
                     signal_throughput_eps: rate,
                     disk_bytes: disk,
-                    replication_lag: lag,
+                    replication_lag: lag_records,
+                    replication_lag_bytes: lag_bytes,
+                    replication_lag_seconds: lag_seconds,
                     last_heartbeat_ns: now_us() * 1_000,
                     node_id: self.me,
                     epoch: view.epoch,

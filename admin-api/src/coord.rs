@@ -1,0 +1,276 @@
+//! The coordinator's admin HTTP API: the cluster, its shards (leader,
+//! epoch, replicas with positions and lag), failover (with preview and
+//! forced modes) and health. Mutating endpoints need the bearer token:
+//! 401 without one, 403 with a wrong one; every mutation is logged with
+//! what was asked.
+
+use std::sync::Arc;
+use std::time::Instant;
+
+use axum::extract::rejection::JsonRejection;
+use axum::extract::{Path, State};
+use axum::http::{HeaderMap, StatusCode, header};
+use axum::response::{IntoResponse, Response};
+use axum::routing::{get, post};
+use axum::{Json, Router};
+use prometheus::{Encoder, Registry, TextEncoder};
+use walship_shipping::control::{CoordError, Coordinator, FailoverRequest};
+
+use crate::models::{ApiError, ClusterView, CoordinatorView, NodeView, ReplicaView, ShardView};
+
+/// What the coordinator's admin API reads from.
+pub struct CoordAdmin {
+    pub coordinator: Arc<Coordinator>,
+    pub registry: Registry,
+    pub token: String,
+    pub started: Instant,
+}
+
+pub fn coord_router(admin: Arc<CoordAdmin>) -> Router {
+    Router::new()
+        .route("/healthz", get(|| async { "ok\n" }))
+        .route("/readyz", get(readyz))
+        .route("/metrics", get(metrics))
+        .route("/v1/cluster", get(cluster))
+        .route("/v1/shards", get(shards))
+        .route("/v1/shards/{id}", get(shard))
+        .route("/v1/shards/{id}/failover", post(failover))
+        .fallback(|| async { ApiError::new(StatusCode::NOT_FOUND, "not_found", "no such endpoint") })
+        .with_state(admin)
+}
+
+/// Checks the bearer token of a mutating request.
+pub fn authorize(headers: &HeaderMap, token: &str) -> Result<(), ApiError> {
+    let Some(value) = headers.get(header::AUTHORIZATION) else {
+        return Err(ApiError::new(
+            StatusCode::UNAUTHORIZED,
+            "unauthorized",
+            "this endpoint needs Authorization: Bearer <token>",
+        ));
+    };
+    match value.to_str().ok().and_then(|v| v.strip_prefix("Bearer ")) {
+        Some(given) if constant_time_eq(given.as_bytes(), token.as_bytes()) => Ok(()),
+        _ => Err(ApiError::new(StatusCode::FORBIDDEN, "forbidden", "wrong token")),
+    }
+}
+
+fn constant_time_eq(a: &[u8], b: &[u8]) -> bool {
+    a.len() == b.len() && a.iter().zip(b).fold(0u8, |acc, (x, y)| acc | (x ^ y)) == 0
+}
+
+async fn readyz(State(admin): State<Arc<CoordAdmin>>) -> Response {
+    match admin.coordinator.read_state().await {
+        Ok(_) => (StatusCode::OK, "ready\n").into_response(),
+        Err(e) => ApiError::new(StatusCode::SERVICE_UNAVAILABLE, "kv_unavailable", e.to_string()).into_response(),
+    }
+}
+
+async fn metrics(State(admin): State<Arc<CoordAdmin>>) -> Response {
+    let mut body = Vec::new();
+    match TextEncoder::new().encode(&admin.registry.gather(), &mut body) {
+        Ok(()) => ([(header::CONTENT_TYPE, prometheus::TEXT_FORMAT)], body).into_response(),
+        Err(e) => ApiError::new(StatusCode::INTERNAL_SERVER_ERROR, "metrics", e.to_string()).into_response(),
+    }
+}
+
+async fn state(admin: &CoordAdmin) -> Result<walship_shipping::control::state::ClusterState, ApiError> {
+    if let Some(state) = admin.coordinator.state() {
+        return Ok(state);
+    }
+    match admin.coordinator.read_state().await {
+        Ok(Some(state)) => Ok(state),
+        Ok(None) => Err(ApiError::new(
+            StatusCode::SERVICE_UNAVAILABLE,
+            "no_state",
+            "no coordinator has written the cluster state yet",
+        )),
+        Err(e) => Err(ApiError::new(StatusCode::SERVICE_UNAVAILABLE, "kv_unavailable", e.to_string())),
+    }
+}
+
+fn shard_view(
+    admin: &CoordAdmin,
+    id: u32,
+    record: &walship_shipping::control::state::ShardRecord,
+    last_failover: Option<walship_shipping::control::state::FailoverRecord>,
+) -> ShardView {
+    let c = &admin.coordinator;
+    let timeout = c.config.replication.leader_timeout_ms;
+    let leader_hb = record.leader.and_then(|l| c.heartbeat(l, id));
+    let replicas = record
+        .replicas
+        .iter()
+        .map(|&node| {
+            let hb = c.heartbeat(node, id);
+            let seen = c.last_seen_ms(node);
+            let lag = |m: Option<u64>| m;
+            ReplicaView {
+                node_id: node,
+                role: match &hb {
+                    Some(h) if h.is_leader => "leader".into(),
+                    Some(h) if h.leader_node_id != 0 => "follower".into(),
+                    Some(_) => "unassigned".into(),
+                    None => "unknown".into(),
+                },
+                alive: seen.is_some_and(|ms| ms <= timeout),
+                last_heartbeat_ms_ago: seen,
+                epoch: hb.as_ref().map_or(0, |h| h.epoch),
+                last_epoch: hb.as_ref().map_or(0, |h| h.last_epoch),
+                last_seqno: hb.as_ref().map_or(0, |h| h.last_seqno),
+                durable_seqno: hb.as_ref().map_or(0, |h| h.durable_seqno),
+                commit_seqno: hb.as_ref().map_or(0, |h| h.commit_seqno),
+                lag_records: lag(leader_hb.as_ref().and_then(|l| l.replication_lag.get(&node).copied())),
+                lag_bytes: leader_hb.as_ref().and_then(|l| l.replication_lag_bytes.get(&node).copied()),
+                lag_seconds: leader_hb.as_ref().and_then(|l| l.replication_lag_seconds.get(&node).copied()),
+            }
+        })
+        .collect();
+    ShardView {
+        shard_id: id,
+        leader: record.leader,
+        epoch: record.epoch,
+        commit_floor: record.commit_floor,
+        replicas,
+        last_failover,
+    }
+}
+
+async fn cluster(State(admin): State<Arc<CoordAdmin>>) -> Response {
+    let state = match state(&admin).await {
+        Ok(s) => s,
+        Err(e) => return e.into_response(),
+    };
+    let c = &admin.coordinator;
+    let timeout = c.config.replication.leader_timeout_ms;
+    let view = ClusterView {
+        cluster_id: c.config.cluster_id.clone(),
+        coordinator: CoordinatorView {
+            id: c.id.clone(),
+            active: c.is_active(),
+            lease_holder: state.lease.holder.clone(),
+            lease_term: state.lease.term,
+            kv: c.kv_description(),
+            uptime_seconds: admin.started.elapsed().as_secs(),
+        },
+        nodes: c
+            .config
+            .nodes
+            .iter()
+            .map(|n| {
+                let seen = c.last_seen_ms(n.id);
+                NodeView {
+                    node_id: n.id,
+                    grpc_addr: n.grpc_addr.to_string(),
+                    admin_addr: n.admin_addr.to_string(),
+                    region: n.region,
+                    last_heartbeat_ms_ago: seen,
+                    alive: seen.is_some_and(|ms| ms <= timeout),
+                }
+            })
+            .collect(),
+        shards: state.shards.len(),
+        shards_without_leader: state.shards.values().filter(|r| r.leader.is_none()).count(),
+        recent_failovers: state.failovers.iter().rev().take(20).cloned().collect(),
+    };
+    Json(view).into_response()
+}
+
+async fn shards(State(admin): State<Arc<CoordAdmin>>) -> Response {
+    match state(&admin).await {
+        Ok(state) => {
+            let views: Vec<ShardView> = state
+                .shards
+                .iter()
+                .map(|(&id, r)| {
+                    shard_view(&admin, id, r, state.failovers.iter().rev().find(|f| f.shard == id).cloned())
+                })
+                .collect();
+            Json(views).into_response()
+        }
+        Err(e) => e.into_response(),
+    }
+}
+
+fn parse_shard(id: &str) -> Result<u32, ApiError> {
+    id.parse()
+        .map_err(|_| ApiError::new(StatusCode::BAD_REQUEST, "bad_shard_id", format!("shard id {id:?} is not a number")))
+}
+
+async fn shard(State(admin): State<Arc<CoordAdmin>>, Path(id): Path<String>) -> Response {
+    let id = match parse_shard(&id) {
+        Ok(id) => id,
+        Err(e) => return e.into_response(),
+    };
+    match state(&admin).await {
+        Ok(state) => match state.shards.get(&id) {
+            Some(r) => Json(shard_view(&admin, id, r, state.failovers.iter().rev().find(|f| f.shard == id).cloned()))
+                .into_response(),
+            None => ApiError::new(StatusCode::NOT_FOUND, "unknown_shard", format!("shard {id} does not exist"))
+                .into_response(),
+        },
+        Err(e) => e.into_response(),
+    }
+}
+
+pub fn coord_error(e: CoordError) -> ApiError {
+    let status = match &e {
+        CoordError::NotActive | CoordError::NoMajority { .. } | CoordError::Kv(_) | CoordError::Unreachable(_) => {
+            StatusCode::SERVICE_UNAVAILABLE
+        }
+        CoordError::UnknownShard(_) => StatusCode::NOT_FOUND,
+        CoordError::NotAReplica { .. } => StatusCode::BAD_REQUEST,
+        CoordError::WouldLose { .. } | CoordError::Busy(_) => StatusCode::CONFLICT,
+    };
+    let code = match &e {
+        CoordError::NotActive => "not_active",
+        CoordError::UnknownShard(_) => "unknown_shard",
+        CoordError::NotAReplica { .. } => "not_a_replica",
+        CoordError::NoMajority { .. } => "no_majority",
+        CoordError::WouldLose { .. } => "would_lose_acknowledged_records",
+        CoordError::Unreachable(_) => "unreachable",
+        CoordError::Busy(_) => "failover_in_progress",
+        CoordError::Kv(_) => "kv_unavailable",
+    };
+    ApiError::new(status, code, e.to_string())
+}
+
+/// Turns a JSON body rejection into the API's error shape (400 naming the
+/// problem, 413 for oversized bodies, 415 for a wrong content type).
+pub fn body_error(rejection: JsonRejection) -> ApiError {
+    let status = rejection.status();
+    let code = match status {
+        StatusCode::PAYLOAD_TOO_LARGE => "body_too_large",
+        StatusCode::UNSUPPORTED_MEDIA_TYPE => "unsupported_media_type",
+        _ => "bad_request",
+    };
+    ApiError::new(
+        if status == StatusCode::UNPROCESSABLE_ENTITY { StatusCode::BAD_REQUEST } else { status },
+        code,
+        rejection.body_text(),
+    )
+}
+
+async fn failover(
+    State(admin): State<Arc<CoordAdmin>>,
+    Path(id): Path<String>,
+    headers: HeaderMap,
+    body: Result<Json<FailoverRequest>, JsonRejection>,
+) -> Response {
+    if let Err(e) = authorize(&headers, &admin.token) {
+        return e.into_response();
+    }
+    let id = match parse_shard(&id) {
+        Ok(id) => id,
+        Err(e) => return e.into_response(),
+    };
+    let Json(request) = match body {
+        Ok(body) => body,
+        Err(rejection) => return body_error(rejection).into_response(),
+    };
+    tracing::info!(shard = id, ?request, "admin: failover requested");
+    let reason = if request.allow_loss { "forced" } else { "manual" };
+    match admin.coordinator.failover(id, request, reason).await {
+        Ok(outcome) => Json(outcome).into_response(),
+        Err(e) => coord_error(e).into_response(),
+    }
+}

@@ -1,0 +1,673 @@
+//! The coordinator runtime (`walship coord`): holds the lease, receives
+//! heartbeats, detects lost leaders, drives failovers, and keeps every
+//! replica's role in line with the KV.
+//!
+//! Failover, exactly as DESIGN.md orders it:
+//! 1. raise the shard's epoch in the KV (compare-and-set; leader unset);
+//! 2. fence every replica with the new epoch; each refuses older epochs from
+//!    then on and answers `(last_epoch, last_seqno)`;
+//! 3. with a majority of answers (no automatic failover without one), pick
+//!    the replica with the highest `(last_epoch, last_seqno)`;
+//! 4. record it as leader (compare-and-set) and assign it; its stream
+//!    baseline is its last seqno;
+//! 5. assign the others as followers: they truncate any divergent tail
+//!    against it, then catch up.
+//!
+//! Every KV write is a compare-and-set on the revision this coordinator
+//! last read; a coordinator whose lease was taken over fails its next write
+//! and goes back to standby without having changed anything.
+
+use std::collections::BTreeMap;
+use std::sync::Arc;
+use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
+
+use bytes::Bytes;
+use futures::StreamExt;
+use futures::stream::FuturesUnordered;
+use parking_lot::Mutex;
+use prometheus::{Histogram, HistogramOpts, IntCounterVec, IntGauge, Opts, Registry};
+use serde::{Deserialize, Serialize};
+use tokio_util::sync::CancellationToken;
+use walship_proto::log::{AssignRequest, EpochEndRequest, FenceRequest, FenceResponse, PositionRequest};
+use walship_proto::replication::HeartbeatRequest;
+
+use crate::NodeId;
+use crate::config::ClusterConfig;
+use crate::control::failover::{self, Candidate};
+use crate::control::kv::{Kv, KvError};
+use crate::control::state::{ClusterState, FailoverRecord, LeaseAction, STATE_KEY, ShardRecord, lease_action};
+use crate::peers::Peers;
+
+pub fn now_ms() -> u64 {
+    SystemTime::now().duration_since(UNIX_EPOCH).map(|d| d.as_millis() as u64).unwrap_or(0)
+}
+
+/// Why a coordinator operation was refused.
+#[derive(Debug, thiserror::Error)]
+pub enum CoordError {
+    #[error("this coordinator is not the active one (standby, or its lease was taken over)")]
+    NotActive,
+    #[error("shard {0} does not exist")]
+    UnknownShard(u32),
+    #[error("node {node} holds no replica of shard {shard}")]
+    NotAReplica { shard: u32, node: NodeId },
+    #[error(
+        "only {answered} of {replicas} replicas of shard {shard} answered the fence: no majority, no automatic failover"
+    )]
+    NoMajority { shard: u32, answered: usize, replicas: usize },
+    #[error("promoting node {node} would lose acknowledged records {from}..={to}; pass allow_loss to force it")]
+    WouldLose { node: NodeId, from: u64, to: u64 },
+    #[error("node {0} did not answer; it cannot be promoted")]
+    Unreachable(NodeId),
+    #[error("a failover of shard {0} is already running")]
+    Busy(u32),
+    #[error("KV: {0}")]
+    Kv(#[from] KvError),
+}
+
+/// A failover request (the admin API's body).
+#[derive(Debug, Clone, Default, Serialize, Deserialize, PartialEq, Eq)]
+#[serde(deny_unknown_fields)]
+pub struct FailoverRequest {
+    /// Replica to promote; default: the most up-to-date one.
+    #[serde(default)]
+    pub target: Option<NodeId>,
+    /// Change nothing; report what each candidate would lose.
+    #[serde(default)]
+    pub preview: bool,
+    /// Required to promote a replica that would lose acknowledged records,
+    /// or to fail over without a majority.
+    #[serde(default)]
+    pub allow_loss: bool,
+}
+
+/// One candidate in a preview.
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq, Eq)]
+pub struct CandidatePreview {
+    pub node: NodeId,
+    pub last_epoch: u64,
+    pub last_seqno: u64,
+    /// Seqnos promoting it would discard (none if it is the most up to date).
+    pub would_lose: Option<(u64, u64)>,
+    /// The part of `would_lose` that was acknowledged (committed).
+    pub would_lose_acknowledged: Option<(u64, u64)>,
+    pub is_best: bool,
+}
+
+/// What a failover did (or, for a preview, would do).
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq, Eq)]
+pub struct FailoverOutcome {
+    pub shard: u32,
+    pub preview: bool,
+    pub epoch: u64,
+    pub from: Option<NodeId>,
+    pub to: Option<NodeId>,
+    pub lost: Option<(u64, u64)>,
+    pub took_ms: u64,
+    pub candidates: Vec<CandidatePreview>,
+    /// Replicas that did not answer.
+    pub unreachable: Vec<NodeId>,
+    pub commit_seqno: u64,
+}
+
+struct NodeSeen {
+    at: Instant,
+    shards: BTreeMap<u32, HeartbeatRequest>,
+}
+
+struct Active {
+    state: ClusterState,
+    revision: u64,
+    since: Instant,
+    /// Local deadline of the lease: past it, act no more until renewed.
+    lease_until: Instant,
+}
+
+#[derive(Clone)]
+pub struct CoordinatorMetrics {
+    active: IntGauge,
+    lease_term: IntGauge,
+    failovers: IntCounterVec,
+    failover_seconds: Histogram,
+    assigns: IntCounterVec,
+}
+
+impl CoordinatorMetrics {
+    pub fn new(registry: &Registry) -> prometheus::Result<CoordinatorMetrics> {
+        let active = IntGauge::new("walship_coordinator_active", "1 while this coordinator holds the lease")?;
+        let lease_term =
+            IntGauge::new("walship_coordinator_lease_term", "Term of the lease this coordinator last saw")?;
+        let failovers = IntCounterVec::new(
+            Opts::new("walship_failovers_total", "Failovers by reason and outcome"),
+            &["reason", "outcome"],
+        )?;
+        let failover_seconds = Histogram::with_opts(
+            HistogramOpts::new("walship_failover_seconds", "Time from starting a failover to the new leader assigned")
+                .buckets(prometheus::exponential_buckets(0.001, 2.0, 14)?),
+        )?;
+        let assigns = IntCounterVec::new(
+            Opts::new("walship_assignments_total", "Assign calls sent to replicas, by outcome"),
+            &["outcome"],
+        )?;
+        registry.register(Box::new(active.clone()))?;
+        registry.register(Box::new(lease_term.clone()))?;
+        registry.register(Box::new(failovers.clone()))?;
+        registry.register(Box::new(failover_seconds.clone()))?;
+        registry.register(Box::new(assigns.clone()))?;
+        Ok(CoordinatorMetrics { active, lease_term, failovers, failover_seconds, assigns })
+    }
+}
+
+pub struct Coordinator {
+    pub id: String,
+    pub config: Arc<ClusterConfig>,
+    kv: Arc<dyn Kv>,
+    pub peers: Peers,
+    active: Mutex<Option<Active>>,
+    seen: Mutex<BTreeMap<NodeId, NodeSeen>>,
+    shard_locks: BTreeMap<u32, tokio::sync::Mutex<()>>,
+    assigned: Mutex<BTreeMap<(NodeId, u32), Instant>>,
+    pub metrics: CoordinatorMetrics,
+    pub shutdown: CancellationToken,
+    lease_ms: u64,
+}
+
+impl Coordinator {
+    pub fn start(
+        id: String,
+        config: Arc<ClusterConfig>,
+        kv: Arc<dyn Kv>,
+        metrics: CoordinatorMetrics,
+    ) -> Arc<Coordinator> {
+        let lease_ms = config.replication.coordinator_lease_ms;
+        let coordinator = Arc::new(Coordinator {
+            id,
+            peers: Peers::new(&config.addresses()),
+            shard_locks: config.shards.iter().map(|s| (s.id, tokio::sync::Mutex::new(()))).collect(),
+            config,
+            kv,
+            active: Mutex::new(None),
+            seen: Mutex::new(BTreeMap::new()),
+            assigned: Mutex::new(BTreeMap::new()),
+            metrics,
+            shutdown: CancellationToken::new(),
+            lease_ms,
+        });
+        tokio::spawn(coordinator.clone().run_lease());
+        tokio::spawn(coordinator.clone().run_reconcile());
+        coordinator
+    }
+
+    pub fn kv_description(&self) -> String {
+        self.kv.describe()
+    }
+
+    /// The state as this coordinator last wrote or read it, if active.
+    pub fn state(&self) -> Option<ClusterState> {
+        self.active.lock().as_ref().map(|a| a.state.clone())
+    }
+
+    pub fn is_active(&self) -> bool {
+        self.active.lock().as_ref().is_some_and(|a| Instant::now() < a.lease_until)
+    }
+
+    /// Reads the state from the KV (what a standby shows).
+    pub async fn read_state(&self) -> Result<Option<ClusterState>, CoordError> {
+        Ok(self.kv.get(STATE_KEY).await?.and_then(|e| serde_json::from_slice(&e.value).ok()))
+    }
+
+    pub fn on_heartbeat(&self, request: &HeartbeatRequest) -> Result<(), tonic::Status> {
+        if self.config.node(request.node_id).is_none() {
+            return Err(tonic::Status::invalid_argument(format!("heartbeat from unknown node {}", request.node_id)));
+        }
+        let mut seen = self.seen.lock();
+        let node =
+            seen.entry(request.node_id).or_insert_with(|| NodeSeen { at: Instant::now(), shards: BTreeMap::new() });
+        node.at = Instant::now();
+        node.shards.insert(request.shard_id, request.clone());
+        Ok(())
+    }
+
+    /// Milliseconds since a node's last heartbeat.
+    pub fn last_seen_ms(&self, node: NodeId) -> Option<u64> {
+        self.seen.lock().get(&node).map(|n| n.at.elapsed().as_millis() as u64)
+    }
+
+    /// The newest heartbeat of a replica.
+    pub fn heartbeat(&self, node: NodeId, shard: u32) -> Option<HeartbeatRequest> {
+        self.seen.lock().get(&node).and_then(|n| n.shards.get(&shard).cloned())
+    }
+
+    fn encode(state: &ClusterState) -> Bytes {
+        Bytes::from(serde_json::to_vec(state).expect("state serialises"))
+    }
+
+    /// Applies `change` to the state with one compare-and-set. A conflict
+    /// means another coordinator wrote: this one stops being active.
+    async fn mutate<T>(
+        &self,
+        change: impl FnOnce(&mut ClusterState) -> Result<T, CoordError>,
+    ) -> Result<T, CoordError> {
+        let (mut state, revision) = {
+            let active = self.active.lock();
+            let a = active.as_ref().filter(|a| Instant::now() < a.lease_until).ok_or(CoordError::NotActive)?;
+            (a.state.clone(), a.revision)
+        };
+        let out = change(&mut state)?;
+        match self.kv.update(STATE_KEY, Self::encode(&state), revision).await {
+            Ok(new_revision) => {
+                if let Some(a) = self.active.lock().as_mut()
+                    && a.revision == revision
+                {
+                    a.state = state;
+                    a.revision = new_revision;
+                }
+                Ok(out)
+            }
+            Err(KvError::Conflict { .. }) => {
+                tracing::warn!(id = %self.id, "KV revision moved under this coordinator: stepping down");
+                self.step_down();
+                Err(CoordError::NotActive)
+            }
+            Err(e) => Err(e.into()),
+        }
+    }
+
+    fn step_down(&self) {
+        *self.active.lock() = None;
+        self.metrics.active.set(0);
+    }
+
+    async fn run_lease(self: Arc<Self>) {
+        let mut tick = tokio::time::interval(Duration::from_millis((self.lease_ms / 4).max(10)));
+        tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+        loop {
+            tokio::select! {
+                _ = tick.tick() => {}
+                _ = self.shutdown.cancelled() => return,
+            }
+            if let Err(e) = self.lease_round().await {
+                tracing::warn!(id = %self.id, error = %e, "lease round");
+            }
+        }
+    }
+
+    async fn lease_round(&self) -> Result<(), CoordError> {
+        let now = now_ms();
+        let started = Instant::now();
+        let lease_for = Duration::from_millis(self.lease_ms);
+        let Some(entry) = self.kv.get(STATE_KEY).await? else {
+            let state = ClusterState::bootstrap(&self.config, &self.id, now, self.lease_ms);
+            match self.kv.create(STATE_KEY, Self::encode(&state)).await {
+                Ok(revision) => self.become_active(state, revision, started + lease_for),
+                Err(KvError::Exists(_)) => {}
+                Err(e) => return Err(e.into()),
+            }
+            return Ok(());
+        };
+        let mut state: ClusterState = serde_json::from_slice(&entry.value)
+            .map_err(|e| CoordError::Kv(KvError::Unavailable(format!("cluster state: {e}"))))?;
+        self.metrics.lease_term.set(state.lease.term as i64);
+        match lease_action(&state.lease, &self.id, now) {
+            LeaseAction::Standby => {
+                if self.active.lock().is_some() {
+                    tracing::warn!(id = %self.id, holder = %state.lease.holder, "another coordinator holds the lease");
+                }
+                self.step_down();
+            }
+            action => {
+                if action == LeaseAction::TakeOver {
+                    state.lease.term += 1;
+                    state.lease.holder = self.id.clone();
+                    tracing::info!(id = %self.id, term = state.lease.term, "taking over the coordinator lease");
+                }
+                state.lease.expires_unix_ms = now + self.lease_ms;
+                // Renewing against the revision just read: if we were active
+                // with an older revision, somebody else wrote in between.
+                let ours = self.active.lock().as_ref().map(|a| a.revision);
+                if action == LeaseAction::Renew && ours.is_some_and(|r| r != entry.revision) {
+                    tracing::warn!(id = %self.id, "state changed under an active lease: re-reading");
+                }
+                match self.kv.update(STATE_KEY, Self::encode(&state), entry.revision).await {
+                    Ok(revision) => self.become_active(state, revision, started + lease_for),
+                    Err(KvError::Conflict { .. }) => self.step_down(),
+                    Err(e) => return Err(e.into()),
+                }
+            }
+        }
+        Ok(())
+    }
+
+    fn become_active(&self, state: ClusterState, revision: u64, lease_until: Instant) {
+        let mut active = self.active.lock();
+        let since = active.as_ref().map_or_else(Instant::now, |a| a.since);
+        if active.is_none() {
+            tracing::info!(id = %self.id, term = state.lease.term, "active coordinator");
+        }
+        self.metrics.active.set(1);
+        self.metrics.lease_term.set(state.lease.term as i64);
+        *active = Some(Active { state, revision, since, lease_until });
+    }
+
+    async fn run_reconcile(self: Arc<Self>) {
+        let period = Duration::from_millis(self.config.replication.heartbeat_ms.max(10));
+        let mut tick = tokio::time::interval(period);
+        tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+        loop {
+            tokio::select! {
+                _ = tick.tick() => {}
+                _ = self.shutdown.cancelled() => return,
+            }
+            self.reconcile_round();
+        }
+    }
+
+    fn reconcile_round(self: &Arc<Self>) {
+        let (state, since) = {
+            let active = self.active.lock();
+            match active.as_ref().filter(|a| Instant::now() < a.lease_until) {
+                Some(a) => (a.state.clone(), a.since),
+                None => return,
+            }
+        };
+        let timeout = Duration::from_millis(self.config.replication.leader_timeout_ms);
+        for (&shard, record) in &state.shards {
+            let lost = match record.leader {
+                None => true,
+                Some(leader) => {
+                    let last = self.seen.lock().get(&leader).map(|n| n.at);
+                    let reference = last.map_or(since, |at| at.max(since));
+                    reference.elapsed() > timeout
+                }
+            };
+            if lost {
+                let me = self.clone();
+                tokio::spawn(async move {
+                    match me.failover(shard, FailoverRequest::default(), "automatic").await {
+                        Ok(outcome) => {
+                            tracing::info!(shard, to = ?outcome.to, epoch = outcome.epoch, took_ms = outcome.took_ms, "automatic failover")
+                        }
+                        Err(CoordError::Busy(_)) => {}
+                        Err(e) => tracing::warn!(shard, error = %e, "automatic failover"),
+                    }
+                });
+                continue;
+            }
+            let Some(leader) = record.leader else { continue };
+            for &replica in &record.replicas {
+                let Some(hb) = self.heartbeat(replica, shard) else { continue };
+                let in_line = hb.epoch == record.epoch
+                    && hb.is_leader == (replica == leader)
+                    && (replica == leader || hb.leader_node_id == leader);
+                if in_line {
+                    continue;
+                }
+                let due = {
+                    let mut assigned = self.assigned.lock();
+                    let due = assigned.get(&(replica, shard)).is_none_or(|t| t.elapsed() > Duration::from_millis(200));
+                    if due {
+                        assigned.insert((replica, shard), Instant::now());
+                    }
+                    due
+                };
+                if due {
+                    let me = self.clone();
+                    let record = record.clone();
+                    tokio::spawn(async move { me.assign(shard, &record, leader, replica).await });
+                }
+            }
+        }
+    }
+
+    async fn assign(&self, shard: u32, record: &ShardRecord, leader: NodeId, replica: NodeId) -> bool {
+        let Some(mut client) = self.peers.control(replica) else { return false };
+        let mut request = tonic::Request::new(AssignRequest {
+            shard_id: shard,
+            epoch: record.epoch,
+            leader,
+            replicas: record.replicas.clone(),
+            commit_seqno: record.commit_floor,
+        });
+        request.set_timeout(Duration::from_secs(2));
+        let ok = match client.assign(request).await {
+            Ok(_) => true,
+            Err(status) => {
+                tracing::debug!(shard, replica, %status, "assign");
+                false
+            }
+        };
+        self.metrics.assigns.with_label_values(&[if ok { "ok" } else { "error" }]).inc();
+        ok
+    }
+
+    async fn positions(&self, shard: u32, replicas: &[NodeId], fence_epoch: Option<u64>) -> Vec<FenceResponse> {
+        let majority = replicas.len() / 2 + 1;
+        let mut calls = FuturesUnordered::new();
+        for &node in replicas {
+            let Some(mut client) = self.peers.control(node) else { continue };
+            calls.push(async move {
+                let timeout = Duration::from_millis(500);
+                let result = match fence_epoch {
+                    Some(epoch) => {
+                        let mut r = tonic::Request::new(FenceRequest { shard_id: shard, epoch });
+                        r.set_timeout(timeout);
+                        client.fence(r).await
+                    }
+                    None => {
+                        let mut r = tonic::Request::new(PositionRequest { shard_id: shard });
+                        r.set_timeout(timeout);
+                        client.position(r).await
+                    }
+                };
+                (node, result.map(|r| r.into_inner()))
+            });
+        }
+        // Wait for everyone, but once a majority answered give stragglers
+        // only a short grace: a stopped or partitioned replica must not hold
+        // the failover for the whole timeout.
+        let mut answers = Vec::new();
+        let mut grace: Option<std::pin::Pin<Box<tokio::time::Sleep>>> = None;
+        loop {
+            let next = async {
+                match grace.as_mut() {
+                    Some(sleep) => tokio::select! { r = calls.next() => r, _ = sleep => None },
+                    None => calls.next().await,
+                }
+            };
+            match next.await {
+                Some((node, Ok(answer))) => {
+                    debug_assert_eq!(answer.node_id, node);
+                    answers.push(answer);
+                    if answers.len() >= majority && grace.is_none() {
+                        grace = Some(Box::pin(tokio::time::sleep(Duration::from_millis(30))));
+                    }
+                }
+                Some((node, Err(status))) => tracing::debug!(shard, node, %status, "no position"),
+                None => break,
+            }
+        }
+        answers
+    }
+
+    async fn epoch_end(&self, node: NodeId, shard: u32, epoch: u64) -> Option<u64> {
+        let mut client = self.peers.control(node)?;
+        let mut request = tonic::Request::new(EpochEndRequest { shard_id: shard, epoch });
+        request.set_timeout(Duration::from_millis(500));
+        client.epoch_end(request).await.ok().map(|r| r.into_inner().end_seqno)
+    }
+
+    /// Candidates and what each would lose, from live positions.
+    async fn previews(&self, shard: u32, answers: &[FenceResponse], commit: u64) -> Vec<CandidatePreview> {
+        let candidates: Vec<Candidate> = answers
+            .iter()
+            .map(|a| Candidate {
+                node: a.node_id,
+                last_epoch: a.last_epoch,
+                last_seqno: a.last_seqno,
+                commit_seqno: a.commit_seqno,
+            })
+            .collect();
+        let Some(best) = failover::best(&candidates) else { return Vec::new() };
+        let mut out = Vec::new();
+        for c in &candidates {
+            let would_lose = if c.node == best.node {
+                None
+            } else {
+                let end = self.epoch_end(best.node, shard, c.last_epoch).await.unwrap_or(0);
+                failover::loss(c, &best, end)
+            };
+            out.push(CandidatePreview {
+                node: c.node,
+                last_epoch: c.last_epoch,
+                last_seqno: c.last_seqno,
+                would_lose,
+                would_lose_acknowledged: failover::acknowledged(would_lose, commit),
+                is_best: c.node == best.node,
+            });
+        }
+        out.sort_by_key(|p| p.node);
+        out
+    }
+
+    /// Runs (or previews) a failover of `shard`. `reason` is recorded.
+    pub async fn failover(
+        &self,
+        shard: u32,
+        request: FailoverRequest,
+        reason: &str,
+    ) -> Result<FailoverOutcome, CoordError> {
+        let lock = self.shard_locks.get(&shard).ok_or(CoordError::UnknownShard(shard))?;
+        let _guard =
+            if request.preview { lock.lock().await } else { lock.try_lock().map_err(|_| CoordError::Busy(shard))? };
+        let started = Instant::now();
+        let record = self
+            .state()
+            .ok_or(CoordError::NotActive)?
+            .shards
+            .get(&shard)
+            .cloned()
+            .ok_or(CoordError::UnknownShard(shard))?;
+        if let Some(target) = request.target
+            && !record.replicas.contains(&target)
+        {
+            return Err(CoordError::NotAReplica { shard, node: target });
+        }
+        let unreachable = |answers: &[FenceResponse]| -> Vec<NodeId> {
+            record.replicas.iter().copied().filter(|r| !answers.iter().any(|a| a.node_id == *r)).collect()
+        };
+        if request.preview || (request.target.is_some() && !request.allow_loss) {
+            let answers = self.positions(shard, &record.replicas, None).await;
+            let commit = answers.iter().map(|a| a.commit_seqno).fold(record.commit_floor, u64::max);
+            let candidates = self.previews(shard, &answers, commit).await;
+            if request.preview {
+                return Ok(FailoverOutcome {
+                    shard,
+                    preview: true,
+                    epoch: record.epoch,
+                    from: record.leader,
+                    to: candidates
+                        .iter()
+                        .find(|c| Some(c.node) == request.target || (request.target.is_none() && c.is_best))
+                        .map(|c| c.node),
+                    lost: None,
+                    took_ms: started.elapsed().as_millis() as u64,
+                    unreachable: unreachable(&answers),
+                    candidates,
+                    commit_seqno: commit,
+                });
+            }
+            let target = request.target.expect("checked");
+            match candidates.iter().find(|c| c.node == target) {
+                None => return Err(CoordError::Unreachable(target)),
+                Some(c) => {
+                    if let Some((from, to)) = c.would_lose_acknowledged {
+                        return Err(CoordError::WouldLose { node: target, from, to });
+                    }
+                }
+            }
+        }
+
+        let previous_leader = record.leader;
+        // 1. Raise the epoch (no leader while choosing).
+        let epoch = self
+            .mutate(|s| {
+                let r = s.shards.get_mut(&shard).ok_or(CoordError::UnknownShard(shard))?;
+                r.epoch += 1;
+                r.leader = None;
+                Ok(r.epoch)
+            })
+            .await?;
+        // 2. Fence.
+        let answers = self.positions(shard, &record.replicas, Some(epoch)).await;
+        let outcome_label = |o: &str| self.metrics.failovers.with_label_values(&[reason, o]).inc();
+        let forced_without_majority = request.allow_loss && !answers.is_empty();
+        if !failover::is_majority(answers.len(), record.replicas.len()) && !forced_without_majority
+        {
+            outcome_label("no_majority");
+            return Err(CoordError::NoMajority { shard, answered: answers.len(), replicas: record.replicas.len() });
+        }
+        // 3. Choose.
+        let commit = answers.iter().map(|a| a.commit_seqno).fold(record.commit_floor, u64::max);
+        let candidates = self.previews(shard, &answers, commit).await;
+        let chosen = match request.target {
+            Some(target) => candidates.iter().find(|c| c.node == target).ok_or(CoordError::Unreachable(target))?,
+            None => candidates.iter().find(|c| c.is_best).expect("answers are non-empty"),
+        }
+        .clone();
+        if let Some((from, to)) = chosen.would_lose_acknowledged
+            && !request.allow_loss
+        {
+            outcome_label("refused");
+            return Err(CoordError::WouldLose { node: chosen.node, from, to });
+        }
+        // 4. Record and promote.
+        let took_ms = started.elapsed().as_millis() as u64;
+        let reason_recorded = if request.allow_loss && chosen.would_lose.is_some() { "forced" } else { reason };
+        let record = self
+            .mutate(|s| {
+                let r = s.shards.get_mut(&shard).ok_or(CoordError::UnknownShard(shard))?;
+                if r.epoch != epoch {
+                    return Err(CoordError::Busy(shard));
+                }
+                r.leader = Some(chosen.node);
+                r.commit_floor = r.commit_floor.max(commit);
+                let updated = r.clone();
+                s.record_failover(FailoverRecord {
+                    shard,
+                    epoch,
+                    from: previous_leader,
+                    to: chosen.node,
+                    reason: reason_recorded.to_string(),
+                    at_unix_ms: now_ms(),
+                    took_ms,
+                    lost: chosen.would_lose,
+                });
+                Ok(updated)
+            })
+            .await?;
+        if !self.assign(shard, &record, chosen.node, chosen.node).await {
+            tracing::warn!(
+                shard,
+                leader = chosen.node,
+                "the new leader did not take the assignment yet; reconciliation retries"
+            );
+        }
+        // 5. Followers repair and follow.
+        let followers: Vec<_> = record.replicas.iter().copied().filter(|&r| r != chosen.node).collect();
+        futures::future::join_all(followers.iter().map(|&f| self.assign(shard, &record, chosen.node, f))).await;
+        outcome_label("ok");
+        self.metrics.failover_seconds.observe(started.elapsed().as_secs_f64());
+        Ok(FailoverOutcome {
+            shard,
+            preview: false,
+            epoch,
+            from: previous_leader,
+            to: Some(chosen.node),
+            lost: chosen.would_lose,
+            took_ms: started.elapsed().as_millis() as u64,
+            unreachable: unreachable(&answers),
+            candidates,
+            commit_seqno: commit,
+        })
+    }
+}

@@ -1,0 +1,102 @@
+//! Process wiring of `walship coord`: the leadership KV (file or NATS), the
+//! coordinator runtime, its gRPC port (heartbeats) and its admin API.
+
+use std::net::SocketAddr;
+use std::path::PathBuf;
+use std::sync::Arc;
+use std::time::Instant;
+
+use anyhow::{Context, Result, bail};
+use clap::Args;
+use tokio::net::TcpListener;
+use walship_admin_api::coord::{CoordAdmin, coord_router};
+use walship_proto::replication::wal_shipping_server::WalShippingServer;
+use walship_shipping::ClusterConfig;
+use walship_shipping::control::service::CoordinatorHeartbeats;
+use walship_shipping::control::{Coordinator, CoordinatorMetrics, FileKv, Kv, NatsKv};
+
+#[derive(Args, Debug)]
+pub struct CoordArgs {
+    /// Cluster config (see ops/cluster.example.toml); this coordinator's
+    /// addresses come from its [[coordinators]] entry.
+    #[arg(long, env = "WALSHIP_CLUSTER_CONFIG")]
+    cluster: PathBuf,
+    /// This coordinator's id (its [[coordinators]] entry).
+    #[arg(long, env = "WALSHIP_COORD_ID")]
+    id: String,
+    /// Data dir (the embedded file KV lives in <data-dir>/kv).
+    #[arg(long)]
+    data_dir: PathBuf,
+    /// NATS server URL: keep leadership in a JetStream KV bucket instead of
+    /// the embedded file KV.
+    #[arg(long, env = "WALSHIP_NATS")]
+    nats: Option<String>,
+    /// JetStream KV bucket name.
+    #[arg(long, default_value = "walship")]
+    nats_bucket: String,
+    /// Bearer token for mutating admin endpoints; generated and printed when absent.
+    #[arg(long, env = "WALSHIP_TOKEN")]
+    admin_token: Option<String>,
+}
+
+pub async fn run_coord(args: CoordArgs) -> Result<()> {
+    let config = ClusterConfig::load(&args.cluster)?;
+    let spec = config
+        .coordinators
+        .iter()
+        .find(|c| c.id == args.id)
+        .with_context(|| format!("coordinator {} is not in the cluster config", args.id))?
+        .clone();
+    let kv: Arc<dyn Kv> = match &args.nats {
+        Some(url) => Arc::new(NatsKv::connect(url, &args.nats_bucket).await?),
+        None => Arc::new(FileKv::open(&args.data_dir.join("kv"))?),
+    };
+    let (token, generated) = match args.admin_token {
+        Some(t) if t.len() >= 8 => (t, false),
+        Some(_) => bail!("--admin-token must be at least 8 characters"),
+        None => (format!("{:032x}", rand::random::<u128>()), true),
+    };
+    let registry = prometheus::Registry::new();
+    let coordinator =
+        Coordinator::start(args.id.clone(), Arc::new(config), kv.clone(), CoordinatorMetrics::new(&registry)?);
+    let grpc_listener =
+        TcpListener::bind(spec.grpc_addr).await.with_context(|| format!("binding {}", spec.grpc_addr))?;
+    let admin_listener =
+        TcpListener::bind(spec.admin_addr).await.with_context(|| format!("binding {}", spec.admin_addr))?;
+    let (grpc_addr, admin_addr): (SocketAddr, SocketAddr) = (grpc_listener.local_addr()?, admin_listener.local_addr()?);
+    let shutdown = coordinator.shutdown.clone();
+    let (health, health_service) = tonic_health::server::health_reporter();
+    health.set_serving::<WalShippingServer<CoordinatorHeartbeats>>().await;
+    let heartbeats = WalShippingServer::new(CoordinatorHeartbeats::new(coordinator.clone()));
+    let grpc_shutdown = shutdown.clone();
+    let grpc = tokio::spawn(async move {
+        tonic::transport::Server::builder()
+            .add_service(health_service)
+            .add_service(heartbeats)
+            .serve_with_incoming_shutdown(
+                tonic::transport::server::TcpIncoming::from(grpc_listener).with_nodelay(Some(true)),
+                grpc_shutdown.cancelled_owned(),
+            )
+            .await
+            .context("gRPC server")
+    });
+    let admin = Arc::new(CoordAdmin { coordinator, registry, token: token.clone(), started: Instant::now() });
+    let admin_shutdown = shutdown.clone();
+    let http = tokio::spawn(async move {
+        axum::serve(admin_listener, coord_router(admin))
+            .with_graceful_shutdown(admin_shutdown.cancelled_owned())
+            .await
+            .context("admin server")
+    });
+    let shown = if generated { token.as_str() } else { "(given)" };
+    println!(
+        "walship coord {} listening grpc={grpc_addr} admin={admin_addr} kv={} token={shown}",
+        args.id,
+        kv.describe()
+    );
+    crate::node::shutdown_signal().await;
+    shutdown.cancel();
+    grpc.await??;
+    http.await??;
+    Ok(())
+}
