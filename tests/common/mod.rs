@@ -100,8 +100,22 @@ pub async fn http_get(addr_and_path: &str) -> (u16, String) {
     http_request("GET", addr_and_path, None).await
 }
 
+/// POST with a JSON body and an optional bearer token.
+pub async fn http_post(addr_and_path: &str, body: &str, token: Option<&str>) -> (u16, String) {
+    http_request_with("POST", addr_and_path, Some(body), token).await
+}
+
 /// Minimal HTTP/1.1 request: `addr_and_path` is `host:port/path`.
 pub async fn http_request(method: &str, addr_and_path: &str, body: Option<&str>) -> (u16, String) {
+    http_request_with(method, addr_and_path, body, None).await
+}
+
+async fn http_request_with(
+    method: &str,
+    addr_and_path: &str,
+    body: Option<&str>,
+    token: Option<&str>,
+) -> (u16, String) {
     use tokio::io::{AsyncReadExt, AsyncWriteExt};
     let (addr, path) = match addr_and_path.find('/') {
         Some(i) => (&addr_and_path[..i], &addr_and_path[i..]),
@@ -110,7 +124,8 @@ pub async fn http_request(method: &str, addr_and_path: &str, body: Option<&str>)
     let mut stream = tokio::net::TcpStream::connect(addr).await.unwrap();
     let body = body.unwrap_or("");
     let request = format!(
-        "{method} {path} HTTP/1.1\r\nHost: {addr}\r\nConnection: close\r\nContent-Type: application/json\r\nContent-Length: {}\r\n\r\n{body}",
+        "{method} {path} HTTP/1.1\r\nHost: {addr}\r\nConnection: close\r\nContent-Type: application/json\r\n{}Content-Length: {}\r\n\r\n{body}",
+        token.map_or(String::new(), |t| format!("Authorization: Bearer {t}\r\n")),
         body.len()
     );
     stream.write_all(request.as_bytes()).await.unwrap();
@@ -133,6 +148,38 @@ pub struct Cluster {
     pub dir: tempfile::TempDir,
     pub config_path: PathBuf,
     pub nodes: Vec<NodeProcess>,
+    pub coordinators: Vec<CoordProcess>,
+    pub nats: Option<String>,
+}
+
+/// The admin token test coordinators run with.
+pub const TOKEN: &str = "test-token-0123456789";
+
+/// A `walship coord` child process. Killed (SIGKILL) on drop.
+pub struct CoordProcess {
+    pub child: Child,
+    pub admin: String,
+    pub id: u32,
+}
+
+impl CoordProcess {
+    pub fn kill9(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+
+    pub fn signal(&mut self, signal: i32) {
+        // SAFETY: kill(2) on a child process this test spawned.
+        assert_eq!(unsafe { libc::kill(self.child.id() as i32, signal) }, 0);
+    }
+}
+
+impl Drop for CoordProcess {
+    fn drop(&mut self) {
+        // SAFETY: kill(2) on a child process this test spawned.
+        unsafe { libc::kill(self.child.id() as i32, libc::SIGCONT) };
+        self.kill9();
+    }
 }
 
 impl Cluster {
@@ -140,8 +187,21 @@ impl Cluster {
     /// is led by node ((i-1) mod nodes)+1. `replication` is extra TOML for
     /// the `[replication]` table (e.g. "keepalive_ms = 100").
     pub fn start(nodes: u32, shards: u32, replication: &str) -> Cluster {
+        Self::start_with(nodes, shards, 0, replication, None)
+    }
+
+    /// Like [`Cluster::start`], plus `coordinators` coordinator processes
+    /// (ids `c1`, `c2`, ...; file KV in a shared dir, or NATS at `nats`).
+    /// Nodes run with `--allow-crash-drills`.
+    pub fn start_with(nodes: u32, shards: u32, coordinators: u32, replication: &str, nats: Option<&str>) -> Cluster {
         let dir = tempfile::tempdir().unwrap();
         let mut toml = String::from("cluster_id = \"test\"\n");
+        for c in 1..=coordinators {
+            let (g, a) = (free_port(), free_port());
+            toml += &format!(
+                "[[coordinators]]\nid = \"c{c}\"\ngrpc_addr = \"127.0.0.1:{g}\"\nadmin_addr = \"127.0.0.1:{a}\"\n"
+            );
+        }
         let mut ports = Vec::new();
         for id in 1..=nodes {
             let (g, a) = (free_port(), free_port());
@@ -158,17 +218,89 @@ impl Cluster {
                 (shard - 1) % nodes + 1
             );
         }
-        toml += &format!("[replication]\nheartbeat_to = \"127.0.0.1:{}\"\n{replication}\n", ports[0].0);
+        let heartbeat_to =
+            if coordinators == 0 { format!("heartbeat_to = \"127.0.0.1:{}\"\n", ports[0].0) } else { String::new() };
+        toml += &format!("[replication]\n{heartbeat_to}{replication}\n");
         let config_path = dir.path().join("cluster.toml");
         std::fs::write(&config_path, toml).unwrap();
         let nodes = (1..=nodes).map(|id| Self::spawn(&config_path, dir.path(), id)).collect();
-        Cluster { dir, config_path, nodes }
+        let mut cluster = Cluster { dir, config_path, nodes, coordinators: Vec::new(), nats: nats.map(str::to_string) };
+        for c in 1..=coordinators {
+            let coordinator = cluster.spawn_coordinator(c);
+            cluster.coordinators.push(coordinator);
+        }
+        cluster
+    }
+
+    fn spawn_coordinator(&self, c: u32) -> CoordProcess {
+        let mut command = Command::new(walship_bin());
+        command
+            .args(["coord", "--id", &format!("c{c}"), "--admin-token", TOKEN, "--cluster"])
+            .arg(&self.config_path)
+            .arg("--data-dir")
+            // One shared dir: with the file KV every coordinator sees one KV.
+            .arg(self.dir.path().join("coord"))
+            .env("WALSHIP_LOG", std::env::var("WALSHIP_TEST_LOG").unwrap_or_else(|_| "warn".into()))
+            .stdout(Stdio::piped())
+            .stderr(Stdio::inherit());
+        if let Some(url) = &self.nats {
+            command.args(["--nats", url]);
+        }
+        let mut child = command.spawn().expect("spawn walship coord");
+        let stdout = child.stdout.take().expect("piped stdout");
+        let mut line = String::new();
+        BufReader::new(stdout).read_line(&mut line).expect("read listening line");
+        let admin = line
+            .split_whitespace()
+            .find_map(|w| w.strip_prefix("admin="))
+            .unwrap_or_else(|| panic!("coordinator c{c} did not start: {line:?}"))
+            .to_string();
+        CoordProcess { child, admin, id: c }
+    }
+
+    pub fn coordinator(&mut self, c: u32) -> &mut CoordProcess {
+        &mut self.coordinators[c as usize - 1]
+    }
+
+    pub fn restart_coordinator(&mut self, c: u32) {
+        self.coordinator(c).kill9();
+        let coordinator = self.spawn_coordinator(c);
+        self.coordinators[c as usize - 1] = coordinator;
+    }
+
+    /// A coordinator admin GET, as JSON (status, body).
+    pub async fn coord_get(&mut self, c: u32, path: &str) -> (u16, serde_json::Value) {
+        let url = format!("{}{path}", self.coordinator(c).admin);
+        let (code, body) = http_get(&url).await;
+        (code, serde_json::from_str(&body).unwrap_or(serde_json::Value::Null))
+    }
+
+    /// A coordinator admin POST with JSON `body` and optional token.
+    pub async fn coord_post(
+        &mut self,
+        c: u32,
+        path: &str,
+        body: &str,
+        token: Option<&str>,
+    ) -> (u16, serde_json::Value) {
+        let url = format!("{}{path}", self.coordinator(c).admin);
+        let (code, body) = http_post(&url, body, token).await;
+        (code, serde_json::from_str(&body).unwrap_or(serde_json::Value::Null))
+    }
+
+    /// The shard's leader and epoch as the active coordinator `c` records them.
+    pub async fn leader_of(&mut self, c: u32, shard: u32) -> Option<(u32, u64)> {
+        let (code, v) = self.coord_get(c, &format!("/v1/shards/{shard}")).await;
+        if code != 200 {
+            return None;
+        }
+        Some((v["leader"].as_u64()? as u32, v["epoch"].as_u64()?))
     }
 
     fn spawn(config: &Path, dir: &Path, id: u32) -> NodeProcess {
         let data = dir.join(format!("node-{id}"));
         let mut child = Command::new(walship_bin())
-            .args(["node", "--node-id", &id.to_string(), "--cluster"])
+            .args(["node", "--allow-crash-drills", "--node-id", &id.to_string(), "--cluster"])
             .arg(config)
             .arg("--data-dir")
             .arg(&data)
