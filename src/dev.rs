@@ -1,7 +1,9 @@
-//! `walship dev`: the embedded local cluster. Three `walship node` child
+//! `walship dev`: the embedded local cluster. A coordinator (`walship
+//! coord`, file KV under the data folder) and three `walship node` child
 //! processes on loopback (a real gRPC hop between them), several shards at
-//! RF=3 with leaders spread over the nodes, data under a local folder, no
-//! other setup. Runs until Ctrl-C, then stops its children.
+//! RF=3 with leaders spread over the nodes, no other setup. A node that dies
+//! (a crash drill, a kill) is restarted and rejoins as a follower. Runs until
+//! Ctrl-C, then stops its children.
 
 use std::io::{BufRead, BufReader};
 use std::net::{SocketAddr, TcpListener};
@@ -11,6 +13,7 @@ use std::time::Duration;
 
 use anyhow::{Context, Result, bail};
 use clap::Args;
+use walship_shipping::config::CoordinatorSpec;
 use walship_shipping::{ClusterConfig, NodeSpec, ReplicationConfig, ShardSpec};
 
 #[derive(Args, Debug)]
@@ -24,9 +27,13 @@ pub struct DevArgs {
     /// Number of nodes (the replication factor of every shard).
     #[arg(long, default_value_t = 3)]
     nodes: u32,
-    /// Node i listens on gRPC port base+i and admin port base+80+i; 0 picks free ports.
+    /// Node i listens on gRPC port base+i and admin port base+80+i; the
+    /// coordinator on gRPC base+90 and admin base+80. 0 picks free ports.
     #[arg(long, default_value_t = 7400)]
     base_port: u16,
+    /// Admin token of the coordinator (generated when absent).
+    #[arg(long, env = "WALSHIP_TOKEN")]
+    admin_token: Option<String>,
 }
 
 /// Child processes, stopped (SIGTERM, then SIGKILL) when dropped.
@@ -79,11 +86,26 @@ fn dev_cluster(args: &DevArgs) -> Result<ClusterConfig> {
     let shards = (1..=args.shards)
         .map(|id| ShardSpec { id, replicas: replicas.clone(), leader: (id - 1) % args.nodes + 1, epoch: 1 })
         .collect();
-    let replication = ReplicationConfig { heartbeat_to: Some(nodes[0].grpc_addr), ..ReplicationConfig::default() };
-    let config =
-        ClusterConfig { cluster_id: "walship-dev".into(), coordinators: Vec::new(), nodes, shards, replication };
+    let coordinators = vec![CoordinatorSpec {
+        id: "dev".into(),
+        grpc_addr: address(args.base_port, 90)?,
+        admin_addr: address(args.base_port, 80)?,
+    }];
+    let replication = ReplicationConfig::default();
+    let config = ClusterConfig { cluster_id: "walship-dev".into(), coordinators, nodes, shards, replication };
     config.validate()?;
     Ok(config)
+}
+
+/// Waits for a child's "listening" line on stdout.
+fn wait_listening(child: &mut Child, what: &str) -> Result<()> {
+    let stdout = child.stdout.take().context("child stdout")?;
+    let mut line = String::new();
+    BufReader::new(stdout).read_line(&mut line)?;
+    if !line.contains("listening") {
+        bail!("{what} did not start (see its errors above)");
+    }
+    Ok(())
 }
 
 pub async fn run_dev(args: DevArgs) -> Result<()> {
@@ -92,24 +114,35 @@ pub async fn run_dev(args: DevArgs) -> Result<()> {
     let cluster_file = args.data_dir.join("cluster.toml");
     std::fs::write(&cluster_file, toml::to_string_pretty(&cluster)?)?;
     let exe = std::env::current_exe()?;
-    let mut children = Children(Vec::new());
-    for node in &cluster.nodes {
+    let token = args.admin_token.clone().unwrap_or_else(|| format!("{:032x}", rand::random::<u128>()));
+    let log = std::env::var("WALSHIP_LOG").unwrap_or_else(|_| "warn".into());
+    let coordinator = Command::new(&exe)
+        .args(["coord", "--id", "dev", "--admin-token", &token, "--cluster"])
+        .arg(&cluster_file)
+        .arg("--data-dir")
+        .arg(args.data_dir.join("coord"))
+        .env("WALSHIP_LOG", &log)
+        .stdout(Stdio::piped())
+        .spawn()
+        .context("starting the coordinator")?;
+    let mut children = Children(vec![(0, coordinator)]);
+    wait_listening(&mut children.0[0].1, "the coordinator")?;
+    let spawn_node = |id: u32| -> Result<Child> {
         let mut child = Command::new(&exe)
-            .args(["node", "--node-id", &node.id.to_string(), "--cluster"])
+            .args(["node", "--allow-crash-drills", "--node-id", &id.to_string(), "--cluster"])
             .arg(&cluster_file)
             .arg("--data-dir")
-            .arg(args.data_dir.join(format!("node-{}", node.id)))
-            .env("WALSHIP_LOG", std::env::var("WALSHIP_LOG").unwrap_or_else(|_| "warn".into()))
+            .arg(args.data_dir.join(format!("node-{id}")))
+            .env("WALSHIP_LOG", &log)
             .stdout(Stdio::piped())
             .spawn()
             .context("starting a node")?;
-        let stdout = child.stdout.take().context("node stdout")?;
+        wait_listening(&mut child, &format!("node {id}"))?;
+        Ok(child)
+    };
+    for node in &cluster.nodes {
+        let child = spawn_node(node.id)?;
         children.0.push((node.id, child));
-        let mut line = String::new();
-        BufReader::new(stdout).read_line(&mut line)?;
-        if !line.contains("listening") {
-            bail!("node {} did not start (see its errors above)", node.id);
-        }
     }
     println!(
         "walship dev: {} nodes, shards 1..={} at RF={}, data in {}",
@@ -129,6 +162,8 @@ pub async fn run_dev(args: DevArgs) -> Result<()> {
             leads.join(", ")
         );
     }
+    let coord = &cluster.coordinators[0];
+    println!("  coordinator  admin http://{}/v1/shards  (token {token})", coord.admin_addr);
     let first = cluster.nodes[0].grpc_addr;
     println!("try (any node works: clients follow the leader hint):");
     println!("  echo hello | walship append --server {first} --shard 2");
@@ -144,7 +179,11 @@ pub async fn run_dev(args: DevArgs) -> Result<()> {
             _ = check.tick() => {
                 for (id, child) in &mut children.0 {
                     if let Ok(Some(status)) = child.try_wait() {
-                        bail!("node {id} exited ({status}); stopping the dev cluster");
+                        if *id == 0 {
+                            bail!("the coordinator exited ({status}); stopping the dev cluster");
+                        }
+                        println!("node {id} exited ({status}); restarting it");
+                        *child = spawn_node(*id)?;
                     }
                 }
             }
@@ -161,11 +200,13 @@ mod tests {
 
     #[test]
     fn dev_cluster_spreads_leaders_at_full_replication() {
-        let args = DevArgs { data_dir: "x".into(), shards: 4, nodes: 3, base_port: 7400 };
+        let args = DevArgs { data_dir: "x".into(), shards: 4, nodes: 3, base_port: 7400, admin_token: None };
         let c = dev_cluster(&args).unwrap();
         assert_eq!(c.shards.iter().map(|s| s.leader).collect::<Vec<_>>(), vec![1, 2, 3, 1]);
         assert!(c.shards.iter().all(|s| s.replicas == vec![1, 2, 3]));
         assert_eq!(c.nodes[1].grpc_addr.port(), 7402);
         assert_eq!(c.nodes[1].admin_addr.port(), 7482);
+        assert_eq!(c.coordinators[0].admin_addr.port(), 7480);
+        assert!(c.coordinated());
     }
 }

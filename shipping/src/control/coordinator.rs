@@ -601,8 +601,7 @@ impl Coordinator {
         let answers = self.positions(shard, &record.replicas, Some(epoch)).await;
         let outcome_label = |o: &str| self.metrics.failovers.with_label_values(&[reason, o]).inc();
         let forced_without_majority = request.allow_loss && !answers.is_empty();
-        if !failover::is_majority(answers.len(), record.replicas.len()) && !forced_without_majority
-        {
+        if !failover::is_majority(answers.len(), record.replicas.len()) && !forced_without_majority {
             outcome_label("no_majority");
             return Err(CoordError::NoMajority { shard, answered: answers.len(), replicas: record.replicas.len() });
         }
