@@ -14,8 +14,9 @@ use walship_proto::log::{AppendRecord, AppendRequest, Durability, ReadRequest, R
 
 #[derive(Args, Debug, Clone)]
 pub struct ServerArgs {
-    /// gRPC address of a node, e.g. 127.0.0.1:7400.
-    #[arg(long, env = "WALSHIP_SERVER", default_value = "127.0.0.1:7400")]
+    /// gRPC address of a node, e.g. 127.0.0.1:7401; appends take a
+    /// comma-separated list and find the leader among them.
+    #[arg(long, env = "WALSHIP_SERVER", default_value = "127.0.0.1:7401")]
     pub server: String,
     /// Shard id.
     #[arg(long)]
@@ -58,6 +59,21 @@ pub struct AppendArgs {
     /// Records per append request.
     #[arg(long, default_value_t = 100)]
     batch: usize,
+    /// How long one append may keep looking for a leader (through failovers).
+    #[arg(long, default_value = "10s", value_parser = humantime_secs)]
+    deadline: std::time::Duration,
+}
+
+fn humantime_secs(text: &str) -> Result<std::time::Duration, String> {
+    let (number, unit) = text.split_at(text.find(|c: char| !c.is_ascii_digit() && c != '.').unwrap_or(text.len()));
+    let value: f64 = number.parse().map_err(|_| format!("bad duration {text:?}"))?;
+    let seconds = match unit {
+        "" | "s" => value,
+        "ms" => value / 1000.0,
+        "m" => value * 60.0,
+        _ => return Err(format!("bad duration unit in {text:?} (use ms, s or m)")),
+    };
+    Ok(std::time::Duration::from_secs_f64(seconds))
 }
 
 #[derive(Args, Debug)]
@@ -98,25 +114,118 @@ fn leader_hint(status: &tonic::Status) -> Option<String> {
     hint.split_once('@').map(|(_, addr)| addr.to_string())
 }
 
-/// Sends an append, following not-leader hints (a refused append was not
-/// applied, so retrying it on the leader is safe).
-async fn append_following_leader(
-    client: &mut LogClient<Channel>,
-    request: AppendRequest,
-) -> Result<walship_proto::log::AppendResponse> {
-    for _ in 0..4 {
-        match client.append(request.clone()).await {
-            Ok(response) => return Ok(response.into_inner()),
-            Err(status) => match leader_hint(&status) {
-                Some(leader) => {
-                    tracing::info!(%leader, "following the leader hint");
-                    *client = connect(&leader).await?;
-                }
-                None => return Err(status_error(status)),
-            },
+/// How an append ended when it did not succeed.
+#[derive(Debug)]
+pub enum AppendFailure {
+    /// The request may or may not have been applied (the leader died or was
+    /// deposed mid-flight, or the deadline passed): never safe to assume it
+    /// failed.
+    Unknown(String),
+    /// Refused; nothing was applied.
+    Refused(String),
+}
+
+impl std::fmt::Display for AppendFailure {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            AppendFailure::Unknown(m) => write!(f, "outcome unknown: {m}"),
+            AppendFailure::Refused(m) => write!(f, "refused: {m}"),
         }
     }
-    anyhow::bail!("gave up after following 4 leader hints")
+}
+
+/// Whether a failed call certainly did not apply the append: a not-leader
+/// refusal, no leader assigned yet, a leadership change before the write,
+/// or a connection that never opened.
+fn not_applied(status: &tonic::Status) -> bool {
+    let m = status.message();
+    match status.code() {
+        tonic::Code::FailedPrecondition => leader_hint(status).is_some(),
+        tonic::Code::Unavailable => {
+            status.metadata().get(walship_shipping::log_service::OUTCOME_METADATA_KEY).is_none()
+                && (m.contains("no leader assigned") || m.contains("it was not written") || m.contains("connect"))
+        }
+        _ => false,
+    }
+}
+
+/// A client that finds the leader among `servers` and follows it through
+/// failovers: requests that certainly were not applied are retried (on the
+/// hinted leader, else the next server) until `deadline`; anything that may
+/// have been applied is reported as [`AppendFailure::Unknown`].
+pub struct LeaderClient {
+    servers: Vec<String>,
+    next: usize,
+    current: Option<LogClient<Channel>>,
+    pub deadline: std::time::Duration,
+}
+
+impl LeaderClient {
+    pub fn new(servers: Vec<String>, deadline: std::time::Duration) -> LeaderClient {
+        LeaderClient { servers, next: 0, current: None, deadline }
+    }
+
+    async fn client(&mut self, hint: Option<String>) -> Result<LogClient<Channel>> {
+        if let Some(c) = &self.current {
+            return Ok(c.clone());
+        }
+        let server = hint.unwrap_or_else(|| {
+            let s = self.servers[self.next % self.servers.len()].clone();
+            self.next += 1;
+            s
+        });
+        let c = connect(&server).await?;
+        self.current = Some(c.clone());
+        Ok(c)
+    }
+
+    pub async fn append(
+        &mut self,
+        request: AppendRequest,
+    ) -> Result<walship_proto::log::AppendResponse, AppendFailure> {
+        let started = std::time::Instant::now();
+        let mut hint = None;
+        loop {
+            if started.elapsed() > self.deadline {
+                return Err(AppendFailure::Refused(format!(
+                    "no leader accepted the append within {:?}",
+                    self.deadline
+                )));
+            }
+            let mut client = match self.client(hint.take()).await {
+                Ok(c) => c,
+                Err(_) => {
+                    self.current = None;
+                    tokio::time::sleep(std::time::Duration::from_millis(50)).await;
+                    continue;
+                }
+            };
+            let mut call = tonic::Request::new(request.clone());
+            call.set_timeout(
+                self.deadline.saturating_sub(started.elapsed()).max(std::time::Duration::from_millis(100)),
+            );
+            match client.append(call).await {
+                Ok(response) => return Ok(response.into_inner()),
+                Err(status) if not_applied(&status) => {
+                    self.current = None;
+                    hint = leader_hint(&status);
+                    if hint.is_none() {
+                        tokio::time::sleep(std::time::Duration::from_millis(50)).await;
+                    }
+                }
+                Err(status) => {
+                    self.current = None;
+                    let detail = format!("{:?}: {}", status.code(), status.message());
+                    return Err(match status.code() {
+                        tonic::Code::InvalidArgument | tonic::Code::NotFound | tonic::Code::OutOfRange => {
+                            AppendFailure::Refused(detail)
+                        }
+                        _ => AppendFailure::Unknown(detail),
+                    });
+                }
+            }
+        }
+    }
 }
 
 fn status_error(status: tonic::Status) -> anyhow::Error {
@@ -127,26 +236,45 @@ pub async fn append(args: AppendArgs) -> Result<()> {
     if args.batch == 0 {
         bail!("--batch must be at least 1");
     }
-    let mut client = connect(&args.server.server).await?;
+    let servers: Vec<String> =
+        args.server.server.split(',').map(|s| s.trim().to_string()).filter(|s| !s.is_empty()).collect();
+    if servers.is_empty() {
+        bail!("--server needs at least one address");
+    }
+    let mut client = LeaderClient::new(servers, args.deadline);
     let mut send = async |records: Vec<AppendRecord>| -> Result<()> {
+        let count = records.len();
         let request = AppendRequest {
             shard_id: args.server.shard,
             records,
             durability: Durability::from(args.durability) as i32,
         };
-        let r = append_following_leader(&mut client, request).await?;
-        if args.server.json {
-            println!(
-                "{}",
-                json!({"shard": args.server.shard, "first_seqno": r.first_seqno, "last_seqno": r.last_seqno, "epoch": r.epoch})
-            );
-        } else {
-            println!(
-                "appended shard {} seqnos {}..={} (epoch {})",
-                args.server.shard, r.first_seqno, r.last_seqno, r.epoch
-            );
+        match client.append(request).await {
+            Ok(r) => {
+                if args.server.json {
+                    println!(
+                        "{}",
+                        json!({"shard": args.server.shard, "outcome": "acknowledged", "first_seqno": r.first_seqno, "last_seqno": r.last_seqno, "epoch": r.epoch})
+                    );
+                } else {
+                    println!(
+                        "appended shard {} seqnos {}..={} (epoch {})",
+                        args.server.shard, r.first_seqno, r.last_seqno, r.epoch
+                    );
+                }
+                Ok(())
+            }
+            Err(AppendFailure::Unknown(detail)) => {
+                if args.server.json {
+                    println!(
+                        "{}",
+                        json!({"shard": args.server.shard, "outcome": "unknown", "records": count, "detail": detail})
+                    );
+                }
+                Err(anyhow::Error::new(UnknownOutcome(detail)))
+            }
+            Err(AppendFailure::Refused(detail)) => bail!("append refused: {detail}"),
         }
-        Ok(())
     };
     let mut pending = Vec::with_capacity(args.batch);
     if let Some(count) = args.count {
@@ -172,6 +300,18 @@ pub async fn append(args: AppendArgs) -> Result<()> {
     }
     Ok(())
 }
+
+/// An append whose outcome is unknown: `walship append` exits with code 3.
+#[derive(Debug)]
+pub struct UnknownOutcome(pub String);
+
+impl std::fmt::Display for UnknownOutcome {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "the append's outcome is unknown (it may or may not have been applied): {}", self.0)
+    }
+}
+
+impl std::error::Error for UnknownOutcome {}
 
 fn print_record(shard: u32, record: &Record, as_json: bool) {
     if as_json {

@@ -41,6 +41,9 @@ fn main() -> std::process::ExitCode {
         Ok(()) => std::process::ExitCode::SUCCESS,
         Err(e) => {
             eprintln!("error: {e:#}");
+            if e.downcast_ref::<client::UnknownOutcome>().is_some() {
+                return std::process::ExitCode::from(3);
+            }
             std::process::ExitCode::FAILURE
         }
     }

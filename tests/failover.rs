@@ -403,3 +403,34 @@ async fn preview_and_forced_failover_report_the_exact_loss_and_need_the_token() 
         (Some("forced"), &serde_json::json!([11, 15]))
     );
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn cli_append_finds_the_new_leader_after_a_failover() {
+    let mut cluster = Cluster::start_with(3, 1, 1, FAST, None);
+    wait_leading(&mut cluster, 1, 1).await;
+    let servers: Vec<String> = cluster.nodes.iter().map(|n| n.grpc.clone()).collect();
+    let run = move |input: &'static str| {
+        let mut child = std::process::Command::new(common::walship_bin())
+            .args(["append", "--json", "--shard", "1", "--deadline", "20s", "--server", &servers.join(",")])
+            .env("WALSHIP_LOG", "warn")
+            .stdin(std::process::Stdio::piped())
+            .stdout(std::process::Stdio::piped())
+            .spawn()
+            .unwrap();
+        use std::io::Write;
+        child.stdin.take().unwrap().write_all(input.as_bytes()).unwrap();
+        child.wait_with_output().unwrap()
+    };
+    let first = run("a\nb\n");
+    assert!(first.status.success());
+    cluster.node(1).kill9();
+    // Node 1 is first in --server and dead: the client moves on, follows the
+    // not-leader hint or waits out the failover, and the append lands.
+    let second = tokio::task::spawn_blocking(move || run("c\n")).await.unwrap();
+    let out = String::from_utf8_lossy(&second.stdout).to_string();
+    assert!(second.status.success(), "{out}");
+    let line: serde_json::Value = serde_json::from_str(out.lines().last().unwrap()).unwrap();
+    assert_eq!(line["outcome"], "acknowledged");
+    assert_eq!(line["first_seqno"], 3);
+    assert!(line["epoch"].as_u64().unwrap() >= 2, "{line}");
+}
