@@ -36,6 +36,9 @@ pub struct DevArgs {
     admin_token: Option<String>,
 }
 
+/// How long a dead node stays down before `walship dev` restarts it.
+const RESTART_DELAY: Duration = Duration::from_secs(1);
+
 /// Child processes, stopped (SIGTERM, then SIGKILL) when dropped.
 struct Children(Vec<(u32, Child)>);
 
@@ -182,7 +185,11 @@ pub async fn run_dev(args: DevArgs) -> Result<()> {
                         if *id == 0 {
                             bail!("the coordinator exited ({status}); stopping the dev cluster");
                         }
-                        println!("node {id} exited ({status}); restarting it");
+                        // Restart only after the coordinator has noticed the
+                        // loss (leader_timeout_ms), so a crash drill sees a
+                        // real failover rather than the same leader back.
+                        println!("node {id} exited ({status}); restarting it in {RESTART_DELAY:?}");
+                        tokio::time::sleep(RESTART_DELAY).await;
                         *child = spawn_node(*id)?;
                     }
                 }

@@ -6,6 +6,8 @@ mod client;
 mod config;
 mod coord;
 mod dev;
+mod drill;
+mod http;
 mod node;
 
 use anyhow::Result;
@@ -32,6 +34,8 @@ enum Command {
     Read(client::ReadArgs),
     /// Stream a shard's records from a seqno, following new appends.
     Tail(client::TailArgs),
+    /// Run a failover or catch-up drill on the live cluster through the coordinator.
+    Drill(drill::DrillArgs),
     /// Measure append throughput and latency against this machine's raw disk limits.
     Bench(bench::BenchArgs),
 }
@@ -68,6 +72,7 @@ fn run() -> Result<()> {
             Command::Read(args) => client::read(args).await,
             Command::Tail(args) => client::tail(args).await,
             Command::Bench(args) => bench::run(args).await,
+            Command::Drill(args) => drill::run(args).await,
         }
     })
 }

@@ -14,6 +14,7 @@ use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
 use axum::{Json, Router};
 use prometheus::{Encoder, Registry, TextEncoder};
+use walship_shipping::control::drills::{CatchupDrillRequest, FailoverDrillRequest};
 use walship_shipping::control::{CoordError, Coordinator, FailoverRequest};
 
 use crate::models::{ApiError, ClusterView, CoordinatorView, NodeView, ReplicaView, ShardView};
@@ -35,6 +36,10 @@ pub fn coord_router(admin: Arc<CoordAdmin>) -> Router {
         .route("/v1/shards", get(shards))
         .route("/v1/shards/{id}", get(shard))
         .route("/v1/shards/{id}/failover", post(failover))
+        .route("/v1/drills", get(drills))
+        .route("/v1/drills/{id}", get(drill))
+        .route("/v1/drills/failover", post(failover_drill))
+        .route("/v1/drills/catchup", post(catchup_drill))
         .fallback(|| async { ApiError::new(StatusCode::NOT_FOUND, "not_found", "no such endpoint") })
         .with_state(admin)
 }
@@ -271,6 +276,59 @@ async fn failover(
     let reason = if request.allow_loss { "forced" } else { "manual" };
     match admin.coordinator.failover(id, request, reason).await {
         Ok(outcome) => Json(outcome).into_response(),
+        Err(e) => coord_error(e).into_response(),
+    }
+}
+
+async fn drills(State(admin): State<Arc<CoordAdmin>>) -> Response {
+    Json(admin.coordinator.drills.list()).into_response()
+}
+
+async fn drill(State(admin): State<Arc<CoordAdmin>>, Path(id): Path<String>) -> Response {
+    match admin.coordinator.drills.get(&id) {
+        Some(report) => Json(report).into_response(),
+        None => ApiError::new(StatusCode::NOT_FOUND, "unknown_drill", format!("no drill {id:?}")).into_response(),
+    }
+}
+
+fn started(id: String) -> Response {
+    (StatusCode::ACCEPTED, Json(serde_json::json!({ "id": id, "report": format!("/v1/drills/{id}") }))).into_response()
+}
+
+async fn failover_drill(
+    State(admin): State<Arc<CoordAdmin>>,
+    headers: HeaderMap,
+    body: Result<Json<FailoverDrillRequest>, JsonRejection>,
+) -> Response {
+    if let Err(e) = authorize(&headers, &admin.token) {
+        return e.into_response();
+    }
+    let Json(request) = match body {
+        Ok(body) => body,
+        Err(rejection) => return body_error(rejection).into_response(),
+    };
+    tracing::info!(?request, "admin: failover drill requested");
+    match admin.coordinator.start_failover_drill(request) {
+        Ok(id) => started(id),
+        Err(e) => coord_error(e).into_response(),
+    }
+}
+
+async fn catchup_drill(
+    State(admin): State<Arc<CoordAdmin>>,
+    headers: HeaderMap,
+    body: Result<Json<CatchupDrillRequest>, JsonRejection>,
+) -> Response {
+    if let Err(e) = authorize(&headers, &admin.token) {
+        return e.into_response();
+    }
+    let Json(request) = match body {
+        Ok(body) => body,
+        Err(rejection) => return body_error(rejection).into_response(),
+    };
+    tracing::info!(?request, "admin: catch-up drill requested");
+    match admin.coordinator.start_catchup_drill(request) {
+        Ok(id) => started(id),
         Err(e) => coord_error(e).into_response(),
     }
 }

