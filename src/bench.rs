@@ -93,11 +93,11 @@ pub struct BenchArgs {
 }
 
 #[derive(Debug, Clone, Serialize)]
-struct Baseline {
-    fdatasync_4k_p50_us: f64,
-    fdatasync_4k_p99_us: f64,
-    fdatasync_4k_p999_us: f64,
-    seq_write_mib_s: f64,
+pub struct Baseline {
+    pub fdatasync_4k_p50_us: f64,
+    pub fdatasync_4k_p99_us: f64,
+    pub fdatasync_4k_p999_us: f64,
+    pub seq_write_mib_s: f64,
 }
 
 #[derive(Debug, Clone, Serialize)]
@@ -132,7 +132,7 @@ fn histogram() -> Histogram<u64> {
 }
 
 /// Raw limits of the disk under `dir`.
-fn measure_baseline(dir: &Path) -> Result<Baseline> {
+pub fn measure_baseline(dir: &Path) -> Result<Baseline> {
     std::fs::create_dir_all(dir)?;
     let path = dir.join("baseline.dat");
     let file = OpenOptions::new().create(true).truncate(true).read(true).write(true).open(&path)?;

@@ -2,6 +2,7 @@
 //! Everything with behaviour lives in the workspace crates.
 
 mod bench;
+mod bench_drills;
 mod client;
 mod config;
 mod coord;
@@ -34,6 +35,8 @@ enum Command {
     Read(client::ReadArgs),
     /// Stream a shard's records from a seqno, following new appends.
     Tail(client::TailArgs),
+    /// Run the failover drill N times and the catch-up drill on a fresh dev cluster; print the figures.
+    BenchDrills(bench_drills::BenchDrillsArgs),
     /// Run a failover or catch-up drill on the live cluster through the coordinator.
     Drill(drill::DrillArgs),
     /// Measure append throughput and latency against this machine's raw disk limits.
@@ -73,6 +76,7 @@ fn run() -> Result<()> {
             Command::Tail(args) => client::tail(args).await,
             Command::Bench(args) => bench::run(args).await,
             Command::Drill(args) => drill::run(args).await,
+            Command::BenchDrills(args) => bench_drills::run(args).await,
         }
     })
 }

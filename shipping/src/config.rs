@@ -104,7 +104,7 @@ impl Default for ReplicationConfig {
             retention_interval_ms: 5_000,
             heartbeat_ms: 50,
             heartbeat_to: None,
-            leader_timeout_ms: 250,
+            leader_timeout_ms: 200,
             coordinator_lease_ms: 2_000,
         }
     }

@@ -841,11 +841,13 @@ impl ReplicationNode {
                 )),
             ));
         }
-        let (tx, rx) = tokio::sync::mpsc::channel(2);
+        let (tx, rx) = tokio::sync::mpsc::channel(4);
         let node = self.clone();
         tokio::spawn(async move {
             let mut next = request.from_seqno;
-            let batch = node.config.replication.ship_batch_bytes;
+            // Catch-up moves bulk: bigger chunks than live pushes, so each
+            // follower fsync covers more.
+            let batch = node.config.replication.ship_batch_bytes.saturating_mul(4);
             loop {
                 if leader.stop.is_cancelled() {
                     let _ = tx.send(Err(Status::unavailable("this replica stopped leading"))).await;

@@ -360,7 +360,9 @@ impl Coordinator {
     }
 
     async fn run_reconcile(self: Arc<Self>) {
-        let period = Duration::from_millis(self.config.replication.heartbeat_ms.max(10));
+        // Checked more often than heartbeats arrive, so a loss is noticed
+        // within a few ms of the timeout rather than up to a period late.
+        let period = Duration::from_millis((self.config.replication.heartbeat_ms / 5).clamp(5, 20));
         let mut tick = tokio::time::interval(period);
         tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
         loop {
