@@ -47,9 +47,13 @@ pub async fn run_coord(args: CoordArgs) -> Result<()> {
         .find(|c| c.id == args.id)
         .with_context(|| format!("coordinator {} is not in the cluster config", args.id))?
         .clone();
-    let kv: Arc<dyn Kv> = match &args.nats {
-        Some(url) => Arc::new(NatsKv::connect(url, &args.nats_bucket).await?),
-        None => Arc::new(FileKv::open(&args.data_dir.join("kv"))?),
+    let (kv, nats): (Arc<dyn Kv>, Option<async_nats::Client>) = match &args.nats {
+        Some(url) => {
+            let kv = NatsKv::connect(url, &args.nats_bucket).await?;
+            let client = kv.client();
+            (Arc::new(kv), Some(client))
+        }
+        None => (Arc::new(FileKv::open(&args.data_dir.join("kv"))?), None),
     };
     let (token, generated) = match args.admin_token {
         Some(t) if t.len() >= 8 => (t, false),
@@ -59,6 +63,9 @@ pub async fn run_coord(args: CoordArgs) -> Result<()> {
     let registry = prometheus::Registry::new();
     let coordinator =
         Coordinator::start(args.id.clone(), Arc::new(config), kv.clone(), CoordinatorMetrics::new(&registry)?);
+    if let Some(client) = nats {
+        coordinator.publish_heartbeats(client);
+    }
     let grpc_listener =
         TcpListener::bind(spec.grpc_addr).await.with_context(|| format!("binding {}", spec.grpc_addr))?;
     let admin_listener =

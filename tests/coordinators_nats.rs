@@ -271,3 +271,29 @@ async fn standby_takes_over_a_stopped_coordinator_which_is_fenced_on_resume() {
     assert_eq!(lease_view(&mut cluster, a).await, Some((false, id(b), term_b)));
     eprintln!("{:>6} ms: shard 2 unchanged at {shard_2_after:?}; c{b} still active", t0.elapsed().as_millis());
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn heartbeats_are_published_on_nats_subjects() {
+    use futures::StreamExt;
+    let nats = nats::NatsServer::start();
+    let client = async_nats::connect(&nats.url).await.unwrap();
+    let mut subscription = client.subscribe("walship.heartbeats.>").await.unwrap();
+    let _cluster = Cluster::start_with(3, 2, 1, "heartbeat_ms = 50", Some(&nats.url));
+    let mut seen = std::collections::BTreeSet::new();
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(30);
+    while seen.len() < 6 {
+        let message = tokio::time::timeout_at(deadline, subscription.next())
+            .await
+            .expect("heartbeats from every node for every shard on NATS within 30 s")
+            .unwrap();
+        let hb: serde_json::Value = serde_json::from_slice(&message.payload).unwrap();
+        let (node, shard) = (hb["node_id"].as_u64().unwrap(), hb["shard_id"].as_u64().unwrap());
+        assert_eq!(message.subject.as_str(), format!("walship.heartbeats.{node}.{shard}"));
+        assert!((1..=3).contains(&node) && (1..=2).contains(&shard), "{hb}");
+        // Once roles are assigned, the message carries them.
+        if hb["epoch"].as_u64().unwrap() >= 1 && hb["leader_node_id"].as_u64().unwrap() != 0 {
+            assert_eq!(hb["is_leader"].as_bool().unwrap(), hb["leader_node_id"] == node, "{hb}");
+            seen.insert((node, shard));
+        }
+    }
+}

@@ -434,3 +434,59 @@ async fn cli_append_finds_the_new_leader_after_a_failover() {
     assert_eq!(line["first_seqno"], 3);
     assert!(line["epoch"].as_u64().unwrap() >= 2, "{line}");
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn no_automatic_failover_without_a_majority_but_a_forced_one_works() {
+    let mut cluster = Cluster::start_with(3, 1, 1, FAST, None);
+    wait_leading(&mut cluster, 1, 1).await;
+    let mut leader = client(&cluster.node(1).grpc.clone()).await.unwrap();
+    let append = |text: &str, durability: Durability| AppendRequest {
+        shard_id: 1,
+        records: vec![AppendRecord { key: Bytes::new(), payload: Bytes::from(text.to_string()) }],
+        durability: durability as i32,
+    };
+    for i in 0..5 {
+        leader.append(append(&format!("r{i}"), Durability::All)).await.unwrap();
+    }
+    cluster.node(1).kill9();
+    cluster.node(2).kill9();
+    // The coordinator tries, finds one replica of three, and promotes nobody.
+    let coord_admin = cluster.coordinator(1).admin.clone();
+    wait_until("three failover attempts refused for lack of a majority", WAIT, || {
+        let url = format!("{coord_admin}/metrics");
+        async move {
+            let body = common::http_get(&url).await.1;
+            body.lines()
+                .find(|l| l.starts_with("walship_failovers_total{outcome=\"no_majority\",reason=\"automatic\"}"))
+                .and_then(|l| l.split_whitespace().last()?.parse::<f64>().ok())
+                .is_some_and(|n| n >= 3.0)
+        }
+    })
+    .await;
+    let (code, shard) = cluster.coord_get(1, "/v1/shards/1").await;
+    assert_eq!(code, 200);
+    assert!(shard["leader"].is_null(), "no leader without a majority: {shard}");
+    let s3 = entry(&cluster.status(3).await.unwrap(), 1);
+    assert_ne!(s3["role"], "leader", "node 3 must not lead on its own: {s3}");
+
+    // The operator forces it, knowingly.
+    let (code, refused) = cluster.coord_post(1, "/v1/shards/1/failover", r#"{"target": 3}"#, Some(TOKEN)).await;
+    assert_ne!(code, 200, "without allow_loss a lone replica is not promoted: {refused}");
+    let (code, forced) =
+        cluster.coord_post(1, "/v1/shards/1/failover", r#"{"target": 3, "allow_loss": true}"#, Some(TOKEN)).await;
+    assert_eq!(code, 200, "{forced}");
+    assert_eq!(forced["to"], 3);
+    wait_leading(&mut cluster, 1, 3).await;
+    let mut node3 = client(&cluster.node(3).grpc.clone()).await.unwrap();
+    let r = node3.append(append("alone", Durability::Local)).await.unwrap().into_inner();
+    assert_eq!(r.first_seqno, 6, "node 3 held all five ALL-acknowledged records");
+    // The others come back, follow node 3, and converge on its history.
+    cluster.restart(1);
+    cluster.restart(2);
+    let last = converge(&mut cluster, 1).await;
+    assert_eq!(last, 6);
+    for id in 1..=3 {
+        let records = read_all(&cluster.node(id).grpc.clone(), 1, last).await;
+        assert_eq!(&records[5].payload[..], b"alone", "node {id}");
+    }
+}

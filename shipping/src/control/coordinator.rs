@@ -176,6 +176,28 @@ pub struct Coordinator {
     write: tokio::sync::Mutex<()>,
     /// Drill reports (in memory; a coordinator restart forgets them).
     pub drills: crate::control::drills::Drills,
+    /// In NATS mode, heartbeats are republished on `walship.heartbeats.<node>.<shard>`.
+    heartbeat_sink: Mutex<Option<tokio::sync::mpsc::Sender<(String, Bytes)>>>,
+}
+
+/// What the active coordinator publishes on NATS for every heartbeat.
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
+pub struct HeartbeatMessage {
+    pub node_id: NodeId,
+    pub shard_id: u32,
+    pub region_id: u32,
+    pub epoch: u64,
+    pub is_leader: bool,
+    pub leader_node_id: NodeId,
+    pub last_epoch: u64,
+    pub last_seqno: u64,
+    pub durable_seqno: u64,
+    pub commit_seqno: u64,
+    pub entity_count: u64,
+    pub signal_throughput_eps: f64,
+    pub disk_bytes: u64,
+    pub replication_lag: BTreeMap<u32, u64>,
+    pub last_heartbeat_ns: u64,
 }
 
 impl Coordinator {
@@ -200,10 +222,26 @@ impl Coordinator {
             lease_ms,
             write: tokio::sync::Mutex::new(()),
             drills: Default::default(),
+            heartbeat_sink: Mutex::new(None),
         });
         tokio::spawn(coordinator.clone().run_lease());
         tokio::spawn(coordinator.clone().run_reconcile());
         coordinator
+    }
+
+    /// Publishes every heartbeat this coordinator receives while active on
+    /// NATS (`walship.heartbeats.<node>.<shard>`, JSON). A slow NATS drops
+    /// messages rather than delaying heartbeat handling.
+    pub fn publish_heartbeats(&self, client: async_nats::Client) {
+        let (tx, mut rx) = tokio::sync::mpsc::channel::<(String, Bytes)>(4096);
+        tokio::spawn(async move {
+            while let Some((subject, payload)) = rx.recv().await {
+                if let Err(e) = client.publish(subject, payload).await {
+                    tracing::debug!(error = %e, "publishing a heartbeat on NATS");
+                }
+            }
+        });
+        *self.heartbeat_sink.lock() = Some(tx);
     }
 
     pub fn kv_description(&self) -> String {
@@ -233,6 +271,30 @@ impl Coordinator {
             seen.entry(request.node_id).or_insert_with(|| NodeSeen { at: Instant::now(), shards: BTreeMap::new() });
         node.at = Instant::now();
         node.shards.insert(request.shard_id, request.clone());
+        drop(seen);
+        if let Some(sink) = self.heartbeat_sink.lock().as_ref()
+            && self.is_active()
+        {
+            let message = HeartbeatMessage {
+                node_id: request.node_id,
+                shard_id: request.shard_id,
+                region_id: request.region_id,
+                epoch: request.epoch,
+                is_leader: request.is_leader,
+                leader_node_id: request.leader_node_id,
+                last_epoch: request.last_epoch,
+                last_seqno: request.last_seqno,
+                durable_seqno: request.durable_seqno,
+                commit_seqno: request.commit_seqno,
+                entity_count: request.entity_count,
+                signal_throughput_eps: request.signal_throughput_eps,
+                disk_bytes: request.disk_bytes,
+                replication_lag: request.replication_lag.iter().map(|(&k, &v)| (k, v)).collect(),
+                last_heartbeat_ns: request.last_heartbeat_ns,
+            };
+            let subject = format!("walship.heartbeats.{}.{}", request.node_id, request.shard_id);
+            let _ = sink.try_send((subject, Bytes::from(serde_json::to_vec(&message).expect("serialisable"))));
+        }
         Ok(())
     }
 

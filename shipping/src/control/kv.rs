@@ -211,6 +211,7 @@ impl Kv for FileKv {
 /// A NATS JetStream KV bucket.
 #[derive(Clone)]
 pub struct NatsKv {
+    client: async_nats::Client,
     store: async_nats::jetstream::kv::Store,
     url: String,
     bucket: String,
@@ -225,7 +226,7 @@ impl NatsKv {
             .connect(url)
             .await
             .map_err(|e| unavailable(&e))?;
-        let js = async_nats::jetstream::new(client);
+        let js = async_nats::jetstream::new(client.clone());
         let store = match js.get_key_value(bucket).await {
             Ok(store) => store,
             Err(_) => js
@@ -237,7 +238,12 @@ impl NatsKv {
                 .await
                 .map_err(|e| unavailable(&e))?,
         };
-        Ok(NatsKv { store, url: url.to_string(), bucket: bucket.to_string() })
+        Ok(NatsKv { client, store, url: url.to_string(), bucket: bucket.to_string() })
+    }
+
+    /// The NATS connection, for publishing control traffic (heartbeats).
+    pub fn client(&self) -> async_nats::Client {
+        self.client.clone()
     }
 }
 
