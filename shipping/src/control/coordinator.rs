@@ -178,7 +178,13 @@ pub struct Coordinator {
     pub drills: crate::control::drills::Drills,
     /// In NATS mode, heartbeats are republished on `walship.heartbeats.<node>.<shard>`.
     heartbeat_sink: Mutex<Option<tokio::sync::mpsc::Sender<(String, Bytes)>>>,
+    /// Shards whose automatic failover found no majority: not retried before
+    /// this instant (each attempt raises the epoch).
+    retry_after: Mutex<BTreeMap<u32, Instant>>,
 }
+
+/// How long an automatic failover that found no majority waits to retry.
+const NO_MAJORITY_BACKOFF: Duration = Duration::from_secs(1);
 
 /// What the active coordinator publishes on NATS for every heartbeat.
 #[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
@@ -223,6 +229,7 @@ impl Coordinator {
             write: tokio::sync::Mutex::new(()),
             drills: Default::default(),
             heartbeat_sink: Mutex::new(None),
+            retry_after: Mutex::new(BTreeMap::new()),
         });
         tokio::spawn(coordinator.clone().run_lease());
         tokio::spawn(coordinator.clone().run_reconcile());
@@ -454,10 +461,15 @@ impl Coordinator {
                     reference.elapsed() > timeout
                 }
             };
-            if lost {
+            let backing_off = self.retry_after.lock().get(&shard).is_some_and(|t| Instant::now() < *t);
+            if lost && !backing_off {
                 let me = self.clone();
                 tokio::spawn(async move {
                     match me.failover(shard, FailoverRequest::default(), "automatic").await {
+                        Err(e @ CoordError::NoMajority { .. }) => {
+                            me.retry_after.lock().insert(shard, Instant::now() + NO_MAJORITY_BACKOFF);
+                            tracing::warn!(shard, error = %e, "automatic failover");
+                        }
                         Ok(outcome) => {
                             tracing::info!(shard, to = ?outcome.to, epoch = outcome.epoch, took_ms = outcome.took_ms, "automatic failover")
                         }
