@@ -11,12 +11,12 @@ use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::time::Duration;
 
 use bytes::Bytes;
-use common::{Cluster, TOKEN, wait_until};
+use common::{Cluster, TOKEN, read_all, wait_until};
 use rand::{Rng, SeedableRng};
 use tokio::sync::Mutex;
 use walship_proto::log::control_client::ControlClient;
 use walship_proto::log::log_client::LogClient;
-use walship_proto::log::{AppendRecord, AppendRequest, Durability, PauseRequest, ReadRequest, Record};
+use walship_proto::log::{AppendRecord, AppendRequest, Durability, PauseRequest};
 
 const WAIT: Duration = Duration::from_secs(40);
 const FAST: &str = "heartbeat_ms = 50\nleader_timeout_ms = 300\nkeepalive_ms = 100\nship_timeout_ms = 1000";
@@ -98,22 +98,6 @@ async fn wait_leading(cluster: &mut Cluster, shard: u32, node: u32) {
         async move { recorded && taken }
     })
     .await;
-}
-
-async fn read_all(grpc: &str, shard: u32, to: u64) -> Vec<Record> {
-    let mut log = client(grpc).await.expect("node reachable").max_decoding_message_size(64 << 20);
-    let mut out = Vec::new();
-    let mut from = 1;
-    while from <= to {
-        let r = log
-            .read(ReadRequest { shard_id: shard, from_seqno: from, to_seqno: to, max_bytes: 0 })
-            .await
-            .unwrap()
-            .into_inner();
-        from = r.next_seqno;
-        out.extend(r.records);
-    }
-    out
 }
 
 fn entry(status: &serde_json::Value, shard: u32) -> serde_json::Value {

@@ -11,11 +11,11 @@ use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::time::Duration;
 
 use bytes::Bytes;
-use common::{Cluster, wait_until};
+use common::{Cluster, read_all, wait_until};
 use serde_json::Value;
 use tokio::sync::Mutex;
 use walship_proto::log::log_client::LogClient;
-use walship_proto::log::{AppendRecord, AppendRequest, Durability, ReadRequest, Record};
+use walship_proto::log::{AppendRecord, AppendRequest, Durability, ReadRequest};
 
 const WAIT: Duration = Duration::from_secs(30);
 
@@ -141,23 +141,6 @@ async fn converge(cluster: &mut Cluster, shard: u32, leader: u32) -> u64 {
 async fn metric(cluster: &mut Cluster, id: u32, series: &str) -> f64 {
     let body = common::http_get(&format!("{}/metrics", cluster.node(id).admin)).await.1;
     body.lines().find_map(|l| l.strip_prefix(series).and_then(|v| v.trim().parse().ok())).unwrap_or(0.0)
-}
-
-async fn read_all(grpc: &str, shard: u32, to: u64) -> Vec<Record> {
-    let channel = tonic::transport::Endpoint::from_shared(format!("http://{grpc}")).unwrap().connect().await.unwrap();
-    let mut log = LogClient::new(channel).max_decoding_message_size(64 << 20);
-    let mut out = Vec::new();
-    let mut from = 1;
-    while from <= to {
-        let r = log
-            .read(ReadRequest { shard_id: shard, from_seqno: from, to_seqno: to, max_bytes: 0 })
-            .await
-            .unwrap()
-            .into_inner();
-        from = r.next_seqno;
-        out.extend(r.records);
-    }
-    out
 }
 
 /// All replicas hold byte-identical records `1..=last` (seqno, epoch,

@@ -14,12 +14,10 @@ mod common;
 use std::collections::HashMap;
 use std::time::Duration;
 
-use bytes::{Buf, BufMut, Bytes};
+use bytes::Bytes;
 use common::{Cluster, http_get, wait_until};
 use serde_json::Value;
 use tonic::Code;
-use tonic::codec::{Codec, DecodeBuf, Decoder, EncodeBuf, Encoder};
-use tonic::codegen::http::uri::PathAndQuery;
 use tonic::transport::{Channel, Endpoint};
 use walship_proto::log::log_client::LogClient;
 use walship_proto::log::{AppendRecord, AppendRequest, Durability, ReadRequest, Record};
@@ -45,61 +43,9 @@ const CALL_TIMEOUT: Duration = Duration::from_secs(30);
 const EPOCH_METADATA_KEY: &str = "walship-epoch";
 const APPLIED_METADATA_KEY: &str = "walship-applied-seqno";
 
-// ---------------------------------------------------------------------------
-// A raw-bytes codec, to put arbitrary bytes on the wire as a request body.
-// ---------------------------------------------------------------------------
-
-/// Encodes `Bytes` verbatim; decodes the response as its raw bytes.
-#[derive(Debug, Clone, Default)]
-struct RawCodec;
-
-#[derive(Debug)]
-struct RawEncoder;
-
-#[derive(Debug)]
-struct RawDecoder;
-
-impl Codec for RawCodec {
-    type Encode = Bytes;
-    type Decode = Bytes;
-    type Encoder = RawEncoder;
-    type Decoder = RawDecoder;
-
-    fn encoder(&mut self) -> RawEncoder {
-        RawEncoder
-    }
-
-    fn decoder(&mut self) -> RawDecoder {
-        RawDecoder
-    }
-}
-
-impl Encoder for RawEncoder {
-    type Item = Bytes;
-    type Error = tonic::Status;
-
-    fn encode(&mut self, item: Bytes, dst: &mut EncodeBuf<'_>) -> Result<(), tonic::Status> {
-        dst.put_slice(&item);
-        Ok(())
-    }
-}
-
-impl Decoder for RawDecoder {
-    type Item = Bytes;
-    type Error = tonic::Status;
-
-    fn decode(&mut self, src: &mut DecodeBuf<'_>) -> Result<Option<Bytes>, tonic::Status> {
-        Ok(Some(src.copy_to_bytes(src.remaining())))
-    }
-}
-
 /// Sends `body` verbatim as the protobuf message of a unary WalShipping RPC.
 async fn raw_unary(channel: Channel, path: &'static str, body: &[u8]) -> Result<Bytes, tonic::Status> {
-    let mut grpc = tonic::client::Grpc::new(channel);
-    grpc.ready().await.expect("channel ready");
-    grpc.unary(tonic::Request::new(Bytes::copy_from_slice(body)), PathAndQuery::from_static(path), RawCodec)
-        .await
-        .map(tonic::Response::into_inner)
+    common::raw_unary(channel, path, body).await
 }
 
 // ---------------------------------------------------------------------------

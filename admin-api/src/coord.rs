@@ -295,23 +295,33 @@ fn started(id: String) -> Response {
     (StatusCode::ACCEPTED, Json(serde_json::json!({ "id": id, "report": format!("/v1/drills/{id}") }))).into_response()
 }
 
-async fn failover_drill(
-    State(admin): State<Arc<CoordAdmin>>,
-    headers: HeaderMap,
-    body: Result<Json<FailoverDrillRequest>, JsonRejection>,
+/// Starts a drill after the token and body checks; 202 with its id.
+fn start_drill<R: std::fmt::Debug>(
+    admin: &CoordAdmin,
+    headers: &HeaderMap,
+    body: Result<Json<R>, JsonRejection>,
+    start: impl FnOnce(&Arc<Coordinator>, R) -> Result<String, CoordError>,
 ) -> Response {
-    if let Err(e) = authorize(&headers, &admin.token) {
+    if let Err(e) = authorize(headers, &admin.token) {
         return e.into_response();
     }
     let Json(request) = match body {
         Ok(body) => body,
         Err(rejection) => return body_error(rejection).into_response(),
     };
-    tracing::info!(?request, "admin: failover drill requested");
-    match admin.coordinator.start_failover_drill(request) {
+    tracing::info!(?request, "admin: drill requested");
+    match start(&admin.coordinator, request) {
         Ok(id) => started(id),
         Err(e) => coord_error(e).into_response(),
     }
+}
+
+async fn failover_drill(
+    State(admin): State<Arc<CoordAdmin>>,
+    headers: HeaderMap,
+    body: Result<Json<FailoverDrillRequest>, JsonRejection>,
+) -> Response {
+    start_drill(&admin, &headers, body, Coordinator::start_failover_drill)
 }
 
 async fn catchup_drill(
@@ -319,16 +329,5 @@ async fn catchup_drill(
     headers: HeaderMap,
     body: Result<Json<CatchupDrillRequest>, JsonRejection>,
 ) -> Response {
-    if let Err(e) = authorize(&headers, &admin.token) {
-        return e.into_response();
-    }
-    let Json(request) = match body {
-        Ok(body) => body,
-        Err(rejection) => return body_error(rejection).into_response(),
-    };
-    tracing::info!(?request, "admin: catch-up drill requested");
-    match admin.coordinator.start_catchup_drill(request) {
-        Ok(id) => started(id),
-        Err(e) => coord_error(e).into_response(),
-    }
+    start_drill(&admin, &headers, body, Coordinator::start_catchup_drill)
 }

@@ -363,3 +363,87 @@ impl Drop for Cluster {
         }
     }
 }
+
+/// Sends `body` verbatim as the protobuf message of the unary RPC at `path`
+/// (e.g. `/walship.v1.Log/Append`), to test decoders with malformed bytes.
+/// The response comes back as raw bytes.
+pub async fn raw_unary(
+    channel: tonic::transport::Channel,
+    path: &'static str,
+    body: &[u8],
+) -> Result<bytes::Bytes, tonic::Status> {
+    let mut grpc = tonic::client::Grpc::new(channel);
+    grpc.ready().await.expect("channel ready");
+    grpc.unary(
+        tonic::Request::new(bytes::Bytes::copy_from_slice(body)),
+        tonic::codegen::http::uri::PathAndQuery::from_static(path),
+        raw::RawCodec,
+    )
+    .await
+    .map(tonic::Response::into_inner)
+}
+
+/// A codec that puts arbitrary bytes on the wire as a request body.
+pub mod raw {
+    use bytes::{Buf, BufMut, Bytes};
+    use tonic::codec::{Codec, DecodeBuf, Decoder, EncodeBuf, Encoder};
+
+    /// Encodes `Bytes` verbatim; decodes the response as its raw bytes.
+    #[derive(Debug, Clone, Default)]
+    pub struct RawCodec;
+
+    #[derive(Debug)]
+    pub struct RawEncoder;
+
+    #[derive(Debug)]
+    pub struct RawDecoder;
+
+    impl Codec for RawCodec {
+        type Encode = Bytes;
+        type Decode = Bytes;
+        type Encoder = RawEncoder;
+        type Decoder = RawDecoder;
+
+        fn encoder(&mut self) -> RawEncoder {
+            RawEncoder
+        }
+
+        fn decoder(&mut self) -> RawDecoder {
+            RawDecoder
+        }
+    }
+
+    impl Encoder for RawEncoder {
+        type Item = Bytes;
+        type Error = tonic::Status;
+
+        fn encode(&mut self, item: Bytes, dst: &mut EncodeBuf<'_>) -> Result<(), tonic::Status> {
+            dst.put_slice(&item);
+            Ok(())
+        }
+    }
+
+    impl Decoder for RawDecoder {
+        type Item = Bytes;
+        type Error = tonic::Status;
+
+        fn decode(&mut self, src: &mut DecodeBuf<'_>) -> Result<Option<Bytes>, tonic::Status> {
+            Ok(Some(src.copy_to_bytes(src.remaining())))
+        }
+    }
+}
+
+/// Every record of `shard` on the node at `grpc`, `1..=to`.
+pub async fn read_all(grpc: &str, shard: u32, to: u64) -> Vec<walship_proto::log::Record> {
+    let channel = Endpoint::from_shared(format!("http://{grpc}")).unwrap().connect().await.unwrap();
+    let mut log = LogClient::new(channel).max_decoding_message_size(64 << 20);
+    let mut out = Vec::new();
+    let mut from = 1;
+    while from <= to {
+        let request = walship_proto::log::ReadRequest { shard_id: shard, from_seqno: from, to_seqno: to, max_bytes: 0 };
+        let r = log.read(request).await.unwrap().into_inner();
+        from = r.next_seqno;
+        out.extend(r.records);
+    }
+    out
+}
