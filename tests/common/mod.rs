@@ -26,32 +26,48 @@ pub struct NodeProcess {
     pub shards: String,
 }
 
+/// Spawns a `walship` subcommand with piped stdout and returns the child
+/// with the `name=value` fields of its first ("listening") line.
+fn spawn_listening(command: &mut Command, what: &str) -> (Child, std::collections::HashMap<String, String>) {
+    let mut child = command
+        .env("WALSHIP_LOG", std::env::var("WALSHIP_TEST_LOG").unwrap_or_else(|_| "warn".into()))
+        .stdout(Stdio::piped())
+        .stderr(Stdio::inherit())
+        .spawn()
+        .unwrap_or_else(|e| panic!("spawn {what}: {e}"));
+    let stdout = child.stdout.take().expect("piped stdout");
+    let mut line = String::new();
+    BufReader::new(stdout).read_line(&mut line).expect("read listening line");
+    assert!(line.contains("listening"), "{what} did not start: {line:?}");
+    let fields = line
+        .split_whitespace()
+        .filter_map(|w| w.split_once('='))
+        .map(|(k, v)| (k.to_string(), v.to_string()))
+        .collect();
+    (child, fields)
+}
+
 impl NodeProcess {
     /// Starts a node hosting `shards` (e.g. "1-4") with its WAL under
     /// `data_dir`, on free ports, and waits for its "listening" line.
     pub fn start(node_id: u32, data_dir: &Path, shards: &str, extra: &[&str]) -> NodeProcess {
-        let mut child = Command::new(walship_bin())
-            .args(["node", "--node-id", &node_id.to_string(), "--grpc", "127.0.0.1:0", "--admin", "127.0.0.1:0"])
-            .arg("--data-dir")
-            .arg(data_dir)
-            .args(["--shards", shards])
-            .args(extra)
-            .env("WALSHIP_LOG", "warn")
-            .stdout(Stdio::piped())
-            .stderr(Stdio::inherit())
-            .spawn()
-            .expect("spawn walship node");
-        let stdout = child.stdout.take().expect("piped stdout");
-        let mut line = String::new();
-        BufReader::new(stdout).read_line(&mut line).expect("read listening line");
-        let field = |name: &str| {
-            line.split_whitespace()
-                .find_map(|w| w.strip_prefix(&format!("{name}=")))
-                .unwrap_or_else(|| panic!("no {name}= in {line:?}"))
-                .to_string()
-        };
-        let (grpc, admin) = (field("grpc"), field("admin"));
-        NodeProcess { child, grpc, admin, data_dir: data_dir.to_path_buf(), node_id, shards: shards.to_string() }
+        let (child, fields) = spawn_listening(
+            Command::new(walship_bin())
+                .args(["node", "--node-id", &node_id.to_string(), "--grpc", "127.0.0.1:0", "--admin", "127.0.0.1:0"])
+                .arg("--data-dir")
+                .arg(data_dir)
+                .args(["--shards", shards])
+                .args(extra),
+            &format!("node {node_id}"),
+        );
+        NodeProcess {
+            child,
+            grpc: fields["grpc"].clone(),
+            admin: fields["admin"].clone(),
+            data_dir: data_dir.to_path_buf(),
+            node_id,
+            shards: shards.to_string(),
+        }
     }
 
     /// Restarts the node on the same data dir (new ports).
@@ -239,23 +255,12 @@ impl Cluster {
             .arg(&self.config_path)
             .arg("--data-dir")
             // One shared dir: with the file KV every coordinator sees one KV.
-            .arg(self.dir.path().join("coord"))
-            .env("WALSHIP_LOG", std::env::var("WALSHIP_TEST_LOG").unwrap_or_else(|_| "warn".into()))
-            .stdout(Stdio::piped())
-            .stderr(Stdio::inherit());
+            .arg(self.dir.path().join("coord"));
         if let Some(url) = &self.nats {
             command.args(["--nats", url]);
         }
-        let mut child = command.spawn().expect("spawn walship coord");
-        let stdout = child.stdout.take().expect("piped stdout");
-        let mut line = String::new();
-        BufReader::new(stdout).read_line(&mut line).expect("read listening line");
-        let admin = line
-            .split_whitespace()
-            .find_map(|w| w.strip_prefix("admin="))
-            .unwrap_or_else(|| panic!("coordinator c{c} did not start: {line:?}"))
-            .to_string();
-        CoordProcess { child, admin, id: c }
+        let (child, fields) = spawn_listening(&mut command, &format!("coordinator c{c}"));
+        CoordProcess { child, admin: fields["admin"].clone(), id: c }
     }
 
     pub fn coordinator(&mut self, c: u32) -> &mut CoordProcess {
@@ -299,28 +304,17 @@ impl Cluster {
 
     fn spawn(config: &Path, dir: &Path, id: u32) -> NodeProcess {
         let data = dir.join(format!("node-{id}"));
-        let mut child = Command::new(walship_bin())
-            .args(["node", "--allow-crash-drills", "--node-id", &id.to_string(), "--cluster"])
-            .arg(config)
-            .arg("--data-dir")
-            .arg(&data)
-            .env("WALSHIP_LOG", std::env::var("WALSHIP_TEST_LOG").unwrap_or_else(|_| "warn".into()))
-            .stdout(Stdio::piped())
-            .stderr(Stdio::inherit())
-            .spawn()
-            .expect("spawn walship node");
-        let stdout = child.stdout.take().expect("piped stdout");
-        let mut line = String::new();
-        BufReader::new(stdout).read_line(&mut line).expect("read listening line");
-        let field = |name: &str| {
-            line.split_whitespace()
-                .find_map(|w| w.strip_prefix(&format!("{name}=")))
-                .unwrap_or_else(|| panic!("node {id} did not start: {line:?}"))
-                .to_string()
-        };
+        let (child, fields) = spawn_listening(
+            Command::new(walship_bin())
+                .args(["node", "--allow-crash-drills", "--node-id", &id.to_string(), "--cluster"])
+                .arg(config)
+                .arg("--data-dir")
+                .arg(&data),
+            &format!("node {id}"),
+        );
         NodeProcess {
-            grpc: field("grpc"),
-            admin: field("admin"),
+            grpc: fields["grpc"].clone(),
+            admin: fields["admin"].clone(),
             child,
             data_dir: data,
             node_id: id,

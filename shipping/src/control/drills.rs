@@ -237,15 +237,29 @@ impl Coordinator {
         }
         let id = self.drills.create("failover", request.shard);
         let (me, drill) = (self.clone(), id.clone());
+        self.run_drill(id.clone(), async move { me.failover_drill(&drill, &request).await }, |r, out| {
+            r.failover = Some(out)
+        });
+        Ok(id)
+    }
+
+    /// Runs a drill in the background and records how it ended.
+    fn run_drill<T: Send + 'static>(
+        self: &Arc<Self>,
+        id: String,
+        drill: impl std::future::Future<Output = Result<T, String>> + Send + 'static,
+        record: impl FnOnce(&mut DrillReport, T) + Send + 'static,
+    ) {
+        let me = self.clone();
         tokio::spawn(async move {
-            let result = me.failover_drill(&drill, &request).await;
-            me.drills.update(&drill, |r| {
+            let result = drill.await;
+            me.drills.update(&id, |r| {
                 r.finished_unix_ms = Some(now_ms());
                 match result {
                     Ok(out) => {
                         r.state = "done".into();
                         r.progress = "done".into();
-                        r.failover = Some(out);
+                        record(r, out);
                     }
                     Err(e) => {
                         r.state = "failed".into();
@@ -254,7 +268,6 @@ impl Coordinator {
                 }
             });
         });
-        Ok(id)
     }
 
     async fn failover_drill(
@@ -404,23 +417,11 @@ impl Coordinator {
         };
         let id = self.drills.create("catchup", request.shard);
         let (me, drill) = (self.clone(), id.clone());
-        tokio::spawn(async move {
-            let result = me.catchup_drill(&drill, &request, leader, follower).await;
-            me.drills.update(&drill, |r| {
-                r.finished_unix_ms = Some(now_ms());
-                match result {
-                    Ok(out) => {
-                        r.state = "done".into();
-                        r.progress = "done".into();
-                        r.catchup = Some(out);
-                    }
-                    Err(e) => {
-                        r.state = "failed".into();
-                        r.error = Some(e);
-                    }
-                }
-            });
-        });
+        self.run_drill(
+            id.clone(),
+            async move { me.catchup_drill(&drill, &request, leader, follower).await },
+            |r, out| r.catchup = Some(out),
+        );
         Ok(id)
     }
 
