@@ -10,6 +10,7 @@ mod dev;
 mod drill;
 mod http;
 mod node;
+mod status;
 
 use anyhow::Result;
 use clap::{Parser, Subcommand};
@@ -37,6 +38,8 @@ enum Command {
     Tail(client::TailArgs),
     /// Run the failover drill N times and the catch-up drill on a fresh dev cluster; print the figures.
     BenchDrills(bench_drills::BenchDrillsArgs),
+    /// Show the cluster as the coordinator sees it: shards, leaders, epochs, replicas, lag.
+    Status(status::StatusArgs),
     /// Run a failover or catch-up drill on the live cluster through the coordinator.
     Drill(drill::DrillArgs),
     /// Measure append throughput and latency against this machine's raw disk limits.
@@ -76,6 +79,7 @@ fn run() -> Result<()> {
             Command::Tail(args) => client::tail(args).await,
             Command::Bench(args) => bench::run(args).await,
             Command::Drill(args) => drill::run(args).await,
+            Command::Status(args) => status::run(args).await,
             Command::BenchDrills(args) => bench_drills::run(args).await,
         }
     })

@@ -11,7 +11,7 @@ use std::time::{Duration, Instant};
 use common::{Cluster, TOKEN};
 
 const WAIT: Duration = Duration::from_secs(30);
-const REPLICATION: &str = "coordinator_lease_ms = 600\nleader_timeout_ms = 300\nheartbeat_ms = 50";
+const REPLICATION: &str = "coordinator_lease_ms = 600\nleader_timeout_ms = 1000\nheartbeat_ms = 50";
 
 /// A throwaway `nats-server -js` (shared with the shipping crate's tests).
 #[path = "../shipping/tests/support/nats.rs"]

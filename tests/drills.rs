@@ -9,7 +9,10 @@ use std::time::Duration;
 
 use common::{Cluster, TOKEN, wait_until};
 
-const FAST: &str = "heartbeat_ms = 50\nleader_timeout_ms = 300\nkeepalive_ms = 100\nship_timeout_ms = 1000";
+/// Loss is detected after 1 s of silence: quick enough for the tests, slow
+/// enough that a loaded CI machine delaying heartbeats does not fail over
+/// a live leader in the middle of a test that expects it to stay.
+const FAST: &str = "heartbeat_ms = 50\nleader_timeout_ms = 1000\nkeepalive_ms = 100\nship_timeout_ms = 1000";
 
 async fn run_drill(cluster: &mut Cluster, path: &str, body: &str) -> serde_json::Value {
     let (code, started) = cluster.coord_post(1, path, body, Some(TOKEN)).await;

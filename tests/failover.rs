@@ -19,7 +19,10 @@ use walship_proto::log::log_client::LogClient;
 use walship_proto::log::{AppendRecord, AppendRequest, Durability, PauseRequest};
 
 const WAIT: Duration = Duration::from_secs(40);
-const FAST: &str = "heartbeat_ms = 50\nleader_timeout_ms = 300\nkeepalive_ms = 100\nship_timeout_ms = 1000";
+/// Loss is detected after 1 s of silence: quick enough for the tests, slow
+/// enough that a loaded CI machine delaying heartbeats does not fail over
+/// a live leader in the middle of a test that expects it to stay.
+const FAST: &str = "heartbeat_ms = 50\nleader_timeout_ms = 1000\nkeepalive_ms = 100\nship_timeout_ms = 1000";
 
 /// shard -> seqno -> payload of every acknowledged append.
 type Acked = Arc<Mutex<BTreeMap<u32, BTreeMap<u64, Bytes>>>>;

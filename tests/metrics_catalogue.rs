@@ -35,7 +35,8 @@ fn exposed(body: &str) -> BTreeMap<String, String> {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn catalogue_matches_what_nodes_expose() {
-    let mut cluster = Cluster::start_with(3, 1, 1, "keepalive_ms = 50\nheartbeat_ms = 100", None);
+    let mut cluster =
+        Cluster::start_with(3, 1, 1, "keepalive_ms = 50\nheartbeat_ms = 100\nleader_timeout_ms = 2000", None);
     wait_until("node 1 to lead shard 1", Duration::from_secs(20), || {
         let s = futures::executor::block_on(cluster.status(1));
         let ok = s.is_some_and(|s| s["shards"][0]["role"] == "leader");

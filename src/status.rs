@@ -1,0 +1,106 @@
+//! `walship status`: the cluster as the active coordinator sees it, as a
+//! table (like `patronictl list`) or JSON.
+
+use anyhow::{Result, bail};
+use clap::Args;
+
+use crate::drill::AdminArgs;
+use crate::http;
+
+#[derive(Args, Debug)]
+pub struct StatusArgs {
+    #[command(flatten)]
+    admin: AdminArgs,
+    /// Print the coordinator's JSON (cluster and shards) instead of a table.
+    #[arg(long)]
+    json: bool,
+}
+
+fn cell(v: &serde_json::Value) -> String {
+    match v {
+        serde_json::Value::Null => "-".into(),
+        serde_json::Value::String(s) => s.clone(),
+        serde_json::Value::Number(n) => match n.as_f64() {
+            Some(f) if n.is_f64() => format!("{f:.2}"),
+            _ => n.to_string(),
+        },
+        other => other.to_string(),
+    }
+}
+
+pub async fn run(args: StatusArgs) -> Result<()> {
+    let (code, cluster) = http::request("GET", &args.admin.admin, "/v1/cluster", None, None).await?;
+    if code != 200 {
+        bail!("GET /v1/cluster: {code} {cluster}");
+    }
+    let (code, shards) = http::request("GET", &args.admin.admin, "/v1/shards", None, None).await?;
+    if code != 200 {
+        bail!("GET /v1/shards: {code} {shards}");
+    }
+    if args.json {
+        println!("{}", serde_json::to_string_pretty(&serde_json::json!({"cluster": cluster, "shards": shards}))?);
+        return Ok(());
+    }
+    let c = &cluster["coordinator"];
+    println!(
+        "cluster {} — coordinator {} ({}), lease term {}, kv {}",
+        cell(&cluster["cluster_id"]),
+        cell(&c["id"]),
+        if c["active"] == true { "active" } else { "standby" },
+        cell(&c["lease_term"]),
+        cell(&c["kv"])
+    );
+    let header = [
+        "shard",
+        "leader",
+        "epoch",
+        "node",
+        "role",
+        "alive",
+        "last",
+        "durable",
+        "commit",
+        "lag rec",
+        "lag bytes",
+        "lag s",
+    ];
+    let mut rows: Vec<Vec<String>> = Vec::new();
+    for shard in shards.as_array().into_iter().flatten() {
+        for replica in shard["replicas"].as_array().into_iter().flatten() {
+            rows.push(vec![
+                cell(&shard["shard_id"]),
+                cell(&shard["leader"]),
+                cell(&shard["epoch"]),
+                cell(&replica["node_id"]),
+                cell(&replica["role"]),
+                if replica["alive"] == true { "yes".into() } else { "NO".into() },
+                cell(&replica["last_seqno"]),
+                cell(&replica["durable_seqno"]),
+                cell(&replica["commit_seqno"]),
+                cell(&replica["lag_records"]),
+                cell(&replica["lag_bytes"]),
+                cell(&replica["lag_seconds"]),
+            ]);
+        }
+    }
+    let widths: Vec<usize> = (0..header.len())
+        .map(|i| rows.iter().map(|r| r[i].len()).chain([header[i].len()]).max().unwrap_or(0))
+        .collect();
+    let line = |cells: Vec<String>| {
+        let padded: Vec<String> = cells.iter().zip(&widths).map(|(c, w)| format!("{c:>w$}")).collect();
+        format!("| {} |", padded.join(" | "))
+    };
+    let rule = format!("+{}+", widths.iter().map(|w| "-".repeat(w + 2)).collect::<Vec<_>>().join("+"));
+    println!("{rule}");
+    println!("{}", line(header.iter().map(|h| h.to_string()).collect()));
+    println!("{rule}");
+    for row in rows {
+        println!("{}", line(row));
+    }
+    println!("{rule}");
+    let without = cluster["shards_without_leader"].as_u64().unwrap_or(0);
+    if without > 0 {
+        println!("{without} shard(s) without a leader");
+    }
+    Ok(())
+}

@@ -1,0 +1,62 @@
+//! `walship status` against a live coordinated cluster: the table names the
+//! real leader of each shard, and `--json` carries the coordinator's view.
+
+mod common;
+
+use std::time::Duration;
+
+use common::{Cluster, wait_until};
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn status_shows_the_real_leaders() {
+    let mut cluster = Cluster::start_with(3, 2, 1, "leader_timeout_ms = 2000", None);
+    wait_until("both shards led and followed", Duration::from_secs(30), || {
+        let (code, shards) = futures::executor::block_on(cluster.coord_get(1, "/v1/shards"));
+        let ok = code == 200
+            && shards.as_array().is_some_and(|a| {
+                a.iter().all(|s| {
+                    s["replicas"]
+                        .as_array()
+                        .is_some_and(|r| r.iter().all(|r| r["role"] == "leader" || r["role"] == "follower"))
+                })
+            });
+        async move { ok }
+    })
+    .await;
+    let admin = format!("http://{}", cluster.coordinator(1).admin);
+    let run = |json: bool| {
+        let mut command = std::process::Command::new(common::walship_bin());
+        command.args(["status", "--admin", &admin]);
+        if json {
+            command.arg("--json");
+        }
+        command.output().unwrap()
+    };
+    let table = run(false);
+    assert!(table.status.success());
+    let text = String::from_utf8_lossy(&table.stdout);
+    assert!(text.contains("coordinator c1 (active)"), "{text}");
+    let row = |shard: u32, node: u32| {
+        text.lines()
+            .find(|l| {
+                let cells: Vec<&str> = l.split('|').map(str::trim).collect();
+                cells.len() > 5 && cells[1] == shard.to_string() && cells[4] == node.to_string()
+            })
+            .unwrap_or_else(|| panic!("no row for shard {shard} node {node} in\n{text}"))
+            .to_string()
+    };
+    assert!(row(1, 1).contains("leader") && row(1, 2).contains("follower"), "{text}");
+    assert!(row(2, 2).contains("leader") && row(2, 1).contains("follower"), "{text}");
+    let json = run(true);
+    let v: serde_json::Value = serde_json::from_slice(&json.stdout).unwrap();
+    assert_eq!(v["cluster"]["coordinator"]["active"], true);
+    assert_eq!(v["shards"][0]["leader"], 1);
+    assert_eq!(v["shards"][1]["leader"], 2);
+    // A wrong address is a clear error, not a hang.
+    let bad = std::process::Command::new(common::walship_bin())
+        .args(["status", "--admin", "http://127.0.0.1:1"])
+        .output()
+        .unwrap();
+    assert!(!bad.status.success());
+    assert!(String::from_utf8_lossy(&bad.stderr).contains("connecting to 127.0.0.1:1"));
+}
