@@ -7,8 +7,8 @@
 use std::sync::Arc;
 use std::time::Instant;
 
-use axum::extract::rejection::JsonRejection;
-use axum::extract::{Path, State};
+use axum::extract::rejection::{JsonRejection, QueryRejection};
+use axum::extract::{Path, Query, State};
 use axum::http::{HeaderMap, StatusCode, header};
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
@@ -40,7 +40,11 @@ pub fn coord_router(admin: Arc<CoordAdmin>) -> Router {
         .route("/v1/drills/{id}", get(drill))
         .route("/v1/drills/failover", post(failover_drill))
         .route("/v1/drills/catchup", post(catchup_drill))
+        .route("/v1/tasks", get(drills))
+        .route("/v1/tasks/{id}", get(drill))
         .fallback(|| async { ApiError::new(StatusCode::NOT_FOUND, "not_found", "no such endpoint") })
+        .method_not_allowed_fallback(crate::method_not_allowed)
+        .layer(axum::extract::DefaultBodyLimit::max(crate::MAX_BODY_BYTES))
         .with_state(admin)
 }
 
@@ -280,8 +284,26 @@ async fn failover(
     }
 }
 
-async fn drills(State(admin): State<Arc<CoordAdmin>>) -> Response {
-    Json(admin.coordinator.drills.list()).into_response()
+/// Drills (and, until the DataPlane exists, the tasks) the coordinator ran,
+/// oldest first, the newest `limit` (default 100, at most 1000).
+async fn drills(State(admin): State<Arc<CoordAdmin>>, page: Result<Query<Page>, QueryRejection>) -> Response {
+    let Query(page) = match page {
+        Ok(page) => page,
+        Err(rejection) => {
+            return ApiError::new(StatusCode::BAD_REQUEST, "bad_query", rejection.body_text()).into_response();
+        }
+    };
+    let all = admin.coordinator.drills.list();
+    let limit = page.limit.unwrap_or(100).clamp(1, 1000);
+    let skip = all.len().saturating_sub(limit);
+    Json(all.into_iter().skip(skip).collect::<Vec<_>>()).into_response()
+}
+
+/// `?limit=` on list endpoints.
+#[derive(Debug, serde::Deserialize)]
+#[serde(deny_unknown_fields)]
+struct Page {
+    limit: Option<usize>,
 }
 
 async fn drill(State(admin): State<Arc<CoordAdmin>>, Path(id): Path<String>) -> Response {

@@ -35,10 +35,40 @@ pub struct NodeAdmin {
 pub fn node_router(admin: Arc<NodeAdmin>) -> Router {
     Router::new()
         .route("/healthz", get(healthz))
+        .route("/readyz", get(readyz))
         .route("/metrics", get(metrics))
         .route("/v1/status", get(status))
         .fallback(not_found)
+        .method_not_allowed_fallback(method_not_allowed)
+        .layer(axum::extract::DefaultBodyLimit::max(MAX_BODY_BYTES))
         .with_state(admin)
+}
+
+/// Largest request body any admin endpoint takes (413 beyond).
+pub const MAX_BODY_BYTES: usize = 64 << 10;
+
+/// A wrong method on a known path: 405 in the JSON error shape.
+pub async fn method_not_allowed() -> Response {
+    ApiError::new(StatusCode::METHOD_NOT_ALLOWED, "method_not_allowed", "this path does not take that method")
+        .into_response()
+}
+
+/// Ready when every shard replica this node hosts has a role (a leader or
+/// a follower that knows its leader): load balancers and Kubernetes probes
+/// keep traffic away from a node still waiting for the coordinator.
+async fn readyz(State(admin): State<Arc<NodeAdmin>>) -> Response {
+    let waiting: Vec<u32> =
+        admin.node.status().into_iter().filter(|s| s.role == "unassigned").map(|s| s.shard_id).collect();
+    if waiting.is_empty() {
+        (StatusCode::OK, "ready\n").into_response()
+    } else {
+        ApiError::new(
+            StatusCode::SERVICE_UNAVAILABLE,
+            "not_ready",
+            format!("shards {waiting:?} have no role yet (waiting for the coordinator)"),
+        )
+        .into_response()
+    }
 }
 
 async fn healthz() -> &'static str {

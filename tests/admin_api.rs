@@ -1,0 +1,60 @@
+//! Admin API edges on real processes: readiness, JSON errors for wrong
+//! methods, oversized bodies and bad queries, and the task list bounds.
+
+mod common;
+
+use std::time::Duration;
+
+use common::{Cluster, TOKEN, http_request, wait_until};
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn readiness_and_error_shapes() {
+    let mut cluster = Cluster::start_with(3, 1, 1, "leader_timeout_ms = 2000", None);
+    // Nodes are ready once the coordinator gave every replica a role.
+    for id in 1..=3 {
+        let url = format!("{}/readyz", cluster.node(id).admin);
+        wait_until(&format!("node {id} ready"), Duration::from_secs(30), || {
+            let url = url.clone();
+            async move { common::http_get(&url).await.0 == 200 }
+        })
+        .await;
+    }
+    let coord = cluster.coordinator(1).admin.clone();
+    let json = |body: &str| serde_json::from_str::<serde_json::Value>(body).unwrap_or_default();
+
+    // Wrong methods: 405 with the JSON error body.
+    for (method, path) in [("GET", "/v1/shards/1/failover"), ("POST", "/v1/cluster"), ("DELETE", "/v1/shards/1")] {
+        let (code, body) = http_request(method, &format!("{coord}{path}"), None).await;
+        assert_eq!(code, 405, "{method} {path}: {body}");
+        assert_eq!(json(&body)["error"]["code"], "method_not_allowed", "{body}");
+    }
+    let node = cluster.node(1).admin.clone();
+    let (code, body) = http_request("POST", &format!("{node}/v1/status"), Some("{}")).await;
+    assert_eq!((code, json(&body)["error"]["code"].as_str()), (405, Some("method_not_allowed")));
+
+    // Oversized body: 413, nothing changes.
+    let before = cluster.leader_of(1, 1).await.unwrap();
+    let big = format!("{{\"target\": 2, \"pad\": \"{}\"}}", "x".repeat(100 << 10));
+    let (code, body) = cluster.coord_post(1, "/v1/shards/1/failover", &big, Some(TOKEN)).await;
+    assert_eq!((code, body["error"]["code"].as_str()), (413, Some("body_too_large")), "{body}");
+    // Malformed and wrongly typed bodies: 400 naming the problem.
+    let (code, body) = cluster.coord_post(1, "/v1/shards/1/failover", "{not json", Some(TOKEN)).await;
+    assert_eq!(code, 400, "{body}");
+    let (code, body) = cluster.coord_post(1, "/v1/shards/1/failover", r#"{"target": "two"}"#, Some(TOKEN)).await;
+    assert_eq!(code, 400, "{body}");
+    assert!(body["error"]["message"].as_str().unwrap().contains("target"), "{body}");
+    let (code, body) = cluster.coord_post(1, "/v1/shards/1/failover", r#"{"targett": 2}"#, Some(TOKEN)).await;
+    assert_eq!(code, 400, "unknown fields are refused: {body}");
+    let (code, body) = cluster.coord_post(1, "/v1/shards/x/failover", "{}", Some(TOKEN)).await;
+    assert_eq!((code, body["error"]["code"].as_str()), (400, Some("bad_shard_id")));
+    assert_eq!(cluster.leader_of(1, 1).await.unwrap(), before, "no refused request changed leadership");
+
+    // Task list: bounded, and a bad query is a JSON 400.
+    let (code, tasks) = cluster.coord_get(1, "/v1/tasks?limit=5").await;
+    assert_eq!(code, 200);
+    assert!(tasks.as_array().unwrap().len() <= 5);
+    let (code, body) = cluster.coord_get(1, "/v1/tasks?limit=many").await;
+    assert_eq!((code, body["error"]["code"].as_str()), (400, Some("bad_query")));
+    let (code, _) = cluster.coord_get(1, "/v1/tasks/none").await;
+    assert_eq!(code, 404);
+}
