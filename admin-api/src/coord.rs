@@ -14,8 +14,8 @@ use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
 use axum::{Json, Router};
 use prometheus::{Encoder, Registry, TextEncoder};
-use walship_shipping::control::drills::{CatchupDrillRequest, FailoverDrillRequest};
-use walship_shipping::control::{CoordError, Coordinator, FailoverRequest};
+use walship_shipping::control::drills::{CatchupDrillRequest, DrillReport, FailoverDrillRequest};
+use walship_shipping::control::{CoordError, Coordinator, FailoverOutcome, FailoverRequest};
 
 use crate::models::{ApiError, ClusterView, CoordinatorView, NodeView, ReplicaView, ShardView};
 
@@ -29,7 +29,8 @@ pub struct CoordAdmin {
 
 pub fn coord_router(admin: Arc<CoordAdmin>) -> Router {
     Router::new()
-        .route("/healthz", get(|| async { "ok\n" }))
+        .route("/healthz", get(healthz))
+        .route("/openapi.json", get(openapi))
         .route("/readyz", get(readyz))
         .route("/metrics", get(metrics))
         .route("/v1/cluster", get(cluster))
@@ -40,8 +41,8 @@ pub fn coord_router(admin: Arc<CoordAdmin>) -> Router {
         .route("/v1/drills/{id}", get(drill))
         .route("/v1/drills/failover", post(failover_drill))
         .route("/v1/drills/catchup", post(catchup_drill))
-        .route("/v1/tasks", get(drills))
-        .route("/v1/tasks/{id}", get(drill))
+        .route("/v1/tasks", get(tasks))
+        .route("/v1/tasks/{id}", get(task))
         .fallback(|| async { ApiError::new(StatusCode::NOT_FOUND, "not_found", "no such endpoint") })
         .method_not_allowed_fallback(crate::method_not_allowed)
         .layer(axum::extract::DefaultBodyLimit::max(crate::MAX_BODY_BYTES))
@@ -67,6 +68,8 @@ fn constant_time_eq(a: &[u8], b: &[u8]) -> bool {
     a.len() == b.len() && a.iter().zip(b).fold(0u8, |acc, (x, y)| acc | (x ^ y)) == 0
 }
 
+#[utoipa::path(get, path = "/readyz", tag = "health",
+    responses((status = 200, description = "the KV is reachable", body = String), (status = 503, description = "the KV is unreachable", body = crate::models::ErrorBody)))]
 async fn readyz(State(admin): State<Arc<CoordAdmin>>) -> Response {
     match admin.coordinator.read_state().await {
         Ok(_) => (StatusCode::OK, "ready\n").into_response(),
@@ -74,6 +77,8 @@ async fn readyz(State(admin): State<Arc<CoordAdmin>>) -> Response {
     }
 }
 
+#[utoipa::path(get, path = "/metrics", tag = "health",
+    responses((status = 200, description = "Prometheus text exposition", body = String, content_type = "text/plain")))]
 async fn metrics(State(admin): State<Arc<CoordAdmin>>) -> Response {
     let mut body = Vec::new();
     match TextEncoder::new().encode(&admin.registry.gather(), &mut body) {
@@ -144,6 +149,8 @@ fn shard_view(
     }
 }
 
+#[utoipa::path(get, path = "/v1/cluster", tag = "cluster",
+    responses((status = 200, body = ClusterView), (status = 503, description = "no state yet or KV unreachable", body = crate::models::ErrorBody)))]
 async fn cluster(State(admin): State<Arc<CoordAdmin>>) -> Response {
     let state = match state(&admin).await {
         Ok(s) => s,
@@ -184,6 +191,8 @@ async fn cluster(State(admin): State<Arc<CoordAdmin>>) -> Response {
     Json(view).into_response()
 }
 
+#[utoipa::path(get, path = "/v1/shards", tag = "shards",
+    responses((status = 200, body = Vec<ShardView>), (status = 503, body = crate::models::ErrorBody)))]
 async fn shards(State(admin): State<Arc<CoordAdmin>>) -> Response {
     match state(&admin).await {
         Ok(state) => {
@@ -205,6 +214,10 @@ fn parse_shard(id: &str) -> Result<u32, ApiError> {
         .map_err(|_| ApiError::new(StatusCode::BAD_REQUEST, "bad_shard_id", format!("shard id {id:?} is not a number")))
 }
 
+#[utoipa::path(get, path = "/v1/shards/{id}", tag = "shards",
+    params(("id" = u32, Path, description = "shard id")),
+    responses((status = 200, body = ShardView), (status = 400, description = "not a shard id", body = crate::models::ErrorBody),
+        (status = 404, description = "unknown shard", body = crate::models::ErrorBody), (status = 503, body = crate::models::ErrorBody)))]
 async fn shard(State(admin): State<Arc<CoordAdmin>>, Path(id): Path<String>) -> Response {
     let id = match parse_shard(&id) {
         Ok(id) => id,
@@ -226,8 +239,9 @@ pub fn coord_error(e: CoordError) -> ApiError {
         CoordError::NotActive | CoordError::NoMajority { .. } | CoordError::Kv(_) | CoordError::Unreachable(_) => {
             StatusCode::SERVICE_UNAVAILABLE
         }
-        CoordError::UnknownShard(_) => StatusCode::NOT_FOUND,
-        CoordError::NotAReplica { .. } => StatusCode::BAD_REQUEST,
+        // The named replica does not exist in this shard.
+        CoordError::UnknownShard(_) | CoordError::NotAReplica { .. } => StatusCode::NOT_FOUND,
+        CoordError::BadRequest(_) => StatusCode::BAD_REQUEST,
         CoordError::WouldLose { .. } | CoordError::Busy(_) => StatusCode::CONFLICT,
     };
     let code = match &e {
@@ -239,6 +253,7 @@ pub fn coord_error(e: CoordError) -> ApiError {
         CoordError::Unreachable(_) => "unreachable",
         CoordError::Busy(_) => "failover_in_progress",
         CoordError::Kv(_) => "kv_unavailable",
+        CoordError::BadRequest(_) => "bad_request",
     };
     ApiError::new(status, code, e.to_string())
 }
@@ -259,6 +274,18 @@ pub fn body_error(rejection: JsonRejection) -> ApiError {
     )
 }
 
+#[utoipa::path(post, path = "/v1/shards/{id}/failover", tag = "shards",
+    params(("id" = u32, Path, description = "shard id")),
+    request_body = FailoverRequest,
+    security(("bearer" = [])),
+    responses((status = 200, description = "done, or the preview", body = FailoverOutcome),
+        (status = 400, description = "malformed body or bad shard id", body = crate::models::ErrorBody),
+        (status = 401, description = "no token", body = crate::models::ErrorBody), (status = 403, description = "wrong token", body = crate::models::ErrorBody),
+        (status = 404, description = "unknown shard, or the target holds no replica of it", body = crate::models::ErrorBody),
+        (status = 409, description = "would lose acknowledged records, or a failover is running", body = crate::models::ErrorBody),
+        (status = 413, description = "body over 64 KiB", body = crate::models::ErrorBody),
+        (status = 415, description = "not application/json", body = crate::models::ErrorBody),
+        (status = 503, description = "not the active coordinator, no majority, target unreachable", body = crate::models::ErrorBody)))]
 async fn failover(
     State(admin): State<Arc<CoordAdmin>>,
     Path(id): Path<String>,
@@ -286,6 +313,9 @@ async fn failover(
 
 /// Drills (and, until the DataPlane exists, the tasks) the coordinator ran,
 /// oldest first, the newest `limit` (default 100, at most 1000).
+#[utoipa::path(get, path = "/v1/drills", tag = "drills",
+    params(("limit" = Option<u32>, Query, minimum = 1, maximum = 1000, description = "newest N (default 100)")),
+    responses((status = 200, body = Vec<DrillReport>), (status = 400, description = "bad query", body = crate::models::ErrorBody)))]
 async fn drills(State(admin): State<Arc<CoordAdmin>>, page: Result<Query<Page>, QueryRejection>) -> Response {
     let Query(page) = match page {
         Ok(page) => page,
@@ -293,8 +323,15 @@ async fn drills(State(admin): State<Arc<CoordAdmin>>, page: Result<Query<Page>, 
             return ApiError::new(StatusCode::BAD_REQUEST, "bad_query", rejection.body_text()).into_response();
         }
     };
+    let limit = match page.limit {
+        None => 100,
+        Some(n @ 1..=1000) => n as usize,
+        Some(n) => {
+            return ApiError::new(StatusCode::BAD_REQUEST, "bad_query", format!("limit {n} is outside 1..=1000"))
+                .into_response();
+        }
+    };
     let all = admin.coordinator.drills.list();
-    let limit = page.limit.unwrap_or(100).clamp(1, 1000);
     let skip = all.len().saturating_sub(limit);
     Json(all.into_iter().skip(skip).collect::<Vec<_>>()).into_response()
 }
@@ -303,9 +340,12 @@ async fn drills(State(admin): State<Arc<CoordAdmin>>, page: Result<Query<Page>, 
 #[derive(Debug, serde::Deserialize)]
 #[serde(deny_unknown_fields)]
 struct Page {
-    limit: Option<usize>,
+    limit: Option<u64>,
 }
 
+#[utoipa::path(get, path = "/v1/drills/{id}", tag = "drills",
+    params(("id" = String, Path, description = "drill id")),
+    responses((status = 200, body = DrillReport), (status = 404, description = "unknown drill", body = crate::models::ErrorBody)))]
 async fn drill(State(admin): State<Arc<CoordAdmin>>, Path(id): Path<String>) -> Response {
     match admin.coordinator.drills.get(&id) {
         Some(report) => Json(report).into_response(),
@@ -314,7 +354,8 @@ async fn drill(State(admin): State<Arc<CoordAdmin>>, Path(id): Path<String>) -> 
 }
 
 fn started(id: String) -> Response {
-    (StatusCode::ACCEPTED, Json(serde_json::json!({ "id": id, "report": format!("/v1/drills/{id}") }))).into_response()
+    let report = format!("/v1/drills/{id}");
+    (StatusCode::ACCEPTED, Json(DrillStarted { id, report })).into_response()
 }
 
 /// Starts a drill after the token and body checks; 202 with its id.
@@ -338,6 +379,12 @@ fn start_drill<R: std::fmt::Debug>(
     }
 }
 
+#[utoipa::path(post, path = "/v1/drills/failover", tag = "drills", request_body = FailoverDrillRequest,
+    security(("bearer" = [])), responses((status = 202, description = "started", body = DrillStarted),
+        (status = 400, description = "malformed body", body = crate::models::ErrorBody), (status = 401, body = crate::models::ErrorBody), (status = 403, body = crate::models::ErrorBody),
+        (status = 404, description = "unknown shard", body = crate::models::ErrorBody), (status = 409, body = crate::models::ErrorBody), (status = 413, body = crate::models::ErrorBody),
+        (status = 415, description = "not application/json", body = crate::models::ErrorBody),
+        (status = 503, description = "not the active coordinator", body = crate::models::ErrorBody)))]
 async fn failover_drill(
     State(admin): State<Arc<CoordAdmin>>,
     headers: HeaderMap,
@@ -346,10 +393,50 @@ async fn failover_drill(
     start_drill(&admin, &headers, body, Coordinator::start_failover_drill)
 }
 
+#[utoipa::path(post, path = "/v1/drills/catchup", tag = "drills", request_body = CatchupDrillRequest,
+    security(("bearer" = [])), responses((status = 202, description = "started", body = DrillStarted),
+        (status = 400, description = "malformed body", body = crate::models::ErrorBody), (status = 401, body = crate::models::ErrorBody), (status = 403, body = crate::models::ErrorBody),
+        (status = 404, description = "unknown shard", body = crate::models::ErrorBody), (status = 409, body = crate::models::ErrorBody), (status = 413, body = crate::models::ErrorBody),
+        (status = 415, description = "not application/json", body = crate::models::ErrorBody),
+        (status = 503, description = "not the active coordinator", body = crate::models::ErrorBody)))]
 async fn catchup_drill(
     State(admin): State<Arc<CoordAdmin>>,
     headers: HeaderMap,
     body: Result<Json<CatchupDrillRequest>, JsonRejection>,
 ) -> Response {
     start_drill(&admin, &headers, body, Coordinator::start_catchup_drill)
+}
+
+#[utoipa::path(get, path = "/healthz", tag = "health", responses((status = 200, description = "the process is up", body = String)))]
+async fn healthz() -> &'static str {
+    "ok\n"
+}
+
+#[utoipa::path(get, path = "/openapi.json", tag = "health", responses((status = 200, description = "this document")))]
+async fn openapi() -> Response {
+    Json(crate::openapi::coordinator()).into_response()
+}
+
+/// Tasks the coordinator runs. Until the DataPlane carries tasks, these are
+/// its drills.
+#[utoipa::path(get, path = "/v1/tasks", tag = "tasks",
+    params(("limit" = Option<u32>, Query, minimum = 1, maximum = 1000, description = "newest N (default 100)")),
+    responses((status = 200, body = Vec<DrillReport>), (status = 400, description = "bad query", body = crate::models::ErrorBody)))]
+async fn tasks(state: State<Arc<CoordAdmin>>, page: Result<Query<Page>, QueryRejection>) -> Response {
+    drills(state, page).await
+}
+
+#[utoipa::path(get, path = "/v1/tasks/{id}", tag = "tasks",
+    params(("id" = String, Path, description = "task id")),
+    responses((status = 200, body = DrillReport), (status = 404, description = "unknown task", body = crate::models::ErrorBody)))]
+async fn task(state: State<Arc<CoordAdmin>>, id: Path<String>) -> Response {
+    drill(state, id).await
+}
+
+/// The answer to a drill request.
+#[derive(Debug, serde::Serialize, serde::Deserialize, utoipa::ToSchema)]
+pub struct DrillStarted {
+    pub id: String,
+    /// Where the report is.
+    pub report: String,
 }

@@ -9,6 +9,7 @@
 
 pub mod coord;
 pub mod models;
+pub mod openapi;
 
 use std::sync::Arc;
 use std::time::Instant;
@@ -38,6 +39,7 @@ pub fn node_router(admin: Arc<NodeAdmin>) -> Router {
         .route("/readyz", get(readyz))
         .route("/metrics", get(metrics))
         .route("/v1/status", get(status))
+        .route("/openapi.json", get(openapi))
         .fallback(not_found)
         .method_not_allowed_fallback(method_not_allowed)
         .layer(axum::extract::DefaultBodyLimit::max(MAX_BODY_BYTES))
@@ -56,6 +58,9 @@ pub async fn method_not_allowed() -> Response {
 /// Ready when every shard replica this node hosts has a role (a leader or
 /// a follower that knows its leader): load balancers and Kubernetes probes
 /// keep traffic away from a node still waiting for the coordinator.
+#[utoipa::path(get, path = "/readyz", tag = "health",
+    responses((status = 200, description = "every replica has a role", body = String),
+        (status = 503, description = "waiting for the coordinator", body = models::ErrorBody)))]
 async fn readyz(State(admin): State<Arc<NodeAdmin>>) -> Response {
     let waiting: Vec<u32> =
         admin.node.status().into_iter().filter(|s| s.role == "unassigned").map(|s| s.shard_id).collect();
@@ -71,6 +76,7 @@ async fn readyz(State(admin): State<Arc<NodeAdmin>>) -> Response {
     }
 }
 
+#[utoipa::path(get, path = "/healthz", tag = "health", responses((status = 200, description = "the process is up", body = String)))]
 async fn healthz() -> &'static str {
     "ok\n"
 }
@@ -79,6 +85,8 @@ async fn not_found() -> Response {
     ApiError::new(StatusCode::NOT_FOUND, "not_found", "no such endpoint").into_response()
 }
 
+#[utoipa::path(get, path = "/metrics", tag = "health",
+    responses((status = 200, description = "Prometheus text exposition", body = String, content_type = "text/plain")))]
 async fn metrics(State(admin): State<Arc<NodeAdmin>>) -> Response {
     let mut body = Vec::new();
     match TextEncoder::new().encode(&admin.registry.gather(), &mut body) {
@@ -87,6 +95,7 @@ async fn metrics(State(admin): State<Arc<NodeAdmin>>) -> Response {
     }
 }
 
+#[utoipa::path(get, path = "/v1/status", tag = "node", responses((status = 200, body = NodeStatus)))]
 async fn status(State(admin): State<Arc<NodeAdmin>>) -> Response {
     Json(NodeStatus {
         node_id: admin.node.me,
@@ -95,4 +104,9 @@ async fn status(State(admin): State<Arc<NodeAdmin>>) -> Response {
         heartbeats_received: admin.node.received_heartbeats(),
     })
     .into_response()
+}
+
+#[utoipa::path(get, path = "/openapi.json", tag = "health", responses((status = 200, description = "this document")))]
+async fn openapi() -> Response {
+    Json(openapi::node()).into_response()
 }

@@ -8,7 +8,7 @@ use serde::{Deserialize, Serialize};
 pub use walship_shipping::replica::{FollowerStatus, ReceivedHeartbeat, ReplicaStatus};
 
 /// `GET /v1/status` on a node.
-#[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq, utoipa::ToSchema)]
 pub struct NodeStatus {
     pub node_id: u32,
     pub uptime_seconds: u64,
@@ -20,12 +20,12 @@ pub struct NodeStatus {
 }
 
 /// The error body every endpoint answers with: `{"error": {"code", "message"}}`.
-#[derive(Debug, Clone, Serialize, Deserialize, PartialEq, Eq)]
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq, Eq, utoipa::ToSchema)]
 pub struct ErrorBody {
     pub error: ErrorDetail,
 }
 
-#[derive(Debug, Clone, Serialize, Deserialize, PartialEq, Eq)]
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq, Eq, utoipa::ToSchema)]
 pub struct ErrorDetail {
     pub code: String,
     pub message: String,
@@ -53,7 +53,7 @@ impl IntoResponse for ApiError {
 pub use walship_shipping::control::state::FailoverRecord;
 
 /// `GET /v1/cluster` on the coordinator.
-#[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq, utoipa::ToSchema)]
 pub struct ClusterView {
     pub cluster_id: String,
     pub coordinator: CoordinatorView,
@@ -63,7 +63,7 @@ pub struct ClusterView {
     pub recent_failovers: Vec<FailoverRecord>,
 }
 
-#[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq, utoipa::ToSchema)]
 pub struct CoordinatorView {
     pub id: String,
     /// This coordinator holds the lease.
@@ -75,7 +75,7 @@ pub struct CoordinatorView {
     pub uptime_seconds: u64,
 }
 
-#[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq, utoipa::ToSchema)]
 pub struct NodeView {
     pub node_id: u32,
     pub grpc_addr: String,
@@ -87,7 +87,7 @@ pub struct NodeView {
 }
 
 /// `GET /v1/shards/{id}` on the coordinator.
-#[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq, utoipa::ToSchema)]
 pub struct ShardView {
     pub shard_id: u32,
     pub leader: Option<u32>,
@@ -99,7 +99,7 @@ pub struct ShardView {
 
 /// One replica as the coordinator sees it (from its heartbeats and, for
 /// lag, its leader's).
-#[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq, utoipa::ToSchema)]
 pub struct ReplicaView {
     pub node_id: u32,
     /// `leader`, `follower`, `unassigned` or `unknown` (never heard from).

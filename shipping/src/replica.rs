@@ -138,7 +138,7 @@ pub struct ShardReplica {
 }
 
 /// A follower as the leader sees it, for status pages.
-#[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq, utoipa::ToSchema)]
 pub struct FollowerStatus {
     pub node_id: NodeId,
     pub mode: String,
@@ -154,7 +154,7 @@ pub struct FollowerStatus {
 }
 
 /// One shard replica's state, for `/v1/status`.
-#[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq, utoipa::ToSchema)]
 pub struct ReplicaStatus {
     pub shard_id: u32,
     /// `leader`, `follower` or `unassigned` (fenced, awaiting the
@@ -178,7 +178,7 @@ pub struct ReplicaStatus {
 }
 
 /// A heartbeat this node received, for status pages.
-#[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq, utoipa::ToSchema)]
 pub struct ReceivedHeartbeat {
     pub node_id: NodeId,
     pub shard_id: u32,

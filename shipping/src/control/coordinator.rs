@@ -63,14 +63,16 @@ pub enum CoordError {
     Busy(u32),
     #[error("KV: {0}")]
     Kv(#[from] KvError),
+    #[error("{0}")]
+    BadRequest(String),
 }
 
 /// A failover request (the admin API's body).
-#[derive(Debug, Clone, Default, Serialize, Deserialize, PartialEq, Eq)]
+#[derive(Debug, Clone, Default, Serialize, Deserialize, PartialEq, Eq, utoipa::ToSchema)]
 #[serde(deny_unknown_fields)]
 pub struct FailoverRequest {
     /// Replica to promote; default: the most up-to-date one.
-    #[serde(default)]
+    #[serde(default, deserialize_with = "crate::control::lenient::opt_int")]
     pub target: Option<NodeId>,
     /// Change nothing; report what each candidate would lose.
     #[serde(default)]
@@ -82,26 +84,29 @@ pub struct FailoverRequest {
 }
 
 /// One candidate in a preview.
-#[derive(Debug, Clone, Serialize, Deserialize, PartialEq, Eq)]
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq, Eq, utoipa::ToSchema)]
 pub struct CandidatePreview {
     pub node: NodeId,
     pub last_epoch: u64,
     pub last_seqno: u64,
     /// Seqnos promoting it would discard (none if it is the most up to date).
+    #[schema(value_type = Option<Vec<u64>>)]
     pub would_lose: Option<(u64, u64)>,
     /// The part of `would_lose` that was acknowledged (committed).
+    #[schema(value_type = Option<Vec<u64>>)]
     pub would_lose_acknowledged: Option<(u64, u64)>,
     pub is_best: bool,
 }
 
 /// What a failover did (or, for a preview, would do).
-#[derive(Debug, Clone, Serialize, Deserialize, PartialEq, Eq)]
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq, Eq, utoipa::ToSchema)]
 pub struct FailoverOutcome {
     pub shard: u32,
     pub preview: bool,
     pub epoch: u64,
     pub from: Option<NodeId>,
     pub to: Option<NodeId>,
+    #[schema(value_type = Option<Vec<u64>>)]
     pub lost: Option<(u64, u64)>,
     pub took_ms: u64,
     pub candidates: Vec<CandidatePreview>,

@@ -26,32 +26,41 @@ use crate::NodeId;
 use crate::control::coordinator::{CoordError, Coordinator, FailoverRequest, now_ms};
 
 /// `POST /v1/drills/failover`.
-#[derive(Debug, Clone, Serialize, Deserialize, PartialEq, Eq)]
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq, Eq, utoipa::ToSchema)]
 #[serde(deny_unknown_fields)]
 pub struct FailoverDrillRequest {
+    #[serde(deserialize_with = "crate::control::lenient::int")]
     pub shard: u32,
-    /// Concurrent appenders of the load generator.
-    #[serde(default = "default_clients")]
+    /// Concurrent appenders of the load generator (1..=256).
+    #[serde(default = "default_clients", deserialize_with = "crate::control::lenient::int")]
+    #[schema(minimum = 1, maximum = 256)]
     pub clients: usize,
-    /// Load before the leader is failed, and after the new one answers.
-    #[serde(default = "default_phase_ms")]
+    /// Load before the leader is failed, and after the new one answers (at most 60 s).
+    #[serde(default = "default_phase_ms", deserialize_with = "crate::control::lenient::int")]
+    #[schema(maximum = 60000)]
     pub phase_ms: u64,
 }
 
 /// `POST /v1/drills/catchup`.
-#[derive(Debug, Clone, Serialize, Deserialize, PartialEq, Eq)]
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq, Eq, utoipa::ToSchema)]
 #[serde(deny_unknown_fields)]
 pub struct CatchupDrillRequest {
+    #[serde(deserialize_with = "crate::control::lenient::int")]
     pub shard: u32,
     /// Follower to pause; default: the first follower.
-    #[serde(default)]
+    #[serde(default, deserialize_with = "crate::control::lenient::opt_int")]
     pub follower: Option<NodeId>,
-    /// Bytes of records appended while it is paused.
-    #[serde(default = "default_volume")]
+    /// Bytes of records appended while it is paused (at most 16 GiB).
+    #[serde(default = "default_volume", deserialize_with = "crate::control::lenient::int")]
+    #[schema(minimum = 1, maximum = 17179869184u64)]
     pub volume_bytes: u64,
-    #[serde(default = "default_record_bytes")]
+    /// Record size (1 B..=1 MiB).
+    #[serde(default = "default_record_bytes", deserialize_with = "crate::control::lenient::int")]
+    #[schema(minimum = 1, maximum = 1048576)]
     pub record_bytes: usize,
-    #[serde(default = "default_clients")]
+    /// Concurrent appenders (1..=256).
+    #[serde(default = "default_clients", deserialize_with = "crate::control::lenient::int")]
+    #[schema(minimum = 1, maximum = 256)]
     pub clients: usize,
 }
 
@@ -68,7 +77,7 @@ fn default_record_bytes() -> usize {
     4096
 }
 
-#[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq, utoipa::ToSchema)]
 pub struct FailoverDrillResult {
     pub old_leader: NodeId,
     pub new_leader: NodeId,
@@ -86,7 +95,7 @@ pub struct FailoverDrillResult {
     pub checked_replicas: Vec<NodeId>,
 }
 
-#[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq, utoipa::ToSchema)]
 pub struct CatchupDrillResult {
     pub follower: NodeId,
     pub records_behind: u64,
@@ -98,7 +107,7 @@ pub struct CatchupDrillResult {
     pub append_rate_during_catchup: f64,
 }
 
-#[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq, utoipa::ToSchema)]
 pub struct DrillReport {
     pub id: String,
     /// `failover` or `catchup`.
@@ -230,6 +239,9 @@ impl Coordinator {
     /// Starts a failover drill; returns its id. Progress and the report are
     /// under [`Coordinator::drills`].
     pub fn start_failover_drill(self: &Arc<Self>, request: FailoverDrillRequest) -> Result<String, CoordError> {
+        if !(1..=256).contains(&request.clients) || request.phase_ms > 60_000 {
+            return Err(CoordError::BadRequest("clients must be 1..=256 and phase_ms at most 60000".into()));
+        }
         let state = self.state().ok_or(CoordError::NotActive)?;
         let record = state.shards.get(&request.shard).ok_or(CoordError::UnknownShard(request.shard))?;
         if record.leader.is_none() {
@@ -401,6 +413,14 @@ impl Coordinator {
 
     /// Starts a catch-up drill; returns its id.
     pub fn start_catchup_drill(self: &Arc<Self>, request: CatchupDrillRequest) -> Result<String, CoordError> {
+        if !(1..=256).contains(&request.clients)
+            || !(1..=(1 << 20)).contains(&request.record_bytes)
+            || !(1..=(16u64 << 30)).contains(&request.volume_bytes)
+        {
+            return Err(CoordError::BadRequest(
+                "clients must be 1..=256, record_bytes 1..=1048576 and volume_bytes 1..=17179869184".into(),
+            ));
+        }
         let state = self.state().ok_or(CoordError::NotActive)?;
         let record = state.shards.get(&request.shard).ok_or(CoordError::UnknownShard(request.shard))?;
         let leader = record.leader.ok_or(CoordError::Busy(request.shard))?;

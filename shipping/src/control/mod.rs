@@ -5,6 +5,7 @@ pub mod coordinator;
 pub mod drills;
 pub mod failover;
 pub mod kv;
+pub mod lenient;
 pub mod service;
 pub mod state;
 

@@ -16,7 +16,7 @@ pub const STATE_KEY: &str = "cluster-state";
 const FAILOVER_HISTORY: usize = 100;
 
 /// The active coordinator's lease.
-#[derive(Debug, Clone, Serialize, Deserialize, PartialEq, Eq)]
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq, Eq, utoipa::ToSchema)]
 pub struct Lease {
     pub holder: String,
     /// Raised by every takeover.
@@ -25,7 +25,7 @@ pub struct Lease {
 }
 
 /// One shard's leadership.
-#[derive(Debug, Clone, Serialize, Deserialize, PartialEq, Eq)]
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq, Eq, utoipa::ToSchema)]
 pub struct ShardRecord {
     pub epoch: u64,
     /// None while a failover is between raising the epoch and choosing.
@@ -36,7 +36,7 @@ pub struct ShardRecord {
 }
 
 /// A completed failover.
-#[derive(Debug, Clone, Serialize, Deserialize, PartialEq, Eq)]
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq, Eq, utoipa::ToSchema)]
 pub struct FailoverRecord {
     pub shard: u32,
     pub epoch: u64,
@@ -47,6 +47,7 @@ pub struct FailoverRecord {
     pub at_unix_ms: u64,
     pub took_ms: u64,
     /// Seqnos the promoted replica did not hold (forced failovers only).
+    #[schema(value_type = Option<Vec<u64>>)]
     pub lost: Option<(u64, u64)>,
 }
 

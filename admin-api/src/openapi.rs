@@ -1,0 +1,93 @@
+//! The OpenAPI 3 documents of the two admin APIs, generated from the
+//! handlers' annotations and the models' derives. Checked in under
+//! `ops/openapi/`; a test fails when the checked-in copy is stale.
+
+use utoipa::openapi::security::{HttpAuthScheme, HttpBuilder, SecurityScheme};
+use utoipa::{Modify, OpenApi};
+
+use crate::coord::DrillStarted;
+use crate::models::{
+    ClusterView, CoordinatorView, ErrorBody, ErrorDetail, NodeStatus, NodeView, ReplicaView, ShardView,
+};
+
+struct Bearer;
+
+impl Modify for Bearer {
+    fn modify(&self, openapi: &mut utoipa::openapi::OpenApi) {
+        let components = openapi.components.get_or_insert_with(Default::default);
+        components.add_security_scheme(
+            "bearer",
+            SecurityScheme::Http(HttpBuilder::new().scheme(HttpAuthScheme::Bearer).build()),
+        );
+    }
+}
+
+#[derive(OpenApi)]
+#[openapi(
+    info(title = "walship coordinator admin API", description = "Cluster, shards, failover and drills. Mutating endpoints need a bearer token."),
+    paths(
+        crate::coord::healthz, crate::coord::readyz, crate::coord::metrics, crate::coord::openapi,
+        crate::coord::cluster, crate::coord::shards, crate::coord::shard, crate::coord::failover,
+        crate::coord::drills, crate::coord::drill, crate::coord::failover_drill, crate::coord::catchup_drill,
+        crate::coord::tasks, crate::coord::task,
+    ),
+    components(schemas(
+        ClusterView, CoordinatorView, NodeView, ShardView, ReplicaView, ErrorBody, ErrorDetail, DrillStarted,
+        walship_shipping::control::state::FailoverRecord,
+        walship_shipping::control::FailoverRequest, walship_shipping::control::FailoverOutcome,
+        walship_shipping::control::coordinator::CandidatePreview,
+        walship_shipping::control::drills::FailoverDrillRequest, walship_shipping::control::drills::CatchupDrillRequest,
+        walship_shipping::control::drills::DrillReport, walship_shipping::control::drills::FailoverDrillResult,
+        walship_shipping::control::drills::CatchupDrillResult,
+    )),
+    modifiers(&Bearer),
+)]
+struct CoordinatorDoc;
+
+#[derive(OpenApi)]
+#[openapi(
+    info(title = "walship node admin API", description = "A node's health, metrics and replica status."),
+    paths(crate::healthz, crate::readyz, crate::metrics, crate::status, crate::openapi),
+    components(schemas(
+        NodeStatus,
+        ErrorBody,
+        ErrorDetail,
+        walship_shipping::replica::ReplicaStatus,
+        walship_shipping::replica::FollowerStatus,
+        walship_shipping::replica::ReceivedHeartbeat
+    ))
+)]
+struct NodeDoc;
+
+/// The coordinator's document.
+pub fn coordinator() -> utoipa::openapi::OpenApi {
+    CoordinatorDoc::openapi()
+}
+
+/// A node's document.
+pub fn node() -> utoipa::openapi::OpenApi {
+    NodeDoc::openapi()
+}
+
+#[cfg(test)]
+mod tests {
+    /// `ops/openapi/*.json` must be what the code generates: regenerate with
+    /// `WALSHIP_WRITE_OPENAPI=1 cargo test -p walship-admin-api openapi`.
+    #[test]
+    fn checked_in_openapi_documents_are_current() {
+        let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../ops/openapi");
+        for (name, doc) in [("coordinator.json", super::coordinator()), ("node.json", super::node())] {
+            let generated = doc.to_pretty_json().unwrap() + "\n";
+            let path = dir.join(name);
+            if std::env::var_os("WALSHIP_WRITE_OPENAPI").is_some() {
+                std::fs::create_dir_all(&dir).unwrap();
+                std::fs::write(&path, &generated).unwrap();
+            }
+            let checked_in = std::fs::read_to_string(&path).unwrap_or_default();
+            assert!(
+                checked_in == generated,
+                "ops/openapi/{name} is stale: run WALSHIP_WRITE_OPENAPI=1 cargo test -p walship-admin-api openapi"
+            );
+        }
+    }
+}
