@@ -33,6 +33,12 @@ if [ ! -x "$tools/venv/bin/schemathesis" ]; then
   "$tools/venv/bin/pip" install --quiet --disable-pip-version-check schemathesis
 fi
 export WALSHIP_SCHEMATHESIS="$tools/venv/bin/schemathesis"
+# promtool (Debian package prometheus) validates ops/prometheus/alerts.yml.
+if ! command -v promtool >/dev/null; then
+  echo "installing promtool (Debian package prometheus) ..." >&2
+  sudo=""; [ "$(id -u)" -eq 0 ] || sudo="sudo"
+  $sudo apt-get install -y --no-install-recommends prometheus >/dev/null || $sudo sh -c 'apt-get update >/dev/null && apt-get install -y --no-install-recommends prometheus >/dev/null'
+fi
 
 cargo fmt --all -- --check
 cargo clippy --workspace --all-targets --locked -- -D warnings
