@@ -40,6 +40,17 @@ if ! command -v promtool >/dev/null; then
   $sudo apt-get install -y --no-install-recommends prometheus >/dev/null || $sudo sh -c 'apt-get update >/dev/null && apt-get install -y --no-install-recommends prometheus >/dev/null'
 fi
 
+# The dashboard test drives Debian's Chromium with playwright-core (npm).
+if ! command -v chromium >/dev/null; then
+  echo "installing chromium (Debian) ..." >&2
+  sudo=""; [ "$(id -u)" -eq 0 ] || sudo="sudo"
+  $sudo apt-get install -y --no-install-recommends chromium >/dev/null || $sudo sh -c 'apt-get update >/dev/null && apt-get install -y --no-install-recommends chromium >/dev/null'
+fi
+if [ ! -d tests/browser/node_modules/playwright-core ]; then
+  echo "installing playwright-core (npm) into tests/browser ..." >&2
+  (cd tests/browser && npm ci --no-audit --no-fund --silent)
+fi
+
 cargo fmt --all -- --check
 cargo clippy --workspace --all-targets --locked -- -D warnings
 cargo nextest run --workspace --all-targets --locked --no-fail-fast "$@"

@@ -29,6 +29,7 @@ pub struct CoordAdmin {
 
 pub fn coord_router(admin: Arc<CoordAdmin>) -> Router {
     Router::new()
+        .route("/", get(dashboard))
         .route("/healthz", get(healthz))
         .route("/openapi.json", get(openapi))
         .route("/readyz", get(readyz))
@@ -118,15 +119,18 @@ fn shard_view(
             let hb = c.heartbeat(node, id);
             let seen = c.last_seen_ms(node);
             let lag = |m: Option<u64>| m;
+            let alive = seen.is_some_and(|ms| ms <= timeout);
             ReplicaView {
                 node_id: node,
                 role: match &hb {
+                    // Its last report is stale: do not show an old role as current.
+                    Some(_) if !alive => "down".into(),
                     Some(h) if h.is_leader => "leader".into(),
                     Some(h) if h.leader_node_id != 0 => "follower".into(),
                     Some(_) => "unassigned".into(),
                     None => "unknown".into(),
                 },
-                alive: seen.is_some_and(|ms| ms <= timeout),
+                alive,
                 last_heartbeat_ms_ago: seen,
                 epoch: hb.as_ref().map_or(0, |h| h.epoch),
                 last_epoch: hb.as_ref().map_or(0, |h| h.last_epoch),
@@ -439,4 +443,10 @@ pub struct DrillStarted {
     pub id: String,
     /// Where the report is.
     pub report: String,
+}
+
+/// The dashboard: one self-contained page (no build step) that polls the
+/// API every second; mutating buttons ask for the token once per tab.
+async fn dashboard() -> Response {
+    ([(header::CONTENT_TYPE, "text/html; charset=utf-8")], include_str!("dashboard.html")).into_response()
 }

@@ -102,7 +102,8 @@ pub struct ShardView {
 #[derive(Debug, Clone, Serialize, Deserialize, PartialEq, utoipa::ToSchema)]
 pub struct ReplicaView {
     pub node_id: u32,
-    /// `leader`, `follower`, `unassigned` or `unknown` (never heard from).
+    /// `leader`, `follower`, `unassigned`, `down` (no heartbeat within the
+    /// leader timeout) or `unknown` (never heard from).
     pub role: String,
     pub alive: bool,
     pub last_heartbeat_ms_ago: Option<u64>,

@@ -284,9 +284,15 @@ impl Kv for NatsKv {
 
     async fn watch(&self, key: &str) -> Result<BoxStream<'static, KvEntry>, KvError> {
         use futures::StreamExt;
-        let watch = self.store.watch(key).await.map_err(|e| KvError::Unavailable(e.to_string()))?;
-        Ok(Box::pin(watch.filter_map(|e| async move {
-            e.ok().map(|e| KvEntry { key: e.key, value: e.value, revision: e.revision })
+        // Start from the current value (delivered first, then dropped) rather
+        // than "new messages only": a consumer created that way can miss a
+        // write racing its creation.
+        let seen = self.get(key).await?.map_or(0, |e| e.revision);
+        let watch = self.store.watch_with_history(key).await.map_err(|e| KvError::Unavailable(e.to_string()))?;
+        Ok(Box::pin(watch.filter_map(move |e| async move {
+            e.ok()
+                .filter(|e| e.revision > seen && e.operation == async_nats::jetstream::kv::Operation::Put)
+                .map(|e| KvEntry { key: e.key, value: e.value, revision: e.revision })
         })))
     }
 
