@@ -455,24 +455,33 @@ pub async fn run(args: BenchArgs) -> Result<()> {
     eprintln!("measuring the raw disk under {} ...", args.dir.display());
     let base = measure_baseline(&args.dir)?;
     let mut cells: Vec<Cell> = Vec::new();
+    let total = args.paths.len() * args.shards.len() * args.sizes.len() * args.appenders.len();
+    let bar = indicatif::ProgressBar::new(total as u64);
+    bar.set_style(
+        indicatif::ProgressStyle::with_template("{bar:30} {pos}/{len} cells [{elapsed}, ~{eta} left] {msg}")
+            .expect("valid template"),
+    );
     for &path in &args.paths {
         for &shards in &args.shards {
             for &size in &args.sizes {
                 for &appenders in &args.appenders {
+                    bar.set_message(format!("{} {size} B, {shards} shard(s), {appenders} appenders", path.name()));
                     let (lat, seconds) = match path {
                         BenchPath::Wal => wal_cell(&args.dir, size, shards, appenders, &args).await?,
                         _ => grpc_cell(path, &args.dir, size, shards, appenders, &args).await?,
                     };
                     let c = cell(path, size, shards, appenders, &lat, seconds, &base);
-                    eprintln!(
+                    bar.println(format!(
                         "{:>10} {size:>6} B  {shards} shard(s)  {appenders:>3} appenders: {:>9.0} rec/s {:>7.1} MiB/s  p99 {:>6.0} µs",
                         c.path, c.records_per_s, c.mib_per_s, c.p99_us
-                    );
+                    ));
                     cells.push(c);
+                    bar.inc(1);
                 }
             }
         }
     }
+    bar.finish_and_clear();
     let local: Vec<Cell> = cells.iter().filter(|c| c.path == "local").cloned().collect();
     for c in &mut cells {
         if c.path.starts_with("rf3") {

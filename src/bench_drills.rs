@@ -15,7 +15,7 @@ use anyhow::{Context, Result, bail};
 use clap::Args;
 use serde_json::json;
 
-use crate::drill::{AdminArgs, run_drill};
+use crate::drill::{Admin, run_drill};
 
 #[derive(Args, Debug)]
 pub struct BenchDrillsArgs {
@@ -63,7 +63,7 @@ pub async fn run(args: BenchDrillsArgs) -> Result<()> {
     };
     // Keep draining dev's stdout so it never blocks on a full pipe.
     std::thread::spawn(move || for _ in lines {});
-    let admin = AdminArgs { admin, token: Some(token) };
+    let admin = Admin { url: admin, token: Some(token) };
     let result = drills(&args, &admin, &base).await;
     // SAFETY: kill(2) on the child this process spawned; dev stops its own children on SIGTERM.
     unsafe { libc::kill(dev.id() as i32, libc::SIGTERM) };
@@ -71,9 +71,9 @@ pub async fn run(args: BenchDrillsArgs) -> Result<()> {
     result
 }
 
-async fn wait_healthy(admin: &AdminArgs) -> Result<()> {
+async fn wait_healthy(admin: &Admin) -> Result<()> {
     for _ in 0..300 {
-        let (code, shards) = crate::http::request("GET", &admin.admin, "/v1/shards", None, None).await?;
+        let (code, shards) = crate::http::request("GET", &admin.url, "/v1/shards", None, None).await?;
         let healthy = code == 200
             && shards.as_array().is_some_and(|a| {
                 a.iter().all(|s| {
@@ -91,7 +91,7 @@ async fn wait_healthy(admin: &AdminArgs) -> Result<()> {
     bail!("the cluster did not become healthy within 30 s")
 }
 
-async fn drills(args: &BenchDrillsArgs, admin: &AdminArgs, base: &crate::bench::Baseline) -> Result<()> {
+async fn drills(args: &BenchDrillsArgs, admin: &Admin, base: &crate::bench::Baseline) -> Result<()> {
     let mut times = Vec::new();
     let mut lost = 0;
     let mut divergent = 0;

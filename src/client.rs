@@ -16,14 +16,30 @@ use walship_proto::log::{AppendRecord, AppendRequest, Durability, ReadRequest, R
 pub struct ServerArgs {
     /// gRPC address of a node, e.g. 127.0.0.1:7401; appends take a
     /// comma-separated list and find the leader among them.
-    #[arg(long, env = "WALSHIP_SERVER", default_value = "127.0.0.1:7401")]
-    pub server: String,
+    /// [default: the client config's `server`, else 127.0.0.1:7401]
+    #[arg(long, env = "WALSHIP_SERVER")]
+    pub server: Option<String>,
     /// Shard id.
     #[arg(long)]
     pub shard: u32,
     /// One JSON object per line instead of text.
     #[arg(long)]
     pub json: bool,
+}
+
+impl ServerArgs {
+    /// The node address(es): flag or environment, else the client config.
+    fn address(&self) -> Result<String> {
+        match &self.server {
+            Some(s) => Ok(s.clone()),
+            None => Ok(crate::client_config::load()?.server.unwrap_or_else(|| "127.0.0.1:7401".into())),
+        }
+    }
+
+    /// The first address, for commands that talk to one node.
+    fn first(&self) -> Result<String> {
+        Ok(self.address()?.split(',').next().unwrap_or_default().trim().to_string())
+    }
 }
 
 #[derive(ValueEnum, Debug, Clone, Copy)]
@@ -237,7 +253,7 @@ pub async fn append(args: AppendArgs) -> Result<()> {
         bail!("--batch must be at least 1");
     }
     let servers: Vec<String> =
-        args.server.server.split(',').map(|s| s.trim().to_string()).filter(|s| !s.is_empty()).collect();
+        args.server.address()?.split(',').map(|s| s.trim().to_string()).filter(|s| !s.is_empty()).collect();
     if servers.is_empty() {
         bail!("--server needs at least one address");
     }
@@ -335,7 +351,7 @@ fn print_record(shard: u32, record: &Record, as_json: bool) {
 }
 
 pub async fn read(args: ReadArgs) -> Result<()> {
-    let mut client = connect(&args.server.server).await?;
+    let mut client = connect(&args.server.first()?).await?;
     let mut from = args.from;
     let mut to = args.to.unwrap_or(0);
     loop {
@@ -356,7 +372,7 @@ pub async fn read(args: ReadArgs) -> Result<()> {
 }
 
 pub async fn tail(args: TailArgs) -> Result<()> {
-    let mut client = connect(&args.server.server).await?;
+    let mut client = connect(&args.server.first()?).await?;
     let request = TailRequest { shard_id: args.server.shard, from_seqno: args.from };
     let mut stream = client.tail(request).await.map_err(status_error)?.into_inner();
     while let Some(response) = stream.message().await.map_err(status_error)? {

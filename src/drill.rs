@@ -10,12 +10,30 @@ use crate::http;
 
 #[derive(Args, Debug, Clone)]
 pub struct AdminArgs {
-    /// The coordinator's admin URL.
-    #[arg(long, global = true, env = "WALSHIP_ADMIN", default_value = "http://127.0.0.1:7480")]
-    pub admin: String,
-    /// Bearer token of the coordinator's mutating endpoints.
+    /// The coordinator's admin URL [default: the client config's `admin`, else http://127.0.0.1:7480].
+    #[arg(long, global = true, env = "WALSHIP_ADMIN")]
+    pub admin: Option<String>,
+    /// Bearer token of the coordinator's mutating endpoints [default: the client config's `token`].
     #[arg(long, global = true, env = "WALSHIP_TOKEN")]
     pub token: Option<String>,
+}
+
+/// Where the coordinator's admin API is, resolved from flags, environment
+/// and the client config file (in that order).
+#[derive(Debug, Clone)]
+pub struct Admin {
+    pub url: String,
+    pub token: Option<String>,
+}
+
+impl AdminArgs {
+    pub fn resolve(&self) -> Result<Admin> {
+        let file = crate::client_config::load()?;
+        Ok(Admin {
+            url: self.admin.clone().or(file.admin).unwrap_or_else(|| "http://127.0.0.1:7480".into()),
+            token: self.token.clone().or(file.token),
+        })
+    }
 }
 
 #[derive(Args, Debug)]
@@ -53,31 +71,29 @@ pub enum DrillKind {
 }
 
 /// Starts a drill and waits for its report; returns the report.
-pub async fn run_drill(
-    admin: &AdminArgs,
-    path: &str,
-    body: serde_json::Value,
-    quiet: bool,
-) -> Result<serde_json::Value> {
+pub async fn run_drill(admin: &Admin, path: &str, body: serde_json::Value, quiet: bool) -> Result<serde_json::Value> {
     let (status, started) =
-        http::request("POST", &admin.admin, path, Some(&body.to_string()), admin.token.as_deref()).await?;
+        http::request("POST", &admin.url, path, Some(&body.to_string()), admin.token.as_deref()).await?;
     if status != 202 {
         bail!("the coordinator refused the drill ({status}): {started}");
     }
     let report_path = started["report"].as_str().unwrap_or_default().to_string();
-    let mut last = String::new();
+    let spinner = if quiet { indicatif::ProgressBar::hidden() } else { indicatif::ProgressBar::new_spinner() };
+    spinner.set_style(
+        indicatif::ProgressStyle::with_template("{spinner} [{elapsed}] {prefix}: {msg}").expect("valid template"),
+    );
+    spinner.set_prefix(started["id"].as_str().unwrap_or_default().to_string());
+    spinner.enable_steady_tick(Duration::from_millis(100));
     loop {
         tokio::time::sleep(Duration::from_millis(100)).await;
-        let (status, report) = http::request("GET", &admin.admin, &report_path, None, None).await?;
+        let (status, report) = http::request("GET", &admin.url, &report_path, None, None).await?;
         if status != 200 {
+            spinner.abandon();
             bail!("reading {report_path}: {status} {report}");
         }
-        let progress = report["progress"].as_str().unwrap_or_default().to_string();
-        if progress != last && !quiet {
-            eprintln!("[{}] {progress}", report["id"].as_str().unwrap_or_default());
-            last = progress;
-        }
+        spinner.set_message(report["progress"].as_str().unwrap_or_default().to_string());
         if report["state"] != "running" {
+            spinner.finish_with_message(report["state"].as_str().unwrap_or_default().to_string());
             return Ok(report);
         }
     }
@@ -93,7 +109,7 @@ pub async fn run(args: DrillArgs) -> Result<()> {
             serde_json::json!({"shard": shard, "follower": follower, "volume_bytes": volume_mib << 20, "record_bytes": record_bytes}),
         ),
     };
-    let report = run_drill(&args.admin, path, body, false).await?;
+    let report = run_drill(&args.admin.resolve()?, path, body, false).await?;
     println!("{}", serde_json::to_string_pretty(&report)?);
     if report["state"] != "done" {
         bail!("drill failed: {}", report["error"]);

@@ -4,10 +4,12 @@
 mod bench;
 mod bench_drills;
 mod client;
+mod client_config;
 mod config;
 mod coord;
 mod dev;
 mod drill;
+mod failover;
 mod http;
 mod node;
 mod status;
@@ -40,6 +42,8 @@ enum Command {
     BenchDrills(bench_drills::BenchDrillsArgs),
     /// Show the cluster as the coordinator sees it: shards, leaders, epochs, replicas, lag.
     Status(status::StatusArgs),
+    /// Preview or perform a shard failover through the coordinator.
+    Failover(failover::FailoverArgs),
     /// Run a failover or catch-up drill on the live cluster through the coordinator.
     Drill(drill::DrillArgs),
     /// Measure append throughput and latency against this machine's raw disk limits.
@@ -80,6 +84,7 @@ fn run() -> Result<()> {
             Command::Bench(args) => bench::run(args).await,
             Command::Drill(args) => drill::run(args).await,
             Command::Status(args) => status::run(args).await,
+            Command::Failover(args) => failover::run(args).await,
             Command::BenchDrills(args) => bench_drills::run(args).await,
         }
     })

@@ -29,11 +29,12 @@ fn cell(v: &serde_json::Value) -> String {
 }
 
 pub async fn run(args: StatusArgs) -> Result<()> {
-    let (code, cluster) = http::request("GET", &args.admin.admin, "/v1/cluster", None, None).await?;
+    let admin = args.admin.resolve()?;
+    let (code, cluster) = http::request("GET", &admin.url, "/v1/cluster", None, None).await?;
     if code != 200 {
         bail!("GET /v1/cluster: {code} {cluster}");
     }
-    let (code, shards) = http::request("GET", &args.admin.admin, "/v1/shards", None, None).await?;
+    let (code, shards) = http::request("GET", &admin.url, "/v1/shards", None, None).await?;
     if code != 200 {
         bail!("GET /v1/shards: {code} {shards}");
     }

@@ -60,3 +60,43 @@ async fn status_shows_the_real_leaders() {
     assert!(!bad.status.success());
     assert!(String::from_utf8_lossy(&bad.stderr).contains("connecting to 127.0.0.1:1"));
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn failover_command_previews_and_moves_leadership_using_the_client_config() {
+    let mut cluster = Cluster::start_with(3, 1, 1, "leader_timeout_ms = 2000", None);
+    wait_until("node 1 leading shard 1", Duration::from_secs(30), || {
+        let s = futures::executor::block_on(cluster.status(1));
+        let ok = s.is_some_and(|s| s["shards"][0]["role"] == "leader");
+        async move { ok }
+    })
+    .await;
+    // Admin URL and token from the client config file, not flags.
+    let config = cluster.dir.path().join("client.toml");
+    std::fs::write(
+        &config,
+        format!("admin = \"http://{}\"\ntoken = \"{}\"\n", cluster.coordinator(1).admin, common::TOKEN),
+    )
+    .unwrap();
+    let walship = |args: &[&str]| {
+        std::process::Command::new(common::walship_bin())
+            .args(args)
+            .env("WALSHIP_CLIENT_CONFIG", &config)
+            .env_remove("WALSHIP_ADMIN")
+            .env_remove("WALSHIP_TOKEN")
+            .output()
+            .unwrap()
+    };
+    let preview = walship(&["failover", "--shard", "1", "--target", "2", "--preview"]);
+    let text = String::from_utf8_lossy(&preview.stdout);
+    assert!(preview.status.success(), "{text}{}", String::from_utf8_lossy(&preview.stderr));
+    assert!(text.contains("nothing changed"), "{text}");
+    assert_eq!(cluster.leader_of(1, 1).await.unwrap().0, 1, "a preview changes nothing");
+    let done = walship(&["failover", "--shard", "1", "--target", "2"]);
+    let text = String::from_utf8_lossy(&done.stdout);
+    assert!(done.status.success(), "{text}{}", String::from_utf8_lossy(&done.stderr));
+    assert!(text.contains("leader 1 -> 2"), "{text}");
+    assert_eq!(cluster.leader_of(1, 1).await.unwrap().0, 2);
+    let refused = walship(&["failover", "--shard", "1", "--target", "9"]);
+    assert!(!refused.status.success());
+    assert!(String::from_utf8_lossy(&refused.stderr).contains("not_a_replica"));
+}
