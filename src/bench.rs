@@ -334,7 +334,7 @@ fn three_nodes(data: &Path, shards: u32) -> Result<Target> {
     let port = || -> Result<std::net::SocketAddr> { Ok(std::net::TcpListener::bind("127.0.0.1:0")?.local_addr()?) };
     let mut nodes = Vec::new();
     for id in 1..=3 {
-        nodes.push(NodeSpec { id, grpc_addr: port()?, admin_addr: port()?, region: id });
+        nodes.push(NodeSpec { id, grpc_addr: port()?.into(), admin_addr: port()?.into(), region: id });
     }
     let shard_specs: Vec<ShardSpec> =
         (1..=shards).map(|id| ShardSpec { id, replicas: vec![1, 2, 3], leader: (id - 1) % 3 + 1, epoch: 1 }).collect();

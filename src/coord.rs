@@ -34,6 +34,12 @@ pub struct CoordArgs {
     /// JetStream KV bucket name.
     #[arg(long, default_value = "walship")]
     nats_bucket: String,
+    /// gRPC listen address (default: this coordinator's address in the cluster config, resolved).
+    #[arg(long)]
+    grpc: Option<SocketAddr>,
+    /// Admin HTTP listen address (default: from the cluster config, resolved).
+    #[arg(long)]
+    admin: Option<SocketAddr>,
     /// Bearer token for mutating admin endpoints; generated and printed when absent.
     #[arg(long, env = "WALSHIP_TOKEN")]
     admin_token: Option<String>,
@@ -66,10 +72,16 @@ pub async fn run_coord(args: CoordArgs) -> Result<()> {
     if let Some(client) = nats {
         coordinator.publish_heartbeats(client);
     }
-    let grpc_listener =
-        TcpListener::bind(spec.grpc_addr).await.with_context(|| format!("binding {}", spec.grpc_addr))?;
-    let admin_listener =
-        TcpListener::bind(spec.admin_addr).await.with_context(|| format!("binding {}", spec.admin_addr))?;
+    let grpc_bind = match args.grpc {
+        Some(a) => a,
+        None => spec.grpc_addr.resolve().with_context(|| format!("resolving {}", spec.grpc_addr))?,
+    };
+    let admin_bind = match args.admin {
+        Some(a) => a,
+        None => spec.admin_addr.resolve().with_context(|| format!("resolving {}", spec.admin_addr))?,
+    };
+    let grpc_listener = TcpListener::bind(grpc_bind).await.with_context(|| format!("binding {grpc_bind}"))?;
+    let admin_listener = TcpListener::bind(admin_bind).await.with_context(|| format!("binding {admin_bind}"))?;
     let (grpc_addr, admin_addr): (SocketAddr, SocketAddr) = (grpc_listener.local_addr()?, admin_listener.local_addr()?);
     let shutdown = coordinator.shutdown.clone();
     let (health, health_service) = tonic_health::server::health_reporter();
@@ -90,7 +102,7 @@ pub async fn run_coord(args: CoordArgs) -> Result<()> {
     let admin = Arc::new(CoordAdmin { coordinator, registry, token: token.clone(), started: Instant::now() });
     let admin_shutdown = shutdown.clone();
     let http = tokio::spawn(async move {
-        axum::serve(admin_listener, coord_router(admin))
+        axum::serve(admin_listener, coord_router(admin).into_make_service_with_connect_info::<SocketAddr>())
             .with_graceful_shutdown(admin_shutdown.cancelled_owned())
             .await
             .context("admin server")

@@ -80,8 +80,8 @@ fn dev_cluster(args: &DevArgs) -> Result<ClusterConfig> {
         let offset = id as u16;
         nodes.push(NodeSpec {
             id,
-            grpc_addr: address(args.base_port, offset)?,
-            admin_addr: address(args.base_port, 80 + offset)?,
+            grpc_addr: address(args.base_port, offset)?.into(),
+            admin_addr: address(args.base_port, 80 + offset)?.into(),
             region: id,
         });
     }
@@ -91,8 +91,8 @@ fn dev_cluster(args: &DevArgs) -> Result<ClusterConfig> {
         .collect();
     let coordinators = vec![CoordinatorSpec {
         id: "dev".into(),
-        grpc_addr: address(args.base_port, 90)?,
-        admin_addr: address(args.base_port, 80)?,
+        grpc_addr: address(args.base_port, 90)?.into(),
+        admin_addr: address(args.base_port, 80)?.into(),
     }];
     let replication = ReplicationConfig::default();
     let config = ClusterConfig { cluster_id: "walship-dev".into(), coordinators, nodes, shards, replication };
@@ -167,7 +167,7 @@ pub async fn run_dev(args: DevArgs) -> Result<()> {
     }
     let coord = &cluster.coordinators[0];
     println!("  coordinator  admin http://{}/v1/shards  (token {token})", coord.admin_addr);
-    let first = cluster.nodes[0].grpc_addr;
+    let first = &cluster.nodes[0].grpc_addr;
     println!("try (any node works: clients follow the leader hint):");
     println!("  echo hello | walship append --server {first} --shard 2");
     println!("  walship read --server {first} --shard 2 --from 1");

@@ -35,7 +35,8 @@ pub struct NodeArgs {
     /// This node's id.
     #[arg(long)]
     node_id: Option<u32>,
-    /// gRPC listen address; port 0 picks a free port.
+    /// gRPC listen address (default: this node's address in the cluster
+    /// config, resolved); port 0 picks a free port.
     #[arg(long)]
     grpc: Option<SocketAddr>,
     /// Admin HTTP listen address; port 0 picks a free port.
@@ -80,8 +81,8 @@ impl NodeArgs {
             let spec = cluster
                 .node(config.node_id)
                 .with_context(|| format!("node {} is not in the cluster config", config.node_id))?;
-            config.grpc_addr = spec.grpc_addr;
-            config.admin_addr = spec.admin_addr;
+            config.grpc_addr = spec.grpc_addr.resolve().with_context(|| format!("resolving {}", spec.grpc_addr))?;
+            config.admin_addr = spec.admin_addr.resolve().with_context(|| format!("resolving {}", spec.admin_addr))?;
         }
         if let Some(addr) = self.grpc {
             config.grpc_addr = addr;
@@ -147,7 +148,8 @@ pub async fn start_node(
     let grpc_addr = grpc_listener.local_addr()?;
     let admin_addr = admin_listener.local_addr()?;
     let cluster = cluster.unwrap_or_else(|| {
-        let spec = NodeSpec { id: config.node_id, grpc_addr, admin_addr, region: 0 };
+        let spec =
+            NodeSpec { id: config.node_id, grpc_addr: grpc_addr.into(), admin_addr: admin_addr.into(), region: 0 };
         ClusterConfig::single_node(spec, &config.shards)
     });
 

@@ -103,3 +103,37 @@ fn systemd_units_use_real_flags() {
         }
     }
 }
+
+#[test]
+fn kubernetes_manifests_hold_a_valid_cluster_and_real_flags() {
+    let text = ops("deploy/kubernetes/walship.yaml");
+    let docs: Vec<serde_yaml::Value> =
+        serde_yaml::Deserializer::from_str(&text).map(|d| serde::Deserialize::deserialize(d).unwrap()).collect();
+    let kinds: Vec<&str> = docs.iter().filter_map(|d| d["kind"].as_str()).collect();
+    for wanted in ["ConfigMap", "StatefulSet", "Deployment", "Service"] {
+        assert!(kinds.contains(&wanted), "no {wanted} in {kinds:?}");
+    }
+    let config_map = docs.iter().find(|d| d["kind"] == "ConfigMap").unwrap();
+    let cluster: walship_shipping::ClusterConfig =
+        toml::from_str(config_map["data"]["cluster.toml"].as_str().unwrap()).unwrap();
+    cluster.validate().unwrap();
+    assert!(cluster.coordinated());
+    let help = |sub: &str| {
+        String::from_utf8_lossy(
+            &std::process::Command::new(common::walship_bin()).args([sub, "--help"]).output().unwrap().stdout,
+        )
+        .to_string()
+    };
+    let (node_help, coord_help) = (help("node"), help("coord"));
+    for doc in docs.iter().filter(|d| d["kind"] == "StatefulSet" || d["kind"] == "Deployment") {
+        let container = &doc["spec"]["template"]["spec"]["containers"][0];
+        let args: Vec<String> =
+            container["args"].as_sequence().unwrap().iter().map(|a| a.as_str().unwrap().to_string()).collect();
+        let words: Vec<&str> = args.iter().flat_map(|a| a.split_whitespace()).collect();
+        let sub_help = if words.contains(&"node") { &node_help } else { &coord_help };
+        for flag in words.iter().filter(|w| w.starts_with("--")) {
+            assert!(sub_help.contains(flag), "{}: unknown flag {flag}", doc["metadata"]["name"].as_str().unwrap());
+        }
+        assert_eq!(container["readinessProbe"]["httpGet"]["path"], "/readyz");
+    }
+}

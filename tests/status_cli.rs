@@ -100,3 +100,33 @@ async fn failover_command_previews_and_moves_leadership_using_the_client_config(
     assert!(!refused.status.success());
     assert!(String::from_utf8_lossy(&refused.stderr).contains("not_a_replica"));
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn cluster_config_with_dns_names() {
+    // "localhost" rather than an IP everywhere: nodes and the coordinator
+    // resolve their own addresses to bind, and dial each other by name.
+    let mut cluster = Cluster::start_on("localhost", 3, 1, 1, "leader_timeout_ms = 2000", None);
+    let mut leader = None;
+    wait_until("shard 1 led and followed over names", Duration::from_secs(30), || {
+        let (code, shard) = futures::executor::block_on(cluster.coord_get(1, "/v1/shards/1"));
+        let ok = code == 200
+            && shard["replicas"]
+                .as_array()
+                .is_some_and(|r| r.iter().all(|r| r["role"] == "leader" || r["role"] == "follower"));
+        leader = shard["leader"].as_u64();
+        async move { ok }
+    })
+    .await;
+    let leader = leader.unwrap() as u32;
+    let mut log = cluster.node(leader).client().await;
+    let request = walship_proto::log::AppendRequest {
+        shard_id: 1,
+        records: vec![walship_proto::log::AppendRecord {
+            key: Default::default(),
+            payload: bytes::Bytes::from_static(b"named"),
+        }],
+        durability: walship_proto::log::Durability::All as i32,
+    };
+    let r = log.append(request).await.unwrap().into_inner();
+    assert_eq!(r.first_seqno, 1, "replicated to every replica by name");
+}

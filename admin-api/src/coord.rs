@@ -1,14 +1,15 @@
 //! The coordinator's admin HTTP API: the cluster, its shards (leader,
 //! epoch, replicas with positions and lag), failover (with preview and
 //! forced modes) and health. Mutating endpoints need the bearer token:
-//! 401 without one, 403 with a wrong one; every mutation is logged with
-//! what was asked.
+//! 401 without one, 403 with a wrong one; every mutation is logged with the
+//! caller's address and what was asked. Serve with
+//! `into_make_service_with_connect_info::<SocketAddr>()`.
 
 use std::sync::Arc;
 use std::time::Instant;
 
 use axum::extract::rejection::{JsonRejection, QueryRejection};
-use axum::extract::{Path, Query, State};
+use axum::extract::{ConnectInfo, Path, Query, State};
 use axum::http::{HeaderMap, StatusCode, header};
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
@@ -292,6 +293,7 @@ pub fn body_error(rejection: JsonRejection) -> ApiError {
         (status = 503, description = "not the active coordinator, no majority, target unreachable", body = crate::models::ErrorBody)))]
 async fn failover(
     State(admin): State<Arc<CoordAdmin>>,
+    ConnectInfo(who): ConnectInfo<std::net::SocketAddr>,
     Path(id): Path<String>,
     headers: HeaderMap,
     body: Result<Json<FailoverRequest>, JsonRejection>,
@@ -307,7 +309,7 @@ async fn failover(
         Ok(body) => body,
         Err(rejection) => return body_error(rejection).into_response(),
     };
-    tracing::info!(shard = id, ?request, "admin: failover requested");
+    tracing::info!(%who, shard = id, ?request, "admin: failover requested");
     let reason = if request.allow_loss { "forced" } else { "manual" };
     match admin.coordinator.failover(id, request, reason).await {
         Ok(outcome) => Json(outcome).into_response(),
@@ -365,6 +367,7 @@ fn started(id: String) -> Response {
 /// Starts a drill after the token and body checks; 202 with its id.
 fn start_drill<R: std::fmt::Debug>(
     admin: &CoordAdmin,
+    who: std::net::SocketAddr,
     headers: &HeaderMap,
     body: Result<Json<R>, JsonRejection>,
     start: impl FnOnce(&Arc<Coordinator>, R) -> Result<String, CoordError>,
@@ -376,7 +379,7 @@ fn start_drill<R: std::fmt::Debug>(
         Ok(body) => body,
         Err(rejection) => return body_error(rejection).into_response(),
     };
-    tracing::info!(?request, "admin: drill requested");
+    tracing::info!(%who, ?request, "admin: drill requested");
     match start(&admin.coordinator, request) {
         Ok(id) => started(id),
         Err(e) => coord_error(e).into_response(),
@@ -391,10 +394,11 @@ fn start_drill<R: std::fmt::Debug>(
         (status = 503, description = "not the active coordinator", body = crate::models::ErrorBody)))]
 async fn failover_drill(
     State(admin): State<Arc<CoordAdmin>>,
+    ConnectInfo(who): ConnectInfo<std::net::SocketAddr>,
     headers: HeaderMap,
     body: Result<Json<FailoverDrillRequest>, JsonRejection>,
 ) -> Response {
-    start_drill(&admin, &headers, body, Coordinator::start_failover_drill)
+    start_drill(&admin, who, &headers, body, Coordinator::start_failover_drill)
 }
 
 #[utoipa::path(post, path = "/v1/drills/catchup", tag = "drills", request_body = CatchupDrillRequest,
@@ -405,10 +409,11 @@ async fn failover_drill(
         (status = 503, description = "not the active coordinator", body = crate::models::ErrorBody)))]
 async fn catchup_drill(
     State(admin): State<Arc<CoordAdmin>>,
+    ConnectInfo(who): ConnectInfo<std::net::SocketAddr>,
     headers: HeaderMap,
     body: Result<Json<CatchupDrillRequest>, JsonRejection>,
 ) -> Response {
-    start_drill(&admin, &headers, body, Coordinator::start_catchup_drill)
+    start_drill(&admin, who, &headers, body, Coordinator::start_catchup_drill)
 }
 
 #[utoipa::path(get, path = "/healthz", tag = "health", responses((status = 200, description = "the process is up", body = String)))]

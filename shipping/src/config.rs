@@ -14,15 +14,74 @@ use serde::{Deserialize, Serialize};
 
 use crate::NodeId;
 
+/// `host:port`, the host an IP address or a DNS name (Kubernetes service
+/// names, say). Peers dial it; a process binds it (resolved) unless its
+/// `--grpc`/`--admin` flags say where to listen.
+#[derive(Debug, Clone, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize, Deserialize)]
+#[serde(try_from = "String", into = "String")]
+pub struct Address(String);
+
+impl TryFrom<String> for Address {
+    type Error = String;
+
+    fn try_from(text: String) -> Result<Address, String> {
+        let (host, port) = text.rsplit_once(':').ok_or_else(|| format!("address {text:?} is not host:port"))?;
+        port.parse::<u16>().map_err(|_| format!("address {text:?} has no valid port"))?;
+        let host = host.trim_start_matches('[').trim_end_matches(']');
+        if host.is_empty() || host.contains(char::is_whitespace) {
+            return Err(format!("address {text:?} has no valid host"));
+        }
+        Ok(Address(text))
+    }
+}
+
+impl From<Address> for String {
+    fn from(a: Address) -> String {
+        a.0
+    }
+}
+
+impl From<SocketAddr> for Address {
+    fn from(a: SocketAddr) -> Address {
+        Address(a.to_string())
+    }
+}
+
+impl std::fmt::Display for Address {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(&self.0)
+    }
+}
+
+impl std::str::FromStr for Address {
+    type Err = String;
+
+    fn from_str(s: &str) -> Result<Address, String> {
+        Address::try_from(s.to_string())
+    }
+}
+
+impl Address {
+    pub fn port(&self) -> u16 {
+        self.0.rsplit_once(':').and_then(|(_, p)| p.parse().ok()).unwrap_or(0)
+    }
+
+    /// The first socket address the name resolves to (for binding).
+    pub fn resolve(&self) -> std::io::Result<SocketAddr> {
+        use std::net::ToSocketAddrs;
+        self.0.to_socket_addrs()?.next().ok_or_else(|| std::io::Error::other(format!("{} resolves to nothing", self.0)))
+    }
+}
+
 /// A node of the cluster.
 #[derive(Debug, Clone, Serialize, Deserialize, PartialEq, Eq)]
 #[serde(deny_unknown_fields)]
 pub struct NodeSpec {
     pub id: NodeId,
     /// gRPC address peers and clients dial (Log, WalShipping).
-    pub grpc_addr: SocketAddr,
+    pub grpc_addr: Address,
     /// Admin HTTP address.
-    pub admin_addr: SocketAddr,
+    pub admin_addr: Address,
     /// Failure domain (zone or region); `region_id` on the wire.
     #[serde(default)]
     pub region: u32,
@@ -122,9 +181,9 @@ impl ReplicationConfig {
 pub struct CoordinatorSpec {
     pub id: String,
     /// gRPC address nodes send heartbeats to.
-    pub grpc_addr: SocketAddr,
+    pub grpc_addr: Address,
     /// Admin HTTP address (cluster API and dashboard).
-    pub admin_addr: SocketAddr,
+    pub admin_addr: Address,
 }
 
 /// The whole cluster.
@@ -189,8 +248,8 @@ impl ClusterConfig {
             if !ids.insert(node.id) {
                 return bad(format!("node id {} appears twice", node.id));
             }
-            for addr in [node.grpc_addr, node.admin_addr] {
-                if addr.port() != 0 && !addrs.insert(addr) {
+            for addr in [&node.grpc_addr, &node.admin_addr] {
+                if addr.port() != 0 && !addrs.insert(addr.clone()) {
                     return bad(format!("address {addr} is used twice"));
                 }
             }
@@ -247,8 +306,8 @@ impl ClusterConfig {
     }
 
     /// Node id -> gRPC address.
-    pub fn addresses(&self) -> BTreeMap<NodeId, SocketAddr> {
-        self.nodes.iter().map(|n| (n.id, n.grpc_addr)).collect()
+    pub fn addresses(&self) -> BTreeMap<NodeId, Address> {
+        self.nodes.iter().map(|n| (n.id, n.grpc_addr.clone())).collect()
     }
 }
 
@@ -287,6 +346,18 @@ mod tests {
     }
 
     #[test]
+    fn addresses_take_names_and_refuse_nonsense() {
+        let a: Address = "walship-node-0.walship-node:7400".parse().unwrap();
+        assert_eq!(a.port(), 7400);
+        assert_eq!("[::1]:7400".parse::<Address>().unwrap().port(), 7400);
+        assert!("127.0.0.1:7400".parse::<Address>().unwrap().resolve().is_ok());
+        for bad in ["nohost", ":7400", "host:", "host:99999", "a b:1"] {
+            assert!(bad.parse::<Address>().is_err(), "{bad}");
+        }
+        assert!(toml::from_str::<NodeSpec>("id = 1\ngrpc_addr = \"x\"\nadmin_addr = \"y:1\"").is_err());
+    }
+
+    #[test]
     fn valid_config_passes() {
         three().validate().unwrap();
     }
@@ -296,7 +367,7 @@ mod tests {
         type Mutation = fn(&mut ClusterConfig);
         let cases: Vec<(Mutation, &str)> = vec![
             (|c| c.nodes[1].id = 1, "node id 1 appears twice"),
-            (|c| c.nodes[1].grpc_addr = c.nodes[0].grpc_addr, "used twice"),
+            (|c| c.nodes[1].grpc_addr = c.nodes[0].grpc_addr.clone(), "used twice"),
             (|c| c.shards[0].replicas = vec![1, 1], "distinct"),
             (|c| c.shards[0].replicas = vec![1, 9], "replica 9 is not a configured node"),
             (|c| c.shards[0].leader = 4, "leader 4 is not one of its replicas"),

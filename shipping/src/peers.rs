@@ -3,7 +3,6 @@
 //! times.
 
 use std::collections::BTreeMap;
-use std::net::SocketAddr;
 use std::time::Duration;
 
 use tonic::transport::{Channel, Endpoint};
@@ -12,6 +11,7 @@ use walship_proto::log::log_client::LogClient;
 use walship_proto::replication::wal_shipping_client::WalShippingClient;
 
 use crate::NodeId;
+use crate::config::Address;
 
 /// Largest message a replication client sends or accepts.
 pub const MAX_PEER_MESSAGE_BYTES: usize = 64 << 20;
@@ -19,11 +19,11 @@ pub const MAX_PEER_MESSAGE_BYTES: usize = 64 << 20;
 /// Lazily connected channels, one per peer node.
 #[derive(Clone)]
 pub struct Peers {
-    peers: BTreeMap<NodeId, (SocketAddr, Channel)>,
+    peers: BTreeMap<NodeId, (Address, Channel)>,
 }
 
 /// A lazily connected channel to `addr`.
-pub fn lazy_channel(addr: SocketAddr) -> Channel {
+pub fn lazy_channel(addr: &Address) -> Channel {
     Endpoint::from_shared(format!("http://{addr}"))
         .expect("a socket address is a valid URI authority")
         .connect_timeout(Duration::from_secs(1))
@@ -34,12 +34,12 @@ pub fn lazy_channel(addr: SocketAddr) -> Channel {
 }
 
 impl Peers {
-    pub fn new(addresses: &BTreeMap<NodeId, SocketAddr>) -> Peers {
-        Peers { peers: addresses.iter().map(|(&id, &addr)| (id, (addr, lazy_channel(addr)))).collect() }
+    pub fn new(addresses: &BTreeMap<NodeId, Address>) -> Peers {
+        Peers { peers: addresses.iter().map(|(&id, addr)| (id, (addr.clone(), lazy_channel(addr)))).collect() }
     }
 
-    pub fn address(&self, node: NodeId) -> Option<SocketAddr> {
-        self.peers.get(&node).map(|(addr, _)| *addr)
+    pub fn address(&self, node: NodeId) -> Option<&Address> {
+        self.peers.get(&node).map(|(addr, _)| addr)
     }
 
     pub fn shipping(&self, node: NodeId) -> Option<WalShippingClient<Channel>> {

@@ -1288,9 +1288,9 @@ impl ReplicationNode {
             .config
             .coordinators
             .iter()
-            .map(|c| c.grpc_addr)
-            .chain(self.config.replication.heartbeat_to)
-            .map(crate::peers::lazy_channel)
+            .map(|c| c.grpc_addr.clone())
+            .chain(self.config.replication.heartbeat_to.map(crate::config::Address::from))
+            .map(|a| crate::peers::lazy_channel(&a))
             .collect();
         let mut tick = tokio::time::interval(interval);
         tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);

@@ -210,20 +210,32 @@ impl Cluster {
     /// (ids `c1`, `c2`, ...; file KV in a shared dir, or NATS at `nats`).
     /// Nodes run with `--allow-crash-drills`.
     pub fn start_with(nodes: u32, shards: u32, coordinators: u32, replication: &str, nats: Option<&str>) -> Cluster {
+        Self::start_on("127.0.0.1", nodes, shards, coordinators, replication, nats)
+    }
+
+    /// Like [`Cluster::start_with`], with `host` (an IP or a DNS name) in
+    /// every address of the cluster config.
+    pub fn start_on(
+        host: &str,
+        nodes: u32,
+        shards: u32,
+        coordinators: u32,
+        replication: &str,
+        nats: Option<&str>,
+    ) -> Cluster {
         let dir = tempfile::tempdir().unwrap();
         let mut toml = String::from("cluster_id = \"test\"\n");
         for c in 1..=coordinators {
             let (g, a) = (free_port(), free_port());
-            toml += &format!(
-                "[[coordinators]]\nid = \"c{c}\"\ngrpc_addr = \"127.0.0.1:{g}\"\nadmin_addr = \"127.0.0.1:{a}\"\n"
-            );
+            toml +=
+                &format!("[[coordinators]]\nid = \"c{c}\"\ngrpc_addr = \"{host}:{g}\"\nadmin_addr = \"{host}:{a}\"\n");
         }
         let mut ports = Vec::new();
         for id in 1..=nodes {
             let (g, a) = (free_port(), free_port());
             ports.push((g, a));
             toml += &format!(
-                "[[nodes]]\nid = {id}\ngrpc_addr = \"127.0.0.1:{g}\"\nadmin_addr = \"127.0.0.1:{a}\"\nregion = {id}\n"
+                "[[nodes]]\nid = {id}\ngrpc_addr = \"{host}:{g}\"\nadmin_addr = \"{host}:{a}\"\nregion = {id}\n"
             );
         }
         let replicas: Vec<String> = (1..=nodes).map(|n| n.to_string()).collect();
