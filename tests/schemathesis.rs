@@ -1,9 +1,11 @@
 //! Property-based API testing with schemathesis (PyPI) against the OpenAPI
 //! documents the live coordinator and node serve: every generated request,
 //! valid or not, must get a documented status and a body matching the
-//! schema, and no server error. The drill-starting POSTs are left out of the
-//! generated run (each would crash a node for seconds); their bad input is
-//! covered by tests/drills.rs and tests/admin_api.rs.
+//! schema, and no server error. First a negative-only pass over every
+//! endpoint (drills and failover included): every request is invalid, so
+//! every one must be refused and the cluster's leadership must not change.
+//! Then a full pass over everything but the drill-starting POSTs (a valid
+//! one crashes a node for seconds; tests/drills.rs covers those).
 
 mod common;
 
@@ -53,6 +55,20 @@ async fn generated_requests_get_documented_answers() {
     .await;
     let coord = format!("http://{}", cluster.coordinator(1).admin);
     let header = format!("Authorization: Bearer {TOKEN}");
+    let leadership = |shards: serde_json::Value| -> Vec<(serde_json::Value, serde_json::Value)> {
+        shards.as_array().unwrap().iter().map(|s| (s["leader"].clone(), s["epoch"].clone())).collect()
+    };
+    let before = leadership(cluster.coord_get(1, "/v1/shards").await.1);
+    {
+        let (coord, header) = (coord.clone(), header.clone());
+        tokio::task::spawn_blocking(move || {
+            run(&format!("{coord}/openapi.json"), &["--header", &header, "--mode", "negative"], 50)
+        })
+        .await
+        .unwrap();
+    }
+    let after = leadership(cluster.coord_get(1, "/v1/shards").await.1);
+    assert_eq!(before, after, "invalid requests changed leadership");
     tokio::task::spawn_blocking(move || {
         run(
             &format!("{coord}/openapi.json"),
