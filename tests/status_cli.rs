@@ -52,6 +52,19 @@ async fn status_shows_the_real_leaders() {
     assert_eq!(v["cluster"]["coordinator"]["active"], true);
     assert_eq!(v["shards"][0]["leader"], 1);
     assert_eq!(v["shards"][1]["leader"], 2);
+    // `--json` is the coordinator's own view: it matches GET /v1/shards, but
+    // for how long ago each heartbeat was.
+    let strip = |mut shards: serde_json::Value| {
+        for shard in shards.as_array_mut().unwrap() {
+            for replica in shard["replicas"].as_array_mut().unwrap() {
+                replica.as_object_mut().unwrap().remove("last_heartbeat_ms_ago");
+            }
+        }
+        shards
+    };
+    let (code, api) = cluster.coord_get(1, "/v1/shards").await;
+    assert_eq!(code, 200);
+    assert_eq!(strip(v["shards"].clone()), strip(api));
     // A wrong address is a clear error, not a hang.
     let bad = std::process::Command::new(common::walship_bin())
         .args(["status", "--admin", "http://127.0.0.1:1"])
