@@ -640,6 +640,8 @@ impl ReplicationNode {
         }
         tracing::warn!(reason, "crash drill: aborting");
         tokio::spawn(async {
+            // Usually enough for the answer to leave; the drill also takes a
+            // dropped connection as the crash it asked for.
             tokio::time::sleep(Duration::from_millis(5)).await;
             std::process::abort();
         });

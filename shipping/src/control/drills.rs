@@ -300,7 +300,12 @@ impl Coordinator {
         self.drills.progress(id, &format!("failing leader {old_leader}"));
         let lost_at = Instant::now();
         let crashed = match self.peers.control(old_leader) {
-            Some(mut c) => c.crash(CrashRequest { reason: format!("drill {id}") }).await.is_ok(),
+            // A refusal means crash drills are off on that node; any other
+            // failure is the connection dying with the process.
+            Some(mut c) => match c.crash(CrashRequest { reason: format!("drill {id}") }).await {
+                Ok(_) => true,
+                Err(status) => status.code() != tonic::Code::PermissionDenied,
+            },
             None => false,
         };
         let method = if crashed {
