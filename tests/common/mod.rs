@@ -223,6 +223,31 @@ impl Cluster {
         replication: &str,
         nats: Option<&str>,
     ) -> Cluster {
+        // Free ports are probed, then released: another test's process can
+        // take one before our node binds it. Start over on fresh ports then.
+        for attempt in 1..=3 {
+            let start = std::panic::AssertUnwindSafe(|| {
+                Self::try_start_on(host, nodes, shards, coordinators, replication, nats)
+            });
+            match std::panic::catch_unwind(start) {
+                Ok(cluster) => return cluster,
+                Err(e) if attempt < 3 => {
+                    eprintln!("cluster start attempt {attempt} failed ({e:?}); retrying on fresh ports")
+                }
+                Err(e) => std::panic::resume_unwind(e),
+            }
+        }
+        unreachable!()
+    }
+
+    fn try_start_on(
+        host: &str,
+        nodes: u32,
+        shards: u32,
+        coordinators: u32,
+        replication: &str,
+        nats: Option<&str>,
+    ) -> Cluster {
         let dir = tempfile::tempdir().unwrap();
         let mut toml = String::from("cluster_id = \"test\"\n");
         for c in 1..=coordinators {

@@ -284,11 +284,12 @@ impl Kv for NatsKv {
 
     async fn watch(&self, key: &str) -> Result<BoxStream<'static, KvEntry>, KvError> {
         use futures::StreamExt;
-        // Start from the current value (delivered first, then dropped) rather
-        // than "new messages only": a consumer created that way can miss a
-        // write racing its creation.
+        // Deliver from the revision after the current one: the consumer is
+        // created asynchronously, and "new messages only" or "last value"
+        // policies both lose writes that race its creation.
         let seen = self.get(key).await?.map_or(0, |e| e.revision);
-        let watch = self.store.watch_with_history(key).await.map_err(|e| KvError::Unavailable(e.to_string()))?;
+        let watch =
+            self.store.watch_from_revision(key, seen + 1).await.map_err(|e| KvError::Unavailable(e.to_string()))?;
         Ok(Box::pin(watch.filter_map(move |e| async move {
             e.ok()
                 .filter(|e| e.revision > seen && e.operation == async_nats::jetstream::kv::Operation::Put)
