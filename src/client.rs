@@ -356,7 +356,19 @@ pub async fn read(args: ReadArgs) -> Result<()> {
     let mut to = args.to.unwrap_or(0);
     loop {
         let request = ReadRequest { shard_id: args.server.shard, from_seqno: from, to_seqno: to, max_bytes: 0 };
-        let response = client.read(request).await.map_err(status_error)?.into_inner();
+        let response = match client.read(request).await {
+            Ok(r) => r.into_inner(),
+            // An open-ended read of a shard with nothing (more) committed
+            // prints nothing: there is simply nothing to read yet.
+            Err(s)
+                if args.to.is_none()
+                    && s.code() == tonic::Code::OutOfRange
+                    && s.message().contains("nothing at seqno") =>
+            {
+                return Ok(());
+            }
+            Err(s) => return Err(status_error(s)),
+        };
         if to == 0 {
             // Pin the end of the range at the first answer's durable seqno.
             to = response.durable_seqno;

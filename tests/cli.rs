@@ -224,6 +224,14 @@ async fn client_commands_fail_on_an_unknown_shard() {
     assert!(stderr.contains('9'), "stderr should name the shard: {}", describe(&read));
     assert!(read.stdout.is_empty(), "nothing on stdout: {}", describe(&read));
 
+    // A hosted but empty shard: an open-ended read prints nothing and
+    // succeeds; an explicit range past the end is still an error.
+    let empty = run(walship(&["read", "--server", server, "--shard", "1", "--from", "1"]), None).await;
+    assert!(empty.status.success() && empty.stdout.is_empty(), "{}", describe(&empty));
+    let past = run(walship(&["read", "--server", server, "--shard", "1", "--from", "1", "--to", "5"]), None).await;
+    assert!(!past.status.success(), "{}", describe(&past));
+    assert!(String::from_utf8_lossy(&past.stderr).contains("OutOfRange"), "{}", describe(&past));
+
     let append = run(walship(&["append", "--server", server, "--shard", "9"]), Some("x\n")).await;
     assert!(!append.status.success(), "append to shard 9 should fail: {}", describe(&append));
     assert!(String::from_utf8_lossy(&append.stderr).contains("NotFound"), "{}", describe(&append));
