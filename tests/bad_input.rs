@@ -8,6 +8,8 @@
 
 mod common;
 
+use common::assert_refused;
+
 use std::collections::HashMap;
 use std::time::Duration;
 
@@ -80,40 +82,6 @@ fn record(key_len: usize, payload_len: usize) -> AppendRecord {
 
 fn append(shard_id: u32, records: Vec<AppendRecord>) -> AppendRequest {
     AppendRequest { shard_id, records, durability: Durability::Local as i32 }
-}
-
-/// The whole numbers a message names: "limit is 1048576 bytes" names 1048576
-/// but not 104857.
-fn numbers_in(message: &str) -> Vec<u64> {
-    message.split(|c: char| !c.is_ascii_digit()).filter(|s| !s.is_empty()).filter_map(|s| s.parse().ok()).collect()
-}
-
-/// Asserts that `result` is a refusal with `code` whose message contains
-/// every word and names every number.
-fn assert_refused<T: std::fmt::Debug>(
-    what: &str,
-    result: Result<T, tonic::Status>,
-    code: Code,
-    words: &[&str],
-    numbers: &[u64],
-) {
-    let status = match result {
-        Ok(ok) => panic!("{what}: expected {code:?}, but the server accepted it: {ok:?}"),
-        Err(status) => status,
-    };
-    assert_eq!(status.code(), code, "{what}: wrong status code (message: {:?})", status.message());
-    let message = status.message();
-    assert!(!message.trim().is_empty(), "{what}: empty status message");
-    for word in words {
-        assert!(
-            message.to_lowercase().contains(&word.to_lowercase()),
-            "{what}: message {message:?} does not mention {word:?}"
-        );
-    }
-    let named = numbers_in(message);
-    for n in numbers {
-        assert!(named.contains(n), "{what}: message {message:?} does not name {n}");
-    }
 }
 
 /// `/v1/status` of the node, parsed.

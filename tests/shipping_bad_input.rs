@@ -11,6 +11,8 @@
 
 mod common;
 
+use common::{assert_refused, numbers_in};
+
 use std::collections::HashMap;
 use std::time::Duration;
 
@@ -142,40 +144,6 @@ struct Case {
 
 fn words(list: &[&str]) -> Vec<String> {
     list.iter().map(|w| w.to_string()).collect()
-}
-
-/// The whole numbers a message names: "seqno 21" names 21 but not 2.
-fn numbers_in(message: &str) -> Vec<u64> {
-    message.split(|c: char| !c.is_ascii_digit()).filter(|s| !s.is_empty()).filter_map(|s| s.parse().ok()).collect()
-}
-
-/// Asserts that `result` is a refusal with `code` whose message contains
-/// every word and names every number; returns the status.
-fn assert_refused<T: std::fmt::Debug>(
-    what: &str,
-    result: Result<T, tonic::Status>,
-    code: Code,
-    words: &[String],
-    numbers: &[u64],
-) -> tonic::Status {
-    let status = match result {
-        Ok(ok) => panic!("{what}: expected {code:?}, but the server accepted it: {ok:?}"),
-        Err(status) => status,
-    };
-    assert_eq!(status.code(), code, "{what}: wrong status code (message: {:?})", status.message());
-    let message = status.message();
-    assert!(!message.trim().is_empty(), "{what}: empty status message");
-    for word in words {
-        assert!(
-            message.to_lowercase().contains(&word.to_lowercase()),
-            "{what}: message {message:?} does not mention {word:?}"
-        );
-    }
-    let named = numbers_in(message);
-    for n in numbers {
-        assert!(named.contains(n), "{what}: message {message:?} does not name {n}");
-    }
-    status
 }
 
 // ---------------------------------------------------------------------------

@@ -478,3 +478,38 @@ pub async fn read_all(grpc: &str, shard: u32, to: u64) -> Vec<walship_proto::log
     }
     out
 }
+
+/// The whole numbers a message names.
+pub fn numbers_in(message: &str) -> Vec<u64> {
+    message.split(|c: char| !c.is_ascii_digit()).filter(|s| !s.is_empty()).filter_map(|s| s.parse().ok()).collect()
+}
+
+/// Asserts that `result` is a refusal with `code` whose message contains
+/// every word (case-insensitive) and names every number; returns the status.
+pub fn assert_refused<T: std::fmt::Debug, W: AsRef<str>>(
+    what: &str,
+    result: Result<T, tonic::Status>,
+    code: tonic::Code,
+    words: &[W],
+    numbers: &[u64],
+) -> tonic::Status {
+    let status = match result {
+        Ok(ok) => panic!("{what}: expected {code:?}, but the server accepted it: {ok:?}"),
+        Err(status) => status,
+    };
+    assert_eq!(status.code(), code, "{what}: wrong status code (message: {:?})", status.message());
+    let message = status.message();
+    assert!(!message.trim().is_empty(), "{what}: empty status message");
+    for word in words {
+        let word = word.as_ref();
+        assert!(
+            message.to_lowercase().contains(&word.to_lowercase()),
+            "{what}: message {message:?} does not mention {word:?}"
+        );
+    }
+    let named = numbers_in(message);
+    for n in numbers {
+        assert!(named.contains(n), "{what}: message {message:?} does not name {n}");
+    }
+    status
+}
