@@ -49,6 +49,13 @@ use crate::limiter::RateLimiter;
 use crate::metrics::ReplicationMetrics;
 use crate::peers::Peers;
 
+/// A segment queued to the WAL, resolving when it is durable.
+type Queued =
+    std::pin::Pin<Box<dyn std::future::Future<Output = walship_wal::wal::WalResult<walship_wal::Appended>> + Send>>;
+
+/// Catch-up chunks queued to the WAL before the oldest must be durable.
+const CATCHUP_PIPELINE: usize = 4;
+
 /// Response metadata: the newest epoch a refusing replica has seen.
 pub const EPOCH_METADATA_KEY: &str = "walship-epoch";
 /// Response metadata: a follower's durable frontier on a gap refusal.
@@ -910,6 +917,33 @@ impl ReplicationNode {
     /// reconciled with yet is refused (`UNAVAILABLE`, retryable) while the
     /// replica repairs its log against that leader.
     pub async fn apply_inbound(self: &Arc<Self>, request: &ShipSegmentRequest, source: Source) -> Result<u64, Status> {
+        let (replica, pending) = self.queue_inbound(request, source).await?;
+        self.settle_inbound(&replica, pending).await
+    }
+
+    /// Waits for a queued inbound segment to be durable and returns the
+    /// durable frontier (see [`ReplicationNode::apply_inbound`]).
+    async fn settle_inbound(&self, replica: &ShardReplica, pending: Option<Queued>) -> Result<u64, Status> {
+        if let Some(queued) = pending
+            && let Err(e) = queued.await
+        {
+            // Our bookkeeping and the WAL disagree: resynchronise from the WAL.
+            let last = self.wal.positions(replica.shard).map(|p| p.last_seqno).unwrap_or(0);
+            replica.follower.next_expected.send_replace(last + 1);
+            return Err(Status::failed_precondition(format!("shard {}: applying the segment: {e}", replica.shard)));
+        }
+        let durable = self.wal.positions(replica.shard).map_err(|e| Status::internal(e.to_string()))?.durable_seqno;
+        replica.publish_follower(durable);
+        Ok(durable)
+    }
+
+    /// Validates, classifies and queues an inbound segment to the WAL in
+    /// order, without waiting for it to be durable.
+    async fn queue_inbound(
+        self: &Arc<Self>,
+        request: &ShipSegmentRequest,
+        source: Source,
+    ) -> Result<(Arc<ShardReplica>, Option<Queued>), Status> {
         let id = request.id.unwrap_or_default();
         let replica = self.replica_or_not_found(id.shard_id)?;
         let segment = if request.payload.is_empty() {
@@ -1043,23 +1077,13 @@ impl ReplicationNode {
                     .map_err(|e| Status::unavailable(e.to_string()))?;
                 follower.next_expected.send_replace(last + 1);
                 self.metrics.received_bytes.with_label_values(&[source.as_str()]).inc_by(bytes as u64);
-                Some(queued)
+                Some(Box::pin(queued) as Queued)
             }
         };
         follower.leader_commit.fetch_max(request.commit_seqno, Ordering::AcqRel);
         follower.last_contact_us.store(now_us(), Ordering::Release);
         drop(guard);
-        if let Some(queued) = pending
-            && let Err(e) = queued.await
-        {
-            // Our bookkeeping and the WAL disagree: resynchronise from the WAL.
-            let last = self.wal.positions(replica.shard).map(|p| p.last_seqno).unwrap_or(0);
-            follower.next_expected.send_replace(last + 1);
-            return Err(Status::failed_precondition(format!("shard {}: applying the segment: {e}", replica.shard)));
-        }
-        let durable = self.wal.positions(replica.shard).map_err(|e| Status::internal(e.to_string()))?.durable_seqno;
-        replica.publish_follower(durable);
-        Ok(durable)
+        Ok((replica, pending))
     }
 
     /// Starts reconciling with and pulling from the leader, unless that is
@@ -1153,8 +1177,19 @@ impl ReplicationNode {
         let from = *replica.follower.next_expected.borrow();
         let request = StreamRequest { shard_id: replica.shard, from_seqno: from, epoch, follower_node_id: self.me };
         let mut stream = client.stream_segments(request).await?.into_inner();
+        // Pipelined: receive the next chunk while earlier ones are written
+        // and fsynced (they still enter the WAL in order, and consecutive
+        // chunks share group commits), with a bounded number in flight.
+        let mut in_flight = std::collections::VecDeque::new();
         while let Some(message) = stream.message().await? {
-            self.apply_inbound(&message, Source::Stream).await?;
+            let (_, pending) = self.queue_inbound(&message, Source::Stream).await?;
+            in_flight.push_back(pending);
+            if in_flight.len() >= CATCHUP_PIPELINE {
+                self.settle_inbound(replica, in_flight.pop_front().flatten()).await?;
+            }
+        }
+        for pending in in_flight {
+            self.settle_inbound(replica, pending).await?;
         }
         Ok(())
     }
