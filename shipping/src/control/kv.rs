@@ -232,7 +232,10 @@ impl NatsKv {
             Err(_) => js
                 .create_key_value(async_nats::jetstream::kv::Config {
                     bucket: bucket.to_string(),
-                    history: 1,
+                    // Keep a few revisions per key, so a watcher that falls a
+                    // little behind still sees every write rather than only
+                    // the newest.
+                    history: 10,
                     ..Default::default()
                 })
                 .await
@@ -283,17 +286,39 @@ impl Kv for NatsKv {
     }
 
     async fn watch(&self, key: &str) -> Result<BoxStream<'static, KvEntry>, KvError> {
+        use async_nats::jetstream::consumer::{AckPolicy, DeliverPolicy, pull};
         use futures::StreamExt;
-        // Deliver from the revision after the current one: the consumer is
-        // created asynchronously, and "new messages only" or "last value"
-        // policies both lose writes that race its creation.
+        // A pull consumer from the revision after the current one: nothing
+        // is pushed before we ask, so no write can slip past while the
+        // consumer is being created (the push-based KV watch can lose one).
         let seen = self.get(key).await?.map_or(0, |e| e.revision);
-        let watch =
-            self.store.watch_from_revision(key, seen + 1).await.map_err(|e| KvError::Unavailable(e.to_string()))?;
-        Ok(Box::pin(watch.filter_map(move |e| async move {
-            e.ok()
-                .filter(|e| e.revision > seen && e.operation == async_nats::jetstream::kv::Operation::Put)
-                .map(|e| KvEntry { key: e.key, value: e.value, revision: e.revision })
+        let unavailable = |e: &dyn std::fmt::Display| KvError::Unavailable(e.to_string());
+        let consumer = self
+            .store
+            .stream
+            .create_consumer(pull::Config {
+                filter_subject: format!("{}{key}", self.store.prefix),
+                deliver_policy: DeliverPolicy::ByStartSequence { start_sequence: seen + 1 },
+                ack_policy: AckPolicy::None,
+                inactive_threshold: Duration::from_secs(60),
+                ..Default::default()
+            })
+            .await
+            .map_err(|e| unavailable(&e))?;
+        let messages = consumer.messages().await.map_err(|e| unavailable(&e))?;
+        let key = key.to_string();
+        Ok(Box::pin(messages.filter_map(move |m| {
+            let key = key.clone();
+            async move {
+                let m = m.ok()?;
+                let deleted = m
+                    .headers
+                    .as_ref()
+                    .and_then(|h| h.get("KV-Operation"))
+                    .is_some_and(|op| op.as_str() == "DEL" || op.as_str() == "PURGE");
+                let revision = m.info().ok()?.stream_sequence;
+                (!deleted).then(|| KvEntry { key, value: m.payload.clone(), revision })
+            }
         })))
     }
 
