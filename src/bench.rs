@@ -18,9 +18,7 @@
 //! between runs, so every result is also printed as a ratio to the baseline.
 //! Nothing here asserts a speed: it prints figures.
 
-use std::fs::OpenOptions;
 use std::io::{BufRead, BufReader, Write};
-use std::os::unix::fs::FileExt;
 use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
 use std::sync::Arc;
@@ -92,13 +90,7 @@ pub struct BenchArgs {
     json: Option<PathBuf>,
 }
 
-#[derive(Debug, Clone, Serialize)]
-pub struct Baseline {
-    pub fdatasync_4k_p50_us: f64,
-    pub fdatasync_4k_p99_us: f64,
-    pub fdatasync_4k_p999_us: f64,
-    pub seq_write_mib_s: f64,
-}
+pub use walship_wal::disk::DiskBaseline as Baseline;
 
 #[derive(Debug, Clone, Serialize)]
 struct Cell {
@@ -133,42 +125,7 @@ fn histogram() -> Histogram<u64> {
 
 /// Raw limits of the disk under `dir`.
 pub fn measure_baseline(dir: &Path) -> Result<Baseline> {
-    std::fs::create_dir_all(dir)?;
-    let path = dir.join("baseline.dat");
-    let file = OpenOptions::new().create(true).truncate(true).read(true).write(true).open(&path)?;
-    let block = vec![0x5Au8; 4096];
-    let mut lat = histogram();
-    let started = Instant::now();
-    let mut offset = 0u64;
-    while lat.len() < 2000 && started.elapsed() < Duration::from_secs(3) {
-        let t = Instant::now();
-        file.write_all_at(&block, offset)?;
-        file.sync_data()?;
-        lat.record(t.elapsed().as_micros().max(1) as u64)?;
-        offset += 4096;
-    }
-    drop(file);
-    let file = OpenOptions::new().create(true).truncate(true).write(true).open(&path)?;
-    let chunk = vec![0xA5u8; 1 << 20];
-    let started = Instant::now();
-    let mut written = 0u64;
-    while written < (1 << 30) && started.elapsed() < Duration::from_secs(3) {
-        file.write_all_at(&chunk, written)?;
-        written += chunk.len() as u64;
-        if written.is_multiple_of(8 << 20) {
-            file.sync_data()?;
-        }
-    }
-    file.sync_data()?;
-    let seconds = started.elapsed().as_secs_f64();
-    drop(file);
-    std::fs::remove_file(&path)?;
-    Ok(Baseline {
-        fdatasync_4k_p50_us: lat.value_at_quantile(0.5) as f64,
-        fdatasync_4k_p99_us: lat.value_at_quantile(0.99) as f64,
-        fdatasync_4k_p999_us: lat.value_at_quantile(0.999) as f64,
-        seq_write_mib_s: written as f64 / (1 << 20) as f64 / seconds,
-    })
+    walship_wal::disk::measure(dir).with_context(|| format!("measuring the disk under {}", dir.display()))
 }
 
 /// Runs `appenders` loops of `append_once` for warm-up + duration and
@@ -330,22 +287,15 @@ fn single_node(data: &Path, shards: u32) -> Result<Target> {
 
 /// Three nodes, every shard at RF=3, leaders spread over the nodes.
 fn three_nodes(data: &Path, shards: u32) -> Result<Target> {
-    use walship_shipping::{ClusterConfig, NodeSpec, ReplicationConfig, ShardSpec};
+    use walship_shipping::{ClusterConfig, NodeSpec};
     let port = || -> Result<std::net::SocketAddr> { Ok(std::net::TcpListener::bind("127.0.0.1:0")?.local_addr()?) };
     let mut nodes = Vec::new();
     for id in 1..=3 {
         nodes.push(NodeSpec { id, grpc_addr: port()?.into(), admin_addr: port()?.into(), region: id });
     }
-    let shard_specs: Vec<ShardSpec> =
-        (1..=shards).map(|id| ShardSpec { id, replicas: vec![1, 2, 3], leader: (id - 1) % 3 + 1, epoch: 1 }).collect();
-    let leaders = shard_specs.iter().map(|s| nodes[s.leader as usize - 1].grpc_addr.to_string()).collect();
-    let config = ClusterConfig {
-        coordinators: Vec::new(),
-        cluster_id: "bench".into(),
-        nodes,
-        shards: shard_specs,
-        replication: ReplicationConfig::default(),
-    };
+    let mut config = ClusterConfig::replicated_everywhere(nodes, shards);
+    config.cluster_id = "bench".into();
+    let leaders = config.shards.iter().map(|s| config.nodes[s.leader as usize - 1].grpc_addr.to_string()).collect();
     std::fs::create_dir_all(data)?;
     let file = data.join("cluster.toml");
     std::fs::write(&file, toml::to_string_pretty(&config)?)?;

@@ -14,7 +14,7 @@ use std::time::Duration;
 use anyhow::{Context, Result, bail};
 use clap::Args;
 use walship_shipping::config::CoordinatorSpec;
-use walship_shipping::{ClusterConfig, NodeSpec, ReplicationConfig, ShardSpec};
+use walship_shipping::{ClusterConfig, NodeSpec};
 
 #[derive(Args, Debug)]
 pub struct DevArgs {
@@ -85,17 +85,13 @@ fn dev_cluster(args: &DevArgs) -> Result<ClusterConfig> {
             region: id,
         });
     }
-    let replicas: Vec<u32> = (1..=args.nodes).collect();
-    let shards = (1..=args.shards)
-        .map(|id| ShardSpec { id, replicas: replicas.clone(), leader: (id - 1) % args.nodes + 1, epoch: 1 })
-        .collect();
-    let coordinators = vec![CoordinatorSpec {
+    let mut config = ClusterConfig::replicated_everywhere(nodes, args.shards);
+    config.cluster_id = "walship-dev".into();
+    config.coordinators = vec![CoordinatorSpec {
         id: "dev".into(),
         grpc_addr: address(args.base_port, 90)?.into(),
         admin_addr: address(args.base_port, 80)?.into(),
     }];
-    let replication = ReplicationConfig::default();
-    let config = ClusterConfig { cluster_id: "walship-dev".into(), coordinators, nodes, shards, replication };
     config.validate()?;
     Ok(config)
 }

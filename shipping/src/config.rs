@@ -240,6 +240,27 @@ impl ClusterConfig {
         }
     }
 
+    /// Every shard `1..=shards` replicated on every node, leadership static,
+    /// shard i led by node ((i-1) mod n)+1 so leaders spread over the nodes.
+    pub fn replicated_everywhere(nodes: Vec<NodeSpec>, shards: u32) -> ClusterConfig {
+        let replicas: Vec<u32> = nodes.iter().map(|n| n.id).collect();
+        let shards = (1..=shards)
+            .map(|id| ShardSpec {
+                id,
+                replicas: replicas.clone(),
+                leader: replicas[(id as usize - 1) % replicas.len()],
+                epoch: 1,
+            })
+            .collect();
+        ClusterConfig {
+            cluster_id: default_cluster_id(),
+            coordinators: Vec::new(),
+            nodes,
+            shards,
+            replication: ReplicationConfig::default(),
+        }
+    }
+
     pub fn validate(&self) -> Result<(), ConfigError> {
         let bad = |m: String| Err(ConfigError::Invalid(m));
         let mut ids = BTreeSet::new();

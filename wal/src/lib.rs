@@ -10,6 +10,7 @@
 //! * [`wal`]: [`Wal`], the group-commit writer shared by every shard on the
 //!   node, with per-shard positions and a watch of the durable seqno.
 
+pub mod disk;
 pub mod engine_store;
 pub mod mem_store;
 pub mod metrics;

