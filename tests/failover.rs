@@ -5,7 +5,6 @@
 
 mod common;
 
-use std::collections::BTreeMap;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::time::Duration;
@@ -13,7 +12,6 @@ use std::time::Duration;
 use bytes::Bytes;
 use common::{Cluster, TOKEN, read_all, wait_until};
 use rand::{Rng, SeedableRng};
-use tokio::sync::Mutex;
 use walship_proto::log::control_client::ControlClient;
 use walship_proto::log::log_client::LogClient;
 use walship_proto::log::{AppendRecord, AppendRequest, Durability, PauseRequest};
@@ -25,7 +23,7 @@ const WAIT: Duration = Duration::from_secs(40);
 const FAST: &str = "heartbeat_ms = 50\nleader_timeout_ms = 1000\nkeepalive_ms = 100\nship_timeout_ms = 1000";
 
 /// shard -> seqno -> payload of every acknowledged append.
-type Acked = Arc<Mutex<BTreeMap<u32, BTreeMap<u64, Bytes>>>>;
+use common::Acked;
 
 async fn client(grpc: &str) -> Option<LogClient<tonic::transport::Channel>> {
     let endpoint = tonic::transport::Endpoint::from_shared(format!("http://{grpc}"))
@@ -68,21 +66,10 @@ fn load(
             let (_, log) = current.as_mut().unwrap();
             let payloads: Vec<Bytes> = (0..1 + n % 3).map(|i| Bytes::from(format!("shard{shard}-n{n}-{i}"))).collect();
             n += 1;
-            let records = payloads.iter().map(|p| AppendRecord { key: Bytes::new(), payload: p.clone() }).collect();
-            let mut request =
-                tonic::Request::new(AppendRequest { shard_id: shard, records, durability: Durability::Quorum as i32 });
-            request.set_timeout(Duration::from_secs(3));
-            match log.append(request).await {
-                Ok(r) => {
-                    let r = r.into_inner();
-                    let mut acked = acked.lock().await;
-                    let shard_acked = acked.entry(shard).or_default();
-                    for (i, p) in payloads.into_iter().enumerate() {
-                        let seqno = r.first_seqno + i as u64;
-                        if let Some(previous) = shard_acked.insert(seqno, p.clone()) {
-                            panic!("shard {shard} seqno {seqno} acknowledged twice: {previous:?} then {p:?}");
-                        }
-                    }
+            match common::append_and_record(log, shard, payloads, Durability::Quorum, Duration::from_secs(3), &acked)
+                .await
+            {
+                Ok(()) => {
                     count.fetch_add(1, Ordering::Relaxed);
                 }
                 Err(_) => current = None,

@@ -5,7 +5,6 @@
 
 mod common;
 
-use std::collections::BTreeMap;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::time::Duration;
@@ -13,14 +12,13 @@ use std::time::Duration;
 use bytes::Bytes;
 use common::{Cluster, read_all, wait_until};
 use serde_json::Value;
-use tokio::sync::Mutex;
 use walship_proto::log::log_client::LogClient;
 use walship_proto::log::{AppendRecord, AppendRequest, Durability, ReadRequest};
 
 const WAIT: Duration = Duration::from_secs(30);
 
 /// shard -> seqno -> payload, for every acknowledged append.
-type Acked = Arc<Mutex<BTreeMap<u32, BTreeMap<u64, Bytes>>>>;
+use common::Acked;
 
 fn shard_entry(status: &Value, shard: u32) -> Option<&Value> {
     status["shards"].as_array()?.iter().find(|s| s["shard_id"] == shard)
@@ -60,22 +58,17 @@ fn load(
                         .map(|i| Bytes::from(format!("s{shard}-c{c}-n{n}-{i}-{}", "x".repeat((n % 50) as usize))))
                         .collect();
                     n += 1;
-                    let records =
-                        payloads.iter().map(|p| AppendRecord { key: Bytes::new(), payload: p.clone() }).collect();
-                    let mut request =
-                        tonic::Request::new(AppendRequest { shard_id: shard, records, durability: durability as i32 });
-                    request.set_timeout(Duration::from_secs(10));
-                    match log.append(request).await {
-                        Ok(r) => {
-                            let r = r.into_inner();
-                            let mut acked = acked.lock().await;
-                            let shard_acked = acked.entry(shard).or_default();
-                            for (i, p) in payloads.into_iter().enumerate() {
-                                assert!(
-                                    shard_acked.insert(r.first_seqno + i as u64, p).is_none(),
-                                    "seqno acknowledged twice"
-                                );
-                            }
+                    match common::append_and_record(
+                        &mut log,
+                        shard,
+                        payloads,
+                        durability,
+                        Duration::from_secs(10),
+                        &acked,
+                    )
+                    .await
+                    {
+                        Ok(()) => {
                             count.fetch_add(1, Ordering::Relaxed);
                         }
                         Err(_) => {

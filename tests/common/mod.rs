@@ -513,3 +513,36 @@ pub fn assert_refused<T: std::fmt::Debug, W: AsRef<str>>(
     }
     status
 }
+
+/// Acknowledged appends per shard (seqno → payload): the history load
+/// generators record and invariant checks read.
+pub type Acked =
+    std::sync::Arc<tokio::sync::Mutex<std::collections::BTreeMap<u32, std::collections::BTreeMap<u64, bytes::Bytes>>>>;
+
+/// Appends `payloads` to `shard` as one request and, once acknowledged,
+/// records every seqno it was given in `acked`. A seqno acknowledged twice
+/// is a broken invariant and panics. Returns the refusal when the append
+/// was not acknowledged (its outcome is then unknown to the caller).
+pub async fn append_and_record(
+    log: &mut LogClient<Channel>,
+    shard: u32,
+    payloads: Vec<bytes::Bytes>,
+    durability: walship_proto::log::Durability,
+    timeout: Duration,
+    acked: &Acked,
+) -> Result<(), tonic::Status> {
+    use walship_proto::log::{AppendRecord, AppendRequest};
+    let records = payloads.iter().map(|p| AppendRecord { key: bytes::Bytes::new(), payload: p.clone() }).collect();
+    let mut request = tonic::Request::new(AppendRequest { shard_id: shard, records, durability: durability as i32 });
+    request.set_timeout(timeout);
+    let response = log.append(request).await?.into_inner();
+    let mut acked = acked.lock().await;
+    let shard_acked = acked.entry(shard).or_default();
+    for (i, payload) in payloads.into_iter().enumerate() {
+        let seqno = response.first_seqno + i as u64;
+        if let Some(previous) = shard_acked.insert(seqno, payload.clone()) {
+            panic!("shard {shard} seqno {seqno} acknowledged twice: {previous:?} then {payload:?}");
+        }
+    }
+    Ok(())
+}

@@ -32,6 +32,7 @@ fn register_font() -> Result<()> {
 /// Axis labels: 25k, 1.2k, 350, 3.5, 0.35.
 fn number(v: f64) -> String {
     match v.abs() {
+        0.0 => "0".into(),
         a if a >= 10_000.0 => format!("{:.0}k", v / 1e3),
         a if a >= 1_000.0 => format!("{:.1}k", v / 1e3),
         a if a >= 100.0 => format!("{v:.0}"),
@@ -135,6 +136,7 @@ pub fn draw(report: &Report, path: &Path) -> Result<()> {
             .configure_mesh()
             .x_desc("latency, ms (log)")
             .y_desc("percentile")
+            .y_label_formatter(&|v| format!("{v:.0}"))
             .x_label_formatter(&|v| number(*v))
             .draw()
             .map_err(|e| anyhow!("{e}"))?;
