@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
 # The whole walship test suite: formatting, lints, unit, conformance and
-# black-box tests (real `walship node` / `walship coord` processes and a real
-# NATS server, each on free loopback ports, started and stopped by the tests).
+# black-box tests (real `walship node` / `walship coord` processes, a real
+# NATS server, and for the comparison benchmark's smoke run a PostgreSQL
+# primary with two standbys, each on free loopback ports, started and stopped
+# by the tests).
 # Installs what the tests need when the machine lacks it. `.ci/run` runs
 # exactly this.
 set -euo pipefail

@@ -68,6 +68,10 @@ struct Args {
     /// peak records/s for that size (0 skips the open-loop cells).
     #[arg(long, default_value_t = 0.25)]
     low_load_fraction: f64,
+    /// Offer this many records/s in the open-loop cells instead of a
+    /// fraction of each system's peak (for A/B runs at one fixed load).
+    #[arg(long)]
+    low_load_rate: Option<f64>,
     /// Clients serving the open-loop arrivals.
     #[arg(long, default_value_t = 64)]
     low_load_clients: usize,
@@ -109,6 +113,9 @@ impl Args {
         }
         if !(0.0..1.0).contains(&self.low_load_fraction) {
             bail!("--low-load-fraction must be in [0, 1)");
+        }
+        if self.low_load_rate.is_some_and(|r| !(r.is_finite() && r > 0.0)) {
+            bail!("--low-load-rate must be a positive number of records/s");
         }
         Ok(())
     }
@@ -165,6 +172,7 @@ async fn run(mut args: Args) -> Result<()> {
             duration_s: args.duration,
             warmup_s: args.warmup,
             low_load_fraction: args.low_load_fraction,
+            low_load_rate: args.low_load_rate,
             low_load_clients: args.low_load_clients,
         },
         baseline: base.clone(),
@@ -186,7 +194,7 @@ async fn run(mut args: Args) -> Result<()> {
                 report.cells.push(c);
             }
         }
-        if args.low_load_fraction > 0.0 {
+        if args.low_load_fraction > 0.0 || args.low_load_rate.is_some() {
             for &kind in &args.systems {
                 let peak = report
                     .cells
@@ -194,13 +202,13 @@ async fn run(mut args: Args) -> Result<()> {
                     .filter(|c| c.record_bytes == size && system_of(&c.system) == Some(kind))
                     .map(|c| c.records_per_s)
                     .fold(0.0, f64::max);
-                let rate = (peak * args.low_load_fraction).max(1.0);
+                let rate = args.low_load_rate.unwrap_or((peak * args.low_load_fraction).max(1.0));
                 let clients = args.low_load_clients;
                 let (name, _, m) = run_cell(kind, size, clients, Some(rate), &args).await?;
                 let c = report::low_load_cell(&name, size, clients, rate, &m.latency_us, m.seconds, &base);
                 eprintln!(
-                    "{name:>15} {size:>6} B at {rate:.0}/s ({:.0} % of peak): p50 {:.2} ms  p99 {:.2} ms = {:.2}× fdatasync p99",
-                    args.low_load_fraction * 100.0,
+                    "{name:>15} {size:>6} B at {rate:.0}/s ({}): p50 {:.2} ms  p99 {:.2} ms = {:.2}× fdatasync p99",
+                    report.settings.low_load_label(),
                     c.p50_us / 1e3,
                     c.p99_us / 1e3,
                     c.p99_vs_fdatasync_p99

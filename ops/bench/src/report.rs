@@ -51,7 +51,19 @@ pub struct Settings {
     pub duration_s: f64,
     pub warmup_s: f64,
     pub low_load_fraction: f64,
+    /// A fixed open-loop rate that replaced the fraction, when given.
+    pub low_load_rate: Option<f64>,
     pub low_load_clients: usize,
+}
+
+impl Settings {
+    /// How the open-loop rate was chosen, for headings.
+    pub fn low_load_label(&self) -> String {
+        match self.low_load_rate {
+            Some(rate) => format!("a fixed {rate:.0} records/s"),
+            None => format!("{:.0} % of each system's peak", self.low_load_fraction * 100.0),
+        }
+    }
 }
 
 #[derive(Debug, Clone, Serialize)]
@@ -223,8 +235,8 @@ impl Report {
             let _ = writeln!(out);
             let _ = writeln!(
                 out,
-                "**Latency at {:.0} % of each system's peak** (open loop, {} clients, latency from each arrival's scheduled time)",
-                s.low_load_fraction * 100.0,
+                "**Latency at {}** (open loop, {} clients, latency from each arrival's scheduled time)",
+                s.low_load_label(),
                 s.low_load_clients
             );
             let _ = writeln!(out);
@@ -273,9 +285,9 @@ impl Report {
         }
         for c in self.low_load.iter().filter(|c| c.system == "walship-quorum") {
             lines.push(format!(
-                "{} B: p99 at {:.0} % load = {:.2} ms = {:.2}× fdatasync p99 (target ≤ 3×: {})",
+                "{} B: p99 at {} = {:.2} ms = {:.2}× fdatasync p99 (target ≤ 3×: {})",
                 c.record_bytes,
-                self.settings.low_load_fraction * 100.0,
+                self.settings.low_load_label(),
                 c.p99_us / 1e3,
                 c.p99_vs_fdatasync_p99,
                 verdict(c.p99_vs_fdatasync_p99 <= 3.0)
