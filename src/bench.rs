@@ -22,15 +22,14 @@ use std::io::{BufRead, BufReader, Write};
 use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
 use std::sync::Arc;
-use std::sync::atomic::{AtomicBool, Ordering};
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use anyhow::{Context, Result, bail};
 use bytes::Bytes;
 use clap::{Args, ValueEnum};
-use hdrhistogram::Histogram;
 use serde::Serialize;
 use tonic::transport::{Channel, Endpoint};
+use walship_loadgen::Measured;
 use walship_proto::log::log_client::LogClient;
 use walship_proto::log::{AppendRecord, AppendRequest, Durability};
 use walship_wal::{EngineStore, NewRecord, Wal, WalConfig, WalMetrics};
@@ -119,84 +118,26 @@ struct Report {
     cells: Vec<Cell>,
 }
 
-fn histogram() -> Histogram<u64> {
-    Histogram::new_with_bounds(1, 60_000_000, 3).expect("valid bounds")
-}
-
 /// Raw limits of the disk under `dir`.
 pub fn measure_baseline(dir: &Path) -> Result<Baseline> {
     walship_wal::disk::measure(dir).with_context(|| format!("measuring the disk under {}", dir.display()))
 }
 
-/// Runs `appenders` loops of `append_once` for warm-up + duration and
-/// returns the latency histogram of the measured part and its length.
-async fn drive<F, Fut>(
-    appenders: usize,
-    warmup: Duration,
-    duration: Duration,
-    append_once: F,
-) -> Result<(Histogram<u64>, f64)>
-where
-    F: Fn(usize) -> Fut + Send + Sync + 'static,
-    Fut: std::future::Future<Output = Result<()>> + Send,
-{
-    let append_once = Arc::new(append_once);
-    let measuring = Arc::new(AtomicBool::new(false));
-    let stop = Arc::new(AtomicBool::new(false));
-    let mut tasks = Vec::new();
-    for i in 0..appenders {
-        let (append_once, measuring, stop) = (append_once.clone(), measuring.clone(), stop.clone());
-        tasks.push(tokio::spawn(async move {
-            let mut lat = histogram();
-            while !stop.load(Ordering::Relaxed) {
-                let t = Instant::now();
-                append_once(i).await?;
-                if measuring.load(Ordering::Relaxed) {
-                    lat.record(t.elapsed().as_micros().max(1) as u64)?;
-                }
-            }
-            anyhow::Ok(lat)
-        }));
-    }
-    tokio::time::sleep(warmup).await;
-    measuring.store(true, Ordering::Relaxed);
-    let started = Instant::now();
-    tokio::time::sleep(duration).await;
-    measuring.store(false, Ordering::Relaxed);
-    let seconds = started.elapsed().as_secs_f64();
-    stop.store(true, Ordering::Relaxed);
-    let mut total = histogram();
-    for task in tasks {
-        total.add(task.await??)?;
-    }
-    Ok((total, seconds))
-}
-
-fn cell(
-    path: BenchPath,
-    size: usize,
-    shards: u32,
-    appenders: usize,
-    lat: &Histogram<u64>,
-    seconds: f64,
-    base: &Baseline,
-) -> Cell {
-    let records_per_s = lat.len() as f64 / seconds;
-    let mib_per_s = records_per_s * size as f64 / (1 << 20) as f64;
-    let p99 = lat.value_at_quantile(0.99) as f64;
+fn cell(path: BenchPath, size: usize, shards: u32, appenders: usize, m: &Measured, base: &Baseline) -> Cell {
+    let f = m.summary(size);
     Cell {
         path: path.name(),
         record_bytes: size,
         shards,
         appenders,
-        records_per_s,
-        mib_per_s,
-        p50_us: lat.value_at_quantile(0.5) as f64,
-        p99_us: p99,
-        p999_us: lat.value_at_quantile(0.999) as f64,
-        bandwidth_ratio: mib_per_s * path.copies() / base.seq_write_mib_s,
+        records_per_s: f.records_per_s,
+        mib_per_s: f.mib_per_s,
+        p50_us: f.p50_us,
+        p99_us: f.p99_us,
+        p999_us: f.p999_us,
+        bandwidth_ratio: f.mib_per_s * path.copies() / base.seq_write_mib_s,
         vs_local: None,
-        p99_ratio: p99 / base.fdatasync_4k_p99_us,
+        p99_ratio: f.p99_us / base.fdatasync_4k_p99_us,
     }
 }
 
@@ -204,13 +145,7 @@ fn payload(size: usize) -> Bytes {
     Bytes::from((0..size).map(|i| (i * 131 % 251) as u8).collect::<Vec<u8>>())
 }
 
-async fn wal_cell(
-    dir: &Path,
-    size: usize,
-    shards: u32,
-    appenders: usize,
-    args: &BenchArgs,
-) -> Result<(Histogram<u64>, f64)> {
+async fn wal_cell(dir: &Path, size: usize, shards: u32, appenders: usize, args: &BenchArgs) -> Result<Measured> {
     let data = dir.join(format!("wal-{size}-{shards}-{appenders}"));
     let _ = std::fs::remove_dir_all(&data);
     let store = {
@@ -223,16 +158,20 @@ async fn wal_cell(
     }
     let body = payload(size);
     let wal2 = wal.clone();
-    let result =
-        drive(appenders, Duration::from_secs_f64(args.warmup), Duration::from_secs_f64(args.duration), move |i| {
+    let result = walship_loadgen::closed(
+        appenders,
+        Duration::from_secs_f64(args.warmup),
+        Duration::from_secs_f64(args.duration),
+        move |i| {
             let (wal, body) = (wal2.clone(), body.clone());
             async move {
                 let shard = 1 + (i as u32 % shards);
                 wal.append(shard, 1, vec![NewRecord { key: Bytes::new(), payload: body }]).await?;
                 Ok(())
             }
-        })
-        .await;
+        },
+    )
+    .await;
     drop(wal);
     let _ = std::fs::remove_dir_all(&data);
     result
@@ -314,7 +253,7 @@ async fn grpc_cell(
     shards: u32,
     appenders: usize,
     args: &BenchArgs,
-) -> Result<(Histogram<u64>, f64)> {
+) -> Result<Measured> {
     let data = dir.join(format!("{}-{size}-{shards}-{appenders}", path.name()));
     let _ = std::fs::remove_dir_all(&data);
     let (target, durability) = match path {
@@ -336,8 +275,11 @@ async fn grpc_cell(
     }
     let clients = Arc::new(clients);
     let body = payload(size);
-    let result =
-        drive(appenders, Duration::from_secs_f64(args.warmup), Duration::from_secs_f64(args.duration), move |i| {
+    let result = walship_loadgen::closed(
+        appenders,
+        Duration::from_secs_f64(args.warmup),
+        Duration::from_secs_f64(args.duration),
+        move |i| {
             let shard = i % clients.len();
             let per = &clients[shard];
             let mut client = per[(i / clients.len()) % per.len()].clone();
@@ -351,8 +293,9 @@ async fn grpc_cell(
                 client.append(request).await.map_err(|s| anyhow::anyhow!("append: {s}"))?;
                 Ok(())
             }
-        })
-        .await;
+        },
+    )
+    .await;
     drop(target);
     let _ = std::fs::remove_dir_all(&data);
     result
@@ -416,11 +359,11 @@ pub async fn run(args: BenchArgs) -> Result<()> {
             for &size in &args.sizes {
                 for &appenders in &args.appenders {
                     bar.set_message(format!("{} {size} B, {shards} shard(s), {appenders} appenders", path.name()));
-                    let (lat, seconds) = match path {
+                    let measured = match path {
                         BenchPath::Wal => wal_cell(&args.dir, size, shards, appenders, &args).await?,
                         _ => grpc_cell(path, &args.dir, size, shards, appenders, &args).await?,
                     };
-                    let c = cell(path, size, shards, appenders, &lat, seconds, &base);
+                    let c = cell(path, size, shards, appenders, &measured, &base);
                     bar.println(format!(
                         "{:>10} {size:>6} B  {shards} shard(s)  {appenders:>3} appenders: {:>9.0} rec/s {:>7.1} MiB/s  p99 {:>6.0} µs",
                         c.path, c.records_per_s, c.mib_per_s, c.p99_us

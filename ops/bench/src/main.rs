@@ -138,7 +138,7 @@ async fn run_cell(
     clients: usize,
     rate: Option<f64>,
     args: &Args,
-) -> Result<(String, f64, load::Measured)> {
+) -> Result<(String, f64, walship_loadgen::Measured)> {
     let cluster = start(kind, &args.dir, args).await?;
     let name = cluster.name();
     let copies = cluster.copies();
@@ -183,7 +183,7 @@ async fn run(mut args: Args) -> Result<()> {
         for &clients in &args.clients {
             for &kind in &args.systems {
                 let (name, copies, m) = run_cell(kind, size, clients, None, &args).await?;
-                let c = report::cell(&name, size, clients, copies, &m.latency_us, m.seconds, &base);
+                let c = report::cell(&name, size, clients, copies, &m, &base);
                 eprintln!(
                     "{name:>15} {size:>6} B {clients:>4} clients: {:>8.0} rec/s {:>7.1} MiB/s  p50 {:>7.2} ms  p99 {:>7.2} ms",
                     c.records_per_s,
@@ -205,7 +205,7 @@ async fn run(mut args: Args) -> Result<()> {
                 let rate = args.low_load_rate.unwrap_or((peak * args.low_load_fraction).max(1.0));
                 let clients = args.low_load_clients;
                 let (name, _, m) = run_cell(kind, size, clients, Some(rate), &args).await?;
-                let c = report::low_load_cell(&name, size, clients, rate, &m.latency_us, m.seconds, &base);
+                let c = report::low_load_cell(&name, size, clients, rate, &m, &base);
                 eprintln!(
                     "{name:>15} {size:>6} B at {rate:.0}/s ({}): p50 {:.2} ms  p99 {:.2} ms = {:.2}× fdatasync p99",
                     report.settings.low_load_label(),

@@ -2,8 +2,8 @@
 
 use std::fmt::Write as _;
 
-use hdrhistogram::Histogram;
 use serde::Serialize;
+use walship_loadgen::Measured;
 use walship_wal::disk::DiskBaseline;
 
 /// Latency quantiles kept for the CDF chart.
@@ -74,28 +74,19 @@ pub struct Report {
     pub low_load: Vec<LowLoadCell>,
 }
 
-pub fn cell(
-    system: &str,
-    size: usize,
-    clients: usize,
-    copies: f64,
-    lat: &Histogram<u64>,
-    seconds: f64,
-    base: &DiskBaseline,
-) -> Cell {
-    let records_per_s = lat.len() as f64 / seconds;
-    let mib_per_s = records_per_s * size as f64 / (1 << 20) as f64;
+pub fn cell(system: &str, size: usize, clients: usize, copies: f64, m: &Measured, base: &DiskBaseline) -> Cell {
+    let f = m.summary(size);
     Cell {
         system: system.to_string(),
         record_bytes: size,
         clients,
-        records_per_s,
-        mib_per_s,
-        p50_us: lat.value_at_quantile(0.5) as f64,
-        p99_us: lat.value_at_quantile(0.99) as f64,
-        p999_us: lat.value_at_quantile(0.999) as f64,
-        disk_ratio: mib_per_s * copies / base.seq_write_mib_s,
-        cdf: CDF_QUANTILES.iter().map(|&q| (q, lat.value_at_quantile(q) as f64)).collect(),
+        records_per_s: f.records_per_s,
+        mib_per_s: f.mib_per_s,
+        p50_us: f.p50_us,
+        p99_us: f.p99_us,
+        p999_us: f.p999_us,
+        disk_ratio: f.mib_per_s * copies / base.seq_write_mib_s,
+        cdf: CDF_QUANTILES.iter().map(|&q| (q, m.latency_us.value_at_quantile(q) as f64)).collect(),
     }
 }
 
@@ -104,21 +95,20 @@ pub fn low_load_cell(
     size: usize,
     clients: usize,
     offered_per_s: f64,
-    lat: &Histogram<u64>,
-    seconds: f64,
+    m: &Measured,
     base: &DiskBaseline,
 ) -> LowLoadCell {
-    let p99 = lat.value_at_quantile(0.99) as f64;
+    let f = m.summary(size);
     LowLoadCell {
         system: system.to_string(),
         record_bytes: size,
         clients,
         offered_per_s,
-        achieved_per_s: lat.len() as f64 / seconds,
-        p50_us: lat.value_at_quantile(0.5) as f64,
-        p99_us: p99,
-        p999_us: lat.value_at_quantile(0.999) as f64,
-        p99_vs_fdatasync_p99: p99 / base.fdatasync_4k_p99_us,
+        achieved_per_s: f.records_per_s,
+        p50_us: f.p50_us,
+        p99_us: f.p99_us,
+        p999_us: f.p999_us,
+        p99_vs_fdatasync_p99: f.p99_us / base.fdatasync_4k_p99_us,
     }
 }
 

@@ -99,7 +99,7 @@ fn bad_arguments_are_refused_before_anything_starts() {
         (&["--clients", "0"][..], "at least 1"),
         (&["--duration", "0"][..], "--duration"),
         (&["--low-load-fraction", "1.5"][..], "--low-load-fraction"),
-        (&["--low-load-rate", "-3"][..], "--low-load-rate"),
+        (&["--low-load-rate", "0"][..], "--low-load-rate"),
         (&["--sizes", "2000000"][..], "1 MiB"),
         (&["--systems", "kafka"][..], "kafka"),
     ] {
