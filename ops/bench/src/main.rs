@@ -15,6 +15,7 @@
 //! binaries and runs this; see `ops/bench/README.md`.
 
 mod chart;
+mod failover;
 mod load;
 mod nats;
 mod pg;
@@ -75,8 +76,14 @@ struct Args {
     /// Clients serving the open-loop arrivals.
     #[arg(long, default_value_t = 64)]
     low_load_clients: usize,
+    /// Leader kills per system for the failover measurement (0 skips it).
+    #[arg(long, default_value_t = 3)]
+    failover_trials: usize,
+    /// Clients appending (100 B records) during a leader kill.
+    #[arg(long, default_value_t = 16)]
+    failover_clients: usize,
     /// One quick cell per system (100 B, 4 clients, 1 s) plus its open-loop
-    /// cell: checks the harness end to end in seconds.
+    /// cell and one leader kill: checks the harness end to end in seconds.
     #[arg(long)]
     smoke: bool,
     /// The walship binary (default: `walship` beside this binary).
@@ -98,12 +105,18 @@ impl Args {
             self.duration = 1.0;
             self.warmup = 0.5;
             self.low_load_clients = 4;
+            self.failover_trials = self.failover_trials.min(1);
+            self.failover_clients = 4;
         }
         if self.systems.is_empty() || self.sizes.is_empty() || self.clients.is_empty() {
             bail!("--systems, --sizes and --clients need at least one value each");
         }
-        if self.sizes.contains(&0) || self.clients.contains(&0) || self.low_load_clients == 0 {
-            bail!("--sizes, --clients and --low-load-clients must be at least 1");
+        if self.sizes.contains(&0)
+            || self.clients.contains(&0)
+            || self.low_load_clients == 0
+            || self.failover_clients == 0
+        {
+            bail!("--sizes, --clients, --low-load-clients and --failover-clients must be at least 1");
         }
         if self.sizes.iter().any(|&s| s > 1 << 20) {
             bail!("--sizes above 1 MiB are not supported (NATS' default max_payload)");
@@ -121,11 +134,17 @@ impl Args {
     }
 }
 
-async fn start(kind: SystemKind, dir: &Path, args: &Args) -> Result<Box<dyn Cluster>> {
+/// Starts `kind` fresh under `dir`; `coordinated` gives walship a
+/// coordinator (for the failover measurement).
+async fn start(kind: SystemKind, dir: &Path, args: &Args, coordinated: bool) -> Result<Box<dyn Cluster>> {
     let walship_bin = args.walship.clone().unwrap_or_else(walship::default_binary);
     match kind {
-        SystemKind::WalshipQuorum => walship::start(&dir.join("walship"), &walship_bin, Durability::Quorum).await,
-        SystemKind::WalshipAll => walship::start(&dir.join("walship"), &walship_bin, Durability::All).await,
+        SystemKind::WalshipQuorum => {
+            walship::start(&dir.join("walship"), &walship_bin, Durability::Quorum, coordinated).await
+        }
+        SystemKind::WalshipAll => {
+            walship::start(&dir.join("walship"), &walship_bin, Durability::All, coordinated).await
+        }
         SystemKind::Jetstream => nats::start(&dir.join("nats"), &args.nats_server).await,
         SystemKind::Postgres => pg::start(&dir.join("postgres"), &pg::PgOptions { bin_dir: args.pg_bin.clone() }).await,
     }
@@ -139,7 +158,7 @@ async fn run_cell(
     rate: Option<f64>,
     args: &Args,
 ) -> Result<(String, f64, walship_loadgen::Measured)> {
-    let cluster = start(kind, &args.dir, args).await?;
+    let cluster = start(kind, &args.dir, args, false).await?;
     let name = cluster.name();
     let copies = cluster.copies();
     let appenders = cluster.appenders(clients).await?;
@@ -174,10 +193,12 @@ async fn run(mut args: Args) -> Result<()> {
             low_load_fraction: args.low_load_fraction,
             low_load_rate: args.low_load_rate,
             low_load_clients: args.low_load_clients,
+            failover_clients: args.failover_clients,
         },
         baseline: base.clone(),
         cells: Vec::new(),
         low_load: Vec::new(),
+        failover: Vec::new(),
     };
     for &size in &args.sizes {
         for &clients in &args.clients {
@@ -217,6 +238,11 @@ async fn run(mut args: Args) -> Result<()> {
             }
         }
     }
+    if args.failover_trials > 0 {
+        for &kind in args.systems.iter().filter(|&&k| k != SystemKind::WalshipAll) {
+            report.failover.push(failover_row(kind, &args).await?);
+        }
+    }
     let _ = std::fs::remove_dir_all(&args.dir);
     let markdown = report.markdown();
     std::fs::write(args.out.join("compare.md"), &markdown)?;
@@ -225,6 +251,35 @@ async fn run(mut args: Args) -> Result<()> {
     println!("{markdown}");
     eprintln!("wrote compare.md, compare.json and compare.png to {}", args.out.display());
     Ok(())
+}
+
+/// `--failover-trials` leader kills of `kind`, each on a fresh cluster.
+async fn failover_row(kind: SystemKind, args: &Args) -> Result<report::FailoverRow> {
+    let mut row = report::FailoverRow::default();
+    for n in 0..args.failover_trials {
+        let mut cluster = start(kind, &args.dir, args, true).await?;
+        row.system = cluster.name();
+        let outcome = failover::trial(&mut cluster, args.failover_clients, 100).await;
+        let stopped = cluster.stop().await;
+        let outcome = outcome.with_context(|| format!("{} failover trial {}", row.system, n + 1))?;
+        stopped.with_context(|| format!("stopping {}", row.system))?;
+        let Some(trial) = outcome else {
+            row.note = "no automatic failover built in (needs external tooling such as Patroni)".into();
+            eprintln!("{:>15} failover: {}", row.system, row.note);
+            break;
+        };
+        eprintln!(
+            "{:>15} failover {}: killed {}, writes unavailable {:.0} ms ({} acked before, {} failed attempts)",
+            row.system,
+            n + 1,
+            trial.killed,
+            trial.unavailable_ms,
+            trial.acked_before,
+            trial.failed_attempts
+        );
+        row.trials_ms.push(trial.unavailable_ms);
+    }
+    Ok(row)
 }
 
 fn system_of(name: &str) -> Option<SystemKind> {

@@ -208,6 +208,54 @@ impl Cluster for NatsCluster {
             .collect())
     }
 
+    async fn kill_leader(&mut self) -> Result<Option<String>> {
+        // Ask a server that will survive: any of them answers for the stream.
+        let mut last = String::new();
+        for node in &self.nodes {
+            let Ok(client) = connect(node, "walship-compare-failover").await else { continue };
+            let js = jetstream::ContextBuilder::new().timeout(Duration::from_secs(2)).build(client);
+            match js.get_stream(STREAM).await {
+                Ok(stream) => {
+                    let leader = stream.cached_info().cluster.as_ref().and_then(|c| c.leader.clone());
+                    let Some(leader) = leader else { bail!("stream {STREAM} has no leader to kill") };
+                    let index = self
+                        .nodes
+                        .iter()
+                        .position(|n| n.name == leader)
+                        .with_context(|| format!("stream leader {leader} is not one of this cluster's servers"))?;
+                    self.servers[index].kill()?;
+                    return Ok(Some(leader));
+                }
+                Err(err) => last = err.to_string(),
+            }
+        }
+        bail!("no server answered for stream {STREAM}: {last}")
+    }
+
+    async fn failover_appenders(&self, clients: usize) -> Result<Vec<Arc<dyn Appender>>> {
+        // Every connection knows all three servers and reconnects to a live
+        // one; a publish waits at most FAILOVER_ATTEMPT for its ack.
+        let urls: Vec<async_nats::ServerAddr> =
+            self.nodes.iter().map(|n| n.url().parse()).collect::<Result<_, _>>().context("server URL")?;
+        let mut contexts = Vec::new();
+        for k in 0..clients.clamp(1, MAX_CONNECTIONS) {
+            let mut urls = urls.clone();
+            let first = k % urls.len();
+            urls.rotate_left(first);
+            let client = async_nats::ConnectOptions::new()
+                .name(format!("walship-compare-failover-{k}"))
+                .retain_servers_order()
+                .connection_timeout(Duration::from_secs(5))
+                .connect(urls)
+                .await
+                .context("connecting to the NATS cluster")?;
+            contexts.push(jetstream::ContextBuilder::new().timeout(crate::failover::ATTEMPT).build(client));
+        }
+        Ok((0..clients)
+            .map(|i| Arc::new(NatsAppender { js: contexts[i % contexts.len()].clone() }) as Arc<dyn Appender>)
+            .collect())
+    }
+
     async fn stop(self: Box<Self>) -> Result<()> {
         let NatsCluster { mut servers, .. } = *self;
         tokio::task::spawn_blocking(move || {

@@ -46,6 +46,14 @@ impl Server {
         Ok(())
     }
 
+    /// Kills the process at once (SIGKILL, a crash) and waits for it.
+    pub fn kill(&mut self) -> Result<()> {
+        let Some(mut child) = self.child.take() else { return Ok(()) };
+        child.kill()?;
+        child.wait()?;
+        Ok(())
+    }
+
     /// Stops the process and waits for it.
     pub fn stop(&mut self) -> Result<()> {
         let Some(mut child) = self.child.take() else { return Ok(()) };

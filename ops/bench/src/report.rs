@@ -54,6 +54,8 @@ pub struct Settings {
     /// A fixed open-loop rate that replaced the fraction, when given.
     pub low_load_rate: Option<f64>,
     pub low_load_clients: usize,
+    /// Clients appending during the leader kills.
+    pub failover_clients: usize,
 }
 
 impl Settings {
@@ -72,6 +74,26 @@ pub struct Report {
     pub baseline: DiskBaseline,
     pub cells: Vec<Cell>,
     pub low_load: Vec<LowLoadCell>,
+    pub failover: Vec<FailoverRow>,
+}
+
+/// One system's leader kills (see `failover.rs`).
+#[derive(Debug, Clone, Default, Serialize)]
+pub struct FailoverRow {
+    pub system: String,
+    /// Kill → first acknowledgement of an append issued after it, per trial.
+    pub trials_ms: Vec<f64>,
+    /// Why there are no trials, when there are none.
+    pub note: String,
+}
+
+impl FailoverRow {
+    /// (median, worst) of the trials.
+    pub fn median_and_max(&self) -> Option<(f64, f64)> {
+        let mut t = self.trials_ms.clone();
+        t.sort_by(f64::total_cmp);
+        Some((*t.get(t.len() / 2)?, *t.last()?))
+    }
 }
 
 pub fn cell(system: &str, size: usize, clients: usize, copies: f64, m: &Measured, base: &DiskBaseline) -> Cell {
@@ -248,6 +270,31 @@ impl Report {
                     c.p999_us / 1e3,
                     c.p99_vs_fdatasync_p99
                 );
+            }
+        }
+        if !self.failover.is_empty() {
+            let _ = writeln!(out);
+            let _ = writeln!(
+                out,
+                "**Write unavailability when the leader is killed** (SIGKILL while {} clients append 100 B records; \
+                 from the kill to the first acknowledgement of an append issued after it; a fresh cluster per kill)",
+                s.failover_clients
+            );
+            let _ = writeln!(out);
+            let _ = writeln!(out, "| system | kills | median ms | worst ms | every kill, ms |");
+            let _ = writeln!(out, "|---|---:|---:|---:|---|");
+            for row in &self.failover {
+                let trials: Vec<String> = row.trials_ms.iter().map(|t| format!("{t:.0}")).collect();
+                let _ = match row.median_and_max() {
+                    Some((median, max)) => writeln!(
+                        out,
+                        "| {} | {} | {median:.0} | {max:.0} | {} |",
+                        row.system,
+                        trials.len(),
+                        trials.join(", ")
+                    ),
+                    None => writeln!(out, "| {} | 0 | – | – | {} |", row.system, row.note),
+                };
             }
         }
         let _ = writeln!(out);

@@ -36,4 +36,17 @@ pub trait Cluster: Send + Sync {
     async fn appenders(&self, clients: usize) -> Result<Vec<Arc<dyn Appender>>>;
     /// Stops every process and waits for them to exit.
     async fn stop(self: Box<Self>) -> Result<()>;
+
+    /// Kills (SIGKILL) the process leading the log and names it; `None`
+    /// when the system has no automatic failover to measure.
+    async fn kill_leader(&mut self) -> Result<Option<String>> {
+        Ok(None)
+    }
+
+    /// Appenders for the failover measurement: each attempt gives up
+    /// quickly, and after an error the next attempt may go to another
+    /// server, so clients find whoever leads next.
+    async fn failover_appenders(&self, clients: usize) -> Result<Vec<Arc<dyn Appender>>> {
+        self.appenders(clients).await
+    }
 }

@@ -1,23 +1,29 @@
-//! walship: three `walship node` processes, one shard at RF=3, static
-//! leadership (node 1 leads), appends at `QUORUM` or `ALL`.
+//! walship: three `walship node` processes, one shard at RF=3, appends at
+//! `QUORUM` or `ALL`.
 //!
 //! The nodes run from the release binary the script builds (`--walship`),
 //! each with its own data directory on the benchmark disk, with the
 //! replication settings a default deployment gets (`[replication]` left
-//! at its defaults). No coordinator runs: failover is not being measured.
+//! at its defaults). Throughput cells run with static leadership (node 1
+//! leads, no coordinator). The failover measurement adds a `walship coord`
+//! (embedded file KV, default loss detection: 50 ms heartbeats, 200 ms
+//! timeout), which owns leadership as in production.
 
 use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
 use std::process::Command;
 use std::sync::Arc;
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::{Duration, Instant};
 
 use anyhow::{Context, Result, bail};
 use async_trait::async_trait;
 use bytes::Bytes;
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tonic::transport::{Channel, Endpoint};
 use walship_proto::log::log_client::LogClient;
 use walship_proto::log::{AppendRecord, AppendRequest, Durability};
+use walship_shipping::config::CoordinatorSpec;
 use walship_shipping::{ClusterConfig, NodeSpec};
 
 use crate::proc::{Server, free_port, wait_for_port};
@@ -29,31 +35,59 @@ pub const MAX_CONNECTIONS: usize = 8;
 
 pub struct WalshipCluster {
     durability: Durability,
-    leader: SocketAddr,
+    /// gRPC address of node i+1 at index i.
+    nodes: Vec<SocketAddr>,
+    /// The static leader's index into `nodes`.
+    leader: usize,
+    /// Node servers, index as `nodes`.
     servers: Vec<Server>,
+    /// With a coordinator: its process and admin address.
+    coordinator: Option<(Server, SocketAddr)>,
 }
 
-/// Starts the three nodes under `dir` (fresh) and returns once the leader
-/// acknowledges an append at `durability`.
-pub async fn start(dir: &Path, walship: &Path, durability: Durability) -> Result<Box<dyn Cluster>> {
+fn loopback() -> Result<SocketAddr> {
+    Ok(SocketAddr::from(([127, 0, 0, 1], free_port()?)))
+}
+
+/// Starts the three nodes (and, when `coordinated`, a coordinator) under
+/// `dir` (fresh) and returns once an append is acknowledged at `durability`.
+pub async fn start(dir: &Path, walship: &Path, durability: Durability, coordinated: bool) -> Result<Box<dyn Cluster>> {
     if !walship.is_file() {
         bail!("walship binary not found at {} (build it: cargo build --release)", walship.display());
     }
     let _ = std::fs::remove_dir_all(dir);
     std::fs::create_dir_all(dir).with_context(|| format!("creating {}", dir.display()))?;
-    let mut nodes = Vec::new();
+    let mut specs = Vec::new();
     for id in 1..=3 {
-        let grpc = SocketAddr::from(([127, 0, 0, 1], free_port()?));
-        let admin = SocketAddr::from(([127, 0, 0, 1], free_port()?));
-        nodes.push(NodeSpec { id, grpc_addr: grpc.into(), admin_addr: admin.into(), region: id });
+        specs.push(NodeSpec { id, grpc_addr: loopback()?.into(), admin_addr: loopback()?.into(), region: id });
     }
-    let mut config = ClusterConfig::replicated_everywhere(nodes, 1);
+    let mut config = ClusterConfig::replicated_everywhere(specs, 1);
     config.cluster_id = "compare".into();
+    if coordinated {
+        config.coordinators =
+            vec![CoordinatorSpec { id: "bench".into(), grpc_addr: loopback()?.into(), admin_addr: loopback()?.into() }];
+    }
     config.validate()?;
     let file = dir.join("cluster.toml");
     std::fs::write(&file, toml::to_string_pretty(&config)?)?;
+    let coordinator = match config.coordinators.first() {
+        None => None,
+        Some(spec) => {
+            let mut command = Command::new(walship);
+            command
+                .args(["coord", "--id", &spec.id, "--admin-token", "walship-compare-token", "--cluster"])
+                .arg(&file)
+                .arg("--data-dir")
+                .arg(dir.join("coord"))
+                .env("WALSHIP_LOG", "warn");
+            let mut server = Server::spawn("walship coord", command, &dir.join("coord.log"), libc::SIGTERM)?;
+            let admin: SocketAddr = spec.admin_addr.to_string().parse()?;
+            wait_for_port(admin, Duration::from_secs(30), &mut server)?;
+            Some((server, admin))
+        }
+    };
     let mut servers = Vec::new();
-    let mut addrs = Vec::new();
+    let mut nodes = Vec::new();
     for node in &config.nodes {
         let mut command = Command::new(walship);
         command
@@ -65,28 +99,30 @@ pub async fn start(dir: &Path, walship: &Path, durability: Durability) -> Result
             .env("WALSHIP_LOG", "warn");
         let log = dir.join(format!("node-{}.log", node.id));
         servers.push(Server::spawn(&format!("walship node {}", node.id), command, &log, libc::SIGTERM)?);
-        addrs.push(node.grpc_addr.to_string().parse::<SocketAddr>()?);
+        nodes.push(node.grpc_addr.to_string().parse::<SocketAddr>()?);
     }
-    for (server, addr) in servers.iter_mut().zip(&addrs) {
+    for (server, addr) in servers.iter_mut().zip(&nodes) {
         wait_for_port(*addr, Duration::from_secs(30), server)?;
     }
-    let leader = addrs[config.shards[0].leader as usize - 1];
-    let cluster = WalshipCluster { durability, leader, servers };
+    let leader = config.shards[0].leader as usize - 1;
+    let cluster = WalshipCluster { durability, nodes, leader, servers, coordinator };
     cluster.wait_ready().await?;
     Ok(Box::new(cluster))
 }
 
+async fn connect(addr: SocketAddr) -> Result<LogClient<Channel>> {
+    let channel = Endpoint::from_shared(format!("http://{addr}"))?.tcp_nodelay(true).connect().await?;
+    Ok(LogClient::new(channel))
+}
+
 impl WalshipCluster {
-    /// Retries one append until the followers are connected and it is
-    /// acknowledged at the benchmark's durability.
+    /// Retries one append (following the leader) until the followers are
+    /// connected and it is acknowledged at the benchmark's durability.
     async fn wait_ready(&self) -> Result<()> {
-        let client = self.connect().await?;
+        let appender = self.following_appender().await?;
         let deadline = Instant::now() + Duration::from_secs(30);
         loop {
-            match (WalshipAppender { client: client.clone(), durability: self.durability })
-                .append(Bytes::from_static(b"ready"))
-                .await
-            {
+            match appender.append(Bytes::from_static(b"ready")).await {
                 Ok(()) => return Ok(()),
                 Err(e) if Instant::now() > deadline => return Err(e.context("walship never became ready")),
                 Err(_) => tokio::time::sleep(Duration::from_millis(100)).await,
@@ -94,9 +130,20 @@ impl WalshipCluster {
         }
     }
 
-    async fn connect(&self) -> Result<LogClient<Channel>> {
-        let channel = Endpoint::from_shared(format!("http://{}", self.leader))?.tcp_nodelay(true).connect().await?;
-        Ok(LogClient::new(channel))
+    async fn following_appender(&self) -> Result<FollowingAppender> {
+        let mut clients = Vec::new();
+        for addr in &self.nodes {
+            clients.push(connect(*addr).await?);
+        }
+        Ok(FollowingAppender { clients, current: AtomicUsize::new(self.leader), durability: self.durability })
+    }
+
+    /// The shard's leader as the coordinator records it (1-based node id).
+    async fn recorded_leader(&self, admin: SocketAddr) -> Result<usize> {
+        let body = http_get(admin, "/v1/shards/1").await?;
+        let value: serde_json::Value = serde_json::from_str(&body).context("coordinator's /v1/shards/1")?;
+        let leader = value["leader"].as_u64().with_context(|| format!("no leader in {body}"))?;
+        Ok(leader as usize)
     }
 }
 
@@ -112,7 +159,7 @@ impl Cluster for WalshipCluster {
     async fn appenders(&self, clients: usize) -> Result<Vec<Arc<dyn Appender>>> {
         let mut connections = Vec::new();
         for _ in 0..clients.clamp(1, MAX_CONNECTIONS) {
-            connections.push(self.connect().await?);
+            connections.push(connect(self.nodes[self.leader]).await?);
         }
         Ok((0..clients)
             .map(|i| {
@@ -126,10 +173,38 @@ impl Cluster for WalshipCluster {
         for server in &mut self.servers {
             server.stop()?;
         }
+        if let Some((server, _)) = &mut self.coordinator {
+            server.stop()?;
+        }
         Ok(())
+    }
+
+    async fn kill_leader(&mut self) -> Result<Option<String>> {
+        let Some((_, admin)) = &self.coordinator else { return Ok(None) };
+        let leader = self.recorded_leader(*admin).await?;
+        let server = self.servers.get_mut(leader - 1).with_context(|| format!("no node {leader}"))?;
+        server.kill()?;
+        Ok(Some(server.name.clone()))
+    }
+
+    async fn failover_appenders(&self, clients: usize) -> Result<Vec<Arc<dyn Appender>>> {
+        let mut appenders: Vec<Arc<dyn Appender>> = Vec::new();
+        for _ in 0..clients {
+            appenders.push(Arc::new(self.following_appender().await?));
+        }
+        Ok(appenders)
     }
 }
 
+fn request(payload: Bytes, durability: Durability) -> AppendRequest {
+    AppendRequest {
+        shard_id: 1,
+        records: vec![AppendRecord { key: Bytes::new(), payload }],
+        durability: durability as i32,
+    }
+}
+
+/// One client of the leader.
 struct WalshipAppender {
     client: LogClient<Channel>,
     durability: Durability,
@@ -138,14 +213,55 @@ struct WalshipAppender {
 #[async_trait]
 impl Appender for WalshipAppender {
     async fn append(&self, payload: Bytes) -> Result<()> {
-        let request = AppendRequest {
-            shard_id: 1,
-            records: vec![AppendRecord { key: Bytes::new(), payload }],
-            durability: self.durability as i32,
-        };
+        let request = request(payload, self.durability);
         self.client.clone().append(request).await.map_err(|s| anyhow::anyhow!("walship append: {s}"))?;
         Ok(())
     }
+}
+
+/// A client that knows every node: each attempt gives up after
+/// [`crate::failover::ATTEMPT`], and after any error the next attempt goes
+/// to the next node, so it finds whoever leads (followers refuse appends).
+struct FollowingAppender {
+    clients: Vec<LogClient<Channel>>,
+    current: AtomicUsize,
+    durability: Durability,
+}
+
+#[async_trait]
+impl Appender for FollowingAppender {
+    async fn append(&self, payload: Bytes) -> Result<()> {
+        let turn = self.current.load(Ordering::Relaxed);
+        let at = turn % self.clients.len();
+        let mut request = tonic::Request::new(request(payload, self.durability));
+        request.set_timeout(crate::failover::ATTEMPT);
+        let mut client = self.clients[at].clone();
+        let outcome = tokio::time::timeout(crate::failover::ATTEMPT, client.append(request)).await;
+        match outcome {
+            Ok(Ok(_)) => Ok(()),
+            failed => {
+                // Move on, unless a concurrent attempt already did.
+                let _ = self.current.compare_exchange(turn, turn + 1, Ordering::Relaxed, Ordering::Relaxed);
+                match failed {
+                    Ok(Err(status)) => bail!("walship append to node {}: {status}", at + 1),
+                    _ => bail!("walship append to node {}: no answer within {:?}", at + 1, crate::failover::ATTEMPT),
+                }
+            }
+        }
+    }
+}
+
+/// A plain HTTP/1.1 GET; returns the body of a 200 answer.
+async fn http_get(addr: SocketAddr, path: &str) -> Result<String> {
+    let mut stream = tokio::net::TcpStream::connect(addr).await?;
+    stream.write_all(format!("GET {path} HTTP/1.1\r\nHost: {addr}\r\nConnection: close\r\n\r\n").as_bytes()).await?;
+    let mut response = String::new();
+    stream.read_to_string(&mut response).await?;
+    let (head, body) = response.split_once("\r\n\r\n").with_context(|| format!("no HTTP answer from {addr}"))?;
+    if !head.starts_with("HTTP/1.1 200") {
+        bail!("GET {path} from {addr}: {}", head.lines().next().unwrap_or(""));
+    }
+    Ok(body.to_string())
 }
 
 /// The `walship` binary beside this one (`target/release/walship` when

