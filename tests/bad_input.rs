@@ -137,6 +137,18 @@ async fn snapshot(node: &NodeProcess, client: &mut LogClient<Channel>) -> (Vec<V
     (shards, contents)
 }
 
+/// The value of an unlabelled metric on the node's /metrics.
+async fn metric_value(node: &NodeProcess, name: &str) -> f64 {
+    let (code, body) = http_get(&format!("{}/metrics", node.admin)).await;
+    assert_eq!(code, 200);
+    body.lines()
+        .find_map(|l| l.strip_prefix(name).and_then(|rest| rest.strip_prefix(' ')))
+        .unwrap_or_else(|| panic!("{name} missing from /metrics"))
+        .trim()
+        .parse()
+        .unwrap()
+}
+
 /// `walship_requests_rejected_total` by (rpc, code).
 async fn rejected_counts(node: &NodeProcess) -> HashMap<(String, String), f64> {
     let (code, body) = http_get(&format!("{}/metrics", node.admin)).await;
@@ -379,7 +391,9 @@ async fn bad_requests_are_refused_precisely_and_change_nothing() {
         *expected_rejections.entry((rpc.to_string(), format!("{:?}", case.code))).or_default() += 1.0;
     }
 
-    // 7. Malformed protobuf bodies, sent verbatim.
+    // 7. Malformed protobuf bodies, sent verbatim: refused by the codec
+    // before the service, and counted on their own.
+    let undecodable_before = metric_value(&node, "walship_grpc_undecodable_messages_total").await;
     let channel = connect(&node).await;
     let garbage: Vec<(&str, Vec<u8>)> = vec![
         ("an unterminated varint tag", vec![0xff, 0xff, 0xff]),
@@ -394,6 +408,12 @@ async fn bad_requests_are_refused_precisely_and_change_nothing() {
         let result = raw_append(channel.clone(), body).await;
         assert_refused(&format!("malformed Append: {what}"), result, Code::InvalidArgument, &["malformed"], &[]);
     }
+    let undecodable_after = metric_value(&node, "walship_grpc_undecodable_messages_total").await;
+    assert_eq!(
+        undecodable_after - undecodable_before,
+        garbage.len() as f64,
+        "walship_grpc_undecodable_messages_total counts each malformed body once"
+    );
     // Control: the raw path reaches the service. An empty body decodes to the
     // default AppendRequest (shard 0), which the service refuses by shard.
     let result = raw_append(channel.clone(), &[]).await;

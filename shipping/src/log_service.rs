@@ -97,6 +97,7 @@ impl LogServiceMetrics {
         registry.register(Box::new(append_seconds.clone()))?;
         registry.register(Box::new(append_batch_records.clone()))?;
         registry.register(Box::new(rejected.clone()))?;
+        crate::metrics::UndecodableMessages::register(registry)?;
         Ok(LogServiceMetrics { append_seconds, append_batch_records, rejected })
     }
 }

@@ -33,6 +33,42 @@ pub struct ReplicationMetrics {
     pub append_rate: Gauge,
 }
 
+/// `walship_grpc_undecodable_messages_total`: the process-wide count kept by
+/// the gRPC codec ([`walship_proto::codec::undecodable_messages`]), read at
+/// every scrape. Undecodable requests never reach a service, so they are
+/// not in `walship_requests_rejected_total`.
+pub struct UndecodableMessages {
+    desc: prometheus::core::Desc,
+}
+
+const UNDECODABLE_NAME: &str = "walship_grpc_undecodable_messages_total";
+const UNDECODABLE_HELP: &str = "Protobuf messages received that did not decode (requests refused with INVALID_ARGUMENT before any service, unreadable peer answers)";
+
+impl UndecodableMessages {
+    /// Registers the counter in `registry`.
+    pub fn register(registry: &Registry) -> prometheus::Result<()> {
+        let desc = prometheus::core::Desc::new(
+            UNDECODABLE_NAME.into(),
+            UNDECODABLE_HELP.into(),
+            Vec::new(),
+            Default::default(),
+        )?;
+        registry.register(Box::new(UndecodableMessages { desc }))
+    }
+}
+
+impl prometheus::core::Collector for UndecodableMessages {
+    fn desc(&self) -> Vec<&prometheus::core::Desc> {
+        vec![&self.desc]
+    }
+
+    fn collect(&self) -> Vec<prometheus::proto::MetricFamily> {
+        let counter = IntCounter::new(UNDECODABLE_NAME, UNDECODABLE_HELP).expect("valid metric name");
+        counter.inc_by(walship_proto::codec::undecodable_messages());
+        counter.collect()
+    }
+}
+
 fn register<T: prometheus::core::Collector + Clone + 'static>(registry: &Registry, c: T) -> prometheus::Result<T> {
     registry.register(Box::new(c.clone()))?;
     Ok(c)

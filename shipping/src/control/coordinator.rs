@@ -159,6 +159,7 @@ impl CoordinatorMetrics {
         registry.register(Box::new(failovers.clone()))?;
         registry.register(Box::new(failover_seconds.clone()))?;
         registry.register(Box::new(assigns.clone()))?;
+        crate::metrics::UndecodableMessages::register(registry)?;
         Ok(CoordinatorMetrics { active, lease_term, failovers, failover_seconds, assigns })
     }
 }
