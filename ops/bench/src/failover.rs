@@ -118,3 +118,80 @@ pub async fn trial(cluster: &mut Box<dyn Cluster>, clients: usize, size: usize) 
         failed_attempts: failed.load(Ordering::Relaxed) - failed_before,
     }))
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::system::Appender;
+    use async_trait::async_trait;
+
+    /// A cluster whose appends fail from the kill until `outage` later.
+    struct Fake {
+        killed_at: Arc<Mutex<Option<Instant>>>,
+        outage: Duration,
+        fails_over: bool,
+    }
+
+    struct FakeAppender {
+        killed_at: Arc<Mutex<Option<Instant>>>,
+        outage: Duration,
+    }
+
+    #[async_trait]
+    impl Appender for FakeAppender {
+        async fn append(&self, _payload: Bytes) -> Result<()> {
+            tokio::time::sleep(Duration::from_millis(1)).await;
+            match *self.killed_at.lock() {
+                Some(at) if at.elapsed() < self.outage => bail!("no leader"),
+                _ => Ok(()),
+            }
+        }
+    }
+
+    #[async_trait]
+    impl Cluster for Fake {
+        fn name(&self) -> String {
+            "fake".into()
+        }
+        async fn appenders(&self, clients: usize) -> Result<Vec<Arc<dyn Appender>>> {
+            Ok((0..clients)
+                .map(|_| {
+                    Arc::new(FakeAppender { killed_at: self.killed_at.clone(), outage: self.outage })
+                        as Arc<dyn Appender>
+                })
+                .collect())
+        }
+        async fn stop(self: Box<Self>) -> Result<()> {
+            Ok(())
+        }
+        async fn kill_leader(&mut self) -> Result<Option<String>> {
+            if !self.fails_over {
+                return Ok(None);
+            }
+            *self.killed_at.lock() = Some(Instant::now());
+            Ok(Some("leader".into()))
+        }
+    }
+
+    #[tokio::test]
+    async fn measures_the_outage_from_the_kill_to_the_first_new_ack() {
+        let outage = Duration::from_millis(300);
+        let mut cluster: Box<dyn Cluster> = Box::new(Fake { killed_at: Arc::default(), outage, fails_over: true });
+        let trial = trial(&mut cluster, 4, 100).await.unwrap().unwrap();
+        assert_eq!(trial.killed, "leader");
+        assert!(
+            (300.0..400.0).contains(&trial.unavailable_ms),
+            "measured {} ms for a 300 ms outage",
+            trial.unavailable_ms
+        );
+        assert!(trial.acked_before > 0);
+        assert!(trial.failed_attempts > 0, "the clients kept trying during the outage");
+    }
+
+    #[tokio::test]
+    async fn a_system_without_failover_reports_none() {
+        let mut cluster: Box<dyn Cluster> =
+            Box::new(Fake { killed_at: Arc::default(), outage: Duration::ZERO, fails_over: false });
+        assert!(trial(&mut cluster, 2, 100).await.unwrap().is_none());
+    }
+}

@@ -336,3 +336,110 @@ impl Report {
         lines
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn cell(system: &str, size: usize, clients: usize, records_per_s: f64) -> Cell {
+        Cell {
+            system: system.into(),
+            record_bytes: size,
+            clients,
+            records_per_s,
+            mib_per_s: records_per_s * size as f64 / 1048576.0,
+            p50_us: 1000.0,
+            p99_us: 2000.0,
+            p999_us: 3000.0,
+            disk_ratio: 0.1,
+            cdf: Vec::new(),
+        }
+    }
+
+    fn report() -> Report {
+        Report {
+            settings: Settings {
+                command: "walship-compare".into(),
+                started_utc: "now".into(),
+                cores: 2,
+                duration_s: 8.0,
+                warmup_s: 2.0,
+                low_load_fraction: 0.25,
+                low_load_rate: None,
+                low_load_clients: 64,
+                failover_clients: 16,
+            },
+            baseline: DiskBaseline {
+                fdatasync_4k_p50_us: 100.0,
+                fdatasync_4k_p99_us: 200.0,
+                fdatasync_4k_p999_us: 300.0,
+                seq_write_mib_s: 500.0,
+            },
+            cells: vec![
+                cell("walship-quorum", 100, 64, 30_000.0),
+                cell("jetstream-r3", 100, 64, 10_000.0),
+                cell("postgres-sync", 100, 64, 12_000.0),
+                cell("walship-quorum", 4096, 64, 9_000.0),
+                cell("postgres-sync", 4096, 64, 3_000.0),
+            ],
+            low_load: vec![LowLoadCell {
+                system: "walship-quorum".into(),
+                record_bytes: 100,
+                clients: 64,
+                offered_per_s: 7500.0,
+                achieved_per_s: 7500.0,
+                p50_us: 300.0,
+                p99_us: 700.0,
+                p999_us: 900.0,
+                p99_vs_fdatasync_p99: 3.5,
+            }],
+            failover: vec![
+                FailoverRow {
+                    system: "walship-quorum".into(),
+                    trials_ms: vec![240.0, 230.0, 250.0],
+                    note: String::new(),
+                },
+                FailoverRow { system: "postgres-sync".into(), trials_ms: Vec::new(), note: "none built in".into() },
+            ],
+        }
+    }
+
+    #[test]
+    fn ratios_and_verdicts_come_from_the_same_cells() {
+        let r = report();
+        assert_eq!(r.ratio("walship-quorum", "jetstream-r3", 100, 64), Some(3.0));
+        assert_eq!(r.ratio("walship-quorum", "jetstream-r3", 4096, 64), None, "no JetStream cell at 4 KiB");
+        let targets = r.targets();
+        assert!(
+            targets.iter().any(|t| t.contains("100 B: walship-quorum ÷ jetstream-r3 = 3.00× (target ≥ 3×: met)")),
+            "{targets:?}"
+        );
+        assert!(
+            targets.iter().any(|t| t.contains("100 B: walship-quorum ÷ postgres-sync = 2.50× (target ≥ 3×: NOT met)")),
+            "{targets:?}"
+        );
+        assert!(
+            targets.iter().any(|t| t.contains("4096 B: walship-quorum ÷ postgres-sync = 3.00× (target ≥ 3×: met)")),
+            "{targets:?}"
+        );
+        assert!(targets.iter().any(|t| t.contains("3.50× fdatasync p99 (target ≤ 3×: NOT met)")), "{targets:?}");
+        assert_eq!(targets.len(), 4, "no verdict without both cells: {targets:?}");
+    }
+
+    #[test]
+    fn markdown_shows_every_system_ratio_and_failover_row() {
+        let md = report().markdown();
+        assert!(md.contains("| 100 | 64 | 30000 | 10000 | 12000 | 3.00× | 2.50× |"), "{md}");
+        assert!(md.contains("| 4096 | 64 | 9000 | – | 3000 | – | 3.00× |"), "{md}");
+        assert!(md.contains("| walship-quorum | 3 | 240 | 250 | 240, 230, 250 |"), "{md}");
+        assert!(md.contains("| postgres-sync | 0 | – | – | none built in |"), "{md}");
+        assert!(md.contains("Latency at 25 % of each system's peak"), "{md}");
+    }
+
+    #[test]
+    fn median_and_worst_of_the_kills() {
+        let row = FailoverRow { system: "x".into(), trials_ms: vec![5.0, 1.0, 3.0], note: String::new() };
+        assert_eq!(row.median_and_max(), Some((3.0, 5.0)));
+        assert_eq!(FailoverRow::default().median_and_max(), None);
+    }
+}
