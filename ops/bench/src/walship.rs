@@ -82,7 +82,7 @@ pub async fn start(dir: &Path, walship: &Path, durability: Durability, coordinat
                 .env("WALSHIP_LOG", "warn");
             let mut server = Server::spawn("walship coord", command, &dir.join("coord.log"), libc::SIGTERM)?;
             let admin: SocketAddr = spec.admin_addr.to_string().parse()?;
-            wait_for_port(admin, Duration::from_secs(30), &mut server)?;
+            tokio::task::block_in_place(|| wait_for_port(admin, Duration::from_secs(30), &mut server))?;
             Some((server, admin))
         }
     };
@@ -102,7 +102,7 @@ pub async fn start(dir: &Path, walship: &Path, durability: Durability, coordinat
         nodes.push(node.grpc_addr.to_string().parse::<SocketAddr>()?);
     }
     for (server, addr) in servers.iter_mut().zip(&nodes) {
-        wait_for_port(*addr, Duration::from_secs(30), server)?;
+        tokio::task::block_in_place(|| wait_for_port(*addr, Duration::from_secs(30), server))?;
     }
     let leader = config.shards[0].leader as usize - 1;
     let cluster = WalshipCluster { durability, nodes, leader, servers, coordinator };
@@ -170,13 +170,16 @@ impl Cluster for WalshipCluster {
     }
 
     async fn stop(mut self: Box<Self>) -> Result<()> {
-        for server in &mut self.servers {
-            server.stop()?;
-        }
-        if let Some((server, _)) = &mut self.coordinator {
-            server.stop()?;
-        }
-        Ok(())
+        // Stopping waits on the processes: off the async workers.
+        tokio::task::block_in_place(|| {
+            for server in &mut self.servers {
+                server.stop()?;
+            }
+            if let Some((server, _)) = &mut self.coordinator {
+                server.stop()?;
+            }
+            Ok(())
+        })
     }
 
     async fn kill_leader(&mut self) -> Result<Option<String>> {
