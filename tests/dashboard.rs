@@ -9,7 +9,7 @@ mod common;
 use std::path::Path;
 use std::time::Duration;
 
-use common::{Cluster, TOKEN, wait_until};
+use common::{Cluster, TOKEN};
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn dashboard_shows_the_leader_and_runs_a_drill() {
@@ -19,12 +19,7 @@ async fn dashboard_shows_the_leader_and_runs_a_drill() {
         "playwright-core is not installed in tests/browser: run ops/test.sh (npm ci there)"
     );
     let mut cluster = Cluster::start_with(3, 2, 1, "heartbeat_ms = 50\nleader_timeout_ms = 1000", None);
-    wait_until("node 1 leading shard 1", Duration::from_secs(30), || {
-        let s = futures::executor::block_on(cluster.status(1));
-        let ok = s.is_some_and(|s| s["shards"][0]["role"] == "leader");
-        async move { ok }
-    })
-    .await;
+    cluster.wait_node_leads(1, 1, Duration::from_secs(30)).await;
     let url = format!("http://{}/", cluster.coordinator(1).admin);
     let shot = Path::new(env!("CARGO_TARGET_TMPDIR")).join("dashboard.png");
     let _ = std::fs::remove_file(&shot);

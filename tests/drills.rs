@@ -72,12 +72,7 @@ async fn failover_drill_reports_a_new_leader_and_nothing_lost() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn catchup_drill_reports_rate_and_live_throughput() {
     let mut cluster = Cluster::start_with(3, 1, 1, FAST, None);
-    wait_until("shard 1 to have an acting leader", Duration::from_secs(30), || {
-        let s = futures::executor::block_on(cluster.status(1));
-        let ok = s.is_some_and(|s| s["shards"][0]["role"] == "leader");
-        async move { ok }
-    })
-    .await;
+    cluster.wait_node_leads(1, 1, Duration::from_secs(30)).await;
     let report =
         run_drill(&mut cluster, "/v1/drills/catchup", r#"{"shard": 1, "volume_bytes": 4194304, "record_bytes": 4096}"#)
             .await;

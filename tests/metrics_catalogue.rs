@@ -37,12 +37,7 @@ fn exposed(body: &str) -> BTreeMap<String, String> {
 async fn catalogue_matches_what_nodes_expose() {
     let mut cluster =
         Cluster::start_with(3, 1, 1, "keepalive_ms = 50\nheartbeat_ms = 100\nleader_timeout_ms = 2000", None);
-    wait_until("node 1 to lead shard 1", Duration::from_secs(20), || {
-        let s = futures::executor::block_on(cluster.status(1));
-        let ok = s.is_some_and(|s| s["shards"][0]["role"] == "leader");
-        async move { ok }
-    })
-    .await;
+    cluster.wait_node_leads(1, 1, Duration::from_secs(20)).await;
     let mut client = cluster.node(1).client().await;
     let record = AppendRecord { key: Bytes::new(), payload: Bytes::from_static(b"x") };
     client.append(AppendRequest { shard_id: 1, records: vec![record], durability: 0 }).await.unwrap();

@@ -77,12 +77,7 @@ async fn status_shows_the_real_leaders() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn failover_command_previews_and_moves_leadership_using_the_client_config() {
     let mut cluster = Cluster::start_with(3, 1, 1, "leader_timeout_ms = 2000", None);
-    wait_until("node 1 leading shard 1", Duration::from_secs(30), || {
-        let s = futures::executor::block_on(cluster.status(1));
-        let ok = s.is_some_and(|s| s["shards"][0]["role"] == "leader");
-        async move { ok }
-    })
-    .await;
+    cluster.wait_node_leads(1, 1, Duration::from_secs(30)).await;
     // Admin URL and token from the client config file, not flags.
     let config = cluster.dir.path().join("client.toml");
     std::fs::write(

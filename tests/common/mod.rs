@@ -378,10 +378,22 @@ impl Cluster {
     }
 
     /// `GET /v1/status` of a node, as JSON.
-    pub async fn status(&mut self, id: u32) -> Option<serde_json::Value> {
-        let url = format!("{}/v1/status", self.node(id).admin);
+    pub async fn status(&self, id: u32) -> Option<serde_json::Value> {
+        let url = format!("{}/v1/status", self.nodes[id as usize - 1].admin);
         let (code, body) = tokio::time::timeout(Duration::from_secs(2), http_get(&url)).await.ok()?;
         (code == 200).then(|| serde_json::from_str(&body).ok()).flatten()
+    }
+
+    /// Waits until node `id`'s own /v1/status says it leads `shard`.
+    pub async fn wait_node_leads(&self, id: u32, shard: u32, timeout: Duration) {
+        wait_until(&format!("node {id} leading shard {shard}"), timeout, || async move {
+            self.status(id).await.is_some_and(|s| {
+                s["shards"]
+                    .as_array()
+                    .is_some_and(|a| a.iter().any(|e| e["shard_id"] == shard && e["role"] == "leader"))
+            })
+        })
+        .await;
     }
 }
 
