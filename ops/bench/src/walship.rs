@@ -119,7 +119,7 @@ impl WalshipCluster {
     /// Retries one append (following the leader) until the followers are
     /// connected and it is acknowledged at the benchmark's durability.
     async fn wait_ready(&self) -> Result<()> {
-        let appender = self.following_appender().await?;
+        let appender = self.following_appenders(1).await?.remove(0);
         let deadline = Instant::now() + Duration::from_secs(30);
         loop {
             match appender.append(Bytes::from_static(b"ready")).await {
@@ -130,12 +130,20 @@ impl WalshipCluster {
         }
     }
 
-    async fn following_appender(&self) -> Result<FollowingAppender> {
+    /// `n` leader-following clients sharing one connection per node, each
+    /// with its own idea of who leads.
+    async fn following_appenders(&self, n: usize) -> Result<Vec<FollowingAppender>> {
         let mut clients = Vec::new();
         for addr in &self.nodes {
             clients.push(connect(*addr).await?);
         }
-        Ok(FollowingAppender { clients, current: AtomicUsize::new(self.leader), durability: self.durability })
+        Ok((0..n)
+            .map(|_| FollowingAppender {
+                clients: clients.clone(),
+                current: AtomicUsize::new(self.leader),
+                durability: self.durability,
+            })
+            .collect())
     }
 
     /// The shard's leader as the coordinator records it (1-based node id).
@@ -191,11 +199,8 @@ impl Cluster for WalshipCluster {
     }
 
     async fn failover_appenders(&self, clients: usize) -> Result<Vec<Arc<dyn Appender>>> {
-        let mut appenders: Vec<Arc<dyn Appender>> = Vec::new();
-        for _ in 0..clients {
-            appenders.push(Arc::new(self.following_appender().await?));
-        }
-        Ok(appenders)
+        let appenders = self.following_appenders(clients).await?;
+        Ok(appenders.into_iter().map(|a| Arc::new(a) as Arc<dyn Appender>).collect())
     }
 }
 
