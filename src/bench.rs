@@ -12,6 +12,11 @@
 //!   and `all` durability. All three replicas write to the same disk here,
 //!   so the disk ratio counts three copies of every byte.
 //!
+//! The gRPC paths append through `Log.AppendStream` by default (each
+//! connection's appenders pipelined over one stream, as a client with many
+//! appends in flight should); `--transport unary` sends one `Append` call per
+//! append instead.
+//!
 //! The raw baseline is a 4 KiB write + fdatasync loop (latency) and 1 MiB
 //! sequential writes with an fdatasync every 8 MiB (bandwidth), on the same
 //! filesystem as the WAL. Figures on shared machines swing several-fold
@@ -32,6 +37,7 @@ use tonic::transport::{Channel, Endpoint};
 use walship_loadgen::Measured;
 use walship_proto::log::log_client::LogClient;
 use walship_proto::log::{AppendRecord, AppendRequest, Durability};
+use walship_proto::pipeline::AppendPipeline;
 use walship_wal::{EngineStore, NewRecord, Wal, WalConfig, WalMetrics};
 
 #[derive(ValueEnum, Debug, Clone, Copy, PartialEq, Eq)]
@@ -84,9 +90,45 @@ pub struct BenchArgs {
     /// Warm-up seconds per cell (not measured).
     #[arg(long, default_value_t = 0.5)]
     warmup: f64,
+    /// How the appenders reach a node: `stream` pipelines them over one
+    /// `AppendStream` per connection, `unary` sends one `Append` call each.
+    #[arg(long, value_enum, default_value = "stream")]
+    transport: Transport,
     /// Also write the results as JSON here.
     #[arg(long)]
     json: Option<PathBuf>,
+}
+
+/// The client API the gRPC paths append through.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+pub enum Transport {
+    Stream,
+    Unary,
+}
+
+/// One connection to a leader, as the chosen transport uses it.
+#[derive(Clone)]
+enum Connection {
+    Stream(Arc<AppendPipeline>),
+    Unary(LogClient<Channel>),
+}
+
+impl Connection {
+    async fn open(leader: &str, transport: Transport) -> Result<Connection> {
+        let channel: Channel = Endpoint::from_shared(format!("http://{leader}"))?.tcp_nodelay(true).connect().await?;
+        let client = LogClient::new(channel);
+        Ok(match transport {
+            Transport::Stream => Connection::Stream(Arc::new(AppendPipeline::open(client).await?)),
+            Transport::Unary => Connection::Unary(client),
+        })
+    }
+
+    async fn append(&self, request: AppendRequest) -> Result<(), tonic::Status> {
+        match self {
+            Connection::Stream(pipeline) => pipeline.append(request).await.map(drop),
+            Connection::Unary(client) => client.clone().append(request).await.map(drop),
+        }
+    }
 }
 
 pub use walship_wal::disk::DiskBaseline as Baseline;
@@ -263,13 +305,11 @@ async fn grpc_cell(
         BenchPath::Wal => bail!("the wal path runs in process"),
     };
     // A few HTTP/2 connections per leader, shared round-robin by the appenders.
-    let mut clients: Vec<Vec<LogClient<Channel>>> = Vec::new();
+    let mut clients: Vec<Vec<Connection>> = Vec::new();
     for leader in &target.leaders {
         let mut per = Vec::new();
         for _ in 0..appenders.div_ceil(shards as usize).clamp(1, 4) {
-            let channel: Channel =
-                Endpoint::from_shared(format!("http://{leader}"))?.tcp_nodelay(true).connect().await?;
-            per.push(LogClient::new(channel));
+            per.push(Connection::open(leader, args.transport).await?);
         }
         clients.push(per);
     }
@@ -282,7 +322,7 @@ async fn grpc_cell(
         move |i| {
             let shard = i % clients.len();
             let per = &clients[shard];
-            let mut client = per[(i / clients.len()) % per.len()].clone();
+            let client = per[(i / clients.len()) % per.len()].clone();
             let body = body.clone();
             async move {
                 let request = AppendRequest {

@@ -11,6 +11,7 @@
 //! is the caller's fault and must not look like a server failure.
 
 pub mod codec;
+pub mod pipeline;
 
 /// `tidal.replication.v1`: WalShipping.
 pub mod replication {
@@ -34,3 +35,8 @@ pub const FILE_DESCRIPTOR_SET: &[u8] = tonic::include_file_descriptor_set!("wals
 /// Name of the response metadata key that carries the current leader of a
 /// shard (`<node_id>@<grpc address>`) on a not-leader refusal.
 pub const LEADER_METADATA_KEY: &str = "walship-leader";
+
+/// Name of the response metadata key set to `unknown` on an append whose
+/// outcome the node cannot know (it stopped leading while waiting for the
+/// durability asked for).
+pub const OUTCOME_METADATA_KEY: &str = "walship-outcome";

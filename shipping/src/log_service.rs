@@ -20,22 +20,27 @@
 use std::pin::Pin;
 use std::time::Instant;
 
-use futures::Stream;
+use std::collections::HashSet;
+
+use futures::stream::FuturesUnordered;
+use futures::{Stream, StreamExt};
 use prometheus::{Histogram, HistogramOpts, HistogramVec, IntCounterVec, Opts, Registry};
 use std::sync::Arc;
-use tonic::{Request, Response, Status};
+use tokio::sync::mpsc;
+use tokio_stream::wrappers::ReceiverStream;
+use tonic::{Request, Response, Status, Streaming};
+use walship_proto::log::append_stream_response;
 use walship_proto::log::log_server::Log;
 use walship_proto::log::{
-    AppendRequest, AppendResponse, Durability, ReadRequest, ReadResponse, Record, TailRequest, TailResponse,
+    AppendFailure, AppendRequest, AppendResponse, AppendStreamRequest, AppendStreamResponse, Durability, ReadRequest,
+    ReadResponse, Record, TailRequest, TailResponse,
 };
 
 use walship_wal::{Frame, NewRecord, ShardId, StoreError, Wal, WalError};
 
 use crate::replica::{ReplicationNode, Role, ShardReplica};
 
-/// Response metadata on an append whose outcome the node cannot know (it
-/// stopped leading while waiting for the durability asked for): `unknown`.
-pub const OUTCOME_METADATA_KEY: &str = "walship-outcome";
+pub use walship_proto::OUTCOME_METADATA_KEY;
 
 /// Request limits a node enforces on its clients.
 #[derive(Debug, Clone, serde::Deserialize, serde::Serialize)]
@@ -249,6 +254,42 @@ impl LogService {
         }
     }
 
+    /// One append, as both the unary RPC and the stream serve it; refusals
+    /// are counted under `rpc`.
+    async fn append_one(&self, req: AppendRequest, rpc: &str) -> Result<AppendResponse, Status> {
+        let started = Instant::now();
+        let (durability, replica, epoch) = self.validate_append(&req).map_err(|s| self.reject(rpc, s))?;
+        let replica = replica.clone();
+        self.metrics.append_batch_records.observe(req.records.len() as f64);
+        let records = req.records.into_iter().map(|r| NewRecord { key: r.key, payload: r.payload }).collect();
+        let appended =
+            self.wal.append(req.shard_id, epoch, records).await.map_err(|e| self.reject(rpc, wal_status(e)))?;
+        let reached = match durability {
+            // With one replica the commit is the local fsync; waiting for it
+            // to be published keeps read-your-write for every level.
+            Durability::Local if replica.replicas.len() == 1 => replica.wait_commit(appended.last_seqno).await,
+            Durability::Local => true,
+            Durability::Quorum | Durability::Unspecified => replica.wait_commit(appended.last_seqno).await,
+            Durability::All => replica.wait_all(appended.last_seqno).await,
+        };
+        if !reached {
+            let mut status = Status::unavailable(format!(
+                "shard {}: this node stopped leading before seqnos {}..={} reached {} durability; their outcome is unknown",
+                req.shard_id,
+                appended.first_seqno,
+                appended.last_seqno,
+                durability_name(durability)
+            ));
+            status.metadata_mut().insert(OUTCOME_METADATA_KEY, "unknown".parse().expect("ascii"));
+            return Err(self.reject(rpc, status));
+        }
+        self.metrics
+            .append_seconds
+            .with_label_values(&[durability_name(durability)])
+            .observe(started.elapsed().as_secs_f64());
+        Ok(AppendResponse { first_seqno: appended.first_seqno, last_seqno: appended.last_seqno, epoch })
+    }
+
     async fn read_inner(&self, req: ReadRequest) -> Result<ReadResponse, Status> {
         let shard = req.shard_id;
         let (first_seqno, durable) = self.check_from(shard, req.from_seqno)?;
@@ -283,38 +324,19 @@ impl LogService {
 #[tonic::async_trait]
 impl Log for LogService {
     async fn append(&self, request: Request<AppendRequest>) -> Result<Response<AppendResponse>, Status> {
-        let started = Instant::now();
-        let req = request.into_inner();
-        let (durability, replica, epoch) = self.validate_append(&req).map_err(|s| self.reject("append", s))?;
-        let replica = replica.clone();
-        self.metrics.append_batch_records.observe(req.records.len() as f64);
-        let records = req.records.into_iter().map(|r| NewRecord { key: r.key, payload: r.payload }).collect();
-        let appended =
-            self.wal.append(req.shard_id, epoch, records).await.map_err(|e| self.reject("append", wal_status(e)))?;
-        let reached = match durability {
-            // With one replica the commit is the local fsync; waiting for it
-            // to be published keeps read-your-write for every level.
-            Durability::Local if replica.replicas.len() == 1 => replica.wait_commit(appended.last_seqno).await,
-            Durability::Local => true,
-            Durability::Quorum | Durability::Unspecified => replica.wait_commit(appended.last_seqno).await,
-            Durability::All => replica.wait_all(appended.last_seqno).await,
-        };
-        if !reached {
-            let mut status = Status::unavailable(format!(
-                "shard {}: this node stopped leading before seqnos {}..={} reached {} durability; their outcome is unknown",
-                req.shard_id,
-                appended.first_seqno,
-                appended.last_seqno,
-                durability_name(durability)
-            ));
-            status.metadata_mut().insert(OUTCOME_METADATA_KEY, "unknown".parse().expect("ascii"));
-            return Err(self.reject("append", status));
-        }
-        self.metrics
-            .append_seconds
-            .with_label_values(&[durability_name(durability)])
-            .observe(started.elapsed().as_secs_f64());
-        Ok(Response::new(AppendResponse { first_seqno: appended.first_seqno, last_seqno: appended.last_seqno, epoch }))
+        self.append_one(request.into_inner(), "append").await.map(Response::new)
+    }
+
+    type AppendStreamStream = AppendStreamOut;
+
+    async fn append_stream(
+        &self,
+        request: Request<Streaming<AppendStreamRequest>>,
+    ) -> Result<Response<AppendStreamOut>, Status> {
+        let inbound = request.into_inner();
+        let (tx, rx) = mpsc::channel(STREAM_ANSWER_BUFFER);
+        tokio::spawn(serve_append_stream(self.clone(), inbound, tx));
+        Ok(Response::new(Box::pin(ReceiverStream::new(rx))))
     }
 
     async fn read(&self, request: Request<ReadRequest>) -> Result<Response<ReadResponse>, Status> {
@@ -371,4 +393,96 @@ fn tail_stream(
             }
         }
     })
+}
+
+/// Most appends one `AppendStream` keeps in flight; past it the server stops
+/// reading the stream (HTTP/2 flow control pushes back on the client).
+pub const STREAM_MAX_IN_FLIGHT: usize = 4096;
+/// Answers buffered for a client that reads slower than appends complete.
+const STREAM_ANSWER_BUFFER: usize = 1024;
+
+type AppendStreamOut = Pin<Box<dyn Stream<Item = Result<AppendStreamResponse, Status>> + Send>>;
+
+/// An append's outcome as a stream answer: what the unary RPC would have
+/// said, status metadata included.
+fn stream_answer(request_id: u64, outcome: Result<AppendResponse, Status>) -> AppendStreamResponse {
+    let result = match outcome {
+        Ok(ok) => append_stream_response::Result::Ok(ok),
+        Err(status) => {
+            let metadata = status.metadata();
+            let text = |key: &str| metadata.get(key).and_then(|v| v.to_str().ok()).unwrap_or_default().to_string();
+            append_stream_response::Result::Failure(AppendFailure {
+                code: status.code() as i32,
+                message: status.message().to_string(),
+                leader: text(walship_proto::LEADER_METADATA_KEY),
+                outcome_unknown: text(OUTCOME_METADATA_KEY) == "unknown",
+            })
+        }
+    };
+    AppendStreamResponse { request_id, result: Some(result) }
+}
+
+/// Serves one `AppendStream`: reads requests while fewer than
+/// [`STREAM_MAX_IN_FLIGHT`] are in flight, runs each as the unary append
+/// does, and answers each as it completes. A request without an append, or
+/// reusing the id of one still in flight, is refused on its own. When the
+/// client closes its side the in-flight appends are still answered; an
+/// undecodable message ends the stream with its status after them. When
+/// the client goes away the waits are dropped (the appends themselves go on,
+/// as a cancelled unary append's do).
+async fn serve_append_stream(
+    service: LogService,
+    mut inbound: Streaming<AppendStreamRequest>,
+    tx: mpsc::Sender<Result<AppendStreamResponse, Status>>,
+) {
+    const RPC: &str = "append_stream";
+    let mut in_flight = FuturesUnordered::new();
+    let mut ids = HashSet::new();
+    let mut reading = true;
+    let mut ended_with: Option<Status> = None;
+    loop {
+        let answer = tokio::select! {
+            next = inbound.message(), if reading && in_flight.len() < STREAM_MAX_IN_FLIGHT => match next {
+                Ok(Some(request)) => {
+                    let AppendStreamRequest { request_id, append } = request;
+                    let refusal = match append {
+                        None => Some(Status::invalid_argument(format!("request {request_id} carries no append"))),
+                        Some(_) if ids.contains(&request_id) => Some(Status::invalid_argument(format!(
+                            "request id {request_id} is already in flight on this stream"
+                        ))),
+                        Some(append) => {
+                            ids.insert(request_id);
+                            let service = &service;
+                            in_flight.push(async move { (request_id, service.append_one(append, RPC).await) });
+                            None
+                        }
+                    };
+                    match refusal {
+                        Some(status) => stream_answer(request_id, Err(service.reject(RPC, status))),
+                        None => continue,
+                    }
+                }
+                Ok(None) => {
+                    reading = false;
+                    continue;
+                }
+                Err(status) => {
+                    reading = false;
+                    ended_with = Some(status);
+                    continue;
+                }
+            },
+            Some((request_id, outcome)) = in_flight.next(), if !in_flight.is_empty() => {
+                ids.remove(&request_id);
+                stream_answer(request_id, outcome)
+            }
+            else => break,
+        };
+        if tx.send(Ok(answer)).await.is_err() {
+            return;
+        }
+    }
+    if let Some(status) = ended_with {
+        let _ = tx.send(Err(status)).await;
+    }
 }

@@ -23,6 +23,7 @@ use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tonic::transport::{Channel, Endpoint};
 use walship_proto::log::log_client::LogClient;
 use walship_proto::log::{AppendRecord, AppendRequest, Durability};
+use walship_proto::pipeline::AppendPipeline;
 use walship_shipping::config::CoordinatorSpec;
 use walship_shipping::{ClusterConfig, NodeSpec};
 
@@ -165,14 +166,15 @@ impl Cluster for WalshipCluster {
     }
 
     async fn appenders(&self, clients: usize) -> Result<Vec<Arc<dyn Appender>>> {
-        let mut connections = Vec::new();
+        let mut pipelines = Vec::new();
         for _ in 0..clients.clamp(1, MAX_CONNECTIONS) {
-            connections.push(connect(self.nodes[self.leader]).await?);
+            let client = connect(self.nodes[self.leader]).await?;
+            pipelines.push(Arc::new(AppendPipeline::open(client).await.context("opening an AppendStream")?));
         }
         Ok((0..clients)
             .map(|i| {
-                let client = connections[i % connections.len()].clone();
-                Arc::new(WalshipAppender { client, durability: self.durability }) as Arc<dyn Appender>
+                let pipeline = pipelines[i % pipelines.len()].clone();
+                Arc::new(WalshipAppender { pipeline, durability: self.durability }) as Arc<dyn Appender>
             })
             .collect())
     }
@@ -212,9 +214,11 @@ fn request(payload: Bytes, durability: Durability) -> AppendRequest {
     }
 }
 
-/// One client of the leader.
+/// One client of the leader: one append in flight at a time, sharing its
+/// connection's `AppendStream` (walship's client API for many concurrent
+/// appends) with the other clients on that connection.
 struct WalshipAppender {
-    client: LogClient<Channel>,
+    pipeline: Arc<AppendPipeline>,
     durability: Durability,
 }
 
@@ -222,7 +226,7 @@ struct WalshipAppender {
 impl Appender for WalshipAppender {
     async fn append(&self, payload: Bytes) -> Result<()> {
         let request = request(payload, self.durability);
-        self.client.clone().append(request).await.map_err(|s| anyhow::anyhow!("walship append: {s}"))?;
+        self.pipeline.append(request).await.map_err(|s| anyhow::anyhow!("walship append: {s}"))?;
         Ok(())
     }
 }

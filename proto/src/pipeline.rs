@@ -1,0 +1,126 @@
+//! The client side of `Log.AppendStream`: many appends in flight over one
+//! gRPC stream, each awaited on its own.
+//!
+//! A unary `Append` costs an HTTP/2 stream per call (headers both ways,
+//! trailers, a task on each side). Clients with many appends in flight pay
+//! that per record; the pipeline pays it once per connection and sends each
+//! append as one message. [`AppendPipeline::append`] answers exactly what
+//! the unary call would: the same response, or the same status with the
+//! same `walship-leader` / `walship-outcome` metadata.
+
+use std::collections::HashMap;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
+
+use parking_lot::Mutex;
+use tokio::sync::{mpsc, oneshot};
+use tokio_stream::wrappers::ReceiverStream;
+use tonic::transport::Channel;
+use tonic::{Code, Status};
+
+use crate::log::append_stream_response::Result as Answer;
+use crate::log::log_client::LogClient;
+use crate::log::{AppendFailure, AppendRequest, AppendResponse, AppendStreamRequest};
+
+type Waiter = oneshot::Sender<Result<AppendResponse, Status>>;
+
+/// Appends waiting for their answer, and whether the stream has ended.
+#[derive(Default)]
+struct Pending {
+    waiters: HashMap<u64, Waiter>,
+    /// Set once the answer stream ended; later appends fail at once with it
+    /// (they were never sent).
+    ended: Option<Status>,
+}
+
+/// Pipelined appends to one node over one `AppendStream`. Cheap to share
+/// (`Arc`) among any number of concurrent callers.
+pub struct AppendPipeline {
+    requests: mpsc::Sender<AppendStreamRequest>,
+    pending: Arc<Mutex<Pending>>,
+    next_id: AtomicU64,
+}
+
+/// Requests queued towards the stream before callers wait for room.
+const REQUEST_BUFFER: usize = 1024;
+
+impl AppendPipeline {
+    /// Opens the stream on `client`'s connection.
+    pub async fn open(mut client: LogClient<Channel>) -> Result<AppendPipeline, Status> {
+        let (requests, rx) = mpsc::channel(REQUEST_BUFFER);
+        let mut answers = client.append_stream(ReceiverStream::new(rx)).await?.into_inner();
+        let pending = Arc::new(Mutex::new(Pending::default()));
+        let reader = pending.clone();
+        tokio::spawn(async move {
+            let end = loop {
+                match answers.message().await {
+                    Ok(Some(answer)) => {
+                        let waiter = reader.lock().waiters.remove(&answer.request_id);
+                        if let Some(waiter) = waiter {
+                            let _ = waiter.send(outcome(answer.result));
+                        }
+                    }
+                    Ok(None) => break Status::unavailable("the append stream ended"),
+                    Err(status) => break status,
+                }
+            };
+            let mut pending = reader.lock();
+            for (_, waiter) in pending.waiters.drain() {
+                let _ = waiter.send(Err(unknown_outcome(&end)));
+            }
+            pending.ended = Some(Status::unavailable(format!("the append stream ended: {}", end.message())));
+        });
+        Ok(AppendPipeline { requests, pending, next_id: AtomicU64::new(1) })
+    }
+
+    /// Appends through the stream and waits for the answer.
+    pub async fn append(&self, append: AppendRequest) -> Result<AppendResponse, Status> {
+        let request_id = self.next_id.fetch_add(1, Ordering::Relaxed);
+        let (waiter, answer) = oneshot::channel();
+        {
+            let mut pending = self.pending.lock();
+            if let Some(end) = &pending.ended {
+                return Err(end.clone());
+            }
+            pending.waiters.insert(request_id, waiter);
+        }
+        if self.requests.send(AppendStreamRequest { request_id, append: Some(append) }).await.is_err() {
+            self.pending.lock().waiters.remove(&request_id);
+            return Err(Status::unavailable("the append stream is closed"));
+        }
+        match answer.await {
+            Ok(outcome) => outcome,
+            // The reader drains every waiter before it goes; a dropped
+            // waiter means the runtime is shutting down.
+            Err(_) => Err(unknown_outcome(&Status::unavailable("the append stream's reader stopped"))),
+        }
+    }
+}
+
+/// Failure of an append whose request was sent but whose answer never came:
+/// like a unary call cut off mid-way, its outcome is unknown.
+fn unknown_outcome(end: &Status) -> Status {
+    let mut status = Status::unavailable(format!("no answer before the append stream ended: {}", end.message()));
+    status.metadata_mut().insert(crate::OUTCOME_METADATA_KEY, "unknown".parse().expect("ascii"));
+    status
+}
+
+fn outcome(answer: Option<Answer>) -> Result<AppendResponse, Status> {
+    match answer {
+        Some(Answer::Ok(response)) => Ok(response),
+        Some(Answer::Failure(failure)) => Err(failure_status(failure)),
+        None => Err(Status::internal("the server answered an append with neither a response nor a failure")),
+    }
+}
+
+/// The status the unary call would have returned for `failure`.
+pub fn failure_status(failure: AppendFailure) -> Status {
+    let mut status = Status::new(Code::from_i32(failure.code), failure.message);
+    if let (false, Ok(leader)) = (failure.leader.is_empty(), failure.leader.parse()) {
+        status.metadata_mut().insert(crate::LEADER_METADATA_KEY, leader);
+    }
+    if failure.outcome_unknown {
+        status.metadata_mut().insert(crate::OUTCOME_METADATA_KEY, "unknown".parse().expect("ascii"));
+    }
+    status
+}
