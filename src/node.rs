@@ -55,10 +55,16 @@ pub struct NodeArgs {
     /// killed). For dev and test clusters only.
     #[arg(long)]
     allow_crash_drills: bool,
+    /// Test-only fault: after this many records appended as leader, publish
+    /// the next leader batch as written without writing it, let it ship, and
+    /// abort (a machine crash losing a shipped, never-fsynced batch). Needs
+    /// --allow-crash-drills.
+    #[arg(long, hide = true, requires = "allow_crash_drills")]
+    fault_unwritten_batch_after: Option<u64>,
 }
 
 impl NodeArgs {
-    fn into_config(self) -> Result<(NodeConfig, Option<ClusterConfig>, bool)> {
+    fn into_config(self) -> Result<(NodeConfig, Option<ClusterConfig>, Drills)> {
         let cluster = self.cluster.as_deref().map(ClusterConfig::load).transpose()?;
         let mut config = match &self.config {
             Some(path) => NodeConfig::load(path)?,
@@ -100,8 +106,20 @@ impl NodeArgs {
             config.limits.max_record_bytes = max;
         }
         config.validate(cluster.is_some())?;
-        Ok((config, cluster, self.allow_crash_drills))
+        let drills =
+            Drills { allow_crash: self.allow_crash_drills, unwritten_batch_after: self.fault_unwritten_batch_after };
+        Ok((config, cluster, drills))
     }
+}
+
+/// Destructive behaviour a dev or test node may be started with; all off
+/// in production.
+#[derive(Debug, Clone, Copy, Default)]
+pub struct Drills {
+    /// Honour the coordinator's crash drills.
+    pub allow_crash: bool,
+    /// `WalConfig::fault_unwritten_batch_after`.
+    pub unwritten_batch_after: Option<u64>,
 }
 
 /// A started node.
@@ -136,11 +154,7 @@ pub async fn shutdown_signal() {
 /// Opens the WAL, starts replication and serving. Returns once both
 /// listeners are bound. Without a cluster config the node is a one-node
 /// cluster of its `shards`.
-pub async fn start_node(
-    config: NodeConfig,
-    cluster: Option<ClusterConfig>,
-    allow_crash_drills: bool,
-) -> Result<RunningNode> {
+pub async fn start_node(config: NodeConfig, cluster: Option<ClusterConfig>, drills: Drills) -> Result<RunningNode> {
     let grpc_listener =
         TcpListener::bind(config.grpc_addr).await.with_context(|| format!("binding gRPC {}", config.grpc_addr))?;
     let admin_listener =
@@ -167,6 +181,7 @@ pub async fn start_node(
         linger: Duration::from_micros(config.wal.linger_us),
         max_batch_bytes: config.wal.max_batch_bytes,
         tail_cache_bytes: config.wal.tail_cache_bytes,
+        fault_unwritten_batch_after: drills.unwritten_batch_after,
         ..WalConfig::default()
     };
     let wal = Wal::start(store.clone(), wal_config, WalMetrics::new(&registry)?)?;
@@ -177,7 +192,7 @@ pub async fn start_node(
         wal.clone(),
         ReplicationMetrics::new(&registry)?,
         disk_bytes,
-        allow_crash_drills,
+        drills.allow_crash,
     )
     .await
     .map_err(|status| anyhow::anyhow!("starting replication: {}", status.message()))?;
@@ -240,9 +255,9 @@ pub async fn start_node(
 }
 
 pub async fn run_node(args: NodeArgs) -> Result<()> {
-    let (config, cluster, allow_crash_drills) = args.into_config()?;
+    let (config, cluster, drills) = args.into_config()?;
     let node_id = config.node_id;
-    let node = start_node(config, cluster, allow_crash_drills).await?;
+    let node = start_node(config, cluster, drills).await?;
     // One stable, parseable line for scripts and tests.
     println!("walship node {node_id} listening grpc={} admin={}", node.grpc_addr, node.admin_addr);
     node.run_until_signal().await

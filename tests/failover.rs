@@ -464,3 +464,64 @@ async fn no_automatic_failover_without_a_majority_but_a_forced_one_works() {
         assert_eq!(&records[5].payload[..], b"alone", "node {id}");
     }
 }
+
+/// Early shipping's hazard, injected: the leader ships a batch, dies before
+/// that batch reaches its own disk (what a machine crash does; a SIGKILL
+/// cannot, the page cache survives it), and comes back within the loss
+/// timeout. It must not lead again in the same epoch: its log lacks seqnos
+/// the followers hold, and new records there would diverge from theirs.
+/// The coordinator raises the epoch instead, and everything acknowledged
+/// survives on replicas that end byte-identical.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_leader_that_lost_shipped_records_never_leads_their_epoch_again() {
+    let node_args = vec![(1, vec!["--fault-unwritten-batch-after".to_string(), "400".to_string()])];
+    let mut cluster = Cluster::launch(&common::ClusterSpec {
+        coordinators: 1,
+        replication: FAST,
+        node_args,
+        ..common::ClusterSpec::default()
+    });
+    wait_leading(&mut cluster, 1, 1).await;
+    let nodes: Vec<String> = cluster.nodes.iter().map(|n| n.grpc.clone()).collect();
+    let admin = cluster.coordinator(1).admin.clone();
+    let acked: Acked = Arc::default();
+    let stop = Arc::new(AtomicBool::new(false));
+    let count = Arc::new(AtomicU64::new(0));
+    let tasks: Vec<_> =
+        (0..4).map(|_| load(nodes.clone(), admin.clone(), 1, acked.clone(), stop.clone(), count.clone())).collect();
+
+    // The injected fault aborts node 1 after 400 leader records.
+    let exited = {
+        let deadline = std::time::Instant::now() + WAIT;
+        loop {
+            if let Some(status) = cluster.node(1).child.try_wait().unwrap() {
+                break status;
+            }
+            assert!(std::time::Instant::now() < deadline, "the injected fault did not fire");
+            tokio::time::sleep(Duration::from_millis(5)).await;
+        }
+    };
+    use std::os::unix::process::ExitStatusExt;
+    assert_eq!(exited.signal(), Some(libc::SIGABRT), "node 1 aborted by the injected fault: {exited:?}");
+    // Back at once, well within the 1 s loss timeout, on its shorter log.
+    cluster.restart(1);
+    let (_, epoch_at_fault) = cluster.leader_of(1, 1).await.unwrap_or((0, 1));
+
+    let before = count.load(Ordering::Relaxed);
+    wait_until("appends to flow again", WAIT, || {
+        let c = count.clone();
+        async move { c.load(Ordering::Relaxed) >= before + 200 }
+    })
+    .await;
+    stop.store(true, Ordering::Relaxed);
+    for t in tasks {
+        t.await.unwrap();
+    }
+    let last = converge(&mut cluster, 1).await;
+    let (leader, epoch) = cluster.leader_of(1, 1).await.unwrap();
+    let acknowledged = check_history(&mut cluster, 1, last, &acked).await;
+    eprintln!(
+        "fault at epoch {epoch_at_fault}; now node {leader} leads epoch {epoch}; {acknowledged} acknowledged records present, replicas identical through {last}"
+    );
+    assert!(epoch >= 2, "the restarted leader must not have led epoch 1 again");
+}

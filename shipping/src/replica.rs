@@ -1,10 +1,11 @@
 //! The async shell around the replication core: one [`ReplicationNode`] per
 //! process, one [`ShardReplica`] per shard it hosts.
 //!
-//! Leader side, per shard: a driver folds the WAL's durable watch into the
-//! [`LeaderCore`] and publishes the commit position; one shipper task per
-//! follower asks the core what to send and keeps up to `ship_window`
-//! `ShipSegment`s in flight; a retention task compacts what nobody needs.
+//! Leader side, per shard: a driver folds the WAL's durable watch (and,
+//! under a coordinator, its written watch) into the [`LeaderCore`] and
+//! publishes the commit position; one shipper task per follower asks the
+//! core what to send and keeps up to `ship_window` `ShipSegment`s in flight;
+//! a retention task compacts what nobody needs.
 //!
 //! Follower side, per shard: inbound segments (pushed or streamed) pass the
 //! envelope check and [`classify`], then are queued to the WAL under a
@@ -12,9 +13,18 @@
 //! small ships share one group commit. A gap, a boot or a leader's nudge
 //! starts one catch-up stream (`StreamSegments`) at a time.
 //!
-//! Only durable records are ever shipped or served; a follower's
-//! `applied_seqno` is its durable frontier; reads on any replica stop at the
-//! commit position it knows.
+//! Only durable records are ever served, and a follower's `applied_seqno`
+//! is its durable frontier; reads on any replica stop at the commit position
+//! it knows. Shipping differs by mode. A static cluster's leader ships
+//! durable records only. Under a coordinator the leader ships each batch as
+//! soon as its WAL has *written* it, while its own fsync runs ("early
+//! shipping", `shipping/EARLY-SHIPPING.md`): one fsync less on every
+//! acknowledgement. The commit still waits for the leader's own durable
+//! copy. The hazard is a machine crash: followers may then hold records the
+//! leader lost. It is closed by one rule: a replica never leads in the epoch
+//! it restarted in. It refuses such an Assign and reports `needs_new_epoch`
+//! in its heartbeats, and the coordinator fails over to a new epoch instead
+//! (EpochEnd repair then settles any difference).
 //!
 //! Leadership is dynamic: `fence` raises a replica's promised epoch (durably;
 //! it refuses everything older from then on and stops leading), `assign`
@@ -102,8 +112,9 @@ impl Source {
 struct LeaderState {
     epoch: u64,
     core: Mutex<LeaderCore>,
-    /// The durable position the core has folded in; shippers wait on it.
-    core_durable: watch::Sender<u64>,
+    /// The newest seqno the core may ship (its durable position, or its
+    /// written one with early shipping); shippers wait on it.
+    ship_limit: watch::Sender<u64>,
     /// Stops this leadership's tasks.
     stop: CancellationToken,
 }
@@ -140,6 +151,13 @@ pub struct ShardReplica {
     follower: FollowerState,
     /// Drills: a paused follower refuses ships and does not catch up.
     paused: AtomicBool,
+    /// The epoch this replica had promised when the process started. Under
+    /// a coordinator it never leads in it: before the restart it may have
+    /// led that epoch and shipped records its own disk then lost (early
+    /// shipping; a machine crash). Leading again in the same epoch would
+    /// write different records at seqnos the followers already hold, and
+    /// they would keep theirs. A new epoch makes EpochEnd repair settle it.
+    restarted_in: u64,
     /// Serialises role changes.
     transition: tokio::sync::Mutex<()>,
 }
@@ -220,12 +238,21 @@ impl ShardReplica {
                 last_contact_us: AtomicU64::new(0),
             },
             paused: AtomicBool::new(false),
+            restarted_in: promised,
             transition: tokio::sync::Mutex::new(()),
         })
     }
 
     pub fn view(&self) -> View {
         *self.view.read()
+    }
+
+    /// Under a coordinator: whether this replica still waits for an epoch
+    /// newer than the one it restarted in before it may lead (see
+    /// `restarted_in`). Reported in heartbeats so the coordinator raises the
+    /// epoch instead of re-assigning it.
+    pub fn needs_new_epoch(&self) -> bool {
+        self.restarted_in > 0 && self.epoch_seen() == self.restarted_in
     }
 
     pub fn is_leader(&self) -> bool {
@@ -549,6 +576,18 @@ impl ReplicationNode {
         }
         let view = replica.view();
         let wanted = if leader == self.me { Role::Leader } else { Role::Follower { leader } };
+        if leader == self.me && self.config.coordinated() && epoch == replica.restarted_in && view.role != Role::Leader
+        {
+            return Err(refusal(
+                &self.metrics,
+                "restarted_epoch",
+                Status::failed_precondition(format!(
+                    "node {} restarted in epoch {epoch} of shard {shard}, which it may have led before; \
+                     it leads only in a newer epoch (a failover raises it)",
+                    self.me
+                )),
+            ));
+        }
         if !(view.epoch == epoch && view.role == wanted) {
             self.promise(&replica, epoch).await?;
             self.stop_leading(&replica);
@@ -590,7 +629,7 @@ impl ReplicationNode {
         let state = Arc::new(LeaderState {
             epoch,
             core: Mutex::new(core),
-            core_durable: watch::Sender::new(p.durable_seqno),
+            ship_limit: watch::Sender::new(p.durable_seqno),
             stop: self.shutdown.child_token(),
         });
         {
@@ -657,26 +696,50 @@ impl ReplicationNode {
 
     // ---- leader side -------------------------------------------------
 
+    /// Folds the leader's own WAL positions into its core: durable ones,
+    /// and with early shipping the written ones too, so shippers send a
+    /// batch while the leader's fsync of it still runs.
     async fn run_leader_driver(self: Arc<Self>, replica: Arc<ShardReplica>, leader: Arc<LeaderState>) {
         let Ok(mut durable) = self.wal.durable_watch(replica.shard) else { return };
+        let mut written = if self.early_shipping() { self.wal.written_watch(replica.shard).ok() } else { None };
         loop {
+            let wrote = written.as_mut().map(|w| *w.borrow_and_update());
             let seqno = *durable.borrow_and_update();
             let counters = self.wal.counters(replica.shard).unwrap_or_default();
-            {
+            let limit = {
                 let mut core = leader.core.lock();
+                if let Some(wrote) = wrote {
+                    core.on_local_written(wrote);
+                }
                 core.on_local_durable(seqno, counters.records, counters.bytes, now_us());
                 replica.publish_leader(&core, &self.metrics);
-            }
-            leader.core_durable.send_replace(seqno);
+                core.written()
+            };
+            leader.ship_limit.send_replace(limit);
+            let written_changed = async {
+                match written.as_mut() {
+                    Some(w) => w.changed().await.is_ok(),
+                    None => std::future::pending().await,
+                }
+            };
             tokio::select! {
                 changed = durable.changed() => if changed.is_err() { return },
+                open = written_changed => if !open { return },
                 _ = leader.stop.cancelled() => return,
             }
         }
     }
 
+    /// Whether leaders ship records before their own fsync. Only under a
+    /// coordinator, which never lets a restarted leader lead again in the
+    /// same epoch (see [`ShardReplica::restarted_in`]); a static cluster's
+    /// leader leads epoch 1 forever, so it ships durable records only.
+    fn early_shipping(&self) -> bool {
+        self.config.coordinated()
+    }
+
     async fn run_shipper(self: Arc<Self>, replica: Arc<ShardReplica>, leader: Arc<LeaderState>, follower: NodeId) {
-        let mut core_durable = leader.core_durable.subscribe();
+        let mut ship_limit = leader.ship_limit.subscribe();
         let mut in_flight = FuturesUnordered::new();
         let keepalive = Duration::from_micros(self.settings.probe_us.min(self.settings.keepalive_us));
         let batch_bytes = self.config.replication.ship_batch_bytes;
@@ -727,7 +790,7 @@ impl ReplicationNode {
                         return;
                     }
                 }
-                changed = core_durable.changed() => if changed.is_err() { return },
+                changed = ship_limit.changed() => if changed.is_err() { return },
                 _ = tokio::time::sleep(keepalive) => {}
                 _ = leader.stop.cancelled() => return,
             }
@@ -742,9 +805,9 @@ impl ReplicationNode {
         follower: NodeId,
         segment: Option<Segment>,
     ) -> impl std::future::Future<Output = ShipReply> + use<> {
-        let (durable, commit) = {
+        let (durable, written, commit) = {
             let core = leader.core.lock();
-            (core.durable(), core.commit())
+            (core.durable(), core.written(), core.commit())
         };
         let (seqno, count, payload) = match &segment {
             Some(s) => (s.first_seqno(), s.frames().len() as u64, s.encoded().clone()),
@@ -759,7 +822,10 @@ impl ReplicationNode {
             id: Some(WalSegmentId { region_id: self.region, shard_id: replica.shard, seqno }),
             payload,
             event_count: count,
-            leader_last_seq: durable,
+            // A segment's envelope must cover it (it may be written, not yet
+            // durable); a keepalive announces the durable position only, so
+            // a follower pulls catch-up for records it can actually get.
+            leader_last_seq: if segment.is_some() { written } else { durable },
             stream_baseline: 0,
             epoch: leader.epoch,
             leader_node_id: self.me,
@@ -1391,6 +1457,7 @@ impl ReplicationNode {
                     is_leader: view.role == Role::Leader,
                     leader_node_id: replica.leader_id(self.me).unwrap_or(0),
                     last_epoch,
+                    needs_new_epoch: self.config.coordinated() && replica.needs_new_epoch(),
                 });
             }
             self.metrics.append_rate.set(node_rate);

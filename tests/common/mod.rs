@@ -198,6 +198,36 @@ impl Drop for CoordProcess {
     }
 }
 
+/// A cluster to start with [`Cluster::launch`].
+pub struct ClusterSpec<'a> {
+    /// The IP or DNS name in every address of the cluster config.
+    pub host: &'a str,
+    pub nodes: u32,
+    pub shards: u32,
+    pub coordinators: u32,
+    /// Extra TOML for the `[replication]` table.
+    pub replication: &'a str,
+    /// NATS URL for the coordinators' KV (file KV without).
+    pub nats: Option<&'a str>,
+    /// Extra command-line arguments for some nodes' first start (not for
+    /// restarts).
+    pub node_args: Vec<(u32, Vec<String>)>,
+}
+
+impl Default for ClusterSpec<'_> {
+    fn default() -> Self {
+        ClusterSpec {
+            host: "127.0.0.1",
+            nodes: 3,
+            shards: 1,
+            coordinators: 0,
+            replication: "",
+            nats: None,
+            node_args: Vec::new(),
+        }
+    }
+}
+
 impl Cluster {
     /// `nodes` nodes, shards `1..=shards` replicated on all of them; shard i
     /// is led by node ((i-1) mod nodes)+1. `replication` is extra TOML for
@@ -223,12 +253,15 @@ impl Cluster {
         replication: &str,
         nats: Option<&str>,
     ) -> Cluster {
+        Self::launch(&ClusterSpec { host, nodes, shards, coordinators, replication, nats, node_args: Vec::new() })
+    }
+
+    /// Starts what `spec` describes.
+    pub fn launch(spec: &ClusterSpec) -> Cluster {
         // Free ports are probed, then released: another test's process can
         // take one before our node binds it. Start over on fresh ports then.
         for attempt in 1..=3 {
-            let start = std::panic::AssertUnwindSafe(|| {
-                Self::try_start_on(host, nodes, shards, coordinators, replication, nats)
-            });
+            let start = std::panic::AssertUnwindSafe(|| Self::try_launch(spec));
             match std::panic::catch_unwind(start) {
                 Ok(cluster) => return cluster,
                 Err(e) if attempt < 3 => {
@@ -240,14 +273,8 @@ impl Cluster {
         unreachable!()
     }
 
-    fn try_start_on(
-        host: &str,
-        nodes: u32,
-        shards: u32,
-        coordinators: u32,
-        replication: &str,
-        nats: Option<&str>,
-    ) -> Cluster {
+    fn try_launch(spec: &ClusterSpec) -> Cluster {
+        let ClusterSpec { host, nodes, shards, coordinators, replication, nats, .. } = *spec;
         let dir = tempfile::tempdir().unwrap();
         let mut toml = String::from("cluster_id = \"test\"\n");
         for c in 1..=coordinators {
@@ -276,7 +303,12 @@ impl Cluster {
         toml += &format!("[replication]\n{heartbeat_to}{replication}\n");
         let config_path = dir.path().join("cluster.toml");
         std::fs::write(&config_path, toml).unwrap();
-        let nodes = (1..=nodes).map(|id| Self::spawn(&config_path, dir.path(), id)).collect();
+        let nodes = (1..=nodes)
+            .map(|id| {
+                let extra = spec.node_args.iter().find(|(n, _)| *n == id).map_or(&[][..], |(_, a)| &a[..]);
+                Self::spawn(&config_path, dir.path(), id, extra)
+            })
+            .collect();
         let mut cluster = Cluster { dir, config_path, nodes, coordinators: Vec::new(), nats: nats.map(str::to_string) };
         for c in 1..=coordinators {
             let coordinator = cluster.spawn_coordinator(c);
@@ -339,14 +371,15 @@ impl Cluster {
         Some((v["leader"].as_u64()? as u32, v["epoch"].as_u64()?))
     }
 
-    fn spawn(config: &Path, dir: &Path, id: u32) -> NodeProcess {
+    fn spawn(config: &Path, dir: &Path, id: u32, extra: &[String]) -> NodeProcess {
         let data = dir.join(format!("node-{id}"));
         let (child, fields) = spawn_listening(
             Command::new(walship_bin())
                 .args(["node", "--allow-crash-drills", "--node-id", &id.to_string(), "--cluster"])
                 .arg(config)
                 .arg("--data-dir")
-                .arg(&data),
+                .arg(&data)
+                .args(extra),
             &format!("node {id}"),
         );
         NodeProcess {
@@ -366,7 +399,7 @@ impl Cluster {
     /// Restarts a (killed) node on its data dir and configured ports.
     pub fn restart(&mut self, id: u32) {
         self.node(id).kill9();
-        let node = Self::spawn(&self.config_path, self.dir.path(), id);
+        let node = Self::spawn(&self.config_path, self.dir.path(), id, &[]);
         self.nodes[id as usize - 1] = node;
     }
 

@@ -3,15 +3,21 @@
 //!
 //! Appenders (async, on any tokio task, for any shard) queue requests; the
 //! writer thread takes everything queued, assigns seqnos, encodes each record
-//! once into a [`Frame`], writes the whole batch and fsyncs once, then
-//! publishes the new positions and wakes every waiter. Blocking storage calls
-//! happen only on that thread (and on `spawn_blocking` for reads).
+//! once into a [`Frame`], writes the whole batch, publishes it as *written*
+//! (the shard's `written` watch and its tail cache, so a leader can ship it
+//! while the fsync runs), fsyncs once, then publishes the new durable
+//! positions and wakes every waiter. Blocking storage calls happen only on
+//! that thread (and on `spawn_blocking` for reads).
 //!
 //! Invariants kept here:
 //! * seqnos are assigned by the single writer, so each shard's log is
 //!   contiguous; the store refuses anything else;
 //! * an append is acknowledged only after the fsync that covers it, and the
 //!   durable watch never runs ahead of what is fsynced;
+//! * `durable <= written` at every instant: the written watch moves first,
+//!   and only once the store's write has returned (a process crash after it
+//!   loses nothing, since the page cache survives; only a machine crash can
+//!   lose written records that are not yet durable);
 //! * a storage failure (a failed write or fsync) stops the process: the WAL
 //!   never continues with unknown durability.
 
@@ -98,11 +104,22 @@ pub struct WalConfig {
     /// requests are queued than the previous commit carried, so a lone
     /// appender never waits.
     pub linger: Duration,
-    /// Bytes of each shard's newest durable frames kept in memory, so the
+    /// Bytes of each shard's newest written frames kept in memory, so the
     /// readers at the head of the log (shippers, tails, short catch-ups)
     /// never go back to the storage engine.
     pub tail_cache_bytes: usize,
+    /// Fault injection for tests only (`None` in production): once this many
+    /// leader-path records (appends, not replicated frames) have been made
+    /// durable, the next batch carrying leader appends is published as
+    /// written *without* being written, and after [`UNWRITTEN_FAULT_GRACE`]
+    /// (time for a leader to ship it) the process aborts. This is the
+    /// machine crash that loses a shipped, never-fsynced batch, which a
+    /// SIGKILL cannot produce (the page cache survives it).
+    pub fault_unwritten_batch_after: Option<u64>,
 }
+
+/// How long an injected unwritten batch stays visible before the abort.
+pub const UNWRITTEN_FAULT_GRACE: Duration = Duration::from_millis(300);
 
 impl Default for WalConfig {
     fn default() -> Self {
@@ -111,6 +128,7 @@ impl Default for WalConfig {
             queue_capacity: 16 * 1024,
             linger: Duration::from_micros(200),
             tail_cache_bytes: 8 << 20,
+            fault_unwritten_batch_after: None,
         }
     }
 }
@@ -155,7 +173,7 @@ impl Request {
     }
 }
 
-/// A shard's newest durable frames, contiguous, within a byte budget.
+/// A shard's newest written frames, contiguous, within a byte budget.
 /// Only the writer thread changes it, always before the positions it covers
 /// are published.
 #[derive(Default)]
@@ -236,8 +254,11 @@ struct ShardPositions {
     /// Leader appends in an older epoch are refused (set on fencing, so an
     /// append queued before a leadership change cannot land after it).
     min_epoch: AtomicU64,
-    /// The newest durable frames, contiguous, oldest first.
+    /// The newest written frames, contiguous, oldest first.
     tail: parking_lot::Mutex<TailCache>,
+    /// Newest seqno written to the store (maybe not fsynced); never behind
+    /// `durable`.
+    written: watch::Sender<u64>,
     durable: watch::Sender<u64>,
     gauges: ShardGauges,
 }
@@ -251,6 +272,7 @@ impl ShardPositions {
             bytes: AtomicU64::new(0),
             min_epoch: AtomicU64::new(0),
             tail: parking_lot::Mutex::new(TailCache::default()),
+            written: watch::Sender::new(bounds.last_seqno),
             durable: watch::Sender::new(bounds.durable_seqno),
             gauges,
         };
@@ -258,9 +280,20 @@ impl ShardPositions {
         positions
     }
 
+    /// Publishes `seqno` as written (the store's write has returned).
+    fn publish_written(&self, seqno: u64) {
+        self.written.send_if_modified(|w| {
+            let changed = *w != seqno;
+            *w = seqno;
+            changed
+        });
+    }
+
     fn publish(&self, bounds: LogBounds) {
         self.first.store(bounds.first_seqno, Ordering::Release);
         self.last.store(bounds.last_seqno, Ordering::Release);
+        // Written first: readers of both never see durable ahead of written.
+        self.publish_written(bounds.last_seqno);
         self.durable.send_if_modified(|d| {
             let changed = *d != bounds.durable_seqno;
             *d = bounds.durable_seqno;
@@ -302,7 +335,7 @@ impl Wal {
         }
         let shared = Arc::new(Shared { store, shards: RwLock::new(shards), metrics });
         let (tx, rx) = flume::bounded(config.queue_capacity);
-        let writer = Writer { shared: shared.clone(), rx, config };
+        let writer = Writer { shared: shared.clone(), rx, config, leader_records: std::cell::Cell::new(0) };
         std::thread::Builder::new()
             .name("walship-wal-writer".into())
             .spawn(move || writer.run())
@@ -387,6 +420,13 @@ impl Wal {
     pub fn counters(&self, shard: ShardId) -> WalResult<ShardCounters> {
         let p = self.shared.shard(shard)?;
         Ok(ShardCounters { records: p.records.load(Ordering::Acquire), bytes: p.bytes.load(Ordering::Acquire) })
+    }
+
+    /// A watch of the shard's newest written seqno (the store's write has
+    /// returned; the fsync may still be running). Always `>=` the durable
+    /// watch. A leader may ship up to it; nothing else may expose it.
+    pub fn written_watch(&self, shard: ShardId) -> WalResult<watch::Receiver<u64>> {
+        Ok(self.shared.shard(shard)?.written.subscribe())
     }
 
     /// A watch of the shard's durable seqno: senders, tails and uploads wait
@@ -478,6 +518,9 @@ struct Writer {
     shared: Arc<Shared>,
     rx: flume::Receiver<Request>,
     config: WalConfig,
+    /// Leader-path records made durable by this writer (for the injected
+    /// fault).
+    leader_records: std::cell::Cell<u64>,
 }
 
 /// One append waiting for the commit that covers it.
@@ -495,6 +538,8 @@ struct Batch {
     next: HashMap<ShardId, u64>,
     waiters: Vec<Waiter>,
     records: usize,
+    /// Records of leader appends (the WAL assigned their seqnos).
+    leader_records: usize,
     bytes: usize,
 }
 
@@ -597,6 +642,7 @@ impl Writer {
                         .collect();
                     let last = first + frames.len() as u64 - 1;
                     batch.next.insert(shard, last + 1);
+                    batch.leader_records += frames.len();
                     batch.push(shard, frames);
                     batch.waiters.push(Waiter { reply, appended: Appended { first_seqno: first, last_seqno: last } });
                 }
@@ -667,8 +713,14 @@ impl Writer {
         if batch.parts.is_empty() {
             return;
         }
+        if batch.leader_records > 0
+            && self.config.fault_unwritten_batch_after.is_some_and(|after| self.leader_records.get() >= after)
+        {
+            self.inject_unwritten_batch(&batch);
+        }
         let started = Instant::now();
-        if let Err(e) = self.shared.store.append(&batch.parts, true) {
+        // Write, publish as written (the shippers may go), then fsync.
+        if let Err(e) = self.shared.store.append(&batch.parts, false) {
             if e.is_fatal() {
                 fatal(&e);
             }
@@ -680,17 +732,22 @@ impl Writer {
             }
             return;
         }
+        self.publish_written(&batch);
+        if let Err(e) = self.shared.store.append(&[], true) {
+            // A failed fsync leaves the written records' durability unknown.
+            fatal(&e);
+        }
         let metrics = &self.shared.metrics;
         metrics.fsync_seconds.observe(started.elapsed().as_secs_f64());
         metrics.group_commit_records.observe(batch.records as f64);
         metrics.records_appended.inc_by(batch.records as u64);
         metrics.bytes_appended.inc_by(batch.bytes as u64);
+        self.leader_records.set(self.leader_records.get() + batch.leader_records as u64);
         for part in &batch.parts {
             if let Ok(positions) = self.shared.shard(part.shard) {
                 let bytes: usize = part.frames.iter().map(Frame::len).sum();
                 positions.records.fetch_add(part.frames.len() as u64, Ordering::AcqRel);
                 positions.bytes.fetch_add(bytes as u64, Ordering::AcqRel);
-                positions.tail.lock().push(&part.frames, self.config.tail_cache_bytes);
             }
         }
         let shards: Vec<ShardId> = batch.parts.iter().map(|p| p.shard).collect();
@@ -698,6 +755,30 @@ impl Writer {
         for waiter in batch.waiters {
             let _ = waiter.reply.send(Ok(waiter.appended));
         }
+    }
+
+    /// Puts the batch's frames in the tail cache and moves each shard's
+    /// written watch to its last frame. The store's write has returned.
+    fn publish_written(&self, batch: &Batch) {
+        for part in &batch.parts {
+            if let Ok(positions) = self.shared.shard(part.shard) {
+                positions.tail.lock().push(&part.frames, self.config.tail_cache_bytes);
+                if let Some(last) = part.frames.last() {
+                    positions.publish_written(last.seqno());
+                }
+            }
+        }
+    }
+
+    /// The injected fault (see [`WalConfig::fault_unwritten_batch_after`]):
+    /// the batch is shipped as if written, never reaches the store, and the
+    /// process dies as a machine crash would.
+    fn inject_unwritten_batch(&self, batch: &Batch) -> ! {
+        tracing::error!(records = batch.records, "injected fault: publishing a batch as written without writing it");
+        self.publish_written(batch);
+        std::thread::sleep(UNWRITTEN_FAULT_GRACE);
+        eprintln!("walship: injected fault: aborting with {} records shipped but never written", batch.records);
+        std::process::abort();
     }
 }
 
@@ -750,6 +831,107 @@ mod tests {
             let frames = wal.read(shard, 1, next - 1, usize::MAX).await.unwrap();
             assert!(frames.iter().enumerate().all(|(i, f)| f.seqno() == 1 + i as u64));
         }
+    }
+
+    /// A store whose fsyncs (`append(&[], true)`) wait until the test lets
+    /// them through, so the instant between write and fsync can be observed.
+    struct GatedSync {
+        inner: MemStore,
+        gate: parking_lot::Mutex<std::sync::mpsc::Receiver<()>>,
+    }
+
+    impl LogStore for GatedSync {
+        fn create_shard(&self, shard: ShardId) -> crate::store::StoreResult<()> {
+            self.inner.create_shard(shard)
+        }
+        fn shards(&self) -> Vec<ShardId> {
+            self.inner.shards()
+        }
+        fn bounds(&self, shard: ShardId) -> crate::store::StoreResult<LogBounds> {
+            self.inner.bounds(shard)
+        }
+        fn append(&self, batch: &[ShardAppend], sync: bool) -> crate::store::StoreResult<()> {
+            if sync {
+                self.gate.lock().recv().expect("the test holds the gate");
+            }
+            self.inner.append(batch, sync)
+        }
+        fn read(&self, shard: ShardId, from: u64, to: u64, max_bytes: usize) -> crate::store::StoreResult<Vec<Frame>> {
+            self.inner.read(shard, from, to, max_bytes)
+        }
+        fn truncate_suffix(&self, shard: ShardId, keep_through: u64) -> crate::store::StoreResult<()> {
+            self.inner.truncate_suffix(shard, keep_through)
+        }
+        fn compact_prefix(&self, shard: ShardId, first_kept: u64) -> crate::store::StoreResult<()> {
+            self.inner.compact_prefix(shard, first_kept)
+        }
+        fn set_epoch(&self, shard: ShardId, epoch: u64) -> crate::store::StoreResult<()> {
+            self.inner.set_epoch(shard, epoch)
+        }
+        fn epoch(&self, shard: ShardId) -> crate::store::StoreResult<u64> {
+            self.inner.epoch(shard)
+        }
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn written_is_published_after_the_write_and_before_the_fsync() {
+        let (open, gate) = std::sync::mpsc::channel();
+        let store = Arc::new(GatedSync { inner: MemStore::new(), gate: parking_lot::Mutex::new(gate) });
+        let wal = Wal::start(store.clone(), WalConfig::default(), WalMetrics::unregistered()).unwrap();
+        wal.create_shard(1).unwrap();
+        let mut written = wal.written_watch(1).unwrap();
+        let durable = wal.durable_watch(1).unwrap();
+        let pending = tokio::spawn({
+            let wal = wal.clone();
+            async move { wal.append(1, 1, records(3)).await }
+        });
+        // The fsync is held: written moves, durable does not, the append
+        // is not acknowledged, and the frames are readable for shipping.
+        tokio::time::timeout(Duration::from_secs(10), written.wait_for(|w| *w == 3)).await.unwrap().unwrap();
+        assert_eq!(*durable.borrow(), 0, "durable must wait for the fsync");
+        assert_eq!(store.inner.bounds(1).unwrap().last_seqno, 3, "written only once the store's write returned");
+        assert!(!pending.is_finished(), "no acknowledgement before the fsync");
+        let frames = wal.read(1, 1, 3, usize::MAX).await.unwrap();
+        assert_eq!(frames.iter().map(Frame::seqno).collect::<Vec<_>>(), vec![1, 2, 3]);
+        // Let the fsync through: durable catches up and the append returns.
+        open.send(()).unwrap();
+        let appended = pending.await.unwrap().unwrap();
+        assert_eq!(appended, Appended { first_seqno: 1, last_seqno: 3 });
+        assert_eq!((*durable.borrow(), *written.borrow()), (3, 3));
+        drop(open);
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn durable_never_passes_written() {
+        let wal = Wal::start(Arc::new(MemStore::new()), WalConfig::default(), WalMetrics::unregistered()).unwrap();
+        wal.create_shard(1).unwrap();
+        let mut durable = wal.durable_watch(1).unwrap();
+        let written = wal.written_watch(1).unwrap();
+        let watcher = tokio::spawn(async move {
+            let mut checked = 0;
+            while durable.changed().await.is_ok() {
+                let d = *durable.borrow_and_update();
+                assert!(d <= *written.borrow(), "durable {d} ahead of written {}", *written.borrow());
+                checked += 1;
+                if d >= 400 {
+                    break;
+                }
+            }
+            checked
+        });
+        let mut tasks = Vec::new();
+        for _ in 0..8 {
+            let wal = wal.clone();
+            tasks.push(tokio::spawn(async move {
+                for _ in 0..25 {
+                    wal.append(1, 1, records(2)).await.unwrap();
+                }
+            }));
+        }
+        for t in tasks {
+            t.await.unwrap();
+        }
+        assert!(watcher.await.unwrap() > 0, "the watcher saw durable move");
     }
 
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

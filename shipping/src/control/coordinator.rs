@@ -464,7 +464,12 @@ impl Coordinator {
                 Some(leader) => {
                     let last = self.seen.lock().get(&leader).map(|n| n.at);
                     let reference = last.map_or(since, |at| at.max(since));
-                    reference.elapsed() > timeout
+                    // A recorded leader that restarted in the record's epoch
+                    // never leads in it again (it may have shipped records
+                    // its disk lost): it needs a new epoch, as a lost one does.
+                    let restarted =
+                        self.heartbeat(leader, shard).is_some_and(|hb| hb.epoch == record.epoch && hb.needs_new_epoch);
+                    restarted || reference.elapsed() > timeout
                 }
             };
             let backing_off = self.retry_after.lock().get(&shard).is_some_and(|t| Instant::now() < *t);

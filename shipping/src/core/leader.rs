@@ -5,8 +5,15 @@
 //! Invariants kept here:
 //! * `commit` is the highest seqno durable on a majority of the replica set
 //!   (the leader counts with its own durable position); it never decreases
-//!   and never passes the leader's durable position. Only durable records are
-//!   ever offered for shipping.
+//!   and never passes the leader's durable position, whatever the followers
+//!   report. Only records in the leader's own log are offered for shipping:
+//!   durable ones, or, once the shell reports writes with
+//!   [`LeaderCore::on_local_written`] (early shipping), written ones whose
+//!   fsync may still be running. A follower may then hold and acknowledge
+//!   records the leader could still lose in a machine crash; they are never
+//!   committed until the leader's own copy is durable, and the coordinator
+//!   never lets a restarted leader lead again in the same epoch (see
+//!   `shipping/EARLY-SHIPPING.md`).
 //! * Counting replicas only commits once the majority position reaches a
 //!   record of this leader's own epoch (`epoch_start`): older-epoch records
 //!   on a majority may still be overwritten by a leader with a newer last
@@ -101,7 +108,7 @@ pub struct FollowerProgress {
 /// What the shell should send next to a follower.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum ShipDecision {
-    /// Ship durable frames `[from, up_to]`; the shell may stop earlier at its
+    /// Ship frames `[from, up_to]`; the shell may stop earlier at its
     /// byte bound and reports what it sent with [`LeaderCore::on_sent`].
     Send {
         from: u64,
@@ -167,6 +174,9 @@ pub struct LeaderCore {
     epoch_start: u64,
     settings: LeaderSettings,
     durable: u64,
+    /// Newest seqno in the leader's own log that may be shipped: `durable`,
+    /// or ahead of it with early shipping. Never behind `durable`.
+    written: u64,
     first: u64,
     commit: u64,
     followers: BTreeMap<NodeId, FollowerProgress>,
@@ -193,6 +203,7 @@ impl LeaderCore {
             epoch_start: start.epoch_start,
             settings,
             durable: start.durable,
+            written: start.durable,
             first: start.first,
             commit: start.commit_floor.min(start.durable),
             followers: followers.iter().map(|&f| (f, progress)).collect(),
@@ -221,6 +232,19 @@ impl LeaderCore {
         self.commit
     }
 
+    /// The newest seqno that may be shipped (see [`LeaderCore::on_local_written`]).
+    pub fn written(&self) -> u64 {
+        self.written
+    }
+
+    /// Early shipping: the leader's WAL wrote records through `written`
+    /// (the fsync may still be running). They may be shipped now; they count
+    /// towards the commit only once [`LeaderCore::on_local_durable`] covers
+    /// them.
+    pub fn on_local_written(&mut self, written: u64) {
+        self.written = self.written.max(written);
+    }
+
     /// The highest seqno durable on every replica.
     pub fn all_durable(&self) -> u64 {
         self.followers.values().map(|f| f.acked).fold(self.durable, u64::min)
@@ -242,6 +266,7 @@ impl LeaderCore {
             return false;
         }
         self.durable = durable;
+        self.written = self.written.max(durable);
         if let Some(avg) = bytes.checked_div(records) {
             self.avg_frame_bytes = avg;
         }
@@ -260,14 +285,14 @@ impl LeaderCore {
     /// Decides what to send to `follower` now.
     pub fn poll_ship(&mut self, follower: NodeId, now_us: u64) -> ShipDecision {
         let settings = self.settings;
-        let durable = self.durable;
+        let limit = self.written;
         let Some(p) = self.followers.get_mut(&follower) else { return ShipDecision::Idle };
         let interval = if p.mode == ShipMode::Probe { settings.probe_us } else { settings.keepalive_us };
         let keepalive_due = p.last_sent_us.is_none_or(|t| now_us.saturating_sub(t) >= interval);
         match p.mode {
-            ShipMode::Push if p.next <= durable => {
+            ShipMode::Push if p.next <= limit => {
                 if p.in_flight < settings.window {
-                    ShipDecision::Send { from: p.next, up_to: durable }
+                    ShipDecision::Send { from: p.next, up_to: limit }
                 } else {
                     ShipDecision::Idle
                 }
@@ -302,6 +327,7 @@ impl LeaderCore {
     pub fn on_reply(&mut self, follower: NodeId, reply: ShipReply, now_us: u64) -> Result<bool, u64> {
         let first = self.first;
         let durable = self.durable;
+        let written = self.written;
         let threshold = self.settings.catchup_threshold_bytes;
         let Some(p) = self.followers.get(&follower).copied() else { return Ok(false) };
         let was = p.mode;
@@ -320,7 +346,9 @@ impl LeaderCore {
             }
             ShipReply::Applied { applied } | ShipReply::Gap { applied } => {
                 p.last_reply_us = Some(now_us);
-                p.acked = p.acked.max(applied.min(durable));
+                // Never past what this leader's log holds: a longer log on
+                // the follower is a divergence for EpochEnd repair, not an ack.
+                p.acked = p.acked.max(applied.min(written));
                 if matches!(reply, ShipReply::Gap { .. }) || p.next <= p.acked {
                     p.next = p.acked + 1;
                 }
@@ -484,6 +512,84 @@ mod tests {
         assert_eq!(core.poll_ship(2, 2_100), ShipDecision::Idle, "window of 2 is full");
         core.on_reply(2, ShipReply::Applied { applied: 4 }, 2_200).unwrap();
         assert_eq!(core.poll_ship(2, 2_200), ShipDecision::Send { from: 11, up_to: 12 });
+    }
+
+    #[test]
+    fn early_shipping_sends_written_records_but_commits_only_what_the_leader_has_durable() {
+        let mut core = leader();
+        probe(&mut core, 2, 0, 0);
+        probe(&mut core, 3, 0, 0);
+        core.on_local_written(6);
+        assert_eq!(core.poll_ship(2, 100), ShipDecision::Send { from: 1, up_to: 6 }, "written records go out");
+        core.on_sent(2, 1, 6, 100);
+        assert_eq!(core.poll_ship(3, 100), ShipDecision::Send { from: 1, up_to: 6 });
+        core.on_sent(3, 1, 6, 100);
+        // Both followers have them durable before the leader does: nothing
+        // commits, since the leader's own copy could still be lost.
+        core.on_reply(2, ShipReply::Applied { applied: 6 }, 200).unwrap();
+        core.on_reply(3, ShipReply::Applied { applied: 6 }, 200).unwrap();
+        assert_eq!(core.commit(), 0, "commit never passes the leader's durable position");
+        assert_eq!(core.all_durable(), 0);
+        // The followers' acks are kept: the leader's fsync alone commits.
+        core.on_local_durable(4, 4, 400, 300);
+        assert_eq!(core.commit(), 4);
+        core.on_local_durable(6, 6, 600, 400);
+        assert_eq!((core.commit(), core.all_durable()), (6, 6));
+    }
+
+    #[test]
+    fn a_follower_ack_past_the_leaders_log_is_not_counted() {
+        let mut core = leader();
+        probe(&mut core, 2, 0, 0);
+        core.on_local_written(3);
+        core.on_local_durable(3, 3, 300, 10);
+        // A follower claiming more than this leader ever wrote (a suffix of
+        // an older leader's) gets credit only for what the leader holds.
+        core.on_reply(2, ShipReply::Applied { applied: 9 }, 20).unwrap();
+        assert_eq!(core.progress(2).unwrap().acked, 3);
+        assert_eq!(core.commit(), 3);
+    }
+
+    #[test]
+    fn commit_stays_within_the_leaders_durable_position_at_every_step() {
+        // A deterministic walk over interleavings of written, durable and
+        // replies: commit <= durable <= written after every event.
+        let mut state = 0x2545_f491_4f6c_dd1du64;
+        let mut next = || {
+            state ^= state << 13;
+            state ^= state >> 7;
+            state ^= state << 17;
+            state
+        };
+        for _ in 0..200 {
+            let mut core = leader();
+            probe(&mut core, 2, 0, 0);
+            probe(&mut core, 3, 0, 0);
+            let (mut written, mut durable) = (0u64, 0u64);
+            for step in 0..100u64 {
+                match next() % 4 {
+                    0 => {
+                        written += 1 + next() % 5;
+                        core.on_local_written(written);
+                    }
+                    1 => {
+                        durable += (written - durable).min(next() % 4);
+                        core.on_local_durable(durable, durable, durable * 100, step);
+                    }
+                    r => {
+                        let f = r as NodeId; // 2 or 3
+                        if let ShipDecision::Send { from, up_to } = core.poll_ship(f, step) {
+                            core.on_sent(f, from, up_to, step);
+                            let applied = from + next() % (up_to - from + 1);
+                            core.on_reply(f, ShipReply::Applied { applied }, step).unwrap();
+                        }
+                    }
+                }
+                assert!(core.commit() <= durable, "commit {} past durable {durable}", core.commit());
+                assert!(core.durable() <= core.written());
+                assert!(core.all_durable() <= durable);
+            }
+        }
     }
 
     #[test]
