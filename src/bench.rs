@@ -12,6 +12,11 @@
 //!   and `all` durability. All three replicas write to the same disk here,
 //!   so the disk ratio counts three copies of every byte.
 //!
+//! The three-node paths run with a `walship coord` by default, as production
+//! does, so leaders ship each batch while their own fsync runs;
+//! `--leadership static` takes the leaders from the config instead (they
+//! ship durable records only).
+//!
 //! The gRPC paths append through `Log.AppendStream` by default (each
 //! connection's appenders pipelined over one stream, as a client with many
 //! appends in flight should); `--transport unary` sends one `Append` call per
@@ -94,9 +99,22 @@ pub struct BenchArgs {
     /// `AppendStream` per connection, `unary` sends one `Append` call each.
     #[arg(long, value_enum, default_value = "stream")]
     transport: Transport,
+    /// How the three-node paths (`quorum`, `all`) are led: `coordinated`
+    /// starts a `walship coord` as production runs (leaders ship while their
+    /// own fsync runs), `static` takes leaders from the config (they ship
+    /// durable records only).
+    #[arg(long, value_enum, default_value = "coordinated")]
+    leadership: Leadership,
     /// Also write the results as JSON here.
     #[arg(long)]
     json: Option<PathBuf>,
+}
+
+/// Who assigns the three-node paths' leaders.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+pub enum Leadership {
+    Coordinated,
+    Static,
 }
 
 /// The client API the gRPC paths append through.
@@ -236,21 +254,27 @@ impl Drop for Target {
 }
 
 fn spawn_node(args: &[String], data: &Path) -> Result<(std::process::Child, String)> {
+    spawn_listening("node", args, data)
+}
+
+/// Spawns `walship <command> <args> --data-dir <data>` and returns it with
+/// the gRPC address from its "listening" line.
+fn spawn_listening(command: &str, args: &[String], data: &Path) -> Result<(std::process::Child, String)> {
     let mut child = Command::new(std::env::current_exe()?)
-        .arg("node")
+        .arg(command)
         .args(args)
         .arg("--data-dir")
         .arg(data)
         .env("WALSHIP_LOG", "warn")
         .stdout(Stdio::piped())
         .spawn()
-        .context("spawning walship node")?;
+        .with_context(|| format!("spawning walship {command}"))?;
     let mut line = String::new();
     BufReader::new(child.stdout.take().context("node stdout")?).read_line(&mut line)?;
     let grpc = line
         .split_whitespace()
         .find_map(|w| w.strip_prefix("grpc="))
-        .with_context(|| format!("node did not print its address: {line:?}"))?
+        .with_context(|| format!("walship {command} did not print its address: {line:?}"))?
         .to_string();
     Ok((child, grpc))
 }
@@ -266,8 +290,9 @@ fn single_node(data: &Path, shards: u32) -> Result<Target> {
     Ok(Target { leaders: vec![grpc; shards as usize], children: vec![child] })
 }
 
-/// Three nodes, every shard at RF=3, leaders spread over the nodes.
-fn three_nodes(data: &Path, shards: u32) -> Result<Target> {
+/// Three nodes, every shard at RF=3, leaders spread over the nodes; with
+/// a coordinator when `leadership` says so.
+fn three_nodes(data: &Path, shards: u32, leadership: Leadership) -> Result<Target> {
     use walship_shipping::{ClusterConfig, NodeSpec};
     let port = || -> Result<std::net::SocketAddr> { Ok(std::net::TcpListener::bind("127.0.0.1:0")?.local_addr()?) };
     let mut nodes = Vec::new();
@@ -276,11 +301,24 @@ fn three_nodes(data: &Path, shards: u32) -> Result<Target> {
     }
     let mut config = ClusterConfig::replicated_everywhere(nodes, shards);
     config.cluster_id = "bench".into();
+    if leadership == Leadership::Coordinated {
+        config.coordinators = vec![walship_shipping::config::CoordinatorSpec {
+            id: "bench".into(),
+            grpc_addr: port()?.into(),
+            admin_addr: port()?.into(),
+        }];
+    }
     let leaders = config.shards.iter().map(|s| config.nodes[s.leader as usize - 1].grpc_addr.to_string()).collect();
     std::fs::create_dir_all(data)?;
     let file = data.join("cluster.toml");
     std::fs::write(&file, toml::to_string_pretty(&config)?)?;
     let mut children = Vec::new();
+    if leadership == Leadership::Coordinated {
+        let args: Vec<String> =
+            ["--id", "bench", "--admin-token", "walship-bench", "--cluster"].iter().map(|s| s.to_string()).collect();
+        let args = [args, vec![file.display().to_string()]].concat();
+        children.push(spawn_listening("coord", &args, &data.join("coord"))?.0);
+    }
     for id in 1..=3 {
         let args = vec!["--node-id".to_string(), id.to_string(), "--cluster".into(), file.display().to_string()];
         children.push(spawn_node(&args, &data.join(format!("node-{id}")))?.0);
@@ -300,8 +338,8 @@ async fn grpc_cell(
     let _ = std::fs::remove_dir_all(&data);
     let (target, durability) = match path {
         BenchPath::Local => (single_node(&data, shards)?, Durability::Local),
-        BenchPath::Quorum => (three_nodes(&data, shards)?, Durability::Quorum),
-        BenchPath::All => (three_nodes(&data, shards)?, Durability::All),
+        BenchPath::Quorum => (three_nodes(&data, shards, args.leadership)?, Durability::Quorum),
+        BenchPath::All => (three_nodes(&data, shards, args.leadership)?, Durability::All),
         BenchPath::Wal => bail!("the wal path runs in process"),
     };
     // A few HTTP/2 connections per leader, shared round-robin by the appenders.
@@ -312,6 +350,21 @@ async fn grpc_cell(
             per.push(Connection::open(leader, args.transport).await?);
         }
         clients.push(per);
+    }
+    // Under a coordinator the leaders take their role a moment after start.
+    for (shard, per) in clients.iter().enumerate() {
+        let deadline = std::time::Instant::now() + Duration::from_secs(30);
+        let ready = || AppendRequest {
+            shard_id: shard as u32 + 1,
+            records: vec![AppendRecord { key: Bytes::new(), payload: Bytes::from_static(b"ready") }],
+            durability: durability as i32,
+        };
+        while let Err(status) = per[0].append(ready()).await {
+            if std::time::Instant::now() > deadline {
+                bail!("shard {} never accepted an append: {status}", shard + 1);
+            }
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
     }
     let clients = Arc::new(clients);
     let body = payload(size);

@@ -134,17 +134,12 @@ impl Args {
     }
 }
 
-/// Starts `kind` fresh under `dir`; `coordinated` gives walship a
-/// coordinator (for the failover measurement).
-async fn start(kind: SystemKind, dir: &Path, args: &Args, coordinated: bool) -> Result<Box<dyn Cluster>> {
+/// Starts `kind` fresh under `dir`.
+async fn start(kind: SystemKind, dir: &Path, args: &Args) -> Result<Box<dyn Cluster>> {
     let walship_bin = args.walship.clone().unwrap_or_else(walship::default_binary);
     match kind {
-        SystemKind::WalshipQuorum => {
-            walship::start(&dir.join("walship"), &walship_bin, Durability::Quorum, coordinated).await
-        }
-        SystemKind::WalshipAll => {
-            walship::start(&dir.join("walship"), &walship_bin, Durability::All, coordinated).await
-        }
+        SystemKind::WalshipQuorum => walship::start(&dir.join("walship"), &walship_bin, Durability::Quorum).await,
+        SystemKind::WalshipAll => walship::start(&dir.join("walship"), &walship_bin, Durability::All).await,
         SystemKind::Jetstream => nats::start(&dir.join("nats"), &args.nats_server).await,
         SystemKind::Postgres => pg::start(&dir.join("postgres"), &pg::PgOptions { bin_dir: args.pg_bin.clone() }).await,
     }
@@ -158,7 +153,7 @@ async fn run_cell(
     rate: Option<f64>,
     args: &Args,
 ) -> Result<(String, f64, walship_loadgen::Measured)> {
-    let cluster = start(kind, &args.dir, args, false).await?;
+    let cluster = start(kind, &args.dir, args).await?;
     let name = cluster.name();
     let copies = cluster.copies();
     let appenders = cluster.appenders(clients).await?;
@@ -257,7 +252,7 @@ async fn run(mut args: Args) -> Result<()> {
 async fn failover_row(kind: SystemKind, args: &Args) -> Result<report::FailoverRow> {
     let mut row = report::FailoverRow::default();
     for n in 0..args.failover_trials {
-        let mut cluster = start(kind, &args.dir, args, true).await?;
+        let mut cluster = start(kind, &args.dir, args).await?;
         row.system = cluster.name();
         let outcome = failover::trial(&mut cluster, args.failover_clients, 100).await;
         let stopped = cluster.stop().await;

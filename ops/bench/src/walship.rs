@@ -4,10 +4,11 @@
 //! The nodes run from the release binary the script builds (`--walship`),
 //! each with its own data directory on the benchmark disk, with the
 //! replication settings a default deployment gets (`[replication]` left
-//! at its defaults). Throughput cells run with static leadership (node 1
-//! leads, no coordinator). The failover measurement adds a `walship coord`
-//! (embedded file KV, default loss detection: 50 ms heartbeats, 200 ms
-//! timeout), which owns leadership as in production.
+//! at its defaults), and a `walship coord` (embedded file KV, default loss
+//! detection: 50 ms heartbeats, 200 ms timeout) that owns leadership as in
+//! production. Under a coordinator leaders ship each batch while their own
+//! fsync runs (`shipping/EARLY-SHIPPING.md`). Clients append through
+//! `Log.AppendStream`, walship's API for many appends in flight.
 
 use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
@@ -42,17 +43,17 @@ pub struct WalshipCluster {
     leader: usize,
     /// Node servers, index as `nodes`.
     servers: Vec<Server>,
-    /// With a coordinator: its process and admin address.
-    coordinator: Option<(Server, SocketAddr)>,
+    /// The coordinator's process and admin address.
+    coordinator: (Server, SocketAddr),
 }
 
 fn loopback() -> Result<SocketAddr> {
     Ok(SocketAddr::from(([127, 0, 0, 1], free_port()?)))
 }
 
-/// Starts the three nodes (and, when `coordinated`, a coordinator) under
-/// `dir` (fresh) and returns once an append is acknowledged at `durability`.
-pub async fn start(dir: &Path, walship: &Path, durability: Durability, coordinated: bool) -> Result<Box<dyn Cluster>> {
+/// Starts the coordinator and the three nodes under `dir` (fresh) and
+/// returns once an append is acknowledged at `durability`.
+pub async fn start(dir: &Path, walship: &Path, durability: Durability) -> Result<Box<dyn Cluster>> {
     if !walship.is_file() {
         bail!("walship binary not found at {} (build it: cargo build --release)", walship.display());
     }
@@ -64,29 +65,22 @@ pub async fn start(dir: &Path, walship: &Path, durability: Durability, coordinat
     }
     let mut config = ClusterConfig::replicated_everywhere(specs, 1);
     config.cluster_id = "compare".into();
-    if coordinated {
-        config.coordinators =
-            vec![CoordinatorSpec { id: "bench".into(), grpc_addr: loopback()?.into(), admin_addr: loopback()?.into() }];
-    }
+    let spec = CoordinatorSpec { id: "bench".into(), grpc_addr: loopback()?.into(), admin_addr: loopback()?.into() };
+    config.coordinators = vec![spec.clone()];
     config.validate()?;
     let file = dir.join("cluster.toml");
     std::fs::write(&file, toml::to_string_pretty(&config)?)?;
-    let coordinator = match config.coordinators.first() {
-        None => None,
-        Some(spec) => {
-            let mut command = Command::new(walship);
-            command
-                .args(["coord", "--id", &spec.id, "--admin-token", "walship-compare-token", "--cluster"])
-                .arg(&file)
-                .arg("--data-dir")
-                .arg(dir.join("coord"))
-                .env("WALSHIP_LOG", "warn");
-            let mut server = Server::spawn("walship coord", command, &dir.join("coord.log"), libc::SIGTERM)?;
-            let admin: SocketAddr = spec.admin_addr.to_string().parse()?;
-            tokio::task::block_in_place(|| wait_for_port(admin, Duration::from_secs(30), &mut server))?;
-            Some((server, admin))
-        }
-    };
+    let mut command = Command::new(walship);
+    command
+        .args(["coord", "--id", &spec.id, "--admin-token", "walship-compare-token", "--cluster"])
+        .arg(&file)
+        .arg("--data-dir")
+        .arg(dir.join("coord"))
+        .env("WALSHIP_LOG", "warn");
+    let mut server = Server::spawn("walship coord", command, &dir.join("coord.log"), libc::SIGTERM)?;
+    let admin: SocketAddr = spec.admin_addr.to_string().parse()?;
+    tokio::task::block_in_place(|| wait_for_port(admin, Duration::from_secs(30), &mut server))?;
+    let coordinator = (server, admin);
     let mut servers = Vec::new();
     let mut nodes = Vec::new();
     for node in &config.nodes {
@@ -185,16 +179,13 @@ impl Cluster for WalshipCluster {
             for server in &mut self.servers {
                 server.stop()?;
             }
-            if let Some((server, _)) = &mut self.coordinator {
-                server.stop()?;
-            }
+            self.coordinator.0.stop()?;
             Ok(())
         })
     }
 
     async fn kill_leader(&mut self) -> Result<Option<String>> {
-        let Some((_, admin)) = &self.coordinator else { return Ok(None) };
-        let leader = self.recorded_leader(*admin).await?;
+        let leader = self.recorded_leader(self.coordinator.1).await?;
         let server = self.servers.get_mut(leader - 1).with_context(|| format!("no node {leader}"))?;
         server.kill()?;
         Ok(Some(server.name.clone()))
