@@ -150,9 +150,6 @@ mod tests {
 
     #[async_trait]
     impl Cluster for Fake {
-        fn name(&self) -> String {
-            "fake".into()
-        }
         async fn appenders(&self, clients: usize) -> Result<Vec<Arc<dyn Appender>>> {
             Ok((0..clients)
                 .map(|_| {

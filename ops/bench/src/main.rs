@@ -42,6 +42,26 @@ enum SystemKind {
     Postgres,
 }
 
+impl SystemKind {
+    const ALL: [SystemKind; 4] =
+        [SystemKind::WalshipQuorum, SystemKind::WalshipAll, SystemKind::Jetstream, SystemKind::Postgres];
+
+    /// The system's label in reports and charts.
+    fn report_name(self) -> &'static str {
+        match self {
+            SystemKind::WalshipQuorum => "walship-quorum",
+            SystemKind::WalshipAll => "walship-all",
+            SystemKind::Jetstream => "jetstream-r3",
+            SystemKind::Postgres => "postgres-sync",
+        }
+    }
+
+    /// PostgreSQL promotes a standby only through external tooling.
+    fn fails_over_by_itself(self) -> bool {
+        self != SystemKind::Postgres
+    }
+}
+
 #[derive(Parser, Debug)]
 #[command(about = "walship vs NATS JetStream R3 vs PostgreSQL synchronous replication")]
 struct Args {
@@ -154,7 +174,7 @@ async fn run_cell(
     args: &Args,
 ) -> Result<(String, f64, walship_loadgen::Measured)> {
     let cluster = start(kind, &args.dir, args).await?;
-    let name = cluster.name();
+    let name = kind.report_name().to_string();
     let copies = cluster.copies();
     let appenders = cluster.appenders(clients).await?;
     let (warmup, duration) = (Duration::from_secs_f64(args.warmup), Duration::from_secs_f64(args.duration));
@@ -250,16 +270,20 @@ async fn run(mut args: Args) -> Result<()> {
 
 /// `--failover-trials` leader kills of `kind`, each on a fresh cluster.
 async fn failover_row(kind: SystemKind, args: &Args) -> Result<report::FailoverRow> {
-    let mut row = report::FailoverRow::default();
+    let mut row = report::FailoverRow { system: kind.report_name().into(), ..Default::default() };
+    if !kind.fails_over_by_itself() {
+        row.note = NO_FAILOVER.into();
+        eprintln!("{:>15} failover: {}", row.system, row.note);
+        return Ok(row);
+    }
     for n in 0..args.failover_trials {
         let mut cluster = start(kind, &args.dir, args).await?;
-        row.system = cluster.name();
         let outcome = failover::trial(&mut cluster, args.failover_clients, 100).await;
         let stopped = cluster.stop().await;
         let outcome = outcome.with_context(|| format!("{} failover trial {}", row.system, n + 1))?;
         stopped.with_context(|| format!("stopping {}", row.system))?;
         let Some(trial) = outcome else {
-            row.note = "no automatic failover built in (needs external tooling such as Patroni)".into();
+            row.note = NO_FAILOVER.into();
             eprintln!("{:>15} failover: {}", row.system, row.note);
             break;
         };
@@ -277,14 +301,10 @@ async fn failover_row(kind: SystemKind, args: &Args) -> Result<report::FailoverR
     Ok(row)
 }
 
+const NO_FAILOVER: &str = "no automatic failover built in (needs external tooling such as Patroni)";
+
 fn system_of(name: &str) -> Option<SystemKind> {
-    match name {
-        "walship-quorum" => Some(SystemKind::WalshipQuorum),
-        "walship-all" => Some(SystemKind::WalshipAll),
-        "jetstream-r3" => Some(SystemKind::Jetstream),
-        "postgres-sync" => Some(SystemKind::Postgres),
-        _ => None,
-    }
+    SystemKind::ALL.into_iter().find(|k| k.report_name() == name)
 }
 
 fn utc_now() -> String {

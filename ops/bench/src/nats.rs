@@ -190,10 +190,6 @@ impl NatsCluster {
 
 #[async_trait]
 impl Cluster for NatsCluster {
-    fn name(&self) -> String {
-        "jetstream-r3".to_string()
-    }
-
     fn copies(&self) -> f64 {
         3.0
     }
@@ -338,7 +334,7 @@ fn launch(dir: &Path, binary: &Path) -> Result<(Vec<Node>, Vec<Server>)> {
     std::fs::create_dir_all(dir).with_context(|| format!("creating {}", dir.display()))?;
     let dir = dir.canonicalize()?;
 
-    let ports = distinct_ports(3 * SERVERS)?;
+    let ports = proc::distinct_ports(3 * SERVERS)?;
     let loopback = |port: u16| SocketAddr::from(([127, 0, 0, 1], port));
     let nodes: Vec<Node> = (0..SERVERS)
         .map(|i| {
@@ -369,18 +365,6 @@ fn launch(dir: &Path, binary: &Path) -> Result<(Vec<Node>, Vec<Server>)> {
             .with_context(|| format!("see {}", node.log.display()))?;
     }
     Ok((nodes, servers))
-}
-
-/// `n` different free loopback ports.
-fn distinct_ports(n: usize) -> Result<Vec<u16>> {
-    let mut ports = Vec::with_capacity(n);
-    while ports.len() < n {
-        let port = proc::free_port()?;
-        if !ports.contains(&port) {
-            ports.push(port);
-        }
-    }
-    Ok(ports)
 }
 
 /// The config file of `node`.
@@ -476,7 +460,6 @@ mod tests {
         let started = Instant::now();
         let cluster = NatsCluster::start(&dir, &nats_server()).await.unwrap();
         eprintln!("cluster up and stream current after {:?}", started.elapsed());
-        assert_eq!(cluster.name(), "jetstream-r3");
         assert_eq!(cluster.copies(), 3.0);
 
         // Every server fsyncs every write.

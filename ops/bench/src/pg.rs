@@ -121,10 +121,6 @@ impl PgCluster {
 
 #[async_trait]
 impl Cluster for PgCluster {
-    fn name(&self) -> String {
-        "postgres-sync".to_string()
-    }
-
     fn copies(&self) -> f64 {
         3.0
     }
@@ -529,7 +525,6 @@ mod tests {
         let started = Instant::now();
         let cluster = start_cluster(tmp.path(), &PgOptions::default()).await.unwrap();
         eprintln!("cluster started in {:?}", started.elapsed());
-        assert_eq!(cluster.name(), "postgres-sync");
         assert_eq!(cluster.copies(), 3.0);
         let pids = cluster.pids();
         assert_eq!(pids.len(), 3);

@@ -83,12 +83,27 @@ pub fn free_port() -> Result<u16> {
     Ok(TcpListener::bind("127.0.0.1:0")?.local_addr()?.port())
 }
 
+/// `n` different free loopback ports, for one cluster whose processes bind
+/// them later: probing one at a time can hand out the same port twice.
+pub fn distinct_ports(n: usize) -> Result<Vec<u16>> {
+    let mut ports = Vec::with_capacity(n);
+    while ports.len() < n {
+        let port = free_port()?;
+        if !ports.contains(&port) {
+            ports.push(port);
+        }
+    }
+    Ok(ports)
+}
+
 /// Waits until something accepts TCP connections on `addr`.
 pub fn wait_for_port(addr: SocketAddr, timeout: Duration, server: &mut Server) -> Result<()> {
     let deadline = Instant::now() + timeout;
     loop {
         if TcpStream::connect_timeout(&addr, Duration::from_millis(200)).is_ok() {
-            return Ok(());
+            // Someone listens; make sure it is not another process on a
+            // port this one failed to bind.
+            return server.check_running();
         }
         server.check_running()?;
         if Instant::now() > deadline {

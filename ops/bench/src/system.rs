@@ -24,8 +24,6 @@ pub trait Appender: Send + Sync {
 /// (`stop` does the same and reports errors).
 #[async_trait]
 pub trait Cluster: Send + Sync {
-    /// The label used in reports, e.g. `walship-quorum`.
-    fn name(&self) -> String;
     /// Copies of every record written to the one disk (for the disk ratio).
     fn copies(&self) -> f64 {
         3.0

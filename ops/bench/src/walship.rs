@@ -28,7 +28,7 @@ use walship_proto::pipeline::AppendPipeline;
 use walship_shipping::config::CoordinatorSpec;
 use walship_shipping::{ClusterConfig, NodeSpec};
 
-use crate::proc::{Server, free_port, wait_for_port};
+use crate::proc::{Server, distinct_ports, wait_for_port};
 use crate::system::{Appender, Cluster};
 
 /// Most HTTP/2 connections the clients share (the same cap as the
@@ -39,16 +39,13 @@ pub struct WalshipCluster {
     durability: Durability,
     /// gRPC address of node i+1 at index i.
     nodes: Vec<SocketAddr>,
-    /// The static leader's index into `nodes`.
+    /// The configured leader's index into `nodes` (where leader-following
+    /// clients start looking).
     leader: usize,
     /// Node servers, index as `nodes`.
     servers: Vec<Server>,
     /// The coordinator's process and admin address.
     coordinator: (Server, SocketAddr),
-}
-
-fn loopback() -> Result<SocketAddr> {
-    Ok(SocketAddr::from(([127, 0, 0, 1], free_port()?)))
 }
 
 /// Starts the coordinator and the three nodes under `dir` (fresh) and
@@ -59,6 +56,9 @@ pub async fn start(dir: &Path, walship: &Path, durability: Durability) -> Result
     }
     let _ = std::fs::remove_dir_all(dir);
     std::fs::create_dir_all(dir).with_context(|| format!("creating {}", dir.display()))?;
+    // Three nodes and the coordinator, two ports each, all different.
+    let mut ports = distinct_ports(8)?.into_iter().map(|p| SocketAddr::from(([127, 0, 0, 1], p)));
+    let mut loopback = || ports.next().context("a port for every listener");
     let mut specs = Vec::new();
     for id in 1..=3 {
         specs.push(NodeSpec { id, grpc_addr: loopback()?.into(), admin_addr: loopback()?.into(), region: id });
@@ -152,17 +152,14 @@ impl WalshipCluster {
 
 #[async_trait]
 impl Cluster for WalshipCluster {
-    fn name(&self) -> String {
-        match self.durability {
-            Durability::All => "walship-all".into(),
-            _ => "walship-quorum".into(),
-        }
-    }
-
     async fn appenders(&self, clients: usize) -> Result<Vec<Arc<dyn Appender>>> {
+        // The coordinator's leader: usually node 1, unless a node was slow
+        // enough to start that it failed over before the first append.
+        let leader = self.recorded_leader(self.coordinator.1).await?;
+        let addr = *self.nodes.get(leader.wrapping_sub(1)).with_context(|| format!("no node {leader}"))?;
         let mut pipelines = Vec::new();
         for _ in 0..clients.clamp(1, MAX_CONNECTIONS) {
-            let client = connect(self.nodes[self.leader]).await?;
+            let client = connect(addr).await?;
             pipelines.push(Arc::new(AppendPipeline::open(client).await.context("opening an AppendStream")?));
         }
         Ok((0..clients)
