@@ -241,3 +241,36 @@ async fn a_pipeline_to_a_dead_node_fails_its_appends_with_an_unknown_outcome() {
         .expect("no wait on an ended stream");
     assert_eq!(later.expect_err("still gone").code(), Code::Unavailable);
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_stream_stops_reading_past_its_in_flight_bytes() {
+    let mut cluster = Cluster::start(3, 1, "keepalive_ms = 100");
+    let mut stream = RawStream::open(&mut cluster, 1).await;
+    // With node 3 down, ALL appends stay in flight: 64 of 1 MiB fill the
+    // stream's 64 MiB budget.
+    cluster.node(3).kill9();
+    let big = |id: u64| AppendRequest {
+        shard_id: 1,
+        records: vec![AppendRecord { key: Bytes::new(), payload: Bytes::from(vec![id as u8; 1 << 20]) }],
+        durability: Durability::All as i32,
+    };
+    for id in 1..=64 {
+        stream.send(id, Some(big(id))).await;
+    }
+    stream.send(100, Some(append(1, "behind the budget", Durability::Quorum))).await;
+    // The server does not read the QUORUM append while the budget is full,
+    // so it is not answered although a quorum is up.
+    let early = tokio::time::timeout(Duration::from_secs(2), stream.answers.message()).await;
+    assert!(early.is_err(), "an answer came while 64 MiB were in flight: {early:?}");
+    // Once every replica is back, everything is answered, the QUORUM append too.
+    cluster.restart(3);
+    let mut answered = Vec::new();
+    for _ in 0..65 {
+        let (id, outcome) = stream.next().await;
+        outcome.unwrap_or_else(|s| panic!("request {id}: {s:?}"));
+        answered.push(id);
+    }
+    answered.sort_unstable();
+    let expected: Vec<u64> = (1..=64).chain([100]).collect();
+    assert_eq!(answered, expected);
+}

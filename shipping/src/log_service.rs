@@ -398,6 +398,9 @@ fn tail_stream(
 /// Most appends one `AppendStream` keeps in flight; past it the server stops
 /// reading the stream (HTTP/2 flow control pushes back on the client).
 pub const STREAM_MAX_IN_FLIGHT: usize = 4096;
+/// Most payload bytes (keys + payloads) one `AppendStream` keeps in flight;
+/// the server stops reading past it too (one append is always admitted).
+pub const STREAM_MAX_IN_FLIGHT_BYTES: usize = 64 << 20;
 /// Answers buffered for a client that reads slower than appends complete.
 const STREAM_ANSWER_BUFFER: usize = 1024;
 
@@ -423,7 +426,8 @@ fn stream_answer(request_id: u64, outcome: Result<AppendResponse, Status>) -> Ap
 }
 
 /// Serves one `AppendStream`: reads requests while fewer than
-/// [`STREAM_MAX_IN_FLIGHT`] are in flight, runs each as the unary append
+/// [`STREAM_MAX_IN_FLIGHT`] appends and [`STREAM_MAX_IN_FLIGHT_BYTES`] are
+/// in flight, runs each as the unary append
 /// does, and answers each as it completes. A request without an append, or
 /// reusing the id of one still in flight, is refused on its own. When the
 /// client closes its side the in-flight appends are still answered; an
@@ -437,12 +441,15 @@ async fn serve_append_stream(
 ) {
     const RPC: &str = "append_stream";
     let mut in_flight = FuturesUnordered::new();
+    let mut in_flight_bytes = 0usize;
     let mut ids = HashSet::new();
     let mut reading = true;
     let mut ended_with: Option<Status> = None;
     loop {
         let answer = tokio::select! {
-            next = inbound.message(), if reading && in_flight.len() < STREAM_MAX_IN_FLIGHT => match next {
+            next = inbound.message(),
+                if reading && in_flight.len() < STREAM_MAX_IN_FLIGHT && in_flight_bytes < STREAM_MAX_IN_FLIGHT_BYTES =>
+            match next {
                 Ok(Some(request)) => {
                     let AppendStreamRequest { request_id, append } = request;
                     let refusal = match append {
@@ -452,8 +459,10 @@ async fn serve_append_stream(
                         ))),
                         Some(append) => {
                             ids.insert(request_id);
+                            let bytes: usize = append.records.iter().map(|r| r.key.len() + r.payload.len()).sum();
+                            in_flight_bytes += bytes;
                             let service = &service;
-                            in_flight.push(async move { (request_id, service.append_one(append, RPC).await) });
+                            in_flight.push(async move { (request_id, bytes, service.append_one(append, RPC).await) });
                             None
                         }
                     };
@@ -472,8 +481,9 @@ async fn serve_append_stream(
                     continue;
                 }
             },
-            Some((request_id, outcome)) = in_flight.next(), if !in_flight.is_empty() => {
+            Some((request_id, bytes, outcome)) = in_flight.next(), if !in_flight.is_empty() => {
                 ids.remove(&request_id);
+                in_flight_bytes -= bytes;
                 stream_answer(request_id, outcome)
             }
             else => break,
