@@ -43,9 +43,6 @@ enum SystemKind {
 }
 
 impl SystemKind {
-    const ALL: [SystemKind; 4] =
-        [SystemKind::WalshipQuorum, SystemKind::WalshipAll, SystemKind::Jetstream, SystemKind::Postgres];
-
     /// The system's label in reports and charts.
     fn report_name(self) -> &'static str {
         match self {
@@ -93,9 +90,11 @@ struct Args {
     /// fraction of each system's peak (for A/B runs at one fixed load).
     #[arg(long)]
     low_load_rate: Option<f64>,
-    /// Clients serving the open-loop arrivals.
-    #[arg(long, default_value_t = 64)]
-    low_load_clients: usize,
+    /// Clients serving the open-loop arrivals (default: as many as the
+    /// system's peak cell for that size had, so that at a quarter of the
+    /// peak rate a free client is as easy to find as at the peak).
+    #[arg(long)]
+    low_load_clients: Option<usize>,
     /// Leader kills per system for the failover measurement (0 skips it).
     #[arg(long, default_value_t = 3)]
     failover_trials: usize,
@@ -124,7 +123,7 @@ impl Args {
             self.clients = vec![4];
             self.duration = 1.0;
             self.warmup = 0.5;
-            self.low_load_clients = 4;
+            self.low_load_clients = Some(4);
             self.failover_trials = self.failover_trials.min(1);
             self.failover_clients = 4;
         }
@@ -133,7 +132,7 @@ impl Args {
         }
         if self.sizes.contains(&0)
             || self.clients.contains(&0)
-            || self.low_load_clients == 0
+            || self.low_load_clients == Some(0)
             || self.failover_clients == 0
         {
             bail!("--sizes, --clients, --low-load-clients and --failover-clients must be at least 1");
@@ -232,14 +231,9 @@ async fn run(mut args: Args) -> Result<()> {
         }
         if args.low_load_fraction > 0.0 || args.low_load_rate.is_some() {
             for &kind in &args.systems {
-                let peak = report
-                    .cells
-                    .iter()
-                    .filter(|c| c.record_bytes == size && system_of(&c.system) == Some(kind))
-                    .map(|c| c.records_per_s)
-                    .fold(0.0, f64::max);
+                let (peak, peak_clients) = report::peak(&report.cells, kind.report_name(), size);
                 let rate = args.low_load_rate.unwrap_or((peak * args.low_load_fraction).max(1.0));
-                let clients = args.low_load_clients;
+                let clients = args.low_load_clients.unwrap_or(peak_clients);
                 let (name, _, m) = run_cell(kind, size, clients, Some(rate), &args).await?;
                 let c = report::low_load_cell(&name, size, clients, rate, &m, &base);
                 eprintln!(
@@ -302,10 +296,6 @@ async fn failover_row(kind: SystemKind, args: &Args) -> Result<report::FailoverR
 }
 
 const NO_FAILOVER: &str = "no automatic failover built in (needs external tooling such as Patroni)";
-
-fn system_of(name: &str) -> Option<SystemKind> {
-    SystemKind::ALL.into_iter().find(|k| k.report_name() == name)
-}
 
 fn utc_now() -> String {
     let out = std::process::Command::new("date").args(["-u", "+%Y-%m-%d %H:%M UTC"]).output();

@@ -53,7 +53,9 @@ pub struct Settings {
     pub low_load_fraction: f64,
     /// A fixed open-loop rate that replaced the fraction, when given.
     pub low_load_rate: Option<f64>,
-    pub low_load_clients: usize,
+    /// Clients serving the open-loop arrivals; none = each system's peak
+    /// cell's client count.
+    pub low_load_clients: Option<usize>,
     /// Clients appending during the leader kills.
     pub failover_clients: usize,
 }
@@ -110,6 +112,16 @@ pub fn cell(system: &str, size: usize, clients: usize, copies: f64, m: &Measured
         disk_ratio: f.mib_per_s * copies / base.seq_write_mib_s,
         cdf: CDF_QUANTILES.iter().map(|&q| (q, m.latency_us.value_at_quantile(q) as f64)).collect(),
     }
+}
+
+/// `system`'s best closed-loop records/s at `size`, and the clients of
+/// that cell ((0, 1) when it has no cell).
+pub fn peak(cells: &[Cell], system: &str, size: usize) -> (f64, usize) {
+    cells
+        .iter()
+        .filter(|c| c.record_bytes == size && c.system == system)
+        .map(|c| (c.records_per_s, c.clients))
+        .fold((0.0, 1), |best, c| if c.0 > best.0 { c } else { best })
 }
 
 pub fn low_load_cell(
@@ -245,24 +257,28 @@ impl Report {
         }
         if !self.low_load.is_empty() {
             let _ = writeln!(out);
+            let clients = match s.low_load_clients {
+                Some(n) => format!("{n} clients"),
+                None => "as many clients as the system's peak cell".into(),
+            };
             let _ = writeln!(
                 out,
-                "**Latency at {}** (open loop, {} clients, latency from each arrival's scheduled time)",
+                "**Latency at {}** (open loop, {clients}, latency from each arrival's scheduled time)",
                 s.low_load_label(),
-                s.low_load_clients
             );
             let _ = writeln!(out);
             let _ = writeln!(
                 out,
-                "| system | record B | offered/s | achieved/s | p50 ms | p99 ms | p999 ms | p99 ÷ fdatasync p99 |"
+                "| system | record B | clients | offered/s | achieved/s | p50 ms | p99 ms | p999 ms | p99 ÷ fdatasync p99 |"
             );
-            let _ = writeln!(out, "|---|---:|---:|---:|---:|---:|---:|---:|");
+            let _ = writeln!(out, "|---|---:|---:|---:|---:|---:|---:|---:|---:|");
             for c in &self.low_load {
                 let _ = writeln!(
                     out,
-                    "| {} | {} | {:.0} | {:.0} | {:.2} | {:.2} | {:.2} | {:.2} |",
+                    "| {} | {} | {} | {:.0} | {:.0} | {:.2} | {:.2} | {:.2} | {:.2} |",
                     c.system,
                     c.record_bytes,
+                    c.clients,
                     c.offered_per_s,
                     c.achieved_per_s,
                     c.p50_us / 1e3,
@@ -366,7 +382,7 @@ mod tests {
                 warmup_s: 2.0,
                 low_load_fraction: 0.25,
                 low_load_rate: None,
-                low_load_clients: 64,
+                low_load_clients: Some(64),
                 failover_clients: 16,
             },
             baseline: DiskBaseline {
@@ -434,6 +450,21 @@ mod tests {
         assert!(md.contains("| walship-quorum | 3 | 240 | 250 | 240, 230, 250 |"), "{md}");
         assert!(md.contains("| postgres-sync | 0 | – | – | none built in |"), "{md}");
         assert!(md.contains("Latency at 25 % of each system's peak"), "{md}");
+    }
+
+    #[test]
+    fn the_open_loop_cell_takes_the_peak_cells_rate_and_clients() {
+        let mut cells = report().cells;
+        cells.push(cell("walship-quorum", 100, 256, 90_000.0));
+        cells.push(cell("walship-quorum", 100, 16, 12_000.0));
+        assert_eq!(peak(&cells, "walship-quorum", 100), (90_000.0, 256));
+        assert_eq!(peak(&cells, "postgres-sync", 4096), (3_000.0, 64));
+        assert_eq!(peak(&cells, "jetstream-r3", 4096), (0.0, 1), "no cell: nothing to take");
+        let md = report().markdown();
+        assert!(md.contains("| walship-quorum | 100 | 64 | 7500 | 7500 |"), "the clients column: {md}");
+        let mut r = report();
+        r.settings.low_load_clients = None;
+        assert!(r.markdown().contains("as many clients as the system's peak cell"), "{}", r.markdown());
     }
 
     #[test]
