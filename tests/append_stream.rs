@@ -274,3 +274,19 @@ async fn a_stream_stops_reading_past_its_in_flight_bytes() {
     let expected: Vec<u64> = (1..=64).chain([100]).collect();
     assert_eq!(answered, expected);
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_pipeline_forgets_appends_whose_callers_gave_up() {
+    let mut cluster = Cluster::start(3, 1, "keepalive_ms = 100");
+    let pipeline = AppendPipeline::open(cluster.node(1).client().await).await.unwrap();
+    pipeline.append(append(1, "up", Durability::All)).await.unwrap();
+    assert_eq!(pipeline.in_flight(), 0);
+    // With node 3 down an ALL append waits; its caller gives up.
+    cluster.node(3).kill9();
+    let gave_up = tokio::time::timeout(Duration::from_millis(300), pipeline.append(append(1, "held", Durability::All)));
+    assert!(gave_up.await.is_err(), "the ALL append cannot complete with node 3 down");
+    assert_eq!(pipeline.in_flight(), 0, "no waiter left behind by the abandoned call");
+    // The pipeline still works for everyone else.
+    let r = pipeline.append(append(1, "after", Durability::Quorum)).await.unwrap();
+    assert_eq!(r.first_seqno, 3, "the abandoned append itself was still written (seqno 2)");
+}

@@ -73,6 +73,11 @@ impl AppendPipeline {
         Ok(AppendPipeline { requests, pending, next_id: AtomicU64::new(1) })
     }
 
+    /// Appends sent (or being sent) and not yet answered.
+    pub fn in_flight(&self) -> usize {
+        self.pending.lock().waiters.len()
+    }
+
     /// Appends through the stream and waits for the answer.
     pub async fn append(&self, append: AppendRequest) -> Result<AppendResponse, Status> {
         let request_id = self.next_id.fetch_add(1, Ordering::Relaxed);
@@ -84,8 +89,9 @@ impl AppendPipeline {
             }
             pending.waiters.insert(request_id, waiter);
         }
+        // A caller that gives up (its future dropped) leaves no waiter behind.
+        let _forget = Forget { pending: &self.pending, request_id };
         if self.requests.send(AppendStreamRequest { request_id, append: Some(append) }).await.is_err() {
-            self.pending.lock().waiters.remove(&request_id);
             return Err(Status::unavailable("the append stream is closed"));
         }
         match answer.await {
@@ -94,6 +100,19 @@ impl AppendPipeline {
             // waiter means the runtime is shutting down.
             Err(_) => Err(unknown_outcome(&Status::unavailable("the append stream's reader stopped"))),
         }
+    }
+}
+
+/// Removes a waiter when its `append` call ends, however it ends (the
+/// reader has already removed it when an answer came).
+struct Forget<'a> {
+    pending: &'a Mutex<Pending>,
+    request_id: u64,
+}
+
+impl Drop for Forget<'_> {
+    fn drop(&mut self) {
+        self.pending.lock().waiters.remove(&self.request_id);
     }
 }
 
