@@ -153,11 +153,18 @@ impl Args {
     }
 }
 
+/// What a started system is for.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Phase {
+    Throughput,
+    Failover,
+}
+
 /// Starts `kind` fresh under `dir`, on a quiet disk: every system's data
 /// from earlier cells is removed and everything written so far is flushed
 /// first, so no cell pays for the previous one's writeback (gigabytes after
 /// a large-record cell; it showed as 80 ms p99 in a following open-loop cell).
-async fn start(kind: SystemKind, dir: &Path, args: &Args) -> Result<Box<dyn Cluster>> {
+async fn start(kind: SystemKind, dir: &Path, args: &Args, phase: Phase) -> Result<Box<dyn Cluster>> {
     tokio::task::block_in_place(|| -> Result<()> {
         for system in ["walship", "nats", "postgres"] {
             let data = dir.join(system);
@@ -171,8 +178,12 @@ async fn start(kind: SystemKind, dir: &Path, args: &Args) -> Result<Box<dyn Clus
     })?;
     let walship_bin = args.walship.clone().unwrap_or_else(walship::default_binary);
     match kind {
-        SystemKind::WalshipQuorum => walship::start(&dir.join("walship"), &walship_bin, Durability::Quorum).await,
-        SystemKind::WalshipAll => walship::start(&dir.join("walship"), &walship_bin, Durability::All).await,
+        SystemKind::WalshipQuorum => {
+            walship::start(&dir.join("walship"), &walship_bin, Durability::Quorum, phase == Phase::Failover).await
+        }
+        SystemKind::WalshipAll => {
+            walship::start(&dir.join("walship"), &walship_bin, Durability::All, phase == Phase::Failover).await
+        }
         SystemKind::Jetstream => nats::start(&dir.join("nats"), &args.nats_server).await,
         SystemKind::Postgres => pg::start(&dir.join("postgres"), &pg::PgOptions { bin_dir: args.pg_bin.clone() }).await,
     }
@@ -186,7 +197,7 @@ async fn run_cell(
     rate: Option<f64>,
     args: &Args,
 ) -> Result<(String, f64, walship_loadgen::Measured)> {
-    let cluster = start(kind, &args.dir, args).await?;
+    let cluster = start(kind, &args.dir, args, Phase::Throughput).await?;
     let name = kind.report_name().to_string();
     let copies = cluster.copies();
     let appenders = cluster.appenders(clients).await?;
@@ -285,7 +296,7 @@ async fn failover_row(kind: SystemKind, args: &Args) -> Result<report::FailoverR
         return Ok(row);
     }
     for n in 0..args.failover_trials {
-        let mut cluster = start(kind, &args.dir, args).await?;
+        let mut cluster = start(kind, &args.dir, args, Phase::Failover).await?;
         let outcome = failover::trial(&mut cluster, args.failover_clients, 100).await;
         let stopped = cluster.stop().await;
         let outcome = outcome.with_context(|| format!("{} failover trial {}", row.system, n + 1))?;
