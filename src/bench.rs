@@ -253,10 +253,6 @@ impl Drop for Target {
     }
 }
 
-fn spawn_node(args: &[String], data: &Path) -> Result<(std::process::Child, String)> {
-    spawn_listening("node", args, data)
-}
-
 /// Spawns `walship <command> <args> --data-dir <data>` and returns it with
 /// the gRPC address from its "listening" line.
 fn spawn_listening(command: &str, args: &[String], data: &Path) -> Result<(std::process::Child, String)> {
@@ -286,7 +282,7 @@ fn single_node(data: &Path, shards: u32) -> Result<Target> {
         .map(|s| s.to_string())
         .chain([format!("1-{shards}")])
         .collect();
-    let (child, grpc) = spawn_node(&args, data)?;
+    let (child, grpc) = spawn_listening("node", &args, data)?;
     Ok(Target { leaders: vec![grpc; shards as usize], children: vec![child] })
 }
 
@@ -321,7 +317,7 @@ fn three_nodes(data: &Path, shards: u32, leadership: Leadership) -> Result<Targe
     }
     for id in 1..=3 {
         let args = vec!["--node-id".to_string(), id.to_string(), "--cluster".into(), file.display().to_string()];
-        children.push(spawn_node(&args, &data.join(format!("node-{id}")))?.0);
+        children.push(spawn_listening("node", &args, &data.join(format!("node-{id}")))?.0);
     }
     Ok(Target { leaders, children })
 }

@@ -158,7 +158,7 @@ fn not_applied(status: &tonic::Status) -> bool {
     match status.code() {
         tonic::Code::FailedPrecondition => leader_hint(status).is_some(),
         tonic::Code::Unavailable => {
-            status.metadata().get(walship_shipping::log_service::OUTCOME_METADATA_KEY).is_none()
+            !walship_proto::outcome_unknown(status)
                 && (m.contains("no leader assigned") || m.contains("it was not written") || m.contains("connect"))
         }
         _ => false,

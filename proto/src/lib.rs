@@ -40,3 +40,13 @@ pub const LEADER_METADATA_KEY: &str = "walship-leader";
 /// outcome the node cannot know (it stopped leading while waiting for the
 /// durability asked for).
 pub const OUTCOME_METADATA_KEY: &str = "walship-outcome";
+
+/// Marks `status` as the answer to an append whose outcome is unknown.
+pub fn mark_outcome_unknown(status: &mut tonic::Status) {
+    status.metadata_mut().insert(OUTCOME_METADATA_KEY, tonic::metadata::MetadataValue::from_static("unknown"));
+}
+
+/// Whether `status` answers an append whose outcome is unknown.
+pub fn outcome_unknown(status: &tonic::Status) -> bool {
+    status.metadata().get(OUTCOME_METADATA_KEY).is_some_and(|v| v == "unknown")
+}

@@ -120,7 +120,7 @@ impl Drop for Forget<'_> {
 /// like a unary call cut off mid-way, its outcome is unknown.
 fn unknown_outcome(end: &Status) -> Status {
     let mut status = Status::unavailable(format!("no answer before the append stream ended: {}", end.message()));
-    status.metadata_mut().insert(crate::OUTCOME_METADATA_KEY, "unknown".parse().expect("ascii"));
+    crate::mark_outcome_unknown(&mut status);
     status
 }
 
@@ -139,7 +139,19 @@ pub fn failure_status(failure: AppendFailure) -> Status {
         status.metadata_mut().insert(crate::LEADER_METADATA_KEY, leader);
     }
     if failure.outcome_unknown {
-        status.metadata_mut().insert(crate::OUTCOME_METADATA_KEY, "unknown".parse().expect("ascii"));
+        crate::mark_outcome_unknown(&mut status);
     }
     status
+}
+
+/// The `AppendFailure` a stream answers with where the unary call would have
+/// returned `status` (the inverse of [`failure_status`]).
+pub fn append_failure(status: &Status) -> AppendFailure {
+    let leader = status.metadata().get(crate::LEADER_METADATA_KEY).and_then(|v| v.to_str().ok()).unwrap_or_default();
+    AppendFailure {
+        code: status.code() as i32,
+        message: status.message().to_string(),
+        leader: leader.to_string(),
+        outcome_unknown: crate::outcome_unknown(status),
+    }
 }

@@ -32,15 +32,13 @@ use tonic::{Request, Response, Status, Streaming};
 use walship_proto::log::append_stream_response;
 use walship_proto::log::log_server::Log;
 use walship_proto::log::{
-    AppendFailure, AppendRequest, AppendResponse, AppendStreamRequest, AppendStreamResponse, Durability, ReadRequest,
-    ReadResponse, Record, TailRequest, TailResponse,
+    AppendRequest, AppendResponse, AppendStreamRequest, AppendStreamResponse, Durability, ReadRequest, ReadResponse,
+    Record, TailRequest, TailResponse,
 };
 
 use walship_wal::{Frame, NewRecord, ShardId, StoreError, Wal, WalError};
 
 use crate::replica::{ReplicationNode, Role, ShardReplica};
-
-pub use walship_proto::OUTCOME_METADATA_KEY;
 
 /// Request limits a node enforces on its clients.
 #[derive(Debug, Clone, serde::Deserialize, serde::Serialize)]
@@ -280,7 +278,7 @@ impl LogService {
                 appended.last_seqno,
                 durability_name(durability)
             ));
-            status.metadata_mut().insert(OUTCOME_METADATA_KEY, "unknown".parse().expect("ascii"));
+            walship_proto::mark_outcome_unknown(&mut status);
             return Err(self.reject(rpc, status));
         }
         self.metrics
@@ -411,16 +409,7 @@ type AppendStreamOut = Pin<Box<dyn Stream<Item = Result<AppendStreamResponse, St
 fn stream_answer(request_id: u64, outcome: Result<AppendResponse, Status>) -> AppendStreamResponse {
     let result = match outcome {
         Ok(ok) => append_stream_response::Result::Ok(ok),
-        Err(status) => {
-            let metadata = status.metadata();
-            let text = |key: &str| metadata.get(key).and_then(|v| v.to_str().ok()).unwrap_or_default().to_string();
-            append_stream_response::Result::Failure(AppendFailure {
-                code: status.code() as i32,
-                message: status.message().to_string(),
-                leader: text(walship_proto::LEADER_METADATA_KEY),
-                outcome_unknown: text(OUTCOME_METADATA_KEY) == "unknown",
-            })
-        }
+        Err(status) => append_stream_response::Result::Failure(walship_proto::pipeline::append_failure(&status)),
     };
     AppendStreamResponse { request_id, result: Some(result) }
 }

@@ -576,8 +576,7 @@ impl ReplicationNode {
         }
         let view = replica.view();
         let wanted = if leader == self.me { Role::Leader } else { Role::Follower { leader } };
-        if leader == self.me && self.config.coordinated() && epoch == replica.restarted_in && view.role != Role::Leader
-        {
+        if leader == self.me && self.early_shipping() && epoch == replica.restarted_in && view.role != Role::Leader {
             return Err(refusal(
                 &self.metrics,
                 "restarted_epoch",
@@ -1457,7 +1456,7 @@ impl ReplicationNode {
                     is_leader: view.role == Role::Leader,
                     leader_node_id: replica.leader_id(self.me).unwrap_or(0),
                     last_epoch,
-                    needs_new_epoch: self.config.coordinated() && replica.needs_new_epoch(),
+                    needs_new_epoch: self.early_shipping() && replica.needs_new_epoch(),
                 });
             }
             self.metrics.append_rate.set(node_rate);

@@ -43,6 +43,18 @@ enum SystemKind {
 }
 
 impl SystemKind {
+    const ALL: [SystemKind; 4] =
+        [SystemKind::WalshipQuorum, SystemKind::WalshipAll, SystemKind::Jetstream, SystemKind::Postgres];
+
+    /// Its data directory under `--dir` (both walship durabilities share one).
+    fn data_dir(self) -> &'static str {
+        match self {
+            SystemKind::WalshipQuorum | SystemKind::WalshipAll => "walship",
+            SystemKind::Jetstream => "nats",
+            SystemKind::Postgres => "postgres",
+        }
+    }
+
     /// The system's label in reports and charts.
     fn report_name(self) -> &'static str {
         match self {
@@ -166,8 +178,7 @@ enum Phase {
 /// a large-record cell; it showed as 80 ms p99 in a following open-loop cell).
 async fn start(kind: SystemKind, dir: &Path, args: &Args, phase: Phase) -> Result<Box<dyn Cluster>> {
     tokio::task::block_in_place(|| -> Result<()> {
-        for system in ["walship", "nats", "postgres"] {
-            let data = dir.join(system);
+        for data in SystemKind::ALL.map(|k| dir.join(k.data_dir())) {
             if data.exists() {
                 std::fs::remove_dir_all(&data).with_context(|| format!("removing {}", data.display()))?;
             }
@@ -177,15 +188,13 @@ async fn start(kind: SystemKind, dir: &Path, args: &Args, phase: Phase) -> Resul
         Ok(())
     })?;
     let walship_bin = args.walship.clone().unwrap_or_else(walship::default_binary);
+    let data = dir.join(kind.data_dir());
+    let default_timeouts = phase == Phase::Failover;
     match kind {
-        SystemKind::WalshipQuorum => {
-            walship::start(&dir.join("walship"), &walship_bin, Durability::Quorum, phase == Phase::Failover).await
-        }
-        SystemKind::WalshipAll => {
-            walship::start(&dir.join("walship"), &walship_bin, Durability::All, phase == Phase::Failover).await
-        }
-        SystemKind::Jetstream => nats::start(&dir.join("nats"), &args.nats_server).await,
-        SystemKind::Postgres => pg::start(&dir.join("postgres"), &pg::PgOptions { bin_dir: args.pg_bin.clone() }).await,
+        SystemKind::WalshipQuorum => walship::start(&data, &walship_bin, Durability::Quorum, default_timeouts).await,
+        SystemKind::WalshipAll => walship::start(&data, &walship_bin, Durability::All, default_timeouts).await,
+        SystemKind::Jetstream => nats::start(&data, &args.nats_server).await,
+        SystemKind::Postgres => pg::start(&data, &pg::PgOptions { bin_dir: args.pg_bin.clone() }).await,
     }
 }
 
