@@ -36,10 +36,11 @@ pub struct NodeConfig {
 #[derive(Debug, Clone, Deserialize)]
 #[serde(default, deny_unknown_fields)]
 pub struct WalTuning {
-    /// Microseconds the group-commit writer may wait for appenders it just
-    /// woke before committing a smaller batch.
+    /// Microseconds the WAL's persister may wait for appenders it just woke
+    /// before committing a smaller batch.
     pub linger_us: u64,
-    /// Bytes after which one group commit stops taking requests.
+    /// Bytes after which one group commit stops taking appends; appenders
+    /// also wait while this much is sequenced and not yet durable.
     pub max_batch_bytes: usize,
     /// raft-engine log file size before rotation.
     pub target_file_bytes: u64,

@@ -182,7 +182,6 @@ pub async fn start_node(config: NodeConfig, cluster: Option<ClusterConfig>, dril
         max_batch_bytes: config.wal.max_batch_bytes,
         tail_cache_bytes: config.wal.tail_cache_bytes,
         fault_unwritten_batch_after: drills.unwritten_batch_after,
-        ..WalConfig::default()
     };
     let wal = Wal::start(store.clone(), wal_config, WalMetrics::new(&registry)?)?;
     let disk_bytes = Box::new(move || store.disk_bytes());

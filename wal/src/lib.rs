@@ -7,8 +7,9 @@
 //! * [`store`]: the [`LogStore`] seam with explicit positions, implemented by
 //!   [`EngineStore`] (raft-engine, one instance per node, region id = shard
 //!   id) and [`MemStore`] (test double); both pass one conformance suite.
-//! * [`wal`]: [`Wal`], the group-commit writer shared by every shard on the
-//!   node, with per-shard positions and a watch of the durable seqno.
+//! * [`wal`]: [`Wal`], the sequencer and group-commit persister shared by
+//!   every shard on the node, with per-shard positions and watches of the
+//!   written and durable seqnos.
 
 pub mod disk;
 pub mod engine_store;

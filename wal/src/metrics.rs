@@ -16,7 +16,7 @@ pub struct WalMetrics {
     pub records_appended: IntCounter,
     /// Encoded frame bytes appended.
     pub bytes_appended: IntCounter,
-    /// Requests waiting for the group-commit writer.
+    /// Appends sequenced and waiting for the group commit that makes them durable.
     pub queue_depth: IntGauge,
     first_seqno: IntGaugeVec,
     last_seqno: IntGaugeVec,
@@ -49,7 +49,10 @@ impl WalMetrics {
         let records_appended = IntCounter::new("walship_wal_records_appended_total", "Records written to the WAL")?;
         let bytes_appended =
             IntCounter::new("walship_wal_bytes_appended_total", "Encoded record bytes written to the WAL")?;
-        let queue_depth = IntGauge::new("walship_wal_queue_depth", "Requests waiting for the group-commit writer")?;
+        let queue_depth = IntGauge::new(
+            "walship_wal_queue_depth",
+            "Appends sequenced and waiting for the group commit that makes them durable",
+        )?;
         let shard_gauge = |name: &str, help: &str| IntGaugeVec::new(Opts::new(name, help), &["shard"]);
         let first_seqno = shard_gauge("walship_shard_first_seqno", "Oldest seqno retained in this node's WAL")?;
         let last_seqno = shard_gauge("walship_shard_last_seqno", "Newest seqno written to this node's WAL")?;

@@ -1,25 +1,32 @@
-//! The node's WAL: every shard's log in one [`LogStore`], fed by one
-//! group-commit writer thread.
+//! The node's WAL: every shard's log in one [`LogStore`], written in two
+//! steps.
 //!
-//! Appenders (async, on any tokio task, for any shard) queue requests; the
-//! writer thread takes everything queued, assigns seqnos, encodes each record
-//! once into a [`Frame`], writes the whole batch, publishes it as *written*
-//! (the shard's `written` watch and its tail cache, so a leader can ship it
-//! while the fsync runs), fsyncs once, then publishes the new durable
-//! positions and wakes every waiter. Blocking storage calls happen only on
-//! that thread (and on `spawn_blocking` for reads).
+//! Appenders (async, on any tokio task, for any shard) *sequence* their own
+//! appends under the WAL's sequencer lock: validate, assign seqnos, encode
+//! each record once into a [`Frame`], publish the frames as *written* (the
+//! shard's tail cache, then its `written` watch, so a leader can ship them at
+//! once) and stage them for the *persister* thread. No thread hand-off stands
+//! between an append and its shipping. The persister gathers everything
+//! staged while its previous commit ran, writes it with one fsync, publishes
+//! the new durable positions and wakes every waiter. Blocking storage calls
+//! happen only on the persister (and on `spawn_blocking` for reads,
+//! truncations and compactions).
 //!
 //! Invariants kept here:
-//! * seqnos are assigned by the single writer, so each shard's log is
-//!   contiguous; the store refuses anything else;
+//! * seqnos are assigned under the one sequencer lock, so each shard's log
+//!   is contiguous; the store refuses anything else;
 //! * an append is acknowledged only after the fsync that covers it, and the
 //!   durable watch never runs ahead of what is fsynced;
-//! * `durable <= written` at every instant: the written watch moves first,
-//!   and only once the store's write has returned (a process crash after it
-//!   loses nothing, since the page cache survives; only a machine crash can
-//!   lose written records that are not yet durable);
-//! * a storage failure (a failed write or fsync) stops the process: the WAL
-//!   never continues with unknown durability.
+//! * `durable <= written` at every instant: the written watch moves first.
+//!   Written records may not be in the store yet: a process crash can lose
+//!   them, and a leader that ships them relies on the rule that it never
+//!   leads again in an epoch it led before it restarted
+//!   (`shipping/EARLY-SHIPPING.md`);
+//! * every written record is readable: the tail cache never evicts a frame
+//!   the store does not hold yet, and appenders wait while more than
+//!   `max_batch_bytes` are staged;
+//! * a storage failure (a failed or refused write or fsync) stops the
+//!   process: the WAL never continues with unknown durability.
 
 use std::collections::HashMap;
 use std::sync::Arc;
@@ -95,13 +102,13 @@ pub type WalResult<T> = Result<T, WalError>;
 /// Group-commit tuning.
 #[derive(Debug, Clone)]
 pub struct WalConfig {
-    /// Stop draining the queue into one commit past this many bytes.
+    /// Stop gathering staged appends into one commit past this many bytes;
+    /// appenders also wait while more than this is staged and not yet
+    /// durable.
     pub max_batch_bytes: usize,
-    /// Requests that may wait for the writer before appenders are pushed back.
-    pub queue_capacity: usize,
-    /// How long the writer may wait for the appenders it just woke to queue
-    /// again before it commits a smaller batch. It waits only while fewer
-    /// requests are queued than the previous commit carried, so a lone
+    /// How long the persister may wait for the appenders it just woke to
+    /// append again before it commits a smaller batch. It waits only while
+    /// fewer appends are staged than the previous commit carried, so a lone
     /// appender never waits.
     pub linger: Duration,
     /// Bytes of each shard's newest written frames kept in memory, so the
@@ -109,8 +116,8 @@ pub struct WalConfig {
     /// never go back to the storage engine.
     pub tail_cache_bytes: usize,
     /// Fault injection for tests only (`None` in production): once this many
-    /// leader-path records (appends, not replicated frames) have been made
-    /// durable, the next batch carrying leader appends is published as
+    /// leader-path records (appends, not replicated frames) have been
+    /// sequenced, the next leader append is published as
     /// written *without* being written, and after [`UNWRITTEN_FAULT_GRACE`]
     /// (time for a leader to ship it) the process aborts. This is the
     /// machine crash that loses a shipped, never-fsynced batch, which a
@@ -125,7 +132,6 @@ impl Default for WalConfig {
     fn default() -> Self {
         WalConfig {
             max_batch_bytes: 8 << 20,
-            queue_capacity: 16 * 1024,
             linger: Duration::from_micros(200),
             tail_cache_bytes: 8 << 20,
             fault_unwritten_batch_after: None,
@@ -135,47 +141,9 @@ impl Default for WalConfig {
 
 type Reply = oneshot::Sender<WalResult<Appended>>;
 
-enum Request {
-    /// Leader path: the writer assigns seqnos.
-    Append {
-        shard: ShardId,
-        epoch: u64,
-        records: Vec<NewRecord>,
-        reply: Reply,
-    },
-    /// Follower path: frames arrive with the leader's seqnos.
-    AppendFrames {
-        shard: ShardId,
-        frames: Vec<Frame>,
-        reply: Reply,
-    },
-    Truncate {
-        shard: ShardId,
-        keep_through: u64,
-        reply: oneshot::Sender<WalResult<()>>,
-    },
-    Compact {
-        shard: ShardId,
-        first_kept: u64,
-        reply: oneshot::Sender<WalResult<()>>,
-    },
-}
-
-impl Request {
-    fn bytes(&self) -> usize {
-        match self {
-            Request::Append { records, .. } => {
-                records.iter().map(|r| Frame::encoded_len(r.key.len(), r.payload.len())).sum()
-            }
-            Request::AppendFrames { frames, .. } => frames.iter().map(Frame::len).sum(),
-            _ => 0,
-        }
-    }
-}
-
 /// A shard's newest written frames, contiguous, within a byte budget.
-/// Only the writer thread changes it, always before the positions it covers
-/// are published.
+/// Changed under the sequencer lock (pushes, truncations, compactions),
+/// always before the positions it covers are published.
 #[derive(Default)]
 struct TailCache {
     frames: std::collections::VecDeque<Frame>,
@@ -183,7 +151,10 @@ struct TailCache {
 }
 
 impl TailCache {
-    fn push(&mut self, frames: &[Frame], budget: usize) {
+    /// Adds the newest frames and evicts the oldest past `budget`, but only
+    /// frames the store already holds (seqno `<= stored`): a frame that is
+    /// sequenced and not yet in the store is readable from here alone.
+    fn push(&mut self, frames: &[Frame], budget: usize, stored: u64) {
         if let (Some(back), Some(first)) = (self.frames.back(), frames.first())
             && back.seqno() + 1 != first.seqno()
         {
@@ -193,11 +164,9 @@ impl TailCache {
             self.bytes += frame.len();
             self.frames.push_back(frame.clone());
         }
-        while self.bytes > budget {
-            match self.frames.pop_front() {
-                Some(f) => self.bytes -= f.len(),
-                None => break,
-            }
+        while self.bytes > budget && self.frames.front().is_some_and(|f| f.seqno() <= stored) {
+            let f = self.frames.pop_front().expect("checked");
+            self.bytes -= f.len();
         }
     }
 
@@ -280,7 +249,7 @@ impl ShardPositions {
         positions
     }
 
-    /// Publishes `seqno` as written (the store's write has returned).
+    /// Publishes `seqno` as written (sequenced and in the tail cache).
     fn publish_written(&self, seqno: u64) {
         self.written.send_if_modified(|w| {
             let changed = *w != seqno;
@@ -289,11 +258,11 @@ impl ShardPositions {
         });
     }
 
-    fn publish(&self, bounds: LogBounds) {
+    /// Publishes the store's bounds after a commit. Written is not touched:
+    /// the sequencer may already be ahead of the store.
+    fn publish_durable(&self, bounds: LogBounds) {
         self.first.store(bounds.first_seqno, Ordering::Release);
         self.last.store(bounds.last_seqno, Ordering::Release);
-        // Written first: readers of both never see durable ahead of written.
-        self.publish_written(bounds.last_seqno);
         self.durable.send_if_modified(|d| {
             let changed = *d != bounds.durable_seqno;
             *d = bounds.durable_seqno;
@@ -303,12 +272,21 @@ impl ShardPositions {
         self.gauges.last_seqno.set(bounds.last_seqno as i64);
         self.gauges.durable_seqno.set(bounds.durable_seqno as i64);
     }
+
+    /// Publishes every position as the store has it, written included: at
+    /// start and after a truncation or compaction, when nothing is staged.
+    fn publish(&self, bounds: LogBounds) {
+        // Written first: readers of both never see durable ahead of written.
+        self.publish_written(bounds.last_seqno);
+        self.publish_durable(bounds);
+    }
 }
 
 struct Shared {
     store: Arc<dyn LogStore>,
     shards: RwLock<HashMap<ShardId, Arc<ShardPositions>>>,
     metrics: WalMetrics,
+    staged: StagedBytes,
 }
 
 impl Shared {
@@ -321,26 +299,29 @@ impl Shared {
 #[derive(Clone)]
 pub struct Wal {
     shared: Arc<Shared>,
-    tx: flume::Sender<Request>,
+    sequencer: Arc<tokio::sync::Mutex<Sequencer>>,
 }
 
 impl Wal {
     /// Starts the WAL over `store` (already opened and recovered) and its
-    /// group-commit writer thread. The thread stops when every handle is gone.
+    /// persister thread. The thread stops when every handle is gone.
     pub fn start(store: Arc<dyn LogStore>, config: WalConfig, metrics: WalMetrics) -> WalResult<Wal> {
         let mut shards = HashMap::new();
         for shard in store.shards() {
             let bounds = store.bounds(shard)?;
             shards.insert(shard, Arc::new(ShardPositions::new(bounds, metrics.shard(shard))));
         }
-        let shared = Arc::new(Shared { store, shards: RwLock::new(shards), metrics });
-        let (tx, rx) = flume::bounded(config.queue_capacity);
-        let writer = Writer { shared: shared.clone(), rx, config, leader_records: std::cell::Cell::new(0) };
+        let staged = StagedBytes::new(config.max_batch_bytes);
+        let shared = Arc::new(Shared { store, shards: RwLock::new(shards), metrics, staged });
+        let (to_persister, staged) = flume::unbounded();
+        let persister = Persister { shared: shared.clone(), rx: staged, config: config.clone() };
         std::thread::Builder::new()
-            .name("walship-wal-writer".into())
-            .spawn(move || writer.run())
-            .map_err(|e| WalError::Store(StoreError::Io(format!("spawning the WAL writer: {e}"))))?;
-        Ok(Wal { shared, tx })
+            .name("walship-wal-persister".into())
+            .spawn(move || persister.run())
+            .map_err(|e| WalError::Store(StoreError::Io(format!("spawning the WAL persister: {e}"))))?;
+        let sequencer =
+            Sequencer { shared: shared.clone(), to_persister, config, next: HashMap::new(), leader_records: 0 };
+        Ok(Wal { shared, sequencer: Arc::new(tokio::sync::Mutex::new(sequencer)) })
     }
 
     /// Hosts a shard on this node (idempotent). Blocks on one small fsync.
@@ -422,9 +403,10 @@ impl Wal {
         Ok(ShardCounters { records: p.records.load(Ordering::Acquire), bytes: p.bytes.load(Ordering::Acquire) })
     }
 
-    /// A watch of the shard's newest written seqno (the store's write has
-    /// returned; the fsync may still be running). Always `>=` the durable
-    /// watch. A leader may ship up to it; nothing else may expose it.
+    /// A watch of the shard's newest written seqno: sequenced, readable, and
+    /// maybe not in the store yet (the persister may still be writing or
+    /// fsyncing it). Always `>=` the durable watch. A coordinated leader may
+    /// ship up to it; nothing else may expose it.
     pub fn written_watch(&self, shard: ShardId) -> WalResult<watch::Receiver<u64>> {
         Ok(self.shared.shard(shard)?.written.subscribe())
     }
@@ -435,26 +417,33 @@ impl Wal {
         Ok(self.shared.shard(shard)?.durable.subscribe())
     }
 
-    async fn submit<T>(&self, request: Request, rx: oneshot::Receiver<WalResult<T>>) -> WalResult<T> {
-        self.shared.metrics.queue_depth.inc();
-        if self.tx.send_async(request).await.is_err() {
-            self.shared.metrics.queue_depth.dec();
-            return Err(WalError::Closed);
+    /// Sequences one append under the sequencer lock (after waiting while
+    /// too much is staged) and returns what answers once it is durable.
+    async fn sequence(
+        &self,
+        sequence: impl FnOnce(&mut Sequencer) -> Sequenced,
+    ) -> WalResult<oneshot::Receiver<WalResult<Appended>>> {
+        self.shared.staged.wait_below_limit().await;
+        let mut sequencer = self.sequencer.lock().await;
+        match sequence(&mut sequencer)? {
+            Some(durable) => Ok(durable),
+            // The injected fault: nothing is sequenced any more until the
+            // process aborts.
+            None => std::future::pending().await,
         }
-        rx.await.map_err(|_| WalError::Closed)?
     }
 
     /// Appends records to a shard in `epoch`, answering once they are
-    /// durable. Not cancellation-safe: once queued, the records are written
-    /// even if this future is dropped, and their seqnos are then unknown to
-    /// the caller.
+    /// durable. Not cancellation-safe: once sequenced, the records are
+    /// written even if this future is dropped, and their seqnos are then
+    /// unknown to the caller.
     pub async fn append(&self, shard: ShardId, epoch: u64, records: Vec<NewRecord>) -> WalResult<Appended> {
         self.shared.shard(shard)?;
         if records.is_empty() {
             return Err(StoreError::EmptyAppend { shard }.into());
         }
-        let (reply, rx) = oneshot::channel();
-        self.submit(Request::Append { shard, epoch, records, reply }, rx).await
+        let durable = self.sequence(|s| s.append(shard, epoch, &records)).await?;
+        durable.await.map_err(|_| WalError::Closed)?
     }
 
     /// Appends frames that already carry their seqnos (a follower applying
@@ -464,38 +453,65 @@ impl Wal {
         self.enqueue_frames(shard, frames).await?.await
     }
 
-    /// Queues frames like [`Wal::append_frames`] and returns once they are in
-    /// the writer's queue, in order behind everything queued before; the
-    /// returned future resolves when they are durable. A follower holds its
-    /// per-shard ordering lock only across this call, so segments queued back
-    /// to back still share one group commit.
+    /// Sequences frames like [`Wal::append_frames`] and returns once they
+    /// are in order behind everything sequenced before; the returned future
+    /// resolves when they are durable. A follower holds its per-shard
+    /// ordering lock only across this call, so segments queued back to back
+    /// still share one group commit.
     pub async fn enqueue_frames(
         &self,
         shard: ShardId,
         frames: Vec<Frame>,
     ) -> WalResult<impl std::future::Future<Output = WalResult<Appended>> + use<>> {
         self.shared.shard(shard)?;
-        let (reply, rx) = oneshot::channel();
-        self.shared.metrics.queue_depth.inc();
-        if self.tx.send_async(Request::AppendFrames { shard, frames, reply }).await.is_err() {
-            self.shared.metrics.queue_depth.dec();
-            return Err(WalError::Closed);
+        if frames.is_empty() {
+            return Err(StoreError::EmptyAppend { shard }.into());
         }
-        Ok(async move { rx.await.map_err(|_| WalError::Closed)? })
+        let durable = self.sequence(|s| s.append_frames(shard, frames)).await?;
+        Ok(async move { durable.await.map_err(|_| WalError::Closed)? })
     }
 
     /// Removes every record after `keep_through`, in order with appends.
     pub async fn truncate_suffix(&self, shard: ShardId, keep_through: u64) -> WalResult<()> {
-        self.shared.shard(shard)?;
-        let (reply, rx) = oneshot::channel();
-        self.submit(Request::Truncate { shard, keep_through, reply }, rx).await
+        self.control(shard, move |shared| {
+            if let Ok(p) = shared.shard(shard) {
+                p.tail.lock().truncate(keep_through);
+            }
+            shared.store.truncate_suffix(shard, keep_through)
+        })
+        .await
     }
 
     /// Discards durable records before `first_kept`, in order with appends.
     pub async fn compact_prefix(&self, shard: ShardId, first_kept: u64) -> WalResult<()> {
+        self.control(shard, move |shared| {
+            shared.store.compact_prefix(shard, first_kept)?;
+            if let Ok(p) = shared.shard(shard) {
+                p.tail.lock().compact(first_kept);
+            }
+            Ok(())
+        })
+        .await
+    }
+
+    /// Runs a truncation or compaction once everything sequenced before it
+    /// is durable, holding the sequencer lock until its positions are
+    /// published (on a blocking thread, so a dropped caller cannot leave it
+    /// half done).
+    async fn control(
+        &self,
+        shard: ShardId,
+        op: impl FnOnce(&Shared) -> Result<(), StoreError> + Send + 'static,
+    ) -> WalResult<()> {
         self.shared.shard(shard)?;
-        let (reply, rx) = oneshot::channel();
-        self.submit(Request::Compact { shard, first_kept, reply }, rx).await
+        let mut sequencer = self.sequencer.clone().lock_owned().await;
+        sequencer.drain().await;
+        tokio::task::spawn_blocking(move || {
+            let result = op(&sequencer.shared);
+            sequencer.after_control(shard, result)
+        })
+        .await
+        .map_err(|_| WalError::Closed)?
     }
 
     /// Reads frames `[from, to]` (see [`LogStore::read`]) on a blocking
@@ -506,21 +522,55 @@ impl Wal {
             return Ok(frames);
         }
         let store = self.shared.store.clone();
-        tokio::task::spawn_blocking(move || store.read(shard, from, to, max_bytes))
-            .await
-            .map_err(|_| WalError::Closed)?
-            .map_err(WalError::from)
+        // Frames past the store's last are staged and cached (the cache never
+        // evicts them), so a range that missed the cache and runs past the
+        // store's end is read up to that end: a short read, as `max_bytes`
+        // may also make it.
+        tokio::task::spawn_blocking(move || {
+            let stored = store.bounds(shard)?.last_seqno;
+            store.read(shard, from, to.min(stored.max(from)), max_bytes)
+        })
+        .await
+        .map_err(|_| WalError::Closed)?
+        .map_err(WalError::from)
     }
 }
 
-/// The group-commit writer, alone on its thread.
-struct Writer {
+/// Seqno assignment, run by the appenders themselves under the WAL's
+/// sequencer lock: it validates an append, gives it seqnos, encodes its
+/// frames, publishes them as *written* (tail cache, then the written watch)
+/// and stages them for the [`Persister`]. It never waits for storage, except
+/// for a truncation or a compaction, which first wait for everything staged
+/// before them.
+struct Sequencer {
     shared: Arc<Shared>,
-    rx: flume::Receiver<Request>,
+    to_persister: flume::Sender<Staged>,
     config: WalConfig,
-    /// Leader-path records made durable by this writer (for the injected
-    /// fault).
-    leader_records: std::cell::Cell<u64>,
+    /// Next seqno per shard, counting everything sequenced; read from the
+    /// store the first time a shard is seen and after a control operation.
+    next: HashMap<ShardId, u64>,
+    /// Leader-path records sequenced so far (for the injected fault).
+    leader_records: u64,
+}
+
+/// The write path's only thread: it gathers everything staged while its
+/// previous commit ran, writes it with one fsync, then publishes the durable
+/// positions and answers the appenders.
+struct Persister {
+    shared: Arc<Shared>,
+    rx: flume::Receiver<Staged>,
+    config: WalConfig,
+}
+
+/// What the sequencer hands the persister.
+enum Staged {
+    Frames {
+        shard: ShardId,
+        frames: Vec<Frame>,
+        waiter: Waiter,
+    },
+    /// Answered once everything staged before it is durable.
+    Barrier(oneshot::Sender<()>),
 }
 
 /// One append waiting for the commit that covers it.
@@ -529,29 +579,69 @@ struct Waiter {
     appended: Appended,
 }
 
-/// The batch being assembled: runs per shard plus who waits on them.
+/// Staged frames per shard plus who waits on them: one commit.
 #[derive(Default)]
 struct Batch {
     parts: Vec<ShardAppend>,
     part_of: HashMap<ShardId, usize>,
-    /// Next seqno per shard, counting what this batch already holds.
-    next: HashMap<ShardId, u64>,
     waiters: Vec<Waiter>,
     records: usize,
-    /// Records of leader appends (the WAL assigned their seqnos).
-    leader_records: usize,
     bytes: usize,
+    barrier: Option<oneshot::Sender<()>>,
 }
 
 impl Batch {
-    fn push(&mut self, shard: ShardId, frames: Vec<Frame>) {
-        self.records += frames.len();
-        self.bytes += frames.iter().map(Frame::len).sum::<usize>();
-        let index = *self.part_of.entry(shard).or_insert_with(|| {
-            self.parts.push(ShardAppend { shard, frames: Vec::new() });
-            self.parts.len() - 1
-        });
-        self.parts[index].frames.extend(frames);
+    /// Adds one staged item; per shard, frames follow the ones before.
+    fn take(&mut self, staged: Staged) {
+        match staged {
+            Staged::Frames { shard, frames, waiter } => {
+                self.records += frames.len();
+                self.bytes += frames.iter().map(Frame::len).sum::<usize>();
+                let index = *self.part_of.entry(shard).or_insert_with(|| {
+                    self.parts.push(ShardAppend { shard, frames: Vec::new() });
+                    self.parts.len() - 1
+                });
+                self.parts[index].frames.extend(frames);
+                self.waiters.push(waiter);
+            }
+            Staged::Barrier(done) => self.barrier = Some(done),
+        }
+    }
+}
+
+/// Bytes sequenced but not yet durable. Appenders wait while more than
+/// `max_batch_bytes` is staged, so the run-ahead (all of it held in the tail
+/// cache, see [`TailCache::push`]) stays bounded.
+struct StagedBytes {
+    bytes: AtomicU64,
+    limit: u64,
+    drained: tokio::sync::Notify,
+}
+
+impl StagedBytes {
+    fn new(limit: usize) -> StagedBytes {
+        StagedBytes { bytes: AtomicU64::new(0), limit: limit as u64, drained: tokio::sync::Notify::new() }
+    }
+
+    async fn wait_below_limit(&self) {
+        loop {
+            let drained = self.drained.notified();
+            tokio::pin!(drained);
+            drained.as_mut().enable();
+            if self.bytes.load(Ordering::Acquire) <= self.limit {
+                return;
+            }
+            drained.await;
+        }
+    }
+
+    fn add(&self, n: usize) {
+        self.bytes.fetch_add(n as u64, Ordering::AcqRel);
+    }
+
+    fn release(&self, n: usize) {
+        self.bytes.fetch_sub(n as u64, Ordering::AcqRel);
+        self.drained.notify_waiters();
     }
 }
 
@@ -565,133 +655,101 @@ fn now_us() -> u64 {
     SystemTime::now().duration_since(UNIX_EPOCH).map(|d| d.as_micros() as u64).unwrap_or(0)
 }
 
-impl Writer {
-    fn run(self) {
-        let mut last_commit_requests = 1usize;
-        while let Ok(first) = self.rx.recv() {
-            let mut queued = vec![first];
-            let mut bytes = queued[0].bytes();
-            while bytes < self.config.max_batch_bytes {
-                match self.rx.try_recv() {
-                    Ok(request) => {
-                        bytes += request.bytes();
-                        queued.push(request);
-                    }
-                    Err(_) => break,
-                }
-            }
-            if queued.len() < last_commit_requests && !self.config.linger.is_zero() {
-                let deadline = Instant::now() + self.config.linger;
-                while queued.len() < last_commit_requests && bytes < self.config.max_batch_bytes {
-                    match self.rx.recv_deadline(deadline) {
-                        Ok(request) => {
-                            bytes += request.bytes();
-                            queued.push(request);
-                        }
-                        Err(_) => break,
-                    }
-                }
-            }
-            self.shared.metrics.queue_depth.sub(queued.len() as i64);
-            last_commit_requests = queued.len();
-            self.process(queued);
-        }
-    }
+/// What a sequenced append answers with once durable; `None` only for the
+/// injected fault, after which nothing is sequenced again.
+type Sequenced = WalResult<Option<oneshot::Receiver<WalResult<Appended>>>>;
 
-    fn next_seqno(&self, batch: &mut Batch, shard: ShardId) -> Result<u64, StoreError> {
-        if let Some(next) = batch.next.get(&shard) {
+impl Sequencer {
+    fn next_seqno(&mut self, shard: ShardId) -> Result<u64, StoreError> {
+        if let Some(next) = self.next.get(&shard) {
             return Ok(*next);
         }
         let next = self.shared.store.bounds(shard)?.last_seqno + 1;
-        batch.next.insert(shard, next);
+        self.next.insert(shard, next);
         Ok(next)
     }
 
-    /// Applies queued requests in order: appends gather into one commit;
-    /// a truncation or compaction first commits what is gathered before it.
-    fn process(&self, queued: Vec<Request>) {
-        let mut batch = Batch::default();
-        let now = now_us();
-        for request in queued {
-            match request {
-                Request::Append { shard, epoch, records, reply } => {
-                    let promised = self.shared.shard(shard).map_or(0, |p| p.min_epoch.load(Ordering::Acquire));
-                    if epoch < promised {
-                        let _ = reply.send(Err(WalError::StaleEpoch { shard, epoch, promised }));
-                        continue;
-                    }
-                    let first = match self.next_seqno(&mut batch, shard) {
-                        Ok(next) => next,
-                        Err(e) => {
-                            let _ = reply.send(Err(e.into()));
-                            continue;
-                        }
-                    };
-                    let frames: Vec<Frame> = records
-                        .iter()
-                        .enumerate()
-                        .map(|(i, r)| {
-                            Frame::encode(RecordFields {
-                                seqno: first + i as u64,
-                                epoch,
-                                timestamp_us: now,
-                                key: &r.key,
-                                payload: &r.payload,
-                            })
-                        })
-                        .collect();
-                    let last = first + frames.len() as u64 - 1;
-                    batch.next.insert(shard, last + 1);
-                    batch.leader_records += frames.len();
-                    batch.push(shard, frames);
-                    batch.waiters.push(Waiter { reply, appended: Appended { first_seqno: first, last_seqno: last } });
-                }
-                Request::AppendFrames { shard, frames, reply } => {
-                    let checked = self.next_seqno(&mut batch, shard).and_then(|next| {
-                        crate::store::check_continues(shard, next, &frames)?;
-                        Ok(next)
-                    });
-                    match checked {
-                        Ok(first) => {
-                            let last = first + frames.len() as u64 - 1;
-                            batch.next.insert(shard, last + 1);
-                            batch.push(shard, frames);
-                            batch
-                                .waiters
-                                .push(Waiter { reply, appended: Appended { first_seqno: first, last_seqno: last } });
-                        }
-                        Err(e) => {
-                            let _ = reply.send(Err(e.into()));
-                        }
-                    }
-                }
-                Request::Truncate { shard, keep_through, reply } => {
-                    self.commit(std::mem::take(&mut batch));
-                    if let Ok(p) = self.shared.shard(shard) {
-                        p.tail.lock().truncate(keep_through);
-                    }
-                    let result = self.shared.store.truncate_suffix(shard, keep_through);
-                    let _ = reply.send(self.after_control(shard, result));
-                }
-                Request::Compact { shard, first_kept, reply } => {
-                    self.commit(std::mem::take(&mut batch));
-                    let result = self.shared.store.compact_prefix(shard, first_kept);
-                    if result.is_ok()
-                        && let Ok(p) = self.shared.shard(shard)
-                    {
-                        p.tail.lock().compact(first_kept);
-                    }
-                    let _ = reply.send(self.after_control(shard, result));
-                }
-            }
+    /// Leader path: the records get the shard's next seqnos.
+    fn append(&mut self, shard: ShardId, epoch: u64, records: &[NewRecord]) -> Sequenced {
+        let promised = self.shared.shard(shard)?.min_epoch.load(Ordering::Acquire);
+        if epoch < promised {
+            return Err(WalError::StaleEpoch { shard, epoch, promised });
         }
-        self.commit(batch);
+        let first = self.next_seqno(shard)?;
+        let now = now_us();
+        let frames: Vec<Frame> = records
+            .iter()
+            .enumerate()
+            .map(|(i, r)| {
+                Frame::encode(RecordFields {
+                    seqno: first + i as u64,
+                    epoch,
+                    timestamp_us: now,
+                    key: &r.key,
+                    payload: &r.payload,
+                })
+            })
+            .collect();
+        Ok(self.stage(shard, frames, true))
     }
 
-    fn after_control(&self, shard: ShardId, result: Result<(), StoreError>) -> WalResult<()> {
+    /// Follower path: the frames carry the leader's seqnos and must continue
+    /// the shard's log exactly.
+    fn append_frames(&mut self, shard: ShardId, frames: Vec<Frame>) -> Sequenced {
+        let next = self.next_seqno(shard)?;
+        crate::store::check_continues(shard, next, &frames)?;
+        Ok(self.stage(shard, frames, false))
+    }
+
+    /// Publishes contiguous, validated frames as written and stages them.
+    fn stage(
+        &mut self,
+        shard: ShardId,
+        frames: Vec<Frame>,
+        leader: bool,
+    ) -> Option<oneshot::Receiver<WalResult<Appended>>> {
+        let (Some(first), Some(last)) = (frames.first().map(Frame::seqno), frames.last().map(Frame::seqno)) else {
+            unreachable!("appends are checked non-empty");
+        };
+        if leader && self.config.fault_unwritten_batch_after.is_some_and(|after| self.leader_records >= after) {
+            self.inject_unwritten(shard, &frames);
+            return None;
+        }
+        if leader {
+            self.leader_records += frames.len() as u64;
+        }
+        self.next.insert(shard, last + 1);
+        self.publish_written(shard, &frames);
+        self.shared.staged.add(frames.iter().map(Frame::len).sum());
+        self.shared.metrics.queue_depth.inc();
+        let (reply, durable) = oneshot::channel();
+        let waiter = Waiter { reply, appended: Appended { first_seqno: first, last_seqno: last } };
+        // If the persister is gone the waiter is dropped with the message,
+        // and the appender hears `Closed`.
+        let _ = self.to_persister.send(Staged::Frames { shard, frames, waiter });
+        Some(durable)
+    }
+
+    /// Waits until everything staged so far is durable.
+    async fn drain(&self) {
+        let (done, wait) = oneshot::channel();
+        if self.to_persister.send(Staged::Barrier(done)).is_ok() {
+            let _ = wait.await;
+        }
+    }
+
+    /// After a truncation or compaction (everything before it durable): the
+    /// shard's next seqno is read from the store again and every position
+    /// is published as the store has it.
+    fn after_control(&mut self, shard: ShardId, result: Result<(), StoreError>) -> WalResult<()> {
+        self.next.remove(&shard);
         match result {
             Ok(()) => {
-                self.publish(&[shard]);
+                match (self.shared.shard(shard), self.shared.store.bounds(shard)) {
+                    (Ok(positions), Ok(bounds)) => positions.publish(bounds),
+                    (_, Err(e)) if e.is_fatal() => fatal(&e),
+                    _ => {}
+                }
                 Ok(())
             }
             Err(e) if e.is_fatal() => fatal(&e),
@@ -699,12 +757,67 @@ impl Writer {
         }
     }
 
-    fn publish(&self, shards: &[ShardId]) {
-        for &shard in shards {
-            match (self.shared.shard(shard), self.shared.store.bounds(shard)) {
-                (Ok(positions), Ok(bounds)) => positions.publish(bounds),
-                (_, Err(e)) if e.is_fatal() => fatal(&e),
-                _ => {}
+    /// Puts the frames in the shard's tail cache and moves its written
+    /// watch to the last one.
+    fn publish_written(&self, shard: ShardId, frames: &[Frame]) {
+        if let Ok(positions) = self.shared.shard(shard) {
+            let stored = positions.last.load(Ordering::Acquire);
+            positions.tail.lock().push(frames, self.config.tail_cache_bytes, stored);
+            if let Some(last) = frames.last() {
+                positions.publish_written(last.seqno());
+            }
+        }
+    }
+
+    /// The injected fault (see [`WalConfig::fault_unwritten_batch_after`]):
+    /// the frames are shipped as if written, never reach the store, and the
+    /// process dies as a machine crash would.
+    fn inject_unwritten(&self, shard: ShardId, frames: &[Frame]) {
+        let records = frames.len();
+        tracing::error!(records, "injected fault: publishing records as written without writing them");
+        self.publish_written(shard, frames);
+        std::thread::spawn(move || {
+            std::thread::sleep(UNWRITTEN_FAULT_GRACE);
+            eprintln!("walship: injected fault: aborting with {records} records shipped but never written");
+            std::process::abort();
+        });
+    }
+}
+
+impl Persister {
+    fn run(self) {
+        let mut last_commit_appends = 1usize;
+        while let Ok(first) = self.rx.recv() {
+            let mut batch = Batch::default();
+            batch.take(first);
+            // Everything staged while the previous commit ran joins this one.
+            while batch.barrier.is_none() && batch.bytes < self.config.max_batch_bytes {
+                match self.rx.try_recv() {
+                    Ok(staged) => batch.take(staged),
+                    Err(_) => break,
+                }
+            }
+            // Linger for the appenders the previous commit woke, but never
+            // for a lone appender, and never past a barrier.
+            if batch.waiters.len() < last_commit_appends && !self.config.linger.is_zero() {
+                let deadline = Instant::now() + self.config.linger;
+                while batch.barrier.is_none()
+                    && batch.waiters.len() < last_commit_appends
+                    && batch.bytes < self.config.max_batch_bytes
+                {
+                    match self.rx.recv_deadline(deadline) {
+                        Ok(staged) => batch.take(staged),
+                        Err(_) => break,
+                    }
+                }
+            }
+            if !batch.waiters.is_empty() {
+                last_commit_appends = batch.waiters.len();
+            }
+            let barrier = batch.barrier.take();
+            self.commit(batch);
+            if let Some(done) = barrier {
+                let _ = done.send(());
             }
         }
     }
@@ -713,28 +826,11 @@ impl Writer {
         if batch.parts.is_empty() {
             return;
         }
-        if batch.leader_records > 0
-            && self.config.fault_unwritten_batch_after.is_some_and(|after| self.leader_records.get() >= after)
-        {
-            self.inject_unwritten_batch(&batch);
-        }
         let started = Instant::now();
-        // Write, publish as written (the shippers may go), then fsync.
-        if let Err(e) = self.shared.store.append(&batch.parts, false) {
-            if e.is_fatal() {
-                fatal(&e);
-            }
-            // Every part was validated above; a refusal here is a bug in the
-            // writer's bookkeeping, and nothing was written.
-            tracing::error!(error = %e, "WAL store refused a validated batch");
-            for waiter in batch.waiters {
-                let _ = waiter.reply.send(Err(WalError::Store(StoreError::Io(e.to_string()))));
-            }
-            return;
-        }
-        self.publish_written(&batch);
-        if let Err(e) = self.shared.store.append(&[], true) {
-            // A failed fsync leaves the written records' durability unknown.
+        if let Err(e) = self.shared.store.append(&batch.parts, true) {
+            // The sequencer validated every part and published them as
+            // written; a store that refuses them leaves the log's state
+            // unknown, as a failed write or fsync does.
             fatal(&e);
         }
         let metrics = &self.shared.metrics;
@@ -742,43 +838,23 @@ impl Writer {
         metrics.group_commit_records.observe(batch.records as f64);
         metrics.records_appended.inc_by(batch.records as u64);
         metrics.bytes_appended.inc_by(batch.bytes as u64);
-        self.leader_records.set(self.leader_records.get() + batch.leader_records as u64);
+        metrics.queue_depth.sub(batch.waiters.len() as i64);
         for part in &batch.parts {
             if let Ok(positions) = self.shared.shard(part.shard) {
                 let bytes: usize = part.frames.iter().map(Frame::len).sum();
                 positions.records.fetch_add(part.frames.len() as u64, Ordering::AcqRel);
                 positions.bytes.fetch_add(bytes as u64, Ordering::AcqRel);
-            }
-        }
-        let shards: Vec<ShardId> = batch.parts.iter().map(|p| p.shard).collect();
-        self.publish(&shards);
-        for waiter in batch.waiters {
-            let _ = waiter.reply.send(Ok(waiter.appended));
-        }
-    }
-
-    /// Puts the batch's frames in the tail cache and moves each shard's
-    /// written watch to its last frame. The store's write has returned.
-    fn publish_written(&self, batch: &Batch) {
-        for part in &batch.parts {
-            if let Ok(positions) = self.shared.shard(part.shard) {
-                positions.tail.lock().push(&part.frames, self.config.tail_cache_bytes);
-                if let Some(last) = part.frames.last() {
-                    positions.publish_written(last.seqno());
+                match self.shared.store.bounds(part.shard) {
+                    Ok(bounds) => positions.publish_durable(bounds),
+                    Err(e) if e.is_fatal() => fatal(&e),
+                    Err(_) => {}
                 }
             }
         }
-    }
-
-    /// The injected fault (see [`WalConfig::fault_unwritten_batch_after`]):
-    /// the batch is shipped as if written, never reaches the store, and the
-    /// process dies as a machine crash would.
-    fn inject_unwritten_batch(&self, batch: &Batch) -> ! {
-        tracing::error!(records = batch.records, "injected fault: publishing a batch as written without writing it");
-        self.publish_written(batch);
-        std::thread::sleep(UNWRITTEN_FAULT_GRACE);
-        eprintln!("walship: injected fault: aborting with {} records shipped but never written", batch.records);
-        std::process::abort();
+        self.shared.staged.release(batch.bytes);
+        for waiter in batch.waiters {
+            let _ = waiter.reply.send(Ok(waiter.appended));
+        }
     }
 }
 
@@ -833,8 +909,8 @@ mod tests {
         }
     }
 
-    /// A store whose fsyncs (`append(&[], true)`) wait until the test lets
-    /// them through, so the instant between write and fsync can be observed.
+    /// A store whose syncing appends wait until the test lets them through,
+    /// so the instant between sequencing and fsync can be observed.
     struct GatedSync {
         inner: MemStore,
         gate: parking_lot::Mutex<std::sync::mpsc::Receiver<()>>,
@@ -874,31 +950,77 @@ mod tests {
     }
 
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-    async fn written_is_published_after_the_write_and_before_the_fsync() {
+    async fn written_is_published_before_the_fsync_and_the_next_batch_is_sequenced_during_it() {
         let (open, gate) = std::sync::mpsc::channel();
         let store = Arc::new(GatedSync { inner: MemStore::new(), gate: parking_lot::Mutex::new(gate) });
         let wal = Wal::start(store.clone(), WalConfig::default(), WalMetrics::unregistered()).unwrap();
         wal.create_shard(1).unwrap();
         let mut written = wal.written_watch(1).unwrap();
         let durable = wal.durable_watch(1).unwrap();
-        let pending = tokio::spawn({
+        let append = |n| {
             let wal = wal.clone();
-            async move { wal.append(1, 1, records(3)).await }
-        });
-        // The fsync is held: written moves, durable does not, the append
-        // is not acknowledged, and the frames are readable for shipping.
+            tokio::spawn(async move { wal.append(1, 1, records(n)).await })
+        };
+        let first = append(3);
+        // The commit is held: written moves, durable does not, the append
+        // is not acknowledged, and the frames are readable for shipping
+        // although the store does not hold them yet.
         tokio::time::timeout(Duration::from_secs(10), written.wait_for(|w| *w == 3)).await.unwrap().unwrap();
         assert_eq!(*durable.borrow(), 0, "durable must wait for the fsync");
-        assert_eq!(store.inner.bounds(1).unwrap().last_seqno, 3, "written only once the store's write returned");
-        assert!(!pending.is_finished(), "no acknowledgement before the fsync");
+        assert_eq!(store.inner.bounds(1).unwrap().last_seqno, 0, "sequenced ahead of the store");
+        assert!(!first.is_finished(), "no acknowledgement before the fsync");
         let frames = wal.read(1, 1, 3, usize::MAX).await.unwrap();
         assert_eq!(frames.iter().map(Frame::seqno).collect::<Vec<_>>(), vec![1, 2, 3]);
-        // Let the fsync through: durable catches up and the append returns.
+        // While that fsync is held, the next append is sequenced and
+        // readable too: the sequencer does not wait for the persister.
+        let second = append(2);
+        tokio::time::timeout(Duration::from_secs(10), written.wait_for(|w| *w == 5)).await.unwrap().unwrap();
+        let frames = wal.read(1, 4, 5, usize::MAX).await.unwrap();
+        assert_eq!(frames.iter().map(Frame::seqno).collect::<Vec<_>>(), vec![4, 5]);
+        assert_eq!(*durable.borrow(), 0);
+        assert!(!second.is_finished());
+        // Let the commits through: durable catches up and both return.
         open.send(()).unwrap();
-        let appended = pending.await.unwrap().unwrap();
-        assert_eq!(appended, Appended { first_seqno: 1, last_seqno: 3 });
-        assert_eq!((*durable.borrow(), *written.borrow()), (3, 3));
+        assert_eq!(first.await.unwrap().unwrap(), Appended { first_seqno: 1, last_seqno: 3 });
+        open.send(()).unwrap();
+        assert_eq!(second.await.unwrap().unwrap(), Appended { first_seqno: 4, last_seqno: 5 });
+        assert_eq!((*durable.borrow(), *written.borrow()), (5, 5));
+        assert_eq!(store.inner.bounds(1).unwrap().last_seqno, 5);
         drop(open);
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_truncation_waits_for_the_staged_appends_before_it() {
+        let (open, gate) = std::sync::mpsc::channel();
+        let store = Arc::new(GatedSync { inner: MemStore::new(), gate: parking_lot::Mutex::new(gate) });
+        let wal = Wal::start(store.clone(), WalConfig::default(), WalMetrics::unregistered()).unwrap();
+        wal.create_shard(1).unwrap();
+        let mut written = wal.written_watch(1).unwrap();
+        let appended = tokio::spawn({
+            let wal = wal.clone();
+            async move { wal.append_frames(1, crate::conformance::frames(1, 4, 1)).await }
+        });
+        written.wait_for(|w| *w == 4).await.unwrap();
+        let truncated = tokio::spawn({
+            let wal = wal.clone();
+            async move { wal.truncate_suffix(1, 2).await }
+        });
+        tokio::time::sleep(Duration::from_millis(50)).await;
+        assert!(!truncated.is_finished(), "the truncation waits for the staged frames");
+        open.send(()).unwrap();
+        appended.await.unwrap().unwrap();
+        truncated.await.unwrap().unwrap();
+        let p = wal.positions(1).unwrap();
+        assert_eq!((p.last_seqno, p.durable_seqno, *written.borrow()), (2, 2, 2));
+        // The next frames continue after the truncation point.
+        let resumed = tokio::spawn({
+            let wal = wal.clone();
+            async move { wal.append_frames(1, crate::conformance::frames(3, 1, 2)).await }
+        });
+        open.send(()).unwrap();
+        assert_eq!(resumed.await.unwrap().unwrap(), Appended { first_seqno: 3, last_seqno: 3 });
+        let epochs: Vec<u64> = wal.read(1, 1, 3, usize::MAX).await.unwrap().iter().map(Frame::epoch).collect();
+        assert_eq!(epochs, vec![1, 1, 2]);
     }
 
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -951,14 +1073,14 @@ mod tests {
         let frames = crate::conformance::frames(1, 10, 1);
         let one = frames[0].len();
         let mut cache = TailCache::default();
-        cache.push(&frames[..6], one * 4);
+        cache.push(&frames[..6], one * 4, u64::MAX);
         assert_eq!(cache.frames.len(), 4, "budget of 4 frames");
         assert_eq!(cache.read(3, 6, usize::MAX).unwrap(), frames[2..6].to_vec());
         assert_eq!(cache.read(2, 6, usize::MAX), None, "2 was evicted: the store serves it");
         assert_eq!(cache.read(5, 7, usize::MAX), None, "7 is not cached yet");
         assert_eq!(cache.read(3, 6, one).unwrap().len(), 1, "max_bytes cuts, at least one frame");
         // A push that does not continue the cached run replaces it.
-        cache.push(&frames[7..9], one * 4);
+        cache.push(&frames[7..9], one * 4, u64::MAX);
         assert_eq!(cache.read(8, 9, usize::MAX).unwrap(), frames[7..9].to_vec());
         assert_eq!(cache.read(6, 6, usize::MAX), None);
         cache.truncate(8);
@@ -966,6 +1088,21 @@ mod tests {
         cache.compact(9);
         assert!(cache.frames.is_empty());
         assert_eq!(cache.bytes, 0);
+    }
+
+    #[test]
+    fn tail_cache_never_evicts_what_the_store_does_not_hold() {
+        let frames = crate::conformance::frames(1, 10, 1);
+        let one = frames[0].len();
+        let mut cache = TailCache::default();
+        // Only 1..=2 are stored: the budget of 2 frames gives way.
+        cache.push(&frames[..6], one * 2, 2);
+        assert_eq!(cache.read(3, 6, usize::MAX).unwrap(), frames[2..6].to_vec());
+        assert_eq!(cache.read(2, 2, usize::MAX), None, "stored frames are evicted first");
+        // Once the store holds them, the budget applies again.
+        cache.push(&frames[6..7], one * 2, 6);
+        assert_eq!(cache.read(6, 7, usize::MAX).unwrap(), frames[5..7].to_vec());
+        assert_eq!(cache.read(5, 5, usize::MAX), None);
     }
 
     #[tokio::test]
