@@ -497,3 +497,59 @@ async fn retention_holds_for_a_lagging_follower_up_to_the_bound_then_marks_it_fo
     let f = follower(&cluster.status(1).await.unwrap(), 1, 3).unwrap();
     assert_eq!(f["mode"], "needs_reseed");
 }
+
+/// A segment that arrives again while the follower's first copy of it is
+/// still being made durable (after a failover, a catch-up chunk and a push
+/// race over the same records) is answered once that copy is durable, so
+/// the answer covers the segment. Answered at once with the older durable
+/// position, it left the new leader's first commit waiting for the next
+/// keepalive (the bimodal failover times of issue 6).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_segment_sent_twice_is_answered_with_its_durable_end_both_times() {
+    use walship_proto::replication::wal_shipping_client::WalShippingClient;
+    use walship_proto::replication::{ShipSegmentRequest, WalSegmentId};
+    use walship_wal::{Frame, RecordFields, Segment};
+
+    let mut cluster = Cluster::start(3, 1, "keepalive_ms = 100");
+    let mut leader = cluster.node(1).client().await;
+    let one = AppendRequest {
+        shard_id: 1,
+        records: vec![AppendRecord { key: Bytes::new(), payload: Bytes::from_static(b"first") }],
+        durability: Durability::All as i32,
+    };
+    leader.append(one).await.unwrap();
+    // 4 MiB of records after the leader's log, sent as the leader (node 1,
+    // epoch 1) twice at once: the second finds the first queued, and its
+    // fsync takes long enough for the race to show every time.
+    const COUNT: u64 = 1024;
+    let frames: Vec<Frame> = (2..2 + COUNT)
+        .map(|seqno| {
+            Frame::encode(RecordFields { seqno, epoch: 1, timestamp_us: seqno, key: b"k", payload: &[0xA5; 4096] })
+        })
+        .collect();
+    let segment = Segment::encode(1, frames).unwrap();
+    let last = 1 + COUNT;
+    let request = ShipSegmentRequest {
+        id: Some(WalSegmentId { region_id: 1, shard_id: 1, seqno: 2 }),
+        payload: segment.encoded().clone(),
+        event_count: COUNT,
+        leader_last_seq: last,
+        stream_baseline: 0,
+        epoch: 1,
+        leader_node_id: 1,
+        commit_seqno: 1,
+    };
+    let channel = tonic::transport::Endpoint::from_shared(format!("http://{}", cluster.node(2).grpc))
+        .unwrap()
+        .connect()
+        .await
+        .unwrap();
+    let client = WalShippingClient::new(channel).max_encoding_message_size(64 << 20);
+    let (mut first, mut second) = (client.clone(), client);
+    let (a, b) = tokio::join!(first.ship_segment(request.clone()), second.ship_segment(request));
+    for (which, answer) in [("one", a), ("the other", b)] {
+        let answer = answer.unwrap_or_else(|s| panic!("{which} of the two sends refused: {s:?}")).into_inner();
+        assert!(answer.accepted, "{which}: {answer:?}");
+        assert_eq!(answer.applied_seqno, last, "{which} of the two sends answered before its records were durable");
+    }
+}

@@ -1129,7 +1129,14 @@ impl ReplicationNode {
                 }
                 None
             }
-            Inbound::Duplicate => None,
+            Inbound::Duplicate => {
+                // Already queued here (a catch-up chunk and a push racing
+                // over the same records), maybe not durable yet: answer once
+                // the queued copy is, so the answer covers the segment and
+                // the leader counts it now, not at its next keepalive.
+                let queued = inbound.range.map_or(0, |(_, last)| last).min(view.next_expected.saturating_sub(1));
+                (queued > durable).then(|| self.durable_at(replica.shard, queued))
+            }
             Inbound::Apply { skip } => {
                 let segment = segment.expect("apply implies records");
                 let last = segment.last_seqno();
@@ -1149,6 +1156,19 @@ impl ReplicationNode {
         follower.last_contact_us.store(now_us(), Ordering::Release);
         drop(guard);
         Ok((replica, pending))
+    }
+
+    /// Resolves once the shard's durable seqno reaches `seqno`, which is
+    /// already queued to the WAL; gives up after `reorder_wait_ms` (a repair
+    /// may have truncated it), and the answer then says what is durable.
+    fn durable_at(&self, shard: ShardId, seqno: u64) -> Queued {
+        let durable = self.wal.durable_watch(shard);
+        let wait = Duration::from_millis(self.config.replication.reorder_wait_ms);
+        Box::pin(async move {
+            let mut durable = durable?;
+            let _ = tokio::time::timeout(wait, durable.wait_for(|d| *d >= seqno)).await;
+            Ok(walship_wal::Appended { first_seqno: seqno, last_seqno: seqno })
+        })
     }
 
     /// Starts reconciling with and pulling from the leader, unless that is
