@@ -63,6 +63,15 @@ use crate::peers::Peers;
 type Queued =
     std::pin::Pin<Box<dyn std::future::Future<Output = walship_wal::wal::WalResult<walship_wal::Appended>> + Send>>;
 
+/// Waits for a change of `watch` (false once its sender is gone); never
+/// resolves without a watch.
+async fn changed_if_watched(watch: Option<&mut watch::Receiver<u64>>) -> bool {
+    match watch {
+        Some(w) => w.changed().await.is_ok(),
+        None => std::future::pending().await,
+    }
+}
+
 /// Catch-up chunks queued to the WAL before the oldest must be durable.
 const CATCHUP_PIPELINE: usize = 4;
 
@@ -112,9 +121,9 @@ impl Source {
 struct LeaderState {
     epoch: u64,
     core: Mutex<LeaderCore>,
-    /// The newest seqno the core may ship (its durable position, or its
-    /// written one with early shipping); shippers wait on it.
-    ship_limit: watch::Sender<u64>,
+    /// The newest seqnos the core may ship, `(written, flushing)` (both its
+    /// durable position without early shipping); shippers wait on it.
+    ship_limit: watch::Sender<(u64, u64)>,
     /// Stops this leadership's tasks.
     stop: CancellationToken,
 }
@@ -628,7 +637,7 @@ impl ReplicationNode {
         let state = Arc::new(LeaderState {
             epoch,
             core: Mutex::new(core),
-            ship_limit: watch::Sender::new(p.durable_seqno),
+            ship_limit: watch::Sender::new((p.durable_seqno, p.durable_seqno)),
             stop: self.shutdown.child_token(),
         });
         {
@@ -696,13 +705,16 @@ impl ReplicationNode {
     // ---- leader side -------------------------------------------------
 
     /// Folds the leader's own WAL positions into its core: durable ones,
-    /// and with early shipping the written ones too, so shippers send a
-    /// batch while the leader's fsync of it still runs.
+    /// and with early shipping the written and flushing ones too, so
+    /// shippers send a batch while the leader's fsync of it still runs.
     async fn run_leader_driver(self: Arc<Self>, replica: Arc<ShardReplica>, leader: Arc<LeaderState>) {
         let Ok(mut durable) = self.wal.durable_watch(replica.shard) else { return };
-        let mut written = if self.early_shipping() { self.wal.written_watch(replica.shard).ok() } else { None };
+        let early = self.early_shipping();
+        let mut written = if early { self.wal.written_watch(replica.shard).ok() } else { None };
+        let mut flushing = if early { self.wal.flushing_watch(replica.shard).ok() } else { None };
         loop {
             let wrote = written.as_mut().map(|w| *w.borrow_and_update());
+            let committing = flushing.as_mut().map(|f| *f.borrow_and_update());
             let seqno = *durable.borrow_and_update();
             let counters = self.wal.counters(replica.shard).unwrap_or_default();
             let limit = {
@@ -710,20 +722,18 @@ impl ReplicationNode {
                 if let Some(wrote) = wrote {
                     core.on_local_written(wrote);
                 }
+                if let Some(committing) = committing {
+                    core.on_local_flushing(committing);
+                }
                 core.on_local_durable(seqno, counters.records, counters.bytes, now_us());
                 replica.publish_leader(&core, &self.metrics);
-                core.written()
+                (core.written(), core.flushing())
             };
-            leader.ship_limit.send_replace(limit);
-            let written_changed = async {
-                match written.as_mut() {
-                    Some(w) => w.changed().await.is_ok(),
-                    None => std::future::pending().await,
-                }
-            };
+            leader.ship_limit.send_if_modified(|l| std::mem::replace(l, limit) != limit);
             tokio::select! {
                 changed = durable.changed() => if changed.is_err() { return },
-                open = written_changed => if !open { return },
+                open = changed_if_watched(written.as_mut()) => if !open { return },
+                open = changed_if_watched(flushing.as_mut()) => if !open { return },
                 _ = leader.stop.cancelled() => return,
             }
         }

@@ -17,7 +17,8 @@
 //!   is contiguous; the store refuses anything else;
 //! * an append is acknowledged only after the fsync that covers it, and the
 //!   durable watch never runs ahead of what is fsynced;
-//! * `durable <= written` at every instant: the written watch moves first.
+//! * `durable <= flushing <= written` at every instant (flushing: what the
+//!   persister has handed to the store): the written watch moves first.
 //!   Written records may not be in the store yet: a process crash can lose
 //!   them, and a leader that ships them relies on the rule that it never
 //!   leads again in an epoch it led before it restarted
@@ -225,9 +226,12 @@ struct ShardPositions {
     min_epoch: AtomicU64,
     /// The newest written frames, contiguous, oldest first.
     tail: parking_lot::Mutex<TailCache>,
-    /// Newest seqno written to the store (maybe not fsynced); never behind
-    /// `durable`.
+    /// Newest seqno sequenced (in the tail cache, maybe not in the store
+    /// yet); never behind `flushing`.
     written: watch::Sender<u64>,
+    /// Newest seqno handed to the store: the commit in progress ends here.
+    /// Between `durable` and `written`.
+    flushing: watch::Sender<u64>,
     durable: watch::Sender<u64>,
     gauges: ShardGauges,
 }
@@ -242,6 +246,7 @@ impl ShardPositions {
             min_epoch: AtomicU64::new(0),
             tail: parking_lot::Mutex::new(TailCache::default()),
             written: watch::Sender::new(bounds.last_seqno),
+            flushing: watch::Sender::new(bounds.last_seqno),
             durable: watch::Sender::new(bounds.durable_seqno),
             gauges,
         };
@@ -258,8 +263,17 @@ impl ShardPositions {
         });
     }
 
-    /// Publishes the store's bounds after a commit. Written is not touched:
-    /// the sequencer may already be ahead of the store.
+    /// Publishes `seqno` as flushing (the persister is committing it).
+    fn publish_flushing(&self, seqno: u64) {
+        self.flushing.send_if_modified(|f| {
+            let changed = *f != seqno;
+            *f = seqno;
+            changed
+        });
+    }
+
+    /// Publishes the store's bounds after a commit. Written and flushing are
+    /// not touched: the sequencer may already be ahead of the store.
     fn publish_durable(&self, bounds: LogBounds) {
         self.first.store(bounds.first_seqno, Ordering::Release);
         self.last.store(bounds.last_seqno, Ordering::Release);
@@ -276,8 +290,10 @@ impl ShardPositions {
     /// Publishes every position as the store has it, written included: at
     /// start and after a truncation or compaction, when nothing is staged.
     fn publish(&self, bounds: LogBounds) {
-        // Written first: readers of both never see durable ahead of written.
+        // Written first: readers never see durable ahead of flushing, nor
+        // flushing ahead of written.
         self.publish_written(bounds.last_seqno);
+        self.publish_flushing(bounds.last_seqno);
         self.publish_durable(bounds);
     }
 }
@@ -409,6 +425,14 @@ impl Wal {
     /// ship up to it; nothing else may expose it.
     pub fn written_watch(&self, shard: ShardId) -> WalResult<watch::Receiver<u64>> {
         Ok(self.shared.shard(shard)?.written.subscribe())
+    }
+
+    /// A watch of the newest seqno the persister has handed to the store
+    /// (its commit in progress ends there): between durable and written. A
+    /// leader with a segment already in flight ships only up to it, so
+    /// appends arriving one by one travel one segment per group commit.
+    pub fn flushing_watch(&self, shard: ShardId) -> WalResult<watch::Receiver<u64>> {
+        Ok(self.shared.shard(shard)?.flushing.subscribe())
     }
 
     /// A watch of the shard's durable seqno: senders, tails and uploads wait
@@ -826,6 +850,11 @@ impl Persister {
         if batch.parts.is_empty() {
             return;
         }
+        for part in &batch.parts {
+            if let (Ok(positions), Some(last)) = (self.shared.shard(part.shard), part.frames.last()) {
+                positions.publish_flushing(last.seqno());
+            }
+        }
         let started = Instant::now();
         if let Err(e) = self.shared.store.append(&batch.parts, true) {
             // The sequencer validated every part and published them as
@@ -956,6 +985,7 @@ mod tests {
         let wal = Wal::start(store.clone(), WalConfig::default(), WalMetrics::unregistered()).unwrap();
         wal.create_shard(1).unwrap();
         let mut written = wal.written_watch(1).unwrap();
+        let mut flushing = wal.flushing_watch(1).unwrap();
         let durable = wal.durable_watch(1).unwrap();
         let append = |n| {
             let wal = wal.clone();
@@ -971,6 +1001,8 @@ mod tests {
         assert!(!first.is_finished(), "no acknowledgement before the fsync");
         let frames = wal.read(1, 1, 3, usize::MAX).await.unwrap();
         assert_eq!(frames.iter().map(Frame::seqno).collect::<Vec<_>>(), vec![1, 2, 3]);
+        // The persister has taken it: flushing ends at its last record.
+        tokio::time::timeout(Duration::from_secs(10), flushing.wait_for(|f| *f == 3)).await.unwrap().unwrap();
         // While that fsync is held, the next append is sequenced and
         // readable too: the sequencer does not wait for the persister.
         let second = append(2);
@@ -978,6 +1010,7 @@ mod tests {
         let frames = wal.read(1, 4, 5, usize::MAX).await.unwrap();
         assert_eq!(frames.iter().map(Frame::seqno).collect::<Vec<_>>(), vec![4, 5]);
         assert_eq!(*durable.borrow(), 0);
+        assert_eq!(*flushing.borrow(), 3, "only the commit in progress is flushing, not what came after it");
         assert!(!second.is_finished());
         // Let the commits through: durable catches up and both return.
         open.send(()).unwrap();

@@ -177,6 +177,11 @@ pub struct LeaderCore {
     /// Newest seqno in the leader's own log that may be shipped: `durable`,
     /// or ahead of it with early shipping. Never behind `durable`.
     written: u64,
+    /// Newest seqno the leader's WAL is committing (early shipping; else
+    /// `durable`): what a follower with a segment already in flight is sent
+    /// up to, so appends arriving one by one travel one segment per group
+    /// commit rather than one each. Between `durable` and `written`.
+    flushing: u64,
     first: u64,
     commit: u64,
     followers: BTreeMap<NodeId, FollowerProgress>,
@@ -204,6 +209,7 @@ impl LeaderCore {
             settings,
             durable: start.durable,
             written: start.durable,
+            flushing: start.durable,
             first: start.first,
             commit: start.commit_floor.min(start.durable),
             followers: followers.iter().map(|&f| (f, progress)).collect(),
@@ -237,12 +243,24 @@ impl LeaderCore {
         self.written
     }
 
+    /// What a follower with a segment in flight is sent up to (see the
+    /// field's doc); never past `written`.
+    pub fn flushing(&self) -> u64 {
+        self.flushing.min(self.written)
+    }
+
     /// Early shipping: the leader's WAL wrote records through `written`
     /// (the fsync may still be running). They may be shipped now; they count
     /// towards the commit only once [`LeaderCore::on_local_durable`] covers
     /// them.
     pub fn on_local_written(&mut self, written: u64) {
         self.written = self.written.max(written);
+    }
+
+    /// Early shipping: the leader's WAL is committing records through
+    /// `flushing` (see the field's doc).
+    pub fn on_local_flushing(&mut self, flushing: u64) {
+        self.flushing = self.flushing.max(flushing);
     }
 
     /// The highest seqno durable on every replica.
@@ -267,6 +285,7 @@ impl LeaderCore {
         }
         self.durable = durable;
         self.written = self.written.max(durable);
+        self.flushing = self.flushing.max(durable);
         if let Some(avg) = bytes.checked_div(records) {
             self.avg_frame_bytes = avg;
         }
@@ -285,10 +304,16 @@ impl LeaderCore {
     /// Decides what to send to `follower` now.
     pub fn poll_ship(&mut self, follower: NodeId, now_us: u64) -> ShipDecision {
         let settings = self.settings;
-        let limit = self.written;
+        let (written, flushing) = (self.written, self.flushing.min(self.written));
         let Some(p) = self.followers.get_mut(&follower) else { return ShipDecision::Idle };
         let interval = if p.mode == ShipMode::Probe { settings.probe_us } else { settings.keepalive_us };
         let keepalive_due = p.last_sent_us.is_none_or(|t| now_us.saturating_sub(t) >= interval);
+        // Nothing in flight: everything written goes at once (the lowest
+        // latency). Something in flight: only what the WAL is already
+        // committing, so records arriving one by one are batched per group
+        // commit instead of costing a request each; they still reach the
+        // follower while the leader's own fsync of them runs.
+        let limit = if p.in_flight == 0 { written } else { flushing };
         match p.mode {
             ShipMode::Push if p.next <= limit => {
                 if p.in_flight < settings.window {
@@ -535,6 +560,37 @@ mod tests {
         assert_eq!(core.commit(), 4);
         core.on_local_durable(6, 6, 600, 400);
         assert_eq!((core.commit(), core.all_durable()), (6, 6));
+    }
+
+    #[test]
+    fn with_a_segment_in_flight_only_what_the_wal_is_committing_is_shipped() {
+        let mut core = leader();
+        probe(&mut core, 2, 0, 0);
+        // Nothing in flight: everything written goes at once.
+        core.on_local_written(2);
+        assert_eq!(core.poll_ship(2, 100), ShipDecision::Send { from: 1, up_to: 2 });
+        core.on_sent(2, 1, 2, 100);
+        // One in flight: appends arriving one by one wait for the group
+        // commit that takes them, then go out together.
+        core.on_local_written(3);
+        core.on_local_written(4);
+        core.on_local_written(5);
+        assert_eq!(core.poll_ship(2, 110), ShipDecision::Idle, "3..=5 are not being committed yet");
+        core.on_local_flushing(5);
+        assert_eq!(core.poll_ship(2, 120), ShipDecision::Send { from: 3, up_to: 5 }, "one segment per group commit");
+        core.on_sent(2, 3, 5, 120);
+        // Flushing never lets the leader ship past what it has written, and
+        // once nothing is in flight the written records go at once again.
+        core.on_local_written(7);
+        core.on_local_flushing(9);
+        assert_eq!(core.flushing(), 7);
+        core.on_reply(2, ShipReply::Applied { applied: 2 }, 130).unwrap();
+        assert_eq!(core.poll_ship(2, 140), ShipDecision::Send { from: 6, up_to: 7 });
+        core.on_sent(2, 6, 7, 140);
+        core.on_reply(2, ShipReply::Applied { applied: 5 }, 150).unwrap();
+        core.on_reply(2, ShipReply::Applied { applied: 7 }, 160).unwrap();
+        core.on_local_written(8);
+        assert_eq!(core.poll_ship(2, 170), ShipDecision::Send { from: 8, up_to: 8 }, "idle again: no waiting");
     }
 
     #[test]
