@@ -121,9 +121,10 @@ impl Source {
 struct LeaderState {
     epoch: u64,
     core: Mutex<LeaderCore>,
-    /// The newest seqnos the core may ship, `(written, flushing)` (both its
-    /// durable position without early shipping); shippers wait on it.
-    ship_limit: watch::Sender<(u64, u64)>,
+    /// What the WAL is committing (the core's `flushing`; its durable
+    /// position without early shipping): shippers with segments in flight
+    /// wait on it.
+    ship_limit: watch::Sender<u64>,
     /// Stops this leadership's tasks.
     stop: CancellationToken,
 }
@@ -637,7 +638,7 @@ impl ReplicationNode {
         let state = Arc::new(LeaderState {
             epoch,
             core: Mutex::new(core),
-            ship_limit: watch::Sender::new((p.durable_seqno, p.durable_seqno)),
+            ship_limit: watch::Sender::new(p.durable_seqno),
             stop: self.shutdown.child_token(),
         });
         {
@@ -705,34 +706,30 @@ impl ReplicationNode {
     // ---- leader side -------------------------------------------------
 
     /// Folds the leader's own WAL positions into its core: durable ones,
-    /// and with early shipping the written and flushing ones too, so
-    /// shippers send a batch while the leader's fsync of it still runs.
+    /// and with early shipping the flushing ones too (what the WAL is
+    /// committing), so shippers send a batch while the leader's fsync of it
+    /// still runs. Written positions, which move with every append, are
+    /// read by the shippers themselves (see [`ReplicationNode::run_shipper`]).
     async fn run_leader_driver(self: Arc<Self>, replica: Arc<ShardReplica>, leader: Arc<LeaderState>) {
         let Ok(mut durable) = self.wal.durable_watch(replica.shard) else { return };
-        let early = self.early_shipping();
-        let mut written = if early { self.wal.written_watch(replica.shard).ok() } else { None };
-        let mut flushing = if early { self.wal.flushing_watch(replica.shard).ok() } else { None };
+        let mut flushing = if self.early_shipping() { self.wal.flushing_watch(replica.shard).ok() } else { None };
         loop {
-            let wrote = written.as_mut().map(|w| *w.borrow_and_update());
             let committing = flushing.as_mut().map(|f| *f.borrow_and_update());
             let seqno = *durable.borrow_and_update();
             let counters = self.wal.counters(replica.shard).unwrap_or_default();
             let limit = {
                 let mut core = leader.core.lock();
-                if let Some(wrote) = wrote {
-                    core.on_local_written(wrote);
-                }
                 if let Some(committing) = committing {
+                    core.on_local_written(committing);
                     core.on_local_flushing(committing);
                 }
                 core.on_local_durable(seqno, counters.records, counters.bytes, now_us());
                 replica.publish_leader(&core, &self.metrics);
-                (core.written(), core.flushing())
+                core.flushing()
             };
             leader.ship_limit.send_if_modified(|l| std::mem::replace(l, limit) != limit);
             tokio::select! {
                 changed = durable.changed() => if changed.is_err() { return },
-                open = changed_if_watched(written.as_mut()) => if !open { return },
                 open = changed_if_watched(flushing.as_mut()) => if !open { return },
                 _ = leader.stop.cancelled() => return,
             }
@@ -749,10 +746,19 @@ impl ReplicationNode {
 
     async fn run_shipper(self: Arc<Self>, replica: Arc<ShardReplica>, leader: Arc<LeaderState>, follower: NodeId) {
         let mut ship_limit = leader.ship_limit.subscribe();
+        // Early shipping: with nothing in flight to this follower, each
+        // written append wakes this shipper directly; with segments in
+        // flight it waits for what the WAL commits (`ship_limit`) or a
+        // reply, so appends arriving one by one wake nothing.
+        let mut written = if self.early_shipping() { self.wal.written_watch(replica.shard).ok() } else { None };
         let mut in_flight = FuturesUnordered::new();
         let keepalive = Duration::from_micros(self.settings.probe_us.min(self.settings.keepalive_us));
         let batch_bytes = self.config.replication.ship_batch_bytes;
         loop {
+            if let Some(written) = written.as_mut() {
+                let wrote = *written.borrow_and_update();
+                leader.core.lock().on_local_written(wrote);
+            }
             // Issue everything the core allows right now.
             loop {
                 let decision = leader.core.lock().poll_ship(follower, now_us());
@@ -800,6 +806,7 @@ impl ReplicationNode {
                     }
                 }
                 changed = ship_limit.changed() => if changed.is_err() { return },
+                open = changed_if_watched(written.as_mut()), if in_flight.is_empty() => if !open { return },
                 _ = tokio::time::sleep(keepalive) => {}
                 _ = leader.stop.cancelled() => return,
             }
