@@ -18,6 +18,10 @@ pub struct WalMetrics {
     pub bytes_appended: IntCounter,
     /// Appends sequenced and waiting for the group commit that makes them durable.
     pub queue_depth: IntGauge,
+    /// Encoded bytes sequenced and not yet durable.
+    pub staged_bytes: IntGauge,
+    /// Appends that waited because more than `max_batch_bytes` was staged.
+    pub staged_waits: IntCounter,
     first_seqno: IntGaugeVec,
     last_seqno: IntGaugeVec,
     durable_seqno: IntGaugeVec,
@@ -53,6 +57,14 @@ impl WalMetrics {
             "walship_wal_queue_depth",
             "Appends sequenced and waiting for the group commit that makes them durable",
         )?;
+        let staged_bytes = IntGauge::new(
+            "walship_wal_staged_bytes",
+            "Encoded bytes sequenced (shippable) and not yet durable on this node",
+        )?;
+        let staged_waits = IntCounter::new(
+            "walship_wal_staged_waits_total",
+            "Appends that waited because more than max_batch_bytes was sequenced and not yet durable",
+        )?;
         let shard_gauge = |name: &str, help: &str| IntGaugeVec::new(Opts::new(name, help), &["shard"]);
         let first_seqno = shard_gauge("walship_shard_first_seqno", "Oldest seqno retained in this node's WAL")?;
         let last_seqno = shard_gauge("walship_shard_last_seqno", "Newest seqno written to this node's WAL")?;
@@ -62,6 +74,8 @@ impl WalMetrics {
         registry.register(Box::new(records_appended.clone()))?;
         registry.register(Box::new(bytes_appended.clone()))?;
         registry.register(Box::new(queue_depth.clone()))?;
+        registry.register(Box::new(staged_bytes.clone()))?;
+        registry.register(Box::new(staged_waits.clone()))?;
         registry.register(Box::new(first_seqno.clone()))?;
         registry.register(Box::new(last_seqno.clone()))?;
         registry.register(Box::new(durable_seqno.clone()))?;
@@ -71,6 +85,8 @@ impl WalMetrics {
             records_appended,
             bytes_appended,
             queue_depth,
+            staged_bytes,
+            staged_waits,
             first_seqno,
             last_seqno,
             durable_seqno,

@@ -447,7 +447,7 @@ impl Wal {
         &self,
         sequence: impl FnOnce(&mut Sequencer) -> Sequenced,
     ) -> WalResult<oneshot::Receiver<WalResult<Appended>>> {
-        self.shared.staged.wait_below_limit().await;
+        self.shared.staged.wait_below_limit(&self.shared.metrics.staged_waits).await;
         let mut sequencer = self.sequencer.lock().await;
         match sequence(&mut sequencer)? {
             Some(durable) => Ok(durable),
@@ -647,13 +647,20 @@ impl StagedBytes {
         StagedBytes { bytes: AtomicU64::new(0), limit: limit as u64, drained: tokio::sync::Notify::new() }
     }
 
-    async fn wait_below_limit(&self) {
+    /// Waits while more than the limit is staged; counts the appends that
+    /// had to wait in `waits`.
+    async fn wait_below_limit(&self, waits: &prometheus::IntCounter) {
+        let mut counted = false;
         loop {
             let drained = self.drained.notified();
             tokio::pin!(drained);
             drained.as_mut().enable();
             if self.bytes.load(Ordering::Acquire) <= self.limit {
                 return;
+            }
+            if !counted {
+                waits.inc();
+                counted = true;
             }
             drained.await;
         }
@@ -744,7 +751,9 @@ impl Sequencer {
         }
         self.next.insert(shard, last + 1);
         self.publish_written(shard, &frames);
-        self.shared.staged.add(frames.iter().map(Frame::len).sum());
+        let bytes: usize = frames.iter().map(Frame::len).sum();
+        self.shared.staged.add(bytes);
+        self.shared.metrics.staged_bytes.add(bytes as i64);
         self.shared.metrics.queue_depth.inc();
         let (reply, durable) = oneshot::channel();
         let waiter = Waiter { reply, appended: Appended { first_seqno: first, last_seqno: last } };
@@ -881,6 +890,7 @@ impl Persister {
             }
         }
         self.shared.staged.release(batch.bytes);
+        metrics.staged_bytes.sub(batch.bytes as i64);
         for waiter in batch.waiters {
             let _ = waiter.reply.send(Ok(waiter.appended));
         }
@@ -1020,6 +1030,40 @@ mod tests {
         assert_eq!((*durable.borrow(), *written.borrow()), (5, 5));
         assert_eq!(store.inner.bounds(1).unwrap().last_seqno, 5);
         drop(open);
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn appenders_wait_while_more_than_max_batch_bytes_is_staged() {
+        let (open, gate) = std::sync::mpsc::channel();
+        let store = Arc::new(GatedSync { inner: MemStore::new(), gate: parking_lot::Mutex::new(gate) });
+        let config = WalConfig { max_batch_bytes: 1000, linger: Duration::ZERO, ..WalConfig::default() };
+        let metrics = WalMetrics::unregistered();
+        let wal = Wal::start(store, config, metrics.clone()).unwrap();
+        wal.create_shard(1).unwrap();
+        let mut written = wal.written_watch(1).unwrap();
+        let big = |n: usize| vec![NewRecord { key: Bytes::new(), payload: Bytes::from(vec![7u8; n]) }];
+        // 1,200 bytes staged while the first commit is held: past the limit.
+        let first = tokio::spawn({
+            let wal = wal.clone();
+            async move { wal.append(1, 1, big(1200)).await }
+        });
+        written.wait_for(|w| *w == 1).await.unwrap();
+        assert!(metrics.staged_bytes.get() > 1000, "staged {}", metrics.staged_bytes.get());
+        // The next append waits before it is sequenced: written stays.
+        let second = tokio::spawn({
+            let wal = wal.clone();
+            async move { wal.append(1, 1, big(10)).await }
+        });
+        tokio::time::sleep(Duration::from_millis(50)).await;
+        assert_eq!(*written.borrow(), 1, "sequenced past the staged limit");
+        assert_eq!(metrics.staged_waits.get(), 1);
+        // The held commit completes: the waiter is sequenced and committed.
+        open.send(()).unwrap();
+        assert_eq!(first.await.unwrap().unwrap(), Appended { first_seqno: 1, last_seqno: 1 });
+        written.wait_for(|w| *w == 2).await.unwrap();
+        open.send(()).unwrap();
+        assert_eq!(second.await.unwrap().unwrap(), Appended { first_seqno: 2, last_seqno: 2 });
+        assert_eq!(metrics.staged_bytes.get(), 0, "everything staged is durable");
     }
 
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
