@@ -20,6 +20,15 @@ const WAIT: Duration = Duration::from_secs(30);
 /// shard -> seqno -> payload, for every acknowledged append.
 use common::Acked;
 
+/// One record for shard 1 at `durability`.
+fn one_record(payload: &'static [u8], durability: Durability) -> AppendRequest {
+    AppendRequest {
+        shard_id: 1,
+        records: vec![AppendRecord { key: Bytes::new(), payload: Bytes::from_static(payload) }],
+        durability: durability as i32,
+    }
+}
+
 fn shard_entry(status: &Value, shard: u32) -> Option<&Value> {
     status["shards"].as_array()?.iter().find(|s| s["shard_id"] == shard)
 }
@@ -206,15 +215,7 @@ async fn killed_follower_catches_up_and_lag_returns_to_zero() {
     assert!(streamed > 0.0, "node 3 applied nothing from StreamSegments");
     // ...and live push takes over afterwards.
     let mut leader = cluster.node(1).client().await;
-    let after = leader
-        .append(AppendRequest {
-            shard_id: 1,
-            records: vec![AppendRecord { key: Bytes::new(), payload: Bytes::from_static(b"after") }],
-            durability: Durability::All as i32,
-        })
-        .await
-        .unwrap()
-        .into_inner();
+    let after = leader.append(one_record(b"after", Durability::All)).await.unwrap().into_inner();
     assert_eq!(after.first_seqno, last + 1);
     assert!(metric(&mut cluster, 3, "walship_catchup_bytes_total{source=\"push\"}").await > 0.0);
     assert_eq!(
@@ -370,11 +371,7 @@ async fn all_waits_for_every_replica_and_local_waits_for_none() {
 async fn followers_refuse_appends_naming_the_leader_and_serve_committed_reads() {
     let mut cluster = Cluster::start(3, 1, "keepalive_ms = 100");
     let mut follower = cluster.node(2).client().await;
-    let request = AppendRequest {
-        shard_id: 1,
-        records: vec![AppendRecord { key: Bytes::new(), payload: Bytes::from_static(b"x") }],
-        durability: 0,
-    };
+    let request = one_record(b"x", Durability::Unspecified);
     let refused = follower.append(request.clone()).await.unwrap_err();
     assert_eq!(refused.code(), tonic::Code::FailedPrecondition);
     let hint = refused.metadata().get(walship_proto::LEADER_METADATA_KEY).unwrap().to_str().unwrap().to_string();
@@ -401,11 +398,7 @@ async fn followers_refuse_appends_naming_the_leader_and_serve_committed_reads() 
 async fn heartbeats_reach_the_configured_receiver() {
     let mut cluster = Cluster::start(3, 2, "heartbeat_ms = 100");
     let mut client = cluster.node(1).client().await;
-    let request = AppendRequest {
-        shard_id: 1,
-        records: vec![AppendRecord { key: Bytes::new(), payload: Bytes::from_static(b"hb") }],
-        durability: Durability::All as i32,
-    };
+    let request = one_record(b"hb", Durability::All);
     client.append(request).await.unwrap();
     // Node 1 is the receiver: it sees every node's report for every shard,
     // with positions and, from the leader, per-follower lag.
@@ -512,12 +505,7 @@ async fn a_segment_sent_twice_is_answered_with_its_durable_end_both_times() {
 
     let mut cluster = Cluster::start(3, 1, "keepalive_ms = 100");
     let mut leader = cluster.node(1).client().await;
-    let one = AppendRequest {
-        shard_id: 1,
-        records: vec![AppendRecord { key: Bytes::new(), payload: Bytes::from_static(b"first") }],
-        durability: Durability::All as i32,
-    };
-    leader.append(one).await.unwrap();
+    leader.append(one_record(b"first", Durability::All)).await.unwrap();
     // 4 MiB of records after the leader's log, sent as the leader (node 1,
     // epoch 1) twice at once: the second finds the first queued, and its
     // fsync takes long enough for the race to show every time.

@@ -256,20 +256,12 @@ impl ShardPositions {
 
     /// Publishes `seqno` as written (sequenced and in the tail cache).
     fn publish_written(&self, seqno: u64) {
-        self.written.send_if_modified(|w| {
-            let changed = *w != seqno;
-            *w = seqno;
-            changed
-        });
+        set_watch(&self.written, seqno);
     }
 
     /// Publishes `seqno` as flushing (the persister is committing it).
     fn publish_flushing(&self, seqno: u64) {
-        self.flushing.send_if_modified(|f| {
-            let changed = *f != seqno;
-            *f = seqno;
-            changed
-        });
+        set_watch(&self.flushing, seqno);
     }
 
     /// Publishes the store's bounds after a commit. Written and flushing are
@@ -277,11 +269,7 @@ impl ShardPositions {
     fn publish_durable(&self, bounds: LogBounds) {
         self.first.store(bounds.first_seqno, Ordering::Release);
         self.last.store(bounds.last_seqno, Ordering::Release);
-        self.durable.send_if_modified(|d| {
-            let changed = *d != bounds.durable_seqno;
-            *d = bounds.durable_seqno;
-            changed
-        });
+        set_watch(&self.durable, bounds.durable_seqno);
         self.gauges.first_seqno.set(bounds.first_seqno as i64);
         self.gauges.last_seqno.set(bounds.last_seqno as i64);
         self.gauges.durable_seqno.set(bounds.durable_seqno as i64);
@@ -296,6 +284,11 @@ impl ShardPositions {
         self.publish_flushing(bounds.last_seqno);
         self.publish_durable(bounds);
     }
+}
+
+/// Sets a position watch to `seqno`, waking its receivers only on a change.
+fn set_watch(watch: &watch::Sender<u64>, seqno: u64) {
+    watch.send_if_modified(|v| std::mem::replace(v, seqno) != seqno);
 }
 
 struct Shared {
@@ -327,7 +320,7 @@ impl Wal {
             let bounds = store.bounds(shard)?;
             shards.insert(shard, Arc::new(ShardPositions::new(bounds, metrics.shard(shard))));
         }
-        let staged = StagedBytes::new(config.max_batch_bytes);
+        let staged = StagedBytes::new(config.max_batch_bytes, &metrics);
         let shared = Arc::new(Shared { store, shards: RwLock::new(shards), metrics, staged });
         let (to_persister, staged) = flume::unbounded();
         let persister = Persister { shared: shared.clone(), rx: staged, config: config.clone() };
@@ -447,7 +440,7 @@ impl Wal {
         &self,
         sequence: impl FnOnce(&mut Sequencer) -> Sequenced,
     ) -> WalResult<oneshot::Receiver<WalResult<Appended>>> {
-        self.shared.staged.wait_below_limit(&self.shared.metrics.staged_waits).await;
+        self.shared.staged.wait_below_limit().await;
         let mut sequencer = self.sequencer.lock().await;
         match sequence(&mut sequencer)? {
             Some(durable) => Ok(durable),
@@ -635,31 +628,38 @@ impl Batch {
 
 /// Bytes sequenced but not yet durable. Appenders wait while more than
 /// `max_batch_bytes` is staged, so the run-ahead (all of it held in the tail
-/// cache, see [`TailCache::push`]) stays bounded.
+/// cache, see [`TailCache::push`]) stays bounded. The count is the
+/// `walship_wal_staged_bytes` gauge itself.
 struct StagedBytes {
-    bytes: AtomicU64,
-    limit: u64,
+    bytes: prometheus::IntGauge,
+    /// Appends that had to wait (`walship_wal_staged_waits_total`).
+    waits: prometheus::IntCounter,
+    limit: i64,
     drained: tokio::sync::Notify,
 }
 
 impl StagedBytes {
-    fn new(limit: usize) -> StagedBytes {
-        StagedBytes { bytes: AtomicU64::new(0), limit: limit as u64, drained: tokio::sync::Notify::new() }
+    fn new(limit: usize, metrics: &WalMetrics) -> StagedBytes {
+        StagedBytes {
+            bytes: metrics.staged_bytes.clone(),
+            waits: metrics.staged_waits.clone(),
+            limit: limit as i64,
+            drained: tokio::sync::Notify::new(),
+        }
     }
 
-    /// Waits while more than the limit is staged; counts the appends that
-    /// had to wait in `waits`.
-    async fn wait_below_limit(&self, waits: &prometheus::IntCounter) {
+    /// Waits while more than the limit is staged.
+    async fn wait_below_limit(&self) {
         let mut counted = false;
         loop {
             let drained = self.drained.notified();
             tokio::pin!(drained);
             drained.as_mut().enable();
-            if self.bytes.load(Ordering::Acquire) <= self.limit {
+            if self.bytes.get() <= self.limit {
                 return;
             }
             if !counted {
-                waits.inc();
+                self.waits.inc();
                 counted = true;
             }
             drained.await;
@@ -667,11 +667,11 @@ impl StagedBytes {
     }
 
     fn add(&self, n: usize) {
-        self.bytes.fetch_add(n as u64, Ordering::AcqRel);
+        self.bytes.add(n as i64);
     }
 
     fn release(&self, n: usize) {
-        self.bytes.fetch_sub(n as u64, Ordering::AcqRel);
+        self.bytes.sub(n as i64);
         self.drained.notify_waiters();
     }
 }
@@ -751,9 +751,7 @@ impl Sequencer {
         }
         self.next.insert(shard, last + 1);
         self.publish_written(shard, &frames);
-        let bytes: usize = frames.iter().map(Frame::len).sum();
-        self.shared.staged.add(bytes);
-        self.shared.metrics.staged_bytes.add(bytes as i64);
+        self.shared.staged.add(frames.iter().map(Frame::len).sum());
         self.shared.metrics.queue_depth.inc();
         let (reply, durable) = oneshot::channel();
         let waiter = Waiter { reply, appended: Appended { first_seqno: first, last_seqno: last } };
@@ -890,7 +888,6 @@ impl Persister {
             }
         }
         self.shared.staged.release(batch.bytes);
-        metrics.staged_bytes.sub(batch.bytes as i64);
         for waiter in batch.waiters {
             let _ = waiter.reply.send(Ok(waiter.appended));
         }
@@ -955,6 +952,16 @@ mod tests {
         gate: parking_lot::Mutex<std::sync::mpsc::Receiver<()>>,
     }
 
+    /// A WAL with shard 1 over a [`GatedSync`] store, the store, and the
+    /// sender that lets one held commit through per message.
+    fn gated(config: WalConfig, metrics: WalMetrics) -> (Wal, Arc<GatedSync>, std::sync::mpsc::Sender<()>) {
+        let (open, gate) = std::sync::mpsc::channel();
+        let store = Arc::new(GatedSync { inner: MemStore::new(), gate: parking_lot::Mutex::new(gate) });
+        let wal = Wal::start(store.clone(), config, metrics).unwrap();
+        wal.create_shard(1).unwrap();
+        (wal, store, open)
+    }
+
     impl LogStore for GatedSync {
         fn create_shard(&self, shard: ShardId) -> crate::store::StoreResult<()> {
             self.inner.create_shard(shard)
@@ -990,10 +997,7 @@ mod tests {
 
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn written_is_published_before_the_fsync_and_the_next_batch_is_sequenced_during_it() {
-        let (open, gate) = std::sync::mpsc::channel();
-        let store = Arc::new(GatedSync { inner: MemStore::new(), gate: parking_lot::Mutex::new(gate) });
-        let wal = Wal::start(store.clone(), WalConfig::default(), WalMetrics::unregistered()).unwrap();
-        wal.create_shard(1).unwrap();
+        let (wal, store, open) = gated(WalConfig::default(), WalMetrics::unregistered());
         let mut written = wal.written_watch(1).unwrap();
         let mut flushing = wal.flushing_watch(1).unwrap();
         let durable = wal.durable_watch(1).unwrap();
@@ -1034,12 +1038,9 @@ mod tests {
 
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn appenders_wait_while_more_than_max_batch_bytes_is_staged() {
-        let (open, gate) = std::sync::mpsc::channel();
-        let store = Arc::new(GatedSync { inner: MemStore::new(), gate: parking_lot::Mutex::new(gate) });
         let config = WalConfig { max_batch_bytes: 1000, linger: Duration::ZERO, ..WalConfig::default() };
         let metrics = WalMetrics::unregistered();
-        let wal = Wal::start(store, config, metrics.clone()).unwrap();
-        wal.create_shard(1).unwrap();
+        let (wal, _store, open) = gated(config, metrics.clone());
         let mut written = wal.written_watch(1).unwrap();
         let big = |n: usize| vec![NewRecord { key: Bytes::new(), payload: Bytes::from(vec![7u8; n]) }];
         // 1,200 bytes staged while the first commit is held: past the limit.
@@ -1068,10 +1069,7 @@ mod tests {
 
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn a_truncation_waits_for_the_staged_appends_before_it() {
-        let (open, gate) = std::sync::mpsc::channel();
-        let store = Arc::new(GatedSync { inner: MemStore::new(), gate: parking_lot::Mutex::new(gate) });
-        let wal = Wal::start(store.clone(), WalConfig::default(), WalMetrics::unregistered()).unwrap();
-        wal.create_shard(1).unwrap();
+        let (wal, _store, open) = gated(WalConfig::default(), WalMetrics::unregistered());
         let mut written = wal.written_watch(1).unwrap();
         let appended = tokio::spawn({
             let wal = wal.clone();

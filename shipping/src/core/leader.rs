@@ -304,7 +304,7 @@ impl LeaderCore {
     /// Decides what to send to `follower` now.
     pub fn poll_ship(&mut self, follower: NodeId, now_us: u64) -> ShipDecision {
         let settings = self.settings;
-        let (written, flushing) = (self.written, self.flushing.min(self.written));
+        let (written, flushing) = (self.written, self.flushing());
         let Some(p) = self.followers.get_mut(&follower) else { return ShipDecision::Idle };
         let interval = if p.mode == ShipMode::Probe { settings.probe_us } else { settings.keepalive_us };
         let keepalive_due = p.last_sent_us.is_none_or(|t| now_us.saturating_sub(t) >= interval);
