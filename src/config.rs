@@ -47,6 +47,12 @@ pub struct WalTuning {
     /// Bytes of each shard's newest records kept in memory for shippers and
     /// tails.
     pub tail_cache_bytes: usize,
+    /// Zero-fill a fresh node's first WAL file (`target_file_bytes` of
+    /// zeros, written and synced at start), so group commits overwrite
+    /// written blocks instead of allocating them; see
+    /// `walship_wal::zero_fill`. On by default, as PostgreSQL's
+    /// `wal_init_zero`; dev and test clusters turn it off to start fast.
+    pub prefill: bool,
 }
 
 impl Default for WalTuning {
@@ -58,6 +64,7 @@ impl Default for WalTuning {
             max_batch_bytes: wal.max_batch_bytes,
             target_file_bytes: store.target_file_bytes,
             tail_cache_bytes: wal.tail_cache_bytes,
+            prefill: true,
         }
     }
 }

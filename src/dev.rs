@@ -128,7 +128,9 @@ pub async fn run_dev(args: DevArgs) -> Result<()> {
     wait_listening(&mut children.0[0].1, "the coordinator")?;
     let spawn_node = |id: u32| -> Result<Child> {
         let mut child = Command::new(&exe)
-            .args(["node", "--allow-crash-drills", "--node-id", &id.to_string(), "--cluster"])
+            // A dev cluster starts in a blink rather than writing a WAL file of
+            // zeros per node first (`wal.prefill`).
+            .args(["node", "--allow-crash-drills", "--wal-prefill", "false", "--node-id", &id.to_string(), "--cluster"])
             .arg(&cluster_file)
             .arg("--data-dir")
             .arg(args.data_dir.join(format!("node-{id}")))

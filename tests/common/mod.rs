@@ -51,9 +51,13 @@ impl NodeProcess {
     /// Starts a node hosting `shards` (e.g. "1-4") with its WAL under
     /// `data_dir`, on free ports, and waits for its "listening" line.
     pub fn start(node_id: u32, data_dir: &Path, shards: &str, extra: &[&str]) -> NodeProcess {
+        // Hundreds of test nodes: no WAL file of zeros for each, unless a
+        // test asks for the production default.
+        let prefill = if extra.contains(&"--wal-prefill") { &[][..] } else { &["--wal-prefill", "false"][..] };
         let (child, fields) = spawn_listening(
             Command::new(walship_bin())
                 .args(["node", "--node-id", &node_id.to_string(), "--grpc", "127.0.0.1:0", "--admin", "127.0.0.1:0"])
+                .args(prefill)
                 .arg("--data-dir")
                 .arg(data_dir)
                 .args(["--shards", shards])
@@ -375,7 +379,16 @@ impl Cluster {
         let data = dir.join(format!("node-{id}"));
         let (child, fields) = spawn_listening(
             Command::new(walship_bin())
-                .args(["node", "--allow-crash-drills", "--node-id", &id.to_string(), "--cluster"])
+                // No WAL file of zeros per test node (`wal.prefill`).
+                .args([
+                    "node",
+                    "--allow-crash-drills",
+                    "--wal-prefill",
+                    "false",
+                    "--node-id",
+                    &id.to_string(),
+                    "--cluster",
+                ])
                 .arg(config)
                 .arg("--data-dir")
                 .arg(&data)

@@ -295,16 +295,35 @@ impl Harness for MemHarness {
 
 struct EngineHarness {
     dir: tempfile::TempDir,
+    config: crate::EngineStoreConfig,
     store: Option<crate::EngineStore>,
 }
 
 impl EngineHarness {
     fn new() -> EngineHarness {
+        Self::with(Default::default())
+    }
+
+    fn with(config: crate::EngineStoreConfig) -> EngineHarness {
         let dir = tempfile::tempdir().unwrap();
-        let store = crate::EngineStore::open(dir.path(), &Default::default()).unwrap();
-        EngineHarness { dir, store: Some(store) }
+        let store = crate::EngineStore::open(dir.path(), &config).unwrap();
+        EngineHarness { dir, config, store: Some(store) }
+    }
+
+    /// Small log files, the first zero-filled (`wal.prefill`), so the cases
+    /// also cross rotations out of a filled file.
+    fn prefilled() -> EngineHarness {
+        Self::with(crate::EngineStoreConfig {
+            target_file_bytes: PREFILL_TEST_FILE_BYTES,
+            prefill: true,
+            ..Default::default()
+        })
     }
 }
+
+/// Above raft-engine's 2 MiB `fallocate` step, so a file it grew by itself
+/// is smaller than a filled one.
+const PREFILL_TEST_FILE_BYTES: u64 = 4 << 20;
 
 impl Harness for EngineHarness {
     fn store(&self) -> &dyn LogStore {
@@ -312,7 +331,7 @@ impl Harness for EngineHarness {
     }
     fn restart(&mut self) {
         drop(self.store.take());
-        self.store = Some(crate::EngineStore::open(self.dir.path(), &Default::default()).unwrap());
+        self.store = Some(crate::EngineStore::open(self.dir.path(), &self.config).unwrap());
     }
 }
 
@@ -337,4 +356,95 @@ mod mem {
 mod engine {
     use super::*;
     conformance_suite!(EngineHarness::new());
+}
+
+mod engine_prefilled {
+    use std::path::{Path, PathBuf};
+
+    use super::*;
+    conformance_suite!(EngineHarness::prefilled());
+
+    /// The raft-engine log files under `dir`, by name.
+    fn log_files(dir: &Path) -> Vec<(PathBuf, u64)> {
+        let mut files: Vec<_> = std::fs::read_dir(dir)
+            .unwrap()
+            .map(|e| e.unwrap().path())
+            .filter(|p| p.extension().is_some_and(|e| e == "raftlog"))
+            .map(|p| {
+                let len = std::fs::metadata(&p).unwrap().len();
+                (p, len)
+            })
+            .collect();
+        files.sort();
+        files
+    }
+
+    #[test]
+    fn a_fresh_store_zero_fills_its_first_log_file_only_when_asked() {
+        let filled = EngineHarness::prefilled();
+        assert_eq!(log_files(filled.dir.path()).iter().map(|f| f.1).collect::<Vec<_>>(), vec![PREFILL_TEST_FILE_BYTES]);
+        let plain = EngineHarness::with(crate::EngineStoreConfig {
+            target_file_bytes: PREFILL_TEST_FILE_BYTES,
+            ..Default::default()
+        });
+        let sizes: Vec<_> = log_files(plain.dir.path()).iter().map(|f| f.1).collect();
+        assert_eq!(sizes.len(), 1);
+        assert!(sizes[0] < PREFILL_TEST_FILE_BYTES, "unfilled first file is {} bytes", sizes[0]);
+    }
+
+    /// A crash leaves the filled file with its zero tail: a copy of the
+    /// directory taken while the store is open is exactly that. Recovery
+    /// must keep every synced record, cut the zeros, and append after the
+    /// last record, not after the zeros.
+    #[test]
+    fn a_crash_inside_a_zero_filled_file_keeps_every_synced_record() {
+        let h = EngineHarness::prefilled();
+        h.store().create_shard(1).unwrap();
+        append(&h, 1, 1, 100, 1).unwrap();
+        let copy = tempfile::tempdir().unwrap();
+        for entry in std::fs::read_dir(h.dir.path()).unwrap() {
+            let path = entry.unwrap().path();
+            std::fs::copy(&path, copy.path().join(path.file_name().unwrap())).unwrap();
+        }
+        assert_eq!(log_files(copy.path())[0].1, PREFILL_TEST_FILE_BYTES, "the copy holds the zero tail");
+
+        let mut crashed = EngineHarness { dir: copy, config: h.config.clone(), store: None };
+        crashed.restart();
+        assert_eq!(all(&crashed, 1), frames(1, 100, 1));
+        let after_recovery = log_files(crashed.dir.path());
+        assert_eq!(after_recovery.len(), 1);
+        assert!(after_recovery[0].1 < PREFILL_TEST_FILE_BYTES, "recovery cut the zeros: {after_recovery:?}");
+        append(&crashed, 1, 101, 50, 2).unwrap();
+        crashed.restart();
+        let mut expected = frames(1, 100, 1);
+        expected.extend(frames(101, 50, 2));
+        assert_eq!(all(&crashed, 1), expected);
+    }
+
+    /// Rotating out of the filled file cuts its unused zeros before the next
+    /// file starts; every record survives a restart across the rotation.
+    #[test]
+    fn rotating_out_of_a_zero_filled_file_keeps_every_record() {
+        let mut h = EngineHarness::prefilled();
+        h.store().create_shard(1).unwrap();
+        // ~300 KiB per batch: fourteen batches cross the 4 MiB target.
+        let big = |first: u64| -> Vec<Frame> {
+            (first..first + 10)
+                .map(|seqno| {
+                    let payload = vec![seqno as u8; 30 << 10];
+                    Frame::encode(RecordFields { seqno, epoch: 1, timestamp_us: seqno, key: b"k", payload: &payload })
+                })
+                .collect()
+        };
+        let mut expected = Vec::new();
+        for batch in 0..16 {
+            let frames = big(1 + batch * 10);
+            h.store().append(&[ShardAppend { shard: 1, frames: frames.clone() }], true).unwrap();
+            expected.extend(frames);
+        }
+        let files = log_files(h.dir.path());
+        assert!(files.len() >= 2, "the log rotated: {files:?}");
+        h.restart();
+        assert_eq!(all(&h, 1), expected);
+    }
 }

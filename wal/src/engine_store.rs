@@ -15,9 +15,10 @@
 
 use std::collections::BTreeMap;
 use std::path::Path;
+use std::sync::Arc;
 
 use parking_lot::Mutex;
-use raft_engine::{Command, Config, Engine, LogBatch, MessageExt, ReadableSize};
+use raft_engine::{Command, Config, LogBatch, MessageExt, ReadableSize};
 use raft_proto::eraftpb::Entry;
 
 use crate::record::{FRAME_OVERHEAD, Frame};
@@ -25,6 +26,7 @@ use crate::store::{
     LogBounds, LogStore, ShardAppend, ShardId, StoreError, StoreResult, check_compact, check_continues, check_range,
     check_truncate,
 };
+use crate::zero_fill::ZeroFilledFs;
 
 const FIRST_KEY: &[u8] = b"walship/first";
 const TRUNCATED_KEY: &[u8] = b"walship/truncated";
@@ -54,13 +56,22 @@ pub struct EngineStoreConfig {
     /// compression (the default: records are often already compressed, and
     /// the CPU is better spent elsewhere on a small node).
     pub compression_threshold_bytes: u64,
+    /// Zero-fill a fresh store's first log file while it opens, so a group
+    /// commit's fdatasync overwrites written blocks instead of converting
+    /// fresh ones ([`crate::zero_fill`]; later files are recycled ones once
+    /// compaction purges). Costs one file of zeros written and synced when a
+    /// fresh store opens. Off here (tests open many stores); a node turns it
+    /// on by default (`wal.prefill`).
+    pub prefill: bool,
 }
 
 impl Default for EngineStoreConfig {
     fn default() -> Self {
-        EngineStoreConfig { target_file_bytes: 128 << 20, compression_threshold_bytes: 0 }
+        EngineStoreConfig { target_file_bytes: 128 << 20, compression_threshold_bytes: 0, prefill: false }
     }
 }
+
+type Engine = raft_engine::Engine<ZeroFilledFs>;
 
 #[derive(Debug, Clone, Copy)]
 struct ShardState {
@@ -96,7 +107,9 @@ impl EngineStore {
             batch_compression_threshold: ReadableSize(config.compression_threshold_bytes),
             ..Config::default()
         };
-        let engine = Engine::open(cfg).map_err(io)?;
+        let fs = Arc::new(ZeroFilledFs::new(if config.prefill { config.target_file_bytes } else { 0 }));
+        let engine = Engine::open_with_file_system(cfg, fs.clone()).map_err(io)?;
+        fs.opened();
         let mut shards = BTreeMap::new();
         for region in engine.raft_groups() {
             let Ok(shard) = ShardId::try_from(region) else { continue };

@@ -19,6 +19,7 @@ pub mod record;
 pub mod segment;
 pub mod store;
 pub mod wal;
+pub mod zero_fill;
 
 #[cfg(test)]
 mod conformance;
