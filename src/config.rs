@@ -47,9 +47,10 @@ pub struct WalTuning {
     /// Bytes of each shard's newest records kept in memory for shippers and
     /// tails.
     pub tail_cache_bytes: usize,
-    /// Zero-fill a fresh node's first WAL file (`target_file_bytes` of
-    /// zeros, written and synced at start), so group commits overwrite
-    /// written blocks instead of allocating them; see
+    /// Zero-fill the WAL file appends go to (up to `target_file_bytes` of
+    /// zeros, written and synced at start: a fresh node's first file, or a
+    /// restarted node's file behind its recovered end), so group commits
+    /// overwrite written blocks instead of allocating them; see
     /// `walship_wal::zero_fill`. On by default, as PostgreSQL's
     /// `wal_init_zero`; dev and test clusters turn it off to start fast.
     pub prefill: bool,

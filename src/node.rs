@@ -51,7 +51,7 @@ pub struct NodeArgs {
     /// Largest key + payload of one record, in bytes.
     #[arg(long)]
     max_record_bytes: Option<usize>,
-    /// Zero-fill a fresh node's first WAL file before use (`wal.prefill`,
+    /// Zero-fill the WAL file appends go to, at start (`wal.prefill`,
     /// default true): `--wal-prefill false` starts faster and makes early
     /// group commits slower.
     #[arg(long)]

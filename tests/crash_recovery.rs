@@ -141,9 +141,9 @@ async fn acknowledged_records_survive_kill9() {
     kill9_rounds(false).await;
 }
 
-/// The production default (`wal.prefill`): the first crash lands inside the
-/// zero-filled first WAL file, whose zeros recovery must cut before the node
-/// appends again.
+/// The production default (`wal.prefill`): every crash lands inside the
+/// zero-filled first WAL file, whose zeros recovery cuts and the node writes
+/// back behind the last record before it appends again.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn acknowledged_records_survive_kill9_in_a_zero_filled_wal() {
     kill9_rounds(true).await;
@@ -178,6 +178,10 @@ async fn kill9_rounds(prefill: bool) {
             task.await.unwrap();
         }
         node.restart();
+        // Recovery cut the zeros at the last record; the node wrote them
+        // back behind it before serving.
+        let len = std::fs::metadata(&first_log).unwrap().len();
+        assert_eq!(len == 128 << 20, prefill, "after restart {round}, {} is {len} bytes", first_log.display());
         let checked = verify(&node, &acked).await;
         eprintln!("round {round}: {checked} acknowledged records verified after kill -9");
     }

@@ -24,6 +24,8 @@ pub struct NodeProcess {
     pub data_dir: PathBuf,
     pub node_id: u32,
     pub shards: String,
+    /// The extra flags it was started with; a restart passes them again.
+    pub extra: Vec<String>,
 }
 
 /// Spawns a `walship` subcommand with piped stdout and returns the child
@@ -71,13 +73,16 @@ impl NodeProcess {
             data_dir: data_dir.to_path_buf(),
             node_id,
             shards: shards.to_string(),
+            extra: extra.iter().map(|s| s.to_string()).collect(),
         }
     }
 
-    /// Restarts the node on the same data dir (new ports).
+    /// Restarts the node on the same data dir and flags (new ports).
     pub fn restart(&mut self) {
         self.kill9();
-        *self = NodeProcess::start(self.node_id, &self.data_dir.clone(), &self.shards.clone(), &[]);
+        let extra = self.extra.clone();
+        let extra: Vec<&str> = extra.iter().map(String::as_str).collect();
+        *self = NodeProcess::start(self.node_id, &self.data_dir.clone(), &self.shards.clone(), &extra);
     }
 
     /// SIGKILL: no shutdown path runs, exactly like a crash.
@@ -402,6 +407,7 @@ impl Cluster {
             data_dir: data,
             node_id: id,
             shards: String::new(),
+            extra: extra.to_vec(),
         }
     }
 

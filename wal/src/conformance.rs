@@ -394,8 +394,9 @@ mod engine_prefilled {
 
     /// A crash leaves the filled file with its zero tail: a copy of the
     /// directory taken while the store is open is exactly that. Recovery
-    /// must keep every synced record, cut the zeros, and append after the
-    /// last record, not after the zeros.
+    /// must keep every synced record and the next appends must land right
+    /// after the last one: an append after the zeros would be cut by the
+    /// next recovery.
     #[test]
     fn a_crash_inside_a_zero_filled_file_keeps_every_synced_record() {
         let h = EngineHarness::prefilled();
@@ -411,9 +412,12 @@ mod engine_prefilled {
         let mut crashed = EngineHarness { dir: copy, config: h.config.clone(), store: None };
         crashed.restart();
         assert_eq!(all(&crashed, 1), frames(1, 100, 1));
+        // Recovery cut the zeros at the last record and the store wrote them
+        // back behind it (`refill_active_tail`); appends continue after the
+        // last record, not after the zeros.
         let after_recovery = log_files(crashed.dir.path());
         assert_eq!(after_recovery.len(), 1);
-        assert!(after_recovery[0].1 < PREFILL_TEST_FILE_BYTES, "recovery cut the zeros: {after_recovery:?}");
+        assert_eq!(after_recovery[0].1, PREFILL_TEST_FILE_BYTES, "{after_recovery:?}");
         append(&crashed, 1, 101, 50, 2).unwrap();
         crashed.restart();
         let mut expected = frames(1, 100, 1);

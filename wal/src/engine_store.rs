@@ -56,11 +56,12 @@ pub struct EngineStoreConfig {
     /// compression (the default: records are often already compressed, and
     /// the CPU is better spent elsewhere on a small node).
     pub compression_threshold_bytes: u64,
-    /// Zero-fill a fresh store's first log file while it opens, so a group
+    /// Zero-fill a fresh store's first log file while it opens, and a
+    /// reopened store's active file behind its recovered end, so a group
     /// commit's fdatasync overwrites written blocks instead of converting
     /// fresh ones ([`crate::zero_fill`]; later files are recycled ones once
-    /// compaction purges). Costs one file of zeros written and synced when a
-    /// fresh store opens. Off here (tests open many stores); a node turns it
+    /// compaction purges). Costs up to one file of zeros written and synced
+    /// at every open. Off here (tests open many stores); a node turns it
     /// on by default (`wal.prefill`).
     pub prefill: bool,
 }
@@ -110,6 +111,10 @@ impl EngineStore {
         let fs = Arc::new(ZeroFilledFs::new(if config.prefill { config.target_file_bytes } else { 0 }));
         let engine = Engine::open_with_file_system(cfg, fs.clone()).map_err(io)?;
         fs.opened();
+        if config.prefill {
+            crate::zero_fill::refill_active_tail(dir, config.target_file_bytes)
+                .map_err(|e| StoreError::Io(format!("zero-filling the WAL file's tail: {e}")))?;
+        }
         let mut shards = BTreeMap::new();
         for region in engine.raft_groups() {
             let Ok(shard) = ShardId::try_from(region) else { continue };

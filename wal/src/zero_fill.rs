@@ -24,12 +24,12 @@
 //!
 //! Crash safety is unchanged: a zero tail is what raft-engine's own
 //! `fallocate` leaves behind a crash; its recovery stops there and truncates
-//! the file to its last whole batch (so a restarted node appends into
-//! fallocated space again until its next rotation), and a rotation
-//! truncates the unused tail before it syncs the file. Tested in
-//! `engine_store::tests`.
+//! the file to its last whole batch, and a rotation truncates the unused
+//! tail before it syncs the file. After a restart, [`refill_active_tail`]
+//! writes the zeros back behind the recovered end, so a restarted node keeps
+//! the cheaper fdatasync too. Tested in `conformance::engine_prefilled`.
 
-use std::io::{Result, Write};
+use std::io::{Result, Seek, SeekFrom, Write};
 use std::path::Path;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -73,15 +73,58 @@ impl ZeroFilledFs {
 /// extents).
 fn fill_with_zeros(path: &Path, bytes: u64) -> Result<()> {
     let mut file = std::fs::OpenOptions::new().write(true).create(true).truncate(true).open(path)?;
+    write_zeros(&mut file, 0, bytes)
+}
+
+/// Writes zeros over `[from, to)` of `file` and fsyncs it (not fdatasync:
+/// the size and the extents are the point).
+fn write_zeros(file: &mut std::fs::File, from: u64, to: u64) -> Result<()> {
+    file.seek(SeekFrom::Start(from))?;
     let zeros = vec![0u8; ZEROS_CHUNK];
-    let mut written = 0u64;
-    while written < bytes {
-        let n = (bytes - written).min(ZEROS_CHUNK as u64) as usize;
+    let mut at = from;
+    while at < to {
+        let n = (to - at).min(ZEROS_CHUNK as u64) as usize;
         file.write_all(&zeros[..n])?;
-        written += n as u64;
+        at += n as u64;
     }
-    // fsync, not fdatasync: the size and the extents are the point.
     file.sync_all()
+}
+
+/// After the engine under `dir` has opened: extends its active (newest)
+/// append-queue log file with zeros up to `fill_bytes`, durably, and
+/// returns how many bytes it wrote.
+///
+/// Recovery cuts a file's zero tail at the last whole batch, and raft-engine
+/// then grows the file by `fallocate` again. Its writer continues at the
+/// recovered end and only ever `fallocate`s ahead of itself, which leaves
+/// blocks already written untouched; so the zeros written here are what its
+/// next appends overwrite. Call it before the first write after opening,
+/// while nothing else writes to the engine.
+pub fn refill_active_tail(dir: &Path, fill_bytes: u64) -> Result<u64> {
+    let mut newest: Option<(String, std::path::PathBuf)> = None;
+    for entry in std::fs::read_dir(dir)? {
+        let path = entry?.path();
+        // Names are zero-padded sequence numbers: the greatest is the newest.
+        let Some(name) = path.file_name().and_then(|n| n.to_str()).map(str::to_owned) else { continue };
+        if path.extension().is_some_and(|ext| ext == "raftlog") && newest.as_ref().is_none_or(|(n, _)| name > *n) {
+            newest = Some((name, path));
+        }
+    }
+    let Some((_, path)) = newest else { return Ok(0) };
+    let mut file = std::fs::OpenOptions::new().write(true).open(&path)?;
+    let len = file.metadata()?.len();
+    if len >= fill_bytes {
+        return Ok(0);
+    }
+    let started = std::time::Instant::now();
+    write_zeros(&mut file, len, fill_bytes)?;
+    tracing::info!(
+        file = %path.display(),
+        mib = (fill_bytes - len) >> 20,
+        ms = started.elapsed().as_millis() as u64,
+        "zero-filled the recovered WAL file's tail"
+    );
+    Ok(fill_bytes - len)
 }
 
 impl FileSystem for ZeroFilledFs {
