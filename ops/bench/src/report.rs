@@ -330,7 +330,8 @@ impl Report {
             for peer in ["jetstream-r3", "postgres-sync"] {
                 if let Some(r) = self.ratio("walship-quorum", peer, size, 64) {
                     lines.push(format!(
-                        "{size} B: walship-quorum ÷ {peer} = {r:.2}× (target ≥ 3×: {})",
+                        // Three decimals: 2.995× must not read as 3.00× beside "NOT met".
+                        "{size} B: walship-quorum ÷ {peer} = {r:.3}× (target ≥ 3×: {})",
                         verdict(r >= 3.0)
                     ));
                 }
@@ -427,19 +428,30 @@ mod tests {
         assert_eq!(r.ratio("walship-quorum", "jetstream-r3", 4096, 64), None, "no JetStream cell at 4 KiB");
         let targets = r.targets();
         assert!(
-            targets.iter().any(|t| t.contains("100 B: walship-quorum ÷ jetstream-r3 = 3.00× (target ≥ 3×: met)")),
+            targets.iter().any(|t| t.contains("100 B: walship-quorum ÷ jetstream-r3 = 3.000× (target ≥ 3×: met)")),
             "{targets:?}"
         );
         assert!(
-            targets.iter().any(|t| t.contains("100 B: walship-quorum ÷ postgres-sync = 2.50× (target ≥ 3×: NOT met)")),
+            targets.iter().any(|t| t.contains("100 B: walship-quorum ÷ postgres-sync = 2.500× (target ≥ 3×: NOT met)")),
             "{targets:?}"
         );
         assert!(
-            targets.iter().any(|t| t.contains("4096 B: walship-quorum ÷ postgres-sync = 3.00× (target ≥ 3×: met)")),
+            targets.iter().any(|t| t.contains("4096 B: walship-quorum ÷ postgres-sync = 3.000× (target ≥ 3×: met)")),
             "{targets:?}"
         );
         assert!(targets.iter().any(|t| t.contains("3.50× fdatasync p99 (target ≤ 3×: NOT met)")), "{targets:?}");
         assert_eq!(targets.len(), 4, "no verdict without both cells: {targets:?}");
+    }
+
+    #[test]
+    fn a_ratio_just_short_of_the_target_does_not_print_as_the_target() {
+        let mut r = report();
+        r.cells.push(cell("jetstream-r3", 4096, 64, 3_005.0));
+        let targets = r.targets();
+        assert!(
+            targets.iter().any(|t| t.contains("4096 B: walship-quorum ÷ jetstream-r3 = 2.995× (target ≥ 3×: NOT met)")),
+            "{targets:?}"
+        );
     }
 
     #[test]
