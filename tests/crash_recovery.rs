@@ -186,3 +186,73 @@ async fn kill9_rounds(prefill: bool) {
         eprintln!("round {round}: {checked} acknowledged records verified after kill -9");
     }
 }
+
+/// A node whose WAL file cannot be zero-filled (here a 32 MiB file size
+/// limit, as a nearly full disk would refuse it) still starts, appends and
+/// recovers: the zeros only make fsyncs cheaper (`wal.prefill`).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_node_starts_when_its_wal_file_cannot_be_zero_filled() {
+    use std::os::unix::process::CommandExt;
+    const LIMIT: u64 = 32 << 20;
+    let dir = tempfile::tempdir().unwrap();
+    let start = || {
+        let mut command = std::process::Command::new(common::walship_bin());
+        command
+            .args(["node", "--node-id", "1", "--grpc", "127.0.0.1:0", "--admin", "127.0.0.1:0", "--shards", "1"])
+            .args(["--wal-prefill", "true", "--data-dir"])
+            .arg(dir.path());
+        // SAFETY: only async-signal-safe calls between fork and exec. An
+        // ignored SIGXFSZ stays ignored across exec, so a write past the
+        // limit fails with EFBIG instead of killing the node.
+        unsafe {
+            command.pre_exec(|| {
+                let limit = libc::rlimit { rlim_cur: LIMIT, rlim_max: LIMIT };
+                if libc::setrlimit(libc::RLIMIT_FSIZE, &limit) != 0 {
+                    return Err(std::io::Error::last_os_error());
+                }
+                libc::signal(libc::SIGXFSZ, libc::SIG_IGN);
+                Ok(())
+            });
+        }
+        let (child, fields) = common::spawn_listening(&mut command, "node with a file size limit");
+        NodeProcess {
+            child,
+            grpc: fields["grpc"].clone(),
+            admin: fields["admin"].clone(),
+            data_dir: dir.path().to_path_buf(),
+            node_id: 1,
+            shards: "1".into(),
+            extra: Vec::new(),
+        }
+    };
+    let first_log = dir.path().join("wal/0000000000000001.raftlog");
+    async fn append(node: &NodeProcess, payload: &'static str) -> u64 {
+        let request = AppendRequest {
+            shard_id: 1,
+            records: vec![AppendRecord {
+                key: Bytes::from_static(b"k"),
+                payload: Bytes::from_static(payload.as_bytes()),
+            }],
+            durability: Durability::Local as i32,
+        };
+        node.client().await.append(request).await.unwrap().into_inner().first_seqno
+    }
+
+    let mut node = start();
+    let len = std::fs::metadata(&first_log).unwrap().len();
+    assert!(len <= LIMIT, "{} is {len} bytes: the fill was cut back", first_log.display());
+    assert_eq!(append(&node, "one").await, 1);
+    node.kill9();
+
+    // The refill behind the recovered end fails the same way.
+    let node = start();
+    assert_eq!(append(&node, "two").await, 2);
+    let mut client = node.client().await;
+    let read = client
+        .read(ReadRequest { shard_id: 1, from_seqno: 1, to_seqno: 2, max_bytes: 1 << 20 })
+        .await
+        .unwrap()
+        .into_inner();
+    let payloads: Vec<_> = read.records.iter().map(|r| r.payload.clone()).collect();
+    assert_eq!(payloads, vec![Bytes::from_static(b"one"), Bytes::from_static(b"two")]);
+}

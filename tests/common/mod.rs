@@ -30,7 +30,7 @@ pub struct NodeProcess {
 
 /// Spawns a `walship` subcommand with piped stdout and returns the child
 /// with the `name=value` fields of its first ("listening") line.
-fn spawn_listening(command: &mut Command, what: &str) -> (Child, std::collections::HashMap<String, String>) {
+pub fn spawn_listening(command: &mut Command, what: &str) -> (Child, std::collections::HashMap<String, String>) {
     let mut child = command
         .env("WALSHIP_LOG", std::env::var("WALSHIP_TEST_LOG").unwrap_or_else(|_| "warn".into()))
         .stdout(Stdio::piped())

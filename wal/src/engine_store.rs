@@ -110,8 +110,8 @@ impl EngineStore {
         };
         let fs = Arc::new(ZeroFilledFs::new(if config.prefill { config.target_file_bytes } else { 0 }));
         let engine = Engine::open_with_file_system(cfg, fs.clone()).map_err(io)?;
-        fs.opened();
-        if config.prefill {
+        let created = fs.opened();
+        if config.prefill && !created {
             crate::zero_fill::refill_active_tail(dir, config.target_file_bytes)
                 .map_err(|e| StoreError::Io(format!("zero-filling the WAL file's tail: {e}")))?;
         }

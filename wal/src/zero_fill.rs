@@ -22,6 +22,9 @@
 //! spare files for those rotations too; at a file of zeros per spare at
 //! every fresh start it is not turned on.)
 //!
+//! A fill that fails (a full disk) leaves the file as it was and the store
+//! goes on without zeros.
+//!
 //! Crash safety is unchanged: a zero tail is what raft-engine's own
 //! `fallocate` leaves behind a crash; its recovery stops there and truncates
 //! the file to its last whole batch, and a rotation truncates the unused
@@ -46,6 +49,8 @@ pub struct ZeroFilledFs {
     fill_bytes: u64,
     /// Set while the engine opens: only then are new log files filled.
     opening: AtomicBool,
+    /// A log file was created (and a fill tried) while the engine opened.
+    created: AtomicBool,
 }
 
 /// Write zeros in pieces of this size.
@@ -56,12 +61,20 @@ impl ZeroFilledFs {
     /// [`opened`](Self::opened) is called; 0 behaves as the default file
     /// system.
     pub fn new(fill_bytes: u64) -> ZeroFilledFs {
-        ZeroFilledFs { inner: DefaultFileSystem, fill_bytes, opening: AtomicBool::new(fill_bytes > 0) }
+        ZeroFilledFs {
+            inner: DefaultFileSystem,
+            fill_bytes,
+            opening: AtomicBool::new(fill_bytes > 0),
+            created: AtomicBool::new(false),
+        }
     }
 
     /// The engine has opened: later files are created as raft-engine does.
-    pub fn opened(&self) {
+    /// Returns whether it created (and tried to fill) a log file while it
+    /// opened; if not, it reopened files and [`refill_active_tail`] applies.
+    pub fn opened(&self) -> bool {
         self.opening.store(false, Ordering::Release);
+        self.created.load(Ordering::Acquire)
     }
 
     fn fills(&self, path: &Path) -> bool {
@@ -69,15 +82,45 @@ impl ZeroFilledFs {
     }
 }
 
-/// Makes the file at `path` `bytes` of zeros, durably (contents, size and
-/// extents).
-fn fill_with_zeros(path: &Path, bytes: u64) -> Result<()> {
-    let mut file = std::fs::OpenOptions::new().write(true).create(true).truncate(true).open(path)?;
-    write_zeros(&mut file, 0, bytes)
+/// Writes zeros over `[from, to)` of the file at `path` and fsyncs it (not
+/// fdatasync: the size and the extents are the point); `what` names the
+/// fill in the log. Returns whether the zeros are there.
+///
+/// A failure (a full disk, a file size limit) is not an error: the file is
+/// cut back to `from` and the store goes on without the zeros, which only
+/// make fsyncs cheaper. A node must not refuse to start for want of them.
+fn fill(path: &Path, from: u64, to: u64, what: &str) -> bool {
+    let started = std::time::Instant::now();
+    let mut file = match std::fs::OpenOptions::new().write(true).open(path) {
+        Ok(file) => file,
+        Err(error) => {
+            tracing::warn!(file = %path.display(), %error, "{what} failed to open the file; going on without zeros");
+            return false;
+        }
+    };
+    match write_zeros(&mut file, from, to) {
+        Ok(()) => {
+            tracing::info!(
+                file = %path.display(),
+                mib = (to - from) >> 20,
+                ms = started.elapsed().as_millis() as u64,
+                "{what}: done"
+            );
+            true
+        }
+        Err(error) => {
+            let cut = file.set_len(from).and_then(|()| file.sync_all());
+            tracing::warn!(
+                file = %path.display(),
+                %error,
+                cut_back = cut.is_ok(),
+                "{what} failed; going on without zeros (group commits pay for allocating new blocks)"
+            );
+            false
+        }
+    }
 }
 
-/// Writes zeros over `[from, to)` of `file` and fsyncs it (not fdatasync:
-/// the size and the extents are the point).
 fn write_zeros(file: &mut std::fs::File, from: u64, to: u64) -> Result<()> {
     file.seek(SeekFrom::Start(from))?;
     let zeros = vec![0u8; ZEROS_CHUNK];
@@ -92,7 +135,7 @@ fn write_zeros(file: &mut std::fs::File, from: u64, to: u64) -> Result<()> {
 
 /// After the engine under `dir` has opened: extends its active (newest)
 /// append-queue log file with zeros up to `fill_bytes`, durably, and
-/// returns how many bytes it wrote.
+/// returns how many bytes it wrote (0 also when it could not: see [`fill`]).
 ///
 /// Recovery cuts a file's zero tail at the last whole batch, and raft-engine
 /// then grows the file by `fallocate` again. Its writer continues at the
@@ -111,19 +154,10 @@ pub fn refill_active_tail(dir: &Path, fill_bytes: u64) -> Result<u64> {
         }
     }
     let Some((_, path)) = newest else { return Ok(0) };
-    let mut file = std::fs::OpenOptions::new().write(true).open(&path)?;
-    let len = file.metadata()?.len();
-    if len >= fill_bytes {
+    let len = std::fs::metadata(&path)?.len();
+    if len >= fill_bytes || !fill(&path, len, fill_bytes, "zero-filling the recovered WAL file's tail") {
         return Ok(0);
     }
-    let started = std::time::Instant::now();
-    write_zeros(&mut file, len, fill_bytes)?;
-    tracing::info!(
-        file = %path.display(),
-        mib = (fill_bytes - len) >> 20,
-        ms = started.elapsed().as_millis() as u64,
-        "zero-filled the recovered WAL file's tail"
-    );
     Ok(fill_bytes - len)
 }
 
@@ -139,14 +173,9 @@ impl FileSystem for ZeroFilledFs {
         }
         // raft-engine creates a log file only where none is in use, and
         // resets its header right after.
-        let started = std::time::Instant::now();
-        fill_with_zeros(path, self.fill_bytes)?;
-        tracing::info!(
-            file = %path.display(),
-            mib = self.fill_bytes >> 20,
-            ms = started.elapsed().as_millis() as u64,
-            "zero-filled a new WAL file"
-        );
+        drop(std::fs::OpenOptions::new().write(true).create(true).truncate(true).open(path)?);
+        self.created.store(true, Ordering::Release);
+        fill(path, 0, self.fill_bytes, "zero-filling a new WAL file");
         self.inner.open(path, Permission::ReadWrite)
     }
 
