@@ -210,7 +210,9 @@ async fn wal_cell(dir: &Path, size: usize, shards: u32, appenders: usize, args: 
     let _ = std::fs::remove_dir_all(&data);
     let store = {
         let data = data.clone();
-        tokio::task::spawn_blocking(move || EngineStore::open(&data, &Default::default())).await??
+        // As a node opens it by default (`wal.prefill`).
+        let config = walship_wal::EngineStoreConfig { prefill: true, ..Default::default() };
+        tokio::task::spawn_blocking(move || EngineStore::open(&data, &config)).await??
     };
     let wal = Wal::start(Arc::new(store), WalConfig::default(), WalMetrics::unregistered())?;
     for shard in 1..=shards {
