@@ -750,9 +750,11 @@ impl Sequencer {
             self.leader_records += frames.len() as u64;
         }
         self.next.insert(shard, last + 1);
-        self.publish_written(shard, &frames);
+        // Counted as staged before anyone can see them written: whoever sees
+        // `written` move also sees the bytes it stands for.
         self.shared.staged.add(frames.iter().map(Frame::len).sum());
         self.shared.metrics.queue_depth.inc();
+        self.publish_written(shard, &frames);
         let (reply, durable) = oneshot::channel();
         let waiter = Waiter { reply, appended: Appended { first_seqno: first, last_seqno: last } };
         // If the persister is gone the waiter is dropped with the message,
