@@ -210,14 +210,18 @@ async fn killed_follower_catches_up_and_lag_returns_to_zero() {
     let last = converge(&mut cluster, 1, 1).await;
     assert_eq!(last, leader_last);
     assert_identical(&mut cluster, 1, last, &acked).await;
-    // What it missed came by the catch-up stream it pulled at boot...
+    // What it missed came by the catch-up stream it pulls at boot, or by the
+    // leader's pushes, whichever reached it first (the streaming pushes
+    // often win; a follower far behind always pulls, see
+    // `paused_follower_lag_grows_in_all_units_then_returns_to_zero`)...
     let streamed = metric(&mut cluster, 3, "walship_catchup_bytes_total{source=\"stream\"}").await;
-    assert!(streamed > 0.0, "node 3 applied nothing from StreamSegments");
-    // ...and live push takes over afterwards.
+    let pushed = metric(&mut cluster, 3, "walship_catchup_bytes_total{source=\"push\"}").await;
+    assert!(streamed + pushed > 0.0, "node 3 applied nothing, neither pulled nor pushed");
+    // ...and live push carries what comes afterwards.
     let mut leader = cluster.node(1).client().await;
     let after = leader.append(one_record(b"after", Durability::All)).await.unwrap().into_inner();
     assert_eq!(after.first_seqno, last + 1);
-    assert!(metric(&mut cluster, 3, "walship_catchup_bytes_total{source=\"push\"}").await > 0.0);
+    assert!(metric(&mut cluster, 3, "walship_catchup_bytes_total{source=\"push\"}").await > pushed);
     assert_eq!(
         metric(&mut cluster, 3, "walship_catchup_bytes_total{source=\"stream\"}").await,
         streamed,

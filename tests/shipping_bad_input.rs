@@ -101,10 +101,14 @@ fn with_id(mut request: ShipSegmentRequest, shard_id: u32, seqno: u64) -> ShipSe
 #[derive(Debug, Clone)]
 enum Call {
     Ship(ShipSegmentRequest),
+    /// The same request as the only message of a `ShipSegments` stream.
+    ShipStream(ShipSegmentRequest),
     Stream(StreamRequest),
     Heartbeat(HeartbeatRequest),
     /// Raw bytes to a unary RPC path.
     Raw(&'static str, Vec<u8>),
+    /// Raw bytes as the one message of a streaming RPC path.
+    RawStream(&'static str, Vec<u8>),
 }
 
 impl Call {
@@ -115,10 +119,20 @@ impl Call {
         let call = async move {
             match self {
                 Call::Ship(r) => client.ship_segment(r).await.map(|r| format!("{:?}", r.into_inner())),
+                Call::ShipStream(r) => {
+                    let mut answers = client.ship_segments(tokio_stream::iter(vec![r])).await?.into_inner();
+                    match answers.message().await? {
+                        Some(answer) => Ok(format!("{answer:?}")),
+                        None => Ok("a stream that ended without an answer".to_string()),
+                    }
+                }
                 // A refused stream fails the call itself, before any stream exists.
                 Call::Stream(r) => client.stream_segments(r).await.map(|_| "a segment stream".to_string()),
                 Call::Heartbeat(r) => client.heartbeat(r).await.map(|r| format!("{:?}", r.into_inner())),
                 Call::Raw(path, body) => raw_unary(channel, path, &body).await.map(|b| format!("{b:?}")),
+                Call::RawStream(path, body) => {
+                    common::raw_stream_first(channel, path, &body).await.map(|b| format!("{b:?}"))
+                }
             }
         };
         tokio::time::timeout(CALL_TIMEOUT, call).await.expect("WalShipping call timed out")
@@ -629,6 +643,22 @@ async fn bad_shipping_requests_are_refused_precisely_and_change_nothing() {
         ("ShipSegment: field number 0", ship_path, vec![0x00, 0x01]),
         ("Heartbeat: an unterminated varint tag", "/tidal.replication.v1.WalShipping/Heartbeat", vec![0xff, 0xff]),
     ];
+    // The ShipSegment garbage again, as a message of a ShipSegments stream.
+    let streamed_garbage: Vec<_> =
+        garbage.iter().filter(|(_, path, _)| *path == ship_path).map(|(name, _, body)| (*name, body.clone())).collect();
+    assert!(streamed_garbage.len() >= 5);
+    for (name, body) in streamed_garbage {
+        cases.push(Case {
+            name,
+            node: FOLLOWER,
+            call: Call::RawStream("/tidal.replication.v1.WalShipping/ShipSegments", body),
+            code: Code::InvalidArgument,
+            words: words(&["malformed"]),
+            numbers: vec![],
+            metadata: vec![],
+            reason: None,
+        });
+    }
     for (name, path, body) in garbage {
         cases.push(Case {
             name,
@@ -654,12 +684,35 @@ async fn bad_shipping_requests_are_refused_precisely_and_change_nothing() {
         reason: Some("unknown_shard"),
     });
 
+    // Every ShipSegment refusal again over the streaming `ShipSegments`: the
+    // same status, message, metadata and count, and nothing applied.
+    let streamed: Vec<Case> = cases
+        .iter()
+        .filter_map(|case| match &case.call {
+            Call::Ship(request) => Some(Case {
+                name: case.name,
+                node: case.node,
+                call: Call::ShipStream(request.clone()),
+                code: case.code,
+                words: case.words.clone(),
+                numbers: case.numbers.clone(),
+                metadata: case.metadata.clone(),
+                reason: case.reason,
+            }),
+            _ => None,
+        })
+        .collect();
+    assert!(streamed.len() >= 10, "the stream gets the ShipSegment cases: {}", streamed.len());
+    cases.extend(streamed);
+
     let leader_channel = connect(&leader_grpc).await;
     let follower_channel = connect(&follower_grpc).await;
     let mut expected: HashMap<(u32, &'static str), f64> = HashMap::new();
     for case in cases {
         let channel = if case.node == LEADER { leader_channel.clone() } else { follower_channel.clone() };
-        let what = format!("{} (node {})", case.name, case.node);
+        let over =
+            if matches!(case.call, Call::ShipStream(_) | Call::RawStream(..)) { ", over ShipSegments" } else { "" };
+        let what = format!("{}{over} (node {})", case.name, case.node);
         let result = case.call.run(channel).await;
         let status = assert_refused(&what, result, case.code, &case.words, &case.numbers);
         for (key, value) in &case.metadata {

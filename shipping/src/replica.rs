@@ -48,7 +48,9 @@ use tokio_util::sync::CancellationToken;
 use tonic::Status;
 use tonic::metadata::MetadataValue;
 use walship_proto::log::{AssignResponse, EpochEndRequest, FenceResponse};
-use walship_proto::replication::{HeartbeatRequest, ShipSegmentRequest, StreamRequest, WalSegmentId};
+use walship_proto::replication::{
+    HeartbeatRequest, ShipSegmentRequest, ShipSegmentResponse, StreamRequest, WalSegmentId,
+};
 use walship_wal::{Segment, ShardId, Wal};
 
 use crate::NodeId;
@@ -362,6 +364,98 @@ pub struct ReplicationNode {
     heartbeats: Mutex<BTreeMap<(NodeId, u32), (ReceivedHeartbeat, Instant)>>,
     disk_bytes: Box<dyn Fn() -> u64 + Send + Sync>,
     pub shutdown: CancellationToken,
+    /// One `ShipSegments` stream per follower node, opened by the first push
+    /// (see [`run_ship_stream`]).
+    ship_streams: Mutex<BTreeMap<NodeId, tokio::sync::mpsc::Sender<ShipCall>>>,
+}
+
+type ShipCall = (ShipSegmentRequest, tokio::sync::oneshot::Sender<Result<ShipSegmentResponse, Status>>);
+
+/// Carries one follower node's `ShipSegment` pushes over one `ShipSegments`
+/// stream, each answered in order by the call that sent it, and reopens the
+/// stream on the next push after it ends (the follower restarted, or refused
+/// a segment: a refusal ends the stream and answers the push it refused,
+/// later pushes in flight fail and are shipped again).
+///
+/// A peer without `ShipSegments` (an older node) answers `UNIMPLEMENTED`;
+/// from then on each push is a unary `ShipSegment`, as before the stream.
+async fn run_ship_stream(
+    mut client: walship_proto::replication::wal_shipping_client::WalShippingClient<tonic::transport::Channel>,
+    mut calls: tokio::sync::mpsc::Receiver<ShipCall>,
+) {
+    use std::collections::VecDeque;
+    loop {
+        let Some((first, reply)) = calls.recv().await else { return };
+        let (req_tx, req_rx) = tokio::sync::mpsc::channel(SHIP_STREAM_DEPTH);
+        let mut answers = match client.ship_segments(tokio_stream::wrappers::ReceiverStream::new(req_rx)).await {
+            Ok(r) => r.into_inner(),
+            Err(status) if status.code() == tonic::Code::Unimplemented => {
+                tracing::info!(%status, "peer has no ShipSegments stream; shipping with unary ShipSegment");
+                return ship_unary(client, (first, reply), calls).await;
+            }
+            Err(status) => {
+                let _ = reply.send(Err(status));
+                continue;
+            }
+        };
+        let mut pending = VecDeque::new();
+        if req_tx.send(first).await.is_ok() {
+            pending.push_back(reply);
+        }
+        let end = loop {
+            tokio::select! {
+                call = calls.recv() => match call {
+                    Some((request, reply)) => {
+                        if req_tx.send(request).await.is_err() {
+                            let _ = reply.send(Err(Status::unavailable("the ShipSegments stream closed")));
+                            break Status::unavailable("the ShipSegments stream closed");
+                        }
+                        pending.push_back(reply);
+                    }
+                    None => return,
+                },
+                answer = answers.message() => match answer {
+                    Ok(Some(response)) => {
+                        if let Some(reply) = pending.pop_front() {
+                            let _ = reply.send(Ok(response));
+                        }
+                    }
+                    Ok(None) => break Status::unavailable("the ShipSegments stream ended"),
+                    Err(status) => {
+                        // Answers come in order: the refusal is the oldest push's.
+                        if let Some(reply) = pending.pop_front() {
+                            let _ = reply.send(Err(status.clone()));
+                        }
+                        break Status::unavailable(format!("the ShipSegments stream ended: {}", status.message()));
+                    }
+                },
+            }
+        };
+        for reply in pending.drain(..) {
+            let _ = reply.send(Err(end.clone()));
+        }
+    }
+}
+
+/// Pushes in flight on one `ShipSegments` stream, at most; more wait.
+const SHIP_STREAM_DEPTH: usize = 256;
+
+/// Unary `ShipSegment` for every push, for a peer without `ShipSegments`.
+async fn ship_unary(
+    client: walship_proto::replication::wal_shipping_client::WalShippingClient<tonic::transport::Channel>,
+    first: ShipCall,
+    mut calls: tokio::sync::mpsc::Receiver<ShipCall>,
+) {
+    let mut next = Some(first);
+    while let Some((request, reply)) = match next.take() {
+        Some(call) => Some(call),
+        None => calls.recv().await,
+    } {
+        let mut client = client.clone();
+        tokio::spawn(async move {
+            let _ = reply.send(client.ship_segment(request).await.map(tonic::Response::into_inner));
+        });
+    }
 }
 
 fn refusal(metrics: &ReplicationMetrics, reason: &str, status: Status) -> Status {
@@ -424,6 +518,7 @@ impl ReplicationNode {
             heartbeats: Mutex::new(BTreeMap::new()),
             disk_bytes,
             shutdown: CancellationToken::new(),
+            ship_streams: Mutex::new(BTreeMap::new()),
         });
         if !node.config.coordinated() {
             for spec in node.config.shards_of(me) {
@@ -847,14 +942,31 @@ impl ReplicationNode {
             leader_node_id: self.me,
             commit_seqno: commit,
         };
-        let client = self.peers.shipping(follower);
+        let stream = {
+            let mut streams = self.ship_streams.lock();
+            match streams.get(&follower) {
+                Some(tx) if !tx.is_closed() => Some(tx.clone()),
+                _ => self.peers.shipping(follower).map(|client| {
+                    let (tx, rx) = tokio::sync::mpsc::channel(SHIP_STREAM_DEPTH);
+                    tokio::spawn(run_ship_stream(client, rx));
+                    streams.insert(follower, tx.clone());
+                    tx
+                }),
+            }
+        };
         let timeout = Duration::from_millis(self.config.replication.ship_timeout_ms);
         async move {
-            let Some(mut client) = client else { return ShipReply::Failed };
-            let mut request = tonic::Request::new(request);
-            request.set_timeout(timeout);
-            match client.ship_segment(request).await {
-                Ok(r) if r.get_ref().accepted => ShipReply::Applied { applied: r.get_ref().applied_seqno },
+            let Some(stream) = stream else { return ShipReply::Failed };
+            let call = async move {
+                let (reply, answer) = tokio::sync::oneshot::channel();
+                stream.send((request, reply)).await.ok()?;
+                answer.await.ok()
+            };
+            // A push not answered in time fails; its answer, if it comes
+            // later, goes nowhere.
+            let Ok(Some(outcome)) = tokio::time::timeout(timeout, call).await else { return ShipReply::Failed };
+            match outcome {
+                Ok(r) if r.accepted => ShipReply::Applied { applied: r.applied_seqno },
                 Ok(_) => ShipReply::Failed,
                 Err(status) => {
                     match (metadata_u64(&status, APPLIED_METADATA_KEY), metadata_u64(&status, EPOCH_METADATA_KEY)) {

@@ -10,6 +10,11 @@
 //! | older epoch than seen (metadata `walship-epoch`), sent to the leader, from a node that is not the leader | `FAILED_PRECONDITION` |
 //! | gap (metadata `walship-applied-seqno`), catch-up from a compacted seqno (needs re-seed) | `OUT_OF_RANGE` |
 //! | message over the size limit | `OUT_OF_RANGE` (tonic's frame check) |
+//!
+//! `ShipSegments` (walship's streaming form of `ShipSegment`, see the proto)
+//! answers each push in order with what `ShipSegment` would; a refusal ends
+//! the stream with the same status, after the answers to the pushes before
+//! it.
 
 use std::pin::Pin;
 use std::sync::Arc;
@@ -43,17 +48,68 @@ impl WalShippingService {
 
 type SegmentStream = Pin<Box<dyn Stream<Item = Result<ShipSegmentRequest, Status>> + Send>>;
 
+/// One push's answer on a `ShipSegments` stream, being worked out.
+type Answer = Pin<Box<dyn std::future::Future<Output = Result<ShipSegmentResponse, Status>> + Send>>;
+
+/// Applies one pushed segment and answers as `ShipSegment` does.
+async fn answer_push(node: &Arc<ReplicationNode>, request: ShipSegmentRequest) -> Result<ShipSegmentResponse, Status> {
+    let applied = node.apply_inbound(&request, Source::Push).await?;
+    let epoch = node.replica(request.id.unwrap_or_default().shard_id).map_or(0, |r| r.epoch_seen().max(request.epoch));
+    Ok(ShipSegmentResponse { accepted: true, applied_seqno: applied, epoch })
+}
+type AnswerStream = Pin<Box<dyn Stream<Item = Result<ShipSegmentResponse, Status>> + Send>>;
+
 #[tonic::async_trait]
 impl WalShipping for WalShippingService {
     async fn ship_segment(
         &self,
         request: Request<ShipSegmentRequest>,
     ) -> Result<Response<ShipSegmentResponse>, Status> {
-        let request = request.into_inner();
-        let applied = self.node.apply_inbound(&request, Source::Push).await?;
-        let epoch =
-            self.node.replica(request.id.unwrap_or_default().shard_id).map_or(0, |r| r.epoch_seen().max(request.epoch));
-        Ok(Response::new(ShipSegmentResponse { accepted: true, applied_seqno: applied, epoch }))
+        answer_push(&self.node, request.into_inner()).await.map(Response::new)
+    }
+
+    type ShipSegmentsStream = AnswerStream;
+
+    async fn ship_segments(
+        &self,
+        request: Request<tonic::Streaming<ShipSegmentRequest>>,
+    ) -> Result<Response<AnswerStream>, Status> {
+        use futures::StreamExt;
+        // Pushes being applied at once on one stream (the leaders' ship
+        // windows keep far fewer in flight); past it the stream is not read.
+        const IN_FLIGHT: usize = 64;
+        let mut inbound = request.into_inner();
+        let node = self.node.clone();
+        let (tx, rx) = tokio::sync::mpsc::channel(64);
+        tokio::spawn(async move {
+            let mut in_flight = futures::stream::FuturesOrdered::new();
+            let mut reading = true;
+            loop {
+                tokio::select! {
+                    next = inbound.message(), if reading && in_flight.len() < IN_FLIGHT => match next {
+                        Ok(Some(request)) => {
+                            let node = node.clone();
+                            in_flight.push_back(Box::pin(async move { answer_push(&node, request).await }) as Answer);
+                        }
+                        Ok(None) => reading = false,
+                        // A message that does not decode: answered after the
+                        // pushes before it, as the stream's last word.
+                        Err(status) => {
+                            reading = false;
+                            in_flight.push_back(Box::pin(async move { Err(status) }) as Answer);
+                        }
+                    },
+                    Some(answer) = in_flight.next(), if !in_flight.is_empty() => {
+                        let failed = answer.is_err();
+                        if tx.send(answer).await.is_err() || failed {
+                            return;
+                        }
+                    }
+                    else => return,
+                }
+            }
+        });
+        Ok(Response::new(Box::pin(ReceiverStream::new(rx))))
     }
 
     type StreamSegmentsStream = SegmentStream;

@@ -478,6 +478,30 @@ pub async fn raw_unary(
     .map(tonic::Response::into_inner)
 }
 
+/// Sends `body` verbatim as the one message of a bidi-streaming RPC at
+/// `path` and returns its first answer (or the status the stream ended with).
+pub async fn raw_stream_first(
+    channel: tonic::transport::Channel,
+    path: &'static str,
+    body: &[u8],
+) -> Result<bytes::Bytes, tonic::Status> {
+    let mut grpc = tonic::client::Grpc::new(channel);
+    grpc.ready().await.expect("channel ready");
+    let messages = tokio_stream::iter(vec![bytes::Bytes::copy_from_slice(body)]);
+    let mut answers = grpc
+        .streaming(
+            tonic::Request::new(messages),
+            tonic::codegen::http::uri::PathAndQuery::from_static(path),
+            raw::RawCodec,
+        )
+        .await?
+        .into_inner();
+    match answers.message().await? {
+        Some(answer) => Ok(answer),
+        None => Err(tonic::Status::unknown("the stream ended without an answer or a status")),
+    }
+}
+
 /// A codec that puts arbitrary bytes on the wire as a request body.
 pub mod raw {
     use bytes::{Buf, BufMut, Bytes};

@@ -36,6 +36,15 @@ impl WalShipping for CoordinatorHeartbeats {
         Err(not_a_node())
     }
 
+    type ShipSegmentsStream = Pin<Box<dyn Stream<Item = Result<ShipSegmentResponse, Status>> + Send>>;
+
+    async fn ship_segments(
+        &self,
+        _: Request<tonic::Streaming<ShipSegmentRequest>>,
+    ) -> Result<Response<Self::ShipSegmentsStream>, Status> {
+        Err(not_a_node())
+    }
+
     type StreamSegmentsStream = SegmentStream;
 
     async fn stream_segments(&self, _: Request<StreamRequest>) -> Result<Response<SegmentStream>, Status> {
