@@ -1662,3 +1662,74 @@ fn follower_status(id: NodeId, progress: &FollowerProgress, lag: &Lag, now: u64)
         last_reply_ms_ago: progress.last_reply_us.map(|t| now.saturating_sub(t) / 1_000),
     }
 }
+
+#[cfg(test)]
+mod ship_stream_tests {
+    use std::pin::Pin;
+
+    use futures::Stream;
+    use tonic::{Request, Response};
+    use walship_proto::replication::wal_shipping_client::WalShippingClient;
+    use walship_proto::replication::wal_shipping_server::{WalShipping, WalShippingServer};
+    use walship_proto::replication::{HeartbeatResponse, StreamRequest};
+
+    use super::*;
+
+    /// A peer from before `ShipSegments`: the stream is `UNIMPLEMENTED` (what
+    /// tonic answers for a method it does not know), unary pushes work and
+    /// answer with the pushed seqno.
+    struct OldPeer;
+
+    type Answers = Pin<Box<dyn Stream<Item = Result<ShipSegmentResponse, Status>> + Send>>;
+    type Segments = Pin<Box<dyn Stream<Item = Result<ShipSegmentRequest, Status>> + Send>>;
+
+    #[tonic::async_trait]
+    impl WalShipping for OldPeer {
+        async fn ship_segment(
+            &self,
+            request: Request<ShipSegmentRequest>,
+        ) -> Result<Response<ShipSegmentResponse>, Status> {
+            let seqno = request.get_ref().id.unwrap_or_default().seqno;
+            Ok(Response::new(ShipSegmentResponse { accepted: true, applied_seqno: seqno, epoch: 1 }))
+        }
+        type ShipSegmentsStream = Answers;
+        async fn ship_segments(
+            &self,
+            _: Request<tonic::Streaming<ShipSegmentRequest>>,
+        ) -> Result<Response<Answers>, Status> {
+            Err(Status::unimplemented("unknown method ShipSegments"))
+        }
+        type StreamSegmentsStream = Segments;
+        async fn stream_segments(&self, _: Request<StreamRequest>) -> Result<Response<Segments>, Status> {
+            Err(Status::unimplemented("not in this test"))
+        }
+        async fn heartbeat(&self, _: Request<HeartbeatRequest>) -> Result<Response<HeartbeatResponse>, Status> {
+            Err(Status::unimplemented("not in this test"))
+        }
+    }
+
+    #[tokio::test]
+    async fn a_peer_without_ship_segments_gets_unary_pushes() {
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = listener.local_addr().unwrap();
+        let server = tokio::spawn(
+            tonic::transport::Server::builder()
+                .add_service(WalShippingServer::new(OldPeer))
+                .serve_with_incoming(tonic::transport::server::TcpIncoming::from(listener)),
+        );
+        let channel = tonic::transport::Endpoint::from_shared(format!("http://{addr}")).unwrap().connect_lazy();
+        let (calls, rx) = tokio::sync::mpsc::channel(SHIP_STREAM_DEPTH);
+        tokio::spawn(run_ship_stream(WalShippingClient::new(channel), rx));
+        for seqno in [5, 9, 12] {
+            let (reply, answer) = tokio::sync::oneshot::channel();
+            let request = ShipSegmentRequest {
+                id: Some(WalSegmentId { region_id: 1, shard_id: 1, seqno }),
+                ..Default::default()
+            };
+            calls.send((request, reply)).await.unwrap();
+            let answer = answer.await.unwrap().expect("answered by the unary call");
+            assert_eq!(answer.applied_seqno, seqno, "each push answered by its own call");
+        }
+        server.abort();
+    }
+}
