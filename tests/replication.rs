@@ -545,3 +545,26 @@ async fn a_segment_sent_twice_is_answered_with_its_durable_end_both_times() {
         assert_eq!(answer.applied_seqno, last, "{which} of the two sends answered before its records were durable");
     }
 }
+
+/// A follower holds its leader's `ShipSegments` stream open for as long as
+/// the leader ships; SIGTERM must still stop it promptly (its gRPC server's
+/// graceful shutdown waits for every open stream), and the leader after it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn nodes_stop_on_sigterm_while_their_leader_ships_to_them() {
+    let mut cluster = Cluster::start(3, 1, "");
+    let mut leader = cluster.node(1).client().await;
+    for _ in 0..20 {
+        leader.append(one_record(b"shipped", Durability::All)).await.unwrap();
+    }
+    for id in [2, 1] {
+        cluster.signal(id, libc::SIGTERM);
+        let deadline = std::time::Instant::now() + Duration::from_secs(5);
+        loop {
+            if cluster.node(id).child.try_wait().unwrap().is_some() {
+                break;
+            }
+            assert!(std::time::Instant::now() < deadline, "node {id} did not stop within 5 s of SIGTERM");
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+    }
+}

@@ -105,6 +105,10 @@ impl WalShipping for WalShippingService {
                             return;
                         }
                     }
+                    // The stream lives as long as the leader keeps it; a
+                    // stopping node ends it, or its graceful shutdown would
+                    // wait for the leader forever.
+                    _ = node.shutdown.cancelled() => return,
                     else => return,
                 }
             }
