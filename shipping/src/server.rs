@@ -80,7 +80,7 @@ impl WalShipping for WalShippingService {
         const IN_FLIGHT: usize = 64;
         let mut inbound = request.into_inner();
         let node = self.node.clone();
-        let (tx, rx) = tokio::sync::mpsc::channel(64);
+        let (tx, rx) = tokio::sync::mpsc::channel(IN_FLIGHT);
         tokio::spawn(async move {
             let mut in_flight = futures::stream::FuturesOrdered::new();
             let mut reading = true;

@@ -467,15 +467,22 @@ pub async fn raw_unary(
     path: &'static str,
     body: &[u8],
 ) -> Result<bytes::Bytes, tonic::Status> {
+    ready(channel)
+        .await
+        .unary(tonic::Request::new(bytes::Bytes::copy_from_slice(body)), raw_path(path), raw::RawCodec)
+        .await
+        .map(tonic::Response::into_inner)
+}
+
+/// A generic gRPC client on `channel`, ready to send.
+async fn ready(channel: tonic::transport::Channel) -> tonic::client::Grpc<tonic::transport::Channel> {
     let mut grpc = tonic::client::Grpc::new(channel);
     grpc.ready().await.expect("channel ready");
-    grpc.unary(
-        tonic::Request::new(bytes::Bytes::copy_from_slice(body)),
-        tonic::codegen::http::uri::PathAndQuery::from_static(path),
-        raw::RawCodec,
-    )
-    .await
-    .map(tonic::Response::into_inner)
+    grpc
+}
+
+fn raw_path(path: &'static str) -> tonic::codegen::http::uri::PathAndQuery {
+    tonic::codegen::http::uri::PathAndQuery::from_static(path)
 }
 
 /// Sends `body` verbatim as the one message of a bidi-streaming RPC at
@@ -485,15 +492,10 @@ pub async fn raw_stream_first(
     path: &'static str,
     body: &[u8],
 ) -> Result<bytes::Bytes, tonic::Status> {
-    let mut grpc = tonic::client::Grpc::new(channel);
-    grpc.ready().await.expect("channel ready");
     let messages = tokio_stream::iter(vec![bytes::Bytes::copy_from_slice(body)]);
-    let mut answers = grpc
-        .streaming(
-            tonic::Request::new(messages),
-            tonic::codegen::http::uri::PathAndQuery::from_static(path),
-            raw::RawCodec,
-        )
+    let mut answers = ready(channel)
+        .await
+        .streaming(tonic::Request::new(messages), raw_path(path), raw::RawCodec)
         .await?
         .into_inner();
     match answers.message().await? {

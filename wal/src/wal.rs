@@ -1057,7 +1057,14 @@ mod tests {
             let wal = wal.clone();
             async move { wal.append(1, 1, big(10)).await }
         });
-        tokio::time::sleep(Duration::from_millis(50)).await;
+        // Once it is counted as waiting it is parked before sequencing.
+        tokio::time::timeout(Duration::from_secs(10), async {
+            while metrics.staged_waits.get() == 0 {
+                tokio::task::yield_now().await;
+            }
+        })
+        .await
+        .expect("the second append waits for staged bytes");
         assert_eq!(*written.borrow(), 1, "sequenced past the staged limit");
         assert_eq!(metrics.staged_waits.get(), 1);
         // The held commit completes: the waiter is sequenced and committed.
