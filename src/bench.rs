@@ -210,8 +210,12 @@ async fn wal_cell(dir: &Path, size: usize, shards: u32, appenders: usize, args: 
     let _ = std::fs::remove_dir_all(&data);
     let store = {
         let data = data.clone();
-        // As a node opens it by default (`wal.prefill`).
-        let config = walship_wal::EngineStoreConfig { prefill: true, ..Default::default() };
+        // As a node opens it by default (`wal.prefill`, `wal.spare_bytes`).
+        let config = walship_wal::EngineStoreConfig {
+            prefill: true,
+            spare_bytes: walship_wal::DEFAULT_SPARE_BYTES,
+            ..Default::default()
+        };
         tokio::task::spawn_blocking(move || EngineStore::open(&data, &config)).await??
     };
     let wal = Wal::start(Arc::new(store), WalConfig::default(), WalMetrics::unregistered())?;

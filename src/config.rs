@@ -54,6 +54,12 @@ pub struct WalTuning {
     /// `walship_wal::zero_fill`. On by default, as PostgreSQL's
     /// `wal_init_zero`; dev and test clusters turn it off to start fast.
     pub prefill: bool,
+    /// With `prefill`: bytes of spare WAL files of zeros, written and synced
+    /// before the node serves whenever it has fewer (a fresh node, or one
+    /// whose log grew since it started), that rotations take instead of
+    /// allocating new files; purged files refill the pool. Rounded down to
+    /// the whole files raft-engine lays out. See `walship_wal::zero_fill`.
+    pub spare_bytes: u64,
 }
 
 impl Default for WalTuning {
@@ -66,6 +72,7 @@ impl Default for WalTuning {
             target_file_bytes: store.target_file_bytes,
             tail_cache_bytes: wal.tail_cache_bytes,
             prefill: true,
+            spare_bytes: walship_wal::DEFAULT_SPARE_BYTES,
         }
     }
 }

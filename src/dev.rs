@@ -129,7 +129,7 @@ pub async fn run_dev(args: DevArgs) -> Result<()> {
     let spawn_node = |id: u32| -> Result<Child> {
         let mut child = Command::new(&exe)
             // A dev cluster starts in a blink rather than writing a WAL file of
-            // zeros per node first (`wal.prefill`).
+            // zeros and its spares per node first (`wal.prefill`).
             .args(["node", "--allow-crash-drills", "--wal-prefill", "false", "--node-id", &id.to_string(), "--cluster"])
             .arg(&cluster_file)
             .arg("--data-dir")

@@ -56,6 +56,10 @@ pub struct NodeArgs {
     /// group commits slower.
     #[arg(long)]
     wal_prefill: Option<bool>,
+    /// Bytes of spare WAL files of zeros laid out before serving, with
+    /// `--wal-prefill` (`wal.spare_bytes`, default 2 GiB; 0 lays out none).
+    #[arg(long)]
+    wal_spare_bytes: Option<u64>,
     /// Honour the coordinator's crash drills (the process aborts as if
     /// killed). For dev and test clusters only.
     #[arg(long)]
@@ -112,6 +116,9 @@ impl NodeArgs {
         }
         if let Some(prefill) = self.wal_prefill {
             config.wal.prefill = prefill;
+        }
+        if let Some(bytes) = self.wal_spare_bytes {
+            config.wal.spare_bytes = bytes;
         }
         config.validate(cluster.is_some())?;
         let drills =
@@ -181,6 +188,7 @@ pub async fn start_node(config: NodeConfig, cluster: Option<ClusterConfig>, dril
     let store_config = EngineStoreConfig {
         target_file_bytes: config.wal.target_file_bytes,
         prefill: config.wal.prefill,
+        spare_bytes: config.wal.spare_bytes,
         ..EngineStoreConfig::default()
     };
     let opened = Instant::now();

@@ -154,12 +154,32 @@ async fn acknowledged_records_survive_kill9_in_a_zero_filled_wal() {
 async fn kill9_rounds(prefill: bool) {
     let dir = tempfile::tempdir().unwrap();
     let prefill_arg = if prefill { "true" } else { "false" };
-    let mut node = NodeProcess::start(1, dir.path(), &format!("1-{SHARDS}"), &["--wal-prefill", prefill_arg]);
+    // Three spares (384 MiB) rather than the default sixteen keep the test
+    // light; the load stays inside the first file.
+    let mut node = NodeProcess::start(
+        1,
+        dir.path(),
+        &format!("1-{SHARDS}"),
+        &["--wal-prefill", prefill_arg, "--wal-spare-bytes", &(384u64 << 20).to_string()],
+    );
     // The first log file: filled to the default 128 MiB target, or grown by
-    // raft-engine's 2 MiB fallocate steps.
+    // raft-engine's 2 MiB fallocate steps; beside it, the spares of zeros
+    // (only with prefill), whole after every crash.
     let first_log = dir.path().join("wal/0000000000000001.raftlog");
+    let spares = || -> Vec<u64> {
+        let mut lens: Vec<u64> = std::fs::read_dir(dir.path().join("wal"))
+            .unwrap()
+            .map(|e| e.unwrap().path())
+            .filter(|p| p.to_string_lossy().ends_with(".raftlog.reserved"))
+            .map(|p| std::fs::metadata(p).unwrap().len())
+            .collect();
+        lens.sort();
+        lens
+    };
+    let expected_spares = if prefill { vec![128 << 20; 3] } else { vec![] };
     let len = std::fs::metadata(&first_log).unwrap().len();
     assert_eq!(len == 128 << 20, prefill, "{} is {len} bytes", first_log.display());
+    assert_eq!(spares(), expected_spares);
     let acked: Acked = Arc::default();
     for round in 0..3u64 {
         let stop = Arc::new(AtomicBool::new(false));
@@ -182,6 +202,7 @@ async fn kill9_rounds(prefill: bool) {
         // back behind it before serving.
         let len = std::fs::metadata(&first_log).unwrap().len();
         assert_eq!(len == 128 << 20, prefill, "after restart {round}, {} is {len} bytes", first_log.display());
+        assert_eq!(spares(), expected_spares, "after restart {round}");
         let checked = verify(&node, &acked).await;
         eprintln!("round {round}: {checked} acknowledged records verified after kill -9");
     }
@@ -241,6 +262,12 @@ async fn a_node_starts_when_its_wal_file_cannot_be_zero_filled() {
     let mut node = start();
     let len = std::fs::metadata(&first_log).unwrap().len();
     assert!(len <= LIMIT, "{} is {len} bytes: the fill was cut back", first_log.display());
+    // The spares of zeros (default `wal.spare_bytes`) stop at the limit too.
+    for entry in std::fs::read_dir(dir.path().join("wal")).unwrap() {
+        let path = entry.unwrap().path();
+        let len = std::fs::metadata(&path).unwrap().len();
+        assert!(len <= LIMIT, "{} is {len} bytes", path.display());
+    }
     assert_eq!(append(&node, "one").await, 1);
     node.kill9();
 

@@ -310,16 +310,22 @@ impl EngineHarness {
         EngineHarness { dir, config, store: Some(store) }
     }
 
-    /// Small log files, the first zero-filled (`wal.prefill`), so the cases
-    /// also cross rotations out of a filled file.
+    /// Small log files, the first zero-filled (`wal.prefill`) and three
+    /// spares of zeros (`wal.spare_bytes`), so the cases also cross
+    /// rotations out of a filled file and into spares.
     fn prefilled() -> EngineHarness {
         Self::with(crate::EngineStoreConfig {
             target_file_bytes: PREFILL_TEST_FILE_BYTES,
             prefill: true,
+            spare_bytes: PREFILL_TEST_SPARES * PREFILL_TEST_FILE_BYTES,
             ..Default::default()
         })
     }
 }
+
+/// Spare files the prefilled harness asks for (three: raft-engine's pool for
+/// a prefill limit of two files).
+const PREFILL_TEST_SPARES: u64 = 3;
 
 /// Above raft-engine's 2 MiB `fallocate` step, so a file it grew by itself
 /// is smaller than a filled one.
@@ -402,11 +408,7 @@ mod engine_prefilled {
         let h = EngineHarness::prefilled();
         h.store().create_shard(1).unwrap();
         append(&h, 1, 1, 100, 1).unwrap();
-        let copy = tempfile::tempdir().unwrap();
-        for entry in std::fs::read_dir(h.dir.path()).unwrap() {
-            let path = entry.unwrap().path();
-            std::fs::copy(&path, copy.path().join(path.file_name().unwrap())).unwrap();
-        }
+        let copy = crash_copy(h.dir.path());
         assert_eq!(log_files(copy.path())[0].1, PREFILL_TEST_FILE_BYTES, "the copy holds the zero tail");
 
         let mut crashed = EngineHarness { dir: copy, config: h.config.clone(), store: None };
@@ -450,5 +452,90 @@ mod engine_prefilled {
         assert!(files.len() >= 2, "the log rotated: {files:?}");
         h.restart();
         assert_eq!(all(&h, 1), expected);
+    }
+
+    /// The spare log files of zeros under `dir`, by name.
+    fn spare_files(dir: &Path) -> Vec<(PathBuf, u64)> {
+        let mut files: Vec<_> = std::fs::read_dir(dir)
+            .unwrap()
+            .map(|e| e.unwrap().path())
+            .filter(|p| p.to_string_lossy().ends_with(crate::zero_fill::SPARE_SUFFIX))
+            .map(|p| {
+                let len = std::fs::metadata(&p).unwrap().len();
+                (p, len)
+            })
+            .collect();
+        files.sort();
+        files
+    }
+
+    /// Copies every file of `from` into a fresh directory: what a crash
+    /// leaves of a store that is open.
+    fn crash_copy(from: &Path) -> tempfile::TempDir {
+        let copy = tempfile::tempdir().unwrap();
+        for entry in std::fs::read_dir(from).unwrap() {
+            let path = entry.unwrap().path();
+            std::fs::copy(&path, copy.path().join(path.file_name().unwrap())).unwrap();
+        }
+        copy
+    }
+
+    #[test]
+    fn spare_pools_round_down_to_the_files_raft_engine_lays_out() {
+        let files = |spare_bytes: u64| crate::zero_fill::spare_files(spare_bytes, 128 << 20);
+        assert_eq!(files(0), 0);
+        assert_eq!(files((128 << 20) - 1), 0, "less than one file");
+        assert_eq!(files(128 << 20), 1);
+        assert_eq!(files(256 << 20), 1, "a limit of two files would lay out three");
+        assert_eq!(files(384 << 20), 3);
+        assert_eq!(files(1 << 30), 7);
+        assert_eq!(files(crate::DEFAULT_SPARE_BYTES), 16, "2 GiB: sixteen spares");
+        assert_eq!(crate::zero_fill::spare_files(1 << 30, 0), 0, "no file size, no spares");
+    }
+
+    /// A fresh store lays out its spares of zeros, whole; a rotation renames
+    /// one into place instead of creating a file, and every record, synced
+    /// into a spare, survives both a crash and a restart.
+    #[test]
+    fn rotations_take_spares_of_zeros_and_keep_every_record() {
+        let mut h = EngineHarness::prefilled();
+        let spares = spare_files(h.dir.path());
+        assert_eq!(spares.len() as u64, PREFILL_TEST_SPARES, "{spares:?}");
+        for (path, len) in &spares {
+            assert_eq!(*len, PREFILL_TEST_FILE_BYTES, "{}", path.display());
+            assert!(std::fs::read(path).unwrap().iter().all(|b| *b == 0), "{} holds only zeros", path.display());
+        }
+        let unfilled = EngineHarness::with(crate::EngineStoreConfig {
+            target_file_bytes: PREFILL_TEST_FILE_BYTES,
+            spare_bytes: PREFILL_TEST_SPARES * PREFILL_TEST_FILE_BYTES,
+            ..Default::default()
+        });
+        assert_eq!(spare_files(unfilled.dir.path()), vec![], "spares only come with wal.prefill");
+
+        h.store().create_shard(1).unwrap();
+        // 300 KiB batches: fourteen fill a 4 MiB file, so thirty rotate
+        // twice and leave the newest file mostly zeros.
+        let mut expected = Vec::new();
+        for batch in 0..30u64 {
+            let frames: Vec<Frame> = (1 + batch * 10..11 + batch * 10)
+                .map(|seqno| {
+                    let payload = vec![seqno as u8; 30 << 10];
+                    Frame::encode(RecordFields { seqno, epoch: 1, timestamp_us: seqno, key: b"k", payload: &payload })
+                })
+                .collect();
+            h.store().append(&[ShardAppend { shard: 1, frames: frames.clone() }], true).unwrap();
+            expected.extend(frames);
+        }
+        let files = log_files(h.dir.path());
+        assert_eq!(files.len(), 3, "two rotations: {files:?}");
+        assert_eq!(spare_files(h.dir.path()).len() as u64, PREFILL_TEST_SPARES - 2, "each rotation took a spare");
+        let newest = files.last().unwrap();
+        assert_eq!(newest.1, PREFILL_TEST_FILE_BYTES, "the newest file is a whole spare, not grown by fallocate");
+
+        let mut crashed = EngineHarness { dir: crash_copy(h.dir.path()), config: h.config.clone(), store: None };
+        crashed.restart();
+        assert_eq!(all(&crashed, 1), expected, "after a crash");
+        h.restart();
+        assert_eq!(all(&h, 1), expected, "after a restart");
     }
 }

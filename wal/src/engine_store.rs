@@ -64,11 +64,24 @@ pub struct EngineStoreConfig {
     /// at every open. Off here (tests open many stores); a node turns it
     /// on by default (`wal.prefill`).
     pub prefill: bool,
+    /// With `prefill`: bytes of spare log files of zeros, written and synced
+    /// when the store opens with fewer, that rotations take instead of
+    /// allocating a new file ([`crate::zero_fill::spare_files`]; rounded down
+    /// to the whole files raft-engine's recycle pool holds). 0 lays out none.
+    pub spare_bytes: u64,
 }
+
+/// A node's default [`EngineStoreConfig::spare_bytes`] (`wal.spare_bytes`).
+pub const DEFAULT_SPARE_BYTES: u64 = 2 << 30;
 
 impl Default for EngineStoreConfig {
     fn default() -> Self {
-        EngineStoreConfig { target_file_bytes: 128 << 20, compression_threshold_bytes: 0, prefill: false }
+        EngineStoreConfig {
+            target_file_bytes: 128 << 20,
+            compression_threshold_bytes: 0,
+            prefill: false,
+            spare_bytes: 0,
+        }
     }
 }
 
@@ -108,12 +121,19 @@ impl EngineStore {
             batch_compression_threshold: ReadableSize(config.compression_threshold_bytes),
             ..Config::default()
         };
+        let spares = if config.prefill { config.spare_bytes } else { 0 };
+        let cfg = crate::zero_fill::with_spare_files(cfg, spares);
         let fs = Arc::new(ZeroFilledFs::new(if config.prefill { config.target_file_bytes } else { 0 }));
         let engine = Engine::open_with_file_system(cfg, fs.clone()).map_err(io)?;
         let created = fs.opened();
         if config.prefill && !created {
             crate::zero_fill::refill_active_tail(dir, config.target_file_bytes)
                 .map_err(|e| StoreError::Io(format!("zero-filling the WAL file's tail: {e}")))?;
+        }
+        if spares > 0 {
+            let expected = crate::zero_fill::spare_files(spares, config.target_file_bytes);
+            crate::zero_fill::sync_spare_files(dir, config.target_file_bytes, expected)
+                .map_err(|e| StoreError::Io(format!("syncing the spare WAL files: {e}")))?;
         }
         let mut shards = BTreeMap::new();
         for region in engine.raft_groups() {

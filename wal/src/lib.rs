@@ -24,7 +24,7 @@ pub mod zero_fill;
 #[cfg(test)]
 mod conformance;
 
-pub use engine_store::{EngineStore, EngineStoreConfig};
+pub use engine_store::{DEFAULT_SPARE_BYTES, EngineStore, EngineStoreConfig};
 pub use mem_store::MemStore;
 pub use metrics::WalMetrics;
 pub use record::{CodecError, Frame, RecordFields};

@@ -58,12 +58,14 @@ const THROUGHPUT_LEADER_TIMEOUT_MS: u64 = 1_000;
 /// Starts the coordinator and the three nodes under `dir` (fresh) and
 /// returns once an append is acknowledged at `durability`. `default_timeouts`
 /// keeps the default leader loss timeout (for the failover measurement);
-/// otherwise it is [`THROUGHPUT_LEADER_TIMEOUT_MS`].
+/// otherwise it is [`THROUGHPUT_LEADER_TIMEOUT_MS`]. Every node also gets
+/// `node_flags`.
 pub async fn start(
     dir: &Path,
     walship: &Path,
     durability: Durability,
     default_timeouts: bool,
+    node_flags: &[&str],
 ) -> Result<Box<dyn Cluster>> {
     if !walship.is_file() {
         bail!("walship binary not found at {} (build it: cargo build --release)", walship.display());
@@ -108,6 +110,7 @@ pub async fn start(
             .arg(&file)
             .arg("--data-dir")
             .arg(dir.join(format!("node-{}", node.id)))
+            .args(node_flags)
             .env("WALSHIP_LOG", "warn");
         let log = dir.join(format!("node-{}.log", node.id));
         servers.push(Server::spawn(&format!("walship node {}", node.id), command, &log, libc::SIGTERM)?);
