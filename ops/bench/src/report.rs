@@ -184,7 +184,9 @@ impl Report {
         let _ = writeln!(
             out,
             "Raw disk, same run: 4 KiB write + fdatasync p50 {:.0} µs, p99 {:.0} µs, p999 {:.0} µs; sequential write {:.0} MiB/s. \
-             Each cell: fresh data dirs, {} s warm-up, {} s measured.",
+             Each cell: fresh data dirs, {} s warm-up, {} s measured. The disk limit in the ratios is that sequential \
+             figure, measured once before the first cell; this disk's speed swings within a run, so a later cell can \
+             write faster (a ratio above 1).",
             b.fdatasync_4k_p50_us,
             b.fdatasync_4k_p99_us,
             b.fdatasync_4k_p999_us,
