@@ -538,4 +538,32 @@ mod engine_prefilled {
         h.restart();
         assert_eq!(all(&h, 1), expected, "after a restart");
     }
+
+    /// A crash in the middle of a rotation into a spare: the spare is
+    /// renamed into place (the next file's name) and its header was never
+    /// written, so the newest file is all zeros. Recovery must keep every
+    /// record, append after the last one, and keep that through another
+    /// restart.
+    #[test]
+    fn a_crash_between_taking_a_spare_and_writing_its_header_keeps_every_record() {
+        let mut h = EngineHarness::prefilled();
+        h.store().create_shard(1).unwrap();
+        append(&h, 1, 1, 100, 1).unwrap();
+        drop(h.store.take());
+        let files = log_files(h.dir.path());
+        assert_eq!(files.len(), 1, "{files:?}");
+        let spare = spare_files(h.dir.path()).remove(0).0;
+        let next = h.dir.path().join("0000000000000002.raftlog");
+        std::fs::rename(&spare, &next).unwrap();
+
+        h.restart();
+        assert_eq!(all(&h, 1), frames(1, 100, 1));
+        let newest = log_files(h.dir.path()).pop().unwrap().0;
+        assert_eq!(newest, next, "recovery took the headerless file as the active one");
+        append(&h, 1, 101, 50, 2).unwrap();
+        h.restart();
+        let mut expected = frames(1, 100, 1);
+        expected.extend(frames(101, 50, 2));
+        assert_eq!(all(&h, 1), expected);
+    }
 }
