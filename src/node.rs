@@ -195,6 +195,7 @@ pub async fn start_node(config: NodeConfig, cluster: Option<ClusterConfig>, dril
     let store = tokio::task::spawn_blocking(move || EngineStore::open(&wal_dir, &store_config))
         .await?
         .context("opening the WAL")?;
+    registry.register(Box::new(walship_wal::metrics::RotationsCollector::new(store.rotations())?))?;
     let store = Arc::new(store);
     let wal_config = WalConfig {
         linger: Duration::from_micros(config.wal.linger_us),

@@ -480,6 +480,46 @@ mod engine_prefilled {
         copy
     }
 
+    /// Appends thirty 300 KiB batches to shard 1 (created here): fourteen
+    /// fill a 4 MiB file, so the log rotates twice and the newest file is
+    /// mostly unused. Returns the frames.
+    fn rotate_twice(h: &EngineHarness) -> Vec<Frame> {
+        h.store().create_shard(1).unwrap();
+        let mut expected = Vec::new();
+        for batch in 0..30u64 {
+            let frames: Vec<Frame> = (1 + batch * 10..11 + batch * 10)
+                .map(|seqno| {
+                    let payload = vec![seqno as u8; 30 << 10];
+                    Frame::encode(RecordFields { seqno, epoch: 1, timestamp_us: seqno, key: b"k", payload: &payload })
+                })
+                .collect();
+            h.store().append(&[ShardAppend { shard: 1, frames: frames.clone() }], true).unwrap();
+            expected.extend(frames);
+        }
+        expected
+    }
+
+    /// `walship_wal_rotations_total` for `into="spare"` and `into="new"`,
+    /// as a scrape of a registry holding the store's collector reads them.
+    fn scraped_rotations(h: &EngineHarness) -> (u64, u64) {
+        use prometheus::Encoder;
+        let registry = prometheus::Registry::new();
+        let rotations = h.store.as_ref().unwrap().rotations();
+        registry.register(Box::new(crate::metrics::RotationsCollector::new(rotations).unwrap())).unwrap();
+        let mut text = Vec::new();
+        prometheus::TextEncoder::new().encode(&registry.gather(), &mut text).unwrap();
+        let text = String::from_utf8(text).unwrap();
+        let value = |into: &str| -> u64 {
+            let prefix = format!("walship_wal_rotations_total{{into=\"{into}\"}} ");
+            text.lines()
+                .find_map(|l| l.strip_prefix(&prefix))
+                .unwrap_or_else(|| panic!("{prefix} in {text}"))
+                .parse()
+                .unwrap()
+        };
+        (value("spare"), value("new"))
+    }
+
     #[test]
     fn spare_pools_round_down_to_the_files_raft_engine_lays_out() {
         let files = |spare_bytes: u64| crate::zero_fill::spare_files(spare_bytes, 128 << 20);
@@ -512,25 +552,15 @@ mod engine_prefilled {
         });
         assert_eq!(spare_files(unfilled.dir.path()), vec![], "spares only come with wal.prefill");
 
-        h.store().create_shard(1).unwrap();
-        // 300 KiB batches: fourteen fill a 4 MiB file, so thirty rotate
-        // twice and leave the newest file mostly zeros.
-        let mut expected = Vec::new();
-        for batch in 0..30u64 {
-            let frames: Vec<Frame> = (1 + batch * 10..11 + batch * 10)
-                .map(|seqno| {
-                    let payload = vec![seqno as u8; 30 << 10];
-                    Frame::encode(RecordFields { seqno, epoch: 1, timestamp_us: seqno, key: b"k", payload: &payload })
-                })
-                .collect();
-            h.store().append(&[ShardAppend { shard: 1, frames: frames.clone() }], true).unwrap();
-            expected.extend(frames);
-        }
+        let expected = rotate_twice(&h);
         let files = log_files(h.dir.path());
         assert_eq!(files.len(), 3, "two rotations: {files:?}");
         assert_eq!(spare_files(h.dir.path()).len() as u64, PREFILL_TEST_SPARES - 2, "each rotation took a spare");
         let newest = files.last().unwrap();
         assert_eq!(newest.1, PREFILL_TEST_FILE_BYTES, "the newest file is a whole spare, not grown by fallocate");
+        assert_eq!(scraped_rotations(&h), (2, 0), "both rotations counted as into a spare");
+        rotate_twice(&unfilled);
+        assert_eq!(scraped_rotations(&unfilled), (0, 2), "without spares, both rotations allocate new files");
 
         let mut crashed = EngineHarness { dir: crash_copy(h.dir.path()), config: h.config.clone(), store: None };
         crashed.restart();

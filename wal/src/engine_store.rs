@@ -97,6 +97,7 @@ struct ShardState {
 /// raft-engine-backed multi-shard log.
 pub struct EngineStore {
     engine: Engine,
+    rotations: Arc<crate::zero_fill::Rotations>,
     shards: Mutex<BTreeMap<ShardId, ShardState>>,
     /// Serialises epoch read-modify-writes so the epoch never moves back.
     epoch_lock: Mutex<()>,
@@ -148,7 +149,8 @@ impl EngineStore {
             let bounds = LogBounds { first_seqno: first, last_seqno: last, durable_seqno: last };
             shards.insert(shard, ShardState { bounds, truncated: marker.is_some() });
         }
-        let store = EngineStore { engine, shards: Mutex::new(shards), epoch_lock: Mutex::new(()) };
+        let store =
+            EngineStore { engine, rotations: fs.rotations(), shards: Mutex::new(shards), epoch_lock: Mutex::new(()) };
         // Whatever recovery found may still sit in the page cache only.
         store.write(&mut Self::sync_marker(), true)?;
         Ok(store)
@@ -173,6 +175,12 @@ impl EngineStore {
     /// Bytes the engine's log files occupy on disk.
     pub fn disk_bytes(&self) -> u64 {
         self.engine.get_used_size() as u64
+    }
+
+    /// Log file rotations since the store opened, by the file rotated into
+    /// (for `/metrics`: [`crate::metrics::RotationsCollector`]).
+    pub fn rotations(&self) -> Arc<crate::zero_fill::Rotations> {
+        self.rotations.clone()
     }
 }
 

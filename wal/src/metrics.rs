@@ -1,7 +1,14 @@
 //! The WAL's Prometheus metrics. Registered on the registry the node exposes
 //! at `/metrics`; see `ops/METRICS.md` for the catalogue.
 
-use prometheus::{Histogram, HistogramOpts, IntCounter, IntGauge, IntGaugeVec, Opts, Registry};
+use std::sync::Arc;
+use std::sync::atomic::Ordering;
+
+use prometheus::core::{Collector, Desc};
+use prometheus::proto::MetricFamily;
+use prometheus::{Histogram, HistogramOpts, IntCounter, IntCounterVec, IntGauge, IntGaugeVec, Opts, Registry};
+
+use crate::zero_fill::Rotations;
 
 use crate::store::ShardId;
 
@@ -105,5 +112,45 @@ impl WalMetrics {
             last_seqno: self.last_seqno.with_label_values(&[&label]),
             durable_seqno: self.durable_seqno.with_label_values(&[&label]),
         }
+    }
+}
+
+/// `walship_wal_rotations_total{into}`: the store's WAL file rotations by the
+/// file rotated into, read at each scrape. `into="new"` growing means the
+/// spare files of zeros ran out (`wal.spare_bytes`) and group commits pay
+/// for allocating blocks again.
+pub struct RotationsCollector {
+    rotations: Arc<Rotations>,
+    /// Describes the family; the values are built at each collect.
+    template: IntCounterVec,
+}
+
+impl RotationsCollector {
+    pub fn new(rotations: Arc<Rotations>) -> prometheus::Result<RotationsCollector> {
+        Ok(RotationsCollector { rotations, template: Self::family()? })
+    }
+
+    fn family() -> prometheus::Result<IntCounterVec> {
+        IntCounterVec::new(
+            Opts::new(
+                "walship_wal_rotations_total",
+                "WAL file rotations since the node started, by the file rotated into: spare (a spare of zeros or a \
+                 recycled file) or new (allocated as the log grows)",
+            ),
+            &["into"],
+        )
+    }
+}
+
+impl Collector for RotationsCollector {
+    fn desc(&self) -> Vec<&Desc> {
+        self.template.desc()
+    }
+
+    fn collect(&self) -> Vec<MetricFamily> {
+        let Ok(family) = Self::family() else { return Vec::new() };
+        family.with_label_values(&["spare"]).inc_by(self.rotations.spare.load(Ordering::Relaxed));
+        family.with_label_values(&["new"]).inc_by(self.rotations.new.load(Ordering::Relaxed));
+        family.collect()
     }
 }

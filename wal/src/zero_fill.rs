@@ -47,7 +47,7 @@
 use std::io::{Result, Seek, SeekFrom, Write};
 use std::path::Path;
 use std::sync::Arc;
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 
 use raft_engine::env::{DefaultFileSystem, FileSystem, Permission};
 use raft_engine::{Config, ReadableSize};
@@ -64,6 +64,21 @@ pub struct ZeroFilledFs {
     opening: AtomicBool,
     /// A log file was created (and a fill tried) while the engine opened.
     created: AtomicBool,
+    /// Set once the engine has opened: log files it starts from then on are
+    /// rotations, counted in `rotations`.
+    open: AtomicBool,
+    rotations: Arc<Rotations>,
+}
+
+/// WAL file rotations since the store opened, by the file rotated into.
+#[derive(Debug, Default)]
+pub struct Rotations {
+    /// Into a spare of zeros or a recycled file: blocks already written.
+    pub spare: AtomicU64,
+    /// Into a file created empty and allocated as the log grows (the spare
+    /// pool was empty): its group commits' fdatasyncs also write extent
+    /// metadata.
+    pub new: AtomicU64,
 }
 
 /// Write zeros in pieces of this size.
@@ -79,6 +94,21 @@ impl ZeroFilledFs {
             fill_bytes,
             opening: AtomicBool::new(fill_bytes > 0),
             created: AtomicBool::new(false),
+            open: AtomicBool::new(false),
+            rotations: Arc::default(),
+        }
+    }
+
+    /// The rotation counts, shared (the node's `/metrics` reads them).
+    pub fn rotations(&self) -> Arc<Rotations> {
+        self.rotations.clone()
+    }
+
+    /// Counts a log file started at `path` as a rotation into `kind`, once
+    /// the engine has opened.
+    fn count_rotation(&self, path: &Path, kind: &AtomicU64) {
+        if self.open.load(Ordering::Acquire) && path.extension().is_some_and(|ext| ext == "raftlog") {
+            kind.fetch_add(1, Ordering::Relaxed);
         }
     }
 
@@ -87,6 +117,7 @@ impl ZeroFilledFs {
     /// opened; if not, it reopened files and [`refill_active_tail`] applies.
     pub fn opened(&self) -> bool {
         self.opening.store(false, Ordering::Release);
+        self.open.store(true, Ordering::Release);
         self.created.load(Ordering::Acquire)
     }
 
@@ -241,6 +272,7 @@ impl FileSystem for ZeroFilledFs {
 
     fn create<P: AsRef<Path>>(&self, path: P) -> Result<Self::Handle> {
         let path = path.as_ref();
+        self.count_rotation(path, &self.rotations.new);
         if !self.fills(path) {
             return self.inner.create(path);
         }
@@ -262,6 +294,12 @@ impl FileSystem for ZeroFilledFs {
 
     fn rename<P: AsRef<Path>>(&self, src_path: P, dst_path: P) -> Result<()> {
         self.inner.rename(src_path, dst_path)
+    }
+
+    /// raft-engine takes a spare or recycled file for a rotation this way.
+    fn reuse<P: AsRef<Path>>(&self, src_path: P, dst_path: P) -> Result<()> {
+        self.count_rotation(dst_path.as_ref(), &self.rotations.spare);
+        self.inner.reuse(src_path, dst_path)
     }
 
     fn new_reader(&self, handle: Arc<Self::Handle>) -> Result<Self::Reader> {
