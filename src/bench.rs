@@ -276,13 +276,22 @@ fn spawn_listening(command: &str, args: &[String], data: &Path) -> Result<(std::
         .spawn()
         .with_context(|| format!("spawning walship {command}"))?;
     let mut line = String::new();
-    BufReader::new(child.stdout.take().context("node stdout")?).read_line(&mut line)?;
-    let grpc = line
-        .split_whitespace()
-        .find_map(|w| w.strip_prefix("grpc="))
-        .with_context(|| format!("walship {command} did not print its address: {line:?}"))?
-        .to_string();
-    Ok((child, grpc))
+    let read = child.stdout.take().context("node stdout").and_then(|out| Ok(BufReader::new(out).read_line(&mut line)?));
+    let grpc = read.and_then(|_| {
+        line.split_whitespace()
+            .find_map(|w| w.strip_prefix("grpc="))
+            .map(str::to_string)
+            .with_context(|| format!("walship {command} did not print its address: {line:?}"))
+    });
+    match grpc {
+        Ok(grpc) => Ok((child, grpc)),
+        Err(error) => {
+            // A process that did not come up must not outlive the bench.
+            let _ = child.kill();
+            let _ = child.wait();
+            Err(error)
+        }
+    }
 }
 
 /// One node hosting shards `1..=shards` alone, laying out `spare_bytes`
@@ -297,12 +306,41 @@ fn single_node(data: &Path, shards: u32, spare_bytes: u64) -> Result<Target> {
     Ok(Target { leaders: vec![grpc; shards as usize], children: vec![child] })
 }
 
+/// Attempts at starting a three-node cluster: its ports are picked before
+/// the processes bind them, and another process (a parallel test) can take
+/// one in between.
+const CLUSTER_START_ATTEMPTS: usize = 3;
+
 /// Three nodes, every shard at RF=3, leaders spread over the nodes; with
 /// a coordinator when `leadership` says so; each node lays out
-/// `spare_bytes` of spare WAL files.
+/// `spare_bytes` of spare WAL files. A start that fails (a port taken in
+/// the meantime) stops what it started and tries again on fresh ports.
 fn three_nodes(data: &Path, shards: u32, leadership: Leadership, spare_bytes: u64) -> Result<Target> {
+    let mut attempt = 1;
+    loop {
+        match start_three_nodes(data, shards, leadership, spare_bytes) {
+            Ok(target) => return Ok(target),
+            Err(error) if attempt < CLUSTER_START_ATTEMPTS => {
+                eprintln!("starting the three-node cluster failed ({error:#}); trying again on fresh ports");
+                let _ = std::fs::remove_dir_all(data);
+                attempt += 1;
+            }
+            Err(error) => return Err(error),
+        }
+    }
+}
+
+fn start_three_nodes(data: &Path, shards: u32, leadership: Leadership, spare_bytes: u64) -> Result<Target> {
     use walship_shipping::{ClusterConfig, NodeSpec};
-    let port = || -> Result<std::net::SocketAddr> { Ok(std::net::TcpListener::bind("127.0.0.1:0")?.local_addr()?) };
+    // Every listener stays bound until all ports are picked, so no two are
+    // the same.
+    let mut listeners = Vec::new();
+    let mut port = || -> Result<std::net::SocketAddr> {
+        let listener = std::net::TcpListener::bind("127.0.0.1:0")?;
+        let addr = listener.local_addr()?;
+        listeners.push(listener);
+        Ok(addr)
+    };
     let mut nodes = Vec::new();
     for id in 1..=3 {
         nodes.push(NodeSpec { id, grpc_addr: port()?.into(), admin_addr: port()?.into(), region: id });
@@ -316,11 +354,15 @@ fn three_nodes(data: &Path, shards: u32, leadership: Leadership, spare_bytes: u6
             admin_addr: port()?.into(),
         }];
     }
+    drop(listeners);
     let leaders = config.shards.iter().map(|s| config.nodes[s.leader as usize - 1].grpc_addr.to_string()).collect();
     std::fs::create_dir_all(data)?;
     let file = data.join("cluster.toml");
     std::fs::write(&file, toml::to_string_pretty(&config)?)?;
-    let mut children = Vec::new();
+    // Every process started is in `target` at once, so an early return
+    // stops it (Target's drop) instead of leaving it running.
+    let mut target = Target { leaders, children: Vec::new() };
+    let children = &mut target.children;
     if leadership == Leadership::Coordinated {
         let args: Vec<String> =
             ["--id", "bench", "--admin-token", "walship-bench", "--cluster"].iter().map(|s| s.to_string()).collect();
@@ -338,7 +380,7 @@ fn three_nodes(data: &Path, shards: u32, leadership: Leadership, spare_bytes: u6
         ];
         children.push(spawn_listening("node", &args, &data.join(format!("node-{id}")))?.0);
     }
-    Ok(Target { leaders, children })
+    Ok(target)
 }
 
 async fn grpc_cell(
