@@ -558,13 +558,10 @@ async fn nodes_stop_on_sigterm_while_their_leader_ships_to_them() {
     }
     for id in [2, 1] {
         cluster.signal(id, libc::SIGTERM);
-        let deadline = std::time::Instant::now() + Duration::from_secs(5);
-        loop {
-            if cluster.node(id).child.try_wait().unwrap().is_some() {
-                break;
-            }
-            assert!(std::time::Instant::now() < deadline, "node {id} did not stop within 5 s of SIGTERM");
-            tokio::time::sleep(Duration::from_millis(20)).await;
-        }
+        wait_until(&format!("node {id} to stop on SIGTERM"), Duration::from_secs(5), || {
+            let stopped = cluster.node(id).child.try_wait().unwrap().is_some();
+            async move { stopped }
+        })
+        .await;
     }
 }

@@ -370,12 +370,13 @@ mod engine_prefilled {
     use super::*;
     conformance_suite!(EngineHarness::prefilled());
 
-    /// The raft-engine log files under `dir`, by name.
-    fn log_files(dir: &Path) -> Vec<(PathBuf, u64)> {
+    /// The files under `dir` whose names end with `suffix`, by name, with
+    /// their lengths.
+    fn files_ending(dir: &Path, suffix: &str) -> Vec<(PathBuf, u64)> {
         let mut files: Vec<_> = std::fs::read_dir(dir)
             .unwrap()
             .map(|e| e.unwrap().path())
-            .filter(|p| p.extension().is_some_and(|e| e == "raftlog"))
+            .filter(|p| p.to_string_lossy().ends_with(suffix))
             .map(|p| {
                 let len = std::fs::metadata(&p).unwrap().len();
                 (p, len)
@@ -383,6 +384,16 @@ mod engine_prefilled {
             .collect();
         files.sort();
         files
+    }
+
+    /// The raft-engine log files under `dir`, by name.
+    fn log_files(dir: &Path) -> Vec<(PathBuf, u64)> {
+        files_ending(dir, ".raftlog")
+    }
+
+    /// The spare log files of zeros under `dir`, by name.
+    fn spare_files(dir: &Path) -> Vec<(PathBuf, u64)> {
+        files_ending(dir, crate::zero_fill::SPARE_SUFFIX)
     }
 
     #[test]
@@ -432,41 +443,12 @@ mod engine_prefilled {
     #[test]
     fn rotating_out_of_a_zero_filled_file_keeps_every_record() {
         let mut h = EngineHarness::prefilled();
-        h.store().create_shard(1).unwrap();
-        // ~300 KiB per batch: fourteen batches cross the 4 MiB target.
-        let big = |first: u64| -> Vec<Frame> {
-            (first..first + 10)
-                .map(|seqno| {
-                    let payload = vec![seqno as u8; 30 << 10];
-                    Frame::encode(RecordFields { seqno, epoch: 1, timestamp_us: seqno, key: b"k", payload: &payload })
-                })
-                .collect()
-        };
-        let mut expected = Vec::new();
-        for batch in 0..16 {
-            let frames = big(1 + batch * 10);
-            h.store().append(&[ShardAppend { shard: 1, frames: frames.clone() }], true).unwrap();
-            expected.extend(frames);
-        }
+        // Fourteen batches cross the 4 MiB target.
+        let expected = append_big_batches(&h, 16);
         let files = log_files(h.dir.path());
         assert!(files.len() >= 2, "the log rotated: {files:?}");
         h.restart();
         assert_eq!(all(&h, 1), expected);
-    }
-
-    /// The spare log files of zeros under `dir`, by name.
-    fn spare_files(dir: &Path) -> Vec<(PathBuf, u64)> {
-        let mut files: Vec<_> = std::fs::read_dir(dir)
-            .unwrap()
-            .map(|e| e.unwrap().path())
-            .filter(|p| p.to_string_lossy().ends_with(crate::zero_fill::SPARE_SUFFIX))
-            .map(|p| {
-                let len = std::fs::metadata(&p).unwrap().len();
-                (p, len)
-            })
-            .collect();
-        files.sort();
-        files
     }
 
     /// Copies every file of `from` into a fresh directory: what a crash
@@ -480,13 +462,13 @@ mod engine_prefilled {
         copy
     }
 
-    /// Appends thirty 300 KiB batches to shard 1 (created here): fourteen
-    /// fill a 4 MiB file, so the log rotates twice and the newest file is
-    /// mostly unused. Returns the frames.
-    fn rotate_twice(h: &EngineHarness) -> Vec<Frame> {
+    /// Appends `batches` batches of ten 30 KiB records (~300 KiB each) to
+    /// shard 1 (created here): fourteen fill a 4 MiB file. Returns the
+    /// frames.
+    fn append_big_batches(h: &EngineHarness, batches: u64) -> Vec<Frame> {
         h.store().create_shard(1).unwrap();
         let mut expected = Vec::new();
-        for batch in 0..30u64 {
+        for batch in 0..batches {
             let frames: Vec<Frame> = (1 + batch * 10..11 + batch * 10)
                 .map(|seqno| {
                     let payload = vec![seqno as u8; 30 << 10];
@@ -552,14 +534,15 @@ mod engine_prefilled {
         });
         assert_eq!(spare_files(unfilled.dir.path()), vec![], "spares only come with wal.prefill");
 
-        let expected = rotate_twice(&h);
+        // Thirty batches rotate twice and leave the newest file mostly unused.
+        let expected = append_big_batches(&h, 30);
         let files = log_files(h.dir.path());
         assert_eq!(files.len(), 3, "two rotations: {files:?}");
         assert_eq!(spare_files(h.dir.path()).len() as u64, PREFILL_TEST_SPARES - 2, "each rotation took a spare");
         let newest = files.last().unwrap();
         assert_eq!(newest.1, PREFILL_TEST_FILE_BYTES, "the newest file is a whole spare, not grown by fallocate");
         assert_eq!(scraped_rotations(&h), (2, 0), "both rotations counted as into a spare");
-        rotate_twice(&unfilled);
+        append_big_batches(&unfilled, 30);
         assert_eq!(scraped_rotations(&unfilled), (0, 2), "without spares, both rotations allocate new files");
 
         let mut crashed = EngineHarness { dir: crash_copy(h.dir.path()), config: h.config.clone(), store: None };

@@ -60,13 +60,11 @@ pub struct ZeroFilledFs {
     inner: Inner,
     /// Bytes of zeros a new log file gets; 0 fills nothing.
     fill_bytes: u64,
-    /// Set while the engine opens: only then are new log files filled.
+    /// Set while the engine opens: only then are new log files filled;
+    /// a log file started after it is a rotation, counted in `rotations`.
     opening: AtomicBool,
     /// A log file was created (and a fill tried) while the engine opened.
     created: AtomicBool,
-    /// Set once the engine has opened: log files it starts from then on are
-    /// rotations, counted in `rotations`.
-    open: AtomicBool,
     rotations: Arc<Rotations>,
 }
 
@@ -92,9 +90,8 @@ impl ZeroFilledFs {
         ZeroFilledFs {
             inner: DefaultFileSystem,
             fill_bytes,
-            opening: AtomicBool::new(fill_bytes > 0),
+            opening: AtomicBool::new(true),
             created: AtomicBool::new(false),
-            open: AtomicBool::new(false),
             rotations: Arc::default(),
         }
     }
@@ -107,7 +104,7 @@ impl ZeroFilledFs {
     /// Counts a log file started at `path` as a rotation into `kind`, once
     /// the engine has opened.
     fn count_rotation(&self, path: &Path, kind: &AtomicU64) {
-        if self.open.load(Ordering::Acquire) && path.extension().is_some_and(|ext| ext == "raftlog") {
+        if !self.opening.load(Ordering::Acquire) && is_log_file(path) {
             kind.fetch_add(1, Ordering::Relaxed);
         }
     }
@@ -117,12 +114,11 @@ impl ZeroFilledFs {
     /// opened; if not, it reopened files and [`refill_active_tail`] applies.
     pub fn opened(&self) -> bool {
         self.opening.store(false, Ordering::Release);
-        self.open.store(true, Ordering::Release);
         self.created.load(Ordering::Acquire)
     }
 
     fn fills(&self, path: &Path) -> bool {
-        self.opening.load(Ordering::Acquire) && path.extension().is_some_and(|ext| ext == "raftlog")
+        self.fill_bytes > 0 && self.opening.load(Ordering::Acquire) && is_log_file(path)
     }
 }
 
@@ -193,7 +189,7 @@ pub fn refill_active_tail(dir: &Path, fill_bytes: u64) -> Result<u64> {
         let path = entry?.path();
         // Names are zero-padded sequence numbers: the greatest is the newest.
         let Some(name) = path.file_name().and_then(|n| n.to_str()).map(str::to_owned) else { continue };
-        if path.extension().is_some_and(|ext| ext == "raftlog") && newest.as_ref().is_none_or(|(n, _)| name > *n) {
+        if is_log_file(&path) && newest.as_ref().is_none_or(|(n, _)| name > *n) {
             newest = Some((name, path));
         }
     }
@@ -203,6 +199,11 @@ pub fn refill_active_tail(dir: &Path, fill_bytes: u64) -> Result<u64> {
         return Ok(0);
     }
     Ok(fill_bytes - len)
+}
+
+/// An append-queue log file of raft-engine's (`*.raftlog`).
+fn is_log_file(path: &Path) -> bool {
+    path.extension().is_some_and(|ext| ext == "raftlog")
 }
 
 /// raft-engine's name suffix for a spare file of zeros.
