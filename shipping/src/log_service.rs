@@ -270,6 +270,20 @@ impl LogService {
             Durability::Quorum | Durability::Unspecified => replica.wait_commit(appended.last_seqno).await,
             Durability::All => replica.wait_all(appended.last_seqno).await,
         };
+        let lease = std::time::Duration::from_millis(self.node.config.replication.leader_timeout_ms);
+        if reached && !replica.wait_lease(lease).await {
+            let mut status = Status::unavailable(format!(
+                "shard {}: this leader has not heard from a majority of its replicas or the coordinator within \
+                 {} ms (its lease), so it may have been deposed; seqnos {}..={} were not acknowledged and their \
+                 outcome is unknown",
+                req.shard_id,
+                lease.as_millis(),
+                appended.first_seqno,
+                appended.last_seqno,
+            ));
+            walship_proto::mark_outcome_unknown(&mut status);
+            return Err(self.reject(rpc, status));
+        }
         if !reached {
             let mut status = Status::unavailable(format!(
                 "shard {}: this node stopped leading before seqnos {}..={} reached {} durability; their outcome is unknown",

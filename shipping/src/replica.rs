@@ -159,6 +159,9 @@ pub struct ShardReplica {
     /// Bumped whenever this replica stops leading: appends waiting for a
     /// commit under the old leadership give up (their outcome is unknown).
     generation: watch::Sender<u64>,
+    /// Until when (µs) the leader lease holds ([`LeaderCore::lease_until`];
+    /// `u64::MAX` without a bound, 0 while not leading).
+    lease_until: watch::Sender<u64>,
     leader: Mutex<Option<Arc<LeaderState>>>,
     follower: FollowerState,
     /// Drills: a paused follower refuses ships and does not catch up.
@@ -240,6 +243,7 @@ impl ShardReplica {
             readable: watch::Sender::new(0),
             all_durable: watch::Sender::new(0),
             generation: watch::Sender::new(0),
+            lease_until: watch::Sender::new(0),
             leader: Mutex::new(None),
             follower: FollowerState {
                 apply_lock: tokio::sync::Mutex::new(()),
@@ -310,6 +314,25 @@ impl ShardReplica {
         self.wait_or_stepped_down(&self.all_durable, seqno).await
     }
 
+    /// Waits, up to `patience`, until the leader lease holds (see
+    /// [`LeaderCore::lease_until`]): an idle leader's first append waits for
+    /// the reply to its own shipment. False if it does not, or this replica
+    /// stopped leading: the append's outcome is then unknown.
+    /// Cancellation-safe.
+    pub async fn wait_lease(&self, patience: Duration) -> bool {
+        let mut generation = self.generation.subscribe();
+        let current = *generation.borrow_and_update();
+        if !self.is_leader() {
+            return false;
+        }
+        let mut lease = self.lease_until.subscribe();
+        let renewed = tokio::time::timeout(patience, lease.wait_for(|until| now_us() < *until));
+        tokio::select! {
+            renewed = renewed => matches!(renewed, Ok(Ok(_))),
+            _ = generation.wait_for(|g| *g != current) => false,
+        }
+    }
+
     async fn wait_or_stepped_down(&self, position: &watch::Sender<u64>, seqno: u64) -> bool {
         let mut generation = self.generation.subscribe();
         let current = *generation.borrow_and_update();
@@ -334,6 +357,8 @@ impl ShardReplica {
         });
         let all = core.all_durable();
         self.all_durable.send_if_modified(|a| std::mem::replace(a, all) != all);
+        let lease = core.lease_until().unwrap_or(u64::MAX);
+        self.lease_until.send_if_modified(|l| std::mem::replace(l, lease) != lease);
         metrics.set_commit(self.shard, commit);
     }
 
@@ -496,6 +521,7 @@ impl ReplicationNode {
             catchup_threshold_bytes: r.catchup_threshold_bytes,
             keepalive_us: r.keepalive_ms * 1_000,
             probe_us: (r.keepalive_ms * 1_000).min(25_000),
+            lease_us: config.coordinated().then_some(r.leader_timeout_ms * 1_000),
         };
         let mut replicas = BTreeMap::new();
         for spec in config.shards_of(me) {
@@ -587,6 +613,7 @@ impl ReplicationNode {
     fn stop_leading(&self, replica: &ShardReplica) {
         if let Some(leader) = replica.leader.lock().take() {
             leader.stop.cancel();
+            replica.lease_until.send_replace(0);
             replica.generation.send_modify(|g| *g += 1);
             tracing::info!(shard = replica.shard, epoch = leader.epoch, "stopped leading");
         }
@@ -606,11 +633,7 @@ impl ReplicationNode {
     pub async fn position(&self, shard: ShardId) -> Result<FenceResponse, Status> {
         let replica = self.replica_or_not_found(shard)?;
         let p = self.wal.positions(shard).map_err(|e| Status::internal(e.to_string()))?;
-        let last_epoch = if p.last_seqno >= p.first_seqno {
-            self.wal.epoch_at(shard, p.last_seqno).await.map_err(|e| Status::internal(e.to_string()))?
-        } else {
-            0
-        };
+        let last_epoch = self.log_rank_epoch(shard, &p).await.map_err(|e| Status::internal(e.to_string()))?;
         let commit = match replica.leader_state() {
             Some(leader) => leader.core.lock().commit(),
             None => replica.follower.leader_commit.load(Ordering::Acquire).max(replica.readable()),
@@ -624,6 +647,16 @@ impl ReplicationNode {
             epoch_seen: replica.epoch_seen(),
             first_seqno: p.first_seqno,
         })
+    }
+
+    /// The epoch a failover ranks this replica's log by (reported as
+    /// `last_epoch`): its log epoch, the newest epoch whose leader's log it
+    /// is a prefix of (Viewstamped Replication's "last normal view"; see
+    /// `core/leader.rs` for why commits rely on it), or its last record's
+    /// epoch where that is newer (a log from before log epochs were kept).
+    async fn log_rank_epoch(&self, shard: ShardId, p: &walship_wal::Positions) -> walship_wal::wal::WalResult<u64> {
+        let last_record = if p.last_seqno >= p.first_seqno { self.wal.epoch_at(shard, p.last_seqno).await? } else { 0 };
+        Ok(last_record.max(self.wal.log_epoch(shard)?))
     }
 
     /// Raises the replica's epoch: it refuses anything older from now on
@@ -718,6 +751,8 @@ impl ReplicationNode {
         commit_floor: u64,
     ) -> Result<(), Status> {
         let internal = |e: walship_wal::WalError| Status::internal(e.to_string());
+        // Before it leads, its log is this epoch's: a failover ranks it so.
+        self.wal.set_log_epoch(replica.shard, epoch).await.map_err(internal)?;
         let p = self.wal.positions(replica.shard).map_err(internal)?;
         // The stream baseline: everything up to here predates this epoch.
         let (_, before) = self.wal.epoch_end(replica.shard, epoch - 1).await.map_err(internal)?;
@@ -1376,6 +1411,11 @@ impl ReplicationNode {
             self.wal.truncate_suffix(replica.shard, keep).await.map_err(internal)?;
         }
         let last = self.wal.positions(replica.shard).map_err(internal)?.last_seqno;
+        // The log is now a prefix of this leader's: record it durably before
+        // answering anything of this epoch, so every acknowledgement the
+        // leader counts comes from a replica a failover ranks by this epoch
+        // (what lets the leader commit older-epoch records by counting).
+        self.wal.set_log_epoch(replica.shard, epoch).await.map_err(internal)?;
         replica.follower.next_expected.send_replace(last + 1);
         replica.follower.repaired_epoch.fetch_max(epoch, Ordering::AcqRel);
         Ok(())
@@ -1565,11 +1605,7 @@ impl ReplicationNode {
                 let rate = if elapsed > 0.0 { (c.records - prev) as f64 / elapsed } else { 0.0 };
                 node_rate += rate;
                 let view = replica.view();
-                let last_epoch = if p.last_seqno >= p.first_seqno {
-                    self.wal.epoch_at(replica.shard, p.last_seqno).await.unwrap_or(0)
-                } else {
-                    0
-                };
+                let last_epoch = self.log_rank_epoch(replica.shard, &p).await.unwrap_or(0);
                 let mut lag_records = std::collections::HashMap::new();
                 let mut lag_bytes = std::collections::HashMap::new();
                 let mut lag_seconds = std::collections::HashMap::new();
@@ -1610,19 +1646,34 @@ impl ReplicationNode {
             }
             self.metrics.append_rate.set(node_rate);
             let mut sends = Vec::new();
+            let sent_us = now_us();
             for channel in &targets {
                 for request in &requests {
                     let mut client =
                         walship_proto::replication::wal_shipping_client::WalShippingClient::new(channel.clone());
+                    let (shard, epoch) = (request.shard_id, request.epoch);
                     let mut request = tonic::Request::new(request.clone());
                     request.set_timeout(interval.max(Duration::from_millis(200)));
-                    sends.push(async move { client.heartbeat(request).await.is_ok() });
+                    sends.push(async move { (shard, epoch, client.heartbeat(request).await) });
                 }
             }
-            for ok in futures::future::join_all(sends).await {
-                self.metrics.heartbeats_sent.with_label_values(&[if ok { "ok" } else { "error" }]).inc();
+            for (shard, epoch, answer) in futures::future::join_all(sends).await {
+                self.metrics.heartbeats_sent.with_label_values(&[if answer.is_ok() { "ok" } else { "error" }]).inc();
+                if answer.is_ok_and(|a| a.get_ref().leader_confirmed) {
+                    self.on_leader_confirmed(shard, epoch, sent_us);
+                }
             }
         }
+    }
+
+    /// The active coordinator confirmed that this node leads `shard` in
+    /// `epoch`, answering a heartbeat sent at `sent_us`: the lease renews.
+    fn on_leader_confirmed(&self, shard: ShardId, epoch: u64, sent_us: u64) {
+        let Some(replica) = self.replica(shard) else { return };
+        let Some(leader) = replica.leader_state().filter(|l| l.epoch == epoch) else { return };
+        let mut core = leader.core.lock();
+        core.on_coordinator_confirmed(sent_us);
+        replica.publish_leader(&core, &self.metrics);
     }
 
     /// Refreshes the per-follower gauges often enough that an idle,

@@ -233,6 +233,20 @@ pub(crate) fn epoch_promise_survives_and_never_moves_back(h: &mut dyn Harness) {
     assert!(matches!(h.store().epoch(9), Err(StoreError::UnknownShard(9))));
 }
 
+pub(crate) fn log_epoch_survives_and_never_moves_back(h: &mut dyn Harness) {
+    h.store().create_shard(1).unwrap();
+    assert_eq!(h.store().log_epoch(1).unwrap(), 0);
+    h.store().set_log_epoch(1, 4).unwrap();
+    h.store().set_log_epoch(1, 2).unwrap();
+    h.store().set_epoch(1, 9).unwrap();
+    assert_eq!(h.store().log_epoch(1).unwrap(), 4, "a lower log epoch is ignored, the promise is separate");
+    h.restart();
+    assert_eq!(h.store().log_epoch(1).unwrap(), 4, "the log epoch is durable");
+    assert_eq!(h.store().epoch(1).unwrap(), 9);
+    assert!(matches!(h.store().set_log_epoch(9, 1), Err(StoreError::UnknownShard(9))));
+    assert!(matches!(h.store().log_epoch(9), Err(StoreError::UnknownShard(9))));
+}
+
 macro_rules! conformance_suite {
     ($harness:expr) => {
         #[test]
@@ -274,6 +288,10 @@ macro_rules! conformance_suite {
         #[test]
         fn epoch_promise_survives_and_never_moves_back() {
             crate::conformance::epoch_promise_survives_and_never_moves_back(&mut $harness);
+        }
+        #[test]
+        fn log_epoch_survives_and_never_moves_back() {
+            crate::conformance::log_epoch_survives_and_never_moves_back(&mut $harness);
         }
         #[test]
         fn frames_survive_byte_identical() {

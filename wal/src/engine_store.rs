@@ -31,6 +31,7 @@ use crate::zero_fill::ZeroFilledFs;
 const FIRST_KEY: &[u8] = b"walship/first";
 const TRUNCATED_KEY: &[u8] = b"walship/truncated";
 const EPOCH_KEY: &[u8] = b"walship/epoch";
+const LOG_EPOCH_KEY: &[u8] = b"walship/log-epoch";
 /// Upper bound of the protobuf framing raft-engine adds around one frame
 /// (tags and varints of index, term and the data length).
 const ENTRY_FRAMING_BYTES: usize = 32;
@@ -166,6 +167,19 @@ impl EngineStore {
 
     fn write(&self, batch: &mut LogBatch, sync: bool) -> StoreResult<()> {
         self.engine.write(batch, sync).map(|_| ()).map_err(io)
+    }
+
+    /// Durably raises a per-shard counter kept under `key` to `value`; a
+    /// lower value is ignored.
+    fn raise_u64(&self, shard: ShardId, key: &[u8], value: u64) -> StoreResult<()> {
+        self.state(shard)?;
+        let _guard = self.epoch_lock.lock();
+        if get_u64(&self.engine, shard, key).is_some_and(|current| current >= value) {
+            return Ok(());
+        }
+        let mut batch = LogBatch::default();
+        batch.put(shard as u64, key.to_vec(), value.to_le_bytes().to_vec()).map_err(io)?;
+        self.write(&mut batch, true)
     }
 
     fn state(&self, shard: ShardId) -> StoreResult<ShardState> {
@@ -326,18 +340,20 @@ impl LogStore for EngineStore {
     }
 
     fn set_epoch(&self, shard: ShardId, epoch: u64) -> StoreResult<()> {
-        self.state(shard)?;
-        let _guard = self.epoch_lock.lock();
-        if get_u64(&self.engine, shard, EPOCH_KEY).is_some_and(|current| current >= epoch) {
-            return Ok(());
-        }
-        let mut batch = LogBatch::default();
-        batch.put(shard as u64, EPOCH_KEY.to_vec(), epoch.to_le_bytes().to_vec()).map_err(io)?;
-        self.write(&mut batch, true)
+        self.raise_u64(shard, EPOCH_KEY, epoch)
     }
 
     fn epoch(&self, shard: ShardId) -> StoreResult<u64> {
         self.state(shard)?;
         Ok(get_u64(&self.engine, shard, EPOCH_KEY).unwrap_or(0))
+    }
+
+    fn set_log_epoch(&self, shard: ShardId, epoch: u64) -> StoreResult<()> {
+        self.raise_u64(shard, LOG_EPOCH_KEY, epoch)
+    }
+
+    fn log_epoch(&self, shard: ShardId) -> StoreResult<u64> {
+        self.state(shard)?;
+        Ok(get_u64(&self.engine, shard, LOG_EPOCH_KEY).unwrap_or(0))
     }
 }

@@ -18,6 +18,7 @@ use crate::store::{
 struct MemShard {
     first_seqno: u64,
     epoch: u64,
+    log_epoch: u64,
     durable_seqno: u64,
     /// Frames `first_seqno..`, in order.
     frames: VecDeque<Frame>,
@@ -59,6 +60,7 @@ impl LogStore for MemStore {
         self.shards.lock().entry(shard).or_insert(MemShard {
             first_seqno: 1,
             epoch: 0,
+            log_epoch: 0,
             durable_seqno: 0,
             frames: VecDeque::new(),
         });
@@ -143,5 +145,16 @@ impl LogStore for MemStore {
 
     fn epoch(&self, shard: ShardId) -> StoreResult<u64> {
         Ok(self.shards.lock().get(&shard).ok_or(StoreError::UnknownShard(shard))?.epoch)
+    }
+
+    fn set_log_epoch(&self, shard: ShardId, epoch: u64) -> StoreResult<()> {
+        let mut shards = self.shards.lock();
+        let s = shards.get_mut(&shard).ok_or(StoreError::UnknownShard(shard))?;
+        s.log_epoch = s.log_epoch.max(epoch);
+        Ok(())
+    }
+
+    fn log_epoch(&self, shard: ShardId) -> StoreResult<u64> {
+        Ok(self.shards.lock().get(&shard).ok_or(StoreError::UnknownShard(shard))?.log_epoch)
     }
 }

@@ -117,6 +117,17 @@ pub trait LogStore: Send + Sync + 'static {
 
     /// The epoch last recorded with [`LogStore::set_epoch`] (0 if none).
     fn epoch(&self, shard: ShardId) -> StoreResult<u64>;
+
+    /// Records the shard's *log epoch*: the newest epoch whose leader's log
+    /// this replica's log is known to be a prefix of (the replication layer
+    /// sets it when it starts leading, or once a follower has reconciled
+    /// its log with a leader). Never moves backwards: a lower value is
+    /// ignored. Durable on return.
+    fn set_log_epoch(&self, shard: ShardId, epoch: u64) -> StoreResult<()>;
+
+    /// The log epoch last recorded with [`LogStore::set_log_epoch`] (0 if
+    /// none).
+    fn log_epoch(&self, shard: ShardId) -> StoreResult<u64>;
 }
 
 /// Checks that `frames` may be appended to a shard whose next seqno is `next`.

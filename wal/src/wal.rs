@@ -380,6 +380,22 @@ impl Wal {
         Ok(promised)
     }
 
+    /// Records the shard's log epoch durably (see
+    /// [`LogStore::set_log_epoch`]); a lower value is ignored.
+    pub async fn set_log_epoch(&self, shard: ShardId, epoch: u64) -> WalResult<()> {
+        self.shared.shard(shard)?;
+        let store = self.shared.store.clone();
+        tokio::task::spawn_blocking(move || store.set_log_epoch(shard, epoch))
+            .await
+            .map_err(|_| WalError::Closed)??;
+        Ok(())
+    }
+
+    /// The shard's log epoch (0 if never recorded).
+    pub fn log_epoch(&self, shard: ShardId) -> WalResult<u64> {
+        Ok(self.shared.store.log_epoch(shard)?)
+    }
+
     /// The epoch of the record at `seqno`.
     pub async fn epoch_at(&self, shard: ShardId, seqno: u64) -> WalResult<u64> {
         let frames = self.read(shard, seqno, seqno, 1).await?;
@@ -994,6 +1010,12 @@ mod tests {
         }
         fn epoch(&self, shard: ShardId) -> crate::store::StoreResult<u64> {
             self.inner.epoch(shard)
+        }
+        fn set_log_epoch(&self, shard: ShardId, epoch: u64) -> crate::store::StoreResult<()> {
+            self.inner.set_log_epoch(shard, epoch)
+        }
+        fn log_epoch(&self, shard: ShardId) -> crate::store::StoreResult<u64> {
+            self.inner.log_epoch(shard)
         }
     }
 

@@ -14,12 +14,26 @@
 //!   committed until the leader's own copy is durable, and the coordinator
 //!   never lets a restarted leader lead again in the same epoch (see
 //!   `shipping/EARLY-SHIPPING.md`).
-//! * Counting replicas only commits once the majority position reaches a
-//!   record of this leader's own epoch (`epoch_start`): older-epoch records
-//!   on a majority may still be overwritten by a leader with a newer last
-//!   epoch (Raft's "figure 8"), so they commit together with the first
-//!   record of this epoch. Until then the commit is the floor the
-//!   coordinator handed over (positions some earlier leader announced).
+//! * Counting replicas commits older-epoch records at once, without waiting
+//!   for a record of this leader's own epoch: a new leader makes everything
+//!   durable on a majority readable without a client write. This is safe
+//!   because of the *log epoch* every replica records durably (see
+//!   `shipping/src/replica.rs`): the leader records its epoch before it
+//!   leads, and a follower records it once its log is reconciled with this
+//!   leader's (a prefix of it) and before it answers anything of this
+//!   epoch. A failover compares `(log epoch, last seqno)`, Viewstamped
+//!   Replication's "last normal view", so any majority that could elect a
+//!   later leader holds a replica stamped with this epoch and at least as
+//!   long as the commit; Raft's "figure 8" (older-epoch records on a
+//!   majority overwritten by a leader with a newer last record) cannot
+//!   happen. The coordinator's hand-over floor still applies from the start.
+//! * Leader lease (coordinated clusters): the leader acknowledges appends
+//!   at any durability only while it has heard, within `lease_us`, from a
+//!   majority of its replica set (positive ship replies) or from the active
+//!   coordinator confirming its leadership in this epoch. A leader frozen
+//!   or cut off past the failure timeout stops acknowledging even `LOCAL`
+//!   appends (Raft's CheckQuorum). `LOCAL` is still not failover-safe: it
+//!   is acknowledged before any follower holds the record.
 //! * A follower's `acked` only ever comes from its own reply (its durable
 //!   frontier); nothing the leader sends counts until the follower says so.
 //! * At most `window` requests are in flight per follower, and a follower
@@ -73,6 +87,9 @@ pub struct LeaderSettings {
     pub keepalive_us: u64,
     /// How soon an unanswered (probe-mode) follower is probed again.
     pub probe_us: u64,
+    /// The leader lease (the coordinator's failure timeout); none in a static
+    /// cluster, whose leadership never moves.
+    pub lease_us: Option<u64>,
 }
 
 /// Where a leader starts.
@@ -189,6 +206,9 @@ pub struct LeaderCore {
     /// Average frame size so far, for estimates past the ledger.
     avg_frame_bytes: u64,
     started_us: u64,
+    /// When the active coordinator last confirmed this leadership (the
+    /// heartbeat's send time, µs).
+    coordinator_confirmed_us: Option<u64>,
 }
 
 impl LeaderCore {
@@ -216,6 +236,7 @@ impl LeaderCore {
             ledger: VecDeque::new(),
             avg_frame_bytes: 0,
             started_us: now_us,
+            coordinator_confirmed_us: None,
         };
         core.recompute_commit();
         core
@@ -400,6 +421,38 @@ impl LeaderCore {
         Ok(self.recompute_commit())
     }
 
+    /// The active coordinator confirmed this leadership in a heartbeat
+    /// answer; `sent_us` is when that heartbeat left (the conservative end).
+    pub fn on_coordinator_confirmed(&mut self, sent_us: u64) {
+        self.coordinator_confirmed_us = self.coordinator_confirmed_us.max(Some(sent_us));
+    }
+
+    /// Until when (µs) this leader may acknowledge appends: its last
+    /// contact with a majority (counting itself; the time of each follower's
+    /// last positive reply), the coordinator's last confirmation, or its own
+    /// start, whichever is newest, plus the lease. `None`: no bound (a
+    /// static cluster, or a replica set the leader is a majority of alone).
+    pub fn lease_until(&self) -> Option<u64> {
+        let lease = self.settings.lease_us?;
+        // Followers needed besides the leader: a majority of the replica
+        // set minus the leader itself.
+        let replicas = self.followers.len() + 1;
+        let needed = replicas / 2;
+        if needed == 0 {
+            return None;
+        }
+        let mut contacts: Vec<u64> = self.followers.values().filter_map(|p| p.last_reply_us).collect();
+        contacts.sort_unstable_by(|a, b| b.cmp(a));
+        let majority = contacts.get(needed - 1).copied();
+        let contact = majority.max(self.coordinator_confirmed_us).unwrap_or(0).max(self.started_us);
+        Some(contact.saturating_add(lease))
+    }
+
+    /// Whether the lease holds at `now_us` (see [`LeaderCore::lease_until`]).
+    pub fn lease_holds(&self, now_us: u64) -> bool {
+        self.lease_until().is_none_or(|until| now_us < until)
+    }
+
     /// Lag of `follower` at `now_us`.
     pub fn lag(&self, follower: NodeId, now_us: u64) -> Option<Lag> {
         let p = self.followers.get(&follower)?;
@@ -482,7 +535,7 @@ impl LeaderCore {
         durable.sort_unstable_by(|a, b| b.cmp(a));
         let majority = durable.len() / 2 + 1;
         let quorum = durable[majority - 1].min(self.durable);
-        if quorum > self.commit && quorum >= self.epoch_start {
+        if quorum > self.commit {
             self.commit = quorum;
             true
         } else {
@@ -495,8 +548,13 @@ impl LeaderCore {
 mod tests {
     use super::*;
 
-    const SETTINGS: LeaderSettings =
-        LeaderSettings { window: 2, catchup_threshold_bytes: 10_000, keepalive_us: 1_000, probe_us: 1_000 };
+    const SETTINGS: LeaderSettings = LeaderSettings {
+        window: 2,
+        catchup_threshold_bytes: 10_000,
+        keepalive_us: 1_000,
+        probe_us: 1_000,
+        lease_us: None,
+    };
 
     fn start(epoch: u64, durable: u64, epoch_start: u64, commit_floor: u64) -> LeaderStart {
         LeaderStart { epoch, first: 1, durable, epoch_start, commit_floor }
@@ -789,18 +847,75 @@ mod tests {
     }
 
     #[test]
-    fn older_epoch_records_commit_only_with_one_of_this_epoch() {
+    fn older_epoch_records_on_a_majority_commit_without_a_record_of_this_epoch() {
         // Promoted at epoch 4 holding 1..=9 from earlier epochs; an earlier
-        // leader had announced commit 6.
+        // leader had announced commit 6. Every follower reply of this
+        // session comes from a replica whose log epoch is 4 (see the module
+        // docs), so counting commits the older records at once: a restarted
+        // cluster serves what it acknowledged without a new append.
         let mut core = LeaderCore::new(start(4, 9, 10, 6), &[2, 3], SETTINGS, 0);
         assert_eq!(core.commit(), 6, "starts at the handed-over floor");
+        probe(&mut core, 2, 7, 1);
+        assert_eq!(core.commit(), 7, "7 is durable on the leader and node 2");
+        probe(&mut core, 3, 9, 2);
+        assert_eq!(core.commit(), 9, "9 is durable on all three");
+        core.on_local_durable(10, 10, 1_000, 3);
+        assert_eq!(core.commit(), 9, "10 is on the leader alone");
+    }
+
+    #[test]
+    fn older_epoch_records_held_by_a_minority_stay_uncommitted() {
+        let mut core = LeaderCore::new(start(4, 9, 10, 0), &[2, 3, 4, 5], SETTINGS, 0);
         probe(&mut core, 2, 9, 1);
-        assert_eq!(core.commit(), 6, "9 is on a majority but from an older epoch: not committed by counting");
-        core.on_local_durable(10, 10, 1_000, 2);
-        assert_eq!(core.commit(), 6);
-        core.on_sent(2, 10, 10, 2);
-        core.on_reply(2, ShipReply::Applied { applied: 10 }, 3).unwrap();
-        assert_eq!(core.commit(), 10, "the first epoch-4 record on a majority commits everything before it");
+        assert_eq!(core.commit(), 0, "two of five is no majority");
+        probe(&mut core, 3, 5, 2);
+        assert_eq!(core.commit(), 5, "three of five hold 1..=5");
+    }
+
+    fn leased(followers: &[NodeId]) -> LeaderCore {
+        let settings = LeaderSettings { lease_us: Some(1_000), ..SETTINGS };
+        LeaderCore::new(start(5, 0, 1, 0), followers, settings, 10_000)
+    }
+
+    #[test]
+    fn a_new_leader_holds_the_lease_from_its_start() {
+        let core = leased(&[2, 3]);
+        assert!(core.lease_holds(10_999));
+        assert!(!core.lease_holds(11_000), "nobody answered within the lease");
+    }
+
+    #[test]
+    fn the_lease_needs_a_majority_of_recent_positive_replies() {
+        let mut core = leased(&[2, 3, 4, 5]);
+        probe(&mut core, 2, 0, 20_000);
+        assert!(!core.lease_holds(20_001), "the leader and one follower of five are no majority");
+        probe(&mut core, 3, 0, 20_500);
+        assert!(core.lease_holds(20_999), "three of five answered within the lease");
+        assert!(!core.lease_holds(21_000), "the older of the two needed replies is past the lease");
+        // Refusals and failures renew nothing.
+        assert_eq!(core.poll_ship(4, 21_000), ShipDecision::Keepalive);
+        core.on_keepalive_sent(4, 21_000);
+        core.on_reply(4, ShipReply::Failed, 21_100).unwrap();
+        assert!(!core.lease_holds(21_200));
+    }
+
+    #[test]
+    fn a_coordinator_confirmation_renews_the_lease() {
+        let mut core = leased(&[2, 3]);
+        assert!(!core.lease_holds(30_000));
+        core.on_coordinator_confirmed(29_500);
+        assert!(core.lease_holds(30_000));
+        assert!(!core.lease_holds(30_500), "measured from when the heartbeat left");
+        core.on_coordinator_confirmed(100);
+        assert!(core.lease_holds(30_400), "an older confirmation never shortens it");
+    }
+
+    #[test]
+    fn a_static_leader_or_a_lone_replica_has_no_lease_bound() {
+        let core = LeaderCore::new(start(1, 0, 1, 0), &[2, 3], SETTINGS, 0);
+        assert_eq!(core.lease_until(), None);
+        assert!(core.lease_holds(u64::MAX));
+        assert_eq!(leased(&[]).lease_until(), None, "alone it is its own majority");
     }
 
     #[test]
