@@ -1373,6 +1373,64 @@ mod tests {
         wal.append(1, 8, records(1)).await.unwrap();
     }
 
+    /// The record crc32 path (a damaged frame behind an intact store):
+    /// a typed, non-fatal error naming the run of bad seqnos, recorded once,
+    /// trimmed and then cleared by truncations.
+    #[tokio::test]
+    async fn a_corrupt_frame_is_a_typed_read_error_recorded_once_and_cleared_by_truncation() {
+        let store = Arc::new(MemStore::new());
+        let config = WalConfig { tail_cache_bytes: 0, scrub_bytes_per_s: 0, ..WalConfig::default() };
+        let metrics = WalMetrics::unregistered();
+        let wal = Wal::start(store.clone(), config, metrics.clone()).unwrap();
+        wal.create_shard(1).unwrap();
+        wal.append(1, 1, records(10)).await.unwrap();
+        // A later append evicts 1..=10 from the tail cache: reads go to the store.
+        wal.append(1, 1, records(1)).await.unwrap();
+        store.corrupt(1, 4);
+        store.corrupt(1, 5);
+        let err = wal.read(1, 1, 10, usize::MAX).await.unwrap_err();
+        assert_eq!(err.corrupt_range(), Some((1, 4, 5)), "{err:?}");
+        assert!(matches!(&err, WalError::Store(e) if !e.is_fatal()));
+        assert!(wal.read(1, 4, 4, 1).await.unwrap_err().corrupt_range().is_some());
+        assert_eq!(wal.read(1, 1, 3, usize::MAX).await.unwrap().len(), 3);
+        let found = wal.corruption();
+        assert_eq!(found.len(), 1);
+        assert_eq!((found[0].first_bad_seqno, found[0].last_bad_seqno, found[0].how), (4, 5, Detection::Read));
+        assert_eq!(metrics.corruption_detected.with_label_values(&["read"]).get(), 1, "logged and counted once");
+        assert_eq!(metrics.corrupt_records.with_label_values(&["1"]).get(), 2);
+        wal.truncate_suffix(1, 4).await.unwrap();
+        assert_eq!(wal.shard_corruption(1)[0].last_bad_seqno, 4, "5 is gone, 4 is still there");
+        wal.truncate_suffix(1, 3).await.unwrap();
+        assert!(wal.corruption().is_empty());
+        assert_eq!(metrics.corrupt_records.with_label_values(&["1"]).get(), 0);
+        assert_eq!(wal.append(1, 1, records(2)).await.unwrap(), Appended { first_seqno: 4, last_seqno: 5 });
+    }
+
+    /// An unclean restart verifies the tail written since the previous
+    /// check and the WAL starts with what it found; a clean one does not.
+    #[tokio::test]
+    async fn an_unclean_restart_checks_the_tail_and_a_clean_one_does_not() {
+        let store = Arc::new(MemStore::new());
+        let config = WalConfig { scrub_bytes_per_s: 0, ..WalConfig::default() };
+        let wal = Wal::start(store.clone(), config.clone(), WalMetrics::unregistered()).unwrap();
+        wal.create_shard(1).unwrap();
+        wal.append(1, 1, records(10)).await.unwrap();
+        wal.shutdown_clean().await.unwrap();
+        store.corrupt(1, 3);
+        store.crash(); // A restart after the clean shutdown.
+        let wal = Wal::start(store.clone(), config.clone(), WalMetrics::unregistered()).unwrap();
+        assert!(wal.corruption().is_empty(), "records checked at the clean shutdown are the scrubber's");
+        let report = wal.scrub_now().await.unwrap();
+        assert_eq!((report.records, report.new_ranges), (9, 1));
+        wal.append(1, 1, records(5)).await.unwrap(); // 11..=15
+        store.corrupt(1, 12);
+        store.crash(); // Unclean this time.
+        let wal = Wal::start(store, config, WalMetrics::unregistered()).unwrap();
+        let found = wal.corruption();
+        assert_eq!(found.len(), 1, "only the tail since the previous check: {found:?}");
+        assert_eq!((found[0].first_bad_seqno, found[0].last_bad_seqno, found[0].how), (12, 12, Detection::Startup));
+    }
+
     #[tokio::test]
     async fn refusals_change_nothing() {
         let wal = Wal::start(Arc::new(MemStore::new()), WalConfig::default(), WalMetrics::unregistered()).unwrap();
