@@ -60,6 +60,12 @@ pub struct WalTuning {
     /// allocating new files; purged files refill the pool. Rounded down to
     /// the whole files raft-engine lays out. See `walship_wal::zero_fill`.
     pub spare_bytes: u64,
+    /// Read rate of the background WAL scrubber, which reads and verifies
+    /// every shard's retained log, in record bytes per second; 0 disables
+    /// it. See `walship_wal::corruption` for the default (8 MiB/s).
+    pub scrub_bytes_per_s: u64,
+    /// Seconds from the start of one scrub pass to the next (default a day).
+    pub scrub_interval_s: u64,
 }
 
 impl Default for WalTuning {
@@ -73,6 +79,8 @@ impl Default for WalTuning {
             tail_cache_bytes: wal.tail_cache_bytes,
             prefill: true,
             spare_bytes: walship_wal::DEFAULT_SPARE_BYTES,
+            scrub_bytes_per_s: wal.scrub_bytes_per_s,
+            scrub_interval_s: wal.scrub_interval.as_secs(),
         }
     }
 }
@@ -102,6 +110,9 @@ impl NodeConfig {
         }
         if self.limits.max_record_bytes == 0 || self.limits.max_batch_records == 0 {
             bail!("limits must be positive");
+        }
+        if self.wal.scrub_bytes_per_s > 0 && self.wal.scrub_interval_s == 0 {
+            bail!("wal.scrub_interval_s must be positive (or disable the scrubber with wal.scrub_bytes_per_s = 0)");
         }
         Ok(())
     }

@@ -64,13 +64,17 @@ fn main() -> std::process::ExitCode {
 }
 
 fn run() -> Result<()> {
-    tracing_subscriber::fmt()
+    let subscriber = tracing_subscriber::fmt()
         .with_env_filter(
             tracing_subscriber::EnvFilter::try_from_env("WALSHIP_LOG")
                 .unwrap_or_else(|_| "info,raft_engine=warn".into()),
         )
         .with_writer(std::io::stderr)
-        .init();
+        .finish();
+    tracing::subscriber::set_global_default(subscriber)?;
+    // In place of tracing-log's bridge: raft-engine's recovery truncations
+    // are told apart as a torn tail (INFO) or corruption (ERROR).
+    walship_wal::recovery_log::install()?;
     let cli = Cli::parse();
     let runtime = tokio::runtime::Builder::new_multi_thread().enable_all().build()?;
     runtime.block_on(async move {

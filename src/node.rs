@@ -60,6 +60,14 @@ pub struct NodeArgs {
     /// `--wal-prefill` (`wal.spare_bytes`, default 2 GiB; 0 lays out none).
     #[arg(long)]
     wal_spare_bytes: Option<u64>,
+    /// Read rate of the background WAL scrubber in bytes per second
+    /// (`wal.scrub_bytes_per_s`, default 8 MiB/s; 0 disables it).
+    #[arg(long)]
+    wal_scrub_bytes_per_s: Option<u64>,
+    /// Seconds between the starts of two WAL scrub passes
+    /// (`wal.scrub_interval_s`, default 86400).
+    #[arg(long)]
+    wal_scrub_interval_s: Option<u64>,
     /// Honour the coordinator's crash drills (the process aborts as if
     /// killed). For dev and test clusters only.
     #[arg(long)]
@@ -120,6 +128,12 @@ impl NodeArgs {
         if let Some(bytes) = self.wal_spare_bytes {
             config.wal.spare_bytes = bytes;
         }
+        if let Some(rate) = self.wal_scrub_bytes_per_s {
+            config.wal.scrub_bytes_per_s = rate;
+        }
+        if let Some(interval) = self.wal_scrub_interval_s {
+            config.wal.scrub_interval_s = interval;
+        }
         config.validate(cluster.is_some())?;
         let drills =
             Drills { allow_crash: self.allow_crash_drills, unwritten_batch_after: self.fault_unwritten_batch_after };
@@ -143,6 +157,7 @@ pub struct RunningNode {
     pub admin_addr: SocketAddr,
     shutdown: CancellationToken,
     servers: Vec<tokio::task::JoinHandle<Result<()>>>,
+    wal: Wal,
 }
 
 impl RunningNode {
@@ -154,6 +169,8 @@ impl RunningNode {
         for server in self.servers {
             server.await??;
         }
+        // The next start then skips the WAL tail check.
+        self.wal.shutdown_clean().await.context("recording the WAL's clean shutdown")?;
         Ok(())
     }
 }
@@ -202,8 +219,14 @@ pub async fn start_node(config: NodeConfig, cluster: Option<ClusterConfig>, dril
         max_batch_bytes: config.wal.max_batch_bytes,
         tail_cache_bytes: config.wal.tail_cache_bytes,
         fault_unwritten_batch_after: drills.unwritten_batch_after,
+        scrub_bytes_per_s: config.wal.scrub_bytes_per_s,
+        scrub_interval: Duration::from_secs(config.wal.scrub_interval_s),
     };
-    let wal = Wal::start(store.clone(), wal_config, WalMetrics::new(&registry)?)?;
+    let wal_metrics = WalMetrics::new(&registry)?;
+    let wal = {
+        let store = store.clone();
+        tokio::task::spawn_blocking(move || Wal::start(store, wal_config, wal_metrics)).await??
+    };
     let disk_bytes = Box::new(move || store.disk_bytes());
     let node = ReplicationNode::start(
         config.node_id,
@@ -275,7 +298,7 @@ pub async fn start_node(config: NodeConfig, cluster: Option<ClusterConfig>, dril
             .context("admin server")
     });
     tracing::info!(node_id = config.node_id, %grpc_addr, %admin_addr, "serving");
-    Ok(RunningNode { grpc_addr, admin_addr, shutdown, servers: vec![grpc, http] })
+    Ok(RunningNode { grpc_addr, admin_addr, shutdown, servers: vec![grpc, http], wal })
 }
 
 pub async fn run_node(args: NodeArgs) -> Result<()> {

@@ -12,9 +12,34 @@
 //!
 //! raft-engine panics on a failed fsync. That is the behaviour walship wants:
 //! a WAL whose durability is unknown must stop the process.
+//!
+//! Damage. raft-engine checks an entry batch's checksum only when an entry of
+//! it is read, and reports a mismatch without naming a region, an index or
+//! a file. A read that fails that way (or whose frame fails its crc32) is
+//! retried entry by entry to find exactly which seqnos cannot be read (a
+//! batch shares one checksum, so the whole run of the shard's records in it
+//! is reported), and the file holding them is found from raft-engine's file
+//! layout: the item batches of the `*.raftlog` files (then `*.rewrite`),
+//! newest first, name the file of every entry ([`EngineStore::locate`]; the
+//! newest file naming the entry is the copy raft-engine reads). When no file
+//! names it (its item batch is damaged too) the error says "file unknown" and
+//! the data dir is reported by [`LogStore::location`].
+//!
+//! Unclean shutdowns. A graceful shutdown leaves `walship-clean-shutdown` in
+//! the directory ([`LogStore::mark_clean_shutdown`]); an open removes it.
+//! `walship-tail-check` holds the sequence number of the newest log file at
+//! the previous open: files before it were complete then, and only that file
+//! and newer ones can have been written since. An open that finds no clean
+//! marker reads and verifies every record those files hold (just the newest
+//! file when there is no `walship-tail-check` yet) before it returns, and
+//! keeps what it found for [`LogStore::startup_damage`]. That is at most a
+//! few log files (`target_file_bytes` each) read at start. Older files are
+//! the scrubber's. raft-engine's own recovery truncations (torn tails and
+//! damage) are classified by [`crate::recovery_log`].
 
 use std::collections::BTreeMap;
-use std::path::Path;
+use std::io::Write;
+use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
 use parking_lot::Mutex;
@@ -22,9 +47,10 @@ use raft_engine::{Command, Config, LogBatch, MessageExt, ReadableSize};
 use raft_proto::eraftpb::Entry;
 
 use crate::record::{FRAME_OVERHEAD, Frame};
+use crate::recovery_log::RecoveryFinding;
 use crate::store::{
-    LogBounds, LogStore, ShardAppend, ShardId, StoreError, StoreResult, check_compact, check_continues, check_range,
-    check_truncate,
+    LogBounds, LogStore, ShardAppend, ShardId, StartupDamage, StoreError, StoreResult, check_compact, check_continues,
+    check_range, check_truncate,
 };
 use crate::zero_fill::ZeroFilledFs;
 
@@ -32,6 +58,12 @@ const FIRST_KEY: &[u8] = b"walship/first";
 const TRUNCATED_KEY: &[u8] = b"walship/truncated";
 const EPOCH_KEY: &[u8] = b"walship/epoch";
 const LOG_EPOCH_KEY: &[u8] = b"walship/log-epoch";
+/// Present only between a graceful shutdown and the next open.
+pub const CLEAN_SHUTDOWN_FILE: &str = "walship-clean-shutdown";
+/// The newest log file's sequence number at the previous open.
+pub const TAIL_CHECK_FILE: &str = "walship-tail-check";
+/// Frame bytes per read while verifying the tail at open.
+const CHECK_READ_BYTES: usize = 1 << 20;
 /// Upper bound of the protobuf framing raft-engine adds around one frame
 /// (tags and varints of index, term and the data length).
 const ENTRY_FRAMING_BYTES: usize = 32;
@@ -102,6 +134,11 @@ pub struct EngineStore {
     shards: Mutex<BTreeMap<ShardId, ShardState>>,
     /// Serialises epoch read-modify-writes so the epoch never moves back.
     epoch_lock: Mutex<()>,
+    dir: PathBuf,
+    /// What the tail check at open found damaged.
+    startup_damage: Vec<StartupDamage>,
+    /// What raft-engine's recovery truncated, classified.
+    recovery: Vec<RecoveryFinding>,
 }
 
 fn io(e: raft_engine::Error) -> StoreError {
@@ -126,7 +163,11 @@ impl EngineStore {
         let spares = if config.prefill { config.spare_bytes } else { 0 };
         let cfg = crate::zero_fill::with_spare_files(cfg, spares);
         let fs = Arc::new(ZeroFilledFs::new(if config.prefill { config.target_file_bytes } else { 0 }));
-        let engine = Engine::open_with_file_system(cfg, fs.clone()).map_err(io)?;
+        let clean = dir.join(CLEAN_SHUTDOWN_FILE).exists();
+        crate::recovery_log::watch(dir, clean);
+        let engine = Engine::open_with_file_system(cfg, fs.clone());
+        let recovery = crate::recovery_log::unwatch(dir);
+        let engine = engine.map_err(io)?;
         let created = fs.opened();
         if config.prefill && !created {
             crate::zero_fill::refill_active_tail(dir, config.target_file_bytes)
@@ -150,11 +191,106 @@ impl EngineStore {
             let bounds = LogBounds { first_seqno: first, last_seqno: last, durable_seqno: last };
             shards.insert(shard, ShardState { bounds, truncated: marker.is_some() });
         }
-        let store =
-            EngineStore { engine, rotations: fs.rotations(), shards: Mutex::new(shards), epoch_lock: Mutex::new(()) };
+        let mut store = EngineStore {
+            engine,
+            rotations: fs.rotations(),
+            shards: Mutex::new(shards),
+            epoch_lock: Mutex::new(()),
+            dir: dir.to_path_buf(),
+            startup_damage: Vec::new(),
+            recovery,
+        };
         // Whatever recovery found may still sit in the page cache only.
         store.write(&mut Self::sync_marker(), true)?;
+        let files = log_files(dir, ".raftlog");
+        if !clean {
+            let since = std::fs::read_to_string(dir.join(TAIL_CHECK_FILE)).ok().and_then(|s| s.trim().parse().ok());
+            store.startup_damage = store.check_tail(&files, since);
+        }
+        // From here on, only the newest file and later ones can change.
+        let newest = files.last().map_or(0, |f| f.0);
+        write_durably(dir, TAIL_CHECK_FILE, newest.to_string().as_bytes())
+            .map_err(|e| StoreError::Io(format!("recording the WAL tail check: {e}")))?;
+        if clean {
+            std::fs::remove_file(dir.join(CLEAN_SHUTDOWN_FILE))
+                .and_then(|()| sync_dir(dir))
+                .map_err(|e| StoreError::Io(format!("removing the clean-shutdown marker: {e}")))?;
+        }
         Ok(store)
+    }
+
+    /// Reads and verifies every record held in log files `since` and newer
+    /// (the newest file alone without `since`), returning the damage.
+    fn check_tail(&self, files: &[(u64, PathBuf)], since: Option<u64>) -> Vec<StartupDamage> {
+        let newest = files.last().map_or(0, |f| f.0);
+        let since = since.unwrap_or(newest);
+        let mut spans: BTreeMap<ShardId, (u64, u64)> = BTreeMap::new();
+        for (_, path) in files.iter().filter(|f| f.0 >= since) {
+            for (shard, (first, last)) in entries_in_file(path) {
+                let span = spans.entry(shard).or_insert((first, last));
+                *span = (span.0.min(first), span.1.max(last));
+            }
+        }
+        let mut damage = Vec::new();
+        for (shard, (first, last)) in spans {
+            let Ok(bounds) = self.bounds(shard) else { continue };
+            let (mut from, to) = (first.max(bounds.first_seqno), last.min(bounds.last_seqno));
+            tracing::info!(shard, from, to, "verifying the WAL tail written before an unclean stop");
+            while from <= to {
+                match self.read(shard, from, to, CHECK_READ_BYTES) {
+                    Ok(frames) => from += frames.len().max(1) as u64,
+                    Err(StoreError::Corrupt { first_seqno, last_seqno, file, detail, .. }) => {
+                        damage.push(StartupDamage { shard, first_seqno, last_seqno, file, detail });
+                        from = last_seqno.max(from) + 1;
+                    }
+                    Err(e) => {
+                        tracing::warn!(shard, from, to, error = %e, "could not verify the WAL tail");
+                        break;
+                    }
+                }
+            }
+        }
+        damage
+    }
+
+    /// What raft-engine's recovery truncated when this store opened.
+    pub fn recovery_findings(&self) -> &[RecoveryFinding] {
+        &self.recovery
+    }
+
+    /// Why one entry cannot be read, if it cannot: raft-engine's checksum,
+    /// a missing entry, or the frame's own crc32.
+    fn entry_damage(&self, shard: ShardId, seqno: u64) -> Option<String> {
+        match self.engine.get_entry::<RecordEntry>(shard as u64, seqno) {
+            Ok(Some(entry)) => match Frame::parse(entry.data) {
+                Ok(frame) if frame.seqno() == seqno => None,
+                Ok(frame) => Some(format!("entry {seqno} holds the record of seqno {}", frame.seqno())),
+                Err(e) => Some(format!("record crc32: {e}")),
+            },
+            Ok(None) => Some("raft-engine has no entry for this seqno".to_owned()),
+            Err(e) => Some(e.to_string()),
+        }
+    }
+
+    /// After a failed read of `[from, to]`: the first run of adjacent seqnos
+    /// (from `from`, extended up to the shard's last record) that cannot be
+    /// read, as [`StoreError::Corrupt`]; `failure` itself if every entry
+    /// reads (the failure was not damage).
+    fn find_damage(&self, shard: ShardId, from: u64, to: u64, last: u64, failure: StoreError) -> StoreError {
+        let Some((first_bad, detail)) = (from..=to).find_map(|s| self.entry_damage(shard, s).map(|d| (s, d))) else {
+            return failure;
+        };
+        let mut last_bad = first_bad;
+        while last_bad < last && self.entry_damage(shard, last_bad + 1).is_some() {
+            last_bad += 1;
+        }
+        StoreError::Corrupt {
+            shard,
+            first_seqno: first_bad,
+            last_seqno: last_bad,
+            file: self.locate(shard, first_bad),
+            detail,
+        }
     }
 
     /// A tiny non-empty batch: raft-engine skips empty writes entirely, even
@@ -277,26 +413,34 @@ impl LogStore for EngineStore {
         let end = (to + 1).min(from.saturating_add(max_frames));
         let slack = ENTRY_FRAMING_BYTES.saturating_mul((end - from) as usize);
         let mut entries = Vec::new();
-        self.engine
-            .fetch_entries_to::<RecordEntry>(
-                shard as u64,
-                from,
-                end,
-                Some(max_bytes.saturating_add(slack)),
-                &mut entries,
-            )
-            .map_err(io)?;
+        let fetched = self.engine.fetch_entries_to::<RecordEntry>(
+            shard as u64,
+            from,
+            end,
+            Some(max_bytes.saturating_add(slack)),
+            &mut entries,
+        );
+        match fetched {
+            // An I/O error is the device's, not damage this store can name.
+            Err(e @ raft_engine::Error::Io(_)) => return Err(io(e)),
+            Err(e) => return Err(self.find_damage(shard, from, end - 1, bounds.last_seqno, io(e))),
+            Ok(_) => {}
+        }
         let mut size = 0usize;
         let mut frames = Vec::with_capacity(entries.len());
         for entry in entries {
             let seqno = entry.index;
-            let frame = Frame::parse(entry.data).map_err(|source| StoreError::Corrupt { shard, seqno, source })?;
-            if frame.seqno() != seqno {
-                return Err(StoreError::Io(format!(
-                    "shard {shard}: entry {seqno} holds the record of seqno {}",
-                    frame.seqno()
-                )));
-            }
+            let frame = match Frame::parse(entry.data) {
+                Ok(frame) if frame.seqno() == seqno => frame,
+                Ok(frame) => {
+                    let what = format!("shard {shard}: entry {seqno} holds the record of seqno {}", frame.seqno());
+                    return Err(self.find_damage(shard, seqno, seqno, bounds.last_seqno, StoreError::Io(what)));
+                }
+                Err(e) => {
+                    let what = StoreError::Io(format!("shard {shard}: record {seqno}: {e}"));
+                    return Err(self.find_damage(shard, seqno, seqno, bounds.last_seqno, what));
+                }
+            };
             size += frame.len();
             if size > max_bytes && !frames.is_empty() {
                 break;
@@ -348,6 +492,23 @@ impl LogStore for EngineStore {
         Ok(get_u64(&self.engine, shard, EPOCH_KEY).unwrap_or(0))
     }
 
+    fn locate(&self, shard: ShardId, seqno: u64) -> Option<PathBuf> {
+        let mut files = log_files(&self.dir, ".raftlog");
+        files.reverse();
+        let mut rewrites = log_files(&self.dir, ".rewrite");
+        rewrites.reverse();
+        files.extend(rewrites);
+        files.into_iter().map(|f| f.1).find(|path| file_names_entry(path, shard, seqno))
+    }
+
+    fn location(&self) -> Option<PathBuf> {
+        Some(self.dir.clone())
+    }
+
+    fn startup_damage(&self) -> Vec<StartupDamage> {
+        self.startup_damage.clone()
+    }
+
     fn set_log_epoch(&self, shard: ShardId, epoch: u64) -> StoreResult<()> {
         self.raise_u64(shard, LOG_EPOCH_KEY, epoch)
     }
@@ -355,5 +516,319 @@ impl LogStore for EngineStore {
     fn log_epoch(&self, shard: ShardId) -> StoreResult<u64> {
         self.state(shard)?;
         Ok(get_u64(&self.engine, shard, LOG_EPOCH_KEY).unwrap_or(0))
+    }
+
+    fn mark_clean_shutdown(&self) -> StoreResult<()> {
+        self.engine.sync().map_err(io)?;
+        write_durably(&self.dir, CLEAN_SHUTDOWN_FILE, b"clean\n")
+            .map_err(|e| StoreError::Io(format!("writing the clean-shutdown marker: {e}")))
+    }
+}
+
+/// raft-engine's files under `dir` ending with `suffix` (`.raftlog`,
+/// `.rewrite`), as (sequence number, path), oldest first.
+fn log_files(dir: &Path, suffix: &str) -> Vec<(u64, PathBuf)> {
+    let Ok(entries) = std::fs::read_dir(dir) else { return Vec::new() };
+    let mut files: Vec<(u64, PathBuf)> = entries
+        .filter_map(|e| {
+            let path = e.ok()?.path();
+            let seq = path.file_name()?.to_str()?.strip_suffix(suffix)?.parse().ok()?;
+            Some((seq, path))
+        })
+        .collect();
+    files.sort();
+    files
+}
+
+/// Calls `each(shard, entry indexes)` for every entry batch the item batches
+/// of one raft-engine file name, in file order, until it returns false or
+/// the file ends (or its metadata stops being readable).
+///
+/// raft-engine's public dump iterator yields its log items, but the item
+/// content type is not exported (only with its `internals` feature, and not
+/// even there), so the entry indexes are read from the item's `Debug` form:
+/// `EntryIndexes(EntryIndexes([EntryIndex { index: 7, .. }, ..]))`. The
+/// tests locating damaged records catch a change of that form.
+fn for_each_entries(path: &Path, mut each: impl FnMut(u64, &[u64]) -> bool) {
+    const ENTRY: &str = "EntryIndex { index: ";
+    let fs = Arc::new(raft_engine::env::DefaultFileSystem);
+    let Ok(items) = raft_engine::Engine::dump_with_file_system(path, fs) else { return };
+    for item in items {
+        let Ok(item) = item else { return };
+        let content = format!("{:?}", item.content);
+        if !content.starts_with("EntryIndexes(") {
+            continue;
+        }
+        let seqnos: Vec<u64> = content
+            .match_indices(ENTRY)
+            .filter_map(|(at, _)| {
+                let digits = &content[at + ENTRY.len()..];
+                let end = digits.find(|c: char| !c.is_ascii_digit())?;
+                digits[..end].parse().ok()
+            })
+            .collect();
+        if !each(item.raft_group_id, &seqnos) {
+            return;
+        }
+    }
+}
+
+/// Whether one raft-engine file's item batches name entry `seqno` of `shard`.
+fn file_names_entry(path: &Path, shard: ShardId, seqno: u64) -> bool {
+    let mut found = false;
+    for_each_entries(path, |region, seqnos| {
+        found = region == shard as u64 && seqnos.contains(&seqno);
+        !found
+    });
+    found
+}
+
+/// The lowest and highest entry index each shard has in one raft-engine file.
+fn entries_in_file(path: &Path) -> BTreeMap<ShardId, (u64, u64)> {
+    let mut spans: BTreeMap<ShardId, (u64, u64)> = BTreeMap::new();
+    for_each_entries(path, |region, seqnos| {
+        if let (Ok(shard), Some(lo), Some(hi)) = (ShardId::try_from(region), seqnos.iter().min(), seqnos.iter().max()) {
+            let span = spans.entry(shard).or_insert((*lo, *hi));
+            *span = (span.0.min(*lo), span.1.max(*hi));
+        }
+        true
+    });
+    spans
+}
+
+/// Writes `name` under `dir` atomically and durably (temporary file, fsync,
+/// rename, fsync of the directory).
+fn write_durably(dir: &Path, name: &str, contents: &[u8]) -> std::io::Result<()> {
+    let tmp = dir.join(format!("{name}.tmp"));
+    let mut file = std::fs::File::create(&tmp)?;
+    file.write_all(contents)?;
+    file.sync_all()?;
+    std::fs::rename(&tmp, dir.join(name))?;
+    sync_dir(dir)
+}
+
+fn sync_dir(dir: &Path) -> std::io::Result<()> {
+    std::fs::File::open(dir)?.sync_all()
+}
+
+#[cfg(test)]
+mod tests {
+    use std::sync::Arc;
+
+    use super::*;
+    use crate::corruption::Detection;
+    use crate::record::RecordFields;
+    use crate::{Wal, WalConfig, WalError, WalMetrics};
+
+    /// Record `seqno`'s payload: a pattern found once in the log file.
+    fn payload(seqno: u64) -> Vec<u8> {
+        format!("payload-{seqno:04}-").repeat(16).into_bytes()
+    }
+
+    fn frame(seqno: u64) -> Frame {
+        Frame::encode(RecordFields { seqno, epoch: 1, timestamp_us: seqno, key: b"k", payload: &payload(seqno) })
+    }
+
+    /// Appends `from..=to` to `shard`, one batch (one raft-engine checksum)
+    /// per record.
+    fn append(store: &EngineStore, shard: ShardId, from: u64, to: u64) {
+        for seqno in from..=to {
+            store.append(&[ShardAppend { shard, frames: vec![frame(seqno)] }], true).unwrap();
+        }
+    }
+
+    fn only_log_file(dir: &Path) -> PathBuf {
+        let files = log_files(dir, ".raftlog");
+        assert_eq!(files.len(), 1, "{files:?}");
+        files[0].1.clone()
+    }
+
+    /// Flips 4 bytes at `delta` from the start of record `seqno`'s payload
+    /// in the log file.
+    fn flip(file: &Path, seqno: u64, delta: usize) {
+        let mut bytes = std::fs::read(file).unwrap();
+        let pattern = payload(seqno);
+        let at = bytes.windows(pattern.len()).position(|w| w == pattern.as_slice()).expect("payload in the file");
+        for b in &mut bytes[at + delta..at + delta + 4] {
+            *b ^= 0x5a;
+        }
+        std::fs::write(file, bytes).unwrap();
+    }
+
+    fn no_scrub() -> WalConfig {
+        WalConfig { scrub_bytes_per_s: 0, ..WalConfig::default() }
+    }
+
+    fn seqnos(frames: &[Frame]) -> Vec<u64> {
+        frames.iter().map(Frame::seqno).collect()
+    }
+
+    /// A byte flip in the middle of a record after a crash: the start-up
+    /// check names shard, seqno and file; reads before it work; a read of
+    /// it is a typed, non-fatal corrupt error; truncating it away clears it
+    /// and appends continue.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn the_startup_check_finds_a_flipped_record_and_a_truncation_repairs_it() {
+        let dir = tempfile::tempdir().unwrap();
+        let store = EngineStore::open(dir.path(), &Default::default()).unwrap();
+        store.create_shard(1).unwrap();
+        store.create_shard(2).unwrap();
+        append(&store, 1, 1, 30);
+        append(&store, 2, 1, 5);
+        drop(store); // No clean-shutdown marker: as after a kill -9.
+        let file = only_log_file(dir.path());
+        flip(&file, 17, 100);
+
+        let store = Arc::new(EngineStore::open(dir.path(), &Default::default()).unwrap());
+        let metrics = WalMetrics::unregistered();
+        let wal = Wal::start(store.clone(), no_scrub(), metrics.clone()).unwrap();
+        let found = wal.corruption();
+        assert_eq!(found.len(), 1, "{found:?}");
+        let range = &found[0];
+        assert_eq!((range.shard, range.first_bad_seqno, range.last_bad_seqno), (1, 17, 17));
+        assert_eq!(range.file.as_deref(), Some(file.as_path()));
+        assert_eq!(range.how, Detection::Startup);
+        assert!(range.detail.contains("Checksum"), "{}", range.detail);
+        assert_eq!(metrics.corrupt_records.with_label_values(&["1"]).get(), 1);
+        assert_eq!(metrics.corruption_detected.with_label_values(&["startup"]).get(), 1);
+        assert!(wal.shard_corruption(2).is_empty());
+
+        // Reads before the damage (and of the other shard) work.
+        assert_eq!(seqnos(&wal.read(1, 1, 16, usize::MAX).await.unwrap()), (1..=16).collect::<Vec<_>>());
+        assert_eq!(seqnos(&wal.read(2, 1, 5, usize::MAX).await.unwrap()), vec![1, 2, 3, 4, 5]);
+        // A read covering it is the typed corrupt error, not Io, not fatal.
+        let err = wal.read(1, 10, 30, usize::MAX).await.unwrap_err();
+        assert_eq!(err.corrupt_range(), Some((1, 17, 17)), "{err:?}");
+        let WalError::Store(store_err) = &err else { panic!("{err:?}") };
+        assert!(!store_err.is_fatal());
+        let message = err.to_string();
+        assert!(message.contains("corruption") && message.contains(&file.display().to_string()), "{message}");
+        // Found again by a read and by a scrub: still one range, counted once.
+        let report = wal.scrub_now().await.unwrap();
+        assert_eq!((report.records, report.new_ranges), (29 + 5, 0));
+        assert_eq!(wal.corruption().len(), 1);
+        assert_eq!(metrics.corruption_detected.with_label_values(&["read"]).get(), 0);
+
+        // Repair: truncate to first_bad - 1, append the replica's copy.
+        wal.truncate_suffix(1, 16).await.unwrap();
+        assert!(wal.corruption().is_empty());
+        assert_eq!(metrics.corrupt_records.with_label_values(&["1"]).get(), 0);
+        wal.append_frames(1, (17..=31).map(frame).collect()).await.unwrap();
+        assert_eq!(seqnos(&store.read(1, 1, 31, usize::MAX).unwrap()), (1..=31).collect::<Vec<_>>());
+    }
+
+    /// After a clean shutdown the start-up check is skipped (and the marker
+    /// is consumed); the scrubber finds the damage, and a read in the
+    /// middle of it is typed too.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn after_a_clean_shutdown_the_scrubber_finds_the_damage() {
+        let dir = tempfile::tempdir().unwrap();
+        let store = EngineStore::open(dir.path(), &Default::default()).unwrap();
+        store.create_shard(3).unwrap();
+        append(&store, 3, 1, 20);
+        store.mark_clean_shutdown().unwrap();
+        drop(store);
+        assert!(dir.path().join(CLEAN_SHUTDOWN_FILE).exists());
+        let file = only_log_file(dir.path());
+        flip(&file, 8, 64);
+
+        let store = Arc::new(EngineStore::open(dir.path(), &Default::default()).unwrap());
+        assert!(!dir.path().join(CLEAN_SHUTDOWN_FILE).exists(), "an open consumes the marker");
+        assert!(store.startup_damage().is_empty(), "no tail check after a clean shutdown");
+        let metrics = WalMetrics::unregistered();
+        let wal = Wal::start(store, no_scrub(), metrics.clone()).unwrap();
+        assert!(wal.corruption().is_empty());
+        let report = wal.scrub_now().await.unwrap();
+        assert_eq!((report.records, report.new_ranges), (19, 1));
+        let range = &wal.corruption()[0];
+        assert_eq!((range.shard, range.first_bad_seqno, range.last_bad_seqno, range.how), (3, 8, 8, Detection::Scrub));
+        assert_eq!(range.file.as_deref(), Some(file.as_path()));
+        assert_eq!(metrics.scrubbed_bytes.get(), 19 * frame(1).len() as u64);
+        assert!(metrics.scrub_last_pass.get() > 0);
+        assert_eq!(wal.read(3, 8, 8, 1).await.unwrap_err().corrupt_range(), Some((3, 8, 8)));
+        // Compacting past it clears it too.
+        wal.compact_prefix(3, 9).await.unwrap();
+        assert!(wal.corruption().is_empty());
+        assert_eq!(seqnos(&wal.read(3, 9, 20, usize::MAX).await.unwrap()), (9..=20).collect::<Vec<_>>());
+    }
+
+    /// Every file of `from` copied while the store is open: what a crash
+    /// leaves.
+    fn crash_copy(from: &Path) -> tempfile::TempDir {
+        let copy = tempfile::tempdir().unwrap();
+        for entry in std::fs::read_dir(from).unwrap() {
+            let path = entry.unwrap().path();
+            std::fs::copy(&path, copy.path().join(path.file_name().unwrap())).unwrap();
+        }
+        copy
+    }
+
+    fn prefilled() -> EngineStoreConfig {
+        EngineStoreConfig { target_file_bytes: 4 << 20, prefill: true, ..Default::default() }
+    }
+
+    /// A crash leaves the zeros behind the last batch: raft-engine's
+    /// recovery cuts them, which is a torn tail, not corruption; the tail
+    /// check finds nothing.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_crash_copy_reports_a_torn_tail_and_no_corruption() {
+        let _ = crate::recovery_log::install();
+        let dir = tempfile::tempdir().unwrap();
+        let store = EngineStore::open(dir.path(), &prefilled()).unwrap();
+        store.create_shard(1).unwrap();
+        append(&store, 1, 1, 40);
+        let copy = crash_copy(dir.path());
+        drop(store);
+
+        let crashed = Arc::new(EngineStore::open(copy.path(), &prefilled()).unwrap());
+        let findings = crashed.recovery_findings().to_vec();
+        assert!(matches!(findings.as_slice(), [RecoveryFinding::TornTail { .. }]), "{findings:?}");
+        assert!(crashed.startup_damage().is_empty());
+        let wal = Wal::start(crashed, no_scrub(), WalMetrics::unregistered()).unwrap();
+        assert!(wal.corruption().is_empty());
+        assert_eq!(seqnos(&wal.read(1, 1, 40, usize::MAX).await.unwrap()), (1..=40).collect::<Vec<_>>());
+        let report = wal.scrub_now().await.unwrap();
+        assert_eq!((report.records, report.new_ranges), (40, 0));
+    }
+
+    /// Damage to a batch's metadata in the newest file makes raft-engine's
+    /// recovery drop the rest of the file: that is reported as corruption
+    /// (data follows the cut), never as a torn tail.
+    #[test]
+    fn a_damaged_batch_followed_by_data_is_corruption_not_a_torn_tail() {
+        let _ = crate::recovery_log::install();
+        let dir = tempfile::tempdir().unwrap();
+        let store = EngineStore::open(dir.path(), &Default::default()).unwrap();
+        store.create_shard(1).unwrap();
+        append(&store, 1, 1, 30);
+        drop(store);
+        // Past the payload (the end of the entry) come the entry block's
+        // checksum (4 bytes) and the batch's item metadata.
+        flip(&only_log_file(dir.path()), 12, payload(12).len() + 4);
+        let store = EngineStore::open(dir.path(), &Default::default()).unwrap();
+        let findings = store.recovery_findings().to_vec();
+        assert!(matches!(findings.as_slice(), [RecoveryFinding::Corruption { .. }]), "{findings:?}");
+        assert_eq!(store.bounds(1).unwrap().last_seqno, 11, "raft-engine dropped the rest of the file");
+    }
+
+    #[test]
+    fn locate_names_the_file_of_an_entry_across_rotations() {
+        let dir = tempfile::tempdir().unwrap();
+        let config = EngineStoreConfig { target_file_bytes: 64 << 10, ..Default::default() };
+        let store = EngineStore::open(dir.path(), &config).unwrap();
+        store.create_shard(1).unwrap();
+        let big = |seqno: u64| {
+            let payload = vec![seqno as u8; 20 << 10];
+            Frame::encode(RecordFields { seqno, epoch: 1, timestamp_us: 0, key: b"", payload: &payload })
+        };
+        for seqno in 1..=12 {
+            store.append(&[ShardAppend { shard: 1, frames: vec![big(seqno)] }], true).unwrap();
+        }
+        let files = log_files(dir.path(), ".raftlog");
+        assert!(files.len() >= 3, "{files:?}");
+        assert_eq!(store.locate(1, 1), Some(files[0].1.clone()));
+        assert_eq!(store.locate(1, 12), Some(files.last().unwrap().1.clone()));
+        assert_eq!(store.locate(1, 13), None);
+        assert_eq!(store.locate(2, 1), None);
     }
 }

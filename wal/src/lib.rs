@@ -10,12 +10,17 @@
 //! * [`wal`]: [`Wal`], the sequencer and group-commit persister shared by
 //!   every shard on the node, with per-shard positions and watches of the
 //!   written and durable seqnos.
+//! * [`corruption`]: the registry of known corrupt ranges and the scrubber;
+//!   [`recovery_log`]: raft-engine's recovery truncations classified as a
+//!   torn tail (INFO) or corruption (ERROR).
 
+pub mod corruption;
 pub mod disk;
 pub mod engine_store;
 pub mod mem_store;
 pub mod metrics;
 pub mod record;
+pub mod recovery_log;
 pub mod segment;
 pub mod store;
 pub mod wal;
@@ -24,10 +29,14 @@ pub mod zero_fill;
 #[cfg(test)]
 mod conformance;
 
+pub use corruption::{CorruptRange, Detection, ScrubReport};
 pub use engine_store::{DEFAULT_SPARE_BYTES, EngineStore, EngineStoreConfig};
 pub use mem_store::MemStore;
 pub use metrics::WalMetrics;
 pub use record::{CodecError, Frame, RecordFields};
 pub use segment::Segment;
-pub use store::{LogBounds, LogStore, ShardAppend, ShardId, StoreError};
-pub use wal::{Appended, NewRecord, Positions, ShardCounters, Wal, WalConfig, WalError};
+pub use store::{LogBounds, LogStore, ShardAppend, ShardId, StartupDamage, StoreError};
+pub use wal::{
+    Appended, DEFAULT_SCRUB_BYTES_PER_S, DEFAULT_SCRUB_INTERVAL, NewRecord, Positions, ShardCounters, Wal, WalConfig,
+    WalError,
+};

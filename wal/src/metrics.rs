@@ -1,5 +1,7 @@
 //! The WAL's Prometheus metrics. Registered on the registry the node exposes
-//! at `/metrics`; see `ops/METRICS.md` for the catalogue.
+//! at `/metrics`; see `ops/METRICS.md` for the catalogue. Every family is
+//! created (with its labels' children where they are fixed) when the WAL
+//! starts, so a scrape shows it before anything happened.
 
 use std::sync::Arc;
 use std::sync::atomic::Ordering;
@@ -32,6 +34,14 @@ pub struct WalMetrics {
     first_seqno: IntGaugeVec,
     last_seqno: IntGaugeVec,
     durable_seqno: IntGaugeVec,
+    /// Records known to be corrupt now, per shard (the corruption registry).
+    pub corrupt_records: IntGaugeVec,
+    /// New corrupt ranges found, by how: read, scrub or startup.
+    pub corruption_detected: IntCounterVec,
+    /// Frame bytes the scrubber read and verified.
+    pub scrubbed_bytes: IntCounter,
+    /// Unix time of the end of the last full scrub pass (0: none yet).
+    pub scrub_last_pass: IntGauge,
 }
 
 /// Cached per-shard gauge handles (a label lookup per commit is avoidable).
@@ -86,6 +96,31 @@ impl WalMetrics {
         registry.register(Box::new(first_seqno.clone()))?;
         registry.register(Box::new(last_seqno.clone()))?;
         registry.register(Box::new(durable_seqno.clone()))?;
+        let corrupt_records = shard_gauge(
+            "walship_wal_corrupt_records",
+            "Records of this node's WAL known to be corrupt now (found by reads, the scrubber or the start-up check; \
+             cleared when truncated or compacted away)",
+        )?;
+        let corruption_detected = IntCounterVec::new(
+            Opts::new(
+                "walship_wal_corruption_detected_total",
+                "Corrupt WAL record ranges found, by how: read, scrub or startup",
+            ),
+            &["how"],
+        )?;
+        let scrubbed_bytes =
+            IntCounter::new("walship_wal_scrubbed_bytes_total", "Record bytes the WAL scrubber read and verified")?;
+        let scrub_last_pass = IntGauge::new(
+            "walship_wal_scrub_last_pass_timestamp_seconds",
+            "Unix time the last full scrub pass over every shard's retained WAL ended (0: none yet)",
+        )?;
+        for how in ["read", "scrub", "startup"] {
+            corruption_detected.with_label_values(&[how]);
+        }
+        registry.register(Box::new(corrupt_records.clone()))?;
+        registry.register(Box::new(corruption_detected.clone()))?;
+        registry.register(Box::new(scrubbed_bytes.clone()))?;
+        registry.register(Box::new(scrub_last_pass.clone()))?;
         Ok(WalMetrics {
             fsync_seconds,
             group_commit_records,
@@ -97,6 +132,10 @@ impl WalMetrics {
             first_seqno,
             last_seqno,
             durable_seqno,
+            corrupt_records,
+            corruption_detected,
+            scrubbed_bytes,
+            scrub_last_pass,
         })
     }
 
@@ -107,6 +146,8 @@ impl WalMetrics {
 
     pub(crate) fn shard(&self, shard: ShardId) -> ShardGauges {
         let label = shard.to_string();
+        // Shown (0) from the shard's start; the corruption registry sets it.
+        self.corrupt_records.with_label_values(&[&label]);
         ShardGauges {
             first_seqno: self.first_seqno.with_label_values(&[&label]),
             last_seqno: self.last_seqno.with_label_values(&[&label]),

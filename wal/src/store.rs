@@ -16,11 +16,22 @@
 //! reads may run concurrently with them. Calls block: never make them on a
 //! tokio worker thread.
 //!
+//! Damage is reported, never hidden: a read that meets a record whose bytes
+//! fail a checksum (the store's own, or the [`Frame`]'s crc32) fails with
+//! [`StoreError::Corrupt`] naming the shard, the seqnos that cannot be read
+//! and, when the store can tell, the file holding them. A corrupt record is
+//! not fatal: the rest of the log stays readable and writable, and the
+//! replication layer repairs the range from an intact replica (truncating it
+//! away and appending the replica's copy). Only failed writes and fsyncs
+//! ([`StoreError::Io`]) are fatal.
+//!
 //! Implementations: [`crate::EngineStore`] (raft-engine, production) and
 //! [`crate::MemStore`] (in-memory test double). Both pass the conformance
 //! suite in `conformance.rs`.
 
-use crate::record::{CodecError, Frame};
+use std::path::{Path, PathBuf};
+
+use crate::record::Frame;
 
 /// A shard's id. In raft-engine it is the region id.
 pub type ShardId = u32;
@@ -64,18 +75,50 @@ pub enum StoreError {
     OutOfRange { shard: ShardId, from: u64, to: u64, first: u64, last: u64 },
     #[error("shard {shard}: {what}")]
     BadPosition { shard: ShardId, what: String },
-    #[error("shard {shard}: stored record at seqno {seqno} is corrupt: {source}")]
-    Corrupt { shard: ShardId, seqno: u64, source: CodecError },
+    /// Stored records `[first_seqno, last_seqno]` fail a checksum (the
+    /// store's or the frame's crc32): they cannot be read, only replaced.
+    /// `file` is the store file holding them, when the store can tell.
+    #[error("shard {shard}: corruption: stored records [{first_seqno}, {last_seqno}] are unreadable ({}): {detail}", file_label(.file.as_deref()))]
+    Corrupt { shard: ShardId, first_seqno: u64, last_seqno: u64, file: Option<PathBuf>, detail: String },
     #[error("storage failure: {0}")]
     Io(String),
 }
 
+fn file_label(file: Option<&Path>) -> String {
+    match file {
+        Some(file) => format!("file {}", file.display()),
+        None => "file unknown".to_owned(),
+    }
+}
+
 impl StoreError {
     /// A fatal error leaves the WAL's durability unknown: the process must
-    /// stop rather than continue on it.
+    /// stop rather than continue on it. Only a failed storage operation is
+    /// fatal; a corrupt record found by a read is not (the rest of the log
+    /// is intact and the range can be repaired from a replica).
     pub fn is_fatal(&self) -> bool {
-        matches!(self, StoreError::Io(_) | StoreError::Corrupt { .. })
+        matches!(self, StoreError::Io(_))
     }
+
+    /// `(shard, first_seqno, last_seqno)` of the corrupt records, if that is
+    /// the error.
+    pub fn corrupt_range(&self) -> Option<(ShardId, u64, u64)> {
+        match self {
+            StoreError::Corrupt { shard, first_seqno, last_seqno, .. } => Some((*shard, *first_seqno, *last_seqno)),
+            _ => None,
+        }
+    }
+}
+
+/// Records a store found damaged while it opened (see
+/// [`LogStore::startup_damage`]).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct StartupDamage {
+    pub shard: ShardId,
+    pub first_seqno: u64,
+    pub last_seqno: u64,
+    pub file: Option<PathBuf>,
+    pub detail: String,
 }
 
 pub type StoreResult<T> = Result<T, StoreError>;
@@ -128,6 +171,33 @@ pub trait LogStore: Send + Sync + 'static {
     /// The log epoch last recorded with [`LogStore::set_log_epoch`] (0 if
     /// none).
     fn log_epoch(&self, shard: ShardId) -> StoreResult<u64>;
+
+    /// The file holding the record at `seqno`, for reports of damage; `None`
+    /// when the store keeps no files or cannot tell. May read the store's
+    /// metadata: call it only once damage is found.
+    fn locate(&self, _shard: ShardId, _seqno: u64) -> Option<PathBuf> {
+        None
+    }
+
+    /// Where the store keeps its files, reported when [`LogStore::locate`]
+    /// cannot name the file.
+    fn location(&self) -> Option<PathBuf> {
+        None
+    }
+
+    /// The damage the store found while it opened, when its last shutdown
+    /// was not clean and it verified the tail written since its previous
+    /// check (each implementation defines that tail). Empty after a clean
+    /// shutdown.
+    fn startup_damage(&self) -> Vec<StartupDamage> {
+        Vec::new()
+    }
+
+    /// Records a graceful shutdown, so the next open skips the tail check.
+    /// Nothing may be written after it. Durable on return.
+    fn mark_clean_shutdown(&self) -> StoreResult<()> {
+        Ok(())
+    }
 }
 
 /// Checks that `frames` may be appended to a shard whose next seqno is `next`.

@@ -27,7 +27,15 @@
 //!   the store does not hold yet, and appenders wait while more than
 //!   `max_batch_bytes` are staged;
 //! * a storage failure (a failed or refused write or fsync) stops the
-//!   process: the WAL never continues with unknown durability.
+//!   process: the WAL never continues with unknown durability;
+//! * a corrupt record is not a storage failure: a read that meets one fails
+//!   with [`StoreError::Corrupt`] (shard, seqnos, file; see
+//!   [`WalError::corrupt_range`]) and the process goes on. Every corrupt
+//!   read, scrub finding and start-up finding is recorded in the WAL's
+//!   corruption registry ([`Wal::corruption`], `crate::corruption`), which
+//!   forgets a range only when it is truncated or compacted away;
+//! * a background scrubber reads every shard's durable log at a bounded rate
+//!   (`WalConfig::scrub_bytes_per_s`), off the tokio workers.
 
 use std::collections::HashMap;
 use std::sync::Arc;
@@ -38,6 +46,7 @@ use bytes::Bytes;
 use parking_lot::RwLock;
 use tokio::sync::{oneshot, watch};
 
+use crate::corruption::{CorruptRange, Detection, Registry, ScrubReport};
 use crate::metrics::{ShardGauges, WalMetrics};
 use crate::record::{Frame, RecordFields};
 use crate::store::{LogBounds, LogStore, ShardAppend, ShardId, StoreError};
@@ -96,6 +105,16 @@ impl WalError {
             _ => None,
         }
     }
+
+    /// `(shard, first_seqno, last_seqno)` of stored records that cannot be
+    /// read because they are corrupt, if that is the error (gRPC: DATA_LOSS;
+    /// the range is repaired from a replica). Not fatal.
+    pub fn corrupt_range(&self) -> Option<(ShardId, u64, u64)> {
+        match self {
+            WalError::Store(e) => e.corrupt_range(),
+            _ => None,
+        }
+    }
 }
 
 pub type WalResult<T> = Result<T, WalError>;
@@ -124,7 +143,18 @@ pub struct WalConfig {
     /// machine crash that loses a shipped, never-fsynced batch, which a
     /// SIGKILL cannot produce (the page cache survives it).
     pub fault_unwritten_batch_after: Option<u64>,
+    /// Read rate of the background scrubber, in record bytes per second; 0
+    /// disables it ([`Wal::scrub_now`] still works). See
+    /// `crate::corruption` for the default: 8 MiB/s reads 675 GiB a day.
+    pub scrub_bytes_per_s: u64,
+    /// Time from the start of one background scrub pass to the next.
+    pub scrub_interval: Duration,
 }
+
+/// Default [`WalConfig::scrub_bytes_per_s`] (`wal.scrub_bytes_per_s`).
+pub const DEFAULT_SCRUB_BYTES_PER_S: u64 = 8 << 20;
+/// Default [`WalConfig::scrub_interval`] (`wal.scrub_interval_s`).
+pub const DEFAULT_SCRUB_INTERVAL: Duration = Duration::from_secs(24 * 3600);
 
 /// How long an injected unwritten batch stays visible before the abort.
 pub const UNWRITTEN_FAULT_GRACE: Duration = Duration::from_millis(300);
@@ -136,6 +166,8 @@ impl Default for WalConfig {
             linger: Duration::from_micros(200),
             tail_cache_bytes: 8 << 20,
             fault_unwritten_batch_after: None,
+            scrub_bytes_per_s: DEFAULT_SCRUB_BYTES_PER_S,
+            scrub_interval: DEFAULT_SCRUB_INTERVAL,
         }
     }
 }
@@ -296,6 +328,10 @@ struct Shared {
     shards: RwLock<HashMap<ShardId, Arc<ShardPositions>>>,
     metrics: WalMetrics,
     staged: StagedBytes,
+    corruption: Registry,
+    scrub_bytes_per_s: u64,
+    /// Dropped with the last handle: the scrubber thread sees it and stops.
+    _scrubber_stop: flume::Sender<()>,
 }
 
 impl Shared {
@@ -312,8 +348,10 @@ pub struct Wal {
 }
 
 impl Wal {
-    /// Starts the WAL over `store` (already opened and recovered) and its
-    /// persister thread. The thread stops when every handle is gone.
+    /// Starts the WAL over `store` (already opened and recovered; the damage
+    /// its start-up check found goes into the corruption registry), its
+    /// persister thread and, unless disabled, its scrubber thread. The
+    /// threads stop when every handle is gone.
     pub fn start(store: Arc<dyn LogStore>, config: WalConfig, metrics: WalMetrics) -> WalResult<Wal> {
         let mut shards = HashMap::new();
         for shard in store.shards() {
@@ -321,13 +359,43 @@ impl Wal {
             shards.insert(shard, Arc::new(ShardPositions::new(bounds, metrics.shard(shard))));
         }
         let staged = StagedBytes::new(config.max_batch_bytes, &metrics);
-        let shared = Arc::new(Shared { store, shards: RwLock::new(shards), metrics, staged });
+        let corruption = Registry::new(metrics.clone());
+        for d in store.startup_damage() {
+            corruption.record(CorruptRange {
+                shard: d.shard,
+                first_bad_seqno: d.first_seqno,
+                last_bad_seqno: d.last_seqno,
+                file: d.file,
+                location: store.location(),
+                found_at: SystemTime::now(),
+                how: Detection::Startup,
+                detail: d.detail,
+            });
+        }
+        let (scrubber_stop, stopped) = flume::bounded(1);
+        let shared = Arc::new(Shared {
+            store,
+            shards: RwLock::new(shards),
+            metrics,
+            staged,
+            corruption,
+            scrub_bytes_per_s: config.scrub_bytes_per_s,
+            _scrubber_stop: scrubber_stop,
+        });
         let (to_persister, staged) = flume::unbounded();
         let persister = Persister { shared: shared.clone(), rx: staged, config: config.clone() };
         std::thread::Builder::new()
             .name("walship-wal-persister".into())
             .spawn(move || persister.run())
             .map_err(|e| WalError::Store(StoreError::Io(format!("spawning the WAL persister: {e}"))))?;
+        if config.scrub_bytes_per_s > 0 {
+            let shared = Arc::downgrade(&shared);
+            let interval = config.scrub_interval;
+            std::thread::Builder::new()
+                .name("walship-wal-scrubber".into())
+                .spawn(move || scrubber(shared, stopped, interval))
+                .map_err(|e| WalError::Store(StoreError::Io(format!("spawning the WAL scrubber: {e}"))))?;
+        }
         let sequencer =
             Sequencer { shared: shared.clone(), to_persister, config, next: HashMap::new(), leader_records: 0 };
         Ok(Wal { shared, sequencer: Arc::new(tokio::sync::Mutex::new(sequencer)) })
@@ -505,26 +573,75 @@ impl Wal {
     }
 
     /// Removes every record after `keep_through`, in order with appends.
+    /// Known damage after it leaves the corruption registry: truncating to
+    /// `first_bad_seqno - 1` is how a corrupt range is repaired (then the
+    /// replica's copy is appended).
     pub async fn truncate_suffix(&self, shard: ShardId, keep_through: u64) -> WalResult<()> {
         self.control(shard, move |shared| {
             if let Ok(p) = shared.shard(shard) {
                 p.tail.lock().truncate(keep_through);
             }
-            shared.store.truncate_suffix(shard, keep_through)
+            shared.store.truncate_suffix(shard, keep_through)?;
+            shared.corruption.truncated(shard, keep_through);
+            Ok(())
         })
         .await
     }
 
     /// Discards durable records before `first_kept`, in order with appends.
+    /// Known damage before it leaves the corruption registry.
     pub async fn compact_prefix(&self, shard: ShardId, first_kept: u64) -> WalResult<()> {
         self.control(shard, move |shared| {
             shared.store.compact_prefix(shard, first_kept)?;
+            shared.corruption.compacted(shard, first_kept);
             if let Ok(p) = shared.shard(shard) {
                 p.tail.lock().compact(first_kept);
             }
             Ok(())
         })
         .await
+    }
+
+    /// Every corrupt range known now, by shard then seqno.
+    pub fn corruption(&self) -> Vec<CorruptRange> {
+        self.shared.corruption.all()
+    }
+
+    /// One shard's corrupt ranges known now, by seqno.
+    pub fn shard_corruption(&self, shard: ShardId) -> Vec<CorruptRange> {
+        self.shared.corruption.shard(shard)
+    }
+
+    /// Runs one scrub pass over every shard's durable log now, on a blocking
+    /// thread, at the configured rate (unthrottled when the background
+    /// scrubber is disabled: someone asked for this pass), and returns what
+    /// it did. Damage goes into the registry as [`Detection::Scrub`].
+    pub async fn scrub_now(&self) -> WalResult<ScrubReport> {
+        let shared = self.shared.clone();
+        tokio::task::spawn_blocking(move || {
+            crate::corruption::scrub_pass(
+                shared.store.as_ref(),
+                &shared.corruption,
+                &shared.metrics,
+                shared.scrub_bytes_per_s,
+            )
+        })
+        .await
+        .map_err(|_| WalError::Closed)
+    }
+
+    /// Graceful shutdown: waits until everything sequenced is durable, then
+    /// records a clean shutdown in the store, so the next start skips the
+    /// tail check. Nothing is sequenced after it: later appends wait
+    /// forever (the process is exiting).
+    pub async fn shutdown_clean(&self) -> WalResult<()> {
+        let sequencer = self.sequencer.clone().lock_owned().await;
+        sequencer.drain().await;
+        let store = self.shared.store.clone();
+        tokio::task::spawn_blocking(move || store.mark_clean_shutdown()).await.map_err(|_| WalError::Closed)??;
+        // Keep the lock: nothing may be written after the marker.
+        std::mem::forget(sequencer);
+        Ok(())
     }
 
     /// Runs a truncation or compaction once everything sequenced before it
@@ -554,14 +671,20 @@ impl Wal {
         if let Some(frames) = self.shared.shard(shard)?.tail.lock().read(from, to, max_bytes) {
             return Ok(frames);
         }
-        let store = self.shared.store.clone();
+        let shared = self.shared.clone();
         // Frames past the store's last are staged and cached (the cache never
         // evicts them), so a range that missed the cache and runs past the
         // store's end is read up to that end: a short read, as `max_bytes`
-        // may also make it.
+        // may also make it. A read that meets damage fails as a whole with
+        // the corrupt range (the records before it read with `to` below it)
+        // and records the range.
         tokio::task::spawn_blocking(move || {
-            let stored = store.bounds(shard)?.last_seqno;
-            store.read(shard, from, to.min(stored.max(from)), max_bytes)
+            let stored = shared.store.bounds(shard)?.last_seqno;
+            let read = shared.store.read(shard, from, to.min(stored.max(from)), max_bytes);
+            if let Err(e) = &read {
+                shared.corruption.record_error(e, Detection::Read, shared.store.location());
+            }
+            read
         })
         .await
         .map_err(|_| WalError::Closed)?
@@ -692,6 +815,30 @@ impl StagedBytes {
     }
 }
 
+/// The background scrubber: a pass at start, then one every `interval` from
+/// the start of the previous one, until the WAL is dropped (`stop` then
+/// disconnects). Holds the WAL only during a pass.
+fn scrubber(shared: std::sync::Weak<Shared>, stop: flume::Receiver<()>, interval: Duration) {
+    loop {
+        let started = Instant::now();
+        {
+            let Some(shared) = shared.upgrade() else { return };
+            crate::corruption::scrub_pass(
+                shared.store.as_ref(),
+                &shared.corruption,
+                &shared.metrics,
+                shared.scrub_bytes_per_s,
+            );
+        }
+        if let Err(flume::RecvTimeoutError::Disconnected) = stop.recv_deadline(started + interval) {
+            return;
+        }
+    }
+}
+
+/// Stops the process on a storage failure. Only failed or refused writes,
+/// fsyncs and position lookups get here ([`StoreError::is_fatal`]); a
+/// corrupt record found by a read never does.
 fn fatal(error: &StoreError) -> ! {
     tracing::error!(%error, "WAL storage failure; stopping the process rather than continue with unknown durability");
     eprintln!("walship: fatal WAL storage failure: {error}");
@@ -1246,6 +1393,64 @@ mod tests {
         // Followers still apply older-epoch records from the new leader.
         wal.append_frames(1, crate::conformance::frames(7, 1, 7)).await.unwrap();
         wal.append(1, 8, records(1)).await.unwrap();
+    }
+
+    /// The record crc32 path (a damaged frame behind an intact store):
+    /// a typed, non-fatal error naming the run of bad seqnos, recorded once,
+    /// trimmed and then cleared by truncations.
+    #[tokio::test]
+    async fn a_corrupt_frame_is_a_typed_read_error_recorded_once_and_cleared_by_truncation() {
+        let store = Arc::new(MemStore::new());
+        let config = WalConfig { tail_cache_bytes: 0, scrub_bytes_per_s: 0, ..WalConfig::default() };
+        let metrics = WalMetrics::unregistered();
+        let wal = Wal::start(store.clone(), config, metrics.clone()).unwrap();
+        wal.create_shard(1).unwrap();
+        wal.append(1, 1, records(10)).await.unwrap();
+        // A later append evicts 1..=10 from the tail cache: reads go to the store.
+        wal.append(1, 1, records(1)).await.unwrap();
+        store.corrupt(1, 4);
+        store.corrupt(1, 5);
+        let err = wal.read(1, 1, 10, usize::MAX).await.unwrap_err();
+        assert_eq!(err.corrupt_range(), Some((1, 4, 5)), "{err:?}");
+        assert!(matches!(&err, WalError::Store(e) if !e.is_fatal()));
+        assert!(wal.read(1, 4, 4, 1).await.unwrap_err().corrupt_range().is_some());
+        assert_eq!(wal.read(1, 1, 3, usize::MAX).await.unwrap().len(), 3);
+        let found = wal.corruption();
+        assert_eq!(found.len(), 1);
+        assert_eq!((found[0].first_bad_seqno, found[0].last_bad_seqno, found[0].how), (4, 5, Detection::Read));
+        assert_eq!(metrics.corruption_detected.with_label_values(&["read"]).get(), 1, "logged and counted once");
+        assert_eq!(metrics.corrupt_records.with_label_values(&["1"]).get(), 2);
+        wal.truncate_suffix(1, 4).await.unwrap();
+        assert_eq!(wal.shard_corruption(1)[0].last_bad_seqno, 4, "5 is gone, 4 is still there");
+        wal.truncate_suffix(1, 3).await.unwrap();
+        assert!(wal.corruption().is_empty());
+        assert_eq!(metrics.corrupt_records.with_label_values(&["1"]).get(), 0);
+        assert_eq!(wal.append(1, 1, records(2)).await.unwrap(), Appended { first_seqno: 4, last_seqno: 5 });
+    }
+
+    /// An unclean restart verifies the tail written since the previous
+    /// check and the WAL starts with what it found; a clean one does not.
+    #[tokio::test]
+    async fn an_unclean_restart_checks_the_tail_and_a_clean_one_does_not() {
+        let store = Arc::new(MemStore::new());
+        let config = WalConfig { scrub_bytes_per_s: 0, ..WalConfig::default() };
+        let wal = Wal::start(store.clone(), config.clone(), WalMetrics::unregistered()).unwrap();
+        wal.create_shard(1).unwrap();
+        wal.append(1, 1, records(10)).await.unwrap();
+        wal.shutdown_clean().await.unwrap();
+        store.corrupt(1, 3);
+        store.crash(); // A restart after the clean shutdown.
+        let wal = Wal::start(store.clone(), config.clone(), WalMetrics::unregistered()).unwrap();
+        assert!(wal.corruption().is_empty(), "records checked at the clean shutdown are the scrubber's");
+        let report = wal.scrub_now().await.unwrap();
+        assert_eq!((report.records, report.new_ranges), (9, 1));
+        wal.append(1, 1, records(5)).await.unwrap(); // 11..=15
+        store.corrupt(1, 12);
+        store.crash(); // Unclean this time.
+        let wal = Wal::start(store, config, WalMetrics::unregistered()).unwrap();
+        let found = wal.corruption();
+        assert_eq!(found.len(), 1, "only the tail since the previous check: {found:?}");
+        assert_eq!((found[0].first_bad_seqno, found[0].last_bad_seqno, found[0].how), (12, 12, Detection::Startup));
     }
 
     #[tokio::test]

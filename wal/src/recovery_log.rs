@@ -1,0 +1,231 @@
+//! raft-engine's recovery messages, classified: a torn tail is normal, a
+//! damaged record is not.
+//!
+//! raft-engine reports what its recovery truncates through the `log` crate,
+//! at WARN, with the word "Corruption" in every case ("Truncating log file
+//! due to broken batch (queue=Append,seq=3,offset=4096): Corruption: ...").
+//! The common case is harmless: every kill -9 or crash leaves the end of the
+//! newest log file unfinished (a batch cut short, or the zeros of
+//! `wal.prefill`/`fallocate` behind the last batch), and recovery drops it.
+//! A WARN with "Corruption" after every restart teaches operators to ignore
+//! the one that matters.
+//!
+//! [`RecoveryLog`] is the process's `log` logger: it forwards every record
+//! to `tracing` as `tracing-log` does, except these truncation messages,
+//! which it classifies by looking at the bytes raft-engine is about to cut
+//! (it logs before it truncates) and re-emits:
+//! * a torn tail at INFO ("torn tail from an unclean stop");
+//! * anything else at ERROR with the word "corruption": complete batches that
+//!   fail their checksum, or data after the damaged batch. raft-engine drops
+//!   the rest of that file on this node; the records it held must come back
+//!   from a replica.
+//!
+//! The classification (see [`is_torn_tail`]) only sees files of stores that
+//! are opening ([`watch`]); a message about another file keeps its WARN. A
+//! store whose last shutdown was clean has no torn tail: anything cut there
+//! is corruption.
+//!
+//! Invariant: every message is emitted exactly once, at a level no lower
+//! than INFO, and nothing raft-engine does is changed, only reported.
+
+use std::path::{Path, PathBuf};
+use std::sync::Mutex;
+
+/// What a raft-engine recovery truncation was.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum RecoveryFinding {
+    /// The unfinished end of the log an unclean stop leaves.
+    TornTail { file: PathBuf, offset: u64 },
+    /// Damaged bytes recovery cut, with what came after them in the file.
+    Corruption { file: PathBuf, offset: u64, detail: String },
+}
+
+struct Watched {
+    dir: PathBuf,
+    clean: bool,
+    findings: Vec<RecoveryFinding>,
+}
+
+static WATCHED: Mutex<Vec<Watched>> = Mutex::new(Vec::new());
+
+/// Classifies raft-engine's truncations of files under `dir` from now on
+/// (while the store there opens); `clean` says the last shutdown was clean.
+pub(crate) fn watch(dir: &Path, clean: bool) {
+    let mut watched = WATCHED.lock().unwrap_or_else(|e| e.into_inner());
+    watched.retain(|w| w.dir != dir);
+    watched.push(Watched { dir: dir.to_path_buf(), clean, findings: Vec::new() });
+}
+
+/// Stops watching `dir` and returns what was found there.
+pub(crate) fn unwatch(dir: &Path) -> Vec<RecoveryFinding> {
+    let mut watched = WATCHED.lock().unwrap_or_else(|e| e.into_inner());
+    let Some(at) = watched.iter().position(|w| w.dir == dir) else { return Vec::new() };
+    watched.remove(at).findings
+}
+
+/// raft-engine's log batch header: two big-endian u64s.
+const BATCH_HEADER_LEN: usize = 16;
+/// The checksum that ends every complete batch.
+const BATCH_CHECKSUM_LEN: usize = 4;
+
+/// Whether the bytes from a truncation point to the end of the file are a
+/// torn tail: a batch that never finished writing, followed by nothing but
+/// zeros. Writes are sequential and a batch's checksum is its last bytes, so:
+/// * an unreadable header: torn if nothing but zeros follows it (the zeros
+///   of a prefilled or fallocated file, or a header cut short);
+/// * a batch running past the end of the file: torn (its write stopped);
+/// * a batch within the file: torn only if its trailing checksum was never
+///   written (still zeros) and only zeros follow it. A complete batch that
+///   fails its checksum is damage, and so is anything non-zero after the
+///   truncation point, which is data raft-engine drops.
+pub fn is_torn_tail(rest: &[u8]) -> bool {
+    let zeros = |bytes: &[u8]| bytes.iter().all(|b| *b == 0);
+    if rest.len() < BATCH_HEADER_LEN {
+        return true;
+    }
+    let len_and_type = u64::from_be_bytes(rest[0..8].try_into().expect("8 bytes"));
+    let footer = u64::from_be_bytes(rest[8..16].try_into().expect("8 bytes")) as usize;
+    let len = (len_and_type >> 8) as usize;
+    let compression = len_and_type & 0xff;
+    let valid = compression <= 1 && len >= BATCH_HEADER_LEN && (BATCH_HEADER_LEN..=len).contains(&footer);
+    if !valid {
+        return zeros(&rest[BATCH_HEADER_LEN..]);
+    }
+    if len > rest.len() {
+        return true;
+    }
+    zeros(&rest[len - BATCH_CHECKSUM_LEN..len]) && zeros(&rest[len..])
+}
+
+/// Parses raft-engine's "Truncating log file due to broken ... (queue=Append,
+/// seq=3,offset=4096): ..." into the file name and the offset.
+fn parse_truncation(message: &str) -> Option<(String, u64)> {
+    if !message.starts_with("Truncating log file due to broken ") {
+        return None;
+    }
+    let field = |name: &str| -> Option<&str> {
+        let start = message.find(name)? + name.len();
+        let end = message[start..].find([',', ')']).map_or(message.len(), |e| start + e);
+        Some(&message[start..end])
+    };
+    let seq: u64 = field("seq=")?.parse().ok()?;
+    let suffix = match field("queue=")? {
+        "Append" => "raftlog",
+        "Rewrite" => "rewrite",
+        _ => return None,
+    };
+    // A broken file header has no offset: the whole file is cut.
+    let offset = field("offset=").map_or(Some(0), |o| o.parse().ok())?;
+    Some((format!("{seq:016}.{suffix}"), offset))
+}
+
+/// Classifies and reports one raft-engine truncation; false if the message
+/// is not one, or names no watched file.
+fn intercept(message: &str) -> bool {
+    let Some((name, offset)) = parse_truncation(message) else { return false };
+    let mut watched = WATCHED.lock().unwrap_or_else(|e| e.into_inner());
+    let Some(w) = watched.iter_mut().find(|w| w.dir.join(&name).exists()) else { return false };
+    let file = w.dir.join(&name);
+    let rest = match std::fs::read(&file) {
+        Ok(bytes) => bytes.get(offset as usize..).map(<[u8]>::to_vec).unwrap_or_default(),
+        Err(_) => return false,
+    };
+    if !w.clean && is_torn_tail(&rest) {
+        tracing::info!(
+            file = %file.display(),
+            offset,
+            bytes = rest.len(),
+            "torn tail from an unclean stop: WAL recovery drops the unfinished write at the end of the log \
+             (normal after a crash or kill -9)"
+        );
+        w.findings.push(RecoveryFinding::TornTail { file, offset });
+    } else {
+        tracing::error!(
+            file = %file.display(),
+            offset,
+            clean_shutdown = w.clean,
+            raft_engine = message,
+            "corruption: WAL recovery truncates a log file at damaged bytes; the records after them in this file \
+             are lost on this node and must come back from a replica"
+        );
+        w.findings.push(RecoveryFinding::Corruption { file, offset, detail: message.to_owned() });
+    }
+    true
+}
+
+/// The process's `log` logger: raft-engine's recovery truncations are
+/// classified (module docs), every other record goes to `tracing`.
+pub struct RecoveryLog;
+
+impl log::Log for RecoveryLog {
+    fn enabled(&self, _: &log::Metadata<'_>) -> bool {
+        true
+    }
+
+    fn log(&self, record: &log::Record<'_>) {
+        if record.target().starts_with("raft_engine") && intercept(&record.args().to_string()) {
+            return;
+        }
+        let _ = tracing_log::format_trace(record);
+    }
+
+    fn flush(&self) {}
+}
+
+/// Installs [`RecoveryLog`] as the `log` logger, passing records at the
+/// level `tracing` currently enables, and always WARN and above, where
+/// raft-engine's truncation messages are (install it after the subscriber,
+/// in place of `tracing-log`'s `LogTracer`).
+pub fn install() -> Result<(), log::SetLoggerError> {
+    use tracing_log::AsLog;
+    log::set_logger(&RecoveryLog)?;
+    log::set_max_level(tracing::level_filters::LevelFilter::current().as_log().max(log::LevelFilter::Warn));
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn header(len: u64, footer: u64) -> Vec<u8> {
+        let mut bytes = (len << 8).to_be_bytes().to_vec();
+        bytes.extend(footer.to_be_bytes());
+        bytes
+    }
+
+    #[test]
+    fn truncation_messages_name_the_file_and_offset() {
+        let m = "Truncating log file due to broken batch (queue=Append,seq=3,offset=4096): Corruption: x";
+        assert_eq!(parse_truncation(m), Some(("0000000000000003.raftlog".into(), 4096)));
+        let m = "Truncating log file due to broken header (queue=Rewrite,seq=12): Corruption: y";
+        assert_eq!(parse_truncation(m), Some(("0000000000000012.rewrite".into(), 0)));
+        assert_eq!(parse_truncation("Recovering raft logs takes 3ms"), None);
+    }
+
+    #[test]
+    fn torn_tails_and_damage_are_told_apart() {
+        assert!(is_torn_tail(&[]), "nothing after the cut");
+        assert!(is_torn_tail(&[0; 4096]), "the zeros of a prefilled file");
+        assert!(is_torn_tail(&[1, 2, 3]), "a header cut short");
+        // A batch of 100 bytes whose write stopped after 40: zeros follow.
+        let mut cut = header(100, 80);
+        cut.extend([7u8; 24]);
+        cut.extend([0u8; 1000]);
+        assert!(is_torn_tail(&cut));
+        // The same batch running past the end of the file.
+        assert!(is_torn_tail(&cut[..60]));
+        // A complete batch (its checksum written) that failed: damage.
+        let mut whole = header(100, 80);
+        whole.extend([7u8; 84]);
+        whole.extend([0u8; 1000]);
+        assert!(!is_torn_tail(&whole));
+        // An unfinished-looking batch with data after it: damage.
+        let mut followed = cut.clone();
+        followed[500] = 9;
+        assert!(!is_torn_tail(&followed));
+        // A garbage header with data after it: damage.
+        let mut garbage = vec![0xffu8; 16];
+        garbage.extend([5u8; 100]);
+        assert!(!is_torn_tail(&garbage));
+    }
+}
