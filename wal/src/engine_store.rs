@@ -10,8 +10,14 @@
 //! kept under `walship/first`, so a fully compacted shard still knows where
 //! its log continues after a restart.
 //!
-//! raft-engine panics on a failed fsync. That is the behaviour walship wants:
-//! a WAL whose durability is unknown must stop the process.
+//! raft-engine panics on a failed fsync (`LogFileWriter::sync` unwraps the
+//! file handle's sync), in whichever thread leads its write group. A panic
+//! ends only that thread, so the WAL runs every call into this store under
+//! `wal::fatal_on_panic`, which ends the process: a WAL whose durability is
+//! unknown must stop it, and the coordinator fails its shards over. Errors
+//! this store returns as [`StoreError::Io`] or [`StoreError::Corrupt`] end it
+//! the same way; a read that loses a race with a compaction or truncation is
+//! not one of them ([`StoreError::OutOfRange`]).
 
 use std::collections::BTreeMap;
 use std::path::Path;
@@ -271,7 +277,18 @@ impl LogStore for EngineStore {
                 Some(max_bytes.saturating_add(slack)),
                 &mut entries,
             )
-            .map_err(io)?;
+            .map_err(|e| match e {
+                // A compaction (entries gone below) or a truncation and its
+                // replacing append (fewer entries above) ran between the
+                // range check and the fetch: reads are not ordered with
+                // them. A refusal like any range outside the log, not a
+                // storage failure (which would end the process).
+                raft_engine::Error::EntryCompacted | raft_engine::Error::EntryNotFound => {
+                    let now = self.state(shard).map_or(bounds, |s| s.bounds);
+                    StoreError::OutOfRange { shard, from, to, first: now.first_seqno, last: now.last_seqno }
+                }
+                e => io(e),
+            })?;
         let mut size = 0usize;
         let mut frames = Vec::with_capacity(entries.len());
         for entry in entries {
