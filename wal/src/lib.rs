@@ -10,9 +10,12 @@
 //! * [`wal`]: [`Wal`], the sequencer and group-commit persister shared by
 //!   every shard on the node, with per-shard positions and watches of the
 //!   written and durable seqnos.
+//! * [`failpoints`]: storage fault injection for black-box tests (feature
+//!   `testing`, never in a production build).
 
 pub mod disk;
 pub mod engine_store;
+pub mod failpoints;
 pub mod mem_store;
 pub mod metrics;
 pub mod record;
