@@ -304,6 +304,9 @@ pub async fn start_node(config: NodeConfig, cluster: Option<ClusterConfig>, dril
 pub async fn run_node(args: NodeArgs) -> Result<()> {
     let (config, cluster, drills) = args.into_config()?;
     let node_id = config.node_id;
+    // Test builds only (walship-wal's `testing` feature): storage faults to
+    // inject, set before the WAL opens so a failpoint's count covers it too.
+    walship_wal::failpoints::configure_from_env().map_err(anyhow::Error::msg)?;
     let node = start_node(config, cluster, drills).await?;
     // One stable, parseable line for scripts and tests.
     println!("walship node {node_id} listening grpc={} admin={}", node.grpc_addr, node.admin_addr);

@@ -221,6 +221,9 @@ pub struct ClusterSpec<'a> {
     /// Extra command-line arguments for some nodes' first start (not for
     /// restarts).
     pub node_args: Vec<(u32, Vec<String>)>,
+    /// Extra environment variables for some nodes' first start (not for
+    /// restarts), e.g. `FAILPOINTS`.
+    pub node_env: Vec<(u32, Vec<(String, String)>)>,
 }
 
 impl Default for ClusterSpec<'_> {
@@ -233,6 +236,7 @@ impl Default for ClusterSpec<'_> {
             replication: "",
             nats: None,
             node_args: Vec::new(),
+            node_env: Vec::new(),
         }
     }
 }
@@ -262,7 +266,7 @@ impl Cluster {
         replication: &str,
         nats: Option<&str>,
     ) -> Cluster {
-        Self::launch(&ClusterSpec { host, nodes, shards, coordinators, replication, nats, node_args: Vec::new() })
+        Self::launch(&ClusterSpec { host, nodes, shards, coordinators, replication, nats, ..ClusterSpec::default() })
     }
 
     /// Starts what `spec` describes.
@@ -315,7 +319,8 @@ impl Cluster {
         let nodes = (1..=nodes)
             .map(|id| {
                 let extra = spec.node_args.iter().find(|(n, _)| *n == id).map_or(&[][..], |(_, a)| &a[..]);
-                Self::spawn(&config_path, dir.path(), id, extra)
+                let env = spec.node_env.iter().find(|(n, _)| *n == id).map_or(&[][..], |(_, e)| &e[..]);
+                Self::spawn(&config_path, dir.path(), id, extra, env)
             })
             .collect();
         let mut cluster = Cluster { dir, config_path, nodes, coordinators: Vec::new(), nats: nats.map(str::to_string) };
@@ -380,10 +385,11 @@ impl Cluster {
         Some((v["leader"].as_u64()? as u32, v["epoch"].as_u64()?))
     }
 
-    fn spawn(config: &Path, dir: &Path, id: u32, extra: &[String]) -> NodeProcess {
+    fn spawn(config: &Path, dir: &Path, id: u32, extra: &[String], env: &[(String, String)]) -> NodeProcess {
         let data = dir.join(format!("node-{id}"));
         let (child, fields) = spawn_listening(
             Command::new(walship_bin())
+                .envs(env.iter().map(|(k, v)| (k, v)))
                 // No WAL file of zeros per test node (`wal.prefill`).
                 .args([
                     "node",
@@ -418,7 +424,7 @@ impl Cluster {
     /// Restarts a (killed) node on its data dir and configured ports.
     pub fn restart(&mut self, id: u32) {
         self.node(id).kill9();
-        let node = Self::spawn(&self.config_path, self.dir.path(), id, &[]);
+        let node = Self::spawn(&self.config_path, self.dir.path(), id, &[], &[]);
         self.nodes[id as usize - 1] = node;
     }
 

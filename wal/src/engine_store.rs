@@ -10,8 +10,15 @@
 //! kept under `walship/first`, so a fully compacted shard still knows where
 //! its log continues after a restart.
 //!
-//! raft-engine panics on a failed fsync. That is the behaviour walship wants:
-//! a WAL whose durability is unknown must stop the process.
+//! raft-engine panics on a failed fsync (`LogFileWriter::sync` unwraps the
+//! file handle's sync), in whichever thread leads its write group. A panic
+//! ends only that thread, so the WAL runs every call into this store under
+//! `wal::fatal_on_panic`, which ends the process: a WAL whose durability is
+//! unknown must stop it, and the coordinator fails its shards over. Errors
+//! this store returns as [`StoreError::Io`] end it the same way. A corrupt
+//! record ([`StoreError::Corrupt`]) does not: the replication layer repairs
+//! it from an intact replica. Nor does a read that loses a race with a
+//! compaction or truncation ([`StoreError::OutOfRange`]).
 //!
 //! Damage. raft-engine checks an entry batch's checksum only when an entry of
 //! it is read, and reports a mismatch without naming a region, an index or
@@ -423,6 +430,15 @@ impl LogStore for EngineStore {
         match fetched {
             // An I/O error is the device's, not damage this store can name.
             Err(e @ raft_engine::Error::Io(_)) => return Err(io(e)),
+            // A compaction (entries gone below) or a truncation and its
+            // replacing append (fewer entries above) ran between the range
+            // check and the fetch: reads are not ordered with them. A
+            // refusal like any range outside the log, not a storage failure
+            // (which would end the process).
+            Err(raft_engine::Error::EntryCompacted | raft_engine::Error::EntryNotFound) => {
+                let now = self.state(shard).map_or(bounds, |s| s.bounds);
+                return Err(StoreError::OutOfRange { shard, from, to, first: now.first_seqno, last: now.last_seqno });
+            }
             Err(e) => return Err(self.find_damage(shard, from, end - 1, bounds.last_seqno, io(e))),
             Ok(_) => {}
         }

@@ -13,10 +13,13 @@
 //! * [`corruption`]: the registry of known corrupt ranges and the scrubber;
 //!   [`recovery_log`]: raft-engine's recovery truncations classified as a
 //!   torn tail (INFO) or corruption (ERROR).
+//! * [`failpoints`]: storage fault injection for black-box tests (feature
+//!   `testing`, never in a production build).
 
 pub mod corruption;
 pub mod disk;
 pub mod engine_store;
+pub mod failpoints;
 pub mod mem_store;
 pub mod metrics;
 pub mod record;

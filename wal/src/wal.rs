@@ -36,6 +36,19 @@
 //!   forgets a range only when it is truncated or compacted away;
 //! * a background scrubber reads every shard's durable log at a bounded rate
 //!   (`WalConfig::scrub_bytes_per_s`), off the tokio workers.
+//!
+//! A storage failure is a failed or refused write or fsync, an IO error on a
+//! read ([`StoreError::is_fatal`]), or a panic in any storage call:
+//! raft-engine panics when an fsync fails (`engine_store.rs`), in whichever
+//! thread leads its write group (the persister, or the blocking task of a
+//! truncation, compaction or epoch change). A panic would unwind that thread
+//! alone: a dead persister leaves appends failing forever while the node
+//! still heartbeats as leader, and no failover happens. So every storage
+//! call runs under [`fatal_on_panic`], and [`fatal`] logs what failed at
+//! ERROR and aborts the process; the coordinator then fails its shards over,
+//! and a supervisor (systemd, Kubernetes) restarts it on whatever the disk
+//! kept. The persister's whole loop runs under it too: a panic there, for
+//! whatever reason, must never leave the process running without one.
 
 use std::collections::HashMap;
 use std::sync::Arc;
@@ -386,7 +399,7 @@ impl Wal {
         let persister = Persister { shared: shared.clone(), rx: staged, config: config.clone() };
         std::thread::Builder::new()
             .name("walship-wal-persister".into())
-            .spawn(move || persister.run())
+            .spawn(move || fatal_on_panic(|| "running the WAL persister".into(), || persister.run()))
             .map_err(|e| WalError::Store(StoreError::Io(format!("spawning the WAL persister: {e}"))))?;
         if config.scrub_bytes_per_s > 0 {
             let shared = Arc::downgrade(&shared);
@@ -406,7 +419,9 @@ impl Wal {
         if self.shared.shards.read().contains_key(&shard) {
             return Ok(());
         }
-        self.shared.store.create_shard(shard)?;
+        let store = &self.shared.store;
+        fatal_on_panic(|| format!("creating shard {shard}"), || store.create_shard(shard))
+            .map_err(|e| fatal_if(&format!("creating shard {shard}"), e))?;
         let bounds = self.shared.store.bounds(shard)?;
         self.shared
             .shards
@@ -437,7 +452,11 @@ impl Wal {
     pub async fn set_epoch(&self, shard: ShardId, epoch: u64) -> WalResult<()> {
         self.shared.shard(shard)?.min_epoch.fetch_max(epoch, Ordering::AcqRel);
         let store = self.shared.store.clone();
-        tokio::task::spawn_blocking(move || store.set_epoch(shard, epoch)).await.map_err(|_| WalError::Closed)??;
+        let what = move || format!("recording epoch {epoch} of shard {shard}");
+        tokio::task::spawn_blocking(move || fatal_on_panic(what, || store.set_epoch(shard, epoch)))
+            .await
+            .map_err(|_| WalError::Closed)?
+            .map_err(|e| fatal_if(&what(), e))?;
         Ok(())
     }
 
@@ -657,7 +676,7 @@ impl Wal {
         let mut sequencer = self.sequencer.clone().lock_owned().await;
         sequencer.drain().await;
         tokio::task::spawn_blocking(move || {
-            let result = op(&sequencer.shared);
+            let result = fatal_on_panic(|| format!("truncating or compacting shard {shard}"), || op(&sequencer.shared));
             sequencer.after_control(shard, result)
         })
         .await
@@ -678,17 +697,20 @@ impl Wal {
         // may also make it. A read that meets damage fails as a whole with
         // the corrupt range (the records before it read with `to` below it)
         // and records the range.
+        let what = move || format!("reading shard {shard} [{from}, {to}]");
         tokio::task::spawn_blocking(move || {
-            let stored = shared.store.bounds(shard)?.last_seqno;
-            let read = shared.store.read(shard, from, to.min(stored.max(from)), max_bytes);
-            if let Err(e) = &read {
-                shared.corruption.record_error(e, Detection::Read, shared.store.location());
-            }
-            read
+            fatal_on_panic(what, || {
+                let stored = shared.store.bounds(shard)?.last_seqno;
+                let read = shared.store.read(shard, from, to.min(stored.max(from)), max_bytes);
+                if let Err(e) = &read {
+                    shared.corruption.record_error(e, Detection::Read, shared.store.location());
+                }
+                read
+            })
         })
         .await
         .map_err(|_| WalError::Closed)?
-        .map_err(WalError::from)
+        .map_err(|e| fatal_if(&what(), e).into())
     }
 }
 
@@ -836,13 +858,48 @@ fn scrubber(shared: std::sync::Weak<Shared>, stop: flume::Receiver<()>, interval
     }
 }
 
-/// Stops the process on a storage failure. Only failed or refused writes,
-/// fsyncs and position lookups get here ([`StoreError::is_fatal`]); a
-/// corrupt record found by a read never does.
-fn fatal(error: &StoreError) -> ! {
-    tracing::error!(%error, "WAL storage failure; stopping the process rather than continue with unknown durability");
-    eprintln!("walship: fatal WAL storage failure: {error}");
+/// Ends the process after a storage failure in `what`: the one place that
+/// does (see the module docs). Logged at ERROR and on stderr, which a
+/// supervisor keeps even when the log goes elsewhere; then `abort`, since
+/// an orderly shutdown would run more code over a store in an unknown state.
+fn fatal(what: &str, error: &dyn std::fmt::Display) -> ! {
+    tracing::error!(
+        what,
+        %error,
+        "WAL storage failure; stopping the process rather than continue with unknown durability \
+         (the coordinator fails its shards over; check the disk)"
+    );
+    eprintln!("walship: fatal WAL storage failure while {what}: {error}");
     std::process::abort();
+}
+
+/// Ends the process if `error` is a storage failure ([`StoreError::is_fatal`]);
+/// returns it otherwise (a refusal the caller answers).
+fn fatal_if(what: &str, error: StoreError) -> StoreError {
+    if error.is_fatal() {
+        fatal(what, &error);
+    }
+    error
+}
+
+/// Runs a storage call (or a thread's whole loop), ending the process if it
+/// panics: raft-engine panics on a failed fsync, and an unwound thread would
+/// leave the node running on a WAL that can no longer write. `what` names
+/// the call for the log, built only when it panics.
+fn fatal_on_panic<T>(what: impl FnOnce() -> String, call: impl FnOnce() -> T) -> T {
+    // Unwind safety is moot: nothing observes the state after a panic, the
+    // process ends.
+    match std::panic::catch_unwind(std::panic::AssertUnwindSafe(call)) {
+        Ok(value) => value,
+        Err(panic) => {
+            let message = panic
+                .downcast_ref::<&str>()
+                .map(|s| s.to_string())
+                .or_else(|| panic.downcast_ref::<String>().cloned())
+                .unwrap_or_else(|| "a panic without a message".into());
+            fatal(&what(), &format!("panicked: {message}"))
+        }
+    }
 }
 
 fn now_us() -> u64 {
@@ -943,13 +1000,14 @@ impl Sequencer {
             Ok(()) => {
                 match (self.shared.shard(shard), self.shared.store.bounds(shard)) {
                     (Ok(positions), Ok(bounds)) => positions.publish(bounds),
-                    (_, Err(e)) if e.is_fatal() => fatal(&e),
+                    (_, Err(e)) => {
+                        fatal_if(&format!("reading shard {shard}'s positions"), e);
+                    }
                     _ => {}
                 }
                 Ok(())
             }
-            Err(e) if e.is_fatal() => fatal(&e),
-            Err(e) => Err(e.into()),
+            Err(e) => Err(fatal_if(&format!("truncating or compacting shard {shard}"), e).into()),
         }
     }
 
@@ -1032,7 +1090,7 @@ impl Persister {
             // The sequencer validated every part and published them as
             // written; a store that refuses them leaves the log's state
             // unknown, as a failed write or fsync does.
-            fatal(&e);
+            fatal("writing and syncing a group commit", &e);
         }
         let metrics = &self.shared.metrics;
         metrics.fsync_seconds.observe(started.elapsed().as_secs_f64());
@@ -1047,8 +1105,9 @@ impl Persister {
                 positions.bytes.fetch_add(bytes as u64, Ordering::AcqRel);
                 match self.shared.store.bounds(part.shard) {
                     Ok(bounds) => positions.publish_durable(bounds),
-                    Err(e) if e.is_fatal() => fatal(&e),
-                    Err(_) => {}
+                    Err(e) => {
+                        fatal_if(&format!("reading shard {}'s positions", part.shard), e);
+                    }
                 }
             }
         }

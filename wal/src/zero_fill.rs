@@ -43,13 +43,18 @@
 //! tail before it syncs the file. After a restart, [`refill_active_tail`]
 //! writes the zeros back behind the recovered end, so a restarted node keeps
 //! the cheaper fdatasync too. Tested in `conformance::engine_prefilled`.
+//!
+//! Every write and sync of a log file goes through this file system's
+//! [`LogHandle`] and [`LogWriter`], so that is where the `testing` feature's
+//! failpoints sit (`wal::write`, `wal::sync`: [`crate::failpoints`]). Without
+//! the feature both only delegate.
 
 use std::io::{Result, Seek, SeekFrom, Write};
 use std::path::Path;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 
-use raft_engine::env::{DefaultFileSystem, FileSystem, Permission};
+use raft_engine::env::{DefaultFileSystem, FileSystem, Handle, Permission, WriteExt};
 use raft_engine::{Config, ReadableSize};
 
 type Inner = DefaultFileSystem;
@@ -266,27 +271,81 @@ pub fn sync_spare_files(dir: &Path, file_bytes: u64, expected: u64) -> Result<u6
     Ok(whole)
 }
 
+/// A log file's handle: raft-engine syncs every log file through it.
+pub struct LogHandle(Arc<<Inner as FileSystem>::Handle>);
+
+impl Handle for LogHandle {
+    fn truncate(&self, offset: usize) -> Result<()> {
+        self.0.truncate(offset)
+    }
+
+    fn file_size(&self) -> Result<usize> {
+        self.0.file_size()
+    }
+
+    fn sync(&self) -> Result<()> {
+        // raft-engine panics when this fails (`LogFileWriter::sync`): the
+        // WAL turns that panic into the end of the process (`wal.rs`).
+        #[cfg(feature = "testing")]
+        fail::fail_point!("wal::sync", |_| Err(crate::failpoints::injected("wal::sync")));
+        self.0.sync()
+    }
+}
+
+/// A log file's writer: every byte raft-engine writes to a log file.
+pub struct LogWriter(<Inner as FileSystem>::Writer);
+
+impl Write for LogWriter {
+    fn write(&mut self, buf: &[u8]) -> Result<usize> {
+        // raft-engine returns this error from `Engine::write` (after seeking
+        // back), and the WAL treats it as fatal.
+        #[cfg(feature = "testing")]
+        fail::fail_point!("wal::write", |_| Err(crate::failpoints::injected("wal::write")));
+        self.0.write(buf)
+    }
+
+    fn flush(&mut self) -> Result<()> {
+        self.0.flush()
+    }
+}
+
+impl Seek for LogWriter {
+    fn seek(&mut self, pos: SeekFrom) -> Result<u64> {
+        self.0.seek(pos)
+    }
+}
+
+impl WriteExt for LogWriter {
+    fn truncate(&mut self, offset: usize) -> Result<()> {
+        self.0.truncate(offset)
+    }
+
+    fn allocate(&mut self, offset: usize, size: usize) -> Result<()> {
+        self.0.allocate(offset, size)
+    }
+}
+
 impl FileSystem for ZeroFilledFs {
-    type Handle = <Inner as FileSystem>::Handle;
+    type Handle = LogHandle;
     type Reader = <Inner as FileSystem>::Reader;
-    type Writer = <Inner as FileSystem>::Writer;
+    type Writer = LogWriter;
 
     fn create<P: AsRef<Path>>(&self, path: P) -> Result<Self::Handle> {
         let path = path.as_ref();
         self.count_rotation(path, &self.rotations.new);
         if !self.fills(path) {
-            return self.inner.create(path);
+            return Ok(LogHandle(Arc::new(self.inner.create(path)?)));
         }
         // raft-engine creates a log file only where none is in use, and
         // resets its header right after.
         drop(std::fs::OpenOptions::new().write(true).create(true).truncate(true).open(path)?);
         self.created.store(true, Ordering::Release);
         fill(path, 0, self.fill_bytes, "zero-filling a new WAL file");
-        self.inner.open(path, Permission::ReadWrite)
+        self.open(path, Permission::ReadWrite)
     }
 
     fn open<P: AsRef<Path>>(&self, path: P, perm: Permission) -> Result<Self::Handle> {
-        self.inner.open(path, perm)
+        Ok(LogHandle(Arc::new(self.inner.open(path, perm)?)))
     }
 
     fn delete<P: AsRef<Path>>(&self, path: P) -> Result<()> {
@@ -304,10 +363,10 @@ impl FileSystem for ZeroFilledFs {
     }
 
     fn new_reader(&self, handle: Arc<Self::Handle>) -> Result<Self::Reader> {
-        self.inner.new_reader(handle)
+        self.inner.new_reader(handle.0.clone())
     }
 
     fn new_writer(&self, handle: Arc<Self::Handle>) -> Result<Self::Writer> {
-        self.inner.new_writer(handle)
+        Ok(LogWriter(self.inner.new_writer(handle.0.clone())?))
     }
 }
