@@ -237,7 +237,7 @@ pub async fn start_node(config: NodeConfig, cluster: Option<ClusterConfig>, dril
         drills.allow_crash,
     )
     .await
-    .map_err(|status| anyhow::anyhow!("starting replication: {}", status.message()))?;
+    .map_err(|error| anyhow::anyhow!("starting replication: {error}"))?;
     for shard in wal.shards() {
         let p = wal.positions(shard)?;
         tracing::info!(shard, first = p.first_seqno, last = p.last_seqno, durable = p.durable_seqno, "recovered");

@@ -158,17 +158,17 @@ impl Control for ControlService {
     async fn fence(&self, request: Request<FenceRequest>) -> Result<Response<FenceResponse>, Status> {
         let r = request.into_inner();
         positive_epoch(r.epoch)?;
-        self.node.fence(r.shard_id, r.epoch).await.map(Response::new)
+        self.node.fence(r.shard_id, r.epoch).await.map(Response::new).map_err(Status::from)
     }
 
     async fn assign(&self, request: Request<AssignRequest>) -> Result<Response<AssignResponse>, Status> {
         let r = request.into_inner();
         positive_epoch(r.epoch)?;
-        self.node.assign(r.shard_id, r.epoch, r.leader, r.commit_seqno).await.map(Response::new)
+        self.node.assign(r.shard_id, r.epoch, r.leader, r.commit_seqno).await.map(Response::new).map_err(Status::from)
     }
 
     async fn position(&self, request: Request<PositionRequest>) -> Result<Response<FenceResponse>, Status> {
-        self.node.position(request.into_inner().shard_id).await.map(Response::new)
+        self.node.position(request.into_inner().shard_id).await.map(Response::new).map_err(Status::from)
     }
 
     async fn epoch_end(&self, request: Request<EpochEndRequest>) -> Result<Response<EpochEndResponse>, Status> {

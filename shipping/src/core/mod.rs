@@ -7,6 +7,10 @@
 //! * [`leader`]: one shard's leader — per-follower ship progress and modes,
 //!   the commit position, lag, retention.
 //! * [`follower`]: how a follower classifies an inbound segment.
+//! * [`replica`]: one shard replica's role and epoch rules (fencing,
+//!   assignment, following, stepping down, repair gating, pause, full disk,
+//!   corruption), as commands for the shell.
 
 pub mod follower;
 pub mod leader;
+pub mod replica;

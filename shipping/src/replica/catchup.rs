@@ -1,0 +1,291 @@
+//! Catch-up, both ends: a leader serves `StreamSegments` (durable segments
+//! from a follower's next seqno, rate-limited so catch-up cannot starve the
+//! live append path); a follower reconciles its log with a new leader
+//! (EpochEnd repair: truncate the divergent tail, record the leader's epoch
+//! as its log epoch) and then pulls, pipelined, one catch-up at a time. A
+//! follower whose own log turned out corrupt truncates from the first bad
+//! seqno here and pulls the rest again, byte-identical, from its leader.
+
+use std::sync::Arc;
+use std::sync::atomic::Ordering;
+use std::time::Duration;
+
+use walship_proto::log::EpochEndRequest;
+use walship_proto::replication::{ShipSegmentRequest, StreamRequest, WalSegmentId};
+use walship_wal::Segment;
+
+use super::shard::ShardReplica;
+use super::{ReplicaError, ReplicationNode, Source};
+use crate::NodeId;
+
+/// Catch-up chunks queued to the WAL before the oldest must be durable.
+const CATCHUP_PIPELINE: usize = 4;
+
+impl ReplicationNode {
+    /// Serves `StreamSegments` (leader side): durable segments from
+    /// `from_seqno` up to the durable position reached, rate-limited.
+    pub fn stream_segments(
+        self: &Arc<Self>,
+        request: StreamRequest,
+    ) -> Result<tokio::sync::mpsc::Receiver<Result<ShipSegmentRequest, tonic::Status>>, ReplicaError> {
+        self.serve_stream(request).map_err(|e| self.counted(e))
+    }
+
+    fn serve_stream(
+        self: &Arc<Self>,
+        request: StreamRequest,
+    ) -> Result<tokio::sync::mpsc::Receiver<Result<ShipSegmentRequest, tonic::Status>>, ReplicaError> {
+        let replica = self.replica_or_not_found(request.shard_id)?;
+        let Some(leader) = replica.leader_state() else {
+            let hint = replica.leader_id(self.me).map_or("unknown".to_string(), |l| self.describe(l));
+            return Err(ReplicaError::NotLeader { shard: replica.shard, node: self.me, hint });
+        };
+        if request.epoch > leader.epoch {
+            return Err(ReplicaError::NewerRequester { epoch: leader.epoch, seen: request.epoch });
+        }
+        if request.from_seqno == 0 {
+            return Err(ReplicaError::BadRequest("from_seqno must be >= 1".into()));
+        }
+        let positions = self.wal.positions(replica.shard)?;
+        let (durable, baseline) = {
+            let core = leader.core.lock();
+            (core.durable(), core.epoch_start() - 1)
+        };
+        if request.from_seqno < positions.first_seqno {
+            return Err(ReplicaError::NeedsReseed {
+                shard: replica.shard,
+                from: request.from_seqno,
+                first: positions.first_seqno,
+            });
+        }
+        if request.from_seqno > durable + 1 {
+            return Err(ReplicaError::PastDurable { shard: replica.shard, from: request.from_seqno, durable });
+        }
+        let (tx, rx) = tokio::sync::mpsc::channel(4);
+        let node = self.clone();
+        tokio::spawn(async move {
+            let mut next = request.from_seqno;
+            // Catch-up moves bulk: bigger chunks than live pushes, so each
+            // follower fsync covers more.
+            let batch = node.config.replication.ship_batch_bytes.saturating_mul(4);
+            loop {
+                if leader.stop.is_cancelled() {
+                    let _ = tx.send(Err(tonic::Status::unavailable("this replica stopped leading"))).await;
+                    return;
+                }
+                let (durable, commit) = {
+                    let core = leader.core.lock();
+                    (core.durable(), core.commit())
+                };
+                if next > durable {
+                    return;
+                }
+                let frames = match node.wal.read(replica.shard, next, durable, batch).await {
+                    Ok(frames) => frames,
+                    Err(e) => {
+                        // Damage in this leader's own log is data loss for
+                        // the requester; anything else (a compaction raced
+                        // the read) is a range no longer here.
+                        let status = match e.corrupt_range() {
+                            Some(_) => tonic::Status::from(ReplicaError::Wal(e)),
+                            None => tonic::Status::out_of_range(e.to_string()),
+                        };
+                        let _ = tx.send(Err(status)).await;
+                        return;
+                    }
+                };
+                let segment = match Segment::encode(replica.shard, frames) {
+                    Ok(s) => s,
+                    Err(e) => {
+                        let _ = tx.send(Err(tonic::Status::internal(e.to_string()))).await;
+                        return;
+                    }
+                };
+                node.catchup_budget.acquire(segment.encoded().len()).await;
+                node.metrics.catchup_served_bytes.inc_by(segment.encoded().len() as u64);
+                let message = ShipSegmentRequest {
+                    id: Some(WalSegmentId {
+                        region_id: node.region,
+                        shard_id: replica.shard,
+                        seqno: segment.first_seqno(),
+                    }),
+                    event_count: segment.frames().len() as u64,
+                    leader_last_seq: durable,
+                    stream_baseline: baseline,
+                    epoch: leader.epoch,
+                    leader_node_id: node.me,
+                    commit_seqno: commit,
+                    payload: segment.encoded().clone(),
+                };
+                next = segment.last_seqno() + 1;
+                if tx.send(Ok(message)).await.is_err() {
+                    return;
+                }
+            }
+        });
+        Ok(rx)
+    }
+
+    /// Starts reconciling with and pulling from the leader, unless that is
+    /// already running: first divergence repair (once per epoch), then a
+    /// catch-up stream.
+    pub(crate) fn start_catchup(self: &Arc<Self>, replica: Arc<ShardReplica>) {
+        if replica.follower.catchup_running.swap(true, Ordering::AcqRel) {
+            return;
+        }
+        let node = self.clone();
+        tokio::spawn(async move {
+            let mut backoff = Duration::from_millis(20);
+            while let Some((leader, epoch)) = ReplicationNode::following(&replica) {
+                let attempt = async {
+                    if !replica.rules.lock().is_repaired_for(epoch) {
+                        node.repair(&replica, leader, epoch).await?;
+                    }
+                    node.catch_up_once(&replica, leader, epoch).await
+                };
+                match attempt.await {
+                    Ok(()) => break,
+                    Err(error) => {
+                        tracing::debug!(shard = replica.shard, %error, "catch-up attempt failed; retrying");
+                        tokio::select! {
+                            _ = tokio::time::sleep(backoff) => {}
+                            _ = node.shutdown.cancelled() => break,
+                        }
+                        backoff = (backoff * 2).min(Duration::from_secs(1));
+                    }
+                }
+            }
+            replica.follower.catchup_running.store(false, Ordering::Release);
+        });
+    }
+
+    /// Truncates whatever this follower's log holds past the point where it
+    /// diverges from the leader of `epoch`: repeatedly, ask the leader where
+    /// our last record's epoch ends in its log, and cut to the lower of that
+    /// and where the same epoch ends in ours.
+    async fn repair(&self, replica: &ShardReplica, leader: NodeId, epoch: u64) -> Result<(), ReplicaError> {
+        let mut client =
+            self.peers.control(leader).ok_or_else(|| ReplicaError::Unavailable("leader address unknown".into()))?;
+        let _guard = replica.follower.apply_lock.lock().await;
+        for _ in 0..64 {
+            let p = self.wal.positions(replica.shard)?;
+            if p.last_seqno < p.first_seqno {
+                break;
+            }
+            let last_epoch = self.wal.epoch_at(replica.shard, p.last_seqno).await?;
+            let mut request = tonic::Request::new(EpochEndRequest { shard_id: replica.shard, epoch: last_epoch });
+            request.set_timeout(Duration::from_secs(2));
+            let answer = client.epoch_end(request).await?.into_inner();
+            let (_, ours) = self.wal.epoch_end(replica.shard, answer.epoch).await?;
+            let keep = answer.end_seqno.min(ours);
+            if keep >= p.last_seqno {
+                break;
+            }
+            if keep + 1 < p.first_seqno {
+                return Err(ReplicaError::Unavailable(format!(
+                    "shard {}: diverges from the leader before seqno {}, which is compacted here; needs a re-seed",
+                    replica.shard, p.first_seqno
+                )));
+            }
+            tracing::warn!(
+                shard = replica.shard,
+                epoch,
+                from = keep + 1,
+                to = p.last_seqno,
+                "truncating a divergent tail"
+            );
+            self.wal.truncate_suffix(replica.shard, keep).await?;
+        }
+        let last = self.wal.positions(replica.shard)?.last_seqno;
+        // The log is now a prefix of this leader's: record it durably before
+        // answering anything of this epoch, so every acknowledgement the
+        // leader counts comes from a replica a failover ranks by this epoch
+        // (what lets the leader commit older-epoch records by counting).
+        self.wal.set_log_epoch(replica.shard, epoch).await?;
+        replica.follower.next_expected.send_replace(last + 1);
+        replica.rules.lock().repaired(epoch);
+        Ok(())
+    }
+
+    async fn catch_up_once(
+        self: &Arc<Self>,
+        replica: &Arc<ShardReplica>,
+        leader: NodeId,
+        epoch: u64,
+    ) -> Result<(), ReplicaError> {
+        let mut client =
+            self.peers.shipping(leader).ok_or_else(|| ReplicaError::Unavailable("leader address unknown".into()))?;
+        let from = *replica.follower.next_expected.borrow();
+        let request = StreamRequest { shard_id: replica.shard, from_seqno: from, epoch, follower_node_id: self.me };
+        let mut stream = client.stream_segments(request).await?.into_inner();
+        // Pipelined: receive the next chunk while earlier ones are written
+        // and fsynced (they still enter the WAL in order, and consecutive
+        // chunks share group commits), with a bounded number in flight.
+        let mut in_flight = std::collections::VecDeque::new();
+        while let Some(message) = stream.message().await? {
+            let (_, pending) = self.queue_inbound(&message, Source::Stream).await?;
+            in_flight.push_back(pending);
+            if in_flight.len() >= CATCHUP_PIPELINE {
+                self.settle_inbound(replica, in_flight.pop_front().flatten()).await?;
+            }
+        }
+        for pending in in_flight {
+            self.settle_inbound(replica, pending).await?;
+        }
+        Ok(())
+    }
+
+    /// Drops this follower's log after `keep_through` (a corrupt tail found
+    /// in it) so catch-up refetches it from the leader; nothing that is not
+    /// also held intact elsewhere is dropped by a follower.
+    pub(crate) async fn truncate_corrupt(&self, replica: &ShardReplica, keep_through: u64) -> Result<(), ReplicaError> {
+        let _guard = replica.follower.apply_lock.lock().await;
+        let p = self.wal.positions(replica.shard)?;
+        if keep_through < p.last_seqno {
+            tracing::warn!(
+                shard = replica.shard,
+                from = keep_through + 1,
+                to = p.last_seqno,
+                "truncating a corrupt tail to refetch it from the leader"
+            );
+            self.wal.truncate_suffix(replica.shard, keep_through.max(p.first_seqno - 1)).await?;
+        }
+        let last = self.wal.positions(replica.shard)?.last_seqno;
+        replica.follower.next_expected.send_replace(last + 1);
+        if self.wal.shard_corruption(replica.shard).is_empty() {
+            replica.rules.lock().corruption_repaired();
+        }
+        Ok(())
+    }
+
+    /// Feeds what the WAL's corruption registry knows into each replica's
+    /// rules, every `CORRUPTION_POLL`: a follower truncates a newly found
+    /// corrupt tail and refetches it; a leader keeps it and reports it (its
+    /// heartbeats carry it, and the coordinator fails over when an intact
+    /// caught-up replica exists).
+    pub(super) async fn run_corruption_watch(self: Arc<Self>) {
+        let mut tick = tokio::time::interval(CORRUPTION_POLL);
+        tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+        loop {
+            tokio::select! {
+                _ = tick.tick() => {}
+                _ = self.shutdown.cancelled() => return,
+            }
+            for replica in self.replicas.values() {
+                let first_bad = self.wal.shard_corruption(replica.shard).iter().map(|r| r.first_bad_seqno).min();
+                let Some(first_bad) = first_bad else {
+                    replica.rules.lock().corruption_repaired();
+                    continue;
+                };
+                let _transition = replica.transition.lock().await;
+                let commands = replica.rules.lock().corruption_found(first_bad);
+                if let Err(error) = self.perform(replica, commands, 0).await {
+                    tracing::warn!(shard = replica.shard, %error, "repairing a corrupt tail");
+                }
+            }
+        }
+    }
+}
+
+/// How often the corruption registry is read into the replicas' rules.
+const CORRUPTION_POLL: Duration = Duration::from_millis(250);

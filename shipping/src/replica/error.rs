@@ -1,0 +1,232 @@
+//! The replication shell's one error type, and the one place it becomes a
+//! gRPC status.
+//!
+//! Every refusal a replica gives (to a leader's shipment, a follower's
+//! catch-up request, the coordinator's fence or assignment, a drill) is a
+//! [`ReplicaError`] variant carrying what the answer needs. [`ReplicaError::reason`]
+//! is its `walship_ship_refused_total` label (none for the retryable
+//! waits, which are not refusals of the request's content), and
+//! [`ReplicaError::retryable`] says whether the same request may succeed
+//! later. `From<ReplicaError> for tonic::Status` maps each to exactly one
+//! code, with the metadata a leader or follower acts on
+//! ([`EPOCH_METADATA_KEY`], [`APPLIED_METADATA_KEY`]).
+
+use tonic::Status;
+use tonic::metadata::MetadataValue;
+use walship_wal::{ShardId, WalError};
+
+use crate::NodeId;
+use crate::core::replica::Refusal;
+
+/// Response metadata: the newest epoch a refusing replica has seen.
+pub const EPOCH_METADATA_KEY: &str = "walship-epoch";
+/// Response metadata: a follower's durable frontier on a gap refusal.
+pub const APPLIED_METADATA_KEY: &str = "walship-applied-seqno";
+
+/// Why a replica refused or failed a request.
+#[derive(Debug, thiserror::Error)]
+pub enum ReplicaError {
+    #[error("shard {shard} is not hosted by node {node}")]
+    UnknownShard { shard: ShardId, node: NodeId },
+    /// The role and epoch rules said no (`core::replica`).
+    #[error("{}", refusal_message(*shard, *node, refusal))]
+    Refused { shard: ShardId, node: NodeId, refusal: Refusal },
+    /// The request contradicts itself or the protocol.
+    #[error("{0}")]
+    BadRequest(String),
+    #[error("corrupt segment for shard {shard}: {detail}")]
+    CorruptSegment { shard: ShardId, detail: String },
+    #[error("shard {shard}: segment starts at {first} but this replica expects {expected}; catching up")]
+    Gap { shard: ShardId, first: u64, expected: u64, durable: u64 },
+    #[error("node {node} is not the leader of shard {shard}; the leader is {hint}")]
+    NotLeader { shard: ShardId, node: NodeId, hint: String },
+    /// A catch-up requester has seen a newer epoch than this leader.
+    #[error("requester has seen epoch {seen} but this leader is at epoch {epoch}")]
+    NewerRequester { epoch: u64, seen: u64 },
+    #[error("shard {shard}: seqno {from} is no longer retained (oldest is {first}); the replica needs a re-seed")]
+    NeedsReseed { shard: ShardId, from: u64, first: u64 },
+    #[error("shard {shard}: from_seqno {from} is past the leader's durable seqno {durable}")]
+    PastDurable { shard: ShardId, from: u64, durable: u64 },
+    /// Queued frames did not become durable as expected (a repair truncated
+    /// them meanwhile); the follower resynchronised from its WAL.
+    #[error("shard {shard}: applying the segment: {source}")]
+    Apply { shard: ShardId, source: WalError },
+    /// The WAL refused to take more right now.
+    #[error("{0}")]
+    Busy(WalError),
+    #[error("{0}")]
+    Unavailable(String),
+    #[error("crash drills are not enabled on this node (--allow-crash-drills)")]
+    CrashDrillsDisabled,
+    #[error(transparent)]
+    Wal(#[from] WalError),
+    /// A peer's answer, passed on (catch-up streams, repair).
+    #[error(transparent)]
+    Peer(#[from] Status),
+}
+
+fn refusal_message(shard: ShardId, node: NodeId, refusal: &Refusal) -> String {
+    match *refusal {
+        Refusal::StaleEpoch { epoch, seen } => {
+            format!("shard {shard}: epoch {epoch} is older than epoch {seen} already seen")
+        }
+        Refusal::NotAReplica { node: leader } => format!("node {leader} holds no replica of shard {shard}"),
+        Refusal::ForeignLeader { node: from } => format!("node {from} holds no replica of shard {shard}"),
+        Refusal::RestartedEpoch { epoch } => format!(
+            "node {node} restarted in epoch {epoch} of shard {shard}, which it may have led before; it leads only \
+             in a newer epoch (a failover raises it)"
+        ),
+        Refusal::NotFollower => format!("node {node} is the leader of shard {shard}, not a follower"),
+        Refusal::WrongLeader { from, leader } => {
+            format!("shard {shard}: segment from node {from} but the leader is node {leader}")
+        }
+        Refusal::Paused => format!("shard {shard} replica on node {node} is paused (drill)"),
+        Refusal::Reconciling { epoch } => {
+            format!("shard {shard}: reconciling with the leader of epoch {epoch} before applying its segments")
+        }
+        Refusal::LeaderCannotPause => format!("node {node} leads shard {shard}: pause a follower"),
+        Refusal::DiskFull => format!("shard {shard}: the disk of node {node} is full; it takes no records"),
+    }
+}
+
+impl ReplicaError {
+    /// The refusal's `reason` label, for `walship_ship_refused_total`; none
+    /// for waits and failures that say nothing about the request.
+    pub fn reason(&self) -> Option<&'static str> {
+        Some(match self {
+            ReplicaError::UnknownShard { .. } => "unknown_shard",
+            ReplicaError::Refused { refusal: Refusal::Paused | Refusal::Reconciling { .. }, .. } => return None,
+            ReplicaError::Refused { refusal, .. } => refusal.reason(),
+            ReplicaError::BadRequest(_) | ReplicaError::PastDurable { .. } => "bad_request",
+            ReplicaError::CorruptSegment { .. } => "corrupt",
+            ReplicaError::Gap { .. } => "gap",
+            ReplicaError::NotLeader { .. } => "not_leader",
+            ReplicaError::NewerRequester { .. } => "stale_epoch",
+            ReplicaError::NeedsReseed { .. } => "needs_reseed",
+            ReplicaError::Apply { .. }
+            | ReplicaError::Busy(_)
+            | ReplicaError::Unavailable(_)
+            | ReplicaError::CrashDrillsDisabled
+            | ReplicaError::Wal(_)
+            | ReplicaError::Peer(_) => return None,
+        })
+    }
+
+    /// Whether the same request may succeed if sent again later.
+    pub fn retryable(&self) -> bool {
+        match self {
+            ReplicaError::Refused { refusal, .. } => refusal.retryable(),
+            ReplicaError::Gap { .. } | ReplicaError::Busy(_) | ReplicaError::Unavailable(_) => true,
+            ReplicaError::Peer(status) => {
+                matches!(status.code(), tonic::Code::Unavailable | tonic::Code::DeadlineExceeded)
+            }
+            _ => false,
+        }
+    }
+}
+
+fn with_metadata(mut status: Status, key: &'static str, value: u64) -> Status {
+    if let Ok(v) = MetadataValue::try_from(value.to_string()) {
+        status.metadata_mut().insert(key, v);
+    }
+    status
+}
+
+/// A `u64` response metadata value, if present and well formed.
+pub fn metadata_u64(status: &Status, key: &str) -> Option<u64> {
+    status.metadata().get(key)?.to_str().ok()?.parse().ok()
+}
+
+impl From<ReplicaError> for Status {
+    fn from(error: ReplicaError) -> Status {
+        let message = error.to_string();
+        match error {
+            ReplicaError::UnknownShard { .. } => Status::not_found(message),
+            ReplicaError::Refused { refusal, .. } => match refusal {
+                Refusal::StaleEpoch { seen, .. } => {
+                    with_metadata(Status::failed_precondition(message), EPOCH_METADATA_KEY, seen)
+                }
+                Refusal::NotAReplica { .. } => Status::invalid_argument(message),
+                Refusal::Paused | Refusal::Reconciling { .. } => Status::unavailable(message),
+                Refusal::DiskFull => Status::resource_exhausted(message),
+                Refusal::ForeignLeader { .. }
+                | Refusal::RestartedEpoch { .. }
+                | Refusal::NotFollower
+                | Refusal::WrongLeader { .. }
+                | Refusal::LeaderCannotPause => Status::failed_precondition(message),
+            },
+            ReplicaError::BadRequest(_) | ReplicaError::CorruptSegment { .. } => Status::invalid_argument(message),
+            ReplicaError::Gap { durable, .. } => {
+                with_metadata(Status::out_of_range(message), APPLIED_METADATA_KEY, durable)
+            }
+            ReplicaError::NotLeader { .. } => Status::failed_precondition(message),
+            ReplicaError::NewerRequester { seen, .. } => {
+                with_metadata(Status::failed_precondition(message), EPOCH_METADATA_KEY, seen)
+            }
+            ReplicaError::NeedsReseed { .. } | ReplicaError::PastDurable { .. } => Status::out_of_range(message),
+            ReplicaError::Apply { .. } => Status::failed_precondition(message),
+            ReplicaError::Busy(_) | ReplicaError::Unavailable(_) => Status::unavailable(message),
+            ReplicaError::CrashDrillsDisabled => Status::permission_denied(message),
+            ReplicaError::Wal(e) if e.corrupt_range().is_some() => Status::data_loss(message),
+            ReplicaError::Wal(_) => Status::internal(message),
+            ReplicaError::Peer(status) => status,
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn refused(refusal: Refusal) -> Status {
+        ReplicaError::Refused { shard: 4, node: 2, refusal }.into()
+    }
+
+    #[test]
+    fn a_stale_epoch_names_the_newest_epoch_in_metadata() {
+        let status = refused(Refusal::StaleEpoch { epoch: 3, seen: 7 });
+        assert_eq!(status.code(), tonic::Code::FailedPrecondition);
+        assert_eq!(metadata_u64(&status, EPOCH_METADATA_KEY), Some(7));
+        assert_eq!(status.message(), "shard 4: epoch 3 is older than epoch 7 already seen");
+    }
+
+    #[test]
+    fn a_gap_carries_the_durable_frontier() {
+        let status: Status = ReplicaError::Gap { shard: 1, first: 9, expected: 5, durable: 4 }.into();
+        assert_eq!(status.code(), tonic::Code::OutOfRange);
+        assert_eq!(metadata_u64(&status, APPLIED_METADATA_KEY), Some(4));
+    }
+
+    #[test]
+    fn waits_are_retryable_and_not_counted_as_refusals() {
+        for refusal in [Refusal::Paused, Refusal::Reconciling { epoch: 2 }] {
+            let error = ReplicaError::Refused { shard: 1, node: 1, refusal };
+            assert!(error.retryable());
+            assert_eq!(error.reason(), None);
+            assert_eq!(Status::from(error).code(), tonic::Code::Unavailable);
+        }
+        let full = ReplicaError::Refused { shard: 1, node: 1, refusal: Refusal::DiskFull };
+        assert!(full.retryable());
+        assert_eq!(full.reason(), Some("disk_full"));
+        assert_eq!(Status::from(full).code(), tonic::Code::ResourceExhausted);
+    }
+
+    #[test]
+    fn each_refusal_maps_to_one_code() {
+        use tonic::Code;
+        let cases = [
+            (Refusal::NotAReplica { node: 9 }, Code::InvalidArgument, "bad_request"),
+            (Refusal::ForeignLeader { node: 9 }, Code::FailedPrecondition, "wrong_leader"),
+            (Refusal::RestartedEpoch { epoch: 3 }, Code::FailedPrecondition, "restarted_epoch"),
+            (Refusal::NotFollower, Code::FailedPrecondition, "not_follower"),
+            (Refusal::WrongLeader { from: 3, leader: 2 }, Code::FailedPrecondition, "wrong_leader"),
+            (Refusal::LeaderCannotPause, Code::FailedPrecondition, "bad_request"),
+        ];
+        for (refusal, code, reason) in cases {
+            let error = ReplicaError::Refused { shard: 1, node: 1, refusal };
+            assert_eq!(error.reason(), Some(reason), "{refusal:?}");
+            assert!(!error.retryable(), "{refusal:?}");
+            assert_eq!(Status::from(error).code(), code, "{refusal:?}");
+        }
+    }
+}

@@ -1,0 +1,260 @@
+//! Role changes: the coordinator's fence and assignment, a leader deposed
+//! by a newer epoch, drills' pause and crash, and the positions a failover
+//! compares. The rules (`core/replica.rs`) decide; this file performs their
+//! [`Command`]s in order, under the shard's transition lock.
+//!
+//! A promise is recorded durably before anything that relies on it is
+//! answered: a fence answers only after its epoch is in the WAL. A leader's
+//! state is installed under the rules' lock and only if no newer epoch was
+//! promised meanwhile, so a leadership decided before a fence can never
+//! start after it.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use parking_lot::Mutex;
+use tokio::sync::watch;
+use walship_proto::log::{AssignResponse, EpochEndRequest, FenceResponse};
+use walship_wal::ShardId;
+
+use super::shard::LeaderState;
+use super::{ReplicaError, ReplicationNode, ShardReplica, now_us};
+use crate::NodeId;
+use crate::core::leader::{LeaderCore, LeaderStart};
+use crate::core::replica::{Command, Refusal, Role};
+
+impl ReplicationNode {
+    /// Refusal of `refusal` for `replica`'s shard.
+    pub(crate) fn refused(&self, replica: &ShardReplica, refusal: Refusal) -> ReplicaError {
+        ReplicaError::Refused { shard: replica.shard, node: self.me, refusal }
+    }
+
+    /// Performs what the rules decided, in order. `commit_floor` is handed
+    /// to a leadership this starts. Call with the transition lock held.
+    ///
+    /// Boxed: leading spawns shippers whose replies may depose it, which
+    /// performs again; a declared `Send` future breaks that cycle for the
+    /// compiler.
+    pub(crate) fn perform<'a>(
+        self: &'a Arc<Self>,
+        replica: &'a Arc<ShardReplica>,
+        commands: Vec<Command>,
+        commit_floor: u64,
+    ) -> futures::future::BoxFuture<'a, Result<(), ReplicaError>> {
+        Box::pin(self.perform_inner(replica, commands, commit_floor))
+    }
+
+    async fn perform_inner(
+        self: &Arc<Self>,
+        replica: &Arc<ShardReplica>,
+        commands: Vec<Command>,
+        commit_floor: u64,
+    ) -> Result<(), ReplicaError> {
+        for command in commands {
+            match command {
+                Command::PersistEpoch(epoch) => self.wal.set_epoch(replica.shard, epoch).await?,
+                Command::StopLeading => replica.stop_leading(),
+                Command::StartLeading { epoch } => {
+                    self.settle(replica).await?;
+                    self.become_leader(replica, epoch, commit_floor).await?;
+                }
+                Command::CatchUp => {
+                    replica.follower.last_contact_us.store(now_us(), std::sync::atomic::Ordering::Release);
+                    if let Some((leader, epoch)) = replica.rules.lock().catch_up_source() {
+                        tracing::debug!(shard = replica.shard, epoch, leader, "catching up");
+                    }
+                    self.start_catchup(replica.clone());
+                }
+                Command::Truncate { keep_through } => self.truncate_corrupt(replica, keep_through).await?,
+            }
+        }
+        Ok(())
+    }
+
+    /// Waits until everything queued to the WAL from ships is durable, so a
+    /// position reported afterwards covers it.
+    pub(crate) async fn settle(&self, replica: &ShardReplica) -> Result<(), ReplicaError> {
+        let _guard = replica.follower.apply_lock.lock().await;
+        let queued = *replica.follower.next_expected.borrow() - 1;
+        let mut durable = self.wal.durable_watch(replica.shard)?;
+        let _ = durable.wait_for(|d| *d >= queued).await;
+        Ok(())
+    }
+
+    /// The epoch a failover ranks this replica's log by (reported as
+    /// `last_epoch`): its log epoch, the newest epoch whose leader's log it
+    /// is a prefix of (Viewstamped Replication's "last normal view"; see
+    /// `core/leader.rs` for why commits rely on it), or its last record's
+    /// epoch where that is newer (a log from before log epochs were kept).
+    pub(crate) async fn log_rank_epoch(&self, shard: ShardId, p: &walship_wal::Positions) -> Result<u64, ReplicaError> {
+        let last_record = if p.last_seqno >= p.first_seqno { self.wal.epoch_at(shard, p.last_seqno).await? } else { 0 };
+        Ok(last_record.max(self.wal.log_epoch(shard)?))
+    }
+
+    /// Where this replica's log stands.
+    pub async fn position(&self, shard: ShardId) -> Result<FenceResponse, ReplicaError> {
+        let replica = self.replica_or_not_found(shard).map_err(|e| self.counted(e))?;
+        let p = self.wal.positions(shard)?;
+        let last_epoch = self.log_rank_epoch(shard, &p).await?;
+        let commit = match replica.leader_state() {
+            Some(leader) => leader.core.lock().commit(),
+            None => replica.follower.leader_commit.load(std::sync::atomic::Ordering::Acquire).max(replica.readable()),
+        };
+        Ok(FenceResponse {
+            node_id: self.me,
+            last_epoch,
+            last_seqno: p.last_seqno,
+            durable_seqno: p.durable_seqno,
+            commit_seqno: commit,
+            epoch_seen: replica.epoch_seen(),
+            first_seqno: p.first_seqno,
+        })
+    }
+
+    /// Raises the replica's epoch: it refuses anything older from now on
+    /// and stops leading. Answers where its log ends.
+    pub async fn fence(self: &Arc<Self>, shard: ShardId, epoch: u64) -> Result<FenceResponse, ReplicaError> {
+        let replica = self.replica_or_not_found(shard).map_err(|e| self.counted(e))?;
+        let transition = replica.transition.lock().await;
+        let decided = replica.rules.lock().fence(epoch);
+        let commands = decided.map_err(|r| self.counted(self.refused(&replica, r)))?;
+        self.perform(&replica, commands, 0).await?;
+        drop(transition);
+        self.settle(&replica).await?;
+        self.position(shard).await
+    }
+
+    /// Makes this replica the leader of `epoch` (when `leader` is this node)
+    /// or a follower of `leader` in it. Idempotent for the current epoch.
+    pub fn assign(
+        self: &Arc<Self>,
+        shard: ShardId,
+        epoch: u64,
+        leader: NodeId,
+        commit_floor: u64,
+    ) -> impl std::future::Future<Output = Result<AssignResponse, ReplicaError>> + Send + 'static {
+        let node = self.clone();
+        async move { node.assign_inner(shard, epoch, leader, commit_floor).await.map_err(|e| node.counted(e)) }
+    }
+
+    async fn assign_inner(
+        self: &Arc<Self>,
+        shard: ShardId,
+        epoch: u64,
+        leader: NodeId,
+        commit_floor: u64,
+    ) -> Result<AssignResponse, ReplicaError> {
+        let replica = self.replica_or_not_found(shard)?;
+        let transition = replica.transition.lock().await;
+        let decided = replica.rules.lock().assign(epoch, leader);
+        let commands = decided.map_err(|r| self.refused(&replica, r))?;
+        if let Some(Command::CatchUp) = commands.last() {
+            tracing::info!(shard, epoch, leader, "following");
+        }
+        self.perform(&replica, commands, commit_floor).await?;
+        drop(transition);
+        let last = self.wal.positions(shard).map(|p| p.last_seqno).unwrap_or(0);
+        let role = if leader == self.me { "leader" } else { "follower" };
+        Ok(AssignResponse { epoch, role: role.into(), last_seqno: last })
+    }
+
+    /// Installs a leadership of `epoch` and starts its tasks, unless a newer
+    /// epoch was promised since the rules decided it.
+    async fn become_leader(
+        self: &Arc<Self>,
+        replica: &Arc<ShardReplica>,
+        epoch: u64,
+        commit_floor: u64,
+    ) -> Result<(), ReplicaError> {
+        // Before it leads, its log is this epoch's: a failover ranks it so.
+        self.wal.set_log_epoch(replica.shard, epoch).await?;
+        let p = self.wal.positions(replica.shard)?;
+        // The stream baseline: everything up to here predates this epoch.
+        let (_, before) = self.wal.epoch_end(replica.shard, epoch - 1).await?;
+        let followers: Vec<NodeId> = replica.replicas.iter().copied().filter(|&r| r != self.me).collect();
+        let start = LeaderStart {
+            epoch,
+            first: p.first_seqno,
+            durable: p.durable_seqno,
+            epoch_start: before + 1,
+            commit_floor: commit_floor.max(replica.follower.leader_commit.load(std::sync::atomic::Ordering::Acquire)),
+        };
+        let core = LeaderCore::new(start, &followers, self.settings, now_us());
+        let state = Arc::new(LeaderState {
+            epoch,
+            core: Mutex::new(core),
+            ship_limit: watch::Sender::new(p.durable_seqno),
+            stop: self.shutdown.child_token(),
+        });
+        {
+            let mut rules = replica.rules.lock();
+            if rules.promised() != epoch {
+                tracing::info!(shard = replica.shard, epoch, "not leading: a newer epoch was promised meanwhile");
+                return Ok(());
+            }
+            replica.publish_leader(&state.core.lock(), &self.metrics);
+            *replica.leader.lock() = Some(state.clone());
+            rules.started_leading(epoch);
+        }
+        tokio::spawn(self.clone().run_leader_driver(replica.clone(), state.clone()));
+        for follower in followers {
+            tokio::spawn(self.clone().run_shipper(replica.clone(), state.clone(), follower));
+        }
+        tracing::info!(shard = replica.shard, epoch, stream_baseline = before, "leading");
+        Ok(())
+    }
+
+    /// A follower answered with a newer epoch: this leader was deposed.
+    pub(crate) async fn step_down(self: Arc<Self>, replica: Arc<ShardReplica>, epoch: u64) {
+        let _transition = replica.transition.lock().await;
+        let commands = replica.rules.lock().deposed(epoch);
+        if commands.is_empty() {
+            return;
+        }
+        if let Err(error) = self.perform(&replica, commands, 0).await {
+            tracing::error!(shard = replica.shard, %error, "recording the newer epoch");
+        }
+        tracing::warn!(shard = replica.shard, epoch, "deposed: a follower has seen a newer epoch");
+    }
+
+    /// The last seqno of this replica's log whose epoch is `<= epoch`.
+    pub async fn epoch_end(&self, request: EpochEndRequest) -> Result<(u64, u64), ReplicaError> {
+        self.replica_or_not_found(request.shard_id).map_err(|e| self.counted(e))?;
+        Ok(self.wal.epoch_end(request.shard_id, request.epoch).await?)
+    }
+
+    /// Drills: pause or resume a follower replica.
+    pub fn pause(self: &Arc<Self>, shard: ShardId, paused: bool) -> Result<(), ReplicaError> {
+        let replica = self.replica_or_not_found(shard).map_err(|e| self.counted(e))?;
+        let decided = replica.rules.lock().pause(paused);
+        let commands = decided.map_err(|r| self.refused(&replica, r))?;
+        if commands.contains(&Command::CatchUp) {
+            self.start_catchup(replica);
+        }
+        Ok(())
+    }
+
+    /// Drills: abort like a crash, if allowed.
+    pub fn crash(&self, reason: &str) -> Result<(), ReplicaError> {
+        if !self.allow_crash_drills {
+            return Err(ReplicaError::CrashDrillsDisabled);
+        }
+        tracing::warn!(reason, "crash drill: aborting");
+        tokio::spawn(async {
+            // Usually enough for the answer to leave; the drill also takes a
+            // dropped connection as the crash it asked for.
+            tokio::time::sleep(Duration::from_millis(5)).await;
+            std::process::abort();
+        });
+        Ok(())
+    }
+
+    /// Whether `replica` currently follows (for the catch-up loop).
+    pub(crate) fn following(replica: &ShardReplica) -> Option<(NodeId, u64)> {
+        let rules = replica.rules.lock();
+        match rules.view().role {
+            Role::Follower { .. } => rules.catch_up_source(),
+            _ => None,
+        }
+    }
+}

@@ -1,0 +1,208 @@
+//! The async shell around the replication core: one [`ReplicationNode`] per
+//! process, one [`ShardReplica`] per shard it hosts. Every decision about a
+//! replica's role and epoch is taken by its [`ReplicaCore`] (`core/replica.rs`)
+//! and every decision about shipping, commit and lag by its leader's
+//! [`crate::core::leader::LeaderCore`]; this shell performs them: IO,
+//! tasks, watches. Split by direction and lifecycle:
+//!
+//! * [`shard`]: one replica's rules, watches and leadership state;
+//! * `leadership`: fence, assign, position, stepping down, drills: the
+//!   role changes the rules decide, performed under the per-shard
+//!   transition lock;
+//! * `send`: the leader side: a driver folds the WAL's durable (and, under
+//!   a coordinator, flushing) watch into the leader core, one shipper per
+//!   follower keeps up to `ship_window` `ShipSegment`s in flight over one
+//!   `ShipSegments` stream per follower node;
+//! * `receive`: the follower side: inbound segments (pushed or streamed)
+//!   pass the envelope check, the role gate and [`classify`](crate::core::follower::classify),
+//!   then are queued to the WAL in order under a per-shard lock held only
+//!   until they are queued, so many small ships share one group commit;
+//! * `catchup`: serving `StreamSegments` (leader), and pulling with it
+//!   after reconciling a divergent tail with `EpochEnd` (follower); also
+//!   truncating and refetching a corrupt tail;
+//! * `retention`: compaction of what nobody needs;
+//! * `status`: status pages, heartbeats, per-follower gauges;
+//! * [`error`]: the one error type and its gRPC mapping.
+//!
+//! Only durable records are ever served, and a follower's `applied_seqno`
+//! is its durable frontier; reads on any replica stop at the commit position
+//! it knows. Under a coordinator the leader ships each batch as soon as its
+//! WAL has *written* it, while its own fsync runs ("early shipping",
+//! `shipping/EARLY-SHIPPING.md`); the commit still waits for the leader's
+//! own durable copy, and a replica never leads in the epoch it restarted in
+//! (the rules refuse it and heartbeats report `needs_new_epoch`).
+//!
+//! Every replica records its *log epoch* durably: the newest epoch whose
+//! leader's log its own log is a prefix of (set when it starts leading, and
+//! by a follower once reconciled, before it answers anything of that
+//! epoch). Failover ranks replicas by it, which lets a new leader commit
+//! earlier epochs' records by counting (`core/leader.rs`).
+
+mod catchup;
+pub mod error;
+mod leadership;
+mod receive;
+mod retention;
+mod send;
+pub mod shard;
+mod status;
+
+use std::collections::BTreeMap;
+use std::sync::Arc;
+use std::time::{Instant, SystemTime, UNIX_EPOCH};
+
+use parking_lot::Mutex;
+use tokio_util::sync::CancellationToken;
+use walship_wal::{ShardId, Wal};
+
+pub use self::error::{APPLIED_METADATA_KEY, EPOCH_METADATA_KEY, ReplicaError};
+pub use self::shard::ShardReplica;
+pub use self::status::{FollowerStatus, ReceivedHeartbeat, ReplicaStatus};
+use crate::NodeId;
+use crate::config::ClusterConfig;
+use crate::core::leader::LeaderSettings;
+pub use crate::core::replica::{ReplicaCore, Role, View};
+use crate::limiter::RateLimiter;
+use crate::metrics::ReplicationMetrics;
+use crate::peers::Peers;
+
+pub fn now_us() -> u64 {
+    SystemTime::now().duration_since(UNIX_EPOCH).map(|d| d.as_micros() as u64).unwrap_or(0)
+}
+
+/// Where an inbound segment came from.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Source {
+    Push,
+    Stream,
+}
+
+impl Source {
+    fn as_str(self) -> &'static str {
+        match self {
+            Source::Push => "push",
+            Source::Stream => "stream",
+        }
+    }
+}
+
+/// Replication runtime of one node.
+pub struct ReplicationNode {
+    pub me: NodeId,
+    pub region: u32,
+    pub config: Arc<ClusterConfig>,
+    pub wal: Wal,
+    pub peers: Peers,
+    pub metrics: ReplicationMetrics,
+    replicas: BTreeMap<ShardId, Arc<ShardReplica>>,
+    catchup_budget: RateLimiter,
+    settings: LeaderSettings,
+    allow_crash_drills: bool,
+    heartbeats: Mutex<BTreeMap<(NodeId, u32), (ReceivedHeartbeat, Instant)>>,
+    disk_bytes: Box<dyn Fn() -> u64 + Send + Sync>,
+    pub shutdown: CancellationToken,
+    /// One `ShipSegments` stream per follower node, opened by the first push
+    /// (see `send::run_ship_stream`).
+    ship_streams: Mutex<BTreeMap<NodeId, tokio::sync::mpsc::Sender<send::ShipCall>>>,
+}
+
+impl ReplicationNode {
+    /// Builds the replicas this node hosts (creating their WAL shards) and
+    /// starts every background task. `disk_bytes` reports the WAL's size.
+    /// In a static cluster each replica takes its role from the config; under
+    /// a coordinator it waits, unassigned, for the coordinator's word.
+    pub async fn start(
+        me: NodeId,
+        config: Arc<ClusterConfig>,
+        wal: Wal,
+        metrics: ReplicationMetrics,
+        disk_bytes: Box<dyn Fn() -> u64 + Send + Sync>,
+        allow_crash_drills: bool,
+    ) -> Result<Arc<ReplicationNode>, ReplicaError> {
+        let node_spec = config
+            .node(me)
+            .ok_or_else(|| ReplicaError::BadRequest(format!("node {me} is not in the cluster config")))?;
+        let r = &config.replication;
+        let settings = LeaderSettings {
+            window: r.ship_window,
+            catchup_threshold_bytes: r.catchup_threshold_bytes,
+            keepalive_us: r.keepalive_ms * 1_000,
+            probe_us: (r.keepalive_ms * 1_000).min(25_000),
+            lease_us: config.coordinated().then_some(r.leader_timeout_ms * 1_000),
+        };
+        let mut replicas = BTreeMap::new();
+        for spec in config.shards_of(me) {
+            wal.create_shard(spec.id)?;
+            let last = wal.positions(spec.id)?.last_seqno;
+            let promised = wal.epoch(spec.id)?;
+            replicas.insert(spec.id, Arc::new(ShardReplica::new(spec, me, config.coordinated(), promised, last)));
+        }
+        let mut addresses = config.addresses();
+        addresses.remove(&me);
+        let node = Arc::new(ReplicationNode {
+            me,
+            region: node_spec.region,
+            peers: Peers::new(&addresses),
+            catchup_budget: RateLimiter::new(r.catchup_rate_bytes_per_s),
+            settings,
+            allow_crash_drills,
+            config,
+            wal,
+            metrics,
+            replicas,
+            heartbeats: Mutex::new(BTreeMap::new()),
+            disk_bytes,
+            shutdown: CancellationToken::new(),
+            ship_streams: Mutex::new(BTreeMap::new()),
+        });
+        if !node.config.coordinated() {
+            for spec in node.config.shards_of(me) {
+                node.assign(spec.id, spec.epoch, spec.leader, 0).await?;
+            }
+        }
+        for replica in node.replicas.values() {
+            tokio::spawn(node.clone().run_retention(replica.clone()));
+        }
+        tokio::spawn(node.clone().run_heartbeats());
+        tokio::spawn(node.clone().run_metrics());
+        tokio::spawn(node.clone().run_corruption_watch());
+        Ok(node)
+    }
+
+    pub fn replica(&self, shard: ShardId) -> Option<&Arc<ShardReplica>> {
+        self.replicas.get(&shard)
+    }
+
+    fn replica_or_not_found(&self, shard: ShardId) -> Result<Arc<ShardReplica>, ReplicaError> {
+        self.replica(shard).cloned().ok_or(ReplicaError::UnknownShard { shard, node: self.me })
+    }
+
+    pub fn replicas(&self) -> impl Iterator<Item = &Arc<ShardReplica>> {
+        self.replicas.values()
+    }
+
+    /// `<node id>@<grpc address>` of a node, for not-leader hints.
+    pub fn describe(&self, node: NodeId) -> String {
+        match self.config.node(node) {
+            Some(spec) => format!("{node}@{}", spec.grpc_addr),
+            None => node.to_string(),
+        }
+    }
+
+    /// Counts a refusal under its reason (`walship_ship_refused_total`) and
+    /// passes it on: every entry point's errors go through here once.
+    fn counted(&self, error: ReplicaError) -> ReplicaError {
+        if let Some(reason) = error.reason() {
+            self.metrics.ship_refused.with_label_values(&[reason]).inc();
+        }
+        error
+    }
+
+    /// Whether leaders ship records before their own fsync. Only under a
+    /// coordinator, which never lets a restarted leader lead again in the
+    /// same epoch (see `core/replica.rs`); a static cluster's leader leads
+    /// epoch 1 forever, so it ships durable records only.
+    fn early_shipping(&self) -> bool {
+        self.config.coordinated()
+    }
+}

@@ -1,0 +1,55 @@
+//! Retention: every replica keeps `retain_bytes` of its log per shard for
+//! readers; a leader also holds what a lagging follower still needs, up to
+//! `max_retain_bytes`, past which it compacts anyway and marks that follower
+//! as needing a re-seed (the leader core plans it). A follower compacts by
+//! its own byte budget. Only durable records are ever compacted.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use super::ReplicationNode;
+use super::shard::ShardReplica;
+
+impl ReplicationNode {
+    pub(super) async fn run_retention(self: Arc<Self>, replica: Arc<ShardReplica>) {
+        let r = self.config.replication.clone();
+        let mut tick = tokio::time::interval(Duration::from_millis(r.retention_interval_ms));
+        tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+        loop {
+            tokio::select! {
+                _ = tick.tick() => {}
+                _ = self.shutdown.cancelled() => return,
+            }
+            let compact_to = match replica.leader_state() {
+                Some(leader) => {
+                    let plan = leader.core.lock().plan_retention(r.retain_bytes, r.max_retain_bytes);
+                    if !plan.reseed.is_empty() {
+                        tracing::warn!(shard = replica.shard, followers = ?plan.reseed, "retention bound reached: followers need a re-seed");
+                        leader.core.lock().mark_reseed(&plan.reseed);
+                    }
+                    plan.compact_to
+                }
+                None => {
+                    let (Ok(p), Ok(c)) = (self.wal.positions(replica.shard), self.wal.counters(replica.shard)) else {
+                        continue;
+                    };
+                    let avg = c.bytes.checked_div(c.records).unwrap_or(0);
+                    let keep = r.retain_bytes.checked_div(avg).unwrap_or(u64::MAX);
+                    let to = (p.durable_seqno + 1).saturating_sub(keep);
+                    (avg > 0 && to > p.first_seqno).then_some(to)
+                }
+            };
+            if let Some(to) = compact_to {
+                match self.wal.compact_prefix(replica.shard, to).await {
+                    Ok(()) => {
+                        if let Some(leader) = replica.leader_state() {
+                            leader.core.lock().on_compacted(to);
+                        }
+                        tracing::info!(shard = replica.shard, first_seqno = to, "compacted");
+                    }
+                    Err(e) => tracing::warn!(shard = replica.shard, error = %e, "compaction"),
+                }
+            }
+        }
+    }
+}

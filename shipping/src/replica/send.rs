@@ -1,0 +1,383 @@
+//! The leader side of replication: a driver per leadership folds the WAL's
+//! positions into the leader core, and one shipper per follower asks the
+//! core what to send, keeps up to `ship_window` pushes in flight and feeds
+//! the replies back. Pushes to one follower node travel over one
+//! `ShipSegments` stream (unary `ShipSegment` for a peer without it).
+//!
+//! Invariants kept here: only records in the leader's own log are shipped
+//! (durable ones, or written ones with early shipping); a reply counts only
+//! through [`LeaderCore::on_reply`](crate::core::leader::LeaderCore::on_reply);
+//! a reply revealing a newer epoch deposes the leader (the rules decide,
+//! `leadership::step_down` performs it); a push not answered within
+//! `ship_timeout_ms` counts as failed.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use futures::StreamExt;
+use futures::stream::FuturesUnordered;
+use tokio::sync::watch;
+use tonic::Status;
+use walship_proto::replication::{ShipSegmentRequest, ShipSegmentResponse, WalSegmentId};
+use walship_wal::Segment;
+
+use super::error::{APPLIED_METADATA_KEY, EPOCH_METADATA_KEY, metadata_u64};
+use super::shard::{LeaderState, ShardReplica};
+use super::{ReplicationNode, now_us};
+use crate::NodeId;
+use crate::core::leader::{ShipDecision, ShipReply};
+
+/// Waits for a change of `watch` (false once its sender is gone); never
+/// resolves without a watch.
+async fn changed_if_watched(watch: Option<&mut watch::Receiver<u64>>) -> bool {
+    match watch {
+        Some(w) => w.changed().await.is_ok(),
+        None => std::future::pending().await,
+    }
+}
+
+pub(super) type ShipCall = (ShipSegmentRequest, tokio::sync::oneshot::Sender<Result<ShipSegmentResponse, Status>>);
+
+/// Carries one follower node's `ShipSegment` pushes over one `ShipSegments`
+/// stream, each answered in order by the call that sent it, and reopens the
+/// stream on the next push after it ends (the follower restarted, or refused
+/// a segment: a refusal ends the stream and answers the push it refused,
+/// later pushes in flight fail and are shipped again).
+///
+/// A peer without `ShipSegments` (an older node) answers `UNIMPLEMENTED`;
+/// from then on each push is a unary `ShipSegment`, as before the stream.
+async fn run_ship_stream(
+    mut client: walship_proto::replication::wal_shipping_client::WalShippingClient<tonic::transport::Channel>,
+    mut calls: tokio::sync::mpsc::Receiver<ShipCall>,
+) {
+    use std::collections::VecDeque;
+    loop {
+        let Some((first, reply)) = calls.recv().await else { return };
+        let (req_tx, req_rx) = tokio::sync::mpsc::channel(SHIP_STREAM_DEPTH);
+        let mut answers = match client.ship_segments(tokio_stream::wrappers::ReceiverStream::new(req_rx)).await {
+            Ok(r) => r.into_inner(),
+            Err(status) if status.code() == tonic::Code::Unimplemented => {
+                tracing::info!(%status, "peer has no ShipSegments stream; shipping with unary ShipSegment");
+                return ship_unary(client, (first, reply), calls).await;
+            }
+            Err(status) => {
+                let _ = reply.send(Err(status));
+                continue;
+            }
+        };
+        let mut pending = VecDeque::new();
+        if req_tx.send(first).await.is_ok() {
+            pending.push_back(reply);
+        }
+        let end = loop {
+            tokio::select! {
+                call = calls.recv() => match call {
+                    Some((request, reply)) => {
+                        if req_tx.send(request).await.is_err() {
+                            let _ = reply.send(Err(Status::unavailable("the ShipSegments stream closed")));
+                            break Status::unavailable("the ShipSegments stream closed");
+                        }
+                        pending.push_back(reply);
+                    }
+                    None => return,
+                },
+                answer = answers.message() => match answer {
+                    Ok(Some(response)) => {
+                        if let Some(reply) = pending.pop_front() {
+                            let _ = reply.send(Ok(response));
+                        }
+                    }
+                    Ok(None) => break Status::unavailable("the ShipSegments stream ended"),
+                    Err(status) => {
+                        // Answers come in order: the refusal is the oldest push's.
+                        if let Some(reply) = pending.pop_front() {
+                            let _ = reply.send(Err(status.clone()));
+                        }
+                        break Status::unavailable(format!("the ShipSegments stream ended: {}", status.message()));
+                    }
+                },
+            }
+        };
+        for reply in pending.drain(..) {
+            let _ = reply.send(Err(end.clone()));
+        }
+    }
+}
+
+/// Pushes in flight on one `ShipSegments` stream, at most; more wait.
+const SHIP_STREAM_DEPTH: usize = 256;
+
+/// Unary `ShipSegment` for every push, for a peer without `ShipSegments`.
+async fn ship_unary(
+    client: walship_proto::replication::wal_shipping_client::WalShippingClient<tonic::transport::Channel>,
+    first: ShipCall,
+    mut calls: tokio::sync::mpsc::Receiver<ShipCall>,
+) {
+    let mut next = Some(first);
+    while let Some((request, reply)) = match next.take() {
+        Some(call) => Some(call),
+        None => calls.recv().await,
+    } {
+        let mut client = client.clone();
+        tokio::spawn(async move {
+            let _ = reply.send(client.ship_segment(request).await.map(tonic::Response::into_inner));
+        });
+    }
+}
+
+impl ReplicationNode {
+    /// Folds the leader's own WAL positions into its core: durable ones,
+    /// and with early shipping the flushing ones too (what the WAL is
+    /// committing), so shippers send a batch while the leader's fsync of it
+    /// still runs. Written positions, which move with every append, are
+    /// read by the shippers themselves (see [`ReplicationNode::run_shipper`]).
+    pub(super) async fn run_leader_driver(self: Arc<Self>, replica: Arc<ShardReplica>, leader: Arc<LeaderState>) {
+        let Ok(mut durable) = self.wal.durable_watch(replica.shard) else { return };
+        let mut flushing = if self.early_shipping() { self.wal.flushing_watch(replica.shard).ok() } else { None };
+        loop {
+            let committing = flushing.as_mut().map(|f| *f.borrow_and_update());
+            let seqno = *durable.borrow_and_update();
+            let counters = self.wal.counters(replica.shard).unwrap_or_default();
+            let limit = {
+                let mut core = leader.core.lock();
+                if let Some(committing) = committing {
+                    core.on_local_written(committing);
+                    core.on_local_flushing(committing);
+                }
+                core.on_local_durable(seqno, counters.records, counters.bytes, now_us());
+                replica.publish_leader(&core, &self.metrics);
+                core.flushing()
+            };
+            leader.ship_limit.send_if_modified(|l| std::mem::replace(l, limit) != limit);
+            tokio::select! {
+                changed = durable.changed() => if changed.is_err() { return },
+                open = changed_if_watched(flushing.as_mut()) => if !open { return },
+                _ = leader.stop.cancelled() => return,
+            }
+        }
+    }
+
+    /// Feeds `follower` what the leader core decides, keeping up to
+    /// `ship_window` pushes in flight, until this leadership stops or a
+    /// reply deposes it.
+    pub(super) async fn run_shipper(
+        self: Arc<Self>,
+        replica: Arc<ShardReplica>,
+        leader: Arc<LeaderState>,
+        follower: NodeId,
+    ) {
+        let mut ship_limit = leader.ship_limit.subscribe();
+        // Early shipping: with nothing in flight to this follower, each
+        // written append wakes this shipper directly; with segments in
+        // flight it waits for what the WAL commits (`ship_limit`) or a
+        // reply, so appends arriving one by one wake nothing.
+        let mut written = if self.early_shipping() { self.wal.written_watch(replica.shard).ok() } else { None };
+        let mut in_flight = FuturesUnordered::new();
+        let keepalive = Duration::from_micros(self.settings.probe_us.min(self.settings.keepalive_us));
+        let batch_bytes = self.config.replication.ship_batch_bytes;
+        loop {
+            if let Some(written) = written.as_mut() {
+                let wrote = *written.borrow_and_update();
+                leader.core.lock().on_local_written(wrote);
+            }
+            // Issue everything the core allows right now.
+            loop {
+                let decision = leader.core.lock().poll_ship(follower, now_us());
+                match decision {
+                    ShipDecision::Send { from, up_to } => {
+                        let frames = match self.wal.read(replica.shard, from, up_to, batch_bytes).await {
+                            Ok(frames) => frames,
+                            Err(e) => {
+                                tracing::warn!(shard = replica.shard, follower, error = %e, "reading the WAL to ship");
+                                break;
+                            }
+                        };
+                        let last = frames.last().map_or(from, |f| f.seqno());
+                        let segment = match Segment::encode(replica.shard, frames) {
+                            Ok(segment) => segment,
+                            Err(e) => {
+                                tracing::error!(shard = replica.shard, error = %e, "encoding a segment to ship");
+                                break;
+                            }
+                        };
+                        leader.core.lock().on_sent(follower, from, last, now_us());
+                        in_flight.push(self.ship(&replica, &leader, follower, Some(segment)));
+                    }
+                    ShipDecision::Keepalive => {
+                        leader.core.lock().on_keepalive_sent(follower, now_us());
+                        in_flight.push(self.ship(&replica, &leader, follower, None));
+                    }
+                    ShipDecision::Idle => break,
+                }
+            }
+            tokio::select! {
+                Some(reply) = in_flight.next(), if !in_flight.is_empty() => {
+                    if matches!(reply, ShipReply::Failed) {
+                        self.metrics.ship_errors.with_label_values(&[&follower.to_string()]).inc();
+                    }
+                    let deposed = {
+                        let mut core = leader.core.lock();
+                        let deposed = core.on_reply(follower, reply, now_us()).err();
+                        replica.publish_leader(&core, &self.metrics);
+                        deposed
+                    };
+                    if let Some(epoch) = deposed {
+                        tokio::spawn(self.clone().step_down(replica.clone(), epoch));
+                        return;
+                    }
+                }
+                changed = ship_limit.changed() => if changed.is_err() { return },
+                open = changed_if_watched(written.as_mut()), if in_flight.is_empty() => if !open { return },
+                _ = tokio::time::sleep(keepalive) => {}
+                _ = leader.stop.cancelled() => return,
+            }
+        }
+    }
+
+    /// One ShipSegment (or keepalive when `segment` is none) to `follower`.
+    fn ship(
+        &self,
+        replica: &ShardReplica,
+        leader: &LeaderState,
+        follower: NodeId,
+        segment: Option<Segment>,
+    ) -> impl std::future::Future<Output = ShipReply> + use<> {
+        let (durable, written, commit) = {
+            let core = leader.core.lock();
+            (core.durable(), core.written(), core.commit())
+        };
+        let (seqno, count, payload) = match &segment {
+            Some(s) => (s.first_seqno(), s.frames().len() as u64, s.encoded().clone()),
+            None => (0, 0, bytes::Bytes::new()),
+        };
+        if segment.is_some() {
+            self.metrics.segments_shipped.inc();
+            self.metrics.bytes_shipped.inc_by(payload.len() as u64);
+            self.metrics.ship_batch_records.observe(count as f64);
+        }
+        let request = ShipSegmentRequest {
+            id: Some(WalSegmentId { region_id: self.region, shard_id: replica.shard, seqno }),
+            payload,
+            event_count: count,
+            // A segment's envelope must cover it (it may be written, not yet
+            // durable); a keepalive announces the durable position only, so
+            // a follower pulls catch-up for records it can actually get.
+            leader_last_seq: if segment.is_some() { written } else { durable },
+            stream_baseline: 0,
+            epoch: leader.epoch,
+            leader_node_id: self.me,
+            commit_seqno: commit,
+        };
+        let stream = {
+            let mut streams = self.ship_streams.lock();
+            match streams.get(&follower) {
+                Some(tx) if !tx.is_closed() => Some(tx.clone()),
+                _ => self.peers.shipping(follower).map(|client| {
+                    let (tx, rx) = tokio::sync::mpsc::channel(SHIP_STREAM_DEPTH);
+                    tokio::spawn(run_ship_stream(client, rx));
+                    streams.insert(follower, tx.clone());
+                    tx
+                }),
+            }
+        };
+        let timeout = Duration::from_millis(self.config.replication.ship_timeout_ms);
+        async move {
+            let Some(stream) = stream else { return ShipReply::Failed };
+            let call = async move {
+                let (reply, answer) = tokio::sync::oneshot::channel();
+                stream.send((request, reply)).await.ok()?;
+                answer.await.ok()
+            };
+            // A push not answered in time fails; its answer, if it comes
+            // later, goes nowhere.
+            let Ok(Some(outcome)) = tokio::time::timeout(timeout, call).await else { return ShipReply::Failed };
+            match outcome {
+                Ok(r) if r.accepted => ShipReply::Applied { applied: r.applied_seqno },
+                Ok(_) => ShipReply::Failed,
+                Err(status) => {
+                    match (metadata_u64(&status, APPLIED_METADATA_KEY), metadata_u64(&status, EPOCH_METADATA_KEY)) {
+                        (Some(applied), _) if status.code() == tonic::Code::OutOfRange => ShipReply::Gap { applied },
+                        (_, Some(epoch)) if status.code() == tonic::Code::FailedPrecondition => {
+                            ShipReply::StaleEpoch { epoch }
+                        }
+                        _ => {
+                            tracing::debug!(follower, %status, "ShipSegment failed");
+                            ShipReply::Failed
+                        }
+                    }
+                }
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod ship_stream_tests {
+    use std::pin::Pin;
+
+    use futures::Stream;
+    use tonic::{Request, Response};
+    use walship_proto::replication::wal_shipping_client::WalShippingClient;
+    use walship_proto::replication::wal_shipping_server::{WalShipping, WalShippingServer};
+    use walship_proto::replication::{HeartbeatRequest, HeartbeatResponse, StreamRequest};
+
+    use super::*;
+
+    /// A peer from before `ShipSegments`: the stream is `UNIMPLEMENTED` (what
+    /// tonic answers for a method it does not know), unary pushes work and
+    /// answer with the pushed seqno.
+    struct OldPeer;
+
+    type Answers = Pin<Box<dyn Stream<Item = Result<ShipSegmentResponse, Status>> + Send>>;
+    type Segments = Pin<Box<dyn Stream<Item = Result<ShipSegmentRequest, Status>> + Send>>;
+
+    #[tonic::async_trait]
+    impl WalShipping for OldPeer {
+        async fn ship_segment(
+            &self,
+            request: Request<ShipSegmentRequest>,
+        ) -> Result<Response<ShipSegmentResponse>, Status> {
+            let seqno = request.get_ref().id.unwrap_or_default().seqno;
+            Ok(Response::new(ShipSegmentResponse { accepted: true, applied_seqno: seqno, epoch: 1 }))
+        }
+        type ShipSegmentsStream = Answers;
+        async fn ship_segments(
+            &self,
+            _: Request<tonic::Streaming<ShipSegmentRequest>>,
+        ) -> Result<Response<Answers>, Status> {
+            Err(Status::unimplemented("unknown method ShipSegments"))
+        }
+        type StreamSegmentsStream = Segments;
+        async fn stream_segments(&self, _: Request<StreamRequest>) -> Result<Response<Segments>, Status> {
+            Err(Status::unimplemented("not in this test"))
+        }
+        async fn heartbeat(&self, _: Request<HeartbeatRequest>) -> Result<Response<HeartbeatResponse>, Status> {
+            Err(Status::unimplemented("not in this test"))
+        }
+    }
+
+    #[tokio::test]
+    async fn a_peer_without_ship_segments_gets_unary_pushes() {
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = listener.local_addr().unwrap();
+        let server = tokio::spawn(
+            tonic::transport::Server::builder()
+                .add_service(WalShippingServer::new(OldPeer))
+                .serve_with_incoming(tonic::transport::server::TcpIncoming::from(listener)),
+        );
+        let channel = tonic::transport::Endpoint::from_shared(format!("http://{addr}")).unwrap().connect_lazy();
+        let (calls, rx) = tokio::sync::mpsc::channel(SHIP_STREAM_DEPTH);
+        tokio::spawn(run_ship_stream(WalShippingClient::new(channel), rx));
+        for seqno in [5, 9, 12] {
+            let (reply, answer) = tokio::sync::oneshot::channel();
+            let request = ShipSegmentRequest {
+                id: Some(WalSegmentId { region_id: 1, shard_id: 1, seqno }),
+                ..Default::default()
+            };
+            calls.send((request, reply)).await.unwrap();
+            let answer = answer.await.unwrap().expect("answered by the unary call");
+            assert_eq!(answer.applied_seqno, seqno, "each push answered by its own call");
+        }
+        server.abort();
+    }
+}

@@ -1,0 +1,229 @@
+//! One shard's replica on this node: its role rules ([`ReplicaCore`], behind
+//! a lock), and the watches the rest of the node reads (what is readable,
+//! what every replica holds, the leader lease, a generation bumped whenever
+//! it stops leading).
+//!
+//! Invariants kept here:
+//! * `readable` only moves forward: the commit position (leader) or
+//!   `min(durable, leader's commit)` (follower);
+//! * an append waiting for a commit, an `ALL` acknowledgement or the lease
+//!   gives up as soon as this replica stops leading (`generation`): its
+//!   outcome is then unknown, never reported as acknowledged;
+//! * role changes are serialised by `transition` (an async lock: the shell
+//!   persists the epoch and settles the WAL while holding it).
+
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::time::Duration;
+
+use parking_lot::Mutex;
+use tokio::sync::watch;
+use tokio_util::sync::CancellationToken;
+use walship_wal::ShardId;
+
+use crate::NodeId;
+use crate::config::ShardSpec;
+use crate::core::leader::LeaderCore;
+use crate::core::replica::{ReplicaCore, Role, View};
+use crate::metrics::ReplicationMetrics;
+use crate::replica::now_us;
+
+/// One leadership term of this replica: created when it starts leading,
+/// dropped (and its tasks stopped) when it stops.
+pub(crate) struct LeaderState {
+    pub(crate) epoch: u64,
+    pub(crate) core: Mutex<LeaderCore>,
+    /// What the WAL is committing (the core's `flushing`; its durable
+    /// position without early shipping): shippers with segments in flight
+    /// wait on it.
+    pub(crate) ship_limit: watch::Sender<u64>,
+    /// Stops this leadership's tasks.
+    pub(crate) stop: CancellationToken,
+}
+
+/// What the follower side keeps between shipments.
+pub(crate) struct FollowerState {
+    /// Serialises queueing to the WAL so frames enter it in seqno order.
+    pub(crate) apply_lock: tokio::sync::Mutex<()>,
+    /// One past everything applied or queued.
+    pub(crate) next_expected: watch::Sender<u64>,
+    /// The newest commit position a leader told us.
+    pub(crate) leader_commit: AtomicU64,
+    pub(crate) catchup_running: AtomicBool,
+    pub(crate) last_contact_us: AtomicU64,
+}
+
+/// One shard's replica on this node.
+pub struct ShardReplica {
+    pub shard: ShardId,
+    pub replicas: Vec<NodeId>,
+    /// The role and epoch rules; every decision about them is taken here.
+    pub(crate) rules: Mutex<ReplicaCore>,
+    /// What reads may return through: the commit position (leader) or
+    /// `min(durable, leader's commit)` (follower).
+    pub(crate) readable: watch::Sender<u64>,
+    /// Highest seqno durable on every replica (leader only).
+    pub(crate) all_durable: watch::Sender<u64>,
+    /// Bumped whenever this replica stops leading: appends waiting for a
+    /// commit under the old leadership give up (their outcome is unknown).
+    pub(crate) generation: watch::Sender<u64>,
+    /// Until when (µs) the leader lease holds ([`LeaderCore::lease_until`];
+    /// `u64::MAX` without a bound, 0 while not leading).
+    pub(crate) lease_until: watch::Sender<u64>,
+    pub(crate) leader: Mutex<Option<Arc<LeaderState>>>,
+    pub(crate) follower: FollowerState,
+    /// Serialises role changes.
+    pub(crate) transition: tokio::sync::Mutex<()>,
+}
+
+impl ShardReplica {
+    /// A replica that restarted having promised `promised` and whose log
+    /// ends at `last_seqno`.
+    pub(crate) fn new(spec: &ShardSpec, me: NodeId, coordinated: bool, promised: u64, last_seqno: u64) -> Self {
+        ShardReplica {
+            shard: spec.id,
+            replicas: spec.replicas.clone(),
+            rules: Mutex::new(ReplicaCore::new(me, spec.replicas.clone(), coordinated, promised)),
+            readable: watch::Sender::new(0),
+            all_durable: watch::Sender::new(0),
+            generation: watch::Sender::new(0),
+            lease_until: watch::Sender::new(0),
+            leader: Mutex::new(None),
+            follower: FollowerState {
+                apply_lock: tokio::sync::Mutex::new(()),
+                next_expected: watch::Sender::new(last_seqno + 1),
+                leader_commit: AtomicU64::new(0),
+                catchup_running: AtomicBool::new(false),
+                last_contact_us: AtomicU64::new(0),
+            },
+            transition: tokio::sync::Mutex::new(()),
+        }
+    }
+
+    pub fn view(&self) -> View {
+        self.rules.lock().view()
+    }
+
+    /// Under a coordinator: whether this replica still waits for an epoch
+    /// newer than the one it restarted in before it may lead.
+    pub fn needs_new_epoch(&self) -> bool {
+        self.rules.lock().needs_new_epoch()
+    }
+
+    pub fn is_leader(&self) -> bool {
+        self.view().role == Role::Leader
+    }
+
+    /// The newest epoch promised (refuses anything older).
+    pub fn epoch_seen(&self) -> u64 {
+        self.rules.lock().promised()
+    }
+
+    /// The leader as this replica knows it.
+    pub fn leader_id(&self, me: NodeId) -> Option<NodeId> {
+        match self.view().role {
+            Role::Leader => Some(me),
+            Role::Follower { leader } => Some(leader),
+            Role::Unassigned => None,
+        }
+    }
+
+    pub(crate) fn leader_state(&self) -> Option<Arc<LeaderState>> {
+        self.leader.lock().clone()
+    }
+
+    /// What reads may return through.
+    pub fn readable(&self) -> u64 {
+        *self.readable.borrow()
+    }
+
+    pub fn readable_watch(&self) -> watch::Receiver<u64> {
+        self.readable.subscribe()
+    }
+
+    /// Waits until `seqno` is durable on a majority. False if this replica
+    /// stopped leading first: the append's outcome is then unknown.
+    /// Cancellation-safe.
+    pub async fn wait_commit(&self, seqno: u64) -> bool {
+        self.wait_or_stepped_down(&self.readable, seqno).await
+    }
+
+    /// Waits until `seqno` is durable on every replica; false as
+    /// [`ShardReplica::wait_commit`]. Cancellation-safe.
+    pub async fn wait_all(&self, seqno: u64) -> bool {
+        self.wait_or_stepped_down(&self.all_durable, seqno).await
+    }
+
+    /// Waits, up to `patience`, until the leader lease holds (see
+    /// [`LeaderCore::lease_until`]): an idle leader's first append waits for
+    /// the reply to its own shipment. False if it does not, or this replica
+    /// stopped leading: the append's outcome is then unknown.
+    /// Cancellation-safe.
+    pub async fn wait_lease(&self, patience: Duration) -> bool {
+        let mut generation = self.generation.subscribe();
+        let current = *generation.borrow_and_update();
+        if !self.is_leader() {
+            return false;
+        }
+        let mut lease = self.lease_until.subscribe();
+        let renewed = tokio::time::timeout(patience, lease.wait_for(|until| now_us() < *until));
+        tokio::select! {
+            renewed = renewed => matches!(renewed, Ok(Ok(_))),
+            _ = generation.wait_for(|g| *g != current) => false,
+        }
+    }
+
+    async fn wait_or_stepped_down(&self, position: &watch::Sender<u64>, seqno: u64) -> bool {
+        let mut generation = self.generation.subscribe();
+        let current = *generation.borrow_and_update();
+        if !self.is_leader() {
+            return false;
+        }
+        let mut rx = position.subscribe();
+        tokio::select! {
+            reached = rx.wait_for(|c| *c >= seqno) => reached.is_ok(),
+            _ = generation.wait_for(|g| *g != current) => false,
+        }
+    }
+
+    /// Publishes what a leader's core says: commit, all-durable, lease.
+    pub(crate) fn publish_leader(&self, core: &LeaderCore, metrics: &ReplicationMetrics) {
+        let commit = core.commit();
+        self.readable.send_if_modified(|r| {
+            let changed = commit > *r;
+            if changed {
+                *r = commit;
+            }
+            changed
+        });
+        let all = core.all_durable();
+        self.all_durable.send_if_modified(|a| std::mem::replace(a, all) != all);
+        let lease = core.lease_until().unwrap_or(u64::MAX);
+        self.lease_until.send_if_modified(|l| std::mem::replace(l, lease) != lease);
+        metrics.set_commit(self.shard, commit);
+    }
+
+    /// Publishes a follower's readable position after its WAL reached
+    /// `durable`.
+    pub(crate) fn publish_follower(&self, durable: u64) {
+        let readable = durable.min(self.follower.leader_commit.load(Ordering::Acquire));
+        self.readable.send_if_modified(|r| {
+            let changed = readable > *r;
+            if changed {
+                *r = readable;
+            }
+            changed
+        });
+    }
+
+    /// Stops leading, if it was: its tasks stop and appends waiting for a
+    /// commit under it give up.
+    pub(crate) fn stop_leading(&self) {
+        if let Some(leader) = self.leader.lock().take() {
+            leader.stop.cancel();
+            self.lease_until.send_replace(0);
+            self.generation.send_modify(|g| *g += 1);
+            tracing::info!(shard = self.shard, epoch = leader.epoch, "stopped leading");
+        }
+    }
+}

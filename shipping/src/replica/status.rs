@@ -1,0 +1,289 @@
+//! What a node tells about its replicas: `/v1/status` entries, heartbeats
+//! to the coordinator (positions, lag, the log epoch a failover ranks by,
+//! whether it needs a new epoch, known corruption), heartbeats received, and
+//! the per-follower gauges refreshed often enough that an idle caught-up
+//! follower shows zero lag. A heartbeat answer confirming this node's
+//! leadership renews the leader's lease.
+
+use std::collections::BTreeMap;
+use std::sync::Arc;
+use std::sync::atomic::Ordering;
+use std::time::{Duration, Instant};
+
+use serde::{Deserialize, Serialize};
+use walship_proto::replication::HeartbeatRequest;
+use walship_wal::ShardId;
+
+use super::{ReplicaError, ReplicationNode, now_us};
+use crate::NodeId;
+use crate::core::leader::{FollowerProgress, Lag};
+use crate::core::replica::Role;
+
+/// A follower as the leader sees it, for status pages.
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq, utoipa::ToSchema)]
+pub struct FollowerStatus {
+    pub node_id: NodeId,
+    pub mode: String,
+    pub acked_seqno: u64,
+    pub in_flight: usize,
+    pub lag_records: u64,
+    pub lag_bytes: u64,
+    pub lag_write_seconds: f64,
+    pub lag_flush_seconds: f64,
+    pub lag_apply_seconds: f64,
+    /// Milliseconds since the follower last answered; none if never.
+    pub last_reply_ms_ago: Option<u64>,
+}
+
+/// One shard replica's state, for `/v1/status`.
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq, utoipa::ToSchema)]
+pub struct ReplicaStatus {
+    pub shard_id: u32,
+    /// `leader`, `follower` or `unassigned` (fenced, awaiting the
+    /// coordinator).
+    pub role: String,
+    /// The epoch of the replica's current role.
+    pub epoch: u64,
+    /// The newest epoch it has promised to (refuses anything older).
+    pub epoch_seen: u64,
+    /// None while unassigned.
+    pub leader: Option<NodeId>,
+    pub replicas: Vec<NodeId>,
+    pub first_seqno: u64,
+    pub last_seqno: u64,
+    pub durable_seqno: u64,
+    /// Leader: durable on a majority. Follower: the newest commit position
+    /// its leader reported.
+    pub commit_seqno: u64,
+    /// Leader only.
+    pub followers: Vec<FollowerStatus>,
+}
+
+/// A heartbeat this node received, for status pages.
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq, utoipa::ToSchema)]
+pub struct ReceivedHeartbeat {
+    pub node_id: NodeId,
+    pub shard_id: u32,
+    pub epoch: u64,
+    pub last_seqno: u64,
+    pub durable_seqno: u64,
+    pub commit_seqno: u64,
+    pub entity_count: u64,
+    pub replication_lag: BTreeMap<u32, u64>,
+    pub received_ms_ago: u64,
+}
+
+impl ReplicationNode {
+    pub fn status(&self) -> Vec<ReplicaStatus> {
+        let now = now_us();
+        self.replicas
+            .values()
+            .map(|replica| {
+                let p = self.wal.positions(replica.shard).unwrap_or(walship_wal::Positions {
+                    first_seqno: 0,
+                    last_seqno: 0,
+                    durable_seqno: 0,
+                });
+                let view = replica.view();
+                let (commit, followers) = match replica.leader_state() {
+                    Some(leader) => {
+                        let core = leader.core.lock();
+                        let followers = core
+                            .followers()
+                            .map(|(id, progress)| {
+                                follower_status(id, &progress, &core.lag(id, now).expect("known follower"), now)
+                            })
+                            .collect();
+                        (core.commit(), followers)
+                    }
+                    None => (replica.follower.leader_commit.load(Ordering::Acquire), Vec::new()),
+                };
+                let role = view.role.as_str();
+                ReplicaStatus {
+                    shard_id: replica.shard,
+                    role: role.into(),
+                    epoch: view.epoch,
+                    epoch_seen: replica.epoch_seen(),
+                    leader: replica.leader_id(self.me),
+                    replicas: replica.replicas.clone(),
+                    first_seqno: p.first_seqno,
+                    last_seqno: p.last_seqno,
+                    durable_seqno: p.durable_seqno,
+                    commit_seqno: commit,
+                    followers,
+                }
+            })
+            .collect()
+    }
+
+    /// Heartbeats received (newest per node and shard).
+    pub fn received_heartbeats(&self) -> Vec<ReceivedHeartbeat> {
+        self.heartbeats
+            .lock()
+            .values()
+            .map(|(hb, at)| ReceivedHeartbeat { received_ms_ago: at.elapsed().as_millis() as u64, ..hb.clone() })
+            .collect()
+    }
+
+    /// Records a heartbeat (the `Heartbeat` RPC).
+    pub fn on_heartbeat(&self, request: &HeartbeatRequest) -> Result<(), ReplicaError> {
+        if request.node_id == 0 || self.config.node(request.node_id).is_none() {
+            let unknown = format!("heartbeat from unknown node {}", request.node_id);
+            return Err(self.counted(ReplicaError::BadRequest(unknown)));
+        }
+        self.metrics.heartbeats_received.inc();
+        let hb = ReceivedHeartbeat {
+            node_id: request.node_id,
+            shard_id: request.shard_id,
+            epoch: request.epoch,
+            last_seqno: request.last_seqno,
+            durable_seqno: request.durable_seqno,
+            commit_seqno: request.commit_seqno,
+            entity_count: request.entity_count,
+            replication_lag: request.replication_lag.iter().map(|(&k, &v)| (k, v)).collect(),
+            received_ms_ago: 0,
+        };
+        self.heartbeats.lock().insert((request.node_id, request.shard_id), (hb, Instant::now()));
+        Ok(())
+    }
+
+    pub(super) async fn run_heartbeats(self: Arc<Self>) {
+        let interval = Duration::from_millis(self.config.replication.heartbeat_ms);
+        let targets: Vec<_> = self
+            .config
+            .coordinators
+            .iter()
+            .map(|c| c.grpc_addr.clone())
+            .chain(self.config.replication.heartbeat_to.map(crate::config::Address::from))
+            .map(|a| crate::peers::lazy_channel(&a))
+            .collect();
+        let mut tick = tokio::time::interval(interval);
+        tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+        let mut last_records: BTreeMap<ShardId, (u64, Instant)> = BTreeMap::new();
+        loop {
+            tokio::select! {
+                _ = tick.tick() => {}
+                _ = self.shutdown.cancelled() => return,
+            }
+            let disk = (self.disk_bytes)();
+            self.metrics.disk_bytes.set(disk as i64);
+            let mut node_rate = 0.0;
+            let mut requests = Vec::new();
+            for replica in self.replicas.values() {
+                let (Ok(p), Ok(c)) = (self.wal.positions(replica.shard), self.wal.counters(replica.shard)) else {
+                    continue;
+                };
+                let now = Instant::now();
+                let (prev, at) = last_records.insert(replica.shard, (c.records, now)).unwrap_or((c.records, now));
+                let elapsed = now.duration_since(at).as_secs_f64();
+                let rate = if elapsed > 0.0 { (c.records - prev) as f64 / elapsed } else { 0.0 };
+                node_rate += rate;
+                let view = replica.view();
+                let last_epoch = self.log_rank_epoch(replica.shard, &p).await.unwrap_or(0);
+                let mut lag_records = std::collections::HashMap::new();
+                let mut lag_bytes = std::collections::HashMap::new();
+                let mut lag_seconds = std::collections::HashMap::new();
+                let commit = match replica.leader_state() {
+                    Some(leader) => {
+                        let core = leader.core.lock();
+                        for (id, _) in core.followers() {
+                            if let Some(lag) = core.lag(id, now_us()) {
+                                lag_records.insert(id, lag.records);
+                                lag_bytes.insert(id, lag.bytes);
+                                lag_seconds.insert(id, lag.flush_seconds);
+                            }
+                        }
+                        core.commit()
+                    }
+                    None => replica.readable(),
+                };
+                requests.push(HeartbeatRequest {
+                    shard_id: replica.shard,
+                    region_id: self.region,
+                    entity_count: (p.last_seqno + 1).saturating_sub(p.first_seqno),
+                    signal_throughput_eps: rate,
+                    disk_bytes: disk,
+                    replication_lag: lag_records,
+                    replication_lag_bytes: lag_bytes,
+                    replication_lag_seconds: lag_seconds,
+                    last_heartbeat_ns: now_us() * 1_000,
+                    node_id: self.me,
+                    epoch: view.epoch,
+                    last_seqno: p.last_seqno,
+                    durable_seqno: p.durable_seqno,
+                    commit_seqno: commit,
+                    is_leader: view.role == Role::Leader,
+                    leader_node_id: replica.leader_id(self.me).unwrap_or(0),
+                    last_epoch,
+                    needs_new_epoch: replica.needs_new_epoch(),
+                });
+            }
+            self.metrics.append_rate.set(node_rate);
+            let mut sends = Vec::new();
+            let sent_us = now_us();
+            for channel in &targets {
+                for request in &requests {
+                    let mut client =
+                        walship_proto::replication::wal_shipping_client::WalShippingClient::new(channel.clone());
+                    let (shard, epoch) = (request.shard_id, request.epoch);
+                    let mut request = tonic::Request::new(request.clone());
+                    request.set_timeout(interval.max(Duration::from_millis(200)));
+                    sends.push(async move { (shard, epoch, client.heartbeat(request).await) });
+                }
+            }
+            for (shard, epoch, answer) in futures::future::join_all(sends).await {
+                self.metrics.heartbeats_sent.with_label_values(&[if answer.is_ok() { "ok" } else { "error" }]).inc();
+                if answer.is_ok_and(|a| a.get_ref().leader_confirmed) {
+                    self.on_leader_confirmed(shard, epoch, sent_us);
+                }
+            }
+        }
+    }
+
+    /// The active coordinator confirmed that this node leads `shard` in
+    /// `epoch`, answering a heartbeat sent at `sent_us`: the lease renews.
+    fn on_leader_confirmed(&self, shard: ShardId, epoch: u64, sent_us: u64) {
+        let Some(replica) = self.replica(shard) else { return };
+        let Some(leader) = replica.leader_state().filter(|l| l.epoch == epoch) else { return };
+        let mut core = leader.core.lock();
+        core.on_coordinator_confirmed(sent_us);
+        replica.publish_leader(&core, &self.metrics);
+    }
+
+    /// Refreshes the per-follower gauges often enough that an idle,
+    /// caught-up follower shows zero lag rather than a stale figure.
+    pub(super) async fn run_metrics(self: Arc<Self>) {
+        let mut tick = tokio::time::interval(Duration::from_millis(250));
+        loop {
+            tokio::select! {
+                _ = tick.tick() => {}
+                _ = self.shutdown.cancelled() => return,
+            }
+            let now = now_us();
+            for replica in self.replicas.values() {
+                let Some(leader) = replica.leader_state() else { continue };
+                let core = leader.core.lock();
+                for (id, progress) in core.followers() {
+                    if let Some(lag) = core.lag(id, now) {
+                        self.metrics.set_follower(replica.shard, id, &progress, &lag);
+                    }
+                }
+            }
+        }
+    }
+}
+
+fn follower_status(id: NodeId, progress: &FollowerProgress, lag: &Lag, now: u64) -> FollowerStatus {
+    FollowerStatus {
+        node_id: id,
+        mode: progress.mode.as_str().into(),
+        acked_seqno: progress.acked,
+        in_flight: progress.in_flight,
+        lag_records: lag.records,
+        lag_bytes: lag.bytes,
+        lag_write_seconds: lag.write_seconds,
+        lag_flush_seconds: lag.flush_seconds,
+        lag_apply_seconds: lag.apply_seconds,
+        last_reply_ms_ago: progress.last_reply_us.map(|t| now.saturating_sub(t) / 1_000),
+    }
+}
