@@ -60,6 +60,13 @@ pub struct WalTuning {
     /// allocating new files; purged files refill the pool. Rounded down to
     /// the whole files raft-engine lays out. See `walship_wal::zero_fill`.
     pub spare_bytes: u64,
+    /// Free-space reserve of the WAL's disk: while the file system under the
+    /// data dir has less free than this, the node refuses appends and
+    /// replicated segments (`RESOURCE_EXHAUSTED`), hands over leadership and
+    /// reports `disk_full`, so the WAL never meets a real `ENOSPC` (which
+    /// stops the process). 0 turns the check off. See
+    /// `walship_wal::disk_space` and the full-disk runbook.
+    pub min_free_bytes: u64,
 }
 
 impl Default for WalTuning {
@@ -73,6 +80,7 @@ impl Default for WalTuning {
             tail_cache_bytes: wal.tail_cache_bytes,
             prefill: true,
             spare_bytes: walship_wal::DEFAULT_SPARE_BYTES,
+            min_free_bytes: walship_wal::disk_space::DEFAULT_MIN_FREE_BYTES,
         }
     }
 }

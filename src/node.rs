@@ -60,6 +60,11 @@ pub struct NodeArgs {
     /// `--wal-prefill` (`wal.spare_bytes`, default 2 GiB; 0 lays out none).
     #[arg(long)]
     wal_spare_bytes: Option<u64>,
+    /// Free-space reserve of the WAL's disk, in bytes: appends are refused
+    /// (`RESOURCE_EXHAUSTED`) and leadership handed over while less is free
+    /// (`wal.min_free_bytes`, default 256 MiB; 0 turns the check off).
+    #[arg(long)]
+    wal_min_free_bytes: Option<u64>,
     /// Honour the coordinator's crash drills (the process aborts as if
     /// killed). For dev and test clusters only.
     #[arg(long)]
@@ -119,6 +124,9 @@ impl NodeArgs {
         }
         if let Some(bytes) = self.wal_spare_bytes {
             config.wal.spare_bytes = bytes;
+        }
+        if let Some(bytes) = self.wal_min_free_bytes {
+            config.wal.min_free_bytes = bytes;
         }
         config.validate(cluster.is_some())?;
         let drills =
@@ -191,6 +199,13 @@ pub async fn start_node(config: NodeConfig, cluster: Option<ClusterConfig>, dril
         spare_bytes: config.wal.spare_bytes,
         ..EngineStoreConfig::default()
     };
+    // Measured before the store opens: opening may lay out spare files of
+    // zeros, and a node that starts on a full disk must know it is full
+    // before it is asked to lead.
+    let disk_space = walship_wal::DiskSpace::new(&wal_dir, config.wal.min_free_bytes)
+        .with_context(|| format!("measuring the free space under {}", wal_dir.display()))?;
+    disk_space.register(&registry)?;
+    disk_space.start_monitor()?;
     let opened = Instant::now();
     let store = tokio::task::spawn_blocking(move || EngineStore::open(&wal_dir, &store_config))
         .await?
@@ -202,6 +217,7 @@ pub async fn start_node(config: NodeConfig, cluster: Option<ClusterConfig>, dril
         max_batch_bytes: config.wal.max_batch_bytes,
         tail_cache_bytes: config.wal.tail_cache_bytes,
         fault_unwritten_batch_after: drills.unwritten_batch_after,
+        disk_space: Some(disk_space),
     };
     let wal = Wal::start(store.clone(), wal_config, WalMetrics::new(&registry)?)?;
     let disk_bytes = Box::new(move || store.disk_bytes());

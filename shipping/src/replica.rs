@@ -51,7 +51,7 @@ use walship_proto::log::{AssignResponse, EpochEndRequest, FenceResponse};
 use walship_proto::replication::{
     HeartbeatRequest, ShipSegmentRequest, ShipSegmentResponse, StreamRequest, WalSegmentId,
 };
-use walship_wal::{Segment, ShardId, Wal};
+use walship_wal::{Segment, ShardId, Wal, WalError};
 
 use crate::NodeId;
 use crate::config::{ClusterConfig, ShardSpec};
@@ -629,6 +629,12 @@ impl ReplicationNode {
         Ok(())
     }
 
+    /// The node's WAL disk is below its free-space reserve: appends and
+    /// replicated segments are refused, and it does not take leadership.
+    pub fn disk_full(&self) -> bool {
+        self.wal.disk_space().is_some_and(|d| d.is_full())
+    }
+
     /// Where this replica's log stands.
     pub async fn position(&self, shard: ShardId) -> Result<FenceResponse, Status> {
         let replica = self.replica_or_not_found(shard)?;
@@ -646,6 +652,7 @@ impl ReplicationNode {
             commit_seqno: commit,
             epoch_seen: replica.epoch_seen(),
             first_seqno: p.first_seqno,
+            disk_full: self.disk_full(),
         })
     }
 
@@ -723,6 +730,14 @@ impl ReplicationNode {
                      it leads only in a newer epoch (a failover raises it)",
                     self.me
                 )),
+            ));
+        }
+        if leader == self.me && view.role != Role::Leader && self.disk_full() {
+            let full = self.wal.disk_space().map(|d| d.refusal().to_string()).unwrap_or_default();
+            return Err(refusal(
+                &self.metrics,
+                "disk_full",
+                Status::resource_exhausted(format!("node {} will not lead shard {shard}: {full}", self.me)),
             ));
         }
         if !(view.epoch == epoch && view.role == wanted) {
@@ -1306,11 +1321,14 @@ impl ReplicationNode {
                 let last = segment.last_seqno();
                 let bytes: usize = segment.frames()[skip..].iter().map(|f| f.len()).sum();
                 let frames = segment.into_frames().split_off(skip);
-                let queued = self
-                    .wal
-                    .enqueue_frames(replica.shard, frames)
-                    .await
-                    .map_err(|e| Status::unavailable(e.to_string()))?;
+                let queued = self.wal.enqueue_frames(replica.shard, frames).await.map_err(|e| match e {
+                    // The leader counts this follower out until the disk
+                    // has space again; nothing was queued.
+                    WalError::DiskFull(full) => {
+                        refusal(&self.metrics, "disk_full", Status::resource_exhausted(full.to_string()))
+                    }
+                    e => Status::unavailable(e.to_string()),
+                })?;
                 follower.next_expected.send_replace(last + 1);
                 self.metrics.received_bytes.with_label_values(&[source.as_str()]).inc_by(bytes as u64);
                 Some(Box::pin(queued) as Queued)
@@ -1642,6 +1660,8 @@ impl ReplicationNode {
                     leader_node_id: replica.leader_id(self.me).unwrap_or(0),
                     last_epoch,
                     needs_new_epoch: self.early_shipping() && replica.needs_new_epoch(),
+                    disk_full: self.disk_full(),
+                    disk_free_bytes: self.wal.disk_space().map_or(0, |d| d.free()),
                 });
             }
             self.metrics.append_rate.set(node_rate);

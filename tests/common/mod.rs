@@ -221,6 +221,9 @@ pub struct ClusterSpec<'a> {
     /// Extra command-line arguments for some nodes' first start (not for
     /// restarts).
     pub node_args: Vec<(u32, Vec<String>)>,
+    /// Data dirs for some nodes, instead of `<cluster dir>/node-<id>` (a
+    /// small file system of their own, say); kept across restarts.
+    pub data_dirs: Vec<(u32, PathBuf)>,
 }
 
 impl Default for ClusterSpec<'_> {
@@ -233,6 +236,7 @@ impl Default for ClusterSpec<'_> {
             replication: "",
             nats: None,
             node_args: Vec::new(),
+            data_dirs: Vec::new(),
         }
     }
 }
@@ -262,7 +266,7 @@ impl Cluster {
         replication: &str,
         nats: Option<&str>,
     ) -> Cluster {
-        Self::launch(&ClusterSpec { host, nodes, shards, coordinators, replication, nats, node_args: Vec::new() })
+        Self::launch(&ClusterSpec { host, nodes, shards, coordinators, replication, nats, ..ClusterSpec::default() })
     }
 
     /// Starts what `spec` describes.
@@ -315,7 +319,8 @@ impl Cluster {
         let nodes = (1..=nodes)
             .map(|id| {
                 let extra = spec.node_args.iter().find(|(n, _)| *n == id).map_or(&[][..], |(_, a)| &a[..]);
-                Self::spawn(&config_path, dir.path(), id, extra)
+                let data = spec.data_dirs.iter().find(|(n, _)| *n == id).map(|(_, d)| d.clone());
+                Self::spawn(&config_path, &data.unwrap_or_else(|| dir.path().join(format!("node-{id}"))), id, extra)
             })
             .collect();
         let mut cluster = Cluster { dir, config_path, nodes, coordinators: Vec::new(), nats: nats.map(str::to_string) };
@@ -380,8 +385,8 @@ impl Cluster {
         Some((v["leader"].as_u64()? as u32, v["epoch"].as_u64()?))
     }
 
-    fn spawn(config: &Path, dir: &Path, id: u32, extra: &[String]) -> NodeProcess {
-        let data = dir.join(format!("node-{id}"));
+    fn spawn(config: &Path, data: &Path, id: u32, extra: &[String]) -> NodeProcess {
+        let data = data.to_path_buf();
         let (child, fields) = spawn_listening(
             Command::new(walship_bin())
                 // No WAL file of zeros per test node (`wal.prefill`).
@@ -418,7 +423,17 @@ impl Cluster {
     /// Restarts a (killed) node on its data dir and configured ports.
     pub fn restart(&mut self, id: u32) {
         self.node(id).kill9();
-        let node = Self::spawn(&self.config_path, self.dir.path(), id, &[]);
+        let data = self.node(id).data_dir.clone();
+        let node = Self::spawn(&self.config_path, &data, id, &[]);
+        self.nodes[id as usize - 1] = node;
+    }
+
+    /// Like [`Cluster::restart`], with the arguments of the node's first
+    /// start ([`ClusterSpec::node_args`]).
+    pub fn restart_with_args(&mut self, id: u32) {
+        self.node(id).kill9();
+        let (data, extra) = (self.node(id).data_dir.clone(), self.node(id).extra.clone());
+        let node = Self::spawn(&self.config_path, &data, id, &extra);
         self.nodes[id as usize - 1] = node;
     }
 

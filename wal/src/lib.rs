@@ -7,11 +7,14 @@
 //! * [`store`]: the [`LogStore`] seam with explicit positions, implemented by
 //!   [`EngineStore`] (raft-engine, one instance per node, region id = shard
 //!   id) and [`MemStore`] (test double); both pass one conformance suite.
+//! * [`disk_space`]: the free-space reserve (`wal.min_free_bytes`) appends
+//!   are refused below, before the WAL meets a real `ENOSPC`.
 //! * [`wal`]: [`Wal`], the sequencer and group-commit persister shared by
 //!   every shard on the node, with per-shard positions and watches of the
 //!   written and durable seqnos.
 
 pub mod disk;
+pub mod disk_space;
 pub mod engine_store;
 pub mod mem_store;
 pub mod metrics;
@@ -24,6 +27,7 @@ pub mod zero_fill;
 #[cfg(test)]
 mod conformance;
 
+pub use disk_space::{DiskFull, DiskSpace};
 pub use engine_store::{DEFAULT_SPARE_BYTES, EngineStore, EngineStoreConfig};
 pub use mem_store::MemStore;
 pub use metrics::WalMetrics;

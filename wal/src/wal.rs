@@ -38,6 +38,7 @@ use bytes::Bytes;
 use parking_lot::RwLock;
 use tokio::sync::{oneshot, watch};
 
+use crate::disk_space::{DiskFull, DiskSpace};
 use crate::metrics::{ShardGauges, WalMetrics};
 use crate::record::{Frame, RecordFields};
 use crate::store::{LogBounds, LogStore, ShardAppend, ShardId, StoreError};
@@ -86,6 +87,9 @@ pub enum WalError {
     Closed,
     #[error("shard {shard}: epoch {epoch} is older than epoch {promised} this replica has promised to")]
     StaleEpoch { shard: ShardId, epoch: u64, promised: u64 },
+    /// Refused before anything was sequenced: the disk is below its reserve.
+    #[error(transparent)]
+    DiskFull(#[from] DiskFull),
 }
 
 impl WalError {
@@ -124,6 +128,9 @@ pub struct WalConfig {
     /// machine crash that loses a shipped, never-fsynced batch, which a
     /// SIGKILL cannot produce (the page cache survives it).
     pub fault_unwritten_batch_after: Option<u64>,
+    /// The free-space reserve appends are checked against (`None`: never
+    /// refused for space). See [`crate::disk_space`].
+    pub disk_space: Option<Arc<DiskSpace>>,
 }
 
 /// How long an injected unwritten batch stays visible before the abort.
@@ -136,6 +143,7 @@ impl Default for WalConfig {
             linger: Duration::from_micros(200),
             tail_cache_bytes: 8 << 20,
             fault_unwritten_batch_after: None,
+            disk_space: None,
         }
     }
 }
@@ -296,6 +304,7 @@ struct Shared {
     shards: RwLock<HashMap<ShardId, Arc<ShardPositions>>>,
     metrics: WalMetrics,
     staged: StagedBytes,
+    disk: Option<Arc<DiskSpace>>,
 }
 
 impl Shared {
@@ -321,7 +330,8 @@ impl Wal {
             shards.insert(shard, Arc::new(ShardPositions::new(bounds, metrics.shard(shard))));
         }
         let staged = StagedBytes::new(config.max_batch_bytes, &metrics);
-        let shared = Arc::new(Shared { store, shards: RwLock::new(shards), metrics, staged });
+        let disk = config.disk_space.clone();
+        let shared = Arc::new(Shared { store, shards: RwLock::new(shards), metrics, staged, disk });
         let (to_persister, staged) = flume::unbounded();
         let persister = Persister { shared: shared.clone(), rx: staged, config: config.clone() };
         std::thread::Builder::new()
@@ -475,6 +485,7 @@ impl Wal {
         if records.is_empty() {
             return Err(StoreError::EmptyAppend { shard }.into());
         }
+        self.check_disk(records.iter().map(|r| (r.key.len() + r.payload.len()) as u64).sum())?;
         let durable = self.sequence(|s| s.append(shard, epoch, &records)).await?;
         durable.await.map_err(|_| WalError::Closed)?
     }
@@ -500,8 +511,20 @@ impl Wal {
         if frames.is_empty() {
             return Err(StoreError::EmptyAppend { shard }.into());
         }
+        self.check_disk(frames.iter().map(|f| f.len() as u64).sum())?;
         let durable = self.sequence(|s| s.append_frames(shard, frames)).await?;
         Ok(async move { durable.await.map_err(|_| WalError::Closed)? })
+    }
+
+    /// Refuses an append of about `bytes` while the disk is below its
+    /// reserve (atomics only, see [`DiskSpace::check`]).
+    fn check_disk(&self, bytes: u64) -> Result<(), DiskFull> {
+        self.shared.disk.as_ref().map_or(Ok(()), |disk| disk.check(bytes))
+    }
+
+    /// The disk-space reserve appends are checked against, if any.
+    pub fn disk_space(&self) -> Option<&Arc<DiskSpace>> {
+        self.shared.disk.as_ref()
     }
 
     /// Removes every record after `keep_through`, in order with appends.
