@@ -66,6 +66,13 @@ pub struct WalTuning {
     pub scrub_bytes_per_s: u64,
     /// Seconds from the start of one scrub pass to the next (default a day).
     pub scrub_interval_s: u64,
+    /// Free-space reserve of the WAL's disk: while the file system under the
+    /// data dir has less free than this, the node refuses appends and
+    /// replicated segments (`RESOURCE_EXHAUSTED`), hands over leadership and
+    /// reports `disk_full`, so the WAL never meets a real `ENOSPC` (which
+    /// stops the process). 0 turns the check off. See
+    /// `walship_wal::disk_space` and the full-disk runbook.
+    pub min_free_bytes: u64,
 }
 
 impl Default for WalTuning {
@@ -81,6 +88,7 @@ impl Default for WalTuning {
             spare_bytes: walship_wal::DEFAULT_SPARE_BYTES,
             scrub_bytes_per_s: wal.scrub_bytes_per_s,
             scrub_interval_s: wal.scrub_interval.as_secs(),
+            min_free_bytes: walship_wal::disk_space::DEFAULT_MIN_FREE_BYTES,
         }
     }
 }

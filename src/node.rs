@@ -68,6 +68,11 @@ pub struct NodeArgs {
     /// (`wal.scrub_interval_s`, default 86400).
     #[arg(long)]
     wal_scrub_interval_s: Option<u64>,
+    /// Free-space reserve of the WAL's disk, in bytes: appends are refused
+    /// (`RESOURCE_EXHAUSTED`) and leadership handed over while less is free
+    /// (`wal.min_free_bytes`, default 256 MiB; 0 turns the check off).
+    #[arg(long)]
+    wal_min_free_bytes: Option<u64>,
     /// Honour the coordinator's crash drills (the process aborts as if
     /// killed). For dev and test clusters only.
     #[arg(long)]
@@ -133,6 +138,9 @@ impl NodeArgs {
         }
         if let Some(interval) = self.wal_scrub_interval_s {
             config.wal.scrub_interval_s = interval;
+        }
+        if let Some(bytes) = self.wal_min_free_bytes {
+            config.wal.min_free_bytes = bytes;
         }
         config.validate(cluster.is_some())?;
         let drills =
@@ -208,6 +216,13 @@ pub async fn start_node(config: NodeConfig, cluster: Option<ClusterConfig>, dril
         spare_bytes: config.wal.spare_bytes,
         ..EngineStoreConfig::default()
     };
+    // Measured before the store opens: opening may lay out spare files of
+    // zeros, and a node that starts on a full disk must know it is full
+    // before it is asked to lead.
+    let disk_space = walship_wal::DiskSpace::new(&wal_dir, config.wal.min_free_bytes)
+        .with_context(|| format!("measuring the free space under {}", wal_dir.display()))?;
+    disk_space.register(&registry)?;
+    disk_space.start_monitor()?;
     let opened = Instant::now();
     let store = tokio::task::spawn_blocking(move || EngineStore::open(&wal_dir, &store_config))
         .await?
@@ -221,6 +236,7 @@ pub async fn start_node(config: NodeConfig, cluster: Option<ClusterConfig>, dril
         fault_unwritten_batch_after: drills.unwritten_batch_after,
         scrub_bytes_per_s: config.wal.scrub_bytes_per_s,
         scrub_interval: Duration::from_secs(config.wal.scrub_interval_s),
+        disk_space: Some(disk_space),
     };
     let wal_metrics = WalMetrics::new(&registry)?;
     let wal = {

@@ -141,6 +141,7 @@ fn shard_view(
                 lag_records: lag(leader_hb.as_ref().and_then(|l| l.replication_lag.get(&node).copied())),
                 lag_bytes: leader_hb.as_ref().and_then(|l| l.replication_lag_bytes.get(&node).copied()),
                 lag_seconds: leader_hb.as_ref().and_then(|l| l.replication_lag_seconds.get(&node).copied()),
+                disk_full: hb.as_ref().is_some_and(|h| h.disk_full),
             }
         })
         .collect();

@@ -23,7 +23,7 @@ use axum::routing::get;
 use prometheus::{Encoder, Registry, TextEncoder};
 use walship_shipping::ReplicationNode;
 
-use crate::models::{ApiError, NodeStatus};
+use crate::models::{ApiError, DiskStatus, NodeStatus};
 
 /// What a node's admin API reads from.
 pub struct NodeAdmin {
@@ -56,12 +56,27 @@ pub async fn method_not_allowed() -> Response {
 }
 
 /// Ready when every shard replica this node hosts has a role (a leader or
-/// a follower that knows its leader): load balancers and Kubernetes probes
-/// keep traffic away from a node still waiting for the coordinator.
+/// a follower that knows its leader) and its WAL disk has more free space
+/// than its reserve: load balancers and Kubernetes probes keep traffic away
+/// from a node still waiting for the coordinator or refusing appends for
+/// want of space (it keeps serving reads; its process stays up).
 #[utoipa::path(get, path = "/readyz", tag = "health",
     responses((status = 200, description = "every replica has a role", body = String),
-        (status = 503, description = "waiting for the coordinator", body = models::ErrorBody)))]
+        (status = 503, description = "waiting for the coordinator, or the disk is full (`disk_full`)", body = models::ErrorBody)))]
 async fn readyz(State(admin): State<Arc<NodeAdmin>>) -> Response {
+    let disk = disk_status(&admin);
+    if disk.disk_full {
+        return ApiError::new(
+            StatusCode::SERVICE_UNAVAILABLE,
+            "disk_full",
+            format!(
+                "disk full: the WAL's disk ({}) has {} bytes free, less than the {}-byte reserve \
+                 (wal.min_free_bytes); appends are refused, reads are served",
+                disk.dir, disk.free_bytes, disk.min_free_bytes
+            ),
+        )
+        .into_response();
+    }
     let waiting: Vec<u32> =
         admin.node.status().into_iter().filter(|s| s.role == "unassigned").map(|s| s.shard_id).collect();
     if waiting.is_empty() {
@@ -102,8 +117,22 @@ async fn status(State(admin): State<Arc<NodeAdmin>>) -> Response {
         uptime_seconds: admin.started.elapsed().as_secs(),
         shards: admin.node.status(),
         heartbeats_received: admin.node.received_heartbeats(),
+        disk: disk_status(&admin),
     })
     .into_response()
+}
+
+/// The WAL disk's free space as the node last measured it (no syscall).
+fn disk_status(admin: &NodeAdmin) -> DiskStatus {
+    match admin.node.wal.disk_space() {
+        Some(d) => DiskStatus {
+            dir: d.dir().display().to_string(),
+            free_bytes: d.free(),
+            min_free_bytes: d.min_free_bytes(),
+            disk_full: d.is_full(),
+        },
+        None => DiskStatus::default(),
+    }
 }
 
 #[utoipa::path(get, path = "/openapi.json", tag = "health", responses((status = 200, description = "this document")))]

@@ -17,6 +17,23 @@ pub struct NodeStatus {
     pub shards: Vec<ReplicaStatus>,
     /// Heartbeats this node received (when it is the configured receiver).
     pub heartbeats_received: Vec<ReceivedHeartbeat>,
+    /// The WAL disk's free space against its reserve.
+    #[serde(default)]
+    pub disk: DiskStatus,
+}
+
+/// The free space of a node's WAL disk (`wal.min_free_bytes`).
+#[derive(Debug, Clone, Default, Serialize, Deserialize, PartialEq, Eq, utoipa::ToSchema)]
+pub struct DiskStatus {
+    /// The WAL directory whose file system is measured.
+    pub dir: String,
+    /// Free bytes (refreshed about five times a second).
+    pub free_bytes: u64,
+    /// The reserve: appends are refused while less is free.
+    pub min_free_bytes: u64,
+    /// Less than the reserve is free: appends and replicated segments are
+    /// refused, the node does not lead, `/readyz` answers 503.
+    pub disk_full: bool,
 }
 
 /// The error body every endpoint answers with: `{"error": {"code", "message"}}`.
@@ -115,4 +132,8 @@ pub struct ReplicaView {
     pub lag_records: Option<u64>,
     pub lag_bytes: Option<u64>,
     pub lag_seconds: Option<f64>,
+    /// Its last heartbeat reports its WAL disk below the free-space reserve
+    /// (`wal.min_free_bytes`): it refuses appends and does not lead.
+    #[serde(default)]
+    pub disk_full: bool,
 }

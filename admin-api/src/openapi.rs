@@ -54,7 +54,8 @@ struct CoordinatorDoc;
         ErrorDetail,
         walship_shipping::replica::ReplicaStatus,
         walship_shipping::replica::FollowerStatus,
-        walship_shipping::replica::ReceivedHeartbeat
+        walship_shipping::replica::ReceivedHeartbeat,
+        crate::models::DiskStatus
     ))
 )]
 struct NodeDoc;

@@ -127,6 +127,9 @@ fn wal_status(error: WalError) -> Status {
         WalError::Store(e @ StoreError::BadPosition { .. }) => Status::failed_precondition(e.to_string()),
         WalError::Store(e @ (StoreError::Corrupt { .. } | StoreError::Io(_))) => Status::internal(e.to_string()),
         WalError::Closed => Status::unavailable("the WAL writer has stopped"),
+        // Nothing was written: the client may retry elsewhere (after a
+        // failover) or later.
+        e @ WalError::DiskFull(_) => Status::resource_exhausted(e.to_string()),
         WalError::StaleEpoch { shard, epoch, promised } => Status::unavailable(format!(
             "shard {shard}: leadership moved on (epoch {promised}) before this append in epoch {epoch} was written; it was not written"
         )),

@@ -224,6 +224,9 @@ pub struct ClusterSpec<'a> {
     /// Extra environment variables for some nodes' first start (not for
     /// restarts), e.g. `FAILPOINTS`.
     pub node_env: Vec<(u32, Vec<(String, String)>)>,
+    /// Data dirs for some nodes, instead of `<cluster dir>/node-<id>` (a
+    /// small file system of their own, say); kept across restarts.
+    pub data_dirs: Vec<(u32, PathBuf)>,
 }
 
 impl Default for ClusterSpec<'_> {
@@ -237,6 +240,7 @@ impl Default for ClusterSpec<'_> {
             nats: None,
             node_args: Vec::new(),
             node_env: Vec::new(),
+            data_dirs: Vec::new(),
         }
     }
 }
@@ -320,7 +324,9 @@ impl Cluster {
             .map(|id| {
                 let extra = spec.node_args.iter().find(|(n, _)| *n == id).map_or(&[][..], |(_, a)| &a[..]);
                 let env = spec.node_env.iter().find(|(n, _)| *n == id).map_or(&[][..], |(_, e)| &e[..]);
-                Self::spawn(&config_path, dir.path(), id, extra, env)
+                let data = spec.data_dirs.iter().find(|(n, _)| *n == id).map(|(_, d)| d.clone());
+                let data = data.unwrap_or_else(|| dir.path().join(format!("node-{id}")));
+                Self::spawn(&config_path, &data, id, extra, env)
             })
             .collect();
         let mut cluster = Cluster { dir, config_path, nodes, coordinators: Vec::new(), nats: nats.map(str::to_string) };
@@ -385,8 +391,8 @@ impl Cluster {
         Some((v["leader"].as_u64()? as u32, v["epoch"].as_u64()?))
     }
 
-    fn spawn(config: &Path, dir: &Path, id: u32, extra: &[String], env: &[(String, String)]) -> NodeProcess {
-        let data = dir.join(format!("node-{id}"));
+    fn spawn(config: &Path, data: &Path, id: u32, extra: &[String], env: &[(String, String)]) -> NodeProcess {
+        let data = data.to_path_buf();
         let (child, fields) = spawn_listening(
             Command::new(walship_bin())
                 .envs(env.iter().map(|(k, v)| (k, v)))
@@ -424,7 +430,17 @@ impl Cluster {
     /// Restarts a (killed) node on its data dir and configured ports.
     pub fn restart(&mut self, id: u32) {
         self.node(id).kill9();
-        let node = Self::spawn(&self.config_path, self.dir.path(), id, &[], &[]);
+        let data = self.node(id).data_dir.clone();
+        let node = Self::spawn(&self.config_path, &data, id, &[], &[]);
+        self.nodes[id as usize - 1] = node;
+    }
+
+    /// Like [`Cluster::restart`], with the arguments of the node's first
+    /// start ([`ClusterSpec::node_args`]).
+    pub fn restart_with_args(&mut self, id: u32) {
+        self.node(id).kill9();
+        let (data, extra) = (self.node(id).data_dir.clone(), self.node(id).extra.clone());
+        let node = Self::spawn(&self.config_path, &data, id, &extra, &[]);
         self.nodes[id as usize - 1] = node;
     }
 

@@ -7,6 +7,8 @@
 //! * [`store`]: the [`LogStore`] seam with explicit positions, implemented by
 //!   [`EngineStore`] (raft-engine, one instance per node, region id = shard
 //!   id) and [`MemStore`] (test double); both pass one conformance suite.
+//! * [`disk_space`]: the free-space reserve (`wal.min_free_bytes`) appends
+//!   are refused below, before the WAL meets a real `ENOSPC`.
 //! * [`wal`]: [`Wal`], the sequencer and group-commit persister shared by
 //!   every shard on the node, with per-shard positions and watches of the
 //!   written and durable seqnos.
@@ -18,6 +20,7 @@
 
 pub mod corruption;
 pub mod disk;
+pub mod disk_space;
 pub mod engine_store;
 pub mod failpoints;
 pub mod mem_store;
@@ -33,6 +36,7 @@ pub mod zero_fill;
 mod conformance;
 
 pub use corruption::{CorruptRange, Detection, ScrubReport};
+pub use disk_space::{DiskFull, DiskSpace};
 pub use engine_store::{DEFAULT_SPARE_BYTES, EngineStore, EngineStoreConfig};
 pub use mem_store::MemStore;
 pub use metrics::WalMetrics;

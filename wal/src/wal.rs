@@ -60,6 +60,7 @@ use parking_lot::RwLock;
 use tokio::sync::{oneshot, watch};
 
 use crate::corruption::{CorruptRange, Detection, Registry, ScrubReport};
+use crate::disk_space::{DiskFull, DiskSpace};
 use crate::metrics::{ShardGauges, WalMetrics};
 use crate::record::{Frame, RecordFields};
 use crate::store::{LogBounds, LogStore, ShardAppend, ShardId, StoreError};
@@ -108,6 +109,9 @@ pub enum WalError {
     Closed,
     #[error("shard {shard}: epoch {epoch} is older than epoch {promised} this replica has promised to")]
     StaleEpoch { shard: ShardId, epoch: u64, promised: u64 },
+    /// Refused before anything was sequenced: the disk is below its reserve.
+    #[error(transparent)]
+    DiskFull(#[from] DiskFull),
 }
 
 impl WalError {
@@ -162,6 +166,9 @@ pub struct WalConfig {
     pub scrub_bytes_per_s: u64,
     /// Time from the start of one background scrub pass to the next.
     pub scrub_interval: Duration,
+    /// The free-space reserve appends are checked against (`None`: never
+    /// refused for space). See [`crate::disk_space`].
+    pub disk_space: Option<Arc<DiskSpace>>,
 }
 
 /// Default [`WalConfig::scrub_bytes_per_s`] (`wal.scrub_bytes_per_s`).
@@ -181,6 +188,7 @@ impl Default for WalConfig {
             fault_unwritten_batch_after: None,
             scrub_bytes_per_s: DEFAULT_SCRUB_BYTES_PER_S,
             scrub_interval: DEFAULT_SCRUB_INTERVAL,
+            disk_space: None,
         }
     }
 }
@@ -345,6 +353,7 @@ struct Shared {
     scrub_bytes_per_s: u64,
     /// Dropped with the last handle: the scrubber thread sees it and stops.
     _scrubber_stop: flume::Sender<()>,
+    disk: Option<Arc<DiskSpace>>,
 }
 
 impl Shared {
@@ -394,6 +403,7 @@ impl Wal {
             corruption,
             scrub_bytes_per_s: config.scrub_bytes_per_s,
             _scrubber_stop: scrubber_stop,
+            disk: config.disk_space.clone(),
         });
         let (to_persister, staged) = flume::unbounded();
         let persister = Persister { shared: shared.clone(), rx: staged, config: config.clone() };
@@ -562,6 +572,7 @@ impl Wal {
         if records.is_empty() {
             return Err(StoreError::EmptyAppend { shard }.into());
         }
+        self.check_disk(records.iter().map(|r| (r.key.len() + r.payload.len()) as u64).sum())?;
         let durable = self.sequence(|s| s.append(shard, epoch, &records)).await?;
         durable.await.map_err(|_| WalError::Closed)?
     }
@@ -587,8 +598,20 @@ impl Wal {
         if frames.is_empty() {
             return Err(StoreError::EmptyAppend { shard }.into());
         }
+        self.check_disk(frames.iter().map(|f| f.len() as u64).sum())?;
         let durable = self.sequence(|s| s.append_frames(shard, frames)).await?;
         Ok(async move { durable.await.map_err(|_| WalError::Closed)? })
+    }
+
+    /// Refuses an append of about `bytes` while the disk is below its
+    /// reserve (atomics only, see [`DiskSpace::check`]).
+    fn check_disk(&self, bytes: u64) -> Result<(), DiskFull> {
+        self.shared.disk.as_ref().map_or(Ok(()), |disk| disk.check(bytes))
+    }
+
+    /// The disk-space reserve appends are checked against, if any.
+    pub fn disk_space(&self) -> Option<&Arc<DiskSpace>> {
+        self.shared.disk.as_ref()
     }
 
     /// Removes every record after `keep_through`, in order with appends.

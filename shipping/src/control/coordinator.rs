@@ -191,6 +191,21 @@ pub struct Coordinator {
 
 /// How long an automatic failover that found no majority waits to retry.
 const NO_MAJORITY_BACKOFF: Duration = Duration::from_secs(1);
+/// After a failover away from a disk-full leader, the next one waits this
+/// long: if no healthy replica could take over, the disk-full one was
+/// promoted again, and retrying at once would only churn epochs.
+const DISK_FULL_BACKOFF: Duration = Duration::from_secs(2);
+
+/// A fence answer as a failover candidate.
+fn candidate(a: &FenceResponse) -> Candidate {
+    Candidate {
+        node: a.node_id,
+        last_epoch: a.last_epoch,
+        last_seqno: a.last_seqno,
+        commit_seqno: a.commit_seqno,
+        disk_full: a.disk_full,
+    }
+}
 
 /// What the active coordinator publishes on NATS for every heartbeat.
 #[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
@@ -473,24 +488,31 @@ impl Coordinator {
         };
         let timeout = Duration::from_millis(self.config.replication.leader_timeout_ms);
         for (&shard, record) in &state.shards {
-            let lost = match record.leader {
-                None => true,
-                Some(leader) => {
-                    let last = self.seen.lock().get(&leader).map(|n| n.at);
-                    let reference = last.map_or(since, |at| at.max(since));
-                    // A recorded leader that restarted in the record's epoch
-                    // never leads in it again (it may have shipped records
-                    // its disk lost): it needs a new epoch, as a lost one does.
-                    let restarted =
-                        self.heartbeat(leader, shard).is_some_and(|hb| hb.epoch == record.epoch && hb.needs_new_epoch);
-                    restarted || reference.elapsed() > timeout
-                }
-            };
+            let disk_full = self.leader_disk_full(shard, record, timeout);
+            let lost = disk_full
+                || match record.leader {
+                    None => true,
+                    Some(leader) => {
+                        let last = self.seen.lock().get(&leader).map(|n| n.at);
+                        let reference = last.map_or(since, |at| at.max(since));
+                        // A recorded leader that restarted in the record's epoch
+                        // never leads in it again (it may have shipped records
+                        // its disk lost): it needs a new epoch, as a lost one does.
+                        let restarted = self
+                            .heartbeat(leader, shard)
+                            .is_some_and(|hb| hb.epoch == record.epoch && hb.needs_new_epoch);
+                        restarted || reference.elapsed() > timeout
+                    }
+                };
             let backing_off = self.retry_after.lock().get(&shard).is_some_and(|t| Instant::now() < *t);
             if lost && !backing_off {
                 let me = self.clone();
+                if disk_full {
+                    self.retry_after.lock().insert(shard, Instant::now() + DISK_FULL_BACKOFF);
+                }
+                let reason = if disk_full { "disk_full" } else { "automatic" };
                 tokio::spawn(async move {
-                    match me.failover(shard, FailoverRequest::default(), "automatic").await {
+                    match me.failover(shard, FailoverRequest::default(), reason).await {
                         Err(e @ CoordError::NoMajority { .. }) => {
                             me.retry_after.lock().insert(shard, Instant::now() + NO_MAJORITY_BACKOFF);
                             tracing::warn!(shard, error = %e, "automatic failover");
@@ -528,6 +550,21 @@ impl Coordinator {
                 }
             }
         }
+    }
+
+    /// The shard's recorded leader reports a full disk in the record's
+    /// epoch (it refuses appends) while another replica heard from within
+    /// `timeout` does not: leadership should move there.
+    fn leader_disk_full(&self, shard: u32, record: &ShardRecord, timeout: Duration) -> bool {
+        let Some(leader) = record.leader else { return false };
+        if !self.heartbeat(leader, shard).is_some_and(|hb| hb.epoch == record.epoch && hb.disk_full) {
+            return false;
+        }
+        let seen = self.seen.lock();
+        record.replicas.iter().filter(|&&r| r != leader).any(|r| {
+            seen.get(r)
+                .is_some_and(|n| n.at.elapsed() <= timeout && n.shards.get(&shard).is_some_and(|hb| !hb.disk_full))
+        })
     }
 
     async fn assign(&self, shard: u32, record: &ShardRecord, leader: NodeId, replica: NodeId) -> bool {
@@ -609,15 +646,7 @@ impl Coordinator {
 
     /// Candidates and what each would lose, from live positions.
     async fn previews(&self, shard: u32, answers: &[FenceResponse], commit: u64) -> Vec<CandidatePreview> {
-        let candidates: Vec<Candidate> = answers
-            .iter()
-            .map(|a| Candidate {
-                node: a.node_id,
-                last_epoch: a.last_epoch,
-                last_seqno: a.last_seqno,
-                commit_seqno: a.commit_seqno,
-            })
-            .collect();
+        let candidates: Vec<Candidate> = answers.iter().map(candidate).collect();
         let Some(best) = failover::best(&candidates) else { return Vec::new() };
         let mut out = Vec::new();
         for c in &candidates {
@@ -721,7 +750,13 @@ impl Coordinator {
         let candidates = self.previews(shard, &answers, commit).await;
         let chosen = match request.target {
             Some(target) => candidates.iter().find(|c| c.node == target).ok_or(CoordError::Unreachable(target))?,
-            None => candidates.iter().find(|c| c.is_best).expect("answers are non-empty"),
+            None => {
+                let loses_acknowledged =
+                    |c: &Candidate| candidates.iter().any(|p| p.node == c.node && p.would_lose_acknowledged.is_some());
+                let ranked: Vec<Candidate> = answers.iter().map(candidate).collect();
+                let node = failover::promote(&ranked, loses_acknowledged).expect("answers are non-empty").node;
+                candidates.iter().find(|c| c.node == node).expect("every answer has a preview")
+            }
         }
         .clone();
         if let Some((from, to)) = chosen.would_lose_acknowledged

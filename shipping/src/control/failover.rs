@@ -7,6 +7,14 @@
 //! durable on a majority, which shares a replica with any fenced majority,
 //! and logs agree on every record up to where their epochs agree, so that
 //! replica holds every acknowledged record.
+//!
+//! A replica whose disk is full (below `wal.min_free_bytes`) refuses to lead,
+//! so it is promoted only when no healthy replica can take over without
+//! losing an acknowledged record: among replicas of equal rank the healthy
+//! one wins ([`best`]), and when the most up-to-date replica is disk-full,
+//! the most up-to-date healthy one that holds every acknowledged record is
+//! promoted instead ([`promote`]); it loses at most records no client was
+//! told were written.
 
 use serde::{Deserialize, Serialize};
 
@@ -19,6 +27,9 @@ pub struct Candidate {
     pub last_epoch: u64,
     pub last_seqno: u64,
     pub commit_seqno: u64,
+    /// Its disk is below the free-space reserve: it would refuse to lead.
+    #[serde(default)]
+    pub disk_full: bool,
 }
 
 impl Candidate {
@@ -27,9 +38,24 @@ impl Candidate {
     }
 }
 
-/// The replica with the most up-to-date log.
+/// The replica with the most up-to-date log; among equally up-to-date ones,
+/// a healthy one before a disk-full one, then the lowest node id.
 pub fn best(candidates: &[Candidate]) -> Option<Candidate> {
-    candidates.iter().copied().max_by_key(|c| (c.rank(), std::cmp::Reverse(c.node)))
+    candidates.iter().copied().max_by_key(|c| (c.rank(), !c.disk_full, std::cmp::Reverse(c.node)))
+}
+
+/// The replica an automatic failover promotes: [`best`], unless that one's
+/// disk is full and a healthy replica holds every acknowledged record
+/// (`loses_acknowledged` says it would not); then the most up-to-date such
+/// healthy replica.
+pub fn promote(candidates: &[Candidate], loses_acknowledged: impl Fn(&Candidate) -> bool) -> Option<Candidate> {
+    let top = best(candidates)?;
+    if !top.disk_full {
+        return Some(top);
+    }
+    let healthy: Vec<Candidate> =
+        candidates.iter().copied().filter(|c| !c.disk_full && !loses_acknowledged(c)).collect();
+    Some(best(&healthy).unwrap_or(top))
 }
 
 /// The seqnos `best` holds that `candidate` does not, given where
@@ -59,7 +85,38 @@ mod tests {
     use super::*;
 
     fn c(node: NodeId, last_epoch: u64, last_seqno: u64) -> Candidate {
-        Candidate { node, last_epoch, last_seqno, commit_seqno: 0 }
+        Candidate { node, last_epoch, last_seqno, commit_seqno: 0, disk_full: false }
+    }
+
+    fn full(node: NodeId, last_epoch: u64, last_seqno: u64) -> Candidate {
+        Candidate { disk_full: true, ..c(node, last_epoch, last_seqno) }
+    }
+
+    #[test]
+    fn a_disk_full_replica_loses_ties_to_a_healthy_caught_up_one() {
+        // Node 1 (lowest id, disk full) ties with node 3 (healthy): node 3.
+        assert_eq!(best(&[full(1, 2, 50), c(2, 2, 40), c(3, 2, 50)]).unwrap().node, 3);
+        // Rank still comes first: a longer log wins even on a full disk.
+        assert_eq!(best(&[full(1, 2, 51), c(3, 2, 50)]).unwrap().node, 1);
+        assert_eq!(promote(&[full(1, 2, 50), c(3, 2, 50)], |_| true).unwrap().node, 3);
+    }
+
+    #[test]
+    fn promote_skips_a_disk_full_best_when_a_healthy_one_holds_every_acknowledged_record() {
+        let candidates = [full(1, 2, 60), c(2, 2, 55), c(3, 2, 50)];
+        // Both healthy ones hold everything acknowledged: the longer one.
+        assert_eq!(promote(&candidates, |_| false).unwrap().node, 2);
+        // Only node 3 does not... cannot happen with logs that agree, but
+        // the rule follows what it is told: never an acknowledged loss.
+        assert_eq!(promote(&candidates, |c| c.node == 2).unwrap().node, 3);
+        // No healthy replica without an acknowledged loss: the best, full
+        // disk or not (it refuses to lead, and the coordinator retries).
+        assert_eq!(promote(&candidates, |c| !c.disk_full).unwrap().node, 1);
+        // Every replica full: the best.
+        assert_eq!(promote(&[full(1, 2, 60), full(2, 2, 60)], |_| false).unwrap().node, 1);
+        // A healthy best needs no help.
+        assert_eq!(promote(&[c(1, 2, 60), full(2, 2, 60)], |_| false).unwrap().node, 1);
+        assert_eq!(promote(&[], |_| false), None);
     }
 
     #[test]

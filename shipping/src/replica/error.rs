@@ -56,6 +56,9 @@ pub enum ReplicaError {
     Busy(WalError),
     #[error("{0}")]
     Unavailable(String),
+    /// The node's disk is below its free-space reserve.
+    #[error("{0}")]
+    NoSpace(String),
     #[error("crash drills are not enabled on this node (--allow-crash-drills)")]
     CrashDrillsDisabled,
     #[error(transparent)]
@@ -103,6 +106,7 @@ impl ReplicaError {
             ReplicaError::NotLeader { .. } => "not_leader",
             ReplicaError::NewerRequester { .. } => "stale_epoch",
             ReplicaError::NeedsReseed { .. } => "needs_reseed",
+            ReplicaError::NoSpace(_) => "disk_full",
             ReplicaError::Apply { .. }
             | ReplicaError::Busy(_)
             | ReplicaError::Unavailable(_)
@@ -116,7 +120,10 @@ impl ReplicaError {
     pub fn retryable(&self) -> bool {
         match self {
             ReplicaError::Refused { refusal, .. } => refusal.retryable(),
-            ReplicaError::Gap { .. } | ReplicaError::Busy(_) | ReplicaError::Unavailable(_) => true,
+            ReplicaError::Gap { .. }
+            | ReplicaError::Busy(_)
+            | ReplicaError::Unavailable(_)
+            | ReplicaError::NoSpace(_) => true,
             ReplicaError::Peer(status) => {
                 matches!(status.code(), tonic::Code::Unavailable | tonic::Code::DeadlineExceeded)
             }
@@ -166,6 +173,7 @@ impl From<ReplicaError> for Status {
             ReplicaError::NeedsReseed { .. } | ReplicaError::PastDurable { .. } => Status::out_of_range(message),
             ReplicaError::Apply { .. } => Status::failed_precondition(message),
             ReplicaError::Busy(_) | ReplicaError::Unavailable(_) => Status::unavailable(message),
+            ReplicaError::NoSpace(_) => Status::resource_exhausted(message),
             ReplicaError::CrashDrillsDisabled => Status::permission_denied(message),
             ReplicaError::Wal(e) if e.corrupt_range().is_some() => Status::data_loss(message),
             ReplicaError::Wal(_) => Status::internal(message),

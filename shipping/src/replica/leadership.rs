@@ -26,6 +26,11 @@ use crate::core::replica::{Command, Refusal, Role};
 impl ReplicationNode {
     /// Refusal of `refusal` for `replica`'s shard.
     pub(crate) fn refused(&self, replica: &ShardReplica, refusal: Refusal) -> ReplicaError {
+        if refusal == Refusal::DiskFull
+            && let Some(full) = self.wal.disk_space().map(|d| d.refusal())
+        {
+            return ReplicaError::NoSpace(format!("node {} refuses shard {}: {full}", self.me, replica.shard));
+        }
         ReplicaError::Refused { shard: replica.shard, node: self.me, refusal }
     }
 
@@ -108,6 +113,7 @@ impl ReplicationNode {
             commit_seqno: commit,
             epoch_seen: replica.epoch_seen(),
             first_seqno: p.first_seqno,
+            disk_full: self.disk_full(),
         })
     }
 
@@ -146,8 +152,9 @@ impl ReplicationNode {
     ) -> Result<AssignResponse, ReplicaError> {
         let replica = self.replica_or_not_found(shard)?;
         let transition = replica.transition.lock().await;
+        let mut commands = self.sync_disk(&replica);
         let decided = replica.rules.lock().assign(epoch, leader);
-        let commands = decided.map_err(|r| self.refused(&replica, r))?;
+        commands.extend(decided.map_err(|r| self.refused(&replica, r))?);
         if let Some(Command::CatchUp) = commands.last() {
             tracing::info!(shard, epoch, leader, "following");
         }

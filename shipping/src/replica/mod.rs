@@ -198,6 +198,18 @@ impl ReplicationNode {
         error
     }
 
+    /// The node's WAL disk is below its free-space reserve: appends and
+    /// replicated segments are refused, and it does not take leadership.
+    pub fn disk_full(&self) -> bool {
+        self.wal.disk_space().is_some_and(|d| d.is_full())
+    }
+
+    /// Feeds the node's disk state into `replica`'s rules before they
+    /// decide; returns what they say to do about a change.
+    fn sync_disk(&self, replica: &ShardReplica) -> Vec<crate::core::replica::Command> {
+        replica.rules.lock().disk(self.disk_full())
+    }
+
     /// Whether leaders ship records before their own fsync. Only under a
     /// coordinator, which never lets a restarted leader lead again in the
     /// same epoch (see `core/replica.rs`); a static cluster's leader leads

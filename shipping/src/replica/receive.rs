@@ -147,7 +147,12 @@ impl ReplicationNode {
                 let last = segment.last_seqno();
                 let bytes: usize = segment.frames()[skip..].iter().map(|f| f.len()).sum();
                 let frames = segment.into_frames().split_off(skip);
-                let queued = self.wal.enqueue_frames(replica.shard, frames).await.map_err(ReplicaError::Busy)?;
+                let queued = self.wal.enqueue_frames(replica.shard, frames).await.map_err(|e| match e {
+                    // The leader counts this follower out until the disk has
+                    // space again; nothing was queued.
+                    walship_wal::WalError::DiskFull(full) => ReplicaError::NoSpace(full.to_string()),
+                    e => ReplicaError::Busy(e),
+                })?;
                 follower.next_expected.send_replace(last + 1);
                 self.metrics.received_bytes.with_label_values(&[source.as_str()]).inc_by(bytes as u64);
                 Some(Box::pin(queued) as Queued)
@@ -181,10 +186,12 @@ impl ReplicationNode {
         epoch: u64,
         from: crate::NodeId,
     ) -> Result<(), ReplicaError> {
+        let mut commands = self.sync_disk(replica);
         let admission = replica.rules.lock().inbound(epoch, from);
-        if !admission.commands.is_empty() {
+        commands.extend(admission.commands);
+        if !commands.is_empty() {
             let _transition = replica.transition.lock().await;
-            self.perform(replica, admission.commands, 0).await?;
+            self.perform(replica, commands, 0).await?;
         }
         admission.outcome.map_err(|refusal| self.refused(replica, refusal))
     }

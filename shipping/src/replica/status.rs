@@ -216,6 +216,8 @@ impl ReplicationNode {
                     leader_node_id: replica.leader_id(self.me).unwrap_or(0),
                     last_epoch,
                     needs_new_epoch: replica.needs_new_epoch(),
+                    disk_full: self.disk_full(),
+                    disk_free_bytes: self.wal.disk_space().map_or(0, |d| d.free()),
                 });
             }
             self.metrics.append_rate.set(node_rate);
