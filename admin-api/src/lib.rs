@@ -56,13 +56,13 @@ pub async fn method_not_allowed() -> Response {
 }
 
 /// Ready when every shard replica this node hosts has a role (a leader or
-/// a follower that knows its leader) and its WAL disk has more free space
-/// than its reserve: load balancers and Kubernetes probes keep traffic away
+/// a follower that knows its leader), its WAL holds no known corrupt range,
+/// and its WAL disk has more free space than its reserve: load balancers and Kubernetes probes keep traffic away
 /// from a node still waiting for the coordinator or refusing appends for
 /// want of space (it keeps serving reads; its process stays up).
 #[utoipa::path(get, path = "/readyz", tag = "health",
     responses((status = 200, description = "every replica has a role", body = String),
-        (status = 503, description = "waiting for the coordinator, or the disk is full (`disk_full`)", body = models::ErrorBody)))]
+        (status = 503, description = "waiting for the coordinator, the disk is full (`disk_full`), or a known corrupt range in the WAL (`corruption`)", body = models::ErrorBody)))]
 async fn readyz(State(admin): State<Arc<NodeAdmin>>) -> Response {
     let disk = disk_status(&admin);
     if disk.disk_full {
@@ -77,8 +77,28 @@ async fn readyz(State(admin): State<Arc<NodeAdmin>>) -> Response {
         )
         .into_response();
     }
-    let waiting: Vec<u32> =
-        admin.node.status().into_iter().filter(|s| s.role == "unassigned").map(|s| s.shard_id).collect();
+    let shards = admin.node.status();
+    let corrupt: Vec<String> = shards
+        .iter()
+        .flat_map(|s| {
+            s.corruption
+                .iter()
+                .map(move |c| format!("shard {} seqnos {}..={} ({})", s.shard_id, c.first_seqno, c.last_seqno, c.file))
+        })
+        .collect();
+    if !corrupt.is_empty() {
+        return ApiError::new(
+            StatusCode::SERVICE_UNAVAILABLE,
+            "corruption",
+            format!(
+                "corruption in this node's WAL: {}; those records are not served (DATA_LOSS) until repaired from an \
+                 intact replica",
+                corrupt.join("; ")
+            ),
+        )
+        .into_response();
+    }
+    let waiting: Vec<u32> = shards.into_iter().filter(|s| s.role == "unassigned").map(|s| s.shard_id).collect();
     if waiting.is_empty() {
         (StatusCode::OK, "ready\n").into_response()
     } else {

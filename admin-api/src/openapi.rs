@@ -54,6 +54,7 @@ struct CoordinatorDoc;
         ErrorDetail,
         walship_shipping::replica::ReplicaStatus,
         walship_shipping::replica::FollowerStatus,
+        walship_shipping::replica::CorruptRangeStatus,
         walship_shipping::replica::ReceivedHeartbeat,
         crate::models::DiskStatus
     ))

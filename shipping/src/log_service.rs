@@ -10,6 +10,7 @@
 //! | empty batch, record over the size limit, too many records, unknown durability, seqno 0, `to < from` | `INVALID_ARGUMENT` |
 //! | range before the oldest retained or past the newest committed record | `OUT_OF_RANGE` |
 //! | WAL writer stopped | `UNAVAILABLE` (retryable) |
+//! | a record in range is corrupt in this replica's copy (names shard, seqnos, file) | `DATA_LOSS` |
 //!
 //! Appends are acknowledged at the durability asked for: `LOCAL` once the
 //! leader has fsynced, `QUORUM` (the default) once a majority of the replica
@@ -125,7 +126,14 @@ fn wal_status(error: WalError) -> Status {
             Status::failed_precondition(e.to_string())
         }
         WalError::Store(e @ StoreError::BadPosition { .. }) => Status::failed_precondition(e.to_string()),
-        WalError::Store(e @ (StoreError::Corrupt { .. } | StoreError::Io(_))) => Status::internal(e.to_string()),
+        // Damage in this replica's copy: never served. A follower repairs
+        // it from its leader by itself; a leader hands over to an intact
+        // replica when one holds everything acknowledged. Other replicas
+        // may serve the range meanwhile.
+        WalError::Store(e @ StoreError::Corrupt { .. }) => Status::data_loss(format!(
+            "{e}; this replica does not serve them (another replica may hold intact copies; see /v1/status)"
+        )),
+        WalError::Store(e @ StoreError::Io(_)) => Status::internal(e.to_string()),
         WalError::Closed => Status::unavailable("the WAL writer has stopped"),
         // Nothing was written: the client may retry elsewhere (after a
         // failover) or later.

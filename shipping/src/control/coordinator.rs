@@ -204,6 +204,7 @@ fn candidate(a: &FenceResponse) -> Candidate {
         last_seqno: a.last_seqno,
         commit_seqno: a.commit_seqno,
         disk_full: a.disk_full,
+        corrupt_from: (a.corrupt_from_seqno > 0).then_some(a.corrupt_from_seqno),
     }
 }
 
@@ -488,8 +489,8 @@ impl Coordinator {
         };
         let timeout = Duration::from_millis(self.config.replication.leader_timeout_ms);
         for (&shard, record) in &state.shards {
-            let disk_full = self.leader_disk_full(shard, record, timeout);
-            let lost = disk_full
+            let unhealthy = self.leader_unhealthy(shard, record, timeout);
+            let lost = unhealthy.is_some()
                 || match record.leader {
                     None => true,
                     Some(leader) => {
@@ -507,10 +508,10 @@ impl Coordinator {
             let backing_off = self.retry_after.lock().get(&shard).is_some_and(|t| Instant::now() < *t);
             if lost && !backing_off {
                 let me = self.clone();
-                if disk_full {
+                if unhealthy.is_some() {
                     self.retry_after.lock().insert(shard, Instant::now() + DISK_FULL_BACKOFF);
                 }
-                let reason = if disk_full { "disk_full" } else { "automatic" };
+                let reason = unhealthy.unwrap_or("automatic");
                 tokio::spawn(async move {
                     match me.failover(shard, FailoverRequest::default(), reason).await {
                         Err(e @ CoordError::NoMajority { .. }) => {
@@ -552,19 +553,33 @@ impl Coordinator {
         }
     }
 
-    /// The shard's recorded leader reports a full disk in the record's
-    /// epoch (it refuses appends) while another replica heard from within
-    /// `timeout` does not: leadership should move there.
-    fn leader_disk_full(&self, shard: u32, record: &ShardRecord, timeout: Duration) -> bool {
-        let Some(leader) = record.leader else { return false };
-        if !self.heartbeat(leader, shard).is_some_and(|hb| hb.epoch == record.epoch && hb.disk_full) {
-            return false;
-        }
+    /// Why the shard's recorded leader should hand over, if it should: it
+    /// reports a full disk (it refuses appends; `disk_full`) or a known
+    /// corrupt record in its log (`corruption`) in the record's epoch, while
+    /// another replica heard from within `timeout` reports neither and, for
+    /// corruption, holds everything the leader committed.
+    fn leader_unhealthy(&self, shard: u32, record: &ShardRecord, timeout: Duration) -> Option<&'static str> {
+        let leader = record.leader?;
+        let hb = self.heartbeat(leader, shard).filter(|hb| hb.epoch == record.epoch)?;
+        let reason = if hb.disk_full {
+            "disk_full"
+        } else if hb.corrupt_from_seqno > 0 {
+            "corruption"
+        } else {
+            return None;
+        };
         let seen = self.seen.lock();
-        record.replicas.iter().filter(|&&r| r != leader).any(|r| {
-            seen.get(r)
-                .is_some_and(|n| n.at.elapsed() <= timeout && n.shards.get(&shard).is_some_and(|hb| !hb.disk_full))
-        })
+        let takes_over = |r: &NodeId| {
+            seen.get(r).is_some_and(|n| {
+                n.at.elapsed() <= timeout
+                    && n.shards.get(&shard).is_some_and(|f| {
+                        !f.disk_full
+                            && f.corrupt_from_seqno == 0
+                            && (reason == "disk_full" || f.durable_seqno >= hb.commit_seqno)
+                    })
+            })
+        };
+        record.replicas.iter().filter(|&&r| r != leader).any(takes_over).then_some(reason)
     }
 
     async fn assign(&self, shard: u32, record: &ShardRecord, leader: NodeId, replica: NodeId) -> bool {

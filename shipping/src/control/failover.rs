@@ -9,12 +9,15 @@
 //! replica holds every acknowledged record.
 //!
 //! A replica whose disk is full (below `wal.min_free_bytes`) refuses to lead,
-//! so it is promoted only when no healthy replica can take over without
-//! losing an acknowledged record: among replicas of equal rank the healthy
-//! one wins ([`best`]), and when the most up-to-date replica is disk-full,
-//! the most up-to-date healthy one that holds every acknowledged record is
-//! promoted instead ([`promote`]); it loses at most records no client was
-//! told were written.
+//! and a replica holding a known-corrupt record cannot serve it; either is
+//! *unhealthy*, and promoted only when no healthy replica can take over
+//! without losing an acknowledged record: among replicas of equal rank the
+//! healthy one wins ([`best`]), and when the most up-to-date replica is
+//! unhealthy, the most up-to-date healthy one that holds every acknowledged
+//! record is promoted instead ([`promote`]); it loses at most records no
+//! client was told were written. When none can, the unhealthy one leads: a
+//! corrupt leader serves everything below the damage and refuses the
+//! damaged seqnos with `DATA_LOSS`.
 
 use serde::{Deserialize, Serialize};
 
@@ -30,31 +33,39 @@ pub struct Candidate {
     /// Its disk is below the free-space reserve: it would refuse to lead.
     #[serde(default)]
     pub disk_full: bool,
+    /// The first seqno of its log known to be corrupt.
+    #[serde(default)]
+    pub corrupt_from: Option<u64>,
 }
 
 impl Candidate {
     fn rank(&self) -> (u64, u64) {
         (self.last_epoch, self.last_seqno)
     }
+
+    /// Neither out of disk space nor holding a known-corrupt record.
+    pub fn healthy(&self) -> bool {
+        !self.disk_full && self.corrupt_from.is_none()
+    }
 }
 
 /// The replica with the most up-to-date log; among equally up-to-date ones,
-/// a healthy one before a disk-full one, then the lowest node id.
+/// a healthy one before an unhealthy one, then the lowest node id.
 pub fn best(candidates: &[Candidate]) -> Option<Candidate> {
-    candidates.iter().copied().max_by_key(|c| (c.rank(), !c.disk_full, std::cmp::Reverse(c.node)))
+    candidates.iter().copied().max_by_key(|c| (c.rank(), c.healthy(), std::cmp::Reverse(c.node)))
 }
 
-/// The replica an automatic failover promotes: [`best`], unless that one's
-/// disk is full and a healthy replica holds every acknowledged record
+/// The replica an automatic failover promotes: [`best`], unless that one is
+/// unhealthy and a healthy replica holds every acknowledged record
 /// (`loses_acknowledged` says it would not); then the most up-to-date such
 /// healthy replica.
 pub fn promote(candidates: &[Candidate], loses_acknowledged: impl Fn(&Candidate) -> bool) -> Option<Candidate> {
     let top = best(candidates)?;
-    if !top.disk_full {
+    if top.healthy() {
         return Some(top);
     }
     let healthy: Vec<Candidate> =
-        candidates.iter().copied().filter(|c| !c.disk_full && !loses_acknowledged(c)).collect();
+        candidates.iter().copied().filter(|c| c.healthy() && !loses_acknowledged(c)).collect();
     Some(best(&healthy).unwrap_or(top))
 }
 
@@ -85,7 +96,25 @@ mod tests {
     use super::*;
 
     fn c(node: NodeId, last_epoch: u64, last_seqno: u64) -> Candidate {
-        Candidate { node, last_epoch, last_seqno, commit_seqno: 0, disk_full: false }
+        Candidate { node, last_epoch, last_seqno, commit_seqno: 0, disk_full: false, corrupt_from: None }
+    }
+
+    fn corrupt(node: NodeId, last_epoch: u64, last_seqno: u64, from: u64) -> Candidate {
+        Candidate { corrupt_from: Some(from), ..c(node, last_epoch, last_seqno) }
+    }
+
+    #[test]
+    fn a_corrupt_replica_is_never_promoted_while_an_intact_one_holds_every_acknowledged_record() {
+        // Equally caught up: the intact one, whatever the node ids.
+        assert_eq!(best(&[corrupt(1, 3, 80, 40), c(2, 3, 80)]).unwrap().node, 2);
+        // The corrupt one is ahead by unacknowledged records only: the
+        // intact one still.
+        let candidates = [corrupt(1, 3, 90, 40), c(2, 3, 85), c(3, 3, 70)];
+        assert_eq!(promote(&candidates, |c| c.last_seqno < 80).unwrap().node, 2);
+        // No intact replica holds everything acknowledged: the corrupt one
+        // leads, serving what is below the damage.
+        assert_eq!(promote(&candidates, |c| c.last_seqno < 88).unwrap().node, 1);
+        assert!(!corrupt(1, 3, 90, 40).healthy());
     }
 
     fn full(node: NodeId, last_epoch: u64, last_seqno: u64) -> Candidate {

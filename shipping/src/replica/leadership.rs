@@ -114,6 +114,7 @@ impl ReplicationNode {
             epoch_seen: replica.epoch_seen(),
             first_seqno: p.first_seqno,
             disk_full: self.disk_full(),
+            corrupt_from_seqno: self.corrupt_from(shard).unwrap_or(0),
         })
     }
 

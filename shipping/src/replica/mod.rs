@@ -57,7 +57,7 @@ use walship_wal::{ShardId, Wal};
 
 pub use self::error::{APPLIED_METADATA_KEY, EPOCH_METADATA_KEY, ReplicaError};
 pub use self::shard::ShardReplica;
-pub use self::status::{FollowerStatus, ReceivedHeartbeat, ReplicaStatus};
+pub use self::status::{CorruptRangeStatus, FollowerStatus, ReceivedHeartbeat, ReplicaStatus};
 use crate::NodeId;
 use crate::config::ClusterConfig;
 use crate::core::leader::LeaderSettings;
@@ -202,6 +202,12 @@ impl ReplicationNode {
     /// replicated segments are refused, and it does not take leadership.
     pub fn disk_full(&self) -> bool {
         self.wal.disk_space().is_some_and(|d| d.is_full())
+    }
+
+    /// The first seqno of `shard`'s log here known to be corrupt (the WAL's
+    /// registry: reads, scrubs and the start-up check feed it).
+    pub fn corrupt_from(&self, shard: ShardId) -> Option<u64> {
+        self.wal.shard_corruption(shard).iter().map(|r| r.first_bad_seqno).min()
     }
 
     /// Feeds the node's disk state into `replica`'s rules before they

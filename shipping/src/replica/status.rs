@@ -57,6 +57,36 @@ pub struct ReplicaStatus {
     pub commit_seqno: u64,
     /// Leader only.
     pub followers: Vec<FollowerStatus>,
+    /// Ranges of this replica's log known to be corrupt (a checksum failed
+    /// on a read, a scrub or the start-up check): never served; a follower
+    /// truncates and refetches them, a leader hands over when an intact
+    /// replica holds everything acknowledged. Empty when none.
+    pub corruption: Vec<CorruptRangeStatus>,
+}
+
+/// A corrupt range of one replica's log.
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq, utoipa::ToSchema)]
+pub struct CorruptRangeStatus {
+    pub first_seqno: u64,
+    pub last_seqno: u64,
+    /// The WAL file holding them, or the data dir when the file is unknown.
+    pub file: String,
+    /// `read`, `scrub` or `startup`.
+    pub found_by: String,
+    pub found_unix_ms: u64,
+}
+
+impl CorruptRangeStatus {
+    fn of(range: &walship_wal::CorruptRange) -> CorruptRangeStatus {
+        let file = range.file.as_ref().or(range.location.as_ref());
+        CorruptRangeStatus {
+            first_seqno: range.first_bad_seqno,
+            last_seqno: range.last_bad_seqno,
+            file: file.map_or_else(|| "unknown".to_string(), |f| f.display().to_string()),
+            found_by: range.how.as_str().to_string(),
+            found_unix_ms: range.found_at.duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.as_millis() as u64),
+        }
+    }
 }
 
 /// A heartbeat this node received, for status pages.
@@ -111,6 +141,7 @@ impl ReplicationNode {
                     durable_seqno: p.durable_seqno,
                     commit_seqno: commit,
                     followers,
+                    corruption: self.wal.shard_corruption(replica.shard).iter().map(CorruptRangeStatus::of).collect(),
                 }
             })
             .collect()
@@ -218,6 +249,7 @@ impl ReplicationNode {
                     needs_new_epoch: replica.needs_new_epoch(),
                     disk_full: self.disk_full(),
                     disk_free_bytes: self.wal.disk_space().map_or(0, |d| d.free()),
+                    corrupt_from_seqno: self.corrupt_from(replica.shard).unwrap_or(0),
                 });
             }
             self.metrics.append_rate.set(node_rate);
