@@ -1,0 +1,242 @@
+//! Failover, as the coordinator runs it: raise the epoch, fence the
+//! replicas, collect their positions, choose with `control/failover.rs`,
+//! record and assign the new leader; and the previews that say what each
+//! candidate would lose.
+
+use std::time::{Duration, Instant};
+
+use futures::StreamExt;
+use futures::stream::FuturesUnordered;
+use walship_proto::log::{EpochEndRequest, FenceRequest, FenceResponse, PositionRequest};
+
+use super::*;
+
+impl Coordinator {
+    async fn positions(&self, shard: u32, replicas: &[NodeId], fence_epoch: Option<u64>) -> Vec<FenceResponse> {
+        let majority = replicas.len() / 2 + 1;
+        let mut calls = FuturesUnordered::new();
+        for &node in replicas {
+            let Some(mut client) = self.peers.control(node) else { continue };
+            calls.push(async move {
+                let timeout = Duration::from_millis(500);
+                let result = match fence_epoch {
+                    Some(epoch) => {
+                        let mut r = tonic::Request::new(FenceRequest { shard_id: shard, epoch });
+                        r.set_timeout(timeout);
+                        client.fence(r).await
+                    }
+                    None => {
+                        let mut r = tonic::Request::new(PositionRequest { shard_id: shard });
+                        r.set_timeout(timeout);
+                        client.position(r).await
+                    }
+                };
+                (node, result.map(|r| r.into_inner()))
+            });
+        }
+        // Wait for everyone, but once a majority answered give stragglers
+        // only a short grace: a stopped or partitioned replica must not hold
+        // the failover for the whole timeout.
+        let mut answers = Vec::new();
+        let mut grace: Option<std::pin::Pin<Box<tokio::time::Sleep>>> = None;
+        loop {
+            let next = async {
+                match grace.as_mut() {
+                    Some(sleep) => tokio::select! { r = calls.next() => r, _ = sleep => None },
+                    None => calls.next().await,
+                }
+            };
+            match next.await {
+                Some((node, Ok(answer))) => {
+                    debug_assert_eq!(answer.node_id, node);
+                    answers.push(answer);
+                    if answers.len() >= majority && grace.is_none() {
+                        grace = Some(Box::pin(tokio::time::sleep(Duration::from_millis(30))));
+                    }
+                }
+                Some((node, Err(status))) => tracing::debug!(shard, node, %status, "no position"),
+                None => break,
+            }
+        }
+        answers
+    }
+
+    async fn epoch_end(&self, node: NodeId, shard: u32, epoch: u64) -> Option<u64> {
+        let mut client = self.peers.control(node)?;
+        let mut request = tonic::Request::new(EpochEndRequest { shard_id: shard, epoch });
+        request.set_timeout(Duration::from_millis(500));
+        client.epoch_end(request).await.ok().map(|r| r.into_inner().end_seqno)
+    }
+
+    /// Candidates and what each would lose, from live positions.
+    async fn previews(&self, shard: u32, answers: &[FenceResponse], commit: u64) -> Vec<CandidatePreview> {
+        let candidates: Vec<Candidate> = answers.iter().map(candidate).collect();
+        let Some(best) = failover::best(&candidates) else { return Vec::new() };
+        let mut out = Vec::new();
+        for c in &candidates {
+            let would_lose = if c.node == best.node {
+                None
+            } else {
+                let end = self.epoch_end(best.node, shard, c.last_epoch).await.unwrap_or(0);
+                failover::loss(c, &best, end)
+            };
+            out.push(CandidatePreview {
+                node: c.node,
+                last_epoch: c.last_epoch,
+                last_seqno: c.last_seqno,
+                would_lose,
+                would_lose_acknowledged: failover::acknowledged(would_lose, commit),
+                is_best: c.node == best.node,
+            });
+        }
+        out.sort_by_key(|p| p.node);
+        out
+    }
+
+    /// Runs (or previews) a failover of `shard`. `reason` is recorded.
+    pub async fn failover(
+        &self,
+        shard: u32,
+        request: FailoverRequest,
+        reason: &str,
+    ) -> Result<FailoverOutcome, CoordError> {
+        let lock = self.shard_locks.get(&shard).ok_or(CoordError::UnknownShard(shard))?;
+        let _guard =
+            if request.preview { lock.lock().await } else { lock.try_lock().map_err(|_| CoordError::Busy(shard))? };
+        let started = Instant::now();
+        let record = self
+            .state()
+            .ok_or(CoordError::NotActive)?
+            .shards
+            .get(&shard)
+            .cloned()
+            .ok_or(CoordError::UnknownShard(shard))?;
+        if let Some(target) = request.target
+            && !record.replicas.contains(&target)
+        {
+            return Err(CoordError::NotAReplica { shard, node: target });
+        }
+        let unreachable = |answers: &[FenceResponse]| -> Vec<NodeId> {
+            record.replicas.iter().copied().filter(|r| !answers.iter().any(|a| a.node_id == *r)).collect()
+        };
+        if request.preview || (request.target.is_some() && !request.allow_loss) {
+            let answers = self.positions(shard, &record.replicas, None).await;
+            let commit = answers.iter().map(|a| a.commit_seqno).fold(record.commit_floor, u64::max);
+            let candidates = self.previews(shard, &answers, commit).await;
+            if request.preview {
+                return Ok(FailoverOutcome {
+                    shard,
+                    preview: true,
+                    epoch: record.epoch,
+                    from: record.leader,
+                    to: candidates
+                        .iter()
+                        .find(|c| Some(c.node) == request.target || (request.target.is_none() && c.is_best))
+                        .map(|c| c.node),
+                    lost: None,
+                    took_ms: started.elapsed().as_millis() as u64,
+                    unreachable: unreachable(&answers),
+                    candidates,
+                    commit_seqno: commit,
+                });
+            }
+            let target = request.target.expect("checked");
+            match candidates.iter().find(|c| c.node == target) {
+                None => return Err(CoordError::Unreachable(target)),
+                Some(c) => {
+                    if let Some((from, to)) = c.would_lose_acknowledged {
+                        return Err(CoordError::WouldLose { node: target, from, to });
+                    }
+                }
+            }
+        }
+
+        let previous_leader = record.leader;
+        // 1. Raise the epoch (no leader while choosing).
+        let epoch = self
+            .mutate(|s| {
+                let r = s.shards.get_mut(&shard).ok_or(CoordError::UnknownShard(shard))?;
+                r.epoch += 1;
+                r.leader = None;
+                Ok(r.epoch)
+            })
+            .await?;
+        // 2. Fence.
+        let answers = self.positions(shard, &record.replicas, Some(epoch)).await;
+        let outcome_label = |o: &str| self.metrics.failovers.with_label_values(&[reason, o]).inc();
+        let forced_without_majority = request.allow_loss && !answers.is_empty();
+        if !failover::is_majority(answers.len(), record.replicas.len()) && !forced_without_majority {
+            outcome_label("no_majority");
+            return Err(CoordError::NoMajority { shard, answered: answers.len(), replicas: record.replicas.len() });
+        }
+        // 3. Choose.
+        let commit = answers.iter().map(|a| a.commit_seqno).fold(record.commit_floor, u64::max);
+        let candidates = self.previews(shard, &answers, commit).await;
+        let chosen = match request.target {
+            Some(target) => candidates.iter().find(|c| c.node == target).ok_or(CoordError::Unreachable(target))?,
+            None => {
+                let loses_acknowledged =
+                    |c: &Candidate| candidates.iter().any(|p| p.node == c.node && p.would_lose_acknowledged.is_some());
+                let ranked: Vec<Candidate> = answers.iter().map(candidate).collect();
+                let node = failover::promote(&ranked, loses_acknowledged).expect("answers are non-empty").node;
+                candidates.iter().find(|c| c.node == node).expect("every answer has a preview")
+            }
+        }
+        .clone();
+        if let Some((from, to)) = chosen.would_lose_acknowledged
+            && !request.allow_loss
+        {
+            outcome_label("refused");
+            return Err(CoordError::WouldLose { node: chosen.node, from, to });
+        }
+        // 4. Record and promote.
+        let took_ms = started.elapsed().as_millis() as u64;
+        let reason_recorded = if request.allow_loss && chosen.would_lose.is_some() { "forced" } else { reason };
+        let record = self
+            .mutate(|s| {
+                let r = s.shards.get_mut(&shard).ok_or(CoordError::UnknownShard(shard))?;
+                if r.epoch != epoch {
+                    return Err(CoordError::Busy(shard));
+                }
+                r.leader = Some(chosen.node);
+                r.commit_floor = r.commit_floor.max(commit);
+                let updated = r.clone();
+                s.record_failover(FailoverRecord {
+                    shard,
+                    epoch,
+                    from: previous_leader,
+                    to: chosen.node,
+                    reason: reason_recorded.to_string(),
+                    at_unix_ms: now_ms(),
+                    took_ms,
+                    lost: chosen.would_lose,
+                });
+                Ok(updated)
+            })
+            .await?;
+        if !self.assign(shard, &record, chosen.node, chosen.node).await {
+            tracing::warn!(
+                shard,
+                leader = chosen.node,
+                "the new leader did not take the assignment yet; reconciliation retries"
+            );
+        }
+        // 5. Followers repair and follow.
+        let followers: Vec<_> = record.replicas.iter().copied().filter(|&r| r != chosen.node).collect();
+        futures::future::join_all(followers.iter().map(|&f| self.assign(shard, &record, chosen.node, f))).await;
+        outcome_label("ok");
+        self.metrics.failover_seconds.observe(started.elapsed().as_secs_f64());
+        Ok(FailoverOutcome {
+            shard,
+            preview: false,
+            epoch,
+            from: previous_leader,
+            to: Some(chosen.node),
+            lost: chosen.would_lose,
+            took_ms: started.elapsed().as_millis() as u64,
+            unreachable: unreachable(&answers),
+            candidates,
+            commit_seqno: commit,
+        })
+    }
+}

@@ -1,0 +1,154 @@
+//! The active coordinator's reconcile loop: every few milliseconds it
+//! checks each shard's recorded leader (lost: heartbeats stopped past
+//! `leader_timeout_ms`, restarted in its epoch, or unhealthy: a full disk or
+//! a known corrupt record while a healthy caught-up replica exists) and
+//! starts a failover, and re-assigns any replica whose heartbeat disagrees
+//! with the record.
+
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use walship_proto::log::AssignRequest;
+
+use super::*;
+
+impl Coordinator {
+    pub(super) async fn run_reconcile(self: Arc<Self>) {
+        // Checked more often than heartbeats arrive, so a loss is noticed
+        // within a few ms of the timeout rather than up to a period late.
+        let period = Duration::from_millis((self.config.replication.heartbeat_ms / 5).clamp(5, 20));
+        let mut tick = tokio::time::interval(period);
+        tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+        loop {
+            tokio::select! {
+                _ = tick.tick() => {}
+                _ = self.shutdown.cancelled() => return,
+            }
+            self.reconcile_round();
+        }
+    }
+
+    fn reconcile_round(self: &Arc<Self>) {
+        let (state, since) = {
+            let active = self.active.lock();
+            match active.as_ref().filter(|a| Instant::now() < a.lease_until) {
+                Some(a) => (a.state.clone(), a.since),
+                None => return,
+            }
+        };
+        let timeout = Duration::from_millis(self.config.replication.leader_timeout_ms);
+        for (&shard, record) in &state.shards {
+            let unhealthy = self.leader_unhealthy(shard, record, timeout);
+            let lost = unhealthy.is_some()
+                || match record.leader {
+                    None => true,
+                    Some(leader) => {
+                        let last = self.seen.lock().get(&leader).map(|n| n.at);
+                        let reference = last.map_or(since, |at| at.max(since));
+                        // A recorded leader that restarted in the record's epoch
+                        // never leads in it again (it may have shipped records
+                        // its disk lost): it needs a new epoch, as a lost one does.
+                        let restarted = self
+                            .heartbeat(leader, shard)
+                            .is_some_and(|hb| hb.epoch == record.epoch && hb.needs_new_epoch);
+                        restarted || reference.elapsed() > timeout
+                    }
+                };
+            let backing_off = self.retry_after.lock().get(&shard).is_some_and(|t| Instant::now() < *t);
+            if lost && !backing_off {
+                let me = self.clone();
+                if unhealthy.is_some() {
+                    self.retry_after.lock().insert(shard, Instant::now() + DISK_FULL_BACKOFF);
+                }
+                let reason = unhealthy.unwrap_or("automatic");
+                tokio::spawn(async move {
+                    match me.failover(shard, FailoverRequest::default(), reason).await {
+                        Err(e @ CoordError::NoMajority { .. }) => {
+                            me.retry_after.lock().insert(shard, Instant::now() + NO_MAJORITY_BACKOFF);
+                            tracing::warn!(shard, error = %e, "automatic failover");
+                        }
+                        Ok(outcome) => {
+                            tracing::info!(shard, to = ?outcome.to, epoch = outcome.epoch, took_ms = outcome.took_ms, "automatic failover")
+                        }
+                        Err(CoordError::Busy(_)) => {}
+                        Err(e) => tracing::warn!(shard, error = %e, "automatic failover"),
+                    }
+                });
+                continue;
+            }
+            let Some(leader) = record.leader else { continue };
+            for &replica in &record.replicas {
+                let Some(hb) = self.heartbeat(replica, shard) else { continue };
+                let in_line = hb.epoch == record.epoch
+                    && hb.is_leader == (replica == leader)
+                    && (replica == leader || hb.leader_node_id == leader);
+                if in_line {
+                    continue;
+                }
+                let due = {
+                    let mut assigned = self.assigned.lock();
+                    let due = assigned.get(&(replica, shard)).is_none_or(|t| t.elapsed() > Duration::from_millis(200));
+                    if due {
+                        assigned.insert((replica, shard), Instant::now());
+                    }
+                    due
+                };
+                if due {
+                    let me = self.clone();
+                    let record = record.clone();
+                    tokio::spawn(async move { me.assign(shard, &record, leader, replica).await });
+                }
+            }
+        }
+    }
+
+    /// Why the shard's recorded leader should hand over, if it should: it
+    /// reports a full disk (it refuses appends; `disk_full`) or a known
+    /// corrupt record in its log (`corruption`) in the record's epoch, while
+    /// another replica heard from within `timeout` reports neither and, for
+    /// corruption, holds everything the leader committed.
+    fn leader_unhealthy(&self, shard: u32, record: &ShardRecord, timeout: Duration) -> Option<&'static str> {
+        let leader = record.leader?;
+        let hb = self.heartbeat(leader, shard).filter(|hb| hb.epoch == record.epoch)?;
+        let reason = if hb.disk_full {
+            "disk_full"
+        } else if hb.corrupt_from_seqno > 0 {
+            "corruption"
+        } else {
+            return None;
+        };
+        let seen = self.seen.lock();
+        let takes_over = |r: &NodeId| {
+            seen.get(r).is_some_and(|n| {
+                n.at.elapsed() <= timeout
+                    && n.shards.get(&shard).is_some_and(|f| {
+                        !f.disk_full
+                            && f.corrupt_from_seqno == 0
+                            && (reason == "disk_full" || f.durable_seqno >= hb.commit_seqno)
+                    })
+            })
+        };
+        record.replicas.iter().filter(|&&r| r != leader).any(takes_over).then_some(reason)
+    }
+
+    pub(super) async fn assign(&self, shard: u32, record: &ShardRecord, leader: NodeId, replica: NodeId) -> bool {
+        let Some(mut client) = self.peers.control(replica) else { return false };
+        let mut request = tonic::Request::new(AssignRequest {
+            shard_id: shard,
+            epoch: record.epoch,
+            leader,
+            replicas: record.replicas.clone(),
+            commit_seqno: record.commit_floor,
+        });
+        request.set_timeout(Duration::from_secs(2));
+        let ok = match client.assign(request).await {
+            Ok(_) => true,
+            Err(status) => {
+                tracing::debug!(shard, replica, %status, "assign");
+                false
+            }
+        };
+        self.metrics.assigns.with_label_values(&[if ok { "ok" } else { "error" }]).inc();
+        ok
+    }
+}

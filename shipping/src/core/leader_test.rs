@@ -1,0 +1,379 @@
+//! Unit tests of the leader core: each feeds events (local durability,
+//! sends, replies, confirmations) and asserts its decisions.
+
+use super::*;
+
+const SETTINGS: LeaderSettings =
+    LeaderSettings { window: 2, catchup_threshold_bytes: 10_000, keepalive_us: 1_000, probe_us: 1_000, lease_us: None };
+
+fn start(epoch: u64, durable: u64, epoch_start: u64, commit_floor: u64) -> LeaderStart {
+    LeaderStart { epoch, first: 1, durable, epoch_start, commit_floor }
+}
+
+fn leader() -> LeaderCore {
+    LeaderCore::new(start(5, 0, 1, 0), &[2, 3], SETTINGS, 0)
+}
+
+/// Puts a follower into push mode at `acked` by answering a probe.
+fn probe(core: &mut LeaderCore, f: NodeId, acked: u64, now: u64) {
+    assert_eq!(core.poll_ship(f, now), ShipDecision::Keepalive);
+    core.on_keepalive_sent(f, now);
+    core.on_reply(f, ShipReply::Applied { applied: acked }, now).unwrap();
+}
+
+#[test]
+fn followers_start_in_probe_and_get_one_keepalive() {
+    let mut core = leader();
+    assert_eq!(core.poll_ship(2, 5_000), ShipDecision::Keepalive);
+    core.on_keepalive_sent(2, 5_000);
+    assert_eq!(core.poll_ship(2, 9_000), ShipDecision::Idle, "one probe at a time");
+    core.on_reply(2, ShipReply::Applied { applied: 0 }, 9_000).unwrap();
+    assert_eq!(core.progress(2).unwrap().mode, ShipMode::Push);
+}
+
+#[test]
+fn only_durable_records_are_offered_and_the_window_bounds_in_flight() {
+    let mut core = leader();
+    probe(&mut core, 2, 0, 1_000);
+    assert_eq!(core.poll_ship(2, 1_500), ShipDecision::Idle, "nothing durable yet and keepalive not due");
+    core.on_local_durable(10, 10, 1_000, 2_000);
+    assert_eq!(core.poll_ship(2, 2_000), ShipDecision::Send { from: 1, up_to: 10 });
+    core.on_sent(2, 1, 4, 2_000);
+    assert_eq!(core.poll_ship(2, 2_000), ShipDecision::Send { from: 5, up_to: 10 });
+    core.on_sent(2, 5, 10, 2_000);
+    core.on_local_durable(12, 12, 1_200, 2_100);
+    assert_eq!(core.poll_ship(2, 2_100), ShipDecision::Idle, "window of 2 is full");
+    core.on_reply(2, ShipReply::Applied { applied: 4 }, 2_200).unwrap();
+    assert_eq!(core.poll_ship(2, 2_200), ShipDecision::Send { from: 11, up_to: 12 });
+}
+
+#[test]
+fn early_shipping_sends_written_records_but_commits_only_what_the_leader_has_durable() {
+    let mut core = leader();
+    probe(&mut core, 2, 0, 0);
+    probe(&mut core, 3, 0, 0);
+    core.on_local_written(6);
+    assert_eq!(core.poll_ship(2, 100), ShipDecision::Send { from: 1, up_to: 6 }, "written records go out");
+    core.on_sent(2, 1, 6, 100);
+    assert_eq!(core.poll_ship(3, 100), ShipDecision::Send { from: 1, up_to: 6 });
+    core.on_sent(3, 1, 6, 100);
+    // Both followers have them durable before the leader does: nothing
+    // commits, since the leader's own copy could still be lost.
+    core.on_reply(2, ShipReply::Applied { applied: 6 }, 200).unwrap();
+    core.on_reply(3, ShipReply::Applied { applied: 6 }, 200).unwrap();
+    assert_eq!(core.commit(), 0, "commit never passes the leader's durable position");
+    assert_eq!(core.all_durable(), 0);
+    // The followers' acks are kept: the leader's fsync alone commits.
+    core.on_local_durable(4, 4, 400, 300);
+    assert_eq!(core.commit(), 4);
+    core.on_local_durable(6, 6, 600, 400);
+    assert_eq!((core.commit(), core.all_durable()), (6, 6));
+}
+
+#[test]
+fn with_a_segment_in_flight_only_what_the_wal_is_committing_is_shipped() {
+    let mut core = leader();
+    probe(&mut core, 2, 0, 0);
+    // Nothing in flight: everything written goes at once.
+    core.on_local_written(2);
+    assert_eq!(core.poll_ship(2, 100), ShipDecision::Send { from: 1, up_to: 2 });
+    core.on_sent(2, 1, 2, 100);
+    // One in flight: appends arriving one by one wait for the group
+    // commit that takes them, then go out together.
+    core.on_local_written(3);
+    core.on_local_written(4);
+    core.on_local_written(5);
+    assert_eq!(core.poll_ship(2, 110), ShipDecision::Idle, "3..=5 are not being committed yet");
+    core.on_local_flushing(5);
+    assert_eq!(core.poll_ship(2, 120), ShipDecision::Send { from: 3, up_to: 5 }, "one segment per group commit");
+    core.on_sent(2, 3, 5, 120);
+    // Flushing never lets the leader ship past what it has written, and
+    // once nothing is in flight the written records go at once again.
+    core.on_local_written(7);
+    core.on_local_flushing(9);
+    assert_eq!(core.flushing(), 7);
+    core.on_reply(2, ShipReply::Applied { applied: 2 }, 130).unwrap();
+    assert_eq!(core.poll_ship(2, 140), ShipDecision::Send { from: 6, up_to: 7 });
+    core.on_sent(2, 6, 7, 140);
+    core.on_reply(2, ShipReply::Applied { applied: 5 }, 150).unwrap();
+    core.on_reply(2, ShipReply::Applied { applied: 7 }, 160).unwrap();
+    core.on_local_written(8);
+    assert_eq!(core.poll_ship(2, 170), ShipDecision::Send { from: 8, up_to: 8 }, "idle again: no waiting");
+}
+
+#[test]
+fn a_follower_ack_past_the_leaders_log_is_not_counted() {
+    let mut core = leader();
+    probe(&mut core, 2, 0, 0);
+    core.on_local_written(3);
+    core.on_local_durable(3, 3, 300, 10);
+    // A follower claiming more than this leader ever wrote (a suffix of
+    // an older leader's) gets credit only for what the leader holds.
+    core.on_reply(2, ShipReply::Applied { applied: 9 }, 20).unwrap();
+    assert_eq!(core.progress(2).unwrap().acked, 3);
+    assert_eq!(core.commit(), 3);
+}
+
+#[test]
+fn commit_stays_within_the_leaders_durable_position_at_every_step() {
+    // A deterministic walk over interleavings of written, durable and
+    // replies: commit <= durable <= written after every event.
+    let mut state = 0x2545_f491_4f6c_dd1du64;
+    let mut next = || {
+        state ^= state << 13;
+        state ^= state >> 7;
+        state ^= state << 17;
+        state
+    };
+    for _ in 0..200 {
+        let mut core = leader();
+        probe(&mut core, 2, 0, 0);
+        probe(&mut core, 3, 0, 0);
+        let (mut written, mut durable) = (0u64, 0u64);
+        for step in 0..100u64 {
+            match next() % 4 {
+                0 => {
+                    written += 1 + next() % 5;
+                    core.on_local_written(written);
+                }
+                1 => {
+                    durable += (written - durable).min(next() % 4);
+                    core.on_local_durable(durable, durable, durable * 100, step);
+                }
+                r => {
+                    let f = r as NodeId; // 2 or 3
+                    if let ShipDecision::Send { from, up_to } = core.poll_ship(f, step) {
+                        core.on_sent(f, from, up_to, step);
+                        let applied = from + next() % (up_to - from + 1);
+                        core.on_reply(f, ShipReply::Applied { applied }, step).unwrap();
+                    }
+                }
+            }
+            assert!(core.commit() <= durable, "commit {} past durable {durable}", core.commit());
+            assert!(core.durable() <= core.written());
+            assert!(core.all_durable() <= durable);
+        }
+    }
+}
+
+#[test]
+fn commit_is_the_majority_durable_position() {
+    let mut core = leader();
+    probe(&mut core, 2, 0, 0);
+    probe(&mut core, 3, 0, 0);
+    assert!(!core.on_local_durable(10, 10, 100, 1));
+    assert_eq!(core.commit(), 0, "leader alone is not a majority of 3");
+    assert!(core.on_reply(2, ShipReply::Applied { applied: 7 }, 2).unwrap());
+    assert_eq!(core.commit(), 7);
+    assert_eq!(core.all_durable(), 0);
+    assert!(core.on_reply(3, ShipReply::Applied { applied: 10 }, 3).unwrap());
+    assert_eq!(core.commit(), 10);
+    assert_eq!(core.all_durable(), 7);
+    // A late, smaller reply never moves commit back.
+    core.on_keepalive_sent(2, 4);
+    assert!(!core.on_reply(2, ShipReply::Applied { applied: 3 }, 4).unwrap());
+    assert_eq!((core.commit(), core.progress(2).unwrap().acked), (10, 7));
+}
+
+#[test]
+fn a_follower_cannot_ack_past_the_leaders_durable_position() {
+    let mut core = leader();
+    core.on_local_durable(5, 5, 50, 0);
+    probe(&mut core, 2, 9, 0);
+    assert_eq!(core.progress(2).unwrap().acked, 5);
+    assert_eq!(core.commit(), 5);
+}
+
+#[test]
+fn single_replica_commits_on_local_durability() {
+    let mut core = LeaderCore::new(start(1, 0, 1, 0), &[], SETTINGS, 0);
+    assert!(core.on_local_durable(3, 3, 30, 0));
+    assert_eq!((core.commit(), core.all_durable()), (3, 3));
+}
+
+#[test]
+fn gap_rewinds_and_failure_probes() {
+    let mut core = leader();
+    probe(&mut core, 2, 0, 0);
+    core.on_local_durable(20, 20, 200, 1);
+    core.on_sent(2, 1, 10, 1);
+    core.on_sent(2, 11, 20, 1);
+    core.on_reply(2, ShipReply::Gap { applied: 0 }, 2).unwrap();
+    assert_eq!(core.progress(2).unwrap().next, 1, "rewound to the follower's frontier");
+    core.on_reply(2, ShipReply::Failed, 3).unwrap();
+    let p = core.progress(2).unwrap();
+    assert_eq!((p.mode, p.in_flight, p.next), (ShipMode::Probe, 0, 1));
+    assert_eq!(core.poll_ship(2, 3), ShipDecision::Idle, "keepalive interval not passed since the last send");
+    assert_eq!(core.poll_ship(2, 1_001), ShipDecision::Keepalive);
+}
+
+#[test]
+fn a_newer_epoch_deposes_the_leader() {
+    let mut core = leader();
+    core.on_keepalive_sent(2, 0);
+    assert_eq!(core.on_reply(2, ShipReply::StaleEpoch { epoch: 6 }, 1), Err(6));
+    core.on_keepalive_sent(3, 0);
+    assert_eq!(core.on_reply(3, ShipReply::StaleEpoch { epoch: 5 }, 1), Ok(false));
+}
+
+#[test]
+fn far_behind_follower_is_switched_to_catch_up_and_back() {
+    let mut core = leader();
+    core.on_local_durable(1_000, 1_000, 100_000, 0);
+    // 100 B a record: 1,000 records behind = 100 KB > 10 KB threshold.
+    probe(&mut core, 2, 0, 10);
+    assert_eq!(core.progress(2).unwrap().mode, ShipMode::CatchUp);
+    assert_eq!(core.poll_ship(2, 20), ShipDecision::Idle);
+    assert_eq!(core.poll_ship(2, 2_000), ShipDecision::Keepalive, "catch-up gets nudges, no pushes");
+    core.on_keepalive_sent(2, 2_000);
+    // It pulled most of it: 96 records (9.6 KB) behind is not yet below 5 KB.
+    core.on_reply(2, ShipReply::Applied { applied: 904 }, 2_100).unwrap();
+    assert_eq!(core.progress(2).unwrap().mode, ShipMode::CatchUp);
+    core.on_keepalive_sent(2, 3_200);
+    core.on_reply(2, ShipReply::Applied { applied: 990 }, 3_300).unwrap();
+    let p = core.progress(2).unwrap();
+    assert_eq!((p.mode, p.next), (ShipMode::Push, 991));
+    assert_eq!(core.poll_ship(2, 3_300), ShipDecision::Send { from: 991, up_to: 1_000 });
+}
+
+#[test]
+fn slow_pushed_follower_falls_back_to_catch_up() {
+    let mut core = leader();
+    probe(&mut core, 2, 0, 0);
+    core.on_local_durable(10, 10, 1_000, 1);
+    core.on_sent(2, 1, 10, 1);
+    core.on_local_durable(1_000, 1_000, 100_000, 2);
+    core.on_reply(2, ShipReply::Applied { applied: 10 }, 3).unwrap();
+    assert_eq!(core.progress(2).unwrap().mode, ShipMode::CatchUp);
+}
+
+#[test]
+fn lag_in_records_bytes_and_seconds() {
+    let mut core = leader();
+    probe(&mut core, 2, 0, 0);
+    probe(&mut core, 3, 0, 0);
+    core.on_local_durable(10, 10, 1_000, 1_000_000);
+    core.on_local_durable(20, 20, 2_000, 2_000_000);
+    core.on_reply(3, ShipReply::Applied { applied: 20 }, 2_000_000).unwrap();
+    core.on_keepalive_sent(2, 2_000_000);
+    core.on_reply(2, ShipReply::Applied { applied: 10 }, 2_500_000).unwrap();
+    let lag = core.lag(2, 4_000_000).unwrap();
+    assert_eq!((lag.records, lag.bytes), (10, 1_000));
+    // Record 11 became durable at t=2 s; now is 4 s.
+    assert!((lag.flush_seconds - 2.0).abs() < 1e-9, "{lag:?}");
+    assert_eq!(lag.write_seconds, lag.apply_seconds);
+    // Caught up: zero, not stale, however long ago the last write was.
+    let caught_up = core.lag(3, 60_000_000).unwrap();
+    assert_eq!((caught_up.records, caught_up.bytes, caught_up.flush_seconds), (0, 0, 0.0));
+}
+
+#[test]
+fn retention_holds_for_followers_up_to_the_hard_bound() {
+    let mut core = leader();
+    probe(&mut core, 2, 0, 0);
+    probe(&mut core, 3, 0, 0);
+    core.on_local_durable(1_000, 1_000, 100_000, 1);
+    core.on_reply(3, ShipReply::Applied { applied: 1_000 }, 2).unwrap();
+    core.on_keepalive_sent(2, 2);
+    core.on_reply(2, ShipReply::Applied { applied: 600 }, 2).unwrap();
+    // Readers keep 10 KB (100 records); follower 2 needs 601.. : held.
+    assert_eq!(core.plan_retention(10_000, 100_000), RetentionPlan { compact_to: Some(601), reseed: vec![] });
+    // Hard bound 20 KB (200 records): discard to 801, follower 2 needs re-seed.
+    let plan = core.plan_retention(10_000, 20_000);
+    assert_eq!(plan, RetentionPlan { compact_to: Some(801), reseed: vec![2] });
+    core.mark_reseed(&plan.reseed);
+    core.on_compacted(801);
+    assert_eq!(core.progress(2).unwrap().mode, ShipMode::NeedsReseed);
+    // A re-seed follower no longer holds retention back.
+    assert_eq!(core.plan_retention(10_000, 20_000).compact_to, Some(901));
+    // Its replies, and its silence, keep it in NeedsReseed while it
+    // lacks compacted records.
+    core.on_keepalive_sent(2, 3);
+    core.on_reply(2, ShipReply::Applied { applied: 600 }, 3).unwrap();
+    assert_eq!(core.progress(2).unwrap().mode, ShipMode::NeedsReseed);
+    core.on_keepalive_sent(2, 4);
+    core.on_reply(2, ShipReply::Failed, 4).unwrap();
+    assert_eq!(core.progress(2).unwrap().mode, ShipMode::NeedsReseed);
+}
+
+#[test]
+fn older_epoch_records_on_a_majority_commit_without_a_record_of_this_epoch() {
+    // Promoted at epoch 4 holding 1..=9 from earlier epochs; an earlier
+    // leader had announced commit 6. Every follower reply of this
+    // session comes from a replica whose log epoch is 4 (see the module
+    // docs), so counting commits the older records at once: a restarted
+    // cluster serves what it acknowledged without a new append.
+    let mut core = LeaderCore::new(start(4, 9, 10, 6), &[2, 3], SETTINGS, 0);
+    assert_eq!(core.commit(), 6, "starts at the handed-over floor");
+    probe(&mut core, 2, 7, 1);
+    assert_eq!(core.commit(), 7, "7 is durable on the leader and node 2");
+    probe(&mut core, 3, 9, 2);
+    assert_eq!(core.commit(), 9, "9 is durable on all three");
+    core.on_local_durable(10, 10, 1_000, 3);
+    assert_eq!(core.commit(), 9, "10 is on the leader alone");
+}
+
+#[test]
+fn older_epoch_records_held_by_a_minority_stay_uncommitted() {
+    let mut core = LeaderCore::new(start(4, 9, 10, 0), &[2, 3, 4, 5], SETTINGS, 0);
+    probe(&mut core, 2, 9, 1);
+    assert_eq!(core.commit(), 0, "two of five is no majority");
+    probe(&mut core, 3, 5, 2);
+    assert_eq!(core.commit(), 5, "three of five hold 1..=5");
+}
+
+fn leased(followers: &[NodeId]) -> LeaderCore {
+    let settings = LeaderSettings { lease_us: Some(1_000), ..SETTINGS };
+    LeaderCore::new(start(5, 0, 1, 0), followers, settings, 10_000)
+}
+
+#[test]
+fn a_new_leader_holds_the_lease_from_its_start() {
+    let core = leased(&[2, 3]);
+    assert!(core.lease_holds(10_999));
+    assert!(!core.lease_holds(11_000), "nobody answered within the lease");
+}
+
+#[test]
+fn the_lease_needs_a_majority_of_recent_positive_replies() {
+    let mut core = leased(&[2, 3, 4, 5]);
+    probe(&mut core, 2, 0, 20_000);
+    assert!(!core.lease_holds(20_001), "the leader and one follower of five are no majority");
+    probe(&mut core, 3, 0, 20_500);
+    assert!(core.lease_holds(20_999), "three of five answered within the lease");
+    assert!(!core.lease_holds(21_000), "the older of the two needed replies is past the lease");
+    // Refusals and failures renew nothing.
+    assert_eq!(core.poll_ship(4, 21_000), ShipDecision::Keepalive);
+    core.on_keepalive_sent(4, 21_000);
+    core.on_reply(4, ShipReply::Failed, 21_100).unwrap();
+    assert!(!core.lease_holds(21_200));
+}
+
+#[test]
+fn a_coordinator_confirmation_renews_the_lease() {
+    let mut core = leased(&[2, 3]);
+    assert!(!core.lease_holds(30_000));
+    core.on_coordinator_confirmed(29_500);
+    assert!(core.lease_holds(30_000));
+    assert!(!core.lease_holds(30_500), "measured from when the heartbeat left");
+    core.on_coordinator_confirmed(100);
+    assert!(core.lease_holds(30_400), "an older confirmation never shortens it");
+}
+
+#[test]
+fn a_static_leader_or_a_lone_replica_has_no_lease_bound() {
+    let core = LeaderCore::new(start(1, 0, 1, 0), &[2, 3], SETTINGS, 0);
+    assert_eq!(core.lease_until(), None);
+    assert!(core.lease_holds(u64::MAX));
+    assert_eq!(leased(&[]).lease_until(), None, "alone it is its own majority");
+}
+
+#[test]
+fn commit_floor_never_passes_the_leaders_log() {
+    assert_eq!(LeaderCore::new(start(2, 5, 6, 99), &[2], SETTINGS, 0).commit(), 5);
+}
+
+#[test]
+fn retention_without_data_does_nothing() {
+    assert_eq!(leader().plan_retention(0, 0), RetentionPlan::default());
+}
