@@ -2,16 +2,20 @@
 //!
 //! * [`config`]: the cluster configuration (nodes, shards, replica sets,
 //!   replication tuning).
-//! * [`core`]: the pure replica state machines (leader progress, commit,
-//!   lag, retention; follower segment classification), unit-tested by
-//!   feeding events and asserting decisions.
-//! * [`replica`]: the async shell — per-shard leader drivers and shippers,
-//!   the follower apply path and catch-up, retention, heartbeats.
-//! * [`server`]: the `WalShipping` gRPC service.
+//! * [`core`]: the pure state machines: a replica's role and epoch rules,
+//!   a leader's shipping progress, commit, lease, lag and retention, a
+//!   follower's segment classification; unit-tested by feeding events and
+//!   asserting decisions.
+//! * [`replica`]: the async shell that performs what the core decides,
+//!   split by direction and lifecycle (leadership, send, receive, catch-up,
+//!   retention, status), with one error type mapped to gRPC in one place.
+//! * [`server`]: the `WalShipping` and `Control` gRPC services.
 //! * [`log_service`]: `walship.v1.Log`, the client API a node serves.
+//! * [`control`]: the coordinator: the leadership KV (a file or NATS), lease,
+//!   failure detection, failover and drills.
 //!
-//! Leadership is static (from the cluster config) until the failover issue
-//! adds the coordinator; the epoch already fences every message.
+//! The epoch fences every message; leadership is static (from the cluster
+//! config) without a coordinator and the coordinator's to move with one.
 
 pub mod config;
 pub mod control;
