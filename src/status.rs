@@ -59,6 +59,7 @@ pub async fn run(args: StatusArgs) -> Result<()> {
         "role",
         "alive",
         "disk",
+        "wal",
         "last",
         "durable",
         "commit",
@@ -77,6 +78,10 @@ pub async fn run(args: StatusArgs) -> Result<()> {
                 cell(&replica["role"]),
                 if replica["alive"] == true { "yes".into() } else { "NO".into() },
                 if replica["disk_full"] == true { "FULL".into() } else { "ok".into() },
+                match replica["corrupt_from_seqno"].as_u64() {
+                    Some(seqno) => format!("CORRUPT from {seqno}"),
+                    None => "ok".into(),
+                },
                 cell(&replica["last_seqno"]),
                 cell(&replica["durable_seqno"]),
                 cell(&replica["commit_seqno"]),

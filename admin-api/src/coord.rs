@@ -142,6 +142,7 @@ fn shard_view(
                 lag_bytes: leader_hb.as_ref().and_then(|l| l.replication_lag_bytes.get(&node).copied()),
                 lag_seconds: leader_hb.as_ref().and_then(|l| l.replication_lag_seconds.get(&node).copied()),
                 disk_full: hb.as_ref().is_some_and(|h| h.disk_full),
+                corrupt_from_seqno: hb.as_ref().map(|h| h.corrupt_from_seqno).filter(|&s| s > 0),
             }
         })
         .collect();

@@ -136,4 +136,9 @@ pub struct ReplicaView {
     /// (`wal.min_free_bytes`): it refuses appends and does not lead.
     #[serde(default)]
     pub disk_full: bool,
+    /// The first seqno of its log its last heartbeat reports as corrupt
+    /// (never served; a follower refetches it, a leader hands over to an
+    /// intact replica); none when intact.
+    #[serde(default)]
+    pub corrupt_from_seqno: Option<u64>,
 }
