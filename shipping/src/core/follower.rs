@@ -97,8 +97,31 @@ pub fn check_envelope(
     Ok(())
 }
 
+/// Where a follower's retention pass compacts its log to: keep about
+/// `retain_bytes` of durable records (estimated from `average_frame_bytes`),
+/// never anything past `durable`; none when there is nothing to discard or
+/// no size known yet.
+pub fn compact_to(first: u64, durable: u64, average_frame_bytes: u64, retain_bytes: u64) -> Option<u64> {
+    if average_frame_bytes == 0 {
+        return None;
+    }
+    let keep = retain_bytes / average_frame_bytes;
+    let to = (durable + 1).saturating_sub(keep);
+    (to > first).then_some(to)
+}
+
 #[cfg(test)]
 mod tests {
+    #[test]
+    fn a_follower_keeps_its_retain_bytes_of_durable_records() {
+        // 100-byte frames, 1,000 bytes to keep: the newest 10 durable ones.
+        assert_eq!(compact_to(1, 50, 100, 1_000), Some(41));
+        assert_eq!(compact_to(41, 50, 100, 1_000), None, "already there");
+        assert_eq!(compact_to(1, 5, 100, 1_000), None, "less than the budget");
+        assert_eq!(compact_to(1, 50, 0, 1_000), None, "no size known yet");
+        assert_eq!(compact_to(1, 50, 100, 0), Some(51), "nothing to keep: up to the durable end, never past it");
+    }
+
     use super::*;
 
     const VIEW: FollowerView = FollowerView { epoch_seen: 3, next_expected: 11, durable: 10 };

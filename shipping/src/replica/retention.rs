@@ -33,10 +33,8 @@ impl ReplicationNode {
                     let (Ok(p), Ok(c)) = (self.wal.positions(replica.shard), self.wal.counters(replica.shard)) else {
                         continue;
                     };
-                    let avg = c.bytes.checked_div(c.records).unwrap_or(0);
-                    let keep = r.retain_bytes.checked_div(avg).unwrap_or(u64::MAX);
-                    let to = (p.durable_seqno + 1).saturating_sub(keep);
-                    (avg > 0 && to > p.first_seqno).then_some(to)
+                    let average = c.bytes.checked_div(c.records).unwrap_or(0);
+                    crate::core::follower::compact_to(p.first_seqno, p.durable_seqno, average, r.retain_bytes)
                 }
             };
             if let Some(to) = compact_to {
