@@ -185,7 +185,7 @@ impl LogService {
         let replica = self.replica(shard)?;
         let view = replica.view();
         match view.role {
-            Role::Leader => Ok((replica, view.epoch)),
+            Role::Leader => Ok((replica, view.epoch.0)),
             Role::Follower { leader } => {
                 let leader = self.node.describe(leader);
                 let mut status = Status::failed_precondition(format!(

@@ -14,3 +14,35 @@
 pub mod follower;
 pub mod leader;
 pub mod replica;
+
+use std::fmt;
+
+/// A leadership term of one shard: raised by every change of leader, it
+/// fences everything older. A newtype where it crosses from the shell into
+/// the rules, so it is never confused with a seqno or a node id.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash, Default)]
+pub struct Epoch(pub u64);
+
+/// A position in one shard's log: seqnos start at 1, are contiguous and are
+/// never reused.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash, Default)]
+pub struct Seqno(pub u64);
+
+impl fmt::Display for Epoch {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        self.0.fmt(f)
+    }
+}
+
+impl fmt::Display for Seqno {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        self.0.fmt(f)
+    }
+}
+
+impl Seqno {
+    /// The seqno before this one (0 before the first).
+    pub fn prev(self) -> Seqno {
+        Seqno(self.0.saturating_sub(1))
+    }
+}

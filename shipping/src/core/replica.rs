@@ -27,6 +27,7 @@
 //!   fails over when an intact caught-up replica exists) and keeps serving
 //!   what is below the damage.
 
+use super::{Epoch, Seqno};
 use crate::NodeId;
 
 /// A replica's role in its shard.
@@ -54,33 +55,33 @@ impl Role {
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct View {
     pub role: Role,
-    pub epoch: u64,
+    pub epoch: Epoch,
 }
 
 /// What the shell must do, in order.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Command {
     /// Record the promise of `epoch` durably (refuse older ones from now on).
-    PersistEpoch(u64),
+    PersistEpoch(Epoch),
     /// Stop leading: the leadership's tasks end, appends waiting on it give
     /// up with an unknown outcome.
     StopLeading,
     /// Wait for everything queued to the WAL to be durable, then lead
     /// `epoch` and report it with [`ReplicaCore::started_leading`].
-    StartLeading { epoch: u64 },
+    StartLeading { epoch: Epoch },
     /// Reconcile with and pull from the leader of the current view, unless
     /// a catch-up already runs.
     CatchUp,
     /// Remove every record after `keep_through` (a corrupt tail found in
     /// this follower's own log), then catch up to refetch it.
-    Truncate { keep_through: u64 },
+    Truncate { keep_through: Seqno },
 }
 
 /// Why an event was refused; nothing changed.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, thiserror::Error)]
 pub enum Refusal {
     #[error("epoch {epoch} is older than epoch {seen} already seen")]
-    StaleEpoch { epoch: u64, seen: u64 },
+    StaleEpoch { epoch: Epoch, seen: Epoch },
     #[error("node {node} holds no replica of this shard")]
     NotAReplica { node: NodeId },
     /// A shipment from a node outside the replica set (or from itself).
@@ -90,7 +91,7 @@ pub enum Refusal {
         "this node restarted in epoch {epoch}, which it may have led before; it leads only in a newer epoch \
          (a failover raises it)"
     )]
-    RestartedEpoch { epoch: u64 },
+    RestartedEpoch { epoch: Epoch },
     #[error("this node is the leader, not a follower")]
     NotFollower,
     #[error("segment from node {from} but the leader is node {leader}")]
@@ -98,7 +99,7 @@ pub enum Refusal {
     #[error("this replica is paused (drill)")]
     Paused,
     #[error("reconciling with the leader of epoch {epoch} before applying its segments")]
-    Reconciling { epoch: u64 },
+    Reconciling { epoch: Epoch },
     #[error("this node leads the shard: pause a follower")]
     LeaderCannotPause,
     #[error("the disk of this node is full")]
@@ -146,20 +147,20 @@ pub struct ReplicaCore {
     coordinated: bool,
     view: View,
     /// The newest epoch promised (persisted before it is acted on).
-    promised: u64,
+    promised: Epoch,
     /// The epoch promised when the process started (see the module docs).
-    restarted_in: u64,
+    restarted_in: Epoch,
     /// The epoch whose leader this log has been reconciled with.
-    repaired: u64,
+    repaired: Epoch,
     paused: bool,
     disk_full: bool,
     /// The first seqno of this replica's log known to be corrupt.
-    corrupt_from: Option<u64>,
+    corrupt_from: Option<Seqno>,
 }
 
 impl ReplicaCore {
     /// A replica that starts unassigned, having promised `promised` before.
-    pub fn new(me: NodeId, replicas: Vec<NodeId>, coordinated: bool, promised: u64) -> ReplicaCore {
+    pub fn new(me: NodeId, replicas: Vec<NodeId>, coordinated: bool, promised: Epoch) -> ReplicaCore {
         ReplicaCore {
             me,
             replicas,
@@ -167,7 +168,7 @@ impl ReplicaCore {
             view: View { role: Role::Unassigned, epoch: promised },
             promised,
             restarted_in: promised,
-            repaired: 0,
+            repaired: Epoch(0),
             paused: false,
             disk_full: false,
             corrupt_from: None,
@@ -178,7 +179,7 @@ impl ReplicaCore {
         self.view
     }
 
-    pub fn promised(&self) -> u64 {
+    pub fn promised(&self) -> Epoch {
         self.promised
     }
 
@@ -190,7 +191,7 @@ impl ReplicaCore {
         self.disk_full
     }
 
-    pub fn corrupt_from(&self) -> Option<u64> {
+    pub fn corrupt_from(&self) -> Option<Seqno> {
         self.corrupt_from
     }
 
@@ -198,29 +199,29 @@ impl ReplicaCore {
     /// the one it restarted in before it may lead; heartbeats say so, and
     /// the coordinator raises the epoch instead of re-assigning it.
     pub fn needs_new_epoch(&self) -> bool {
-        self.coordinated && self.restarted_in > 0 && self.promised == self.restarted_in
+        self.coordinated && self.restarted_in > Epoch(0) && self.promised == self.restarted_in
     }
 
     /// Whether this log is reconciled with the leader of `epoch`.
-    pub fn is_repaired_for(&self, epoch: u64) -> bool {
+    pub fn is_repaired_for(&self, epoch: Epoch) -> bool {
         self.repaired >= epoch
     }
 
     /// The leader a catch-up should pull from, and its epoch: none unless
     /// following and not paused.
-    pub fn catch_up_source(&self) -> Option<(NodeId, u64)> {
+    pub fn catch_up_source(&self) -> Option<(NodeId, Epoch)> {
         match self.view.role {
             Role::Follower { leader } if !self.paused => Some((leader, self.view.epoch)),
             _ => None,
         }
     }
 
-    fn check_epoch(&self, epoch: u64) -> Result<(), Refusal> {
+    fn check_epoch(&self, epoch: Epoch) -> Result<(), Refusal> {
         if epoch < self.promised { Err(Refusal::StaleEpoch { epoch, seen: self.promised }) } else { Ok(()) }
     }
 
     /// Raises the promise to `epoch` if it is newer.
-    fn promise(&mut self, epoch: u64, commands: &mut Vec<Command>) {
+    fn promise(&mut self, epoch: Epoch, commands: &mut Vec<Command>) {
         if epoch > self.promised {
             self.promised = epoch;
             commands.push(Command::PersistEpoch(epoch));
@@ -234,7 +235,7 @@ impl ReplicaCore {
 
     /// The coordinator fences at `epoch`: refuse anything older from now on,
     /// and stop leading unless leading a newer epoch.
-    pub fn fence(&mut self, epoch: u64) -> Result<Vec<Command>, Refusal> {
+    pub fn fence(&mut self, epoch: Epoch) -> Result<Vec<Command>, Refusal> {
         self.check_epoch(epoch)?;
         let mut commands = Vec::new();
         self.promise(epoch, &mut commands);
@@ -247,7 +248,7 @@ impl ReplicaCore {
 
     /// Lead `epoch` (when `leader` is this node) or follow `leader` in it.
     /// Idempotent for the current view.
-    pub fn assign(&mut self, epoch: u64, leader: NodeId) -> Result<Vec<Command>, Refusal> {
+    pub fn assign(&mut self, epoch: Epoch, leader: NodeId) -> Result<Vec<Command>, Refusal> {
         if !self.replicas.contains(&leader) {
             return Err(Refusal::NotAReplica { node: leader });
         }
@@ -269,7 +270,7 @@ impl ReplicaCore {
 
     /// Moves to `wanted` in `epoch`: promise, stop leading, then lead or
     /// follow. A leader's view changes once the shell reports it leads.
-    fn take(&mut self, epoch: u64, wanted: Role) -> Vec<Command> {
+    fn take(&mut self, epoch: Epoch, wanted: Role) -> Vec<Command> {
         let mut commands = Vec::new();
         self.promise(epoch, &mut commands);
         self.stop_leading(&mut commands);
@@ -287,7 +288,7 @@ impl ReplicaCore {
     }
 
     /// The shell leads `epoch` now (its leader state is in place).
-    pub fn started_leading(&mut self, epoch: u64) {
+    pub fn started_leading(&mut self, epoch: Epoch) {
         if epoch == self.promised {
             self.view = View { role: Role::Leader, epoch };
         }
@@ -297,7 +298,7 @@ impl ReplicaCore {
     /// reaches the role gate: refuse it, or follow a leader this replica had
     /// not been told about (epochs are unique per leader), then admit it
     /// once this log is reconciled with that leader.
-    pub fn inbound(&mut self, epoch: u64, from: NodeId) -> Admission {
+    pub fn inbound(&mut self, epoch: Epoch, from: NodeId) -> Admission {
         let refuse = |refusal| Admission { commands: Vec::new(), outcome: Err(refusal) };
         if let Err(refusal) = self.check_epoch(epoch) {
             return refuse(refusal);
@@ -332,7 +333,7 @@ impl ReplicaCore {
     }
 
     /// A follower answered this leader with a newer epoch: it was deposed.
-    pub fn deposed(&mut self, epoch: u64) -> Vec<Command> {
+    pub fn deposed(&mut self, epoch: Epoch) -> Vec<Command> {
         if self.view.epoch >= epoch {
             return Vec::new();
         }
@@ -345,7 +346,7 @@ impl ReplicaCore {
 
     /// The shell reconciled this log with the leader of `epoch` (and
     /// recorded that epoch as the log's).
-    pub fn repaired(&mut self, epoch: u64) {
+    pub fn repaired(&mut self, epoch: Epoch) {
         self.repaired = self.repaired.max(epoch);
     }
 
@@ -375,11 +376,11 @@ impl ReplicaCore {
     /// its checksum. A follower drops the damaged tail and refetches it; a
     /// leader keeps serving below the damage and reports it (see the module
     /// docs).
-    pub fn corruption_found(&mut self, first_bad: u64) -> Vec<Command> {
+    pub fn corruption_found(&mut self, first_bad: Seqno) -> Vec<Command> {
         let first_bad = self.corrupt_from.map_or(first_bad, |known| known.min(first_bad));
         self.corrupt_from = Some(first_bad);
         match self.view.role {
-            Role::Follower { .. } => vec![Command::Truncate { keep_through: first_bad - 1 }, Command::CatchUp],
+            Role::Follower { .. } => vec![Command::Truncate { keep_through: first_bad.prev() }, Command::CatchUp],
             Role::Leader | Role::Unassigned => Vec::new(),
         }
     }

@@ -2,20 +2,21 @@
 //! [`ReplicaCore`] and asserts the commands or the refusal.
 
 use super::*;
+use crate::core::{Epoch, Seqno};
 
 const ME: NodeId = 1;
 
 /// A coordinated replica on node 1 of {1, 2, 3} that restarted having
 /// promised `promised`.
 fn replica(promised: u64) -> ReplicaCore {
-    ReplicaCore::new(ME, vec![1, 2, 3], true, promised)
+    ReplicaCore::new(ME, vec![1, 2, 3], true, Epoch(promised))
 }
 
 /// A replica following node 2 in `epoch`, reconciled with it.
 fn following(epoch: u64) -> ReplicaCore {
     let mut r = replica(0);
-    r.assign(epoch, 2).unwrap();
-    r.repaired(epoch);
+    r.assign(Epoch(epoch), 2).unwrap();
+    r.repaired(Epoch(epoch));
     r
 }
 
@@ -23,193 +24,196 @@ fn following(epoch: u64) -> ReplicaCore {
 fn leading(epoch: u64) -> ReplicaCore {
     let mut r = replica(0);
     assert_eq!(
-        r.assign(epoch, ME).unwrap(),
-        vec![Command::PersistEpoch(epoch), Command::StopLeading, Command::StartLeading { epoch }]
+        r.assign(Epoch(epoch), ME).unwrap(),
+        vec![Command::PersistEpoch(Epoch(epoch)), Command::StopLeading, Command::StartLeading { epoch: Epoch(epoch) }]
     );
-    r.started_leading(epoch);
+    r.started_leading(Epoch(epoch));
     r
 }
 
 #[test]
 fn a_restarted_replica_waits_unassigned_in_its_promised_epoch() {
     let r = replica(4);
-    assert_eq!(r.view(), View { role: Role::Unassigned, epoch: 4 });
-    assert_eq!(r.promised(), 4);
+    assert_eq!(r.view(), View { role: Role::Unassigned, epoch: Epoch(4) });
+    assert_eq!(r.promised(), Epoch(4));
     assert!(r.needs_new_epoch());
     assert!(!replica(0).needs_new_epoch(), "a fresh replica led nothing");
-    assert!(!ReplicaCore::new(ME, vec![1, 2, 3], false, 4).needs_new_epoch(), "static clusters never move");
+    assert!(!ReplicaCore::new(ME, vec![1, 2, 3], false, Epoch(4)).needs_new_epoch(), "static clusters never move");
 }
 
 #[test]
 fn fence_promises_the_epoch_first_and_stops_leading() {
     let mut r = leading(3);
-    assert_eq!(r.fence(5).unwrap(), vec![Command::PersistEpoch(5), Command::StopLeading]);
-    assert_eq!(r.view(), View { role: Role::Unassigned, epoch: 5 });
-    assert_eq!(r.promised(), 5);
+    assert_eq!(r.fence(Epoch(5)).unwrap(), vec![Command::PersistEpoch(Epoch(5)), Command::StopLeading]);
+    assert_eq!(r.view(), View { role: Role::Unassigned, epoch: Epoch(5) });
+    assert_eq!(r.promised(), Epoch(5));
 }
 
 #[test]
 fn fence_at_the_leading_epoch_stops_leading_without_a_new_promise() {
     let mut r = leading(3);
-    assert_eq!(r.fence(3).unwrap(), vec![Command::StopLeading]);
+    assert_eq!(r.fence(Epoch(3)).unwrap(), vec![Command::StopLeading]);
     assert_eq!(r.view().role, Role::Unassigned);
 }
 
 #[test]
 fn fence_at_a_followers_current_epoch_changes_nothing() {
     let mut r = following(3);
-    assert_eq!(r.fence(3).unwrap(), vec![]);
-    assert_eq!(r.view(), View { role: Role::Follower { leader: 2 }, epoch: 3 });
+    assert_eq!(r.fence(Epoch(3)).unwrap(), vec![]);
+    assert_eq!(r.view(), View { role: Role::Follower { leader: 2 }, epoch: Epoch(3) });
 }
 
 #[test]
 fn an_older_fence_assign_or_shipment_is_refused_and_changes_nothing() {
     let mut r = following(5);
     let before = r.clone().view();
-    assert_eq!(r.fence(4), Err(Refusal::StaleEpoch { epoch: 4, seen: 5 }));
-    assert_eq!(r.assign(4, 3), Err(Refusal::StaleEpoch { epoch: 4, seen: 5 }));
-    assert_eq!(r.inbound(4, 2).outcome, Err(Refusal::StaleEpoch { epoch: 4, seen: 5 }));
+    assert_eq!(r.fence(Epoch(4)), Err(Refusal::StaleEpoch { epoch: Epoch(4), seen: Epoch(5) }));
+    assert_eq!(r.assign(Epoch(4), 3), Err(Refusal::StaleEpoch { epoch: Epoch(4), seen: Epoch(5) }));
+    assert_eq!(r.inbound(Epoch(4), 2).outcome, Err(Refusal::StaleEpoch { epoch: Epoch(4), seen: Epoch(5) }));
     assert_eq!(r.view(), before);
-    assert_eq!(r.promised(), 5);
+    assert_eq!(r.promised(), Epoch(5));
 }
 
 #[test]
 fn assign_to_a_node_outside_the_replica_set_is_refused() {
     let mut r = replica(0);
-    assert_eq!(r.assign(2, 9), Err(Refusal::NotAReplica { node: 9 }));
-    assert_eq!(r.promised(), 0, "nothing promised");
+    assert_eq!(r.assign(Epoch(2), 9), Err(Refusal::NotAReplica { node: 9 }));
+    assert_eq!(r.promised(), Epoch(0), "nothing promised");
 }
 
 #[test]
 fn assign_is_idempotent_for_the_current_view() {
     let mut r = following(3);
-    assert_eq!(r.assign(3, 2).unwrap(), vec![]);
+    assert_eq!(r.assign(Epoch(3), 2).unwrap(), vec![]);
     let mut l = leading(3);
-    assert_eq!(l.assign(3, ME).unwrap(), vec![]);
+    assert_eq!(l.assign(Epoch(3), ME).unwrap(), vec![]);
 }
 
 #[test]
 fn a_leader_is_a_leader_only_once_the_shell_says_it_leads() {
     let mut r = replica(0);
-    r.assign(2, ME).unwrap();
+    r.assign(Epoch(2), ME).unwrap();
     assert_eq!(r.view().role, Role::Unassigned, "not yet: its leader state is not in place");
-    r.started_leading(1);
+    r.started_leading(Epoch(1));
     assert_eq!(r.view().role, Role::Unassigned, "a stale report changes nothing");
-    r.started_leading(2);
-    assert_eq!(r.view(), View { role: Role::Leader, epoch: 2 });
+    r.started_leading(Epoch(2));
+    assert_eq!(r.view(), View { role: Role::Leader, epoch: Epoch(2) });
 }
 
 #[test]
 fn a_report_of_leading_after_a_newer_promise_is_ignored() {
     let mut r = replica(0);
-    r.assign(2, ME).unwrap();
-    r.fence(3).unwrap();
-    r.started_leading(2);
-    assert_eq!(r.view(), View { role: Role::Unassigned, epoch: 3 });
+    r.assign(Epoch(2), ME).unwrap();
+    r.fence(Epoch(3)).unwrap();
+    r.started_leading(Epoch(2));
+    assert_eq!(r.view(), View { role: Role::Unassigned, epoch: Epoch(3) });
 }
 
 #[test]
 fn following_starts_a_catch_up() {
     let mut r = replica(0);
-    assert_eq!(r.assign(2, 3).unwrap(), vec![Command::PersistEpoch(2), Command::StopLeading, Command::CatchUp]);
-    assert_eq!(r.view(), View { role: Role::Follower { leader: 3 }, epoch: 2 });
-    assert_eq!(r.catch_up_source(), Some((3, 2)));
+    assert_eq!(
+        r.assign(Epoch(2), 3).unwrap(),
+        vec![Command::PersistEpoch(Epoch(2)), Command::StopLeading, Command::CatchUp]
+    );
+    assert_eq!(r.view(), View { role: Role::Follower { leader: 3 }, epoch: Epoch(2) });
+    assert_eq!(r.catch_up_source(), Some((3, Epoch(2))));
 }
 
 #[test]
 fn under_a_coordinator_a_replica_never_leads_the_epoch_it_restarted_in() {
     let mut r = replica(4);
-    assert_eq!(r.assign(4, ME), Err(Refusal::RestartedEpoch { epoch: 4 }));
+    assert_eq!(r.assign(Epoch(4), ME), Err(Refusal::RestartedEpoch { epoch: Epoch(4) }));
     assert_eq!(r.view().role, Role::Unassigned);
-    assert_eq!(r.assign(4, 2).unwrap().last(), Some(&Command::CatchUp), "it may follow in it");
+    assert_eq!(r.assign(Epoch(4), 2).unwrap().last(), Some(&Command::CatchUp), "it may follow in it");
     assert!(r.needs_new_epoch());
-    assert!(r.assign(5, ME).is_ok(), "a newer epoch is fine");
+    assert!(r.assign(Epoch(5), ME).is_ok(), "a newer epoch is fine");
     assert!(!r.needs_new_epoch());
 }
 
 #[test]
 fn a_static_replica_leads_the_epoch_it_restarted_in() {
-    let mut r = ReplicaCore::new(ME, vec![1, 2, 3], false, 1);
-    assert!(r.assign(1, ME).is_ok());
+    let mut r = ReplicaCore::new(ME, vec![1, 2, 3], false, Epoch(1));
+    assert!(r.assign(Epoch(1), ME).is_ok());
 }
 
 #[test]
 fn a_shipment_in_the_followed_epoch_is_admitted_once_reconciled() {
     let mut r = following(3);
-    assert_eq!(r.inbound(3, 2), Admission { commands: vec![], outcome: Ok(()) });
+    assert_eq!(r.inbound(Epoch(3), 2), Admission { commands: vec![], outcome: Ok(()) });
 }
 
 #[test]
 fn a_shipment_before_reconciling_is_refused_as_retryable_and_asks_for_a_catch_up() {
     let mut r = replica(0);
-    r.assign(3, 2).unwrap();
-    let a = r.inbound(3, 2);
+    r.assign(Epoch(3), 2).unwrap();
+    let a = r.inbound(Epoch(3), 2);
     assert_eq!(a.commands, vec![Command::CatchUp]);
-    assert_eq!(a.outcome, Err(Refusal::Reconciling { epoch: 3 }));
-    assert!(Refusal::Reconciling { epoch: 3 }.retryable());
-    r.repaired(3);
-    assert_eq!(r.inbound(3, 2).outcome, Ok(()));
+    assert_eq!(a.outcome, Err(Refusal::Reconciling { epoch: Epoch(3) }));
+    assert!(Refusal::Reconciling { epoch: Epoch(3) }.retryable());
+    r.repaired(Epoch(3));
+    assert_eq!(r.inbound(Epoch(3), 2).outcome, Ok(()));
 }
 
 #[test]
 fn a_shipment_from_another_node_in_the_followed_epoch_is_refused() {
     let mut r = following(3);
-    assert_eq!(r.inbound(3, 3).outcome, Err(Refusal::WrongLeader { from: 3, leader: 2 }));
+    assert_eq!(r.inbound(Epoch(3), 3).outcome, Err(Refusal::WrongLeader { from: 3, leader: 2 }));
     assert_eq!(r.view().role, Role::Follower { leader: 2 });
 }
 
 #[test]
 fn a_leader_refuses_shipments_of_its_own_or_an_older_epoch() {
     let mut r = leading(3);
-    assert_eq!(r.inbound(3, 2).outcome, Err(Refusal::NotFollower));
+    assert_eq!(r.inbound(Epoch(3), 2).outcome, Err(Refusal::NotFollower));
     assert_eq!(r.view().role, Role::Leader);
 }
 
 #[test]
 fn a_shipment_from_a_newer_leader_is_followed_then_reconciled() {
     let mut r = leading(3);
-    let a = r.inbound(4, 2);
-    assert_eq!(a.commands, vec![Command::PersistEpoch(4), Command::StopLeading, Command::CatchUp]);
-    assert_eq!(a.outcome, Err(Refusal::Reconciling { epoch: 4 }));
-    assert_eq!(r.view(), View { role: Role::Follower { leader: 2 }, epoch: 4 });
+    let a = r.inbound(Epoch(4), 2);
+    assert_eq!(a.commands, vec![Command::PersistEpoch(Epoch(4)), Command::StopLeading, Command::CatchUp]);
+    assert_eq!(a.outcome, Err(Refusal::Reconciling { epoch: Epoch(4) }));
+    assert_eq!(r.view(), View { role: Role::Follower { leader: 2 }, epoch: Epoch(4) });
 }
 
 #[test]
 fn a_fenced_replica_follows_the_leader_of_the_epoch_it_was_fenced_at() {
     let mut r = following(3);
-    r.fence(4).unwrap();
-    r.repaired(4);
-    let a = r.inbound(4, 3);
+    r.fence(Epoch(4)).unwrap();
+    r.repaired(Epoch(4));
+    let a = r.inbound(Epoch(4), 3);
     assert_eq!(a.commands, vec![Command::StopLeading, Command::CatchUp]);
     assert_eq!(a.outcome, Ok(()));
-    assert_eq!(r.view(), View { role: Role::Follower { leader: 3 }, epoch: 4 });
+    assert_eq!(r.view(), View { role: Role::Follower { leader: 3 }, epoch: Epoch(4) });
 }
 
 #[test]
 fn a_shipment_from_outside_the_replica_set_or_from_itself_is_refused() {
     let mut r = replica(0);
-    assert_eq!(r.inbound(2, 9).outcome, Err(Refusal::ForeignLeader { node: 9 }));
-    assert_eq!(r.inbound(2, ME).outcome, Err(Refusal::ForeignLeader { node: ME }));
-    assert_eq!(r.promised(), 0);
+    assert_eq!(r.inbound(Epoch(2), 9).outcome, Err(Refusal::ForeignLeader { node: 9 }));
+    assert_eq!(r.inbound(Epoch(2), ME).outcome, Err(Refusal::ForeignLeader { node: ME }));
+    assert_eq!(r.promised(), Epoch(0));
 }
 
 #[test]
 fn a_newer_epoch_in_a_reply_deposes_the_leader_once() {
     let mut r = leading(3);
-    assert_eq!(r.deposed(5), vec![Command::PersistEpoch(5), Command::StopLeading]);
-    assert_eq!(r.view(), View { role: Role::Unassigned, epoch: 5 });
-    assert_eq!(r.deposed(5), vec![], "already there");
-    assert_eq!(r.deposed(4), vec![], "older news");
+    assert_eq!(r.deposed(Epoch(5)), vec![Command::PersistEpoch(Epoch(5)), Command::StopLeading]);
+    assert_eq!(r.view(), View { role: Role::Unassigned, epoch: Epoch(5) });
+    assert_eq!(r.deposed(Epoch(5)), vec![], "already there");
+    assert_eq!(r.deposed(Epoch(4)), vec![], "older news");
 }
 
 #[test]
 fn a_paused_follower_refuses_shipments_and_a_leader_cannot_be_paused() {
     let mut r = following(3);
     assert_eq!(r.pause(true).unwrap(), vec![]);
-    assert_eq!(r.inbound(3, 2).outcome, Err(Refusal::Paused));
+    assert_eq!(r.inbound(Epoch(3), 2).outcome, Err(Refusal::Paused));
     assert_eq!(r.catch_up_source(), None);
     assert_eq!(r.pause(false).unwrap(), vec![Command::CatchUp]);
-    assert_eq!(r.inbound(3, 2).outcome, Ok(()));
+    assert_eq!(r.inbound(Epoch(3), 2).outcome, Ok(()));
     assert_eq!(leading(3).pause(true), Err(Refusal::LeaderCannotPause));
 }
 
@@ -217,13 +221,13 @@ fn a_paused_follower_refuses_shipments_and_a_leader_cannot_be_paused() {
 fn a_full_disk_refuses_leadership_and_shipments_until_room_returns() {
     let mut r = following(3);
     assert_eq!(r.disk(true), vec![]);
-    assert_eq!(r.inbound(3, 2).outcome, Err(Refusal::DiskFull));
+    assert_eq!(r.inbound(Epoch(3), 2).outcome, Err(Refusal::DiskFull));
     assert!(Refusal::DiskFull.retryable());
-    assert_eq!(r.assign(4, ME), Err(Refusal::DiskFull));
-    assert_eq!(r.promised(), 3, "a refused assignment promises nothing");
+    assert_eq!(r.assign(Epoch(4), ME), Err(Refusal::DiskFull));
+    assert_eq!(r.promised(), Epoch(3), "a refused assignment promises nothing");
     assert_eq!(r.disk(false), vec![Command::CatchUp]);
-    assert_eq!(r.inbound(3, 2).outcome, Ok(()));
-    assert!(r.assign(4, ME).is_ok());
+    assert_eq!(r.inbound(Epoch(3), 2).outcome, Ok(()));
+    assert!(r.assign(Epoch(4), ME).is_ok());
 }
 
 #[test]
@@ -237,11 +241,11 @@ fn a_full_disk_leaves_a_leader_leading_until_the_coordinator_moves_it() {
 #[test]
 fn a_follower_truncates_a_corrupt_tail_and_refetches_it() {
     let mut r = following(3);
-    assert_eq!(r.corruption_found(40), vec![Command::Truncate { keep_through: 39 }, Command::CatchUp]);
-    assert_eq!(r.corrupt_from(), Some(40));
+    assert_eq!(r.corruption_found(Seqno(40)), vec![Command::Truncate { keep_through: Seqno(39) }, Command::CatchUp]);
+    assert_eq!(r.corrupt_from(), Some(Seqno(40)));
     assert_eq!(
-        r.corruption_found(55),
-        vec![Command::Truncate { keep_through: 39 }, Command::CatchUp],
+        r.corruption_found(Seqno(55)),
+        vec![Command::Truncate { keep_through: Seqno(39) }, Command::CatchUp],
         "the first damage rules"
     );
     r.corruption_repaired();
@@ -251,12 +255,12 @@ fn a_follower_truncates_a_corrupt_tail_and_refetches_it() {
 #[test]
 fn a_leader_keeps_a_corrupt_log_and_reports_it() {
     let mut r = leading(3);
-    assert_eq!(r.corruption_found(7), vec![]);
-    assert_eq!(r.corrupt_from(), Some(7));
+    assert_eq!(r.corruption_found(Seqno(7)), vec![]);
+    assert_eq!(r.corrupt_from(), Some(Seqno(7)));
     assert_eq!(r.view().role, Role::Leader);
     // Once moved to follower, the damage is truncated and refetched.
-    assert_eq!(r.fence(4).unwrap(), vec![Command::PersistEpoch(4), Command::StopLeading]);
-    assert_eq!(r.corruption_found(7), vec![]);
-    r.assign(4, 2).unwrap();
-    assert_eq!(r.corruption_found(7), vec![Command::Truncate { keep_through: 6 }, Command::CatchUp]);
+    assert_eq!(r.fence(Epoch(4)).unwrap(), vec![Command::PersistEpoch(Epoch(4)), Command::StopLeading]);
+    assert_eq!(r.corruption_found(Seqno(7)), vec![]);
+    r.assign(Epoch(4), 2).unwrap();
+    assert_eq!(r.corruption_found(Seqno(7)), vec![Command::Truncate { keep_through: Seqno(6) }, Command::CatchUp]);
 }

@@ -17,6 +17,7 @@ use walship_wal::Segment;
 use super::shard::ShardReplica;
 use super::{ReplicaError, ReplicationNode, Source};
 use crate::NodeId;
+use crate::core::{Epoch, Seqno};
 
 /// Catch-up chunks queued to the WAL before the oldest must be durable.
 const CATCHUP_PIPELINE: usize = 4;
@@ -138,7 +139,7 @@ impl ReplicationNode {
             let mut backoff = Duration::from_millis(20);
             while let Some((leader, epoch)) = ReplicationNode::following(&replica) {
                 let attempt = async {
-                    if !replica.rules.lock().is_repaired_for(epoch) {
+                    if !replica.rules.lock().is_repaired_for(Epoch(epoch)) {
                         node.repair(&replica, leader, epoch).await?;
                     }
                     node.catch_up_once(&replica, leader, epoch).await
@@ -203,7 +204,7 @@ impl ReplicationNode {
         // (what lets the leader commit older-epoch records by counting).
         self.wal.set_log_epoch(replica.shard, epoch).await?;
         replica.follower.next_expected.send_replace(last + 1);
-        replica.rules.lock().repaired(epoch);
+        replica.rules.lock().repaired(Epoch(epoch));
         Ok(())
     }
 
@@ -278,7 +279,7 @@ impl ReplicationNode {
                     continue;
                 };
                 let _transition = replica.transition.lock().await;
-                let commands = replica.rules.lock().corruption_found(first_bad);
+                let commands = replica.rules.lock().corruption_found(Seqno(first_bad));
                 if let Err(error) = self.perform(replica, commands, 0).await {
                     tracing::warn!(shard = replica.shard, %error, "repairing a corrupt tail");
                 }

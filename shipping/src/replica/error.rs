@@ -151,7 +151,7 @@ impl From<ReplicaError> for Status {
             ReplicaError::UnknownShard { .. } => Status::not_found(message),
             ReplicaError::Refused { refusal, .. } => match refusal {
                 Refusal::StaleEpoch { seen, .. } => {
-                    with_metadata(Status::failed_precondition(message), EPOCH_METADATA_KEY, seen)
+                    with_metadata(Status::failed_precondition(message), EPOCH_METADATA_KEY, seen.0)
                 }
                 Refusal::NotAReplica { .. } => Status::invalid_argument(message),
                 Refusal::Paused | Refusal::Reconciling { .. } => Status::unavailable(message),
@@ -185,6 +185,7 @@ impl From<ReplicaError> for Status {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::core::Epoch;
 
     fn refused(refusal: Refusal) -> Status {
         ReplicaError::Refused { shard: 4, node: 2, refusal }.into()
@@ -192,7 +193,7 @@ mod tests {
 
     #[test]
     fn a_stale_epoch_names_the_newest_epoch_in_metadata() {
-        let status = refused(Refusal::StaleEpoch { epoch: 3, seen: 7 });
+        let status = refused(Refusal::StaleEpoch { epoch: Epoch(3), seen: Epoch(7) });
         assert_eq!(status.code(), tonic::Code::FailedPrecondition);
         assert_eq!(metadata_u64(&status, EPOCH_METADATA_KEY), Some(7));
         assert_eq!(status.message(), "shard 4: epoch 3 is older than epoch 7 already seen");
@@ -207,7 +208,7 @@ mod tests {
 
     #[test]
     fn waits_are_retryable_and_not_counted_as_refusals() {
-        for refusal in [Refusal::Paused, Refusal::Reconciling { epoch: 2 }] {
+        for refusal in [Refusal::Paused, Refusal::Reconciling { epoch: Epoch(2) }] {
             let error = ReplicaError::Refused { shard: 1, node: 1, refusal };
             assert!(error.retryable());
             assert_eq!(error.reason(), None);
@@ -225,7 +226,7 @@ mod tests {
         let cases = [
             (Refusal::NotAReplica { node: 9 }, Code::InvalidArgument, "bad_request"),
             (Refusal::ForeignLeader { node: 9 }, Code::FailedPrecondition, "wrong_leader"),
-            (Refusal::RestartedEpoch { epoch: 3 }, Code::FailedPrecondition, "restarted_epoch"),
+            (Refusal::RestartedEpoch { epoch: Epoch(3) }, Code::FailedPrecondition, "restarted_epoch"),
             (Refusal::NotFollower, Code::FailedPrecondition, "not_follower"),
             (Refusal::WrongLeader { from: 3, leader: 2 }, Code::FailedPrecondition, "wrong_leader"),
             (Refusal::LeaderCannotPause, Code::FailedPrecondition, "bad_request"),

@@ -20,6 +20,7 @@ use walship_wal::ShardId;
 use super::shard::LeaderState;
 use super::{ReplicaError, ReplicationNode, ShardReplica, now_us};
 use crate::NodeId;
+use crate::core::Epoch;
 use crate::core::leader::{LeaderCore, LeaderStart};
 use crate::core::replica::{Command, Refusal, Role};
 
@@ -57,20 +58,20 @@ impl ReplicationNode {
     ) -> Result<(), ReplicaError> {
         for command in commands {
             match command {
-                Command::PersistEpoch(epoch) => self.wal.set_epoch(replica.shard, epoch).await?,
+                Command::PersistEpoch(epoch) => self.wal.set_epoch(replica.shard, epoch.0).await?,
                 Command::StopLeading => replica.stop_leading(),
                 Command::StartLeading { epoch } => {
                     self.settle(replica).await?;
-                    self.become_leader(replica, epoch, commit_floor).await?;
+                    self.become_leader(replica, epoch.0, commit_floor).await?;
                 }
                 Command::CatchUp => {
                     replica.follower.last_contact_us.store(now_us(), std::sync::atomic::Ordering::Release);
                     if let Some((leader, epoch)) = replica.rules.lock().catch_up_source() {
-                        tracing::debug!(shard = replica.shard, epoch, leader, "catching up");
+                        tracing::debug!(shard = replica.shard, epoch = epoch.0, leader, "catching up");
                     }
                     self.start_catchup(replica.clone());
                 }
-                Command::Truncate { keep_through } => self.truncate_corrupt(replica, keep_through).await?,
+                Command::Truncate { keep_through } => self.truncate_corrupt(replica, keep_through.0).await?,
             }
         }
         Ok(())
@@ -123,7 +124,7 @@ impl ReplicationNode {
     pub async fn fence(self: &Arc<Self>, shard: ShardId, epoch: u64) -> Result<FenceResponse, ReplicaError> {
         let replica = self.replica_or_not_found(shard).map_err(|e| self.counted(e))?;
         let transition = replica.transition.lock().await;
-        let decided = replica.rules.lock().fence(epoch);
+        let decided = replica.rules.lock().fence(Epoch(epoch));
         let commands = decided.map_err(|r| self.counted(self.refused(&replica, r)))?;
         self.perform(&replica, commands, 0).await?;
         drop(transition);
@@ -154,7 +155,7 @@ impl ReplicationNode {
         let replica = self.replica_or_not_found(shard)?;
         let transition = replica.transition.lock().await;
         let mut commands = self.sync_disk(&replica);
-        let decided = replica.rules.lock().assign(epoch, leader);
+        let decided = replica.rules.lock().assign(Epoch(epoch), leader);
         commands.extend(decided.map_err(|r| self.refused(&replica, r))?);
         if let Some(Command::CatchUp) = commands.last() {
             tracing::info!(shard, epoch, leader, "following");
@@ -196,13 +197,13 @@ impl ReplicationNode {
         });
         {
             let mut rules = replica.rules.lock();
-            if rules.promised() != epoch {
+            if rules.promised() != Epoch(epoch) {
                 tracing::info!(shard = replica.shard, epoch, "not leading: a newer epoch was promised meanwhile");
                 return Ok(());
             }
             replica.publish_leader(&state.core.lock(), &self.metrics);
             *replica.leader.lock() = Some(state.clone());
-            rules.started_leading(epoch);
+            rules.started_leading(Epoch(epoch));
         }
         tokio::spawn(self.clone().run_leader_driver(replica.clone(), state.clone()));
         for follower in followers {
@@ -215,7 +216,7 @@ impl ReplicationNode {
     /// A follower answered with a newer epoch: this leader was deposed.
     pub(crate) async fn step_down(self: Arc<Self>, replica: Arc<ShardReplica>, epoch: u64) {
         let _transition = replica.transition.lock().await;
-        let commands = replica.rules.lock().deposed(epoch);
+        let commands = replica.rules.lock().deposed(Epoch(epoch));
         if commands.is_empty() {
             return;
         }
@@ -261,7 +262,7 @@ impl ReplicationNode {
     pub(crate) fn following(replica: &ShardReplica) -> Option<(NodeId, u64)> {
         let rules = replica.rules.lock();
         match rules.view().role {
-            Role::Follower { .. } => rules.catch_up_source(),
+            Role::Follower { .. } => rules.catch_up_source().map(|(leader, epoch)| (leader, epoch.0)),
             _ => None,
         }
     }

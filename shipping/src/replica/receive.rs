@@ -19,6 +19,7 @@ use walship_wal::{Segment, ShardId};
 
 use super::shard::ShardReplica;
 use super::{ReplicaError, ReplicationNode, Source, now_us};
+use crate::core::Epoch;
 use crate::core::follower::{FollowerView, Inbound, InboundSegment, check_envelope, classify};
 
 /// A segment queued to the WAL, resolving when it is durable.
@@ -114,9 +115,10 @@ impl ReplicationNode {
             FollowerView { epoch_seen: replica.epoch_seen(), next_expected: *follower.next_expected.borrow(), durable };
         let pending = match classify(view, inbound) {
             Inbound::StaleEpoch { seen } => {
-                return Err(
-                    self.refused(&replica, crate::core::replica::Refusal::StaleEpoch { epoch: request.epoch, seen })
-                );
+                return Err(self.refused(
+                    &replica,
+                    crate::core::replica::Refusal::StaleEpoch { epoch: Epoch(request.epoch), seen: Epoch(seen) },
+                ));
             }
             Inbound::Gap { expected } => {
                 drop(guard);
@@ -187,7 +189,7 @@ impl ReplicationNode {
         from: crate::NodeId,
     ) -> Result<(), ReplicaError> {
         let mut commands = self.sync_disk(replica);
-        let admission = replica.rules.lock().inbound(epoch, from);
+        let admission = replica.rules.lock().inbound(Epoch(epoch), from);
         commands.extend(admission.commands);
         if !commands.is_empty() {
             let _transition = replica.transition.lock().await;

@@ -23,6 +23,7 @@ use walship_wal::ShardId;
 
 use crate::NodeId;
 use crate::config::ShardSpec;
+use crate::core::Epoch;
 use crate::core::leader::LeaderCore;
 use crate::core::replica::{ReplicaCore, Role, View};
 use crate::metrics::ReplicationMetrics;
@@ -83,7 +84,7 @@ impl ShardReplica {
         ShardReplica {
             shard: spec.id,
             replicas: spec.replicas.clone(),
-            rules: Mutex::new(ReplicaCore::new(me, spec.replicas.clone(), coordinated, promised)),
+            rules: Mutex::new(ReplicaCore::new(me, spec.replicas.clone(), coordinated, Epoch(promised))),
             readable: watch::Sender::new(0),
             all_durable: watch::Sender::new(0),
             generation: watch::Sender::new(0),
@@ -116,7 +117,7 @@ impl ShardReplica {
 
     /// The newest epoch promised (refuses anything older).
     pub fn epoch_seen(&self) -> u64 {
-        self.rules.lock().promised()
+        self.rules.lock().promised().0
     }
 
     /// The leader as this replica knows it.

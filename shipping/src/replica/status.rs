@@ -132,7 +132,7 @@ impl ReplicationNode {
                 ReplicaStatus {
                     shard_id: replica.shard,
                     role: role.into(),
-                    epoch: view.epoch,
+                    epoch: view.epoch.0,
                     epoch_seen: replica.epoch_seen(),
                     leader: replica.leader_id(self.me),
                     replicas: replica.replicas.clone(),
@@ -239,7 +239,7 @@ impl ReplicationNode {
                     replication_lag_seconds: lag_seconds,
                     last_heartbeat_ns: now_us() * 1_000,
                     node_id: self.me,
-                    epoch: view.epoch,
+                    epoch: view.epoch.0,
                     last_seqno: p.last_seqno,
                     durable_seqno: p.durable_seqno,
                     commit_seqno: commit,
