@@ -1,4 +1,4 @@
-//! `walship drill failover|catchup`: start a drill on the coordinator's
+//! `walship drill failover|catchup|corruption`: start a drill on the coordinator's
 //! admin API, show its progress, print its report (JSON on stdout).
 
 use std::time::Duration;
@@ -68,6 +68,20 @@ pub enum DrillKind {
         #[arg(long, default_value_t = 4096)]
         record_bytes: usize,
     },
+    /// Dev and test clusters only (nodes started with --allow-crash-drills): under a light QUORUM load, make a replica damage its stored copy of one committed record; report detection and repair times, bytes refetched and records lost (must be 0).
+    Corruption {
+        #[arg(long)]
+        shard: u32,
+        /// Replica whose copy is damaged (default: the first follower).
+        #[arg(long)]
+        node: Option<u32>,
+        /// Allow damaging the leader's copy (the shard then fails over).
+        #[arg(long)]
+        allow_leader: bool,
+        /// Concurrent appenders of the light load.
+        #[arg(long, default_value_t = 2)]
+        clients: usize,
+    },
 }
 
 /// Starts a drill and waits for its report; returns the report.
@@ -108,6 +122,10 @@ pub async fn run(args: DrillArgs) -> Result<()> {
             "/v1/drills/catchup",
             serde_json::json!({"shard": shard, "follower": follower, "volume_bytes": volume_mib << 20, "record_bytes": record_bytes}),
         ),
+        DrillKind::Corruption { shard, node, allow_leader, clients } => (
+            "/v1/drills/corruption",
+            serde_json::json!({"shard": shard, "node": node, "allow_leader": allow_leader, "clients": clients}),
+        ),
     };
     let report = run_drill(&args.admin.resolve()?, path, body, false).await?;
     println!("{}", serde_json::to_string_pretty(&report)?);
@@ -118,6 +136,12 @@ pub async fn run(args: DrillArgs) -> Result<()> {
         || report["failover"]["divergent_replicas"].as_u64().is_some_and(|d| d > 0)
     {
         bail!("the drill found lost or divergent records");
+    }
+    let corruption = &report["corruption"];
+    if !corruption.is_null()
+        && (corruption["records_lost"].as_u64() != Some(0) || corruption["repaired"] != serde_json::Value::Bool(true))
+    {
+        bail!("the damaged replica did not repair itself, or records were lost");
     }
     Ok(())
 }

@@ -244,6 +244,7 @@ async fn a_node_starts_when_its_wal_file_cannot_be_zero_filled() {
             node_id: 1,
             shards: "1".into(),
             extra: Vec::new(),
+            stderr_log: None,
         }
     };
     let first_log = dir.path().join("wal/0000000000000001.raftlog");

@@ -1,7 +1,10 @@
 //! Drills on a live cluster (real node and coordinator processes): the
 //! failover drill crashes the leader under QUORUM load and must report a new
 //! leader, zero lost and zero divergent replicas; the catch-up drill pauses a
-//! follower and reports its catch-up. Drill endpoints need the token.
+//! follower and reports its catch-up; the corruption drill (through the
+//! CLI) has a follower damage a stored record and reports its detection and
+//! repair with nothing lost, and its node-side hook refuses bad input
+//! changing nothing. Drill endpoints need the token.
 
 mod common;
 
@@ -88,4 +91,153 @@ async fn catchup_drill_reports_rate_and_live_throughput() {
     let leader_last = cluster.status(1).await.unwrap()["shards"][0]["last_seqno"].as_u64().unwrap();
     let follower_durable = cluster.status(follower).await.unwrap()["shards"][0]["durable_seqno"].as_u64().unwrap();
     assert!(follower_durable >= leader_last - 1000, "follower {follower_durable} vs leader {leader_last}");
+}
+
+/// Runs `walship drill corruption` with `args` against coordinator 1;
+/// (exit success, stdout, stderr).
+async fn cli_corruption_drill(cluster: &mut Cluster, args: &[&str]) -> (bool, String, String) {
+    let admin = format!("http://{}", cluster.coordinator(1).admin);
+    let args: Vec<String> = args.iter().map(|a| a.to_string()).collect();
+    let output = tokio::task::spawn_blocking(move || {
+        std::process::Command::new(common::walship_bin())
+            .args(["drill", "corruption", "--admin", &admin, "--token", TOKEN])
+            .args(&args)
+            .output()
+            .expect("run walship drill corruption")
+    })
+    .await
+    .unwrap();
+    let text = |b: &[u8]| String::from_utf8_lossy(b).into_owned();
+    (output.status.success(), text(&output.stdout), text(&output.stderr))
+}
+
+/// The corruption drill through the CLI: a follower damages its copy of a
+/// committed record; the report says it was detected and repaired, bytes
+/// were refetched and no record was lost; refusals come back as errors.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn corruption_drill_reports_detection_repair_and_nothing_lost() {
+    let mut cluster = Cluster::start_with(3, 1, 1, FAST, None);
+    cluster.wait_node_leads(1, 1, Duration::from_secs(30)).await;
+    wait_until("the coordinator to record node 1 as leader", Duration::from_secs(30), || {
+        let ok = futures::executor::block_on(cluster.leader_of(1, 1)).is_some_and(|(l, _)| l == 1);
+        async move { ok }
+    })
+    .await;
+
+    let (ok, _, stderr) = cli_corruption_drill(&mut cluster, &["--shard", "99"]).await;
+    assert!(!ok && stderr.contains("404") && stderr.contains("unknown_shard"), "{stderr}");
+    let (ok, _, stderr) = cli_corruption_drill(&mut cluster, &["--shard", "1", "--node", "1"]).await;
+    assert!(!ok && stderr.contains("400") && stderr.contains("allow_leader"), "{stderr}");
+
+    let (ok, stdout, stderr) = cli_corruption_drill(&mut cluster, &["--shard", "1"]).await;
+    assert!(ok, "the drill failed: {stdout}\n{stderr}");
+    let report: serde_json::Value = serde_json::from_str(&stdout).expect("a JSON report on stdout");
+    assert_eq!((report["kind"].as_str(), report["state"].as_str()), (Some("corruption"), Some("done")), "{report}");
+    let c = &report["corruption"];
+    assert_eq!((c["node"].as_u64(), c["leader_before"].as_u64()), (Some(2), Some(1)), "the first follower: {c}");
+    assert_eq!(c["leader_after"], 1, "a damaged follower moves no leadership: {c}");
+    assert_eq!((c["detected"].as_bool(), c["repaired"].as_bool()), (Some(true), Some(true)), "{c}");
+    let seqno = c["seqno"].as_u64().unwrap();
+    assert!(c["first_bad_seqno"].as_u64().unwrap() <= seqno && seqno <= c["last_bad_seqno"].as_u64().unwrap());
+    assert!(c["file"].as_str().unwrap().ends_with(".raftlog"), "{c}");
+    assert!(c["acked"].as_u64().unwrap() > 0, "{c}");
+    assert!(c["bytes_refetched"].as_u64().unwrap() > 0, "{c}");
+    assert_eq!(c["records_lost"], 0, "{c}");
+    // The node's own view agrees: nothing known corrupt any more.
+    let status = cluster.status(2).await.unwrap();
+    let shard = status["shards"].as_array().unwrap().iter().find(|s| s["shard_id"] == 1).unwrap().clone();
+    assert_eq!(shard["corruption"], serde_json::json!([]), "{shard}");
+    eprintln!(
+        "corruption drill: seqno {seqno}, detection {} ms, repair {} ms, {} bytes refetched, {} acked, {} lost",
+        c["detection_ms"], c["repair_ms"], c["bytes_refetched"], c["acked"], c["records_lost"]
+    );
+}
+
+/// The WAL files' bytes under a node's data dir, to show nothing changed.
+fn wal_bytes(data_dir: &std::path::Path) -> Vec<(std::path::PathBuf, Vec<u8>)> {
+    let mut files: Vec<_> = std::fs::read_dir(data_dir.join("wal"))
+        .unwrap()
+        .map(|e| e.unwrap().path())
+        .filter(|p| p.extension().is_some_and(|e| e == "raftlog"))
+        .map(|p| {
+            let bytes = std::fs::read(&p).unwrap();
+            (p, bytes)
+        })
+        .collect();
+    files.sort();
+    files
+}
+
+/// `Control.DamageRecord` refuses, changing nothing: on a node without
+/// `--allow-crash-drills` (PERMISSION_DENIED), for a seqno it does not hold
+/// (OUT_OF_RANGE, naming it and what it holds) and an unknown shard
+/// (NOT_FOUND).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn damage_record_refuses_bad_input_and_changes_nothing() {
+    use walship_proto::log::control_client::ControlClient;
+    use walship_proto::log::{AppendRecord, AppendRequest, DamageRecordRequest, Durability};
+
+    async fn fill(node: &common::NodeProcess) {
+        let mut log = node.client().await;
+        for i in 0..20 {
+            let payload = bytes::Bytes::from(format!("damage-input-{i:04}-").repeat(8));
+            let request = AppendRequest {
+                shard_id: 1,
+                records: vec![AppendRecord { key: bytes::Bytes::new(), payload }],
+                durability: Durability::Local as i32,
+            };
+            log.append(request).await.unwrap();
+        }
+    }
+    async fn control(node: &common::NodeProcess) -> ControlClient<tonic::transport::Channel> {
+        let endpoint = tonic::transport::Endpoint::from_shared(format!("http://{}", node.grpc)).unwrap();
+        ControlClient::new(endpoint.connect().await.unwrap())
+    }
+    let damage = |shard_id, seqno| DamageRecordRequest { shard_id, seqno };
+
+    // Without --allow-crash-drills.
+    let dir = tempfile::tempdir().unwrap();
+    let node = common::NodeProcess::start(1, dir.path(), "1", &[]);
+    fill(&node).await;
+    let before = wal_bytes(dir.path());
+    let refused = control(&node).await.damage_record(damage(1, 10)).await;
+    common::assert_refused(
+        "damage without crash drills",
+        refused,
+        tonic::Code::PermissionDenied,
+        &["allow-crash-drills"],
+        &[],
+    );
+    assert!(before == wal_bytes(dir.path()), "a refused damage changed the WAL");
+    let records = common::read_all(&node.grpc, 1, 20).await;
+    assert_eq!(records.len(), 20);
+
+    // With it: records it does not hold, and a shard it does not host.
+    let mut cluster = Cluster::start_with(3, 1, 1, FAST, None);
+    cluster.wait_node_leads(1, 1, Duration::from_secs(30)).await;
+    fill(cluster.node(1)).await;
+    let data = cluster.node(1).data_dir.clone();
+    let before = wal_bytes(&data);
+    let mut c = control(cluster.node(1)).await;
+    for seqno in [0, 21, 1_000_000] {
+        let refused = c.damage_record(damage(1, seqno)).await;
+        common::assert_refused(
+            "damage outside the log",
+            refused,
+            tonic::Code::OutOfRange,
+            &["shard 1", "durable"],
+            &[seqno, 20],
+        );
+    }
+    common::assert_refused(
+        "damage of an unknown shard",
+        c.damage_record(damage(9, 1)).await,
+        tonic::Code::NotFound,
+        &["shard"],
+        &[9],
+    );
+    assert!(before == wal_bytes(&data), "a refused damage changed the WAL");
+    let status = cluster.status(1).await.unwrap();
+    assert_eq!(status["shards"][0]["corruption"], serde_json::json!([]));
+    assert_eq!(common::read_all(&cluster.node(1).grpc.clone(), 1, 20).await.len(), 20);
 }

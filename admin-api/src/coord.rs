@@ -15,7 +15,9 @@ use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
 use axum::{Json, Router};
 use prometheus::{Encoder, Registry, TextEncoder};
-use walship_shipping::control::drills::{CatchupDrillRequest, DrillReport, FailoverDrillRequest};
+use walship_shipping::control::drills::{
+    CatchupDrillRequest, CorruptionDrillRequest, DrillReport, FailoverDrillRequest,
+};
 use walship_shipping::control::{CoordError, Coordinator, FailoverOutcome, FailoverRequest};
 
 use crate::models::{ApiError, ClusterView, CoordinatorView, NodeView, ReplicaView, ShardView};
@@ -43,6 +45,7 @@ pub fn coord_router(admin: Arc<CoordAdmin>) -> Router {
         .route("/v1/drills/{id}", get(drill))
         .route("/v1/drills/failover", post(failover_drill))
         .route("/v1/drills/catchup", post(catchup_drill))
+        .route("/v1/drills/corruption", post(corruption_drill))
         .route("/v1/tasks", get(tasks))
         .route("/v1/tasks/{id}", get(task))
         .fallback(|| async { ApiError::new(StatusCode::NOT_FOUND, "not_found", "no such endpoint") })
@@ -416,6 +419,23 @@ async fn catchup_drill(
     body: Result<Json<CatchupDrillRequest>, JsonRejection>,
 ) -> Response {
     start_drill(&admin, who, &headers, body, Coordinator::start_catchup_drill)
+}
+
+/// Dev and test clusters only: the chosen node (started with
+/// `--allow-crash-drills`) damages its stored copy of one record on purpose.
+#[utoipa::path(post, path = "/v1/drills/corruption", tag = "drills", request_body = CorruptionDrillRequest,
+    security(("bearer" = [])), responses((status = 202, description = "started", body = DrillStarted),
+        (status = 400, description = "malformed body, or the leader without allow_leader", body = crate::models::ErrorBody), (status = 401, body = crate::models::ErrorBody), (status = 403, body = crate::models::ErrorBody),
+        (status = 404, description = "unknown shard", body = crate::models::ErrorBody), (status = 409, body = crate::models::ErrorBody), (status = 413, body = crate::models::ErrorBody),
+        (status = 415, description = "not application/json", body = crate::models::ErrorBody),
+        (status = 503, description = "not the active coordinator", body = crate::models::ErrorBody)))]
+async fn corruption_drill(
+    State(admin): State<Arc<CoordAdmin>>,
+    ConnectInfo(who): ConnectInfo<std::net::SocketAddr>,
+    headers: HeaderMap,
+    body: Result<Json<CorruptionDrillRequest>, JsonRejection>,
+) -> Response {
+    start_drill(&admin, who, &headers, body, Coordinator::start_corruption_drill)
 }
 
 #[utoipa::path(get, path = "/healthz", tag = "health", responses((status = 200, description = "the process is up", body = String)))]

@@ -24,8 +24,8 @@ use tokio_stream::wrappers::ReceiverStream;
 use tonic::{Request, Response, Status};
 use walship_proto::log::control_server::Control;
 use walship_proto::log::{
-    AssignRequest, AssignResponse, CrashRequest, CrashResponse, EpochEndRequest, EpochEndResponse, FenceRequest,
-    FenceResponse, PauseRequest, PauseResponse, PositionRequest,
+    AssignRequest, AssignResponse, CrashRequest, CrashResponse, DamageRecordRequest, DamageRecordResponse,
+    EpochEndRequest, EpochEndResponse, FenceRequest, FenceResponse, PauseRequest, PauseResponse, PositionRequest,
 };
 use walship_proto::replication::wal_shipping_server::WalShipping;
 use walship_proto::replication::{
@@ -185,5 +185,13 @@ impl Control for ControlService {
     async fn crash(&self, request: Request<CrashRequest>) -> Result<Response<CrashResponse>, Status> {
         self.node.crash(&request.into_inner().reason)?;
         Ok(Response::new(CrashResponse {}))
+    }
+
+    async fn damage_record(
+        &self,
+        request: Request<DamageRecordRequest>,
+    ) -> Result<Response<DamageRecordResponse>, Status> {
+        let r = request.into_inner();
+        self.node.damage_record(r.shard_id, r.seqno).await.map(Response::new).map_err(Status::from)
     }
 }

@@ -26,15 +26,36 @@ pub struct NodeProcess {
     pub shards: String,
     /// The extra flags it was started with; a restart passes them again.
     pub extra: Vec<String>,
+    /// The file its stderr is appended to (at INFO), if not inherited.
+    pub stderr_log: Option<PathBuf>,
 }
 
 /// Spawns a `walship` subcommand with piped stdout and returns the child
 /// with the `name=value` fields of its first ("listening") line.
 pub fn spawn_listening(command: &mut Command, what: &str) -> (Child, std::collections::HashMap<String, String>) {
+    spawn_listening_logged(command, what, None)
+}
+
+/// Like [`spawn_listening`]; with `stderr_log`, the child logs at INFO
+/// without colours, appending to that file (kept across restarts, so a test
+/// can read what every incarnation of a node said).
+pub fn spawn_listening_logged(
+    command: &mut Command,
+    what: &str,
+    stderr_log: Option<&Path>,
+) -> (Child, std::collections::HashMap<String, String>) {
+    let (level, stderr) = match stderr_log {
+        Some(path) => {
+            let file = std::fs::OpenOptions::new().create(true).append(true).open(path).expect("open the stderr log");
+            command.env("NO_COLOR", "1");
+            ("info,raft_engine=warn".to_string(), Stdio::from(file))
+        }
+        None => (std::env::var("WALSHIP_TEST_LOG").unwrap_or_else(|_| "warn".into()), Stdio::inherit()),
+    };
     let mut child = command
-        .env("WALSHIP_LOG", std::env::var("WALSHIP_TEST_LOG").unwrap_or_else(|_| "warn".into()))
+        .env("WALSHIP_LOG", level)
         .stdout(Stdio::piped())
-        .stderr(Stdio::inherit())
+        .stderr(stderr)
         .spawn()
         .unwrap_or_else(|e| panic!("spawn {what}: {e}"));
     let stdout = child.stdout.take().expect("piped stdout");
@@ -74,6 +95,7 @@ impl NodeProcess {
             node_id,
             shards: shards.to_string(),
             extra: extra.iter().map(|s| s.to_string()).collect(),
+            stderr_log: None,
         }
     }
 
@@ -227,6 +249,9 @@ pub struct ClusterSpec<'a> {
     /// Data dirs for some nodes, instead of `<cluster dir>/node-<id>` (a
     /// small file system of their own, say); kept across restarts.
     pub data_dirs: Vec<(u32, PathBuf)>,
+    /// Nodes whose stderr goes to a file (at INFO), kept across restarts,
+    /// instead of the test's own stderr.
+    pub stderr_logs: Vec<(u32, PathBuf)>,
 }
 
 impl Default for ClusterSpec<'_> {
@@ -241,6 +266,7 @@ impl Default for ClusterSpec<'_> {
             node_args: Vec::new(),
             node_env: Vec::new(),
             data_dirs: Vec::new(),
+            stderr_logs: Vec::new(),
         }
     }
 }
@@ -326,7 +352,8 @@ impl Cluster {
                 let env = spec.node_env.iter().find(|(n, _)| *n == id).map_or(&[][..], |(_, e)| &e[..]);
                 let data = spec.data_dirs.iter().find(|(n, _)| *n == id).map(|(_, d)| d.clone());
                 let data = data.unwrap_or_else(|| dir.path().join(format!("node-{id}")));
-                Self::spawn(&config_path, &data, id, extra, env)
+                let log = spec.stderr_logs.iter().find(|(n, _)| *n == id).map(|(_, l)| l.as_path());
+                Self::spawn(&config_path, &data, id, extra, env, log)
             })
             .collect();
         let mut cluster = Cluster { dir, config_path, nodes, coordinators: Vec::new(), nats: nats.map(str::to_string) };
@@ -391,9 +418,16 @@ impl Cluster {
         Some((v["leader"].as_u64()? as u32, v["epoch"].as_u64()?))
     }
 
-    fn spawn(config: &Path, data: &Path, id: u32, extra: &[String], env: &[(String, String)]) -> NodeProcess {
+    fn spawn(
+        config: &Path,
+        data: &Path,
+        id: u32,
+        extra: &[String],
+        env: &[(String, String)],
+        stderr_log: Option<&Path>,
+    ) -> NodeProcess {
         let data = data.to_path_buf();
-        let (child, fields) = spawn_listening(
+        let (child, fields) = spawn_listening_logged(
             Command::new(walship_bin())
                 .envs(env.iter().map(|(k, v)| (k, v)))
                 // No WAL file of zeros per test node (`wal.prefill`).
@@ -411,6 +445,7 @@ impl Cluster {
                 .arg(&data)
                 .args(extra),
             &format!("node {id}"),
+            stderr_log,
         );
         NodeProcess {
             grpc: fields["grpc"].clone(),
@@ -420,6 +455,7 @@ impl Cluster {
             node_id: id,
             shards: String::new(),
             extra: extra.to_vec(),
+            stderr_log: stderr_log.map(Path::to_path_buf),
         }
     }
 
@@ -430,8 +466,8 @@ impl Cluster {
     /// Restarts a (killed) node on its data dir and configured ports.
     pub fn restart(&mut self, id: u32) {
         self.node(id).kill9();
-        let data = self.node(id).data_dir.clone();
-        let node = Self::spawn(&self.config_path, &data, id, &[], &[]);
+        let (data, log) = (self.node(id).data_dir.clone(), self.node(id).stderr_log.clone());
+        let node = Self::spawn(&self.config_path, &data, id, &[], &[], log.as_deref());
         self.nodes[id as usize - 1] = node;
     }
 
@@ -439,8 +475,9 @@ impl Cluster {
     /// start ([`ClusterSpec::node_args`]).
     pub fn restart_with_args(&mut self, id: u32) {
         self.node(id).kill9();
-        let (data, extra) = (self.node(id).data_dir.clone(), self.node(id).extra.clone());
-        let node = Self::spawn(&self.config_path, &data, id, &extra, &[]);
+        let (data, extra, log) =
+            (self.node(id).data_dir.clone(), self.node(id).extra.clone(), self.node(id).stderr_log.clone());
+        let node = Self::spawn(&self.config_path, &data, id, &extra, &[], log.as_deref());
         self.nodes[id as usize - 1] = node;
     }
 

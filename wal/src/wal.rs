@@ -672,6 +672,35 @@ impl Wal {
         .map_err(|_| WalError::Closed)
     }
 
+    /// The store file holding record `seqno` of `shard`, if the store keeps
+    /// files and can tell (reads the store's metadata, on a blocking thread).
+    pub async fn locate(&self, shard: ShardId, seqno: u64) -> Option<std::path::PathBuf> {
+        let shared = self.shared.clone();
+        tokio::task::spawn_blocking(move || shared.store.locate(shard, seqno)).await.ok().flatten()
+    }
+
+    /// Verifies `[from, to]` of `shard` against the store itself, never the
+    /// in-memory tail cache (which holds intact copies of the newest
+    /// records even when their stored bytes are damaged), recording damage
+    /// as found by a scrub. For drills and checks of one range; the
+    /// background scrubber covers the whole log.
+    pub async fn verify_range(&self, shard: ShardId, from: u64, to: u64) -> WalResult<()> {
+        let shared = self.shared.clone();
+        let what = move || format!("verifying shard {shard} [{from}, {to}]");
+        tokio::task::spawn_blocking(move || {
+            fatal_on_panic(what, || {
+                let read = shared.store.read(shard, from, to, usize::MAX).map(|_| ());
+                if let Err(e) = &read {
+                    shared.corruption.record_error(e, Detection::Scrub, shared.store.location());
+                }
+                read
+            })
+        })
+        .await
+        .map_err(|_| WalError::Closed)?
+        .map_err(|e| fatal_if(&what(), e).into())
+    }
+
     /// Graceful shutdown: waits until everything sequenced is durable, then
     /// records a clean shutdown in the store, so the next start skips the
     /// tail check. Nothing is sequenced after it: later appends wait

@@ -61,6 +61,9 @@ pub enum ReplicaError {
     NoSpace(String),
     #[error("crash drills are not enabled on this node (--allow-crash-drills)")]
     CrashDrillsDisabled,
+    /// A damage drill named a record this replica does not hold durably.
+    #[error("shard {shard}: node {node} holds no durable record {seqno} to damage (it holds [{first}, {durable}])")]
+    NoSuchRecord { shard: ShardId, node: NodeId, seqno: u64, first: u64, durable: u64 },
     #[error(transparent)]
     Wal(#[from] WalError),
     /// A peer's answer, passed on (catch-up streams, repair).
@@ -100,7 +103,9 @@ impl ReplicaError {
             ReplicaError::UnknownShard { .. } => "unknown_shard",
             ReplicaError::Refused { refusal: Refusal::Paused | Refusal::Reconciling { .. }, .. } => return None,
             ReplicaError::Refused { refusal, .. } => refusal.reason(),
-            ReplicaError::BadRequest(_) | ReplicaError::PastDurable { .. } => "bad_request",
+            ReplicaError::BadRequest(_) | ReplicaError::PastDurable { .. } | ReplicaError::NoSuchRecord { .. } => {
+                "bad_request"
+            }
             ReplicaError::CorruptSegment { .. } => "corrupt",
             ReplicaError::Gap { .. } => "gap",
             ReplicaError::NotLeader { .. } => "not_leader",
@@ -170,7 +175,9 @@ impl From<ReplicaError> for Status {
             ReplicaError::NewerRequester { seen, .. } => {
                 with_metadata(Status::failed_precondition(message), EPOCH_METADATA_KEY, seen)
             }
-            ReplicaError::NeedsReseed { .. } | ReplicaError::PastDurable { .. } => Status::out_of_range(message),
+            ReplicaError::NeedsReseed { .. } | ReplicaError::PastDurable { .. } | ReplicaError::NoSuchRecord { .. } => {
+                Status::out_of_range(message)
+            }
             ReplicaError::Apply { .. } => Status::failed_precondition(message),
             ReplicaError::Busy(_) | ReplicaError::Unavailable(_) => Status::unavailable(message),
             ReplicaError::NoSpace(_) => Status::resource_exhausted(message),

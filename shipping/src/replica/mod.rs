@@ -21,6 +21,7 @@
 //!   after reconciling a divergent tail with `EpochEnd` (follower); also
 //!   truncating and refetching a corrupt tail;
 //! * `retention`: compaction of what nobody needs;
+//! * `damage`: the corruption drill's hook, damaging one stored record;
 //! * `status`: status pages, heartbeats, per-follower gauges;
 //! * [`error`]: the one error type and its gRPC mapping.
 //!
@@ -39,6 +40,7 @@
 //! earlier epochs' records by counting (`core/leader.rs`).
 
 mod catchup;
+mod damage;
 pub mod error;
 mod leadership;
 mod receive;
