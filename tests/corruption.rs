@@ -185,20 +185,27 @@ async fn wait_leader(cluster: &mut Cluster, not: Option<u32>) -> u32 {
     found
 }
 
+/// A 3-node cluster with a coordinator whose node 1 writes its log (INFO
+/// and up) to a file, kept across restarts; the dir holding it, its path.
+fn cluster_logging_node_1() -> (tempfile::TempDir, std::path::PathBuf, Cluster) {
+    let dir = tempfile::tempdir().unwrap();
+    let log_path = dir.path().join("node-1.stderr");
+    let cluster = Cluster::launch(&ClusterSpec {
+        coordinators: 1,
+        replication: FAST,
+        stderr_logs: vec![(1, log_path.clone())],
+        ..ClusterSpec::default()
+    });
+    (dir, log_path, cluster)
+}
+
 /// (a) A leader's copy of record 100 is damaged while it is down. On
 /// restart the start-up check (the stop was unclean) finds it; the node is
 /// not made leader again while intact caught-up replicas exist, appends go
 /// on, and it truncates and refetches the damaged tail from the new leader.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_leader_damaged_while_down_is_not_promoted_and_repairs_itself() {
-    let dir = tempfile::tempdir().unwrap();
-    let log_path = dir.path().join("node-1.stderr");
-    let mut cluster = Cluster::launch(&ClusterSpec {
-        coordinators: 1,
-        replication: FAST,
-        stderr_logs: vec![(1, log_path.clone())],
-        ..ClusterSpec::default()
-    });
+    let (_dir, log_path, mut cluster) = cluster_logging_node_1();
     assert_eq!(wait_leader(&mut cluster, None).await, 1, "the configured leader leads");
     let acked: Acked = Arc::default();
     append_records(&mut cluster, 1, 300, &acked).await;
@@ -373,14 +380,7 @@ async fn with_no_intact_copy_the_damage_is_data_loss_and_the_rest_is_served() {
 /// and never says "corruption" at WARN or ERROR nor reports a range.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_torn_tail_after_kill_9_is_not_called_corruption() {
-    let dir = tempfile::tempdir().unwrap();
-    let log_path = dir.path().join("node-1.stderr");
-    let mut cluster = Cluster::launch(&ClusterSpec {
-        coordinators: 1,
-        replication: FAST,
-        stderr_logs: vec![(1, log_path.clone())],
-        ..ClusterSpec::default()
-    });
+    let (_dir, log_path, mut cluster) = cluster_logging_node_1();
     assert_eq!(wait_leader(&mut cluster, None).await, 1);
     // Appends in flight on node 1 (the leader) when it is killed.
     let grpc = cluster.node(1).grpc.clone();

@@ -247,6 +247,17 @@ pub(crate) fn log_epoch_survives_and_never_moves_back(h: &mut dyn Harness) {
     assert!(matches!(h.store().log_epoch(9), Err(StoreError::UnknownShard(9))));
 }
 
+/// Copies every file of `from` into a fresh directory: what a crash leaves
+/// of a store that is open.
+pub(crate) fn crash_copy(from: &std::path::Path) -> tempfile::TempDir {
+    let copy = tempfile::tempdir().unwrap();
+    for entry in std::fs::read_dir(from).unwrap() {
+        let path = entry.unwrap().path();
+        std::fs::copy(&path, copy.path().join(path.file_name().unwrap())).unwrap();
+    }
+    copy
+}
+
 macro_rules! conformance_suite {
     ($harness:expr) => {
         #[test]
@@ -437,7 +448,7 @@ mod engine_prefilled {
         let h = EngineHarness::prefilled();
         h.store().create_shard(1).unwrap();
         append(&h, 1, 1, 100, 1).unwrap();
-        let copy = crash_copy(h.dir.path());
+        let copy = crate::conformance::crash_copy(h.dir.path());
         assert_eq!(log_files(copy.path())[0].1, PREFILL_TEST_FILE_BYTES, "the copy holds the zero tail");
 
         let mut crashed = EngineHarness { dir: copy, config: h.config.clone(), store: None };
@@ -467,17 +478,6 @@ mod engine_prefilled {
         assert!(files.len() >= 2, "the log rotated: {files:?}");
         h.restart();
         assert_eq!(all(&h, 1), expected);
-    }
-
-    /// Copies every file of `from` into a fresh directory: what a crash
-    /// leaves of a store that is open.
-    fn crash_copy(from: &Path) -> tempfile::TempDir {
-        let copy = tempfile::tempdir().unwrap();
-        for entry in std::fs::read_dir(from).unwrap() {
-            let path = entry.unwrap().path();
-            std::fs::copy(&path, copy.path().join(path.file_name().unwrap())).unwrap();
-        }
-        copy
     }
 
     /// Appends `batches` batches of ten 30 KiB records (~300 KiB each) to
@@ -563,7 +563,8 @@ mod engine_prefilled {
         append_big_batches(&unfilled, 30);
         assert_eq!(scraped_rotations(&unfilled), (0, 2), "without spares, both rotations allocate new files");
 
-        let mut crashed = EngineHarness { dir: crash_copy(h.dir.path()), config: h.config.clone(), store: None };
+        let mut crashed =
+            EngineHarness { dir: crate::conformance::crash_copy(h.dir.path()), config: h.config.clone(), store: None };
         crashed.restart();
         assert_eq!(all(&crashed, 1), expected, "after a crash");
         h.restart();

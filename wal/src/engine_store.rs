@@ -768,17 +768,6 @@ mod tests {
         assert_eq!(seqnos(&wal.read(3, 9, 20, usize::MAX).await.unwrap()), (9..=20).collect::<Vec<_>>());
     }
 
-    /// Every file of `from` copied while the store is open: what a crash
-    /// leaves.
-    fn crash_copy(from: &Path) -> tempfile::TempDir {
-        let copy = tempfile::tempdir().unwrap();
-        for entry in std::fs::read_dir(from).unwrap() {
-            let path = entry.unwrap().path();
-            std::fs::copy(&path, copy.path().join(path.file_name().unwrap())).unwrap();
-        }
-        copy
-    }
-
     fn prefilled() -> EngineStoreConfig {
         EngineStoreConfig { target_file_bytes: 4 << 20, prefill: true, ..Default::default() }
     }
@@ -793,7 +782,7 @@ mod tests {
         let store = EngineStore::open(dir.path(), &prefilled()).unwrap();
         store.create_shard(1).unwrap();
         append(&store, 1, 1, 40);
-        let copy = crash_copy(dir.path());
+        let copy = crate::conformance::crash_copy(dir.path());
         drop(store);
 
         let crashed = Arc::new(EngineStore::open(copy.path(), &prefilled()).unwrap());
