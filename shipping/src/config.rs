@@ -173,6 +173,17 @@ impl ReplicationConfig {
     pub fn keepalive(&self) -> Duration {
         Duration::from_millis(self.keepalive_ms)
     }
+
+    /// How long replication may be silent before it counts as broken: a
+    /// leader that heard from no majority of its replicas for this long
+    /// stops acknowledging and steps down (its lease), and a majority of
+    /// followers that heard nothing from their leader for this long makes
+    /// the coordinator fail the shard over. `leader_timeout_ms`, but at least
+    /// three keepalive intervals, so an idle shard's keepalives always renew
+    /// it in time.
+    pub fn replication_timeout(&self) -> Duration {
+        Duration::from_millis(self.leader_timeout_ms.max(3 * self.keepalive_ms))
+    }
 }
 
 /// A coordinator (`walship coord`).

@@ -281,7 +281,7 @@ impl LogService {
             Durability::Quorum | Durability::Unspecified => replica.wait_commit(appended.last_seqno).await,
             Durability::All => replica.wait_all(appended.last_seqno).await,
         };
-        let lease = std::time::Duration::from_millis(self.node.config.replication.leader_timeout_ms);
+        let lease = self.node.config.replication.replication_timeout();
         if reached && !replica.wait_lease(lease).await {
             let mut status = Status::unavailable(format!(
                 "shard {}: this leader has not heard from a majority of its replicas or the coordinator within \

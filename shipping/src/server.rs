@@ -125,7 +125,7 @@ impl WalShipping for WalShippingService {
 
     async fn heartbeat(&self, request: Request<HeartbeatRequest>) -> Result<Response<HeartbeatResponse>, Status> {
         self.node.on_heartbeat(request.get_ref())?;
-        Ok(Response::new(HeartbeatResponse { acknowledged: true, leader_confirmed: false }))
+        Ok(Response::new(HeartbeatResponse { acknowledged: true }))
     }
 }
 

@@ -36,6 +36,12 @@ pub struct Candidate {
     /// The first seqno of its log known to be corrupt.
     #[serde(default)]
     pub corrupt_from: Option<u64>,
+    /// The leader being replaced by an automatic failover: it lost its
+    /// followers, its quorum, or its process. Promoted again only when no
+    /// other replica holds every acknowledged record, so a leader cut off
+    /// from its followers is not handed the shard straight back.
+    #[serde(default)]
+    pub replaced: bool,
 }
 
 impl Candidate {
@@ -45,7 +51,7 @@ impl Candidate {
 
     /// Neither out of disk space nor holding a known-corrupt record.
     pub fn healthy(&self) -> bool {
-        !self.disk_full && self.corrupt_from.is_none()
+        !self.disk_full && self.corrupt_from.is_none() && !self.replaced
     }
 }
 
@@ -96,7 +102,25 @@ mod tests {
     use super::*;
 
     fn c(node: NodeId, last_epoch: u64, last_seqno: u64) -> Candidate {
-        Candidate { node, last_epoch, last_seqno, commit_seqno: 0, disk_full: false, corrupt_from: None }
+        Candidate {
+            node,
+            last_epoch,
+            last_seqno,
+            commit_seqno: 0,
+            disk_full: false,
+            corrupt_from: None,
+            replaced: false,
+        }
+    }
+
+    #[test]
+    fn the_replaced_leader_is_promoted_again_only_when_nobody_else_holds_every_acknowledged_record() {
+        let old = Candidate { replaced: true, ..c(1, 3, 90) };
+        // Cut off from its followers, it holds an unacknowledged tail: a
+        // follower with everything acknowledged takes over.
+        assert_eq!(promote(&[old, c(2, 3, 80), c(3, 3, 85)], |c| c.last_seqno < 80).unwrap().node, 3);
+        // Only it holds acknowledged records: it leads again.
+        assert_eq!(promote(&[old, c(2, 3, 80)], |c| c.last_seqno < 88).unwrap().node, 1);
     }
 
     fn corrupt(node: NodeId, last_epoch: u64, last_seqno: u64, from: u64) -> Candidate {

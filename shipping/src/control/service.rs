@@ -52,7 +52,7 @@ impl WalShipping for CoordinatorHeartbeats {
     }
 
     async fn heartbeat(&self, request: Request<HeartbeatRequest>) -> Result<Response<HeartbeatResponse>, Status> {
-        let leader_confirmed = self.coordinator.on_heartbeat(request.get_ref())?;
-        Ok(Response::new(HeartbeatResponse { acknowledged: true, leader_confirmed }))
+        self.coordinator.on_heartbeat(request.get_ref())?;
+        Ok(Response::new(HeartbeatResponse { acknowledged: true }))
     }
 }

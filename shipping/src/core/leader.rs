@@ -29,11 +29,12 @@
 //!   happen. The coordinator's hand-over floor still applies from the start.
 //! * Leader lease (coordinated clusters): the leader acknowledges appends
 //!   at any durability only while it has heard, within `lease_us`, from a
-//!   majority of its replica set (positive ship replies) or from the active
-//!   coordinator confirming its leadership in this epoch. A leader frozen
-//!   or cut off past the failure timeout stops acknowledging even `LOCAL`
-//!   appends (Raft's CheckQuorum). `LOCAL` is still not failover-safe: it
-//!   is acknowledged before any follower holds the record.
+//!   majority of its replica set (positive ship replies; its own start
+//!   counts as contact). A leader frozen or cut off from its followers past
+//!   the failure timeout stops acknowledging even `LOCAL` appends and steps
+//!   down (Raft's CheckQuorum), even while it still reaches the
+//!   coordinator. `LOCAL` is still not failover-safe: it is acknowledged
+//!   before any follower holds the record.
 //! * A follower's `acked` only ever comes from its own reply (its durable
 //!   frontier); nothing the leader sends counts until the follower says so.
 //! * At most `window` requests are in flight per follower, and a follower
@@ -206,9 +207,6 @@ pub struct LeaderCore {
     /// Average frame size so far, for estimates past the ledger.
     avg_frame_bytes: u64,
     started_us: u64,
-    /// When the active coordinator last confirmed this leadership (the
-    /// heartbeat's send time, µs).
-    coordinator_confirmed_us: Option<u64>,
 }
 
 impl LeaderCore {
@@ -236,7 +234,6 @@ impl LeaderCore {
             ledger: VecDeque::new(),
             avg_frame_bytes: 0,
             started_us: now_us,
-            coordinator_confirmed_us: None,
         };
         core.recompute_commit();
         core
@@ -421,16 +418,12 @@ impl LeaderCore {
         Ok(self.recompute_commit())
     }
 
-    /// The active coordinator confirmed this leadership in a heartbeat
-    /// answer; `sent_us` is when that heartbeat left (the conservative end).
-    pub fn on_coordinator_confirmed(&mut self, sent_us: u64) {
-        self.coordinator_confirmed_us = self.coordinator_confirmed_us.max(Some(sent_us));
-    }
-
     /// Until when (µs) this leader may acknowledge appends: its last
     /// contact with a majority (counting itself; the time of each follower's
-    /// last positive reply), the coordinator's last confirmation, or its own
-    /// start, whichever is newest, plus the lease. `None`: no bound (a
+    /// last positive reply) or its own start, whichever is newer, plus the
+    /// lease. The coordinator's word does not count: a leader cut off from
+    /// its followers must stop acknowledging even while it reaches the
+    /// coordinator (CheckQuorum); past this instant it steps down. `None`: no bound (a
     /// static cluster, or a replica set the leader is a majority of alone).
     pub fn lease_until(&self) -> Option<u64> {
         let lease = self.settings.lease_us?;
@@ -444,7 +437,7 @@ impl LeaderCore {
         let mut contacts: Vec<u64> = self.followers.values().filter_map(|p| p.last_reply_us).collect();
         contacts.sort_unstable_by(|a, b| b.cmp(a));
         let majority = contacts.get(needed - 1).copied();
-        let contact = majority.max(self.coordinator_confirmed_us).unwrap_or(0).max(self.started_us);
+        let contact = majority.unwrap_or(0).max(self.started_us);
         Some(contact.saturating_add(lease))
     }
 

@@ -350,17 +350,6 @@ fn the_lease_needs_a_majority_of_recent_positive_replies() {
 }
 
 #[test]
-fn a_coordinator_confirmation_renews_the_lease() {
-    let mut core = leased(&[2, 3]);
-    assert!(!core.lease_holds(30_000));
-    core.on_coordinator_confirmed(29_500);
-    assert!(core.lease_holds(30_000));
-    assert!(!core.lease_holds(30_500), "measured from when the heartbeat left");
-    core.on_coordinator_confirmed(100);
-    assert!(core.lease_holds(30_400), "an older confirmation never shortens it");
-}
-
-#[test]
 fn a_static_leader_or_a_lone_replica_has_no_lease_bound() {
     let core = LeaderCore::new(start(1, 0, 1, 0), &[2, 3], SETTINGS, 0);
     assert_eq!(core.lease_until(), None);

@@ -16,7 +16,9 @@
 //!   epoch stops its leadership;
 //! * under a coordinator a replica never leads in the epoch it restarted in
 //!   (early shipping: it may have shipped records its disk then lost;
-//!   `shipping/EARLY-SHIPPING.md`) and reports that it needs a new epoch;
+//!   `shipping/EARLY-SHIPPING.md`), nor again in an epoch it stepped down
+//!   from for want of a majority (CheckQuorum), and reports that it needs a
+//!   new epoch;
 //! * a follower applies nothing of an epoch before its log is reconciled
 //!   with that epoch's leader (EpochEnd repair): until then shipments are
 //!   refused as retryable and a catch-up is asked for;
@@ -92,6 +94,11 @@ pub enum Refusal {
          (a failover raises it)"
     )]
     RestartedEpoch { epoch: Epoch },
+    #[error(
+        "this node stepped down from epoch {epoch} when a majority stopped answering it; it leads only in a newer \
+         epoch (a failover raises it)"
+    )]
+    SteppedDown { epoch: Epoch },
     #[error("this node is the leader, not a follower")]
     NotFollower,
     #[error("segment from node {from} but the leader is node {leader}")]
@@ -114,6 +121,7 @@ impl Refusal {
             Refusal::NotAReplica { .. } => "bad_request",
             Refusal::ForeignLeader { .. } => "wrong_leader",
             Refusal::RestartedEpoch { .. } => "restarted_epoch",
+            Refusal::SteppedDown { .. } => "stepped_down",
             Refusal::NotFollower => "not_follower",
             Refusal::WrongLeader { .. } => "wrong_leader",
             Refusal::Paused => "paused",
@@ -150,6 +158,8 @@ pub struct ReplicaCore {
     promised: Epoch,
     /// The epoch promised when the process started (see the module docs).
     restarted_in: Epoch,
+    /// The epoch it last stepped down from for want of a majority.
+    stepped_down_in: Epoch,
     /// The epoch whose leader this log has been reconciled with.
     repaired: Epoch,
     paused: bool,
@@ -168,6 +178,7 @@ impl ReplicaCore {
             view: View { role: Role::Unassigned, epoch: promised },
             promised,
             restarted_in: promised,
+            stepped_down_in: Epoch(0),
             repaired: Epoch(0),
             paused: false,
             disk_full: false,
@@ -199,7 +210,9 @@ impl ReplicaCore {
     /// the one it restarted in before it may lead; heartbeats say so, and
     /// the coordinator raises the epoch instead of re-assigning it.
     pub fn needs_new_epoch(&self) -> bool {
-        self.coordinated && self.restarted_in > Epoch(0) && self.promised == self.restarted_in
+        self.coordinated
+            && self.promised > Epoch(0)
+            && (self.promised == self.restarted_in || self.promised == self.stepped_down_in)
     }
 
     /// Whether this log is reconciled with the leader of `epoch`.
@@ -260,6 +273,9 @@ impl ReplicaCore {
         if leader == self.me {
             if self.coordinated && epoch == self.restarted_in {
                 return Err(Refusal::RestartedEpoch { epoch });
+            }
+            if epoch == self.stepped_down_in {
+                return Err(Refusal::SteppedDown { epoch });
             }
             if self.disk_full {
                 return Err(Refusal::DiskFull);
@@ -342,6 +358,18 @@ impl ReplicaCore {
         self.stop_leading(&mut commands);
         self.view = View { role: Role::Unassigned, epoch };
         commands
+    }
+
+    /// The leader of `epoch` has not heard from a majority of its replica
+    /// set within the lease (CheckQuorum): it steps down, and leads again
+    /// only in a newer epoch.
+    pub fn quorum_lost(&mut self, epoch: Epoch) -> Vec<Command> {
+        if self.view != (View { role: Role::Leader, epoch }) {
+            return Vec::new();
+        }
+        self.stepped_down_in = epoch;
+        self.view = View { role: Role::Unassigned, epoch };
+        vec![Command::StopLeading]
     }
 
     /// The shell reconciled this log with the leader of `epoch` (and

@@ -264,3 +264,24 @@ fn a_leader_keeps_a_corrupt_log_and_reports_it() {
     r.assign(Epoch(4), 2).unwrap();
     assert_eq!(r.corruption_found(Seqno(7)), vec![Command::Truncate { keep_through: Seqno(6) }, Command::CatchUp]);
 }
+
+#[test]
+fn a_leader_without_a_majority_steps_down_and_leads_again_only_in_a_newer_epoch() {
+    let mut r = leading(3);
+    assert!(!r.needs_new_epoch());
+    assert_eq!(r.quorum_lost(Epoch(3)), vec![Command::StopLeading]);
+    assert_eq!(r.view(), View { role: Role::Unassigned, epoch: Epoch(3) });
+    assert!(r.needs_new_epoch(), "heartbeats ask the coordinator for a new epoch");
+    assert_eq!(r.assign(Epoch(3), ME), Err(Refusal::SteppedDown { epoch: Epoch(3) }));
+    assert!(r.assign(Epoch(3), 2).is_ok(), "it may follow in that epoch");
+    assert!(r.assign(Epoch(4), ME).is_ok());
+    assert!(!r.needs_new_epoch());
+}
+
+#[test]
+fn a_stale_quorum_loss_changes_nothing() {
+    let mut r = leading(3);
+    assert_eq!(r.quorum_lost(Epoch(2)), vec![], "an older leadership's timer");
+    assert_eq!(following(3).quorum_lost(Epoch(3)), vec![], "not leading");
+    assert_eq!(r.view().role, Role::Leader);
+}

@@ -82,6 +82,10 @@ fn refusal_message(shard: ShardId, node: NodeId, refusal: &Refusal) -> String {
             "node {node} restarted in epoch {epoch} of shard {shard}, which it may have led before; it leads only \
              in a newer epoch (a failover raises it)"
         ),
+        Refusal::SteppedDown { epoch } => format!(
+            "node {node} stepped down from epoch {epoch} of shard {shard} when a majority stopped answering it; it \
+             leads only in a newer epoch (a failover raises it)"
+        ),
         Refusal::NotFollower => format!("node {node} is the leader of shard {shard}, not a follower"),
         Refusal::WrongLeader { from, leader } => {
             format!("shard {shard}: segment from node {from} but the leader is node {leader}")
@@ -163,6 +167,7 @@ impl From<ReplicaError> for Status {
                 Refusal::DiskFull => Status::resource_exhausted(message),
                 Refusal::ForeignLeader { .. }
                 | Refusal::RestartedEpoch { .. }
+                | Refusal::SteppedDown { .. }
                 | Refusal::NotFollower
                 | Refusal::WrongLeader { .. }
                 | Refusal::LeaderCannotPause => Status::failed_precondition(message),

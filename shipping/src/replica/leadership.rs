@@ -206,6 +206,9 @@ impl ReplicationNode {
             rules.started_leading(Epoch(epoch));
         }
         tokio::spawn(self.clone().run_leader_driver(replica.clone(), state.clone()));
+        if self.settings.lease_us.is_some() {
+            tokio::spawn(self.clone().run_lease_watch(replica.clone(), state.clone()));
+        }
         for follower in followers {
             tokio::spawn(self.clone().run_shipper(replica.clone(), state.clone(), follower));
         }
@@ -224,6 +227,16 @@ impl ReplicationNode {
             tracing::error!(shard = replica.shard, %error, "recording the newer epoch");
         }
         tracing::warn!(shard = replica.shard, epoch, "deposed: a follower has seen a newer epoch");
+    }
+
+    /// CheckQuorum: the leader of `epoch` heard from no majority within its
+    /// lease; it stops leading and asks for a newer epoch.
+    pub(crate) async fn step_down_without_quorum(self: &Arc<Self>, replica: &Arc<ShardReplica>, epoch: u64) {
+        let _transition = replica.transition.lock().await;
+        let commands = replica.rules.lock().quorum_lost(Epoch(epoch));
+        if let Err(error) = self.perform(replica, commands, 0).await {
+            tracing::error!(shard = replica.shard, %error, "stepping down");
+        }
     }
 
     /// The last seqno of this replica's log whose epoch is `<= epoch`.

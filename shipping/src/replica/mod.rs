@@ -130,7 +130,7 @@ impl ReplicationNode {
             catchup_threshold_bytes: r.catchup_threshold_bytes,
             keepalive_us: r.keepalive_ms * 1_000,
             probe_us: (r.keepalive_ms * 1_000).min(25_000),
-            lease_us: config.coordinated().then_some(r.leader_timeout_ms * 1_000),
+            lease_us: config.coordinated().then_some(r.replication_timeout().as_micros() as u64),
         };
         let mut replicas = BTreeMap::new();
         for spec in config.shards_of(me) {

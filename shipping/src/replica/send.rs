@@ -157,6 +157,37 @@ impl ReplicationNode {
         }
     }
 
+    /// CheckQuorum: waits for this leadership's lease to run out without a
+    /// majority answering in time (see `LeaderCore::lease_until`), then
+    /// steps down; ends with the leadership.
+    pub(super) async fn run_lease_watch(self: Arc<Self>, replica: Arc<ShardReplica>, leader: Arc<LeaderState>) {
+        let mut lease = replica.lease_until.subscribe();
+        loop {
+            let until = *lease.borrow_and_update();
+            let now = now_us();
+            if until != u64::MAX && now >= until && !leader.core.lock().lease_holds(now) {
+                break;
+            }
+            let wait = if until == u64::MAX { Duration::MAX } else { Duration::from_micros(until.saturating_sub(now)) };
+            tokio::select! {
+                _ = tokio::time::sleep(wait.min(Duration::from_secs(3600))) => {}
+                changed = lease.changed() => if changed.is_err() { return },
+                _ = leader.stop.cancelled() => return,
+            }
+        }
+        if leader.stop.is_cancelled() {
+            return;
+        }
+        let silent = self.config.replication.replication_timeout();
+        tracing::warn!(
+            shard = replica.shard,
+            epoch = leader.epoch,
+            ?silent,
+            "stepping down: no majority of the replica set answered within the lease (CheckQuorum)"
+        );
+        self.step_down_without_quorum(&replica, leader.epoch).await;
+    }
+
     /// Feeds `follower` what the leader core decides, keeping up to
     /// `ship_window` pushes in flight, until this leadership stops or a
     /// reply deposes it.

@@ -214,10 +214,14 @@ impl ReplicationNode {
                 let mut lag_records = std::collections::HashMap::new();
                 let mut lag_bytes = std::collections::HashMap::new();
                 let mut lag_seconds = std::collections::HashMap::new();
+                let mut follower_silent_ms = std::collections::HashMap::new();
                 let commit = match replica.leader_state() {
                     Some(leader) => {
                         let core = leader.core.lock();
-                        for (id, _) in core.followers() {
+                        for (id, progress) in core.followers() {
+                            if let Some(heard) = progress.last_reply_us {
+                                follower_silent_ms.insert(id, now_us().saturating_sub(heard) / 1_000);
+                            }
                             if let Some(lag) = core.lag(id, now_us()) {
                                 lag_records.insert(id, lag.records);
                                 lag_bytes.insert(id, lag.bytes);
@@ -250,38 +254,31 @@ impl ReplicationNode {
                     disk_full: self.disk_full(),
                     disk_free_bytes: self.wal.disk_space().map_or(0, |d| d.free()),
                     corrupt_from_seqno: self.corrupt_from(replica.shard).unwrap_or(0),
+                    leader_silent_ms: match view.role {
+                        Role::Follower { .. } => {
+                            let heard = replica.follower.last_contact_us.load(Ordering::Acquire);
+                            now_us().saturating_sub(heard) / 1_000
+                        }
+                        _ => 0,
+                    },
+                    follower_silent_ms,
                 });
             }
             self.metrics.append_rate.set(node_rate);
             let mut sends = Vec::new();
-            let sent_us = now_us();
             for channel in &targets {
                 for request in &requests {
                     let mut client =
                         walship_proto::replication::wal_shipping_client::WalShippingClient::new(channel.clone());
-                    let (shard, epoch) = (request.shard_id, request.epoch);
                     let mut request = tonic::Request::new(request.clone());
                     request.set_timeout(interval.max(Duration::from_millis(200)));
-                    sends.push(async move { (shard, epoch, client.heartbeat(request).await) });
+                    sends.push(async move { client.heartbeat(request).await.is_ok() });
                 }
             }
-            for (shard, epoch, answer) in futures::future::join_all(sends).await {
-                self.metrics.heartbeats_sent.with_label_values(&[if answer.is_ok() { "ok" } else { "error" }]).inc();
-                if answer.is_ok_and(|a| a.get_ref().leader_confirmed) {
-                    self.on_leader_confirmed(shard, epoch, sent_us);
-                }
+            for ok in futures::future::join_all(sends).await {
+                self.metrics.heartbeats_sent.with_label_values(&[if ok { "ok" } else { "error" }]).inc();
             }
         }
-    }
-
-    /// The active coordinator confirmed that this node leads `shard` in
-    /// `epoch`, answering a heartbeat sent at `sent_us`: the lease renews.
-    fn on_leader_confirmed(&self, shard: ShardId, epoch: u64, sent_us: u64) {
-        let Some(replica) = self.replica(shard) else { return };
-        let Some(leader) = replica.leader_state().filter(|l| l.epoch == epoch) else { return };
-        let mut core = leader.core.lock();
-        core.on_coordinator_confirmed(sent_us);
-        replica.publish_leader(&core, &self.metrics);
     }
 
     /// Refreshes the per-follower gauges often enough that an idle,

@@ -206,6 +206,7 @@ fn candidate(a: &FenceResponse) -> Candidate {
         commit_seqno: a.commit_seqno,
         disk_full: a.disk_full,
         corrupt_from: (a.corrupt_from_seqno > 0).then_some(a.corrupt_from_seqno),
+        replaced: false,
     }
 }
 
@@ -292,11 +293,8 @@ impl Coordinator {
         Ok(self.kv.get(STATE_KEY).await?.and_then(|e| serde_json::from_slice(&e.value).ok()))
     }
 
-    /// Records a heartbeat. Answers whether it confirms the sender's
-    /// leadership: this coordinator is active and its record names the
-    /// sender as the shard's leader in the heartbeat's epoch (the leader
-    /// renews its lease with it; see `core/leader.rs`).
-    pub fn on_heartbeat(&self, request: &HeartbeatRequest) -> Result<bool, tonic::Status> {
+    /// Records a heartbeat.
+    pub fn on_heartbeat(&self, request: &HeartbeatRequest) -> Result<(), tonic::Status> {
         if self.config.node(request.node_id).is_none() {
             return Err(tonic::Status::invalid_argument(format!("heartbeat from unknown node {}", request.node_id)));
         }
@@ -329,17 +327,7 @@ impl Coordinator {
             let subject = format!("walship.heartbeats.{}.{}", request.node_id, request.shard_id);
             let _ = sink.try_send((subject, Bytes::from(serde_json::to_vec(&message).expect("serialisable"))));
         }
-        Ok(request.is_leader && self.confirms_leader(request.shard_id, request.node_id, request.epoch))
-    }
-
-    /// Whether this coordinator is active and records `node` as the leader
-    /// of `shard` in `epoch`.
-    fn confirms_leader(&self, shard: u32, node: NodeId, epoch: u64) -> bool {
-        let active = self.active.lock();
-        active.as_ref().is_some_and(|a| {
-            Instant::now() < a.lease_until
-                && a.state.shards.get(&shard).is_some_and(|r| r.epoch == epoch && r.leader == Some(node))
-        })
+        Ok(())
     }
 
     /// Milliseconds since a node's last heartbeat.

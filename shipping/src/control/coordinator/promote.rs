@@ -100,6 +100,19 @@ impl Coordinator {
         request: FailoverRequest,
         reason: &str,
     ) -> Result<FailoverOutcome, CoordError> {
+        self.failover_replacing(shard, request, reason, None).await
+    }
+
+    /// [`Coordinator::failover`], avoiding `replaced` (the leader an
+    /// automatic failover replaces) when another replica holds every
+    /// acknowledged record.
+    pub(super) async fn failover_replacing(
+        &self,
+        shard: u32,
+        request: FailoverRequest,
+        reason: &str,
+        replaced: Option<NodeId>,
+    ) -> Result<FailoverOutcome, CoordError> {
         let lock = self.shard_locks.get(&shard).ok_or(CoordError::UnknownShard(shard))?;
         let _guard =
             if request.preview { lock.lock().await } else { lock.try_lock().map_err(|_| CoordError::Busy(shard))? };
@@ -177,7 +190,10 @@ impl Coordinator {
             None => {
                 let loses_acknowledged =
                     |c: &Candidate| candidates.iter().any(|p| p.node == c.node && p.would_lose_acknowledged.is_some());
-                let ranked: Vec<Candidate> = answers.iter().map(candidate).collect();
+                let ranked: Vec<Candidate> = answers
+                    .iter()
+                    .map(|a| Candidate { replaced: Some(a.node_id) == replaced, ..candidate(a) })
+                    .collect();
                 let node = failover::promote(&ranked, loses_acknowledged).expect("answers are non-empty").node;
                 candidates.iter().find(|c| c.node == node).expect("every answer has a preview")
             }

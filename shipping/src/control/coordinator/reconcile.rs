@@ -39,7 +39,9 @@ impl Coordinator {
         let timeout = Duration::from_millis(self.config.replication.leader_timeout_ms);
         for (&shard, record) in &state.shards {
             let unhealthy = self.leader_unhealthy(shard, record, timeout);
+            let unheard = self.leader_unheard(shard, record, timeout);
             let lost = unhealthy.is_some()
+                || unheard
                 || match record.leader {
                     None => true,
                     Some(leader) => {
@@ -51,18 +53,25 @@ impl Coordinator {
                         let restarted = self
                             .heartbeat(leader, shard)
                             .is_some_and(|hb| hb.epoch == record.epoch && hb.needs_new_epoch);
-                        restarted || reference.elapsed() > timeout
+                        // Silence counts only while this coordinator hears
+                        // another replica of the shard: when it hears none
+                        // (it is the one cut off, or just healed and its
+                        // nodes' heartbeat connections are still backing
+                        // off) it has no evidence against the leader, and a
+                        // failover then would only churn epochs.
+                        restarted || (reference.elapsed() > timeout && self.hears_a_follower(shard, record, timeout))
                     }
                 };
             let backing_off = self.retry_after.lock().get(&shard).is_some_and(|t| Instant::now() < *t);
             if lost && !backing_off {
                 let me = self.clone();
-                if unhealthy.is_some() {
+                if unhealthy.is_some() || unheard {
                     self.retry_after.lock().insert(shard, Instant::now() + DISK_FULL_BACKOFF);
                 }
-                let reason = unhealthy.unwrap_or("automatic");
+                let reason = unhealthy.or(unheard.then_some("leader_unreachable")).unwrap_or("automatic");
+                let replaced = record.leader;
                 tokio::spawn(async move {
-                    match me.failover(shard, FailoverRequest::default(), reason).await {
+                    match me.failover_replacing(shard, FailoverRequest::default(), reason, replaced).await {
                         Err(e @ CoordError::NoMajority { .. }) => {
                             me.retry_after.lock().insert(shard, Instant::now() + NO_MAJORITY_BACKOFF);
                             tracing::warn!(shard, error = %e, "automatic failover");
@@ -129,6 +138,43 @@ impl Coordinator {
             })
         };
         record.replicas.iter().filter(|&&r| r != leader).any(takes_over).then_some(reason)
+    }
+
+    /// Whether a replica of `shard` other than its recorded leader
+    /// heartbeated within `timeout`.
+    fn hears_a_follower(&self, shard: u32, record: &ShardRecord, timeout: Duration) -> bool {
+        let seen = self.seen.lock();
+        record
+            .replicas
+            .iter()
+            .filter(|&&r| Some(r) != record.leader)
+            .any(|r| seen.get(r).is_some_and(|n| n.at.elapsed() <= timeout && n.shards.contains_key(&shard)))
+    }
+
+    /// Whether a majority of the shard's replica set cannot hear its
+    /// recorded leader: followers heard from within `timeout`, following
+    /// that leader in the record's epoch, whose heartbeats say they accepted
+    /// nothing from it for longer than the replication timeout. The leader
+    /// may still heartbeat this coordinator (cut off from its followers
+    /// only); a minority that cannot hear it changes nothing.
+    fn leader_unheard(&self, shard: u32, record: &ShardRecord, timeout: Duration) -> bool {
+        let Some(leader) = record.leader else { return false };
+        let silence = self.config.replication.replication_timeout().as_millis() as u64;
+        let seen = self.seen.lock();
+        let unheard = record
+            .replicas
+            .iter()
+            .filter(|&&r| r != leader)
+            .filter(|r| {
+                seen.get(r).is_some_and(|n| {
+                    n.at.elapsed() <= timeout
+                        && n.shards.get(&shard).is_some_and(|hb| {
+                            hb.epoch == record.epoch && hb.leader_node_id == leader && hb.leader_silent_ms > silence
+                        })
+                })
+            })
+            .count();
+        failover::is_majority(unheard, record.replicas.len())
     }
 
     pub(super) async fn assign(&self, shard: u32, record: &ShardRecord, leader: NodeId, replica: NodeId) -> bool {
