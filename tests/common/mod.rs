@@ -11,6 +11,8 @@ use std::time::{Duration, Instant};
 use tonic::transport::{Channel, Endpoint};
 use walship_proto::log::log_client::LogClient;
 
+pub mod history;
+
 /// Path of the `walship` binary under test.
 pub fn walship_bin() -> PathBuf {
     PathBuf::from(env!("CARGO_BIN_EXE_walship"))
