@@ -12,6 +12,7 @@ use tonic::transport::{Channel, Endpoint};
 use walship_proto::log::log_client::LogClient;
 
 pub mod history;
+pub mod partition;
 
 /// Path of the `walship` binary under test.
 pub fn walship_bin() -> PathBuf {
@@ -177,6 +178,9 @@ pub struct Cluster {
     pub nodes: Vec<NodeProcess>,
     pub coordinators: Vec<CoordProcess>,
     pub nats: Option<String>,
+    /// Every process runs as a Unix user of its own ([`ClusterSpec::separate_users`]);
+    /// restarts keep it.
+    pub separate_users: bool,
 }
 
 /// The admin token test coordinators run with.
@@ -186,6 +190,7 @@ pub const TOKEN: &str = "test-token-0123456789";
 pub struct CoordProcess {
     pub child: Child,
     pub admin: String,
+    pub grpc: String,
     pub id: u32,
 }
 
@@ -229,6 +234,10 @@ pub struct ClusterSpec<'a> {
     /// Data dirs for some nodes, instead of `<cluster dir>/node-<id>` (a
     /// small file system of their own, say); kept across restarts.
     pub data_dirs: Vec<(u32, PathBuf)>,
+    /// Runs node i as Unix user `walship-n<i>` and coordinator c as
+    /// `walship-c<c>` (created on first use; needs root), so that
+    /// [`partition::Partition`] can cut links by socket owner.
+    pub separate_users: bool,
 }
 
 impl Default for ClusterSpec<'_> {
@@ -243,6 +252,7 @@ impl Default for ClusterSpec<'_> {
             node_args: Vec::new(),
             node_env: Vec::new(),
             data_dirs: Vec::new(),
+            separate_users: false,
         }
     }
 }
@@ -295,6 +305,9 @@ impl Cluster {
     fn try_launch(spec: &ClusterSpec) -> Cluster {
         let ClusterSpec { host, nodes, shards, coordinators, replication, nats, .. } = *spec;
         let dir = tempfile::tempdir().unwrap();
+        if spec.separate_users {
+            partition::open_cluster_dir(dir.path(), coordinators, nats.is_some());
+        }
         let mut toml = String::from("cluster_id = \"test\"\n");
         for c in 1..=coordinators {
             let (g, a) = (free_port(), free_port());
@@ -328,10 +341,17 @@ impl Cluster {
                 let env = spec.node_env.iter().find(|(n, _)| *n == id).map_or(&[][..], |(_, e)| &e[..]);
                 let data = spec.data_dirs.iter().find(|(n, _)| *n == id).map(|(_, d)| d.clone());
                 let data = data.unwrap_or_else(|| dir.path().join(format!("node-{id}")));
-                Self::spawn(&config_path, &data, id, extra, env)
+                Self::spawn(&config_path, &data, id, extra, env, spec.separate_users)
             })
             .collect();
-        let mut cluster = Cluster { dir, config_path, nodes, coordinators: Vec::new(), nats: nats.map(str::to_string) };
+        let mut cluster = Cluster {
+            dir,
+            config_path,
+            nodes,
+            coordinators: Vec::new(),
+            nats: nats.map(str::to_string),
+            separate_users: spec.separate_users,
+        };
         for c in 1..=coordinators {
             let coordinator = cluster.spawn_coordinator(c);
             cluster.coordinators.push(coordinator);
@@ -350,8 +370,11 @@ impl Cluster {
         if let Some(url) = &self.nats {
             command.args(["--nats", url]);
         }
+        if self.separate_users {
+            partition::run_as(&mut command, &partition::coordinator_user(c), &[&self.dir.path().join("coord")]);
+        }
         let (child, fields) = spawn_listening(&mut command, &format!("coordinator c{c}"));
-        CoordProcess { child, admin: fields["admin"].clone(), id: c }
+        CoordProcess { child, admin: fields["admin"].clone(), grpc: fields["grpc"].clone(), id: c }
     }
 
     pub fn coordinator(&mut self, c: u32) -> &mut CoordProcess {
@@ -393,10 +416,21 @@ impl Cluster {
         Some((v["leader"].as_u64()? as u32, v["epoch"].as_u64()?))
     }
 
-    fn spawn(config: &Path, data: &Path, id: u32, extra: &[String], env: &[(String, String)]) -> NodeProcess {
+    fn spawn(
+        config: &Path,
+        data: &Path,
+        id: u32,
+        extra: &[String],
+        env: &[(String, String)],
+        separate_user: bool,
+    ) -> NodeProcess {
         let data = data.to_path_buf();
+        let mut command = Command::new(walship_bin());
+        if separate_user {
+            partition::run_as(&mut command, &partition::node_user(id), &[&data]);
+        }
         let (child, fields) = spawn_listening(
-            Command::new(walship_bin())
+            command
                 .envs(env.iter().map(|(k, v)| (k, v)))
                 // No WAL file of zeros per test node (`wal.prefill`).
                 .args([
@@ -433,7 +467,7 @@ impl Cluster {
     pub fn restart(&mut self, id: u32) {
         self.node(id).kill9();
         let data = self.node(id).data_dir.clone();
-        let node = Self::spawn(&self.config_path, &data, id, &[], &[]);
+        let node = Self::spawn(&self.config_path, &data, id, &[], &[], self.separate_users);
         self.nodes[id as usize - 1] = node;
     }
 
@@ -442,7 +476,7 @@ impl Cluster {
     pub fn restart_with_args(&mut self, id: u32) {
         self.node(id).kill9();
         let (data, extra) = (self.node(id).data_dir.clone(), self.node(id).extra.clone());
-        let node = Self::spawn(&self.config_path, &data, id, &extra, &[]);
+        let node = Self::spawn(&self.config_path, &data, id, &extra, &[], self.separate_users);
         self.nodes[id as usize - 1] = node;
     }
 
