@@ -167,7 +167,7 @@ struct Report {
     gap: Duration,
     acks_while_cut: usize,
     failovers: u64,
-    failovers_metric: f64,
+    failovers_metric: u64,
     leader: u32,
     last: u64,
     cluster: Cluster,
@@ -189,11 +189,12 @@ impl Report {
 }
 
 /// `walship_failovers_total{outcome="ok"}` summed over reasons.
-async fn failovers_metric(admin: &str) -> f64 {
+async fn failovers_metric(admin: &str) -> u64 {
     let body = common::http_get(&format!("{admin}/metrics")).await.1;
     body.lines()
         .filter(|l| l.starts_with("walship_failovers_total{") && l.contains("outcome=\"ok\""))
         .filter_map(|l| l.split_whitespace().last()?.parse::<f64>().ok())
+        .map(|n| n as u64)
         .sum()
 }
 
