@@ -41,6 +41,15 @@ install_promtool() {
   fi
 }
 
+# nft (Debian package nftables) cuts links between the processes of a test
+# cluster by socket owner in tests/partitions.rs.
+install_nftables() {
+  if ! command -v nft >/dev/null && [ ! -x /usr/sbin/nft ]; then
+    echo "installing nft (Debian package nftables) ..." >&2
+    apt_install nftables
+  fi
+}
+
 # The dashboard test drives Debian's Chromium with playwright-core (npm).
 install_browser() {
   if ! command -v chromium >/dev/null; then

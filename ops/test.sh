@@ -3,7 +3,8 @@
 # black-box tests (real `walship node` / `walship coord` processes, a real
 # NATS server, and for the comparison benchmark's smoke run a PostgreSQL
 # primary with two standbys, each on free loopback ports, started and stopped
-# by the tests).
+# by the tests; the partition tests run each process as a Unix user of its
+# own and cut links with nftables, which needs root).
 # Installs what the tests need when the machine lacks it. `.ci/run` runs
 # exactly this.
 set -euo pipefail
@@ -24,6 +25,7 @@ fi
 install_nats
 install_schemathesis
 install_promtool
+install_nftables # the partition tests (they also need root)
 install_browser
 install_postgres # the comparison benchmark's smoke test
 install_fonts

@@ -104,7 +104,7 @@ enum Call {
     /// The same request as the only message of a `ShipSegments` stream.
     ShipStream(ShipSegmentRequest),
     Stream(StreamRequest),
-    Heartbeat(HeartbeatRequest),
+    Heartbeat(Box<HeartbeatRequest>),
     /// Raw bytes to a unary RPC path.
     Raw(&'static str, Vec<u8>),
     /// Raw bytes as the one message of a streaming RPC path.
@@ -128,7 +128,7 @@ impl Call {
                 }
                 // A refused stream fails the call itself, before any stream exists.
                 Call::Stream(r) => client.stream_segments(r).await.map(|_| "a segment stream".to_string()),
-                Call::Heartbeat(r) => client.heartbeat(r).await.map(|r| format!("{:?}", r.into_inner())),
+                Call::Heartbeat(r) => client.heartbeat(*r).await.map(|r| format!("{:?}", r.into_inner())),
                 Call::Raw(path, body) => raw_unary(channel, path, &body).await.map(|b| format!("{b:?}")),
                 Call::RawStream(path, body) => {
                     common::raw_stream_first(channel, path, &body).await.map(|b| format!("{b:?}"))
@@ -603,7 +603,7 @@ async fn bad_shipping_requests_are_refused_precisely_and_change_nothing() {
         Case {
             name: "Heartbeat with node_id 0",
             node: FOLLOWER,
-            call: Call::Heartbeat(HeartbeatRequest { shard_id: SHARD, node_id: 0, ..Default::default() }),
+            call: Call::Heartbeat(Box::new(HeartbeatRequest { shard_id: SHARD, node_id: 0, ..Default::default() })),
             code: Code::InvalidArgument,
             words: words(&["unknown node"]),
             numbers: vec![0],
@@ -613,7 +613,7 @@ async fn bad_shipping_requests_are_refused_precisely_and_change_nothing() {
         Case {
             name: "Heartbeat with node_id 42",
             node: FOLLOWER,
-            call: Call::Heartbeat(HeartbeatRequest {
+            call: Call::Heartbeat(Box::new(HeartbeatRequest {
                 shard_id: SHARD,
                 node_id: 42,
                 epoch: EPOCH,
@@ -621,7 +621,7 @@ async fn bad_shipping_requests_are_refused_precisely_and_change_nothing() {
                 durable_seqno: d,
                 commit_seqno: d,
                 ..Default::default()
-            }),
+            })),
             code: Code::InvalidArgument,
             words: words(&["unknown node"]),
             numbers: vec![42],

@@ -11,6 +11,9 @@ use std::time::{Duration, Instant};
 use tonic::transport::{Channel, Endpoint};
 use walship_proto::log::log_client::LogClient;
 
+pub mod history;
+pub mod partition;
+
 /// Path of the `walship` binary under test.
 pub fn walship_bin() -> PathBuf {
     PathBuf::from(env!("CARGO_BIN_EXE_walship"))
@@ -197,6 +200,9 @@ pub struct Cluster {
     pub nodes: Vec<NodeProcess>,
     pub coordinators: Vec<CoordProcess>,
     pub nats: Option<String>,
+    /// Every process runs as a Unix user of its own ([`ClusterSpec::separate_users`]);
+    /// restarts keep it.
+    pub separate_users: bool,
 }
 
 /// The admin token test coordinators run with.
@@ -206,6 +212,7 @@ pub const TOKEN: &str = "test-token-0123456789";
 pub struct CoordProcess {
     pub child: Child,
     pub admin: String,
+    pub grpc: String,
     pub id: u32,
 }
 
@@ -252,6 +259,10 @@ pub struct ClusterSpec<'a> {
     /// Nodes whose stderr goes to a file (at INFO), kept across restarts,
     /// instead of the test's own stderr.
     pub stderr_logs: Vec<(u32, PathBuf)>,
+    /// Runs node i as Unix user `walship-n<i>` and coordinator c as
+    /// `walship-c<c>` (created on first use; needs root), so that
+    /// [`partition::Partition`] can cut links by socket owner.
+    pub separate_users: bool,
 }
 
 impl Default for ClusterSpec<'_> {
@@ -267,6 +278,7 @@ impl Default for ClusterSpec<'_> {
             node_env: Vec::new(),
             data_dirs: Vec::new(),
             stderr_logs: Vec::new(),
+            separate_users: false,
         }
     }
 }
@@ -319,6 +331,9 @@ impl Cluster {
     fn try_launch(spec: &ClusterSpec) -> Cluster {
         let ClusterSpec { host, nodes, shards, coordinators, replication, nats, .. } = *spec;
         let dir = tempfile::tempdir().unwrap();
+        if spec.separate_users {
+            partition::open_cluster_dir(dir.path(), coordinators, nats.is_some());
+        }
         let mut toml = String::from("cluster_id = \"test\"\n");
         for c in 1..=coordinators {
             let (g, a) = (free_port(), free_port());
@@ -353,10 +368,17 @@ impl Cluster {
                 let data = spec.data_dirs.iter().find(|(n, _)| *n == id).map(|(_, d)| d.clone());
                 let data = data.unwrap_or_else(|| dir.path().join(format!("node-{id}")));
                 let log = spec.stderr_logs.iter().find(|(n, _)| *n == id).map(|(_, l)| l.as_path());
-                Self::spawn(&config_path, &data, id, extra, env, log)
+                Self::spawn(&config_path, &data, id, extra, env, log, spec.separate_users)
             })
             .collect();
-        let mut cluster = Cluster { dir, config_path, nodes, coordinators: Vec::new(), nats: nats.map(str::to_string) };
+        let mut cluster = Cluster {
+            dir,
+            config_path,
+            nodes,
+            coordinators: Vec::new(),
+            nats: nats.map(str::to_string),
+            separate_users: spec.separate_users,
+        };
         for c in 1..=coordinators {
             let coordinator = cluster.spawn_coordinator(c);
             cluster.coordinators.push(coordinator);
@@ -375,8 +397,11 @@ impl Cluster {
         if let Some(url) = &self.nats {
             command.args(["--nats", url]);
         }
+        if self.separate_users {
+            partition::run_as(&mut command, &partition::coordinator_user(c), &[&self.dir.path().join("coord")]);
+        }
         let (child, fields) = spawn_listening(&mut command, &format!("coordinator c{c}"));
-        CoordProcess { child, admin: fields["admin"].clone(), id: c }
+        CoordProcess { child, admin: fields["admin"].clone(), grpc: fields["grpc"].clone(), id: c }
     }
 
     pub fn coordinator(&mut self, c: u32) -> &mut CoordProcess {
@@ -425,10 +450,15 @@ impl Cluster {
         extra: &[String],
         env: &[(String, String)],
         stderr_log: Option<&Path>,
+        separate_user: bool,
     ) -> NodeProcess {
         let data = data.to_path_buf();
+        let mut command = Command::new(walship_bin());
+        if separate_user {
+            partition::run_as(&mut command, &partition::node_user(id), &[&data]);
+        }
         let (child, fields) = spawn_listening_logged(
-            Command::new(walship_bin())
+            command
                 .envs(env.iter().map(|(k, v)| (k, v)))
                 // No WAL file of zeros per test node (`wal.prefill`).
                 .args([
@@ -467,7 +497,7 @@ impl Cluster {
     pub fn restart(&mut self, id: u32) {
         self.node(id).kill9();
         let (data, log) = (self.node(id).data_dir.clone(), self.node(id).stderr_log.clone());
-        let node = Self::spawn(&self.config_path, &data, id, &[], &[], log.as_deref());
+        let node = Self::spawn(&self.config_path, &data, id, &[], &[], log.as_deref(), self.separate_users);
         self.nodes[id as usize - 1] = node;
     }
 
@@ -477,7 +507,7 @@ impl Cluster {
         self.node(id).kill9();
         let (data, extra, log) =
             (self.node(id).data_dir.clone(), self.node(id).extra.clone(), self.node(id).stderr_log.clone());
-        let node = Self::spawn(&self.config_path, &data, id, &extra, &[], log.as_deref());
+        let node = Self::spawn(&self.config_path, &data, id, &extra, &[], log.as_deref(), self.separate_users);
         self.nodes[id as usize - 1] = node;
     }
 

@@ -54,12 +54,18 @@ impl Coordinator {
                             .heartbeat(leader, shard)
                             .is_some_and(|hb| hb.epoch == record.epoch && hb.needs_new_epoch);
                         // Silence counts only while this coordinator hears
-                        // another replica of the shard: when it hears none
-                        // (it is the one cut off, or just healed and its
+                        // another replica of the shard (when it hears none,
+                        // it is the one cut off, or just healed and its
                         // nodes' heartbeat connections are still backing
-                        // off) it has no evidence against the leader, and a
+                        // off), and only when the followers it hears do not
+                        // vouch for the leader (they would if it were alive
+                        // and shipping to them: the leader is cut off from
+                        // this coordinator only, and the shard works). A
                         // failover then would only churn epochs.
-                        restarted || (reference.elapsed() > timeout && self.hears_a_follower(shard, record, timeout))
+                        restarted
+                            || (reference.elapsed() > timeout
+                                && self.hears_a_follower(shard, record)
+                                && !self.followers_vouch(shard, record))
                     }
                 };
             let backing_off = self.retry_after.lock().get(&shard).is_some_and(|t| Instant::now() < *t);
@@ -141,14 +147,47 @@ impl Coordinator {
     }
 
     /// Whether a replica of `shard` other than its recorded leader
-    /// heartbeated within `timeout`.
-    fn hears_a_follower(&self, shard: u32, record: &ShardRecord, timeout: Duration) -> bool {
+    /// heartbeated just now (within three heartbeat intervals, at most half
+    /// the leader timeout): evidence that this coordinator's own network
+    /// works while the leader is silent. Heartbeats from every node stop at
+    /// about the same moment when the coordinator is the one cut off, so
+    /// "within the leader timeout" would still hold for a follower when the
+    /// leader's silence passes it.
+    fn hears_a_follower(&self, shard: u32, record: &ShardRecord) -> bool {
+        let r = &self.config.replication;
+        let fresh = Duration::from_millis((3 * r.heartbeat_ms).min(r.leader_timeout_ms / 2).max(1));
         let seen = self.seen.lock();
         record
             .replicas
             .iter()
-            .filter(|&&r| Some(r) != record.leader)
-            .any(|r| seen.get(r).is_some_and(|n| n.at.elapsed() <= timeout && n.shards.contains_key(&shard)))
+            .filter(|&&n| Some(n) != record.leader)
+            .any(|n| seen.get(n).is_some_and(|s| s.at.elapsed() <= fresh && s.shards.contains_key(&shard)))
+    }
+
+    /// Whether followers that heartbeated just now, following the recorded
+    /// leader in the record's epoch and hearing from it within the
+    /// replication timeout, make a majority together with it: the leader is
+    /// alive and replicating, whatever this coordinator hears of it.
+    fn followers_vouch(&self, shard: u32, record: &ShardRecord) -> bool {
+        let Some(leader) = record.leader else { return false };
+        let r = &self.config.replication;
+        let fresh = Duration::from_millis((3 * r.heartbeat_ms).min(r.leader_timeout_ms / 2).max(1));
+        let silence = r.replication_timeout().as_millis() as u64;
+        let seen = self.seen.lock();
+        let vouching = record
+            .replicas
+            .iter()
+            .filter(|&&n| n != leader)
+            .filter(|n| {
+                seen.get(n).is_some_and(|s| {
+                    s.at.elapsed() <= fresh
+                        && s.shards.get(&shard).is_some_and(|hb| {
+                            hb.epoch == record.epoch && hb.leader_node_id == leader && hb.leader_silent_ms <= silence
+                        })
+                })
+            })
+            .count();
+        failover::is_majority(vouching + 1, record.replicas.len())
     }
 
     /// Whether a majority of the shard's replica set cannot hear its
