@@ -11,6 +11,7 @@ use std::time::{Duration, Instant};
 use walship_proto::log::AssignRequest;
 
 use super::*;
+use crate::control::liveness::{self, FollowerReport};
 
 impl Coordinator {
     pub(super) async fn run_reconcile(self: Arc<Self>) {
@@ -39,7 +40,10 @@ impl Coordinator {
         let timeout = Duration::from_millis(self.config.replication.leader_timeout_ms);
         for (&shard, record) in &state.shards {
             let unhealthy = self.leader_unhealthy(shard, record, timeout);
-            let unheard = self.leader_unheard(shard, record, timeout);
+            let reports = self.follower_reports(shard, record, timeout);
+            let silence = self.config.replication.replication_timeout().as_millis() as u64;
+            let unheard = record.leader.is_some()
+                && liveness::majority_cannot_hear_leader(&reports, record.replicas.len(), silence);
             let lost = unhealthy.is_some()
                 || unheard
                 || match record.leader {
@@ -53,19 +57,11 @@ impl Coordinator {
                         let restarted = self
                             .heartbeat(leader, shard)
                             .is_some_and(|hb| hb.epoch == record.epoch && hb.needs_new_epoch);
-                        // Silence counts only while this coordinator hears
-                        // another replica of the shard (when it hears none,
-                        // it is the one cut off, or just healed and its
-                        // nodes' heartbeat connections are still backing
-                        // off), and only when the followers it hears do not
-                        // vouch for the leader (they would if it were alive
-                        // and shipping to them: the leader is cut off from
-                        // this coordinator only, and the shard works). A
-                        // failover then would only churn epochs.
+                        // Its silence towards this coordinator alone proves
+                        // little (see `control/liveness.rs`).
                         restarted
                             || (reference.elapsed() > timeout
-                                && self.hears_a_follower(shard, record)
-                                && !self.followers_vouch(shard, record))
+                                && liveness::leader_silence_means_lost(&reports, record.replicas.len(), silence))
                     }
                 };
             let backing_off = self.retry_after.lock().get(&shard).is_some_and(|t| Instant::now() < *t);
@@ -146,14 +142,11 @@ impl Coordinator {
         record.replicas.iter().filter(|&&r| r != leader).any(takes_over).then_some(reason)
     }
 
-    /// Whether a replica of `shard` other than its recorded leader
-    /// heartbeated just now (within three heartbeat intervals, at most half
-    /// the leader timeout): evidence that this coordinator's own network
-    /// works while the leader is silent. Heartbeats from every node stop at
-    /// about the same moment when the coordinator is the one cut off, so
-    /// "within the leader timeout" would still hold for a follower when the
-    /// leader's silence passes it.
-    fn hears_a_follower(&self, shard: u32, record: &ShardRecord) -> bool {
+    /// What each follower of `shard` (every replica but the recorded
+    /// leader) last reported, for `control/liveness.rs`: "fresh" within
+    /// three heartbeat intervals (at most half the leader timeout), "recent"
+    /// within `timeout`.
+    fn follower_reports(&self, shard: u32, record: &ShardRecord, timeout: Duration) -> Vec<FollowerReport> {
         let r = &self.config.replication;
         let fresh = Duration::from_millis((3 * r.heartbeat_ms).min(r.leader_timeout_ms / 2).max(1));
         let seen = self.seen.lock();
@@ -161,59 +154,19 @@ impl Coordinator {
             .replicas
             .iter()
             .filter(|&&n| Some(n) != record.leader)
-            .any(|n| seen.get(n).is_some_and(|s| s.at.elapsed() <= fresh && s.shards.contains_key(&shard)))
-    }
-
-    /// Whether followers that heartbeated just now, following the recorded
-    /// leader in the record's epoch and hearing from it within the
-    /// replication timeout, make a majority together with it: the leader is
-    /// alive and replicating, whatever this coordinator hears of it.
-    fn followers_vouch(&self, shard: u32, record: &ShardRecord) -> bool {
-        let Some(leader) = record.leader else { return false };
-        let r = &self.config.replication;
-        let fresh = Duration::from_millis((3 * r.heartbeat_ms).min(r.leader_timeout_ms / 2).max(1));
-        let silence = r.replication_timeout().as_millis() as u64;
-        let seen = self.seen.lock();
-        let vouching = record
-            .replicas
-            .iter()
-            .filter(|&&n| n != leader)
-            .filter(|n| {
-                seen.get(n).is_some_and(|s| {
-                    s.at.elapsed() <= fresh
-                        && s.shards.get(&shard).is_some_and(|hb| {
-                            hb.epoch == record.epoch && hb.leader_node_id == leader && hb.leader_silent_ms <= silence
-                        })
-                })
+            .map(|n| {
+                let node = seen.get(n);
+                let hb = node.and_then(|s| s.shards.get(&shard));
+                let age = node.map(|s| s.at.elapsed());
+                FollowerReport {
+                    fresh: hb.is_some() && age.is_some_and(|a| a <= fresh),
+                    recent: hb.is_some() && age.is_some_and(|a| a <= timeout),
+                    follows_leader: hb
+                        .is_some_and(|hb| hb.epoch == record.epoch && Some(hb.leader_node_id) == record.leader),
+                    leader_silent_ms: hb.map_or(0, |hb| hb.leader_silent_ms),
+                }
             })
-            .count();
-        failover::is_majority(vouching + 1, record.replicas.len())
-    }
-
-    /// Whether a majority of the shard's replica set cannot hear its
-    /// recorded leader: followers heard from within `timeout`, following
-    /// that leader in the record's epoch, whose heartbeats say they accepted
-    /// nothing from it for longer than the replication timeout. The leader
-    /// may still heartbeat this coordinator (cut off from its followers
-    /// only); a minority that cannot hear it changes nothing.
-    fn leader_unheard(&self, shard: u32, record: &ShardRecord, timeout: Duration) -> bool {
-        let Some(leader) = record.leader else { return false };
-        let silence = self.config.replication.replication_timeout().as_millis() as u64;
-        let seen = self.seen.lock();
-        let unheard = record
-            .replicas
-            .iter()
-            .filter(|&&r| r != leader)
-            .filter(|r| {
-                seen.get(r).is_some_and(|n| {
-                    n.at.elapsed() <= timeout
-                        && n.shards.get(&shard).is_some_and(|hb| {
-                            hb.epoch == record.epoch && hb.leader_node_id == leader && hb.leader_silent_ms > silence
-                        })
-                })
-            })
-            .count();
-        failover::is_majority(unheard, record.replicas.len())
+            .collect()
     }
 
     pub(super) async fn assign(&self, shard: u32, record: &ShardRecord, leader: NodeId, replica: NodeId) -> bool {
