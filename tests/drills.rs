@@ -308,6 +308,8 @@ async fn partition_drill_cut_leaders_are_replaced_and_nothing_is_lost() {
         let ms = t["time_to_new_leader_ms"].as_u64().unwrap_or_else(|| panic!("no new leader: {t}"));
         assert!(ms < bound, "trial {}: new leader after {ms} ms, bound {bound} ms: {t}", i + 1);
         times.push(ms);
+        let failover = t["time_to_failover_ms"].as_u64().unwrap_or_else(|| panic!("no failover time: {t}"));
+        assert!(failover <= ms, "the failover is recorded before the new leader acknowledges: {t}");
         assert!(t["failovers"].as_u64().unwrap() >= 1, "{t}");
         assert!(t["acked"].as_u64().unwrap() > 0, "{t}");
         assert_eq!(t["records_lost"], 0, "{t}");
@@ -376,7 +378,7 @@ async fn partition_drill_refuses_bad_input_and_a_cut_follower_moves_no_leadershi
     assert_eq!((t["old_leader"].as_u64(), t["new_leader"].as_u64()), (Some(1), Some(1)), "{t}");
     assert_eq!(t["new_epoch"], t["old_epoch"], "{t}");
     assert_eq!(t["cut_follower"], 2, "the first follower is cut: {t}");
-    assert!(t["time_to_new_leader_ms"].is_null(), "{t}");
+    assert!(t["time_to_new_leader_ms"].is_null() && t["time_to_failover_ms"].is_null(), "{t}");
     assert!(t["acked"].as_u64().unwrap() > 0, "the leader kept acknowledging with one follower: {t}");
     assert_eq!(p["records_lost"], 0, "{p}");
     assert_eq!(cluster.leader_of(1, 1).await, before, "leadership moved");

@@ -96,6 +96,10 @@ pub struct PartitionTrial {
     /// Cut -> the first QUORUM append acknowledged in a newer epoch; none
     /// if no new leader acknowledged one (expected for `follower,leader`).
     pub time_to_new_leader_ms: Option<u64>,
+    /// Cut -> the coordinator records a newer epoch (the failover itself;
+    /// the first acknowledgement also waits for clients to leave the old
+    /// leader, whose pending appends fail when its lease runs out).
+    pub time_to_failover_ms: Option<u64>,
     /// Failovers the coordinator recorded for the shard from the cut to
     /// convergence after the heal.
     pub failovers: u64,
@@ -339,11 +343,18 @@ impl Coordinator {
         let lost_majority_at = answered[0];
         let probe = leader_cut.then(|| LocalProbe::start(self, old_leader, shard, old_epoch, tag.clone()));
         let hold_until = cut_at + Duration::from_secs(request.seconds);
+        let mut failed_over = None;
         let first_new = if leader_cut {
             self.drills.progress(id, &format!("trial {trial}/{of}: waiting for a new leader's first QUORUM ack"));
             let mut first = None;
             while cut_at.elapsed() < NEW_LEADER_PATIENCE {
+                if failed_over.is_none()
+                    && self.state().and_then(|s| s.shards.get(&shard).map(|r| r.epoch)).is_some_and(|e| e > old_epoch)
+                {
+                    failed_over = Some(cut_at.elapsed());
+                }
                 if load.acks.lock().await.values().any(|(_, e)| *e > old_epoch) {
+                    failed_over.get_or_insert_with(|| cut_at.elapsed());
                     first = Some(cut_at.elapsed());
                     break;
                 }
@@ -398,6 +409,7 @@ impl Coordinator {
             new_epoch,
             cut_follower,
             time_to_new_leader_ms: first_new.map(|d| d.as_millis() as u64),
+            time_to_failover_ms: failed_over.map(|d| d.as_millis() as u64),
             failovers,
             acked: acks.len() as u64,
             records_lost: lost + divergent,
