@@ -1,5 +1,7 @@
-//! `walship drill failover|catchup|corruption`: start a drill on the coordinator's
-//! admin API, show its progress, print its report (JSON on stdout).
+//! `walship drill failover|catchup|corruption|partition`: start a drill on
+//! the coordinator's admin API, show its progress, print its report (JSON
+//! on stdout). Exits non-zero when the drill failed or found what it must
+//! not (records lost, a leader acknowledging after losing its majority).
 
 use std::time::Duration;
 
@@ -82,6 +84,23 @@ pub enum DrillKind {
         #[arg(long, default_value_t = 2)]
         clients: usize,
     },
+    /// Dev and test clusters only (nodes started with --allow-crash-drills): cut the shard's leader from its followers (or one follower from the leader) under QUORUM load, while every node still reaches the coordinator. The partition is simulated at the replication layer by the nodes themselves (they drop replication traffic with the cut peers), not by the network. Per trial and overall: time to a new leader's first QUORUM ack (p50, p99, max), failovers, records lost (must be 0), and LOCAL acks the old leader gave after losing its majority (must be 0 past the replication timeout).
+    Partition {
+        #[arg(long)]
+        shard: u32,
+        /// What is cut: `leader,followers` (a failover is expected) or `follower,leader` (the first follower cut from the leader; no failover is expected).
+        #[arg(long, default_value = "leader,followers")]
+        between: String,
+        /// How long each trial's partition lasts, from the cut.
+        #[arg(long, default_value_t = 2)]
+        seconds: u64,
+        /// Trials, one after another (1..=20).
+        #[arg(long, default_value_t = 1)]
+        trials: u32,
+        /// Concurrent QUORUM appenders of the load generator.
+        #[arg(long, default_value_t = 8)]
+        clients: usize,
+    },
 }
 
 /// Starts a drill and waits for its report; returns the report.
@@ -126,6 +145,10 @@ pub async fn run(args: DrillArgs) -> Result<()> {
             "/v1/drills/corruption",
             serde_json::json!({"shard": shard, "node": node, "allow_leader": allow_leader, "clients": clients}),
         ),
+        DrillKind::Partition { shard, between, seconds, trials, clients } => (
+            "/v1/drills/partition",
+            serde_json::json!({"shard": shard, "between": between, "seconds": seconds, "trials": trials, "clients": clients}),
+        ),
     };
     let report = run_drill(&args.admin.resolve()?, path, body, false).await?;
     println!("{}", serde_json::to_string_pretty(&report)?);
@@ -142,6 +165,18 @@ pub async fn run(args: DrillArgs) -> Result<()> {
         && (corruption["records_lost"].as_u64() != Some(0) || corruption["repaired"] != serde_json::Value::Bool(true))
     {
         bail!("the damaged replica did not repair itself, or records were lost");
+    }
+    let partition = &report["partition"];
+    if !partition.is_null() {
+        if partition["records_lost"].as_u64() != Some(0) {
+            bail!("the partition drill lost acknowledged records");
+        }
+        if partition["old_leader_local_acks_after_timeout"].as_u64().is_some_and(|n| n > 0) {
+            bail!("the old leader acknowledged LOCAL appends after losing its majority for the replication timeout");
+        }
+        if partition["between"] == "follower,leader" && partition["failovers"].as_u64() != Some(0) {
+            bail!("cutting one follower from the leader failed the shard over");
+        }
     }
     Ok(())
 }

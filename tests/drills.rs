@@ -4,7 +4,13 @@
 //! follower and reports its catch-up; the corruption drill (through the
 //! CLI) has a follower damage a stored record and reports its detection and
 //! repair with nothing lost, and its node-side hook refuses bad input
-//! changing nothing. Drill endpoints need the token.
+//! changing nothing. The partition drill (through the CLI) cuts the leader
+//! from its followers three times and must report a new leader each time,
+//! within a bound derived from the replication timeout, nothing lost and no
+//! `LOCAL` acknowledgement from the old leader past its lease; cutting one
+//! follower moves no leadership; its endpoint and node-side hook
+//! (`Control.Partition`) refuse bad input changing nothing. Drill endpoints
+//! need the token.
 
 mod common;
 
@@ -96,14 +102,21 @@ async fn catchup_drill_reports_rate_and_live_throughput() {
 /// Runs `walship drill corruption` with `args` against coordinator 1;
 /// (exit success, stdout, stderr).
 async fn cli_corruption_drill(cluster: &mut Cluster, args: &[&str]) -> (bool, String, String) {
+    cli_drill(cluster, "corruption", args).await
+}
+
+/// Runs `walship drill <kind>` with `args` against coordinator 1; (exit
+/// success, stdout, stderr).
+async fn cli_drill(cluster: &mut Cluster, kind: &str, args: &[&str]) -> (bool, String, String) {
     let admin = format!("http://{}", cluster.coordinator(1).admin);
+    let kind = kind.to_string();
     let args: Vec<String> = args.iter().map(|a| a.to_string()).collect();
     let output = tokio::task::spawn_blocking(move || {
         std::process::Command::new(common::walship_bin())
-            .args(["drill", "corruption", "--admin", &admin, "--token", TOKEN])
+            .args(["drill", &kind, "--admin", &admin, "--token", TOKEN])
             .args(&args)
             .output()
-            .expect("run walship drill corruption")
+            .expect("run walship drill")
     })
     .await
     .unwrap();
@@ -240,4 +253,231 @@ async fn damage_record_refuses_bad_input_and_changes_nothing() {
     let status = cluster.status(1).await.unwrap();
     assert_eq!(status["shards"][0]["corruption"], serde_json::json!([]));
     assert_eq!(common::read_all(&cluster.node(1).grpc.clone(), 1, 20).await.len(), 20);
+}
+
+/// FAST's replication timeout: max(leader_timeout_ms 1000, 3 × keepalive_ms
+/// 100). A leader cut from its majority stops acknowledging within it, and
+/// the coordinator fails over once a majority has not heard the leader for
+/// `leader_timeout_ms`.
+const FAST_REPLICATION_TIMEOUT_MS: u64 = 1000;
+
+/// Waits until the coordinator records node 1 as shard 1's leader.
+async fn wait_coordinator_records_node_1(cluster: &mut Cluster) {
+    cluster.wait_node_leads(1, 1, Duration::from_secs(30)).await;
+    wait_until("the coordinator to record node 1 as leader", Duration::from_secs(30), || {
+        let ok = futures::executor::block_on(cluster.leader_of(1, 1)).is_some_and(|(l, _)| l == 1);
+        async move { ok }
+    })
+    .await;
+}
+
+/// Peers node `id`'s status page says a partition drill cuts it from.
+async fn partitioned_from(cluster: &Cluster, id: u32) -> serde_json::Value {
+    cluster.status(id).await.expect("node status")["drill_partitioned_from"].clone()
+}
+
+/// `walship drill partition --between leader,followers --seconds 2
+/// --trials 3`: each trial cuts the then leader from both followers; a
+/// follower must take over and acknowledge a QUORUM append within three
+/// replication timeouts of the cut, nothing acknowledged may be lost, and
+/// the old leader must acknowledge no `LOCAL` append sent a replication
+/// timeout or more after it lost its majority. Afterwards no node is cut.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn partition_drill_cut_leaders_are_replaced_and_nothing_is_lost() {
+    let mut cluster = Cluster::start_with(3, 1, 1, FAST, None);
+    wait_coordinator_records_node_1(&mut cluster).await;
+
+    let args = ["--shard", "1", "--between", "leader,followers", "--seconds", "2", "--trials", "3", "--clients", "4"];
+    let (ok, stdout, stderr) = cli_drill(&mut cluster, "partition", &args).await;
+    assert!(ok, "the drill failed: {stdout}\n{stderr}");
+    let report: serde_json::Value = serde_json::from_str(&stdout).expect("a JSON report on stdout");
+    assert_eq!((report["kind"].as_str(), report["state"].as_str()), (Some("partition"), Some("done")), "{report}");
+    let p = &report["partition"];
+    assert_eq!(p["replication_timeout_ms"], FAST_REPLICATION_TIMEOUT_MS, "{p}");
+    let trials = p["trials"].as_array().expect("trials");
+    assert_eq!(trials.len(), 3, "{p}");
+    let bound = 3 * FAST_REPLICATION_TIMEOUT_MS;
+    let mut times = Vec::new();
+    for (i, t) in trials.iter().enumerate() {
+        assert_eq!(t["trial"], i as u64 + 1, "{t}");
+        assert_ne!(t["new_leader"], t["old_leader"], "trial {}: the cut leader still leads: {t}", i + 1);
+        assert!(t["new_epoch"].as_u64().unwrap() > t["old_epoch"].as_u64().unwrap(), "{t}");
+        if i > 0 {
+            assert_eq!(t["old_leader"], trials[i - 1]["new_leader"], "each trial cuts the leader then: {p}");
+        }
+        let ms = t["time_to_new_leader_ms"].as_u64().unwrap_or_else(|| panic!("no new leader: {t}"));
+        assert!(ms < bound, "trial {}: new leader after {ms} ms, bound {bound} ms: {t}", i + 1);
+        times.push(ms);
+        let failover = t["time_to_failover_ms"].as_u64().unwrap_or_else(|| panic!("no failover time: {t}"));
+        assert!(failover <= ms, "the failover is recorded before the new leader acknowledges: {t}");
+        assert!(t["failovers"].as_u64().unwrap() >= 1, "{t}");
+        assert!(t["acked"].as_u64().unwrap() > 0, "{t}");
+        assert_eq!(t["records_lost"], 0, "{t}");
+        assert_eq!(t["old_leader_local_acks_after_timeout"], 0, "{t}");
+        assert!(t["old_leader_local_acks_within_timeout"].is_u64(), "{t}");
+    }
+    assert_eq!(p["records_lost"], 0, "{p}");
+    assert_eq!(p["old_leader_local_acks_after_timeout"], 0, "{p}");
+    let summary = &p["time_to_new_leader"];
+    assert_eq!(summary["count"], 3, "{p}");
+    assert_eq!(summary["max_ms"].as_u64(), times.iter().max().copied(), "{p}");
+    let sorted = {
+        let mut t = times.clone();
+        t.sort_unstable();
+        t
+    };
+    assert_eq!((summary["p50_ms"].as_u64(), summary["p99_ms"].as_u64()), (Some(sorted[1]), Some(sorted[2])), "{p}");
+    // Healed: no node treats a peer as unreachable any more.
+    for id in 1..=3 {
+        assert_eq!(partitioned_from(&cluster, id).await, serde_json::json!([]), "node {id}");
+    }
+    eprintln!("partition drill: times to new leader {times:?} ms; {p}");
+}
+
+/// Bad partition drill requests are refused (404 unknown shard, 400 for a
+/// `between` other than the two shapes, naming them, and for trials 0 or
+/// 21), starting nothing and moving no leadership; cutting one follower
+/// from the leader (`follower,leader`) fails nothing over.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn partition_drill_refuses_bad_input_and_a_cut_follower_moves_no_leadership() {
+    let mut cluster = Cluster::start_with(3, 1, 1, FAST, None);
+    wait_coordinator_records_node_1(&mut cluster).await;
+    let before = cluster.leader_of(1, 1).await;
+
+    let path = "/v1/drills/partition";
+    let (code, _) = cluster.coord_post(1, path, r#"{"shard": 1}"#, None).await;
+    assert_eq!(code, 401);
+    let (code, body) = cluster.coord_post(1, path, r#"{"shard": 99}"#, Some(TOKEN)).await;
+    assert_eq!((code, body["error"]["code"].as_str()), (404, Some("unknown_shard")), "{body}");
+    for between in ["leader,coordinator", "followers,leader", ""] {
+        let request = format!(r#"{{"shard": 1, "between": "{between}"}}"#);
+        let (code, body) = cluster.coord_post(1, path, &request, Some(TOKEN)).await;
+        assert_eq!(code, 400, "{between:?}: {body}");
+        let message = body["error"]["message"].as_str().unwrap();
+        assert!(message.contains("leader,followers") && message.contains("follower,leader"), "{message}");
+    }
+    for trials in [0, 21] {
+        let request = format!(r#"{{"shard": 1, "trials": {trials}}}"#);
+        let (code, body) = cluster.coord_post(1, path, &request, Some(TOKEN)).await;
+        assert_eq!(code, 400, "trials {trials}: {body}");
+        assert!(body["error"]["message"].as_str().unwrap().contains("trials"), "{body}");
+    }
+    let (ok, _, stderr) = cli_drill(&mut cluster, "partition", &["--shard", "1", "--between", "leader"]).await;
+    assert!(!ok && stderr.contains("400") && stderr.contains("follower,leader"), "{stderr}");
+    let (_, list) = cluster.coord_get(1, "/v1/drills").await;
+    assert_eq!(list, serde_json::json!([]), "a refused drill started something");
+    assert_eq!(cluster.leader_of(1, 1).await, before, "a refused drill moved leadership");
+
+    let args = ["--shard", "1", "--between", "follower,leader", "--seconds", "2", "--clients", "4"];
+    let (ok, stdout, stderr) = cli_drill(&mut cluster, "partition", &args).await;
+    assert!(ok, "the drill failed: {stdout}\n{stderr}");
+    let report: serde_json::Value = serde_json::from_str(&stdout).expect("a JSON report on stdout");
+    let p = &report["partition"];
+    assert_eq!(p["failovers"], 0, "cutting one follower failed the shard over: {p}");
+    let t = &p["trials"][0];
+    assert_eq!((t["old_leader"].as_u64(), t["new_leader"].as_u64()), (Some(1), Some(1)), "{t}");
+    assert_eq!(t["new_epoch"], t["old_epoch"], "{t}");
+    assert_eq!(t["cut_follower"], 2, "the first follower is cut: {t}");
+    assert!(t["time_to_new_leader_ms"].is_null() && t["time_to_failover_ms"].is_null(), "{t}");
+    assert!(t["acked"].as_u64().unwrap() > 0, "the leader kept acknowledging with one follower: {t}");
+    assert_eq!(p["records_lost"], 0, "{p}");
+    assert_eq!(cluster.leader_of(1, 1).await, before, "leadership moved");
+    for id in 1..=3 {
+        assert_eq!(partitioned_from(&cluster, id).await, serde_json::json!([]), "node {id}");
+    }
+}
+
+/// `Control.Partition` refuses, changing nothing: on a node without
+/// `--allow-crash-drills` (PERMISSION_DENIED), and naming an unknown node,
+/// the node itself, or lasting past the cap (INVALID_ARGUMENT), even when a
+/// partition is in force. A valid one cuts only the named peer (its
+/// catch-up requests are refused with UNAVAILABLE, another follower's are
+/// not, and the leader still commits with the other follower), heals at
+/// millis 0 and expires by itself.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn partition_rpc_refuses_bad_input_and_changes_nothing() {
+    use walship_proto::log::control_client::ControlClient;
+    use walship_proto::log::{AppendRecord, AppendRequest, Durability, PartitionRequest};
+    use walship_proto::replication::StreamRequest;
+    use walship_proto::replication::wal_shipping_client::WalShippingClient;
+
+    async fn channel(grpc: &str) -> tonic::transport::Channel {
+        tonic::transport::Endpoint::from_shared(format!("http://{grpc}")).unwrap().connect().await.unwrap()
+    }
+    let cut = |peers: &[u32], millis| PartitionRequest { peers: peers.to_vec(), millis };
+
+    // Without --allow-crash-drills.
+    let dir = tempfile::tempdir().unwrap();
+    let node = common::NodeProcess::start(1, dir.path(), "1", &[]);
+    let refused = ControlClient::new(channel(&node.grpc).await).partition(cut(&[2], 1000)).await;
+    common::assert_refused(
+        "partition without crash drills",
+        refused,
+        tonic::Code::PermissionDenied,
+        &["allow-crash-drills"],
+        &[],
+    );
+    let (code, body) = common::http_get(&format!("{}/v1/status", node.admin)).await;
+    assert_eq!(code, 200);
+    let status: serde_json::Value = serde_json::from_str(&body).unwrap();
+    assert_eq!(status["drill_partitioned_from"], serde_json::json!([]), "{status}");
+
+    let mut cluster = Cluster::start_with(3, 1, 1, FAST, None);
+    wait_coordinator_records_node_1(&mut cluster).await;
+    let grpc = cluster.node(1).grpc.clone();
+    let mut control = ControlClient::new(channel(&grpc).await);
+    /// (peers, millis, words and numbers the refusal names).
+    type Bad<'a> = (&'a [u32], u64, &'a [&'a str], &'a [u64]);
+    let bad: [Bad; 4] = [
+        (&[9], 1000, &["not a node"], &[9]),
+        (&[1], 1000, &["itself"], &[1]),
+        (&[2, 9], 1000, &["not a node"], &[9]),
+        (&[2], 600_001, &["at most"], &[600_001, 600_000]),
+    ];
+    for (peers, millis, words, numbers) in bad {
+        let refused = control.partition(cut(peers, millis)).await;
+        common::assert_refused("a bad partition", refused, tonic::Code::InvalidArgument, words, numbers);
+        assert_eq!(partitioned_from(&cluster, 1).await, serde_json::json!([]), "{peers:?} {millis}");
+    }
+
+    // A valid partition from node 2; bad input then leaves it as it is.
+    control.partition(cut(&[2], 60_000)).await.expect("a partition from node 2");
+    assert_eq!(partitioned_from(&cluster, 1).await, serde_json::json!([2]));
+    let refused = control.partition(cut(&[9], 0)).await;
+    common::assert_refused("a bad heal", refused, tonic::Code::InvalidArgument, &["not a node"], &[9]);
+    assert_eq!(partitioned_from(&cluster, 1).await, serde_json::json!([2]), "a refused call changed the partition");
+    // Node 2's catch-up requests are refused as partitioned; node 3's are not.
+    let mut shipping = WalShippingClient::new(channel(&grpc).await);
+    let stream = |follower| StreamRequest { shard_id: 1, from_seqno: 1, epoch: 0, follower_node_id: follower };
+    let refused = shipping.stream_segments(stream(2)).await.map(|_| ());
+    common::assert_refused(
+        "a cut follower's catch-up",
+        refused,
+        tonic::Code::Unavailable,
+        &["partitioned (drill)"],
+        &[1, 2],
+    );
+    assert!(shipping.stream_segments(stream(3)).await.is_ok(), "node 3 is not cut");
+    // The leader still commits with node 3.
+    let mut log = cluster.node(1).client().await;
+    let append = AppendRequest {
+        shard_id: 1,
+        records: vec![AppendRecord {
+            key: bytes::Bytes::new(),
+            payload: bytes::Bytes::from_static(b"while cut from 2"),
+        }],
+        durability: Durability::Quorum as i32,
+    };
+    log.append(append).await.expect("a QUORUM append with one follower cut");
+
+    control.partition(cut(&[], 0)).await.expect("heal");
+    assert_eq!(partitioned_from(&cluster, 1).await, serde_json::json!([]));
+    // A partition expires by itself.
+    control.partition(cut(&[2, 3], 3_000)).await.expect("a short partition");
+    assert_eq!(partitioned_from(&cluster, 1).await, serde_json::json!([2, 3]));
+    wait_until("the partition to expire", Duration::from_secs(10), || {
+        let healed = futures::executor::block_on(partitioned_from(&cluster, 1)) == serde_json::json!([]);
+        async move { healed }
+    })
+    .await;
 }

@@ -16,7 +16,7 @@ use axum::routing::{get, post};
 use axum::{Json, Router};
 use prometheus::{Encoder, Registry, TextEncoder};
 use walship_shipping::control::drills::{
-    CatchupDrillRequest, CorruptionDrillRequest, DrillReport, FailoverDrillRequest,
+    CatchupDrillRequest, CorruptionDrillRequest, DrillReport, FailoverDrillRequest, PartitionDrillRequest,
 };
 use walship_shipping::control::{CoordError, Coordinator, FailoverOutcome, FailoverRequest};
 
@@ -46,6 +46,7 @@ pub fn coord_router(admin: Arc<CoordAdmin>) -> Router {
         .route("/v1/drills/failover", post(failover_drill))
         .route("/v1/drills/catchup", post(catchup_drill))
         .route("/v1/drills/corruption", post(corruption_drill))
+        .route("/v1/drills/partition", post(partition_drill))
         .route("/v1/tasks", get(tasks))
         .route("/v1/tasks/{id}", get(task))
         .fallback(|| async { ApiError::new(StatusCode::NOT_FOUND, "not_found", "no such endpoint") })
@@ -436,6 +437,25 @@ async fn corruption_drill(
     body: Result<Json<CorruptionDrillRequest>, JsonRejection>,
 ) -> Response {
     start_drill(&admin, who, &headers, body, Coordinator::start_corruption_drill)
+}
+
+/// Dev and test clusters only: the shard's leader is cut from its followers
+/// (or one follower from the leader), simulated at the replication layer by
+/// the nodes themselves (started with `--allow-crash-drills`), while every
+/// node still reaches the coordinator; `trials` times.
+#[utoipa::path(post, path = "/v1/drills/partition", tag = "drills", request_body = PartitionDrillRequest,
+    security(("bearer" = [])), responses((status = 202, description = "started", body = DrillStarted),
+        (status = 400, description = "malformed body, between not one of the supported shapes, trials, seconds or clients out of range, fewer than 3 replicas", body = crate::models::ErrorBody), (status = 401, body = crate::models::ErrorBody), (status = 403, body = crate::models::ErrorBody),
+        (status = 404, description = "unknown shard", body = crate::models::ErrorBody), (status = 409, body = crate::models::ErrorBody), (status = 413, body = crate::models::ErrorBody),
+        (status = 415, description = "not application/json", body = crate::models::ErrorBody),
+        (status = 503, description = "not the active coordinator", body = crate::models::ErrorBody)))]
+async fn partition_drill(
+    State(admin): State<Arc<CoordAdmin>>,
+    ConnectInfo(who): ConnectInfo<std::net::SocketAddr>,
+    headers: HeaderMap,
+    body: Result<Json<PartitionDrillRequest>, JsonRejection>,
+) -> Response {
+    start_drill(&admin, who, &headers, body, Coordinator::start_partition_drill)
 }
 
 #[utoipa::path(get, path = "/healthz", tag = "health", responses((status = 200, description = "the process is up", body = String)))]

@@ -138,6 +138,7 @@ async fn status(State(admin): State<Arc<NodeAdmin>>) -> Response {
         shards: admin.node.status(),
         heartbeats_received: admin.node.received_heartbeats(),
         disk: disk_status(&admin),
+        drill_partitioned_from: admin.node.drill_partitioned_from(),
     })
     .into_response()
 }

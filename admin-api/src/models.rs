@@ -20,6 +20,11 @@ pub struct NodeStatus {
     /// The WAL disk's free space against its reserve.
     #[serde(default)]
     pub disk: DiskStatus,
+    /// Peer nodes a partition drill (`Control.Partition`, dev and test
+    /// clusters only) has this node treat as unreachable for replication
+    /// traffic right now; empty outside a drill.
+    #[serde(default)]
+    pub drill_partitioned_from: Vec<u32>,
 }
 
 /// The free space of a node's WAL disk (`wal.min_free_bytes`).

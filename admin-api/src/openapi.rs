@@ -29,7 +29,7 @@ impl Modify for Bearer {
         crate::coord::healthz, crate::coord::readyz, crate::coord::metrics, crate::coord::openapi,
         crate::coord::cluster, crate::coord::shards, crate::coord::shard, crate::coord::failover,
         crate::coord::drills, crate::coord::drill, crate::coord::failover_drill, crate::coord::catchup_drill,
-        crate::coord::corruption_drill,
+        crate::coord::corruption_drill, crate::coord::partition_drill,
         crate::coord::tasks, crate::coord::task,
     ),
     components(schemas(
@@ -41,6 +41,8 @@ impl Modify for Bearer {
         walship_shipping::control::drills::DrillReport, walship_shipping::control::drills::FailoverDrillResult,
         walship_shipping::control::drills::CatchupDrillResult,
         walship_shipping::control::drills::CorruptionDrillRequest, walship_shipping::control::drills::CorruptionDrillResult,
+        walship_shipping::control::drills::PartitionDrillRequest, walship_shipping::control::drills::PartitionDrillResult,
+        walship_shipping::control::drills::PartitionTrial, walship_shipping::control::drills::TimeSummary,
     )),
     modifiers(&Bearer),
 )]

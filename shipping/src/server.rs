@@ -10,6 +10,7 @@
 //! | older epoch than seen (metadata `walship-epoch`), sent to the leader, from a node that is not the leader | `FAILED_PRECONDITION` |
 //! | gap (metadata `walship-applied-seqno`), catch-up from a compacted seqno (needs re-seed) | `OUT_OF_RANGE` |
 //! | message over the size limit | `OUT_OF_RANGE` (tonic's frame check) |
+//! | from a peer a partition drill cuts (`Control.Partition`) | `UNAVAILABLE` |
 //!
 //! `ShipSegments` (walship's streaming form of `ShipSegment`, see the proto)
 //! answers each push in order with what `ShipSegment` would; a refusal ends
@@ -25,7 +26,8 @@ use tonic::{Request, Response, Status};
 use walship_proto::log::control_server::Control;
 use walship_proto::log::{
     AssignRequest, AssignResponse, CrashRequest, CrashResponse, DamageRecordRequest, DamageRecordResponse,
-    EpochEndRequest, EpochEndResponse, FenceRequest, FenceResponse, PauseRequest, PauseResponse, PositionRequest,
+    EpochEndRequest, EpochEndResponse, FenceRequest, FenceResponse, PartitionRequest, PartitionResponse, PauseRequest,
+    PauseResponse, PositionRequest,
 };
 use walship_proto::replication::wal_shipping_server::WalShipping;
 use walship_proto::replication::{
@@ -133,8 +135,9 @@ impl WalShipping for WalShippingService {
 /// coordinator, epoch ends for followers repairing their logs, and drill
 /// hooks. Refusals: `NOT_FOUND` (shard not hosted), `FAILED_PRECONDITION`
 /// with `walship-epoch` (an older epoch than promised), `INVALID_ARGUMENT`
-/// (epoch 0, leader outside the replica set), `PERMISSION_DENIED` (crash
-/// drills not enabled).
+/// (epoch 0, leader outside the replica set; a partition naming this node,
+/// an unknown node or too long), `PERMISSION_DENIED` (crash drills not
+/// enabled).
 #[derive(Clone)]
 pub struct ControlService {
     node: Arc<ReplicationNode>,
@@ -193,5 +196,11 @@ impl Control for ControlService {
     ) -> Result<Response<DamageRecordResponse>, Status> {
         let r = request.into_inner();
         self.node.damage_record(r.shard_id, r.seqno).await.map(Response::new).map_err(Status::from)
+    }
+
+    async fn partition(&self, request: Request<PartitionRequest>) -> Result<Response<PartitionResponse>, Status> {
+        let r = request.into_inner();
+        self.node.partition(&r.peers, r.millis)?;
+        Ok(Response::new(PartitionResponse {}))
     }
 }

@@ -15,6 +15,13 @@
 //!   fast the node reports it and repairs it from an intact replica, how
 //!   many bytes it refetched, and checks that every acknowledged record
 //!   reads back identical from the damaged node and the leader.
+//! * Partition drill ([`partition`]): under QUORUM load, the leader is cut
+//!   from its followers (or one follower from the leader) at the
+//!   replication layer (`Control.Partition`, dev and test clusters only),
+//!   while everyone still reaches the coordinator; per trial it measures
+//!   the time to a new leader's first QUORUM acknowledgement, counts
+//!   failovers and the old leader's `LOCAL` acknowledgements after it lost
+//!   its majority, heals, and verifies every acknowledged record.
 
 use std::collections::BTreeMap;
 use std::sync::Arc;
@@ -32,6 +39,9 @@ use walship_proto::log::{
 
 use crate::NodeId;
 use crate::control::coordinator::{CoordError, Coordinator, FailoverRequest, now_ms};
+
+mod partition;
+pub use partition::{PartitionDrillRequest, PartitionDrillResult, PartitionTrial, TimeSummary};
 
 /// `POST /v1/drills/failover`.
 #[derive(Debug, Clone, Serialize, Deserialize, PartialEq, Eq, utoipa::ToSchema)]
@@ -174,7 +184,7 @@ pub struct CorruptionDrillResult {
 #[derive(Debug, Clone, Serialize, Deserialize, PartialEq, utoipa::ToSchema)]
 pub struct DrillReport {
     pub id: String,
-    /// `failover`, `catchup` or `corruption`.
+    /// `failover`, `catchup`, `corruption` or `partition`.
     pub kind: String,
     pub shard: u32,
     /// `running`, `done` or `failed`.
@@ -185,6 +195,7 @@ pub struct DrillReport {
     pub failover: Option<FailoverDrillResult>,
     pub catchup: Option<CatchupDrillResult>,
     pub corruption: Option<CorruptionDrillResult>,
+    pub partition: Option<PartitionDrillResult>,
     pub error: Option<String>,
 }
 
@@ -221,6 +232,7 @@ impl Drills {
                 failover: None,
                 catchup: None,
                 corruption: None,
+                partition: None,
                 error: None,
             },
         );

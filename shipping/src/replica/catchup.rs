@@ -36,6 +36,8 @@ impl ReplicationNode {
         self: &Arc<Self>,
         request: StreamRequest,
     ) -> Result<tokio::sync::mpsc::Receiver<Result<ShipSegmentRequest, tonic::Status>>, ReplicaError> {
+        // Partition drill: a cut follower's catch-up request is refused.
+        self.check_partition(request.follower_node_id)?;
         let replica = self.replica_or_not_found(request.shard_id)?;
         let Some(leader) = replica.leader_state() else {
             let hint = replica.leader_id(self.me).map_or("unknown".to_string(), |l| self.describe(l));
@@ -72,6 +74,12 @@ impl ReplicationNode {
             loop {
                 if leader.stop.is_cancelled() {
                     let _ = tx.send(Err(tonic::Status::unavailable("this replica stopped leading"))).await;
+                    return;
+                }
+                // Partition drill: a stream already running when the cut
+                // came ends as a broken connection would end it.
+                if let Err(e) = node.check_partition(request.follower_node_id) {
+                    let _ = tx.send(Err(e.into())).await;
                     return;
                 }
                 let (durable, commit) = {
@@ -165,6 +173,9 @@ impl ReplicationNode {
     /// our last record's epoch ends in its log, and cut to the lower of that
     /// and where the same epoch ends in ours.
     async fn repair(&self, replica: &ShardReplica, leader: NodeId, epoch: u64) -> Result<(), ReplicaError> {
+        // Partition drill: EpochEnd carries no caller id for the leader to
+        // refuse, so it is blocked here, on the calling side.
+        self.check_partition(leader)?;
         let mut client =
             self.peers.control(leader).ok_or_else(|| ReplicaError::Unavailable("leader address unknown".into()))?;
         let _guard = replica.follower.apply_lock.lock().await;
@@ -174,6 +185,7 @@ impl ReplicationNode {
                 break;
             }
             let last_epoch = self.wal.epoch_at(replica.shard, p.last_seqno).await?;
+            self.check_partition(leader)?;
             let mut request = tonic::Request::new(EpochEndRequest { shard_id: replica.shard, epoch: last_epoch });
             request.set_timeout(Duration::from_secs(2));
             let answer = client.epoch_end(request).await?.into_inner();
@@ -214,6 +226,9 @@ impl ReplicationNode {
         leader: NodeId,
         epoch: u64,
     ) -> Result<(), ReplicaError> {
+        // Partition drill: no catch-up from a cut leader (each chunk is
+        // checked again in `queue_checked`, ending a stream cut midway).
+        self.check_partition(leader)?;
         let mut client =
             self.peers.shipping(leader).ok_or_else(|| ReplicaError::Unavailable("leader address unknown".into()))?;
         let from = *replica.follower.next_expected.borrow();

@@ -61,6 +61,9 @@ pub enum ReplicaError {
     NoSpace(String),
     #[error("crash drills are not enabled on this node (--allow-crash-drills)")]
     CrashDrillsDisabled,
+    /// A partition drill cuts this node's replication traffic with `peer`.
+    #[error("partitioned (drill): node {node} treats node {peer} as unreachable for replication")]
+    Partitioned { node: NodeId, peer: NodeId },
     /// A damage drill named a record this replica does not hold durably.
     #[error("shard {shard}: node {node} holds no durable record {seqno} to damage (it holds [{first}, {durable}])")]
     NoSuchRecord { shard: ShardId, node: NodeId, seqno: u64, first: u64, durable: u64 },
@@ -120,6 +123,7 @@ impl ReplicaError {
             | ReplicaError::Busy(_)
             | ReplicaError::Unavailable(_)
             | ReplicaError::CrashDrillsDisabled
+            | ReplicaError::Partitioned { .. }
             | ReplicaError::Wal(_)
             | ReplicaError::Peer(_) => return None,
         })
@@ -132,6 +136,7 @@ impl ReplicaError {
             ReplicaError::Gap { .. }
             | ReplicaError::Busy(_)
             | ReplicaError::Unavailable(_)
+            | ReplicaError::Partitioned { .. }
             | ReplicaError::NoSpace(_) => true,
             ReplicaError::Peer(status) => {
                 matches!(status.code(), tonic::Code::Unavailable | tonic::Code::DeadlineExceeded)
@@ -184,7 +189,9 @@ impl From<ReplicaError> for Status {
                 Status::out_of_range(message)
             }
             ReplicaError::Apply { .. } => Status::failed_precondition(message),
-            ReplicaError::Busy(_) | ReplicaError::Unavailable(_) => Status::unavailable(message),
+            ReplicaError::Busy(_) | ReplicaError::Unavailable(_) | ReplicaError::Partitioned { .. } => {
+                Status::unavailable(message)
+            }
             ReplicaError::NoSpace(_) => Status::resource_exhausted(message),
             ReplicaError::CrashDrillsDisabled => Status::permission_denied(message),
             ReplicaError::Wal(e) if e.corrupt_range().is_some() => Status::data_loss(message),
@@ -230,6 +237,13 @@ mod tests {
         assert!(full.retryable());
         assert_eq!(full.reason(), Some("disk_full"));
         assert_eq!(Status::from(full).code(), tonic::Code::ResourceExhausted);
+        // A drill's partition looks like a broken link: retry later.
+        let cut = ReplicaError::Partitioned { node: 1, peer: 2 };
+        assert!(cut.retryable());
+        assert_eq!(cut.reason(), None);
+        let status = Status::from(cut);
+        assert_eq!(status.code(), tonic::Code::Unavailable);
+        assert!(status.message().starts_with("partitioned (drill)"), "{}", status.message());
     }
 
     #[test]

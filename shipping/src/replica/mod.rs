@@ -22,6 +22,8 @@
 //!   truncating and refetching a corrupt tail;
 //! * `retention`: compaction of what nobody needs;
 //! * `damage`: the corruption drill's hook, damaging one stored record;
+//! * [`drill_partition`]: the partition drill's hook, cutting replication
+//!   traffic with some peers for a while (simulated at this layer);
 //! * `status`: status pages, heartbeats, per-follower gauges;
 //! * [`error`]: the one error type and its gRPC mapping.
 //!
@@ -41,6 +43,7 @@
 
 mod catchup;
 mod damage;
+pub mod drill_partition;
 pub mod error;
 mod leadership;
 mod receive;
@@ -106,6 +109,8 @@ pub struct ReplicationNode {
     /// One `ShipSegments` stream per follower node, opened by the first push
     /// (see `send::run_ship_stream`).
     ship_streams: Mutex<BTreeMap<NodeId, tokio::sync::mpsc::Sender<send::ShipCall>>>,
+    /// Peers a partition drill cuts replication traffic with, for a while.
+    drill_partition: Arc<drill_partition::DrillPartition>,
 }
 
 impl ReplicationNode {
@@ -156,6 +161,7 @@ impl ReplicationNode {
             disk_bytes,
             shutdown: CancellationToken::new(),
             ship_streams: Mutex::new(BTreeMap::new()),
+            drill_partition: Default::default(),
         });
         if !node.config.coordinated() {
             for spec in node.config.shards_of(me) {

@@ -77,6 +77,9 @@ impl ReplicationNode {
         request: &ShipSegmentRequest,
         source: Source,
     ) -> Result<(Arc<ShardReplica>, Option<Queued>), ReplicaError> {
+        // Partition drill: nothing from a cut peer is looked at (pushes and
+        // catch-up chunks alike name the leader that sent them).
+        self.check_partition(request.leader_node_id)?;
         let id = request.id.unwrap_or_default();
         let replica = self.replica_or_not_found(id.shard_id)?;
         let segment = if request.payload.is_empty() {

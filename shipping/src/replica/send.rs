@@ -281,7 +281,13 @@ impl ReplicationNode {
             Some(s) => (s.first_seqno(), s.frames().len() as u64, s.encoded().clone()),
             None => (0, 0, bytes::Bytes::new()),
         };
-        if segment.is_some() {
+        // Partition drill: a cut peer is sent nothing (the push fails at
+        // once, as a transport failure would), and an answer arriving after
+        // the cut is dropped as a cut link would drop it, so the lease
+        // counts no contact from after the cut.
+        let partition = self.drill_partition.clone();
+        let cut = partition.blocks(follower);
+        if segment.is_some() && !cut {
             self.metrics.segments_shipped.inc();
             self.metrics.bytes_shipped.inc_by(payload.len() as u64);
             self.metrics.ship_batch_records.observe(count as f64);
@@ -299,7 +305,9 @@ impl ReplicationNode {
             leader_node_id: self.me,
             commit_seqno: commit,
         };
-        let stream = {
+        let stream = if cut {
+            None
+        } else {
             let mut streams = self.ship_streams.lock();
             match streams.get(&follower) {
                 Some(tx) if !tx.is_closed() => Some(tx.clone()),
@@ -322,6 +330,9 @@ impl ReplicationNode {
             // A push not answered in time fails; its answer, if it comes
             // later, goes nowhere.
             let Ok(Some(outcome)) = tokio::time::timeout(timeout, call).await else { return ShipReply::Failed };
+            if partition.blocks(follower) {
+                return ShipReply::Failed;
+            }
             match outcome {
                 Ok(r) if r.accepted => ShipReply::Applied { applied: r.applied_seqno },
                 Ok(_) => ShipReply::Failed,
