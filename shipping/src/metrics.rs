@@ -25,6 +25,8 @@ pub struct ReplicationMetrics {
     pub received_bytes: IntCounterVec,
     /// Leader side: bytes served to catch-up streams.
     pub catchup_served_bytes: IntCounter,
+    /// Follower side: bytes applied again after a corrupt tail was dropped.
+    pub repair_refetched_bytes: IntCounter,
     /// Follower side: inbound ships and streams refused, by reason.
     pub ship_refused: IntCounterVec,
     pub heartbeats_received: IntCounter,
@@ -154,6 +156,13 @@ impl ReplicationMetrics {
                         "Segment bytes a follower applied, by source (push, stream)",
                     ),
                     &["source"],
+                )?,
+            )?,
+            repair_refetched_bytes: register(
+                registry,
+                IntCounter::new(
+                    "walship_repair_refetched_bytes_total",
+                    "Segment bytes a follower applied again after truncating a corrupt tail of its log",
                 )?,
             )?,
             catchup_served_bytes: register(

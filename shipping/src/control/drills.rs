@@ -171,8 +171,9 @@ pub struct CorruptionDrillResult {
     pub repaired: bool,
     /// Detection -> range cleared and the node durable at the leader's commit.
     pub repair_ms: u64,
-    /// Catch-up bytes the node received meanwhile
-    /// (`walship_catchup_bytes_total{source="stream"}`).
+    /// Bytes the damaged node applied again for records it had dropped with
+    /// the corrupt tail (`walship_repair_refetched_bytes_total`, pushed or
+    /// streamed).
     pub bytes_refetched: u64,
     /// Records acknowledged by the drill's load.
     pub acked: u64,
@@ -707,7 +708,7 @@ impl Coordinator {
             tokio::time::sleep(Duration::from_millis(10)).await;
         }
         let admin = self.config.node(node).map(|n| n.admin_addr.to_string()).ok_or("node not in the config")?;
-        let received_before = stream_bytes_received(&admin).await?;
+        let received_before = refetched_bytes(&admin).await?;
         self.drills.progress(id, &format!("damaging node {node}'s copy of record {seqno}"));
         let damaged_at = Instant::now();
         let response = control
@@ -738,7 +739,7 @@ impl Coordinator {
             tokio::time::sleep(Duration::from_millis(5)).await;
         };
         let repaired = repaired.zip(detected).map(|(r, d)| r.saturating_sub(d));
-        let received_after = stream_bytes_received(&admin).await?;
+        let received_after = refetched_bytes(&admin).await?;
         Ok((response, detected, repaired, received_after.saturating_sub(received_before)))
     }
 
@@ -749,9 +750,10 @@ impl Coordinator {
     }
 }
 
-/// `walship_catchup_bytes_total{source="stream"}` (catch-up bytes
-/// received) from the node's admin `/metrics` at `admin` (host:port).
-async fn stream_bytes_received(admin: &str) -> Result<u64, String> {
+/// `walship_repair_refetched_bytes_total` (bytes applied again after a
+/// corrupt tail was dropped, by push or stream) from the node's admin
+/// `/metrics` at `admin` (host:port).
+async fn refetched_bytes(admin: &str) -> Result<u64, String> {
     use tokio::io::{AsyncReadExt, AsyncWriteExt};
     let fetch = async {
         let mut stream = tokio::net::TcpStream::connect(admin).await?;
@@ -768,7 +770,7 @@ async fn stream_bytes_received(admin: &str) -> Result<u64, String> {
     // A node that never caught up has no such series yet.
     Ok(text
         .lines()
-        .find_map(|l| l.strip_prefix("walship_catchup_bytes_total{source=\"stream\"}"))
+        .find_map(|l| l.strip_prefix("walship_repair_refetched_bytes_total"))
         .and_then(|v| v.trim().parse::<f64>().ok())
         .map_or(0, |v| v as u64))
 }

@@ -265,6 +265,7 @@ impl ReplicationNode {
                 "truncating a corrupt tail to refetch it from the leader"
             );
             self.wal.truncate_suffix(replica.shard, keep_through.max(p.first_seqno - 1)).await?;
+            replica.follower.refetch_through.fetch_max(p.last_seqno, Ordering::AcqRel);
         }
         let last = self.wal.positions(replica.shard)?.last_seqno;
         replica.follower.next_expected.send_replace(last + 1);

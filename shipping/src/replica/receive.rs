@@ -150,8 +150,12 @@ impl ReplicationNode {
             Inbound::Apply { skip } => {
                 let segment = segment.expect("apply implies records");
                 let last = segment.last_seqno();
-                let bytes: usize = segment.frames()[skip..].iter().map(|f| f.len()).sum();
                 let frames = segment.into_frames().split_off(skip);
+                let bytes: usize = frames.iter().map(|f| f.len()).sum();
+                // Records this replica held before it dropped a corrupt tail:
+                // what the repair refetches (counted once queued).
+                let refetch_through = follower.refetch_through.load(Ordering::Acquire);
+                let refetched: usize = frames.iter().filter(|f| f.seqno() <= refetch_through).map(|f| f.len()).sum();
                 let queued = self.wal.enqueue_frames(replica.shard, frames).await.map_err(|e| match e {
                     // The leader counts this follower out until the disk has
                     // space again; nothing was queued.
@@ -160,6 +164,12 @@ impl ReplicationNode {
                 })?;
                 follower.next_expected.send_replace(last + 1);
                 self.metrics.received_bytes.with_label_values(&[source.as_str()]).inc_by(bytes as u64);
+                if refetch_through > 0 {
+                    self.metrics.repair_refetched_bytes.inc_by(refetched as u64);
+                    if last >= refetch_through {
+                        follower.refetch_through.store(0, Ordering::Release);
+                    }
+                }
                 Some(Box::pin(queued) as Queued)
             }
         };

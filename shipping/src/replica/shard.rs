@@ -51,6 +51,9 @@ pub(crate) struct FollowerState {
     /// The newest commit position a leader told us.
     pub(crate) leader_commit: AtomicU64,
     pub(crate) catchup_running: AtomicBool,
+    /// The last seqno held before a corrupt tail was truncated: records up
+    /// to it applied again are refetched bytes (0: none pending).
+    pub(crate) refetch_through: AtomicU64,
     pub(crate) last_contact_us: AtomicU64,
 }
 
@@ -95,6 +98,7 @@ impl ShardReplica {
                 next_expected: watch::Sender::new(last_seqno + 1),
                 leader_commit: AtomicU64::new(0),
                 catchup_running: AtomicBool::new(false),
+                refetch_through: AtomicU64::new(0),
                 last_contact_us: AtomicU64::new(0),
             },
             transition: tokio::sync::Mutex::new(()),
