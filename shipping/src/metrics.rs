@@ -214,7 +214,7 @@ impl ReplicationMetrics {
 
     pub fn set_follower(&self, shard: u32, follower: NodeId, progress: &FollowerProgress, lag: &Lag) {
         let (s, f) = (shard.to_string(), follower.to_string());
-        self.acked_seqno.with_label_values(&[&s, &f]).set(progress.acked as i64);
+        self.acked_seqno.with_label_values(&[&s, &f]).set(progress.acked.0 as i64);
         self.lag_records.with_label_values(&[&s, &f]).set(lag.records as i64);
         self.lag_bytes.with_label_values(&[&s, &f]).set(lag.bytes as i64);
         for (stage, value) in [("write", lag.write_seconds), ("flush", lag.flush_seconds), ("apply", lag.apply_seconds)]

@@ -8,33 +8,35 @@
 //!   a gap; what the follower already holds is skipped, never re-applied;
 //! * a gap is refused (the caller starts catch-up), not papered over.
 
+use super::{Epoch, Seqno};
+
 /// What the follower already holds of the shard.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct FollowerView {
     /// Newest epoch seen from any leader of this shard.
-    pub epoch_seen: u64,
+    pub epoch_seen: Epoch,
     /// The next seqno this follower will accept: one past everything applied
     /// or queued for the WAL.
-    pub next_expected: u64,
+    pub next_expected: Seqno,
     /// The contiguous durable frontier (what it reports as `applied_seqno`).
-    pub durable: u64,
+    pub durable: Seqno,
 }
 
 /// The parts of a segment the decision needs (already decoded and verified).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct InboundSegment {
-    pub epoch: u64,
+    pub epoch: Epoch,
     /// `None` for a keepalive / nudge that carries no records.
-    pub range: Option<(u64, u64)>,
+    pub range: Option<(Seqno, Seqno)>,
     /// The leader's durable position when it sent this.
-    pub leader_last_seq: u64,
+    pub leader_last_seq: Seqno,
 }
 
 /// The follower's decision.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Inbound {
     /// Older epoch than the newest seen: refuse, apply nothing.
-    StaleEpoch { seen: u64 },
+    StaleEpoch { seen: Epoch },
     /// No records. `behind`: the leader holds durable records this follower
     /// lacks, so it should pull them (catch-up).
     Keepalive { behind: bool },
@@ -43,7 +45,7 @@ pub enum Inbound {
     /// Apply the segment's frames after skipping the first `skip` (already held).
     Apply { skip: usize },
     /// It starts past `expected`: refuse and catch up.
-    Gap { expected: u64 },
+    Gap { expected: Seqno },
 }
 
 /// Classifies an inbound segment. Pure: the caller applies the decision and,
@@ -60,7 +62,7 @@ pub fn classify(view: FollowerView, segment: InboundSegment) -> Inbound {
     } else if first > view.next_expected {
         Inbound::Gap { expected: view.next_expected }
     } else {
-        Inbound::Apply { skip: (view.next_expected - first) as usize }
+        Inbound::Apply { skip: view.next_expected.since(first) as usize }
     }
 }
 
@@ -124,10 +126,10 @@ mod tests {
 
     use super::*;
 
-    const VIEW: FollowerView = FollowerView { epoch_seen: 3, next_expected: 11, durable: 10 };
+    const VIEW: FollowerView = FollowerView { epoch_seen: Epoch(3), next_expected: Seqno(11), durable: Seqno(10) };
 
     fn seg(epoch: u64, first: u64, last: u64) -> InboundSegment {
-        InboundSegment { epoch, range: Some((first, last)), leader_last_seq: last }
+        InboundSegment { epoch: Epoch(epoch), range: Some((Seqno(first), Seqno(last))), leader_last_seq: Seqno(last) }
     }
 
     #[test]
@@ -142,9 +144,9 @@ mod tests {
 
     #[test]
     fn stale_epoch_is_refused_even_if_it_continues() {
-        assert_eq!(classify(VIEW, seg(2, 11, 20)), Inbound::StaleEpoch { seen: 3 });
-        let keepalive = InboundSegment { epoch: 1, range: None, leader_last_seq: 99 };
-        assert_eq!(classify(VIEW, keepalive), Inbound::StaleEpoch { seen: 3 });
+        assert_eq!(classify(VIEW, seg(2, 11, 20)), Inbound::StaleEpoch { seen: Epoch(3) });
+        let keepalive = InboundSegment { epoch: Epoch(1), range: None, leader_last_seq: Seqno(99) };
+        assert_eq!(classify(VIEW, keepalive), Inbound::StaleEpoch { seen: Epoch(3) });
     }
 
     #[test]
@@ -161,12 +163,13 @@ mod tests {
 
     #[test]
     fn gap_is_refused() {
-        assert_eq!(classify(VIEW, seg(3, 12, 20)), Inbound::Gap { expected: 11 });
+        assert_eq!(classify(VIEW, seg(3, 12, 20)), Inbound::Gap { expected: Seqno(11) });
     }
 
     #[test]
     fn keepalive_says_whether_the_follower_is_behind() {
-        let ka = |leader_last_seq| InboundSegment { epoch: 3, range: None, leader_last_seq };
+        let ka =
+            |leader_last_seq| InboundSegment { epoch: Epoch(3), range: None, leader_last_seq: Seqno(leader_last_seq) };
         assert_eq!(classify(VIEW, ka(10)), Inbound::Keepalive { behind: false });
         assert_eq!(classify(VIEW, ka(11)), Inbound::Keepalive { behind: true });
         assert_eq!(classify(VIEW, ka(0)), Inbound::Keepalive { behind: false });

@@ -48,6 +48,7 @@ use std::collections::{BTreeMap, VecDeque};
 
 use serde::Serialize;
 
+use super::{Epoch, Seqno};
 use crate::NodeId;
 
 /// How the leader feeds one follower.
@@ -96,24 +97,24 @@ pub struct LeaderSettings {
 /// Where a leader starts.
 #[derive(Debug, Clone, Copy)]
 pub struct LeaderStart {
-    pub epoch: u64,
+    pub epoch: Epoch,
     /// The leader's WAL holds `[first, durable]`.
-    pub first: u64,
-    pub durable: u64,
+    pub first: Seqno,
+    pub durable: Seqno,
     /// The first seqno of this leader's own epoch (its last seqno + 1 when it
     /// is promoted).
-    pub epoch_start: u64,
+    pub epoch_start: Seqno,
     /// A commit position known to be safe (announced by an earlier leader).
-    pub commit_floor: u64,
+    pub commit_floor: Seqno,
 }
 
 /// What the leader knows of one follower.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
 pub struct FollowerProgress {
     /// The follower's durable frontier, as it last reported.
-    pub acked: u64,
+    pub acked: Seqno,
     /// Next seqno to push.
-    pub next: u64,
+    pub next: Seqno,
     /// Requests sent and not yet answered.
     pub in_flight: usize,
     pub mode: ShipMode,
@@ -129,8 +130,8 @@ pub enum ShipDecision {
     /// Ship frames `[from, up_to]`; the shell may stop earlier at its
     /// byte bound and reports what it sent with [`LeaderCore::on_sent`].
     Send {
-        from: u64,
-        up_to: u64,
+        from: Seqno,
+        up_to: Seqno,
     },
     /// Send an empty segment carrying the leader's positions.
     Keepalive,
@@ -141,11 +142,11 @@ pub enum ShipDecision {
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum ShipReply {
     /// Accepted; `applied` is its durable frontier.
-    Applied { applied: u64 },
+    Applied { applied: Seqno },
     /// Refused as a gap; it holds everything through `applied`.
-    Gap { applied: u64 },
+    Gap { applied: Seqno },
     /// Refused: it has seen a newer epoch.
-    StaleEpoch { epoch: u64 },
+    StaleEpoch { epoch: Epoch },
     /// No answer (transport failure, timeout) or an unexpected refusal.
     Failed,
 }
@@ -168,7 +169,7 @@ pub struct Lag {
 #[derive(Debug, Clone, PartialEq, Eq, Default)]
 pub struct RetentionPlan {
     /// Discard records before this seqno.
-    pub compact_to: Option<u64>,
+    pub compact_to: Option<Seqno>,
     /// Followers that will need records no longer retained.
     pub reseed: Vec<NodeId>,
 }
@@ -176,7 +177,7 @@ pub struct RetentionPlan {
 /// One group commit as the leader saw it: the basis of byte and time lag.
 #[derive(Debug, Clone, Copy)]
 struct Mark {
-    seqno: u64,
+    seqno: Seqno,
     /// Cumulative durable bytes of this shard (process-local counter).
     bytes: u64,
     at_us: u64,
@@ -188,20 +189,20 @@ const LEDGER_CAP: usize = 100_000;
 /// The leader side of one shard.
 #[derive(Debug, Clone)]
 pub struct LeaderCore {
-    epoch: u64,
-    epoch_start: u64,
+    epoch: Epoch,
+    epoch_start: Seqno,
     settings: LeaderSettings,
-    durable: u64,
+    durable: Seqno,
     /// Newest seqno in the leader's own log that may be shipped: `durable`,
     /// or ahead of it with early shipping. Never behind `durable`.
-    written: u64,
+    written: Seqno,
     /// Newest seqno the leader's WAL is committing (early shipping; else
     /// `durable`): what a follower with a segment already in flight is sent
     /// up to, so appends arriving one by one travel one segment per group
     /// commit rather than one each. Between `durable` and `written`.
-    flushing: u64,
-    first: u64,
-    commit: u64,
+    flushing: Seqno,
+    first: Seqno,
+    commit: Seqno,
     followers: BTreeMap<NodeId, FollowerProgress>,
     ledger: VecDeque<Mark>,
     /// Average frame size so far, for estimates past the ledger.
@@ -214,7 +215,7 @@ impl LeaderCore {
     /// itself excluded).
     pub fn new(start: LeaderStart, followers: &[NodeId], settings: LeaderSettings, now_us: u64) -> LeaderCore {
         let progress = FollowerProgress {
-            acked: 0,
+            acked: Seqno(0),
             next: start.durable + 1,
             in_flight: 0,
             mode: ShipMode::Probe,
@@ -239,31 +240,31 @@ impl LeaderCore {
         core
     }
 
-    pub fn epoch(&self) -> u64 {
+    pub fn epoch(&self) -> Epoch {
         self.epoch
     }
 
     /// The first seqno of this leader's own epoch.
-    pub fn epoch_start(&self) -> u64 {
+    pub fn epoch_start(&self) -> Seqno {
         self.epoch_start
     }
 
-    pub fn durable(&self) -> u64 {
+    pub fn durable(&self) -> Seqno {
         self.durable
     }
 
-    pub fn commit(&self) -> u64 {
+    pub fn commit(&self) -> Seqno {
         self.commit
     }
 
     /// The newest seqno that may be shipped (see [`LeaderCore::on_local_written`]).
-    pub fn written(&self) -> u64 {
+    pub fn written(&self) -> Seqno {
         self.written
     }
 
     /// What a follower with a segment in flight is sent up to (see the
     /// field's doc); never past `written`.
-    pub fn flushing(&self) -> u64 {
+    pub fn flushing(&self) -> Seqno {
         self.flushing.min(self.written)
     }
 
@@ -271,19 +272,19 @@ impl LeaderCore {
     /// (the fsync may still be running). They may be shipped now; they count
     /// towards the commit only once [`LeaderCore::on_local_durable`] covers
     /// them.
-    pub fn on_local_written(&mut self, written: u64) {
+    pub fn on_local_written(&mut self, written: Seqno) {
         self.written = self.written.max(written);
     }
 
     /// Early shipping: the leader's WAL is committing records through
     /// `flushing` (see the field's doc).
-    pub fn on_local_flushing(&mut self, flushing: u64) {
+    pub fn on_local_flushing(&mut self, flushing: Seqno) {
         self.flushing = self.flushing.max(flushing);
     }
 
     /// The highest seqno durable on every replica.
-    pub fn all_durable(&self) -> u64 {
-        self.followers.values().map(|f| f.acked).fold(self.durable, u64::min)
+    pub fn all_durable(&self) -> Seqno {
+        self.followers.values().map(|f| f.acked).fold(self.durable, Seqno::min)
     }
 
     pub fn progress(&self, follower: NodeId) -> Option<FollowerProgress> {
@@ -297,7 +298,7 @@ impl LeaderCore {
     /// The leader's own WAL made records durable through `durable`;
     /// `bytes`/`records` are the shard's cumulative durable counters.
     /// Returns whether the commit position moved.
-    pub fn on_local_durable(&mut self, durable: u64, records: u64, bytes: u64, now_us: u64) -> bool {
+    pub fn on_local_durable(&mut self, durable: Seqno, records: u64, bytes: u64, now_us: u64) -> bool {
         if durable <= self.durable {
             return false;
         }
@@ -315,7 +316,7 @@ impl LeaderCore {
     }
 
     /// The leader's WAL now starts at `first` (after compaction).
-    pub fn on_compacted(&mut self, first: u64) {
+    pub fn on_compacted(&mut self, first: Seqno) {
         self.first = self.first.max(first);
     }
 
@@ -348,7 +349,7 @@ impl LeaderCore {
     }
 
     /// The shell sent frames `[from, last]` to `follower`.
-    pub fn on_sent(&mut self, follower: NodeId, from: u64, last: u64, now_us: u64) {
+    pub fn on_sent(&mut self, follower: NodeId, from: Seqno, last: Seqno, now_us: u64) {
         if let Some(p) = self.followers.get_mut(&follower) {
             debug_assert_eq!(from, p.next);
             p.next = last + 1;
@@ -367,7 +368,7 @@ impl LeaderCore {
 
     /// A follower answered. Returns `Ok(commit moved)` or `Err(newer epoch)`
     /// when the follower has seen a newer epoch than this leader's.
-    pub fn on_reply(&mut self, follower: NodeId, reply: ShipReply, now_us: u64) -> Result<bool, u64> {
+    pub fn on_reply(&mut self, follower: NodeId, reply: ShipReply, now_us: u64) -> Result<bool, Epoch> {
         let first = self.first;
         let durable = self.durable;
         let written = self.written;
@@ -449,7 +450,7 @@ impl LeaderCore {
     /// Lag of `follower` at `now_us`.
     pub fn lag(&self, follower: NodeId, now_us: u64) -> Option<Lag> {
         let p = self.followers.get(&follower)?;
-        let records = self.durable.saturating_sub(p.acked);
+        let records = self.durable.since(p.acked);
         let bytes = self.bytes_between(p.acked, self.durable);
         let seconds = if records == 0 {
             0.0
@@ -469,14 +470,14 @@ impl LeaderCore {
             return RetentionPlan::default();
         }
         let end = self.durable + 1;
-        let desired = end.saturating_sub(retain_bytes / avg).max(self.first);
+        let desired = Seqno(end.0.saturating_sub(retain_bytes / avg)).max(self.first);
         let hold = self
             .followers
             .values()
             .filter(|p| p.mode != ShipMode::NeedsReseed)
             .map(|p| p.acked + 1)
-            .fold(end, u64::min);
-        let hard = end.saturating_sub(max_retain_bytes / avg);
+            .fold(end, Seqno::min);
+        let hard = Seqno(end.0.saturating_sub(max_retain_bytes / avg));
         let mut compact_to = desired.min(hold);
         let mut reseed = Vec::new();
         if compact_to < hard {
@@ -502,14 +503,14 @@ impl LeaderCore {
 
     /// Bytes of the records `(from, to]`, from the ledger where it reaches,
     /// estimated from the average frame size where it does not.
-    fn bytes_between(&self, from: u64, to: u64) -> u64 {
+    fn bytes_between(&self, from: Seqno, to: Seqno) -> u64 {
         if to <= from {
             return 0;
         }
-        let at = |s: u64| self.ledger.iter().rev().find(|m| m.seqno <= s).map(|m| m.bytes);
+        let at = |s: Seqno| self.ledger.iter().rev().find(|m| m.seqno <= s).map(|m| m.bytes);
         match (at(from), at(to)) {
             (Some(a), Some(b)) => b.saturating_sub(a),
-            _ => (to - from) * self.avg_frame_bytes,
+            _ => to.since(from) * self.avg_frame_bytes,
         }
     }
 
@@ -523,7 +524,7 @@ impl LeaderCore {
     }
 
     fn recompute_commit(&mut self) -> bool {
-        let mut durable: Vec<u64> = self.followers.values().map(|p| p.acked).collect();
+        let mut durable: Vec<Seqno> = self.followers.values().map(|p| p.acked).collect();
         durable.push(self.durable);
         durable.sort_unstable_by(|a, b| b.cmp(a));
         let majority = durable.len() / 2 + 1;

@@ -2,12 +2,19 @@
 //! sends, replies, confirmations) and asserts its decisions.
 
 use super::*;
+use crate::core::{Epoch, Seqno};
 
 const SETTINGS: LeaderSettings =
     LeaderSettings { window: 2, catchup_threshold_bytes: 10_000, keepalive_us: 1_000, probe_us: 1_000, lease_us: None };
 
 fn start(epoch: u64, durable: u64, epoch_start: u64, commit_floor: u64) -> LeaderStart {
-    LeaderStart { epoch, first: 1, durable, epoch_start, commit_floor }
+    LeaderStart {
+        epoch: Epoch(epoch),
+        first: Seqno(1),
+        durable: Seqno(durable),
+        epoch_start: Seqno(epoch_start),
+        commit_floor: Seqno(commit_floor),
+    }
 }
 
 fn leader() -> LeaderCore {
@@ -18,7 +25,7 @@ fn leader() -> LeaderCore {
 fn probe(core: &mut LeaderCore, f: NodeId, acked: u64, now: u64) {
     assert_eq!(core.poll_ship(f, now), ShipDecision::Keepalive);
     core.on_keepalive_sent(f, now);
-    core.on_reply(f, ShipReply::Applied { applied: acked }, now).unwrap();
+    core.on_reply(f, ShipReply::Applied { applied: Seqno(acked) }, now).unwrap();
 }
 
 #[test]
@@ -27,7 +34,7 @@ fn followers_start_in_probe_and_get_one_keepalive() {
     assert_eq!(core.poll_ship(2, 5_000), ShipDecision::Keepalive);
     core.on_keepalive_sent(2, 5_000);
     assert_eq!(core.poll_ship(2, 9_000), ShipDecision::Idle, "one probe at a time");
-    core.on_reply(2, ShipReply::Applied { applied: 0 }, 9_000).unwrap();
+    core.on_reply(2, ShipReply::Applied { applied: Seqno(0) }, 9_000).unwrap();
     assert_eq!(core.progress(2).unwrap().mode, ShipMode::Push);
 }
 
@@ -36,15 +43,15 @@ fn only_durable_records_are_offered_and_the_window_bounds_in_flight() {
     let mut core = leader();
     probe(&mut core, 2, 0, 1_000);
     assert_eq!(core.poll_ship(2, 1_500), ShipDecision::Idle, "nothing durable yet and keepalive not due");
-    core.on_local_durable(10, 10, 1_000, 2_000);
-    assert_eq!(core.poll_ship(2, 2_000), ShipDecision::Send { from: 1, up_to: 10 });
-    core.on_sent(2, 1, 4, 2_000);
-    assert_eq!(core.poll_ship(2, 2_000), ShipDecision::Send { from: 5, up_to: 10 });
-    core.on_sent(2, 5, 10, 2_000);
-    core.on_local_durable(12, 12, 1_200, 2_100);
+    core.on_local_durable(Seqno(10), 10, 1_000, 2_000);
+    assert_eq!(core.poll_ship(2, 2_000), ShipDecision::Send { from: Seqno(1), up_to: Seqno(10) });
+    core.on_sent(2, Seqno(1), Seqno(4), 2_000);
+    assert_eq!(core.poll_ship(2, 2_000), ShipDecision::Send { from: Seqno(5), up_to: Seqno(10) });
+    core.on_sent(2, Seqno(5), Seqno(10), 2_000);
+    core.on_local_durable(Seqno(12), 12, 1_200, 2_100);
     assert_eq!(core.poll_ship(2, 2_100), ShipDecision::Idle, "window of 2 is full");
-    core.on_reply(2, ShipReply::Applied { applied: 4 }, 2_200).unwrap();
-    assert_eq!(core.poll_ship(2, 2_200), ShipDecision::Send { from: 11, up_to: 12 });
+    core.on_reply(2, ShipReply::Applied { applied: Seqno(4) }, 2_200).unwrap();
+    assert_eq!(core.poll_ship(2, 2_200), ShipDecision::Send { from: Seqno(11), up_to: Seqno(12) });
 }
 
 #[test]
@@ -52,22 +59,26 @@ fn early_shipping_sends_written_records_but_commits_only_what_the_leader_has_dur
     let mut core = leader();
     probe(&mut core, 2, 0, 0);
     probe(&mut core, 3, 0, 0);
-    core.on_local_written(6);
-    assert_eq!(core.poll_ship(2, 100), ShipDecision::Send { from: 1, up_to: 6 }, "written records go out");
-    core.on_sent(2, 1, 6, 100);
-    assert_eq!(core.poll_ship(3, 100), ShipDecision::Send { from: 1, up_to: 6 });
-    core.on_sent(3, 1, 6, 100);
+    core.on_local_written(Seqno(6));
+    assert_eq!(
+        core.poll_ship(2, 100),
+        ShipDecision::Send { from: Seqno(1), up_to: Seqno(6) },
+        "written records go out"
+    );
+    core.on_sent(2, Seqno(1), Seqno(6), 100);
+    assert_eq!(core.poll_ship(3, 100), ShipDecision::Send { from: Seqno(1), up_to: Seqno(6) });
+    core.on_sent(3, Seqno(1), Seqno(6), 100);
     // Both followers have them durable before the leader does: nothing
     // commits, since the leader's own copy could still be lost.
-    core.on_reply(2, ShipReply::Applied { applied: 6 }, 200).unwrap();
-    core.on_reply(3, ShipReply::Applied { applied: 6 }, 200).unwrap();
+    core.on_reply(2, ShipReply::Applied { applied: Seqno(6) }, 200).unwrap();
+    core.on_reply(3, ShipReply::Applied { applied: Seqno(6) }, 200).unwrap();
     assert_eq!(core.commit(), 0, "commit never passes the leader's durable position");
     assert_eq!(core.all_durable(), 0);
     // The followers' acks are kept: the leader's fsync alone commits.
-    core.on_local_durable(4, 4, 400, 300);
+    core.on_local_durable(Seqno(4), 4, 400, 300);
     assert_eq!(core.commit(), 4);
-    core.on_local_durable(6, 6, 600, 400);
-    assert_eq!((core.commit(), core.all_durable()), (6, 6));
+    core.on_local_durable(Seqno(6), 6, 600, 400);
+    assert_eq!((core.commit(), core.all_durable()), (Seqno(6), Seqno(6)));
 }
 
 #[test]
@@ -75,41 +86,49 @@ fn with_a_segment_in_flight_only_what_the_wal_is_committing_is_shipped() {
     let mut core = leader();
     probe(&mut core, 2, 0, 0);
     // Nothing in flight: everything written goes at once.
-    core.on_local_written(2);
-    assert_eq!(core.poll_ship(2, 100), ShipDecision::Send { from: 1, up_to: 2 });
-    core.on_sent(2, 1, 2, 100);
+    core.on_local_written(Seqno(2));
+    assert_eq!(core.poll_ship(2, 100), ShipDecision::Send { from: Seqno(1), up_to: Seqno(2) });
+    core.on_sent(2, Seqno(1), Seqno(2), 100);
     // One in flight: appends arriving one by one wait for the group
     // commit that takes them, then go out together.
-    core.on_local_written(3);
-    core.on_local_written(4);
-    core.on_local_written(5);
+    core.on_local_written(Seqno(3));
+    core.on_local_written(Seqno(4));
+    core.on_local_written(Seqno(5));
     assert_eq!(core.poll_ship(2, 110), ShipDecision::Idle, "3..=5 are not being committed yet");
-    core.on_local_flushing(5);
-    assert_eq!(core.poll_ship(2, 120), ShipDecision::Send { from: 3, up_to: 5 }, "one segment per group commit");
-    core.on_sent(2, 3, 5, 120);
+    core.on_local_flushing(Seqno(5));
+    assert_eq!(
+        core.poll_ship(2, 120),
+        ShipDecision::Send { from: Seqno(3), up_to: Seqno(5) },
+        "one segment per group commit"
+    );
+    core.on_sent(2, Seqno(3), Seqno(5), 120);
     // Flushing never lets the leader ship past what it has written, and
     // once nothing is in flight the written records go at once again.
-    core.on_local_written(7);
-    core.on_local_flushing(9);
+    core.on_local_written(Seqno(7));
+    core.on_local_flushing(Seqno(9));
     assert_eq!(core.flushing(), 7);
-    core.on_reply(2, ShipReply::Applied { applied: 2 }, 130).unwrap();
-    assert_eq!(core.poll_ship(2, 140), ShipDecision::Send { from: 6, up_to: 7 });
-    core.on_sent(2, 6, 7, 140);
-    core.on_reply(2, ShipReply::Applied { applied: 5 }, 150).unwrap();
-    core.on_reply(2, ShipReply::Applied { applied: 7 }, 160).unwrap();
-    core.on_local_written(8);
-    assert_eq!(core.poll_ship(2, 170), ShipDecision::Send { from: 8, up_to: 8 }, "idle again: no waiting");
+    core.on_reply(2, ShipReply::Applied { applied: Seqno(2) }, 130).unwrap();
+    assert_eq!(core.poll_ship(2, 140), ShipDecision::Send { from: Seqno(6), up_to: Seqno(7) });
+    core.on_sent(2, Seqno(6), Seqno(7), 140);
+    core.on_reply(2, ShipReply::Applied { applied: Seqno(5) }, 150).unwrap();
+    core.on_reply(2, ShipReply::Applied { applied: Seqno(7) }, 160).unwrap();
+    core.on_local_written(Seqno(8));
+    assert_eq!(
+        core.poll_ship(2, 170),
+        ShipDecision::Send { from: Seqno(8), up_to: Seqno(8) },
+        "idle again: no waiting"
+    );
 }
 
 #[test]
 fn a_follower_ack_past_the_leaders_log_is_not_counted() {
     let mut core = leader();
     probe(&mut core, 2, 0, 0);
-    core.on_local_written(3);
-    core.on_local_durable(3, 3, 300, 10);
+    core.on_local_written(Seqno(3));
+    core.on_local_durable(Seqno(3), 3, 300, 10);
     // A follower claiming more than this leader ever wrote (a suffix of
     // an older leader's) gets credit only for what the leader holds.
-    core.on_reply(2, ShipReply::Applied { applied: 9 }, 20).unwrap();
+    core.on_reply(2, ShipReply::Applied { applied: Seqno(9) }, 20).unwrap();
     assert_eq!(core.progress(2).unwrap().acked, 3);
     assert_eq!(core.commit(), 3);
 }
@@ -134,24 +153,24 @@ fn commit_stays_within_the_leaders_durable_position_at_every_step() {
             match next() % 4 {
                 0 => {
                     written += 1 + next() % 5;
-                    core.on_local_written(written);
+                    core.on_local_written(Seqno(written));
                 }
                 1 => {
                     durable += (written - durable).min(next() % 4);
-                    core.on_local_durable(durable, durable, durable * 100, step);
+                    core.on_local_durable(Seqno(durable), durable, durable * 100, step);
                 }
                 r => {
                     let f = r as NodeId; // 2 or 3
                     if let ShipDecision::Send { from, up_to } = core.poll_ship(f, step) {
                         core.on_sent(f, from, up_to, step);
-                        let applied = from + next() % (up_to - from + 1);
+                        let applied = from + next() % (up_to.since(from) + 1);
                         core.on_reply(f, ShipReply::Applied { applied }, step).unwrap();
                     }
                 }
             }
-            assert!(core.commit() <= durable, "commit {} past durable {durable}", core.commit());
+            assert!(core.commit() <= Seqno(durable), "commit {} past durable {durable}", core.commit());
             assert!(core.durable() <= core.written());
-            assert!(core.all_durable() <= durable);
+            assert!(core.all_durable() <= Seqno(durable));
         }
     }
 }
@@ -161,24 +180,24 @@ fn commit_is_the_majority_durable_position() {
     let mut core = leader();
     probe(&mut core, 2, 0, 0);
     probe(&mut core, 3, 0, 0);
-    assert!(!core.on_local_durable(10, 10, 100, 1));
+    assert!(!core.on_local_durable(Seqno(10), 10, 100, 1));
     assert_eq!(core.commit(), 0, "leader alone is not a majority of 3");
-    assert!(core.on_reply(2, ShipReply::Applied { applied: 7 }, 2).unwrap());
+    assert!(core.on_reply(2, ShipReply::Applied { applied: Seqno(7) }, 2).unwrap());
     assert_eq!(core.commit(), 7);
     assert_eq!(core.all_durable(), 0);
-    assert!(core.on_reply(3, ShipReply::Applied { applied: 10 }, 3).unwrap());
+    assert!(core.on_reply(3, ShipReply::Applied { applied: Seqno(10) }, 3).unwrap());
     assert_eq!(core.commit(), 10);
     assert_eq!(core.all_durable(), 7);
     // A late, smaller reply never moves commit back.
     core.on_keepalive_sent(2, 4);
-    assert!(!core.on_reply(2, ShipReply::Applied { applied: 3 }, 4).unwrap());
-    assert_eq!((core.commit(), core.progress(2).unwrap().acked), (10, 7));
+    assert!(!core.on_reply(2, ShipReply::Applied { applied: Seqno(3) }, 4).unwrap());
+    assert_eq!((core.commit(), core.progress(2).unwrap().acked), (Seqno(10), Seqno(7)));
 }
 
 #[test]
 fn a_follower_cannot_ack_past_the_leaders_durable_position() {
     let mut core = leader();
-    core.on_local_durable(5, 5, 50, 0);
+    core.on_local_durable(Seqno(5), 5, 50, 0);
     probe(&mut core, 2, 9, 0);
     assert_eq!(core.progress(2).unwrap().acked, 5);
     assert_eq!(core.commit(), 5);
@@ -187,22 +206,22 @@ fn a_follower_cannot_ack_past_the_leaders_durable_position() {
 #[test]
 fn single_replica_commits_on_local_durability() {
     let mut core = LeaderCore::new(start(1, 0, 1, 0), &[], SETTINGS, 0);
-    assert!(core.on_local_durable(3, 3, 30, 0));
-    assert_eq!((core.commit(), core.all_durable()), (3, 3));
+    assert!(core.on_local_durable(Seqno(3), 3, 30, 0));
+    assert_eq!((core.commit(), core.all_durable()), (Seqno(3), Seqno(3)));
 }
 
 #[test]
 fn gap_rewinds_and_failure_probes() {
     let mut core = leader();
     probe(&mut core, 2, 0, 0);
-    core.on_local_durable(20, 20, 200, 1);
-    core.on_sent(2, 1, 10, 1);
-    core.on_sent(2, 11, 20, 1);
-    core.on_reply(2, ShipReply::Gap { applied: 0 }, 2).unwrap();
+    core.on_local_durable(Seqno(20), 20, 200, 1);
+    core.on_sent(2, Seqno(1), Seqno(10), 1);
+    core.on_sent(2, Seqno(11), Seqno(20), 1);
+    core.on_reply(2, ShipReply::Gap { applied: Seqno(0) }, 2).unwrap();
     assert_eq!(core.progress(2).unwrap().next, 1, "rewound to the follower's frontier");
     core.on_reply(2, ShipReply::Failed, 3).unwrap();
     let p = core.progress(2).unwrap();
-    assert_eq!((p.mode, p.in_flight, p.next), (ShipMode::Probe, 0, 1));
+    assert_eq!((p.mode, p.in_flight, p.next), (ShipMode::Probe, 0, Seqno(1)));
     assert_eq!(core.poll_ship(2, 3), ShipDecision::Idle, "keepalive interval not passed since the last send");
     assert_eq!(core.poll_ship(2, 1_001), ShipDecision::Keepalive);
 }
@@ -211,15 +230,15 @@ fn gap_rewinds_and_failure_probes() {
 fn a_newer_epoch_deposes_the_leader() {
     let mut core = leader();
     core.on_keepalive_sent(2, 0);
-    assert_eq!(core.on_reply(2, ShipReply::StaleEpoch { epoch: 6 }, 1), Err(6));
+    assert_eq!(core.on_reply(2, ShipReply::StaleEpoch { epoch: Epoch(6) }, 1), Err(Epoch(6)));
     core.on_keepalive_sent(3, 0);
-    assert_eq!(core.on_reply(3, ShipReply::StaleEpoch { epoch: 5 }, 1), Ok(false));
+    assert_eq!(core.on_reply(3, ShipReply::StaleEpoch { epoch: Epoch(5) }, 1), Ok(false));
 }
 
 #[test]
 fn far_behind_follower_is_switched_to_catch_up_and_back() {
     let mut core = leader();
-    core.on_local_durable(1_000, 1_000, 100_000, 0);
+    core.on_local_durable(Seqno(1_000), 1_000, 100_000, 0);
     // 100 B a record: 1,000 records behind = 100 KB > 10 KB threshold.
     probe(&mut core, 2, 0, 10);
     assert_eq!(core.progress(2).unwrap().mode, ShipMode::CatchUp);
@@ -227,23 +246,23 @@ fn far_behind_follower_is_switched_to_catch_up_and_back() {
     assert_eq!(core.poll_ship(2, 2_000), ShipDecision::Keepalive, "catch-up gets nudges, no pushes");
     core.on_keepalive_sent(2, 2_000);
     // It pulled most of it: 96 records (9.6 KB) behind is not yet below 5 KB.
-    core.on_reply(2, ShipReply::Applied { applied: 904 }, 2_100).unwrap();
+    core.on_reply(2, ShipReply::Applied { applied: Seqno(904) }, 2_100).unwrap();
     assert_eq!(core.progress(2).unwrap().mode, ShipMode::CatchUp);
     core.on_keepalive_sent(2, 3_200);
-    core.on_reply(2, ShipReply::Applied { applied: 990 }, 3_300).unwrap();
+    core.on_reply(2, ShipReply::Applied { applied: Seqno(990) }, 3_300).unwrap();
     let p = core.progress(2).unwrap();
-    assert_eq!((p.mode, p.next), (ShipMode::Push, 991));
-    assert_eq!(core.poll_ship(2, 3_300), ShipDecision::Send { from: 991, up_to: 1_000 });
+    assert_eq!((p.mode, p.next), (ShipMode::Push, Seqno(991)));
+    assert_eq!(core.poll_ship(2, 3_300), ShipDecision::Send { from: Seqno(991), up_to: Seqno(1_000) });
 }
 
 #[test]
 fn slow_pushed_follower_falls_back_to_catch_up() {
     let mut core = leader();
     probe(&mut core, 2, 0, 0);
-    core.on_local_durable(10, 10, 1_000, 1);
-    core.on_sent(2, 1, 10, 1);
-    core.on_local_durable(1_000, 1_000, 100_000, 2);
-    core.on_reply(2, ShipReply::Applied { applied: 10 }, 3).unwrap();
+    core.on_local_durable(Seqno(10), 10, 1_000, 1);
+    core.on_sent(2, Seqno(1), Seqno(10), 1);
+    core.on_local_durable(Seqno(1_000), 1_000, 100_000, 2);
+    core.on_reply(2, ShipReply::Applied { applied: Seqno(10) }, 3).unwrap();
     assert_eq!(core.progress(2).unwrap().mode, ShipMode::CatchUp);
 }
 
@@ -252,11 +271,11 @@ fn lag_in_records_bytes_and_seconds() {
     let mut core = leader();
     probe(&mut core, 2, 0, 0);
     probe(&mut core, 3, 0, 0);
-    core.on_local_durable(10, 10, 1_000, 1_000_000);
-    core.on_local_durable(20, 20, 2_000, 2_000_000);
-    core.on_reply(3, ShipReply::Applied { applied: 20 }, 2_000_000).unwrap();
+    core.on_local_durable(Seqno(10), 10, 1_000, 1_000_000);
+    core.on_local_durable(Seqno(20), 20, 2_000, 2_000_000);
+    core.on_reply(3, ShipReply::Applied { applied: Seqno(20) }, 2_000_000).unwrap();
     core.on_keepalive_sent(2, 2_000_000);
-    core.on_reply(2, ShipReply::Applied { applied: 10 }, 2_500_000).unwrap();
+    core.on_reply(2, ShipReply::Applied { applied: Seqno(10) }, 2_500_000).unwrap();
     let lag = core.lag(2, 4_000_000).unwrap();
     assert_eq!((lag.records, lag.bytes), (10, 1_000));
     // Record 11 became durable at t=2 s; now is 4 s.
@@ -272,24 +291,24 @@ fn retention_holds_for_followers_up_to_the_hard_bound() {
     let mut core = leader();
     probe(&mut core, 2, 0, 0);
     probe(&mut core, 3, 0, 0);
-    core.on_local_durable(1_000, 1_000, 100_000, 1);
-    core.on_reply(3, ShipReply::Applied { applied: 1_000 }, 2).unwrap();
+    core.on_local_durable(Seqno(1_000), 1_000, 100_000, 1);
+    core.on_reply(3, ShipReply::Applied { applied: Seqno(1_000) }, 2).unwrap();
     core.on_keepalive_sent(2, 2);
-    core.on_reply(2, ShipReply::Applied { applied: 600 }, 2).unwrap();
+    core.on_reply(2, ShipReply::Applied { applied: Seqno(600) }, 2).unwrap();
     // Readers keep 10 KB (100 records); follower 2 needs 601.. : held.
-    assert_eq!(core.plan_retention(10_000, 100_000), RetentionPlan { compact_to: Some(601), reseed: vec![] });
+    assert_eq!(core.plan_retention(10_000, 100_000), RetentionPlan { compact_to: Some(Seqno(601)), reseed: vec![] });
     // Hard bound 20 KB (200 records): discard to 801, follower 2 needs re-seed.
     let plan = core.plan_retention(10_000, 20_000);
-    assert_eq!(plan, RetentionPlan { compact_to: Some(801), reseed: vec![2] });
+    assert_eq!(plan, RetentionPlan { compact_to: Some(Seqno(801)), reseed: vec![2] });
     core.mark_reseed(&plan.reseed);
-    core.on_compacted(801);
+    core.on_compacted(Seqno(801));
     assert_eq!(core.progress(2).unwrap().mode, ShipMode::NeedsReseed);
     // A re-seed follower no longer holds retention back.
-    assert_eq!(core.plan_retention(10_000, 20_000).compact_to, Some(901));
+    assert_eq!(core.plan_retention(10_000, 20_000).compact_to, Some(Seqno(901)));
     // Its replies, and its silence, keep it in NeedsReseed while it
     // lacks compacted records.
     core.on_keepalive_sent(2, 3);
-    core.on_reply(2, ShipReply::Applied { applied: 600 }, 3).unwrap();
+    core.on_reply(2, ShipReply::Applied { applied: Seqno(600) }, 3).unwrap();
     assert_eq!(core.progress(2).unwrap().mode, ShipMode::NeedsReseed);
     core.on_keepalive_sent(2, 4);
     core.on_reply(2, ShipReply::Failed, 4).unwrap();
@@ -309,7 +328,7 @@ fn older_epoch_records_on_a_majority_commit_without_a_record_of_this_epoch() {
     assert_eq!(core.commit(), 7, "7 is durable on the leader and node 2");
     probe(&mut core, 3, 9, 2);
     assert_eq!(core.commit(), 9, "9 is durable on all three");
-    core.on_local_durable(10, 10, 1_000, 3);
+    core.on_local_durable(Seqno(10), 10, 1_000, 3);
     assert_eq!(core.commit(), 9, "10 is on the leader alone");
 }
 

@@ -20,12 +20,14 @@ use std::fmt;
 /// A leadership term of one shard: raised by every change of leader, it
 /// fences everything older. A newtype where it crosses from the shell into
 /// the rules, so it is never confused with a seqno or a node id.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash, Default)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash, Default, serde::Serialize)]
+#[serde(transparent)]
 pub struct Epoch(pub u64);
 
 /// A position in one shard's log: seqnos start at 1, are contiguous and are
 /// never reused.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash, Default)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash, Default, serde::Serialize)]
+#[serde(transparent)]
 pub struct Seqno(pub u64);
 
 impl fmt::Display for Epoch {
@@ -44,5 +46,33 @@ impl Seqno {
     /// The seqno before this one (0 before the first).
     pub fn prev(self) -> Seqno {
         Seqno(self.0.saturating_sub(1))
+    }
+
+    /// How many seqnos lie after `earlier` up to this one (0 if none).
+    pub fn since(self, earlier: Seqno) -> u64 {
+        self.0.saturating_sub(earlier.0)
+    }
+}
+
+/// `seqno + n`: the seqno `n` records later.
+impl std::ops::Add<u64> for Seqno {
+    type Output = Seqno;
+    fn add(self, n: u64) -> Seqno {
+        Seqno(self.0 + n)
+    }
+}
+
+/// Tests compare positions with plain numbers.
+#[cfg(test)]
+impl PartialEq<u64> for Seqno {
+    fn eq(&self, other: &u64) -> bool {
+        self.0 == *other
+    }
+}
+
+#[cfg(test)]
+impl PartialEq<u64> for Epoch {
+    fn eq(&self, other: &u64) -> bool {
+        self.0 == *other
     }
 }

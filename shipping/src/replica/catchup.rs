@@ -52,7 +52,7 @@ impl ReplicationNode {
         let positions = self.wal.positions(replica.shard)?;
         let (durable, baseline) = {
             let core = leader.core.lock();
-            (core.durable(), core.epoch_start() - 1)
+            (core.durable().0, core.epoch_start().prev().0)
         };
         if request.from_seqno < positions.first_seqno {
             return Err(ReplicaError::NeedsReseed {
@@ -84,7 +84,7 @@ impl ReplicationNode {
                 }
                 let (durable, commit) = {
                     let core = leader.core.lock();
-                    (core.durable(), core.commit())
+                    (core.durable().0, core.commit().0)
                 };
                 if next > durable {
                     return;

@@ -20,9 +20,9 @@ use walship_wal::ShardId;
 use super::shard::LeaderState;
 use super::{ReplicaError, ReplicationNode, ShardReplica, now_us};
 use crate::NodeId;
-use crate::core::Epoch;
 use crate::core::leader::{LeaderCore, LeaderStart};
 use crate::core::replica::{Command, Refusal, Role};
+use crate::core::{Epoch, Seqno};
 
 impl ReplicationNode {
     /// Refusal of `refusal` for `replica`'s shard.
@@ -103,7 +103,7 @@ impl ReplicationNode {
         let p = self.wal.positions(shard)?;
         let last_epoch = self.log_rank_epoch(shard, &p).await?;
         let commit = match replica.leader_state() {
-            Some(leader) => leader.core.lock().commit(),
+            Some(leader) => leader.core.lock().commit().0,
             None => replica.follower.leader_commit.load(std::sync::atomic::Ordering::Acquire).max(replica.readable()),
         };
         Ok(FenceResponse {
@@ -182,11 +182,13 @@ impl ReplicationNode {
         let (_, before) = self.wal.epoch_end(replica.shard, epoch - 1).await?;
         let followers: Vec<NodeId> = replica.replicas.iter().copied().filter(|&r| r != self.me).collect();
         let start = LeaderStart {
-            epoch,
-            first: p.first_seqno,
-            durable: p.durable_seqno,
-            epoch_start: before + 1,
-            commit_floor: commit_floor.max(replica.follower.leader_commit.load(std::sync::atomic::Ordering::Acquire)),
+            epoch: Epoch(epoch),
+            first: Seqno(p.first_seqno),
+            durable: Seqno(p.durable_seqno),
+            epoch_start: Seqno(before + 1),
+            commit_floor: Seqno(
+                commit_floor.max(replica.follower.leader_commit.load(std::sync::atomic::Ordering::Acquire)),
+            ),
         };
         let core = LeaderCore::new(start, &followers, self.settings, now_us());
         let state = Arc::new(LeaderState {

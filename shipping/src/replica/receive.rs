@@ -19,8 +19,8 @@ use walship_wal::{Segment, ShardId};
 
 use super::shard::ShardReplica;
 use super::{ReplicaError, ReplicationNode, Source, now_us};
-use crate::core::Epoch;
 use crate::core::follower::{FollowerView, Inbound, InboundSegment, check_envelope, classify};
+use crate::core::{Epoch, Seqno};
 
 /// A segment queued to the WAL, resolving when it is durable.
 pub(super) type Queued =
@@ -101,26 +101,29 @@ impl ReplicationNode {
         self.admit(&replica, request.epoch, request.leader_node_id).await?;
         let follower = &replica.follower;
         let inbound = InboundSegment {
-            epoch: request.epoch,
-            range: segment.as_ref().map(|s| (s.first_seqno(), s.last_seqno())),
-            leader_last_seq: request.leader_last_seq,
+            epoch: Epoch(request.epoch),
+            range: segment.as_ref().map(|s| (Seqno(s.first_seqno()), Seqno(s.last_seqno()))),
+            leader_last_seq: Seqno(request.leader_last_seq),
         };
         // Windowed pushes may overtake each other: give the one before a
         // moment to be queued before calling this a gap.
         if let Some((first, _)) = inbound.range {
             let mut next = follower.next_expected.subscribe();
             let wait = Duration::from_millis(self.config.replication.reorder_wait_ms);
-            let _ = tokio::time::timeout(wait, next.wait_for(|n| *n >= first)).await;
+            let _ = tokio::time::timeout(wait, next.wait_for(|n| *n >= first.0)).await;
         }
         let guard = follower.apply_lock.lock().await;
         let durable = self.wal.positions(replica.shard)?.durable_seqno;
-        let view =
-            FollowerView { epoch_seen: replica.epoch_seen(), next_expected: *follower.next_expected.borrow(), durable };
+        let view = FollowerView {
+            epoch_seen: Epoch(replica.epoch_seen()),
+            next_expected: Seqno(*follower.next_expected.borrow()),
+            durable: Seqno(durable),
+        };
         let pending = match classify(view, inbound) {
             Inbound::StaleEpoch { seen } => {
                 return Err(self.refused(
                     &replica,
-                    crate::core::replica::Refusal::StaleEpoch { epoch: Epoch(request.epoch), seen: Epoch(seen) },
+                    crate::core::replica::Refusal::StaleEpoch { epoch: Epoch(request.epoch), seen },
                 ));
             }
             Inbound::Gap { expected } => {
@@ -128,8 +131,8 @@ impl ReplicationNode {
                 self.start_catchup(replica.clone());
                 return Err(ReplicaError::Gap {
                     shard: replica.shard,
-                    first: inbound.range.map_or(0, |r| r.0),
-                    expected,
+                    first: inbound.range.map_or(0, |r| r.0.0),
+                    expected: expected.0,
                     durable,
                 });
             }
@@ -144,7 +147,7 @@ impl ReplicationNode {
                 // over the same records), maybe not durable yet: answer once
                 // the queued copy is, so the answer covers the segment and
                 // the leader counts it now, not at its next keepalive.
-                let queued = inbound.range.map_or(0, |(_, last)| last).min(view.next_expected.saturating_sub(1));
+                let queued = inbound.range.map_or(0, |(_, last)| last.0).min(view.next_expected.prev().0);
                 (queued > durable).then(|| self.durable_at(replica.shard, queued))
             }
             Inbound::Apply { skip } => {

@@ -27,7 +27,7 @@ impl ReplicationNode {
                         tracing::warn!(shard = replica.shard, followers = ?plan.reseed, "retention bound reached: followers need a re-seed");
                         leader.core.lock().mark_reseed(&plan.reseed);
                     }
-                    plan.compact_to
+                    plan.compact_to.map(|s| s.0)
                 }
                 None => {
                     let (Ok(p), Ok(c)) = (self.wal.positions(replica.shard), self.wal.counters(replica.shard)) else {
@@ -41,7 +41,7 @@ impl ReplicationNode {
                 match self.wal.compact_prefix(replica.shard, to).await {
                     Ok(()) => {
                         if let Some(leader) = replica.leader_state() {
-                            leader.core.lock().on_compacted(to);
+                            leader.core.lock().on_compacted(crate::core::Seqno(to));
                         }
                         tracing::info!(shard = replica.shard, first_seqno = to, "compacted");
                     }

@@ -26,6 +26,7 @@ use super::shard::{LeaderState, ShardReplica};
 use super::{ReplicationNode, now_us};
 use crate::NodeId;
 use crate::core::leader::{ShipDecision, ShipReply};
+use crate::core::{Epoch, Seqno};
 
 /// Waits for a change of `watch` (false once its sender is gone); never
 /// resolves without a watch.
@@ -141,12 +142,12 @@ impl ReplicationNode {
             let limit = {
                 let mut core = leader.core.lock();
                 if let Some(committing) = committing {
-                    core.on_local_written(committing);
-                    core.on_local_flushing(committing);
+                    core.on_local_written(Seqno(committing));
+                    core.on_local_flushing(Seqno(committing));
                 }
-                core.on_local_durable(seqno, counters.records, counters.bytes, now_us());
+                core.on_local_durable(Seqno(seqno), counters.records, counters.bytes, now_us());
                 replica.publish_leader(&core, &self.metrics);
-                core.flushing()
+                core.flushing().0
             };
             leader.ship_limit.send_if_modified(|l| std::mem::replace(l, limit) != limit);
             tokio::select! {
@@ -209,21 +210,21 @@ impl ReplicationNode {
         loop {
             if let Some(written) = written.as_mut() {
                 let wrote = *written.borrow_and_update();
-                leader.core.lock().on_local_written(wrote);
+                leader.core.lock().on_local_written(Seqno(wrote));
             }
             // Issue everything the core allows right now.
             loop {
                 let decision = leader.core.lock().poll_ship(follower, now_us());
                 match decision {
                     ShipDecision::Send { from, up_to } => {
-                        let frames = match self.wal.read(replica.shard, from, up_to, batch_bytes).await {
+                        let frames = match self.wal.read(replica.shard, from.0, up_to.0, batch_bytes).await {
                             Ok(frames) => frames,
                             Err(e) => {
                                 tracing::warn!(shard = replica.shard, follower, error = %e, "reading the WAL to ship");
                                 break;
                             }
                         };
-                        let last = frames.last().map_or(from, |f| f.seqno());
+                        let last = frames.last().map_or(from, |f| Seqno(f.seqno()));
                         let segment = match Segment::encode(replica.shard, frames) {
                             Ok(segment) => segment,
                             Err(e) => {
@@ -253,7 +254,7 @@ impl ReplicationNode {
                         deposed
                     };
                     if let Some(epoch) = deposed {
-                        tokio::spawn(self.clone().step_down(replica.clone(), epoch));
+                        tokio::spawn(self.clone().step_down(replica.clone(), epoch.0));
                         return;
                     }
                 }
@@ -299,11 +300,11 @@ impl ReplicationNode {
             // A segment's envelope must cover it (it may be written, not yet
             // durable); a keepalive announces the durable position only, so
             // a follower pulls catch-up for records it can actually get.
-            leader_last_seq: if segment.is_some() { written } else { durable },
+            leader_last_seq: if segment.is_some() { written.0 } else { durable.0 },
             stream_baseline: 0,
             epoch: leader.epoch,
             leader_node_id: self.me,
-            commit_seqno: commit,
+            commit_seqno: commit.0,
         };
         let stream = if cut {
             None
@@ -334,13 +335,15 @@ impl ReplicationNode {
                 return ShipReply::Failed;
             }
             match outcome {
-                Ok(r) if r.accepted => ShipReply::Applied { applied: r.applied_seqno },
+                Ok(r) if r.accepted => ShipReply::Applied { applied: Seqno(r.applied_seqno) },
                 Ok(_) => ShipReply::Failed,
                 Err(status) => {
                     match (metadata_u64(&status, APPLIED_METADATA_KEY), metadata_u64(&status, EPOCH_METADATA_KEY)) {
-                        (Some(applied), _) if status.code() == tonic::Code::OutOfRange => ShipReply::Gap { applied },
+                        (Some(applied), _) if status.code() == tonic::Code::OutOfRange => {
+                            ShipReply::Gap { applied: Seqno(applied) }
+                        }
                         (_, Some(epoch)) if status.code() == tonic::Code::FailedPrecondition => {
-                            ShipReply::StaleEpoch { epoch }
+                            ShipReply::StaleEpoch { epoch: Epoch(epoch) }
                         }
                         _ => {
                             tracing::debug!(follower, %status, "ShipSegment failed");

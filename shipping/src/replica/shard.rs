@@ -193,7 +193,7 @@ impl ShardReplica {
 
     /// Publishes what a leader's core says: commit, all-durable, lease.
     pub(crate) fn publish_leader(&self, core: &LeaderCore, metrics: &ReplicationMetrics) {
-        let commit = core.commit();
+        let commit = core.commit().0;
         self.readable.send_if_modified(|r| {
             let changed = commit > *r;
             if changed {
@@ -201,7 +201,7 @@ impl ShardReplica {
             }
             changed
         });
-        let all = core.all_durable();
+        let all = core.all_durable().0;
         self.all_durable.send_if_modified(|a| std::mem::replace(a, all) != all);
         let lease = core.lease_until().unwrap_or(u64::MAX);
         self.lease_until.send_if_modified(|l| std::mem::replace(l, lease) != lease);

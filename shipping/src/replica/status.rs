@@ -124,7 +124,7 @@ impl ReplicationNode {
                                 follower_status(id, &progress, &core.lag(id, now).expect("known follower"), now)
                             })
                             .collect();
-                        (core.commit(), followers)
+                        (core.commit().0, followers)
                     }
                     None => (replica.follower.leader_commit.load(Ordering::Acquire), Vec::new()),
                 };
@@ -228,7 +228,7 @@ impl ReplicationNode {
                                 lag_seconds.insert(id, lag.flush_seconds);
                             }
                         }
-                        core.commit()
+                        core.commit().0
                     }
                     None => replica.readable(),
                 };
@@ -308,7 +308,7 @@ fn follower_status(id: NodeId, progress: &FollowerProgress, lag: &Lag, now: u64)
     FollowerStatus {
         node_id: id,
         mode: progress.mode.as_str().into(),
-        acked_seqno: progress.acked,
+        acked_seqno: progress.acked.0,
         in_flight: progress.in_flight,
         lag_records: lag.records,
         lag_bytes: lag.bytes,
