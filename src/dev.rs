@@ -166,9 +166,12 @@ pub async fn run_dev(args: DevArgs) -> Result<()> {
     let coord = &cluster.coordinators[0];
     println!("  coordinator  admin http://{}/v1/shards  (token {token})", coord.admin_addr);
     let first = &cluster.nodes[0].grpc_addr;
+    // Shard 2 is led by node 2, so the example shows the leader hint at
+    // work; a one-shard cluster has only shard 1.
+    let example = args.shards.min(2);
     println!("try (any node works: clients follow the leader hint):");
-    println!("  echo hello | walship append --server {first} --shard 2");
-    println!("  walship read --server {first} --shard 2 --from 1");
+    println!("  echo hello | walship append --server {first} --shard {example}");
+    println!("  walship read --server {first} --shard {example} --from 1");
     println!("cluster config: {}; Ctrl-C stops the cluster.", cluster_file.display());
 
     let mut term = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate())?;

@@ -329,28 +329,14 @@ async fn leader_cut_from_the_coordinator_loses_nothing() {
 /// follower are a majority, so there is no failover and QUORUM appends go on.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn follower_cut_from_the_leader_changes_nothing() {
-    let case = "(c) follower <-> leader";
-    let mut s = Scenario::start().await;
-    s.partition.cut(Party::Node(1), Party::Node(3));
-    s.mark_cut();
-    let held = s.hold(CUT).await;
-    assert_eq!(held.failover_seen_at, None, "{case}: the coordinator recorded a new epoch during the cut");
-    assert_eq!(s.epoch().await, s.epoch0, "{case}: epoch changed during the cut");
-    s.heal_and_check(case).await.assert_no_failover_and_writable(case);
+    no_failover_case("(c) follower <-> leader", |p| p.cut(Party::Node(1), Party::Node(3))).await;
 }
 
 /// (d) One follower cut off from everyone (nodes, coordinator, clients):
 /// no failover, QUORUM appends go on.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn follower_isolated_from_everyone_changes_nothing() {
-    let case = "(d) follower <-> everyone";
-    let mut s = Scenario::start().await;
-    s.partition.isolate(Party::Node(3));
-    s.mark_cut();
-    let held = s.hold(CUT).await;
-    assert_eq!(held.failover_seen_at, None, "{case}: the coordinator recorded a new epoch during the cut");
-    assert_eq!(s.epoch().await, s.epoch0, "{case}: epoch changed during the cut");
-    s.heal_and_check(case).await.assert_no_failover_and_writable(case);
+    no_failover_case("(d) follower <-> everyone", |p| p.isolate(Party::Node(3))).await;
 }
 
 /// (e) The coordinator cut off from every node (the test still reads it):
@@ -358,14 +344,24 @@ async fn follower_isolated_from_everyone_changes_nothing() {
 /// hears them again it must not take the silence for a lost leader.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn coordinator_cut_from_every_node_changes_nothing() {
-    let case = "(e) coordinator <-> every node";
+    no_failover_case("(e) coordinator <-> every node", |p| {
+        for id in 1..=3 {
+            p.cut(Party::Coordinator(1), Party::Node(id));
+        }
+    })
+    .await;
+}
+
+/// A partition after which the leader and a majority still reach each
+/// other (`cut` makes it): nothing may fail over during the cut or after
+/// the heal, and QUORUM appends go on throughout.
+async fn no_failover_case(case: &str, cut: impl FnOnce(&mut Partition)) {
     let mut s = Scenario::start().await;
-    for id in 1..=3 {
-        s.partition.cut(Party::Coordinator(1), Party::Node(id));
-    }
+    cut(&mut s.partition);
     s.mark_cut();
     let held = s.hold(CUT).await;
     assert_eq!(held.failover_seen_at, None, "{case}: the coordinator recorded a new epoch during the cut");
+    assert_eq!(s.epoch().await, s.epoch0, "{case}: epoch changed during the cut");
     s.heal_and_check(case).await.assert_no_failover_and_writable(case);
 }
 
