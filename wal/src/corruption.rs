@@ -86,33 +86,65 @@ impl CorruptRange {
 pub(crate) struct Registry {
     ranges: Mutex<BTreeMap<ShardId, Vec<CorruptRange>>>,
     metrics: WalMetrics,
+    /// Bumped by every truncation and compaction. A read that began before
+    /// one may have met records it then removed (a repair truncating the
+    /// very damage the read found): its finding is dropped, never recorded
+    /// after the repair as if the replica's fresh copy were damaged (a
+    /// follower would then drop good, acknowledged records to refetch them).
+    generation: std::sync::atomic::AtomicU64,
 }
 
 impl Registry {
     pub(crate) fn new(metrics: WalMetrics) -> Registry {
-        Registry { ranges: Mutex::new(BTreeMap::new()), metrics }
+        Registry { ranges: Mutex::new(BTreeMap::new()), metrics, generation: Default::default() }
     }
 
-    /// Records a store error if it is [`StoreError::Corrupt`]; true if it
-    /// names records not known to be corrupt before.
-    pub(crate) fn record_error(&self, error: &StoreError, how: Detection, location: Option<PathBuf>) -> bool {
+    /// The current generation; take it before a read whose damage may be
+    /// recorded with [`Registry::record_error`].
+    pub(crate) fn generation(&self) -> u64 {
+        self.generation.load(std::sync::atomic::Ordering::Acquire)
+    }
+
+    /// Records a store error if it is [`StoreError::Corrupt`] and no
+    /// truncation or compaction ran since `generation` was taken (before the
+    /// read that failed); true if it names records not known to be corrupt
+    /// before.
+    pub(crate) fn record_error(
+        &self,
+        error: &StoreError,
+        how: Detection,
+        location: Option<PathBuf>,
+        generation: u64,
+    ) -> bool {
         let StoreError::Corrupt { shard, first_seqno, last_seqno, file, detail } = error else { return false };
-        self.record(CorruptRange {
-            shard: *shard,
-            first_bad_seqno: *first_seqno,
-            last_bad_seqno: *last_seqno,
-            file: file.clone(),
-            location,
-            found_at: SystemTime::now(),
-            how,
-            detail: detail.clone(),
-        })
+        let mut all = self.ranges.lock();
+        if self.generation() != generation {
+            tracing::debug!(shard, first_seqno, "a read met damage a truncation or compaction removed meanwhile");
+            return false;
+        }
+        self.record_locked(
+            &mut all,
+            CorruptRange {
+                shard: *shard,
+                first_bad_seqno: *first_seqno,
+                last_bad_seqno: *last_seqno,
+                file: file.clone(),
+                location,
+                found_at: SystemTime::now(),
+                how,
+                detail: detail.clone(),
+            },
+        )
     }
 
     /// Adds a range, merging it with the known ones it overlaps or touches;
     /// true (and logged at ERROR, and counted) if any of it is new.
     pub(crate) fn record(&self, range: CorruptRange) -> bool {
         let mut all = self.ranges.lock();
+        self.record_locked(&mut all, range)
+    }
+
+    fn record_locked(&self, all: &mut BTreeMap<ShardId, Vec<CorruptRange>>, range: CorruptRange) -> bool {
         let ranges = all.entry(range.shard).or_default();
         let covered = ranges
             .iter()
@@ -175,6 +207,7 @@ impl Registry {
 
     fn retain(&self, shard: ShardId, mut keep: impl FnMut(&mut CorruptRange) -> bool) {
         let mut all = self.ranges.lock();
+        self.generation.fetch_add(1, std::sync::atomic::Ordering::AcqRel);
         let Some(ranges) = all.get_mut(&shard) else { return };
         ranges.retain_mut(|r| keep(r));
         self.publish(shard, ranges);
@@ -230,6 +263,7 @@ pub(crate) fn scrub_pass(
         // damage are then read up to it (`to`) before going past it.
         let mut to = end;
         while from <= end {
+            let generation = registry.generation();
             match store.read(shard, from, to, SCRUB_READ_BYTES) {
                 Ok(frames) => {
                     let bytes: u64 = frames.iter().map(|f| f.len() as u64).sum();
@@ -243,7 +277,7 @@ pub(crate) fn scrub_pass(
                 }
                 Err(e @ StoreError::Corrupt { .. }) => {
                     let (_, first, last) = e.corrupt_range().expect("corrupt");
-                    if registry.record_error(&e, Detection::Scrub, store.location()) {
+                    if registry.record_error(&e, Detection::Scrub, store.location(), generation) {
                         report.new_ranges += 1;
                     }
                     if first > from {
@@ -290,6 +324,20 @@ fn throttle(started: Instant, bytes: u64, bytes_per_s: u64) {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_finding_from_a_read_that_a_truncation_overtook_is_dropped() {
+        let registry = Registry::new(WalMetrics::unregistered());
+        let corrupt = StoreError::Corrupt { shard: 1, first_seqno: 10, last_seqno: 12, file: None, detail: "x".into() };
+        // The read began, then a repair truncated the damage away.
+        let began = registry.generation();
+        registry.truncated(1, 9);
+        assert!(!registry.record_error(&corrupt, Detection::Scrub, None, began), "stale: dropped");
+        assert!(registry.shard(1).is_empty());
+        // A read after the truncation that still meets damage records it.
+        assert!(registry.record_error(&corrupt, Detection::Scrub, None, registry.generation()));
+        assert_eq!(registry.shard(1).len(), 1);
+    }
 
     fn range(first: u64, last: u64, how: Detection) -> CorruptRange {
         CorruptRange {

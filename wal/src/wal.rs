@@ -689,9 +689,10 @@ impl Wal {
         let what = move || format!("verifying shard {shard} [{from}, {to}]");
         tokio::task::spawn_blocking(move || {
             fatal_on_panic(what, || {
+                let generation = shared.corruption.generation();
                 let read = shared.store.read(shard, from, to, usize::MAX).map(|_| ());
                 if let Err(e) = &read {
-                    shared.corruption.record_error(e, Detection::Scrub, shared.store.location());
+                    shared.corruption.record_error(e, Detection::Scrub, shared.store.location(), generation);
                 }
                 read
             })
@@ -752,10 +753,11 @@ impl Wal {
         let what = move || format!("reading shard {shard} [{from}, {to}]");
         tokio::task::spawn_blocking(move || {
             fatal_on_panic(what, || {
+                let generation = shared.corruption.generation();
                 let stored = shared.store.bounds(shard)?.last_seqno;
                 let read = shared.store.read(shard, from, to.min(stored.max(from)), max_bytes);
                 if let Err(e) = &read {
-                    shared.corruption.record_error(e, Detection::Read, shared.store.location());
+                    shared.corruption.record_error(e, Detection::Read, shared.store.location(), generation);
                 }
                 read
             })
