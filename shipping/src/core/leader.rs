@@ -442,6 +442,17 @@ impl LeaderCore {
         Some(contact.saturating_add(lease))
     }
 
+    /// Whether a majority of the replica set has answered this leadership
+    /// at least once. Until then a lapsed lease only stops acknowledgements:
+    /// a leader whose followers are still starting waits for them instead of
+    /// stepping down (CheckQuorum is about losing a majority; a leader that
+    /// never reached one is the coordinator's to replace, as its followers
+    /// report they cannot hear it).
+    pub fn had_majority(&self) -> bool {
+        let replicas = self.followers.len() + 1;
+        self.followers.values().filter(|p| p.last_reply_us.is_some()).count() >= replicas / 2
+    }
+
     /// Whether the lease holds at `now_us` (see [`LeaderCore::lease_until`]).
     pub fn lease_holds(&self, now_us: u64) -> bool {
         self.lease_until().is_none_or(|until| now_us < until)

@@ -369,6 +369,18 @@ fn the_lease_needs_a_majority_of_recent_positive_replies() {
 }
 
 #[test]
+fn a_majority_has_answered_once_any_majority_replied_in_this_leadership() {
+    let mut core = leased(&[2, 3, 4, 5]);
+    assert!(!core.had_majority(), "nobody answered yet: followers may still be starting");
+    probe(&mut core, 2, 0, 20_000);
+    assert!(!core.had_majority());
+    probe(&mut core, 3, 0, 20_100);
+    assert!(core.had_majority(), "three of five");
+    assert!(!core.lease_holds(40_000), "long since: the lease lapsed, and CheckQuorum may step it down");
+    assert!(leased(&[]).had_majority(), "alone it is its own majority");
+}
+
+#[test]
 fn a_static_leader_or_a_lone_replica_has_no_lease_bound() {
     let core = LeaderCore::new(start(1, 0, 1, 0), &[2, 3], SETTINGS, 0);
     assert_eq!(core.lease_until(), None);

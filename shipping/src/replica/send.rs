@@ -166,10 +166,21 @@ impl ReplicationNode {
         loop {
             let until = *lease.borrow_and_update();
             let now = now_us();
-            if until != u64::MAX && now >= until && !leader.core.lock().lease_holds(now) {
+            let lapsed = until != u64::MAX && now >= until;
+            let (holds, had_majority) = {
+                let core = leader.core.lock();
+                (core.lease_holds(now), core.had_majority())
+            };
+            if lapsed && !holds && had_majority {
                 break;
             }
-            let wait = if until == u64::MAX { Duration::MAX } else { Duration::from_micros(until.saturating_sub(now)) };
+            // Lapsed before any majority answered: wait for one (a renewal
+            // changes the lease) rather than step down at start.
+            let wait = if until == u64::MAX || lapsed {
+                Duration::MAX
+            } else {
+                Duration::from_micros(until.saturating_sub(now))
+            };
             tokio::select! {
                 _ = tokio::time::sleep(wait.min(Duration::from_secs(3600))) => {}
                 changed = lease.changed() => if changed.is_err() { return },
