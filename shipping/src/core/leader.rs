@@ -31,9 +31,9 @@
 //!   at any durability only while it has heard, within `lease_us`, from a
 //!   majority of its replica set (positive ship replies; its own start
 //!   counts as contact). A leader frozen or cut off from its followers past
-//!   the failure timeout stops acknowledging even `LOCAL` appends and steps
-//!   down (Raft's CheckQuorum), even while it still reaches the
-//!   coordinator. `LOCAL` is still not failover-safe: it is acknowledged
+//!   the failure timeout stops acknowledging even `LOCAL` appends and, once
+//!   a majority had answered it in this leadership, steps down (Raft's
+//!   CheckQuorum), even while it still reaches the coordinator. `LOCAL` is still not failover-safe: it is acknowledged
 //!   before any follower holds the record.
 //! * A follower's `acked` only ever comes from its own reply (its durable
 //!   frontier); nothing the leader sends counts until the follower says so.
