@@ -155,7 +155,12 @@ impl ReplicationNode {
         let replica = self.replica_or_not_found(shard)?;
         let transition = replica.transition.lock().await;
         let mut commands = self.sync_disk(&replica);
-        let decided = replica.rules.lock().assign(Epoch(epoch), leader);
+        let decided = {
+            let mut rules = replica.rules.lock();
+            let decided = rules.assign(Epoch(epoch), leader);
+            replica.note_new_leader(decided.as_deref().unwrap_or_default());
+            decided
+        };
         commands.extend(decided.map_err(|r| self.refused(&replica, r))?);
         if let Some(Command::CatchUp) = commands.last() {
             tracing::info!(shard, epoch, leader, "following");

@@ -205,7 +205,12 @@ impl ReplicationNode {
         from: crate::NodeId,
     ) -> Result<(), ReplicaError> {
         let mut commands = self.sync_disk(replica);
-        let admission = replica.rules.lock().inbound(Epoch(epoch), from);
+        let admission = {
+            let mut rules = replica.rules.lock();
+            let admission = rules.inbound(Epoch(epoch), from);
+            replica.note_new_leader(&admission.commands);
+            admission
+        };
         commands.extend(admission.commands);
         if !commands.is_empty() {
             let _transition = replica.transition.lock().await;

@@ -221,6 +221,17 @@ impl ShardReplica {
         });
     }
 
+    /// The rules just made this replica follow a leader (`commands` start a
+    /// catch-up after a role change): its silence towards that leader counts
+    /// from now. Call with the rules' lock held, so a heartbeat that sees the
+    /// new role also sees this.
+    pub(crate) fn note_new_leader(&self, commands: &[crate::core::replica::Command]) {
+        use crate::core::replica::Command;
+        if commands.contains(&Command::StopLeading) && commands.contains(&Command::CatchUp) {
+            self.follower.last_contact_us.store(now_us(), Ordering::Release);
+        }
+    }
+
     /// Stops leading, if it was: its tasks stop and appends waiting for a
     /// commit under it give up.
     pub(crate) fn stop_leading(&self) {
