@@ -1,0 +1,209 @@
+//! Unit tests of the raft-engine store: damage located to shard, seqnos and file, the start-up tail check, torn tails.
+
+use std::sync::Arc;
+
+use super::*;
+use crate::corruption::Detection;
+use crate::record::RecordFields;
+use crate::{Wal, WalConfig, WalError, WalMetrics};
+
+/// Record `seqno`'s payload: a pattern found once in the log file.
+fn payload(seqno: u64) -> Vec<u8> {
+    format!("payload-{seqno:04}-").repeat(16).into_bytes()
+}
+
+fn frame(seqno: u64) -> Frame {
+    Frame::encode(RecordFields { seqno, epoch: 1, timestamp_us: seqno, key: b"k", payload: &payload(seqno) })
+}
+
+/// Appends `from..=to` to `shard`, one batch (one raft-engine checksum)
+/// per record.
+fn append(store: &EngineStore, shard: ShardId, from: u64, to: u64) {
+    for seqno in from..=to {
+        store.append(&[ShardAppend { shard, frames: vec![frame(seqno)] }], true).unwrap();
+    }
+}
+
+fn only_log_file(dir: &Path) -> PathBuf {
+    let files = log_files(dir, ".raftlog");
+    assert_eq!(files.len(), 1, "{files:?}");
+    files[0].1.clone()
+}
+
+/// Flips 4 bytes at `delta` from the start of record `seqno`'s payload
+/// in the log file.
+fn flip(file: &Path, seqno: u64, delta: usize) {
+    let mut bytes = std::fs::read(file).unwrap();
+    let pattern = payload(seqno);
+    let at = bytes.windows(pattern.len()).position(|w| w == pattern.as_slice()).expect("payload in the file");
+    for b in &mut bytes[at + delta..at + delta + 4] {
+        *b ^= 0x5a;
+    }
+    std::fs::write(file, bytes).unwrap();
+}
+
+fn no_scrub() -> WalConfig {
+    WalConfig { scrub_bytes_per_s: 0, ..WalConfig::default() }
+}
+
+fn seqnos(frames: &[Frame]) -> Vec<u64> {
+    frames.iter().map(Frame::seqno).collect()
+}
+
+/// A byte flip in the middle of a record after a crash: the start-up
+/// check names shard, seqno and file; reads before it work; a read of
+/// it is a typed, non-fatal corrupt error; truncating it away clears it
+/// and appends continue.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_startup_check_finds_a_flipped_record_and_a_truncation_repairs_it() {
+    let dir = tempfile::tempdir().unwrap();
+    let store = EngineStore::open(dir.path(), &Default::default()).unwrap();
+    store.create_shard(1).unwrap();
+    store.create_shard(2).unwrap();
+    append(&store, 1, 1, 30);
+    append(&store, 2, 1, 5);
+    drop(store); // No clean-shutdown marker: as after a kill -9.
+    let file = only_log_file(dir.path());
+    flip(&file, 17, 100);
+
+    let store = Arc::new(EngineStore::open(dir.path(), &Default::default()).unwrap());
+    let metrics = WalMetrics::unregistered();
+    let wal = Wal::start(store.clone(), no_scrub(), metrics.clone()).unwrap();
+    let found = wal.corruption();
+    assert_eq!(found.len(), 1, "{found:?}");
+    let range = &found[0];
+    assert_eq!((range.shard, range.first_bad_seqno, range.last_bad_seqno), (1, 17, 17));
+    assert_eq!(range.file.as_deref(), Some(file.as_path()));
+    assert_eq!(range.how, Detection::Startup);
+    assert!(range.detail.contains("Checksum"), "{}", range.detail);
+    assert_eq!(metrics.corrupt_records.with_label_values(&["1"]).get(), 1);
+    assert_eq!(metrics.corruption_detected.with_label_values(&["startup"]).get(), 1);
+    assert!(wal.shard_corruption(2).is_empty());
+
+    // Reads before the damage (and of the other shard) work.
+    assert_eq!(seqnos(&wal.read(1, 1, 16, usize::MAX).await.unwrap()), (1..=16).collect::<Vec<_>>());
+    assert_eq!(seqnos(&wal.read(2, 1, 5, usize::MAX).await.unwrap()), vec![1, 2, 3, 4, 5]);
+    // A read covering it is the typed corrupt error, not Io, not fatal.
+    let err = wal.read(1, 10, 30, usize::MAX).await.unwrap_err();
+    assert_eq!(err.corrupt_range(), Some((1, 17, 17)), "{err:?}");
+    let WalError::Store(store_err) = &err else { panic!("{err:?}") };
+    assert!(!store_err.is_fatal());
+    let message = err.to_string();
+    assert!(message.contains("corruption") && message.contains(&file.display().to_string()), "{message}");
+    // Found again by a read and by a scrub: still one range, counted once.
+    let report = wal.scrub_now().await.unwrap();
+    assert_eq!((report.records, report.new_ranges), (29 + 5, 0));
+    assert_eq!(wal.corruption().len(), 1);
+    assert_eq!(metrics.corruption_detected.with_label_values(&["read"]).get(), 0);
+
+    // Repair: truncate to first_bad - 1, append the replica's copy.
+    wal.truncate_suffix(1, 16).await.unwrap();
+    assert!(wal.corruption().is_empty());
+    assert_eq!(metrics.corrupt_records.with_label_values(&["1"]).get(), 0);
+    wal.append_frames(1, (17..=31).map(frame).collect()).await.unwrap();
+    assert_eq!(seqnos(&store.read(1, 1, 31, usize::MAX).unwrap()), (1..=31).collect::<Vec<_>>());
+}
+
+/// After a clean shutdown the start-up check is skipped (and the marker
+/// is consumed); the scrubber finds the damage, and a read in the
+/// middle of it is typed too.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn after_a_clean_shutdown_the_scrubber_finds_the_damage() {
+    let dir = tempfile::tempdir().unwrap();
+    let store = EngineStore::open(dir.path(), &Default::default()).unwrap();
+    store.create_shard(3).unwrap();
+    append(&store, 3, 1, 20);
+    store.mark_clean_shutdown().unwrap();
+    drop(store);
+    assert!(dir.path().join(CLEAN_SHUTDOWN_FILE).exists());
+    let file = only_log_file(dir.path());
+    flip(&file, 8, 64);
+
+    let store = Arc::new(EngineStore::open(dir.path(), &Default::default()).unwrap());
+    assert!(!dir.path().join(CLEAN_SHUTDOWN_FILE).exists(), "an open consumes the marker");
+    assert!(store.startup_damage().is_empty(), "no tail check after a clean shutdown");
+    let metrics = WalMetrics::unregistered();
+    let wal = Wal::start(store, no_scrub(), metrics.clone()).unwrap();
+    assert!(wal.corruption().is_empty());
+    let report = wal.scrub_now().await.unwrap();
+    assert_eq!((report.records, report.new_ranges), (19, 1));
+    let range = &wal.corruption()[0];
+    assert_eq!((range.shard, range.first_bad_seqno, range.last_bad_seqno, range.how), (3, 8, 8, Detection::Scrub));
+    assert_eq!(range.file.as_deref(), Some(file.as_path()));
+    assert_eq!(metrics.scrubbed_bytes.get(), 19 * frame(1).len() as u64);
+    assert!(metrics.scrub_last_pass.get() > 0);
+    assert_eq!(wal.read(3, 8, 8, 1).await.unwrap_err().corrupt_range(), Some((3, 8, 8)));
+    // Compacting past it clears it too.
+    wal.compact_prefix(3, 9).await.unwrap();
+    assert!(wal.corruption().is_empty());
+    assert_eq!(seqnos(&wal.read(3, 9, 20, usize::MAX).await.unwrap()), (9..=20).collect::<Vec<_>>());
+}
+
+fn prefilled() -> EngineStoreConfig {
+    EngineStoreConfig { target_file_bytes: 4 << 20, prefill: true, ..Default::default() }
+}
+
+/// A crash leaves the zeros behind the last batch: raft-engine's
+/// recovery cuts them, which is a torn tail, not corruption; the tail
+/// check finds nothing.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_crash_copy_reports_a_torn_tail_and_no_corruption() {
+    let _ = crate::recovery_log::install();
+    let dir = tempfile::tempdir().unwrap();
+    let store = EngineStore::open(dir.path(), &prefilled()).unwrap();
+    store.create_shard(1).unwrap();
+    append(&store, 1, 1, 40);
+    let copy = crate::conformance::crash_copy(dir.path());
+    drop(store);
+
+    let crashed = Arc::new(EngineStore::open(copy.path(), &prefilled()).unwrap());
+    let findings = crashed.recovery_findings().to_vec();
+    assert!(matches!(findings.as_slice(), [RecoveryFinding::TornTail { .. }]), "{findings:?}");
+    assert!(crashed.startup_damage().is_empty());
+    let wal = Wal::start(crashed, no_scrub(), WalMetrics::unregistered()).unwrap();
+    assert!(wal.corruption().is_empty());
+    assert_eq!(seqnos(&wal.read(1, 1, 40, usize::MAX).await.unwrap()), (1..=40).collect::<Vec<_>>());
+    let report = wal.scrub_now().await.unwrap();
+    assert_eq!((report.records, report.new_ranges), (40, 0));
+}
+
+/// Damage to a batch's metadata in the newest file makes raft-engine's
+/// recovery drop the rest of the file: that is reported as corruption
+/// (data follows the cut), never as a torn tail.
+#[test]
+fn a_damaged_batch_followed_by_data_is_corruption_not_a_torn_tail() {
+    let _ = crate::recovery_log::install();
+    let dir = tempfile::tempdir().unwrap();
+    let store = EngineStore::open(dir.path(), &Default::default()).unwrap();
+    store.create_shard(1).unwrap();
+    append(&store, 1, 1, 30);
+    drop(store);
+    // Past the payload (the end of the entry) come the entry block's
+    // checksum (4 bytes) and the batch's item metadata.
+    flip(&only_log_file(dir.path()), 12, payload(12).len() + 4);
+    let store = EngineStore::open(dir.path(), &Default::default()).unwrap();
+    let findings = store.recovery_findings().to_vec();
+    assert!(matches!(findings.as_slice(), [RecoveryFinding::Corruption { .. }]), "{findings:?}");
+    assert_eq!(store.bounds(1).unwrap().last_seqno, 11, "raft-engine dropped the rest of the file");
+}
+
+#[test]
+fn locate_names_the_file_of_an_entry_across_rotations() {
+    let dir = tempfile::tempdir().unwrap();
+    let config = EngineStoreConfig { target_file_bytes: 64 << 10, ..Default::default() };
+    let store = EngineStore::open(dir.path(), &config).unwrap();
+    store.create_shard(1).unwrap();
+    let big = |seqno: u64| {
+        let payload = vec![seqno as u8; 20 << 10];
+        Frame::encode(RecordFields { seqno, epoch: 1, timestamp_us: 0, key: b"", payload: &payload })
+    };
+    for seqno in 1..=12 {
+        store.append(&[ShardAppend { shard: 1, frames: vec![big(seqno)] }], true).unwrap();
+    }
+    let files = log_files(dir.path(), ".raftlog");
+    assert!(files.len() >= 3, "{files:?}");
+    assert_eq!(store.locate(1, 1), Some(files[0].1.clone()));
+    assert_eq!(store.locate(1, 12), Some(files.last().unwrap().1.clone()));
+    assert_eq!(store.locate(1, 13), None);
+    assert_eq!(store.locate(2, 1), None);
+}

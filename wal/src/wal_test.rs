@@ -1,0 +1,418 @@
+//! Unit tests of the WAL: sequencing, group commit, positions and watches, the tail cache, backpressure, corruption records.
+
+use super::*;
+use crate::{EngineStore, MemStore};
+
+fn records(n: usize) -> Vec<NewRecord> {
+    (0..n).map(|i| NewRecord { key: Bytes::new(), payload: Bytes::from(format!("p{i}")) }).collect()
+}
+
+async fn many_appenders_get_contiguous_seqnos(store: Arc<dyn LogStore>) {
+    let wal = Wal::start(store, WalConfig::default(), WalMetrics::unregistered()).unwrap();
+    for shard in 1..=4 {
+        wal.create_shard(shard).unwrap();
+    }
+    let mut tasks = Vec::new();
+    for task in 0..64u32 {
+        let wal = wal.clone();
+        tasks.push(tokio::spawn(async move {
+            let shard = 1 + task % 4;
+            let mut got = Vec::new();
+            for i in 0..20 {
+                let n = 1 + (task as usize + i) % 3;
+                let a = wal.append(shard, 1, records(n)).await.unwrap();
+                assert_eq!(a.last_seqno - a.first_seqno + 1, n as u64);
+                // Acknowledged means durable: the watch is already there.
+                assert!(*wal.durable_watch(shard).unwrap().borrow() >= a.last_seqno);
+                got.push((shard, a));
+            }
+            got
+        }));
+    }
+    let mut per_shard: HashMap<ShardId, Vec<Appended>> = HashMap::new();
+    for task in tasks {
+        for (shard, a) in task.await.unwrap() {
+            per_shard.entry(shard).or_default().push(a);
+        }
+    }
+    for (shard, mut ranges) in per_shard {
+        ranges.sort_by_key(|a| a.first_seqno);
+        let mut next = 1;
+        for a in &ranges {
+            assert_eq!(a.first_seqno, next, "shard {shard}: ranges must tile the log");
+            next = a.last_seqno + 1;
+        }
+        let p = wal.positions(shard).unwrap();
+        assert_eq!((p.last_seqno, p.durable_seqno), (next - 1, next - 1));
+        let frames = wal.read(shard, 1, next - 1, usize::MAX).await.unwrap();
+        assert!(frames.iter().enumerate().all(|(i, f)| f.seqno() == 1 + i as u64));
+    }
+}
+
+/// A store whose syncing appends wait until the test lets them through,
+/// so the instant between sequencing and fsync can be observed.
+struct GatedSync {
+    inner: MemStore,
+    gate: parking_lot::Mutex<std::sync::mpsc::Receiver<()>>,
+}
+
+/// A WAL with shard 1 over a [`GatedSync`] store, the store, and the
+/// sender that lets one held commit through per message.
+fn gated(config: WalConfig, metrics: WalMetrics) -> (Wal, Arc<GatedSync>, std::sync::mpsc::Sender<()>) {
+    let (open, gate) = std::sync::mpsc::channel();
+    let store = Arc::new(GatedSync { inner: MemStore::new(), gate: parking_lot::Mutex::new(gate) });
+    let wal = Wal::start(store.clone(), config, metrics).unwrap();
+    wal.create_shard(1).unwrap();
+    (wal, store, open)
+}
+
+impl LogStore for GatedSync {
+    fn create_shard(&self, shard: ShardId) -> crate::store::StoreResult<()> {
+        self.inner.create_shard(shard)
+    }
+    fn shards(&self) -> Vec<ShardId> {
+        self.inner.shards()
+    }
+    fn bounds(&self, shard: ShardId) -> crate::store::StoreResult<LogBounds> {
+        self.inner.bounds(shard)
+    }
+    fn append(&self, batch: &[ShardAppend], sync: bool) -> crate::store::StoreResult<()> {
+        if sync {
+            self.gate.lock().recv().expect("the test holds the gate");
+        }
+        self.inner.append(batch, sync)
+    }
+    fn read(&self, shard: ShardId, from: u64, to: u64, max_bytes: usize) -> crate::store::StoreResult<Vec<Frame>> {
+        self.inner.read(shard, from, to, max_bytes)
+    }
+    fn truncate_suffix(&self, shard: ShardId, keep_through: u64) -> crate::store::StoreResult<()> {
+        self.inner.truncate_suffix(shard, keep_through)
+    }
+    fn compact_prefix(&self, shard: ShardId, first_kept: u64) -> crate::store::StoreResult<()> {
+        self.inner.compact_prefix(shard, first_kept)
+    }
+    fn set_epoch(&self, shard: ShardId, epoch: u64) -> crate::store::StoreResult<()> {
+        self.inner.set_epoch(shard, epoch)
+    }
+    fn epoch(&self, shard: ShardId) -> crate::store::StoreResult<u64> {
+        self.inner.epoch(shard)
+    }
+    fn set_log_epoch(&self, shard: ShardId, epoch: u64) -> crate::store::StoreResult<()> {
+        self.inner.set_log_epoch(shard, epoch)
+    }
+    fn log_epoch(&self, shard: ShardId) -> crate::store::StoreResult<u64> {
+        self.inner.log_epoch(shard)
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn written_is_published_before_the_fsync_and_the_next_batch_is_sequenced_during_it() {
+    let (wal, store, open) = gated(WalConfig::default(), WalMetrics::unregistered());
+    let mut written = wal.written_watch(1).unwrap();
+    let mut flushing = wal.flushing_watch(1).unwrap();
+    let durable = wal.durable_watch(1).unwrap();
+    let append = |n| {
+        let wal = wal.clone();
+        tokio::spawn(async move { wal.append(1, 1, records(n)).await })
+    };
+    let first = append(3);
+    // The commit is held: written moves, durable does not, the append
+    // is not acknowledged, and the frames are readable for shipping
+    // although the store does not hold them yet.
+    tokio::time::timeout(Duration::from_secs(10), written.wait_for(|w| *w == 3)).await.unwrap().unwrap();
+    assert_eq!(*durable.borrow(), 0, "durable must wait for the fsync");
+    assert_eq!(store.inner.bounds(1).unwrap().last_seqno, 0, "sequenced ahead of the store");
+    assert!(!first.is_finished(), "no acknowledgement before the fsync");
+    let frames = wal.read(1, 1, 3, usize::MAX).await.unwrap();
+    assert_eq!(frames.iter().map(Frame::seqno).collect::<Vec<_>>(), vec![1, 2, 3]);
+    // The persister has taken it: flushing ends at its last record.
+    tokio::time::timeout(Duration::from_secs(10), flushing.wait_for(|f| *f == 3)).await.unwrap().unwrap();
+    // While that fsync is held, the next append is sequenced and
+    // readable too: the sequencer does not wait for the persister.
+    let second = append(2);
+    tokio::time::timeout(Duration::from_secs(10), written.wait_for(|w| *w == 5)).await.unwrap().unwrap();
+    let frames = wal.read(1, 4, 5, usize::MAX).await.unwrap();
+    assert_eq!(frames.iter().map(Frame::seqno).collect::<Vec<_>>(), vec![4, 5]);
+    assert_eq!(*durable.borrow(), 0);
+    assert_eq!(*flushing.borrow(), 3, "only the commit in progress is flushing, not what came after it");
+    assert!(!second.is_finished());
+    // Let the commits through: durable catches up and both return.
+    open.send(()).unwrap();
+    assert_eq!(first.await.unwrap().unwrap(), Appended { first_seqno: 1, last_seqno: 3 });
+    open.send(()).unwrap();
+    assert_eq!(second.await.unwrap().unwrap(), Appended { first_seqno: 4, last_seqno: 5 });
+    assert_eq!((*durable.borrow(), *written.borrow()), (5, 5));
+    assert_eq!(store.inner.bounds(1).unwrap().last_seqno, 5);
+    drop(open);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn appenders_wait_while_more_than_max_batch_bytes_is_staged() {
+    let config = WalConfig { max_batch_bytes: 1000, linger: Duration::ZERO, ..WalConfig::default() };
+    let metrics = WalMetrics::unregistered();
+    let (wal, _store, open) = gated(config, metrics.clone());
+    let mut written = wal.written_watch(1).unwrap();
+    let big = |n: usize| vec![NewRecord { key: Bytes::new(), payload: Bytes::from(vec![7u8; n]) }];
+    // 1,200 bytes staged while the first commit is held: past the limit.
+    let first = tokio::spawn({
+        let wal = wal.clone();
+        async move { wal.append(1, 1, big(1200)).await }
+    });
+    written.wait_for(|w| *w == 1).await.unwrap();
+    assert!(metrics.staged_bytes.get() > 1000, "staged {}", metrics.staged_bytes.get());
+    // The next append waits before it is sequenced: written stays.
+    let second = tokio::spawn({
+        let wal = wal.clone();
+        async move { wal.append(1, 1, big(10)).await }
+    });
+    // Once it is counted as waiting it is parked before sequencing.
+    tokio::time::timeout(Duration::from_secs(10), async {
+        while metrics.staged_waits.get() == 0 {
+            tokio::task::yield_now().await;
+        }
+    })
+    .await
+    .expect("the second append waits for staged bytes");
+    assert_eq!(*written.borrow(), 1, "sequenced past the staged limit");
+    assert_eq!(metrics.staged_waits.get(), 1);
+    // The held commit completes: the waiter is sequenced and committed.
+    open.send(()).unwrap();
+    assert_eq!(first.await.unwrap().unwrap(), Appended { first_seqno: 1, last_seqno: 1 });
+    written.wait_for(|w| *w == 2).await.unwrap();
+    open.send(()).unwrap();
+    assert_eq!(second.await.unwrap().unwrap(), Appended { first_seqno: 2, last_seqno: 2 });
+    assert_eq!(metrics.staged_bytes.get(), 0, "everything staged is durable");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_truncation_waits_for_the_staged_appends_before_it() {
+    let (wal, _store, open) = gated(WalConfig::default(), WalMetrics::unregistered());
+    let mut written = wal.written_watch(1).unwrap();
+    let appended = tokio::spawn({
+        let wal = wal.clone();
+        async move { wal.append_frames(1, crate::conformance::frames(1, 4, 1)).await }
+    });
+    written.wait_for(|w| *w == 4).await.unwrap();
+    let truncated = tokio::spawn({
+        let wal = wal.clone();
+        async move { wal.truncate_suffix(1, 2).await }
+    });
+    tokio::time::sleep(Duration::from_millis(50)).await;
+    assert!(!truncated.is_finished(), "the truncation waits for the staged frames");
+    open.send(()).unwrap();
+    appended.await.unwrap().unwrap();
+    truncated.await.unwrap().unwrap();
+    let p = wal.positions(1).unwrap();
+    assert_eq!((p.last_seqno, p.durable_seqno, *written.borrow()), (2, 2, 2));
+    // The next frames continue after the truncation point.
+    let resumed = tokio::spawn({
+        let wal = wal.clone();
+        async move { wal.append_frames(1, crate::conformance::frames(3, 1, 2)).await }
+    });
+    open.send(()).unwrap();
+    assert_eq!(resumed.await.unwrap().unwrap(), Appended { first_seqno: 3, last_seqno: 3 });
+    let epochs: Vec<u64> = wal.read(1, 1, 3, usize::MAX).await.unwrap().iter().map(Frame::epoch).collect();
+    assert_eq!(epochs, vec![1, 1, 2]);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn durable_never_passes_flushing_nor_flushing_written() {
+    let wal = Wal::start(Arc::new(MemStore::new()), WalConfig::default(), WalMetrics::unregistered()).unwrap();
+    wal.create_shard(1).unwrap();
+    let mut durable = wal.durable_watch(1).unwrap();
+    let flushing = wal.flushing_watch(1).unwrap();
+    let written = wal.written_watch(1).unwrap();
+    let watcher = tokio::spawn(async move {
+        let mut checked = 0;
+        while durable.changed().await.is_ok() {
+            // Read in this order: each later watch only grows meanwhile.
+            let d = *durable.borrow_and_update();
+            let f = *flushing.borrow();
+            let w = *written.borrow();
+            assert!(d <= f && f <= w, "durable {d}, flushing {f}, written {w}");
+            checked += 1;
+            if d >= 400 {
+                break;
+            }
+        }
+        checked
+    });
+    let mut tasks = Vec::new();
+    for _ in 0..8 {
+        let wal = wal.clone();
+        tasks.push(tokio::spawn(async move {
+            for _ in 0..25 {
+                wal.append(1, 1, records(2)).await.unwrap();
+            }
+        }));
+    }
+    for t in tasks {
+        t.await.unwrap();
+    }
+    assert!(watcher.await.unwrap() > 0, "the watcher saw durable move");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn group_commit_mem() {
+    many_appenders_get_contiguous_seqnos(Arc::new(MemStore::new())).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn group_commit_engine() {
+    let dir = tempfile::tempdir().unwrap();
+    let store = EngineStore::open(dir.path(), &Default::default()).unwrap();
+    many_appenders_get_contiguous_seqnos(Arc::new(store)).await;
+}
+
+#[test]
+fn tail_cache_keeps_the_newest_contiguous_frames_within_budget() {
+    let frames = crate::conformance::frames(1, 10, 1);
+    let one = frames[0].len();
+    let mut cache = TailCache::default();
+    cache.push(&frames[..6], one * 4, u64::MAX);
+    assert_eq!(cache.frames.len(), 4, "budget of 4 frames");
+    assert_eq!(cache.read(3, 6, usize::MAX).unwrap(), frames[2..6].to_vec());
+    assert_eq!(cache.read(2, 6, usize::MAX), None, "2 was evicted: the store serves it");
+    assert_eq!(cache.read(5, 7, usize::MAX), None, "7 is not cached yet");
+    assert_eq!(cache.read(3, 6, one).unwrap().len(), 1, "max_bytes cuts, at least one frame");
+    // A push that does not continue the cached run replaces it.
+    cache.push(&frames[7..9], one * 4, u64::MAX);
+    assert_eq!(cache.read(8, 9, usize::MAX).unwrap(), frames[7..9].to_vec());
+    assert_eq!(cache.read(6, 6, usize::MAX), None);
+    cache.truncate(8);
+    assert_eq!(cache.read(9, 9, usize::MAX), None);
+    cache.compact(9);
+    assert!(cache.frames.is_empty());
+    assert_eq!(cache.bytes, 0);
+}
+
+#[test]
+fn tail_cache_never_evicts_what_the_store_does_not_hold() {
+    let frames = crate::conformance::frames(1, 10, 1);
+    let one = frames[0].len();
+    let mut cache = TailCache::default();
+    // Only 1..=2 are stored: the budget of 2 frames gives way.
+    cache.push(&frames[..6], one * 2, 2);
+    assert_eq!(cache.read(3, 6, usize::MAX).unwrap(), frames[2..6].to_vec());
+    assert_eq!(cache.read(2, 2, usize::MAX), None, "stored frames are evicted first");
+    // Once the store holds them, the budget applies again.
+    cache.push(&frames[6..7], one * 2, 6);
+    assert_eq!(cache.read(6, 7, usize::MAX).unwrap(), frames[5..7].to_vec());
+    assert_eq!(cache.read(5, 5, usize::MAX), None);
+}
+
+#[tokio::test]
+async fn reads_after_truncation_see_the_replacement_not_the_cached_tail() {
+    let wal = Wal::start(Arc::new(MemStore::new()), WalConfig::default(), WalMetrics::unregistered()).unwrap();
+    wal.create_shard(1).unwrap();
+    wal.append(1, 1, records(5)).await.unwrap();
+    wal.truncate_suffix(1, 3).await.unwrap();
+    wal.append_frames(1, crate::conformance::frames(4, 2, 2)).await.unwrap();
+    let epochs: Vec<u64> = wal.read(1, 1, 5, usize::MAX).await.unwrap().iter().map(Frame::epoch).collect();
+    assert_eq!(epochs, vec![1, 1, 1, 2, 2]);
+}
+
+#[tokio::test]
+async fn epochs_fence_leader_appends_and_locate_epoch_ends() {
+    let wal = Wal::start(Arc::new(MemStore::new()), WalConfig::default(), WalMetrics::unregistered()).unwrap();
+    wal.create_shard(1).unwrap();
+    assert_eq!(wal.epoch_end(1, 5).await.unwrap(), (0, 0), "empty log");
+    wal.append(1, 2, records(3)).await.unwrap(); // 1..=3 in epoch 2
+    wal.append(1, 4, records(2)).await.unwrap(); // 4..=5 in epoch 4
+    wal.append(1, 7, records(1)).await.unwrap(); // 6 in epoch 7
+    assert_eq!(wal.epoch_end(1, 1).await.unwrap(), (0, 0));
+    assert_eq!(wal.epoch_end(1, 2).await.unwrap(), (2, 3));
+    assert_eq!(wal.epoch_end(1, 3).await.unwrap(), (2, 3));
+    assert_eq!(wal.epoch_end(1, 6).await.unwrap(), (4, 5));
+    assert_eq!(wal.epoch_end(1, 9).await.unwrap(), (7, 6));
+    wal.set_epoch(1, 8).await.unwrap();
+    assert_eq!(wal.epoch(1).unwrap(), 8);
+    assert!(matches!(wal.append(1, 7, records(1)).await, Err(WalError::StaleEpoch { promised: 8, .. })));
+    assert_eq!(wal.positions(1).unwrap().last_seqno, 6, "the refused append wrote nothing");
+    // Followers still apply older-epoch records from the new leader.
+    wal.append_frames(1, crate::conformance::frames(7, 1, 7)).await.unwrap();
+    wal.append(1, 8, records(1)).await.unwrap();
+}
+
+/// The record crc32 path (a damaged frame behind an intact store):
+/// a typed, non-fatal error naming the run of bad seqnos, recorded once,
+/// trimmed and then cleared by truncations.
+#[tokio::test]
+async fn a_corrupt_frame_is_a_typed_read_error_recorded_once_and_cleared_by_truncation() {
+    let store = Arc::new(MemStore::new());
+    let config = WalConfig { tail_cache_bytes: 0, scrub_bytes_per_s: 0, ..WalConfig::default() };
+    let metrics = WalMetrics::unregistered();
+    let wal = Wal::start(store.clone(), config, metrics.clone()).unwrap();
+    wal.create_shard(1).unwrap();
+    wal.append(1, 1, records(10)).await.unwrap();
+    // A later append evicts 1..=10 from the tail cache: reads go to the store.
+    wal.append(1, 1, records(1)).await.unwrap();
+    store.corrupt(1, 4);
+    store.corrupt(1, 5);
+    let err = wal.read(1, 1, 10, usize::MAX).await.unwrap_err();
+    assert_eq!(err.corrupt_range(), Some((1, 4, 5)), "{err:?}");
+    assert!(matches!(&err, WalError::Store(e) if !e.is_fatal()));
+    assert!(wal.read(1, 4, 4, 1).await.unwrap_err().corrupt_range().is_some());
+    assert_eq!(wal.read(1, 1, 3, usize::MAX).await.unwrap().len(), 3);
+    let found = wal.corruption();
+    assert_eq!(found.len(), 1);
+    assert_eq!((found[0].first_bad_seqno, found[0].last_bad_seqno, found[0].how), (4, 5, Detection::Read));
+    assert_eq!(metrics.corruption_detected.with_label_values(&["read"]).get(), 1, "logged and counted once");
+    assert_eq!(metrics.corrupt_records.with_label_values(&["1"]).get(), 2);
+    wal.truncate_suffix(1, 4).await.unwrap();
+    assert_eq!(wal.shard_corruption(1)[0].last_bad_seqno, 4, "5 is gone, 4 is still there");
+    wal.truncate_suffix(1, 3).await.unwrap();
+    assert!(wal.corruption().is_empty());
+    assert_eq!(metrics.corrupt_records.with_label_values(&["1"]).get(), 0);
+    assert_eq!(wal.append(1, 1, records(2)).await.unwrap(), Appended { first_seqno: 4, last_seqno: 5 });
+}
+
+/// An unclean restart verifies the tail written since the previous
+/// check and the WAL starts with what it found; a clean one does not.
+#[tokio::test]
+async fn an_unclean_restart_checks_the_tail_and_a_clean_one_does_not() {
+    let store = Arc::new(MemStore::new());
+    let config = WalConfig { scrub_bytes_per_s: 0, ..WalConfig::default() };
+    let wal = Wal::start(store.clone(), config.clone(), WalMetrics::unregistered()).unwrap();
+    wal.create_shard(1).unwrap();
+    wal.append(1, 1, records(10)).await.unwrap();
+    wal.shutdown_clean().await.unwrap();
+    store.corrupt(1, 3);
+    store.crash(); // A restart after the clean shutdown.
+    let wal = Wal::start(store.clone(), config.clone(), WalMetrics::unregistered()).unwrap();
+    assert!(wal.corruption().is_empty(), "records checked at the clean shutdown are the scrubber's");
+    let report = wal.scrub_now().await.unwrap();
+    assert_eq!((report.records, report.new_ranges), (9, 1));
+    wal.append(1, 1, records(5)).await.unwrap(); // 11..=15
+    store.corrupt(1, 12);
+    store.crash(); // Unclean this time.
+    let wal = Wal::start(store, config, WalMetrics::unregistered()).unwrap();
+    let found = wal.corruption();
+    assert_eq!(found.len(), 1, "only the tail since the previous check: {found:?}");
+    assert_eq!((found[0].first_bad_seqno, found[0].last_bad_seqno, found[0].how), (12, 12, Detection::Startup));
+}
+
+#[tokio::test]
+async fn refusals_change_nothing() {
+    let wal = Wal::start(Arc::new(MemStore::new()), WalConfig::default(), WalMetrics::unregistered()).unwrap();
+    wal.create_shard(1).unwrap();
+    wal.append(1, 1, records(3)).await.unwrap();
+    assert_eq!(wal.append(9, 1, records(1)).await.unwrap_err().unknown_shard(), Some(9));
+    assert!(matches!(wal.append(1, 1, vec![]).await, Err(WalError::Store(StoreError::EmptyAppend { .. }))));
+    let foreign = crate::conformance::frames(7, 2, 1);
+    assert!(matches!(
+        wal.append_frames(1, foreign).await,
+        Err(WalError::Store(StoreError::NotContinuous { expected: 4, found: 7, .. }))
+    ));
+    let p = wal.positions(1).unwrap();
+    assert_eq!((p.first_seqno, p.last_seqno, p.durable_seqno), (1, 3, 3));
+    // Follower path continues exactly; truncate and compact go in order.
+    wal.append_frames(1, crate::conformance::frames(4, 2, 2)).await.unwrap();
+    wal.truncate_suffix(1, 4).await.unwrap();
+    assert_eq!(wal.positions(1).unwrap().last_seqno, 4);
+    wal.compact_prefix(1, 3).await.unwrap();
+    assert_eq!(wal.positions(1).unwrap().first_seqno, 3);
+    assert!(wal.compact_prefix(1, 9).await.is_err());
+    let a = wal.append(1, 3, records(1)).await.unwrap();
+    assert_eq!(a, Appended { first_seqno: 5, last_seqno: 5 });
+}
