@@ -79,37 +79,31 @@ pub enum Command {
     Truncate { keep_through: Seqno },
 }
 
-/// Why an event was refused; nothing changed.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, thiserror::Error)]
+/// Why an event was refused; nothing changed. The words an operator
+/// reads (with the shard and node) are the shell's: `replica/error.rs`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Refusal {
-    #[error("epoch {epoch} is older than epoch {seen} already seen")]
+    /// `epoch` is older than the newest promised (`seen`).
     StaleEpoch { epoch: Epoch, seen: Epoch },
-    #[error("node {node} holds no replica of this shard")]
+    /// An assignment naming a leader outside the replica set.
     NotAReplica { node: NodeId },
     /// A shipment from a node outside the replica set (or from itself).
-    #[error("node {node} holds no replica of this shard")]
     ForeignLeader { node: NodeId },
-    #[error(
-        "this node restarted in epoch {epoch}, which it may have led before; it leads only in a newer epoch \
-         (a failover raises it)"
-    )]
+    /// Leading the epoch this replica restarted in.
     RestartedEpoch { epoch: Epoch },
-    #[error(
-        "this node stepped down from epoch {epoch} when a majority stopped answering it; it leads only in a newer \
-         epoch (a failover raises it)"
-    )]
+    /// Leading again the epoch it stepped down from (CheckQuorum).
     SteppedDown { epoch: Epoch },
-    #[error("this node is the leader, not a follower")]
+    /// A shipment to the leader of its own (or an older) epoch.
     NotFollower,
-    #[error("segment from node {from} but the leader is node {leader}")]
+    /// A shipment from another node than the leader of the followed epoch.
     WrongLeader { from: NodeId, leader: NodeId },
-    #[error("this replica is paused (drill)")]
+    /// A paused follower (drills).
     Paused,
-    #[error("reconciling with the leader of epoch {epoch} before applying its segments")]
+    /// Not reconciled with the leader of `epoch` yet (retryable).
     Reconciling { epoch: Epoch },
-    #[error("this node leads the shard: pause a follower")]
+    /// Pausing the leader.
     LeaderCannotPause,
-    #[error("the disk of this node is full")]
+    /// The node's disk is below its reserve.
     DiskFull,
 }
 
