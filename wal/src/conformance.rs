@@ -247,6 +247,106 @@ pub(crate) fn log_epoch_survives_and_never_moves_back(h: &mut dyn Harness) {
     assert!(matches!(h.store().log_epoch(9), Err(StoreError::UnknownShard(9))));
 }
 
+/// Batch sizes the position cases append in: single records, small and
+/// large batches, so a store that stores runs of records (the raft-engine
+/// store's chunks, small in the `engine_small_chunks` suite) has records at
+/// the first, middle and last position of its runs, and runs merged and
+/// split.
+const POSITION_BATCHES: [u64; 12] = [1, 2, 5, 1, 1, 9, 3, 1, 14, 1, 2, 6];
+
+/// Appends the position workload to `shard` (seqnos 1..=46, epoch 1).
+fn append_position_workload(h: &dyn Harness, shard: u32) -> Vec<Frame> {
+    let mut first = 1;
+    for count in POSITION_BATCHES {
+        append(h, shard, first, count, 1).unwrap();
+        first += count;
+    }
+    frames(1, first - 1, 1)
+}
+
+/// Reads from, to and across every position: one record, to the end, from
+/// the start, and cut by size right after it, before and after a restart.
+pub(crate) fn reads_at_every_position(h: &mut dyn Harness) {
+    h.store().create_shard(1).unwrap();
+    let all = append_position_workload(h, 1);
+    let last = all.len() as u64;
+    for round in 0..2 {
+        for s in 1..=last {
+            let at = (s - 1) as usize;
+            let store = h.store();
+            assert_eq!(store.read(1, s, s, usize::MAX).unwrap(), all[at..=at], "round {round}: record {s}");
+            assert_eq!(store.read(1, s, last, usize::MAX).unwrap(), all[at..], "round {round}: {s}..");
+            assert_eq!(store.read(1, 1, s, usize::MAX).unwrap(), all[..=at], "round {round}: ..={s}");
+            // A size limit that fits exactly the records 1..=s, and one a
+            // byte short of it (which still returns at least one record).
+            let fit: usize = all[..=at].iter().map(Frame::len).sum();
+            assert_eq!(store.read(1, 1, last, fit).unwrap(), all[..=at], "round {round}: {fit} bytes");
+            let short = if s == 1 { &all[..1] } else { &all[..at] };
+            assert_eq!(store.read(1, 1, last, fit - 1).unwrap(), short, "round {round}: {} bytes", fit - 1);
+            assert_eq!(store.read(1, s, last, 0).unwrap(), all[at..=at], "round {round}: at least one record");
+        }
+        h.restart();
+    }
+}
+
+/// Truncation at every position (and of everything), then an append of a
+/// new epoch's records: the log is exactly the kept prefix and the new
+/// records, before and after a restart, and the old tail never returns.
+pub(crate) fn truncation_at_every_position_then_append(h: &mut dyn Harness) {
+    let last = POSITION_BATCHES.iter().sum::<u64>();
+    let mut expected = Vec::new();
+    for keep in 0..=last {
+        let shard = keep as u32 + 1;
+        h.store().create_shard(shard).unwrap();
+        let all = append_position_workload(h, shard);
+        h.store().truncate_suffix(shard, keep).unwrap();
+        let b = h.store().bounds(shard).unwrap();
+        assert_eq!((b.first_seqno, b.last_seqno, b.durable_seqno), (1, keep, keep), "keep {keep}");
+        if keep < last {
+            assert!(matches!(
+                h.store().read(shard, keep + 1, keep + 1, usize::MAX),
+                Err(StoreError::OutOfRange { .. })
+            ));
+        }
+        append(h, shard, keep + 1, 3, 2).unwrap();
+        let mut want = all[..keep as usize].to_vec();
+        want.extend(frames(keep + 1, 3, 2));
+        assert_eq!(self::all(h, shard), want, "keep {keep}");
+        expected.push(want);
+    }
+    h.restart();
+    for (keep, want) in expected.iter().enumerate() {
+        assert_eq!(all(h, keep as u32 + 1), *want, "after a restart, keep {keep}");
+    }
+}
+
+/// Compaction at every position: reads start exactly at the new first
+/// seqno, before and after a restart, and appends continue.
+pub(crate) fn compaction_at_every_position(h: &mut dyn Harness) {
+    let last = POSITION_BATCHES.iter().sum::<u64>();
+    for first_kept in 1..=last + 1 {
+        let shard = first_kept as u32;
+        h.store().create_shard(shard).unwrap();
+        let all = append_position_workload(h, shard);
+        h.store().compact_prefix(shard, first_kept).unwrap();
+        assert_eq!(self::all(h, shard), all[first_kept as usize - 1..], "first kept {first_kept}");
+        if first_kept > 1 {
+            let below = first_kept - 1;
+            assert!(matches!(h.store().read(shard, below, below, usize::MAX), Err(StoreError::OutOfRange { .. })));
+        }
+    }
+    h.restart();
+    for first_kept in 1..=last + 1 {
+        let shard = first_kept as u32;
+        let b = h.store().bounds(shard).unwrap();
+        assert_eq!((b.first_seqno, b.last_seqno), (first_kept, last), "after a restart");
+        append(h, shard, last + 1, 2, 2).unwrap();
+        let mut want = frames(first_kept, last + 1 - first_kept, 1);
+        want.extend(frames(last + 1, 2, 2));
+        assert_eq!(all(h, shard), want, "first kept {first_kept}");
+    }
+}
+
 /// Copies every file of `from` into a fresh directory: what a crash leaves
 /// of a store that is open.
 pub(crate) fn crash_copy(from: &std::path::Path) -> tempfile::TempDir {
@@ -303,6 +403,18 @@ macro_rules! conformance_suite {
         #[test]
         fn log_epoch_survives_and_never_moves_back() {
             crate::conformance::log_epoch_survives_and_never_moves_back(&mut $harness);
+        }
+        #[test]
+        fn reads_at_every_position() {
+            crate::conformance::reads_at_every_position(&mut $harness);
+        }
+        #[test]
+        fn truncation_at_every_position_then_append() {
+            crate::conformance::truncation_at_every_position_then_append(&mut $harness);
+        }
+        #[test]
+        fn compaction_at_every_position() {
+            crate::conformance::compaction_at_every_position(&mut $harness);
         }
         #[test]
         fn frames_survive_byte_identical() {
@@ -391,6 +503,14 @@ mod mem {
 mod engine {
     use super::*;
     conformance_suite!(EngineHarness::new());
+}
+
+/// Chunks of at most 512 bytes (a handful of the suite's records): every
+/// case also runs across chunk boundaries, merges of small chunks and
+/// splits of large batches.
+mod engine_small_chunks {
+    use super::*;
+    conformance_suite!(EngineHarness::with(crate::EngineStoreConfig { chunk_bytes: 512, ..Default::default() }));
 }
 
 mod engine_prefilled {

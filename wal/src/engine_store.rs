@@ -1,14 +1,47 @@
 //! The production [`LogStore`]: one raft-engine instance per node, one
-//! raft-engine region per shard (region id = shard id), one entry per record
-//! (entry index = seqno, entry term = epoch, entry data = the record's
-//! [`Frame`]).
+//! raft-engine region per shard, one raft-engine entry per *chunk* of the
+//! shard's records.
 //!
-//! raft-engine has no suffix truncation without a replacing append, so a
-//! truncation is recorded as a per-shard marker key (`walship/truncated`) that
-//! hides the stale tail until the next append overwrites it; that append
-//! deletes the marker in the same atomic batch. The oldest retained seqno is
-//! kept under `walship/first`, so a fully compacted shard still knows where
-//! its log continues after a restart.
+//! Layout. A shard's region is `CHUNK_REGION | shard` ([`region`]). Its
+//! entries are chunks ([`crate::chunk`]): consecutive records encoded as a
+//! [`Segment`] (the frames byte-identical to what was shipped), at
+//! consecutive raft-engine indexes. Each chunk has a directory key
+//! (`walship/c/<index>` → first and last seqno, bytes, sealed) written in
+//! the same atomic batch as the chunk, so the map from seqno to chunk is
+//! rebuilt at open without reading the log. Keys beside them:
+//! `walship/first` (the oldest retained seqno; a fully compacted shard
+//! still knows where its log continues), `walship/epoch`,
+//! `walship/log-epoch`, and `walship/next-chunk` (the index after the last
+//! chunk, kept when none is left).
+//!
+//! Memory. raft-engine keeps an index entry per entry and every key in
+//! memory; with one entry per chunk (`chunk_bytes` of frames, 64 KiB by
+//! default) the node's memory grows with the log's bytes over that, about
+//! 0.3 % of a log of chunks, not 49 bytes per record as one entry per record
+//! did ([`LogStore::index_bytes`], `walship_wal_index_bytes`).
+//!
+//! Writing. A group commit's records for a shard become one or more chunks
+//! (split at `chunk_bytes`). Small commits leave small *unsealed* chunks at
+//! the shard's end (its tail); once the tail and the new records add up to
+//! `chunk_bytes`, or the tail holds [`MAX_TAIL_CHUNKS`] chunks, the next
+//! append rewrites the tail and the new records as full chunks at the
+//! tail's first index, in the same atomic batch: raft-engine replaces every
+//! entry from that index, and a crash before the batch is durable leaves
+//! the old tail as it was. A record is rewritten at most about twice.
+//! A suffix truncation at a seqno inside a chunk rewrites that chunk's
+//! prefix at the chunk's index; compaction drops whole chunks before the
+//! one holding the new first seqno (that one is kept whole; reads never
+//! return its records below `walship/first`).
+//!
+//! Reading. A read finds the chunk holding its first seqno in the map,
+//! fetches the chunk (raft-engine verifies its batch checksum), and walks
+//! the frames by their length prefixes to the ones asked for, verifying
+//! each returned frame's crc32 and seqno ([`Segment::frames_in`]). A read
+//! that races a merge or truncation of the chunk it looked up looks again.
+//!
+//! Upgrade. Stores written by walship before chunks kept one entry per
+//! record in region `shard` (index = seqno). [`EngineStore::open`] converts
+//! each such shard into chunks before it returns (`engine_store_legacy.rs`).
 //!
 //! raft-engine panics on a failed fsync (`LogFileWriter::sync` unwraps the
 //! file handle's sync), in whichever thread leads its write group. A panic
@@ -22,22 +55,24 @@
 //!
 //! Damage. raft-engine checks an entry batch's checksum only when an entry of
 //! it is read, and reports a mismatch without naming a region, an index or
-//! a file. A read that fails that way (or whose frame fails its crc32) is
-//! retried entry by entry to find exactly which seqnos cannot be read (a
-//! batch shares one checksum, so the whole run of the shard's records in it
-//! is reported), and the file holding them is found from raft-engine's file
-//! layout: the item batches of the `*.raftlog` files (then `*.rewrite`),
-//! newest first, name the file of every entry ([`EngineStore::locate`]; the
-//! newest file naming the entry is the copy raft-engine reads). When no file
-//! names it (its item batch is damaged too) the error says "file unknown" and
-//! the data dir is reported by [`LogStore::location`].
+//! a file. A read that fails that way (or whose chunk or frame fails its own
+//! checks) is retried chunk by chunk to find which chunks cannot be read,
+//! and reports their records (from the retained log) as corrupt: the run
+//! of adjacent damaged chunks, whole, since a chunk is read whole. The file
+//! holding them is found from raft-engine's file layout: the item batches of
+//! the `*.raftlog` files (then `*.rewrite`), newest first, name the file of
+//! every entry ([`EngineStore::locate`]; the newest file naming the entry is
+//! the copy raft-engine reads). When no file names it (its item batch is
+//! damaged too) the error says "file unknown" and the data dir is reported
+//! by [`LogStore::location`]. A merge never copies damage: a tail that
+//! cannot be read back is left as it is and sealed.
 //!
 //! Unclean shutdowns. A graceful shutdown leaves `walship-clean-shutdown` in
 //! the directory ([`LogStore::mark_clean_shutdown`]); an open removes it.
 //! `walship-tail-check` holds the sequence number of the newest log file at
 //! the previous open: files before it were complete then, and only that file
 //! and newer ones can have been written since. An open that finds no clean
-//! marker reads and verifies every record those files hold (just the newest
+//! marker reads and verifies every chunk those files hold (just the newest
 //! file when there is no `walship-tail-check` yet) before it returns, and
 //! keeps what it found for [`LogStore::startup_damage`]. That is at most a
 //! few log files (`target_file_bytes` each) read at start. Older files are
@@ -53,8 +88,10 @@ use parking_lot::Mutex;
 use raft_engine::{Command, Config, LogBatch, MessageExt, ReadableSize};
 use raft_proto::eraftpb::Entry;
 
-use crate::record::{FRAME_OVERHEAD, Frame};
+use crate::chunk::{self, Chunk, ChunkMeta, Chunks, MAX_TAIL_CHUNKS};
+use crate::record::Frame;
 use crate::recovery_log::RecoveryFinding;
+use crate::segment::Segment;
 use crate::store::{
     LogBounds, LogStore, ShardAppend, ShardId, StartupDamage, StoreError, StoreResult, check_compact, check_continues,
     check_range, check_truncate,
@@ -62,24 +99,40 @@ use crate::store::{
 use crate::zero_fill::ZeroFilledFs;
 
 const FIRST_KEY: &[u8] = b"walship/first";
-const TRUNCATED_KEY: &[u8] = b"walship/truncated";
 const EPOCH_KEY: &[u8] = b"walship/epoch";
 const LOG_EPOCH_KEY: &[u8] = b"walship/log-epoch";
+const NEXT_CHUNK_KEY: &[u8] = b"walship/next-chunk";
 /// Present only between a graceful shutdown and the next open.
 pub const CLEAN_SHUTDOWN_FILE: &str = "walship-clean-shutdown";
 /// The newest log file's sequence number at the previous open.
 pub const TAIL_CHECK_FILE: &str = "walship-tail-check";
 /// Frame bytes per read while verifying the tail at open.
 const CHECK_READ_BYTES: usize = 1 << 20;
-/// Upper bound of the protobuf framing raft-engine adds around one frame
-/// (tags and varints of index, term and the data length).
-const ENTRY_FRAMING_BYTES: usize = 32;
+/// Regions at and above this hold chunks; below it, shards of the
+/// one-entry-per-record layout awaiting conversion (and region 0's sync
+/// marker).
+const CHUNK_REGION: u64 = 1 << 32;
+/// Times a read looks its chunk up again after the chunk was replaced (by
+/// a merge or a truncation) between the lookup and the fetch.
+const READ_RETRIES: usize = 8;
+/// The default [`EngineStoreConfig::chunk_bytes`] (`wal.chunk_bytes`).
+pub const DEFAULT_CHUNK_BYTES: u64 = 64 << 10;
 
-/// raft-engine's typed-entry adapter for walship records.
+/// The raft-engine region holding `shard`'s chunks.
+pub fn region(shard: ShardId) -> u64 {
+    CHUNK_REGION | u64::from(shard)
+}
+
+/// The shard a chunk region holds, if `region` is one.
+fn shard_of(region: u64) -> Option<ShardId> {
+    (region & CHUNK_REGION != 0).then(|| ShardId::try_from(region & !CHUNK_REGION).ok()).flatten()
+}
+
+/// raft-engine's typed-entry adapter for walship chunks.
 #[derive(Clone)]
-struct RecordEntry;
+struct ChunkEntry;
 
-impl MessageExt for RecordEntry {
+impl MessageExt for ChunkEntry {
     type Entry = Entry;
 
     fn index(e: &Entry) -> u64 {
@@ -109,6 +162,12 @@ pub struct EngineStoreConfig {
     /// allocating a new file ([`crate::zero_fill::spare_files`]; rounded down
     /// to the whole files raft-engine's recycle pool holds). 0 lays out none.
     pub spare_bytes: u64,
+    /// Frame bytes per stored chunk (a single larger record makes a chunk
+    /// of its own). The index costs [`chunk::CHUNK_INDEX_BYTES`] of memory
+    /// per chunk, and reading one record reads its whole chunk: 64 KiB
+    /// keeps the index near 0.3 % of the log and a one-record read near a
+    /// 4 KiB page's cost.
+    pub chunk_bytes: u64,
 }
 
 /// A node's default [`EngineStoreConfig::spare_bytes`] (`wal.spare_bytes`).
@@ -121,17 +180,17 @@ impl Default for EngineStoreConfig {
             compression_threshold_bytes: 0,
             prefill: false,
             spare_bytes: 0,
+            chunk_bytes: DEFAULT_CHUNK_BYTES,
         }
     }
 }
 
 type Engine = raft_engine::Engine<ZeroFilledFs>;
 
-#[derive(Debug, Clone, Copy)]
+#[derive(Debug, Clone)]
 struct ShardState {
     bounds: LogBounds,
-    /// A truncation marker is stored and must be deleted by the next append.
-    truncated: bool,
+    chunks: Chunks,
 }
 
 /// raft-engine-backed multi-shard log.
@@ -139,9 +198,13 @@ pub struct EngineStore {
     engine: Engine,
     rotations: Arc<crate::zero_fill::Rotations>,
     shards: Mutex<BTreeMap<ShardId, ShardState>>,
+    /// Serialises the calls that change chunks (append, truncate, compact):
+    /// each plans from the chunk map, writes, then applies its plan.
+    write_lock: Mutex<()>,
     /// Serialises epoch read-modify-writes so the epoch never moves back.
     epoch_lock: Mutex<()>,
     dir: PathBuf,
+    chunk_bytes: usize,
     /// What the tail check at open found damaged.
     startup_damage: Vec<StartupDamage>,
     /// What raft-engine's recovery truncated, classified.
@@ -152,14 +215,48 @@ fn io(e: raft_engine::Error) -> StoreError {
     StoreError::Io(e.to_string())
 }
 
-fn get_u64(engine: &Engine, shard: ShardId, key: &[u8]) -> Option<u64> {
-    engine.get(shard as u64, key).and_then(|v| v.as_slice().try_into().ok().map(u64::from_le_bytes))
+fn get_u64(engine: &Engine, region: u64, key: &[u8]) -> Option<u64> {
+    engine.get(region, key).and_then(|v| v.as_slice().try_into().ok().map(u64::from_le_bytes))
+}
+
+fn put_u64(batch: &mut LogBatch, region: u64, key: &[u8], value: u64) -> StoreResult<()> {
+    batch.put(region, key.to_vec(), value.to_le_bytes().to_vec()).map_err(io)
+}
+
+/// Splits contiguous frames into chunks of at most `limit` bytes (a larger
+/// frame alone).
+fn split(frames: Vec<Frame>, limit: usize) -> Vec<Vec<Frame>> {
+    let mut pieces = Vec::new();
+    let mut piece = Vec::new();
+    let mut size = 0;
+    for frame in frames {
+        if !piece.is_empty() && size + frame.len() > limit {
+            pieces.push(std::mem::take(&mut piece));
+            size = 0;
+        }
+        size += frame.len();
+        piece.push(frame);
+    }
+    if !piece.is_empty() {
+        pieces.push(piece);
+    }
+    pieces
+}
+
+/// What a write does to one shard's chunk map, applied once the write
+/// returned: the chunks from `write_from` on are replaced by `written`.
+struct Plan {
+    shard: ShardId,
+    write_from: u64,
+    written: Vec<ChunkMeta>,
+    /// The old tail could not be read back for a merge: seal it.
+    seal_old_tail: bool,
 }
 
 impl EngineStore {
-    /// Opens (or creates) the store under `dir` and recovers every shard's
-    /// positions. Everything recovered is synced before this returns, so it
-    /// counts as durable.
+    /// Opens (or creates) the store under `dir`, converts shards written one
+    /// entry per record, and recovers every shard's positions. Everything
+    /// recovered is synced before this returns, so it counts as durable.
     pub fn open(dir: &Path, config: &EngineStoreConfig) -> StoreResult<EngineStore> {
         let cfg = Config {
             dir: dir.to_string_lossy().into_owned(),
@@ -186,27 +283,24 @@ impl EngineStore {
                 .map_err(|e| StoreError::Io(format!("syncing the spare WAL files: {e}")))?;
         }
         let mut shards = BTreeMap::new();
-        for region in engine.raft_groups() {
-            let Ok(shard) = ShardId::try_from(region) else { continue };
-            let Some(first_kv) = get_u64(&engine, shard, FIRST_KEY) else { continue };
-            let marker = get_u64(&engine, shard, TRUNCATED_KEY);
-            let (first, last) = match (engine.first_index(region), engine.last_index(region)) {
-                (Some(first), Some(last)) => (first, last),
-                _ => (first_kv, first_kv - 1),
-            };
-            let last = marker.map_or(last, |m| m.min(last)).max(first - 1);
-            let bounds = LogBounds { first_seqno: first, last_seqno: last, durable_seqno: last };
-            shards.insert(shard, ShardState { bounds, truncated: marker.is_some() });
+        for group in engine.raft_groups() {
+            let Some(shard) = shard_of(group) else { continue };
+            if let Some(state) = load_shard(&engine, shard)? {
+                shards.insert(shard, state);
+            }
         }
         let mut store = EngineStore {
             engine,
             rotations: fs.rotations(),
             shards: Mutex::new(shards),
+            write_lock: Mutex::new(()),
             epoch_lock: Mutex::new(()),
             dir: dir.to_path_buf(),
+            chunk_bytes: config.chunk_bytes.clamp(1, u64::from(u32::MAX)) as usize,
             startup_damage: Vec::new(),
             recovery,
         };
+        store.convert_legacy_shards()?;
         // Whatever recovery found may still sit in the page cache only.
         store.write(&mut Self::sync_marker(), true)?;
         let files = log_files(dir, ".raftlog");
@@ -226,16 +320,18 @@ impl EngineStore {
         Ok(store)
     }
 
-    /// Reads and verifies every record held in log files `since` and newer
+    /// Reads and verifies every chunk held in log files `since` and newer
     /// (the newest file alone without `since`), returning the damage.
     fn check_tail(&self, files: &[(u64, PathBuf)], since: Option<u64>) -> Vec<StartupDamage> {
         let newest = files.last().map_or(0, |f| f.0);
         let since = since.unwrap_or(newest);
         let mut spans: BTreeMap<ShardId, (u64, u64)> = BTreeMap::new();
         for (_, path) in files.iter().filter(|f| f.0 >= since) {
-            for (shard, (first, last)) in entries_in_file(path) {
-                let span = spans.entry(shard).or_insert((first, last));
-                *span = (span.0.min(first), span.1.max(last));
+            for (group, (lo, hi)) in entries_in_file(path) {
+                let Some(shard) = shard_of(group) else { continue };
+                let Some(seqnos) = self.seqnos_of_chunks(shard, lo, hi) else { continue };
+                let span = spans.entry(shard).or_insert(seqnos);
+                *span = (span.0.min(seqnos.0), span.1.max(seqnos.1));
             }
         }
         let mut damage = Vec::new();
@@ -260,44 +356,93 @@ impl EngineStore {
         damage
     }
 
+    /// The seqnos held by `shard`'s chunks at indexes `[lo, hi]` (clamped
+    /// to the chunks it still has).
+    fn seqnos_of_chunks(&self, shard: ShardId, lo: u64, hi: u64) -> Option<(u64, u64)> {
+        let shards = self.shards.lock();
+        let chunks = &shards.get(&shard)?.chunks;
+        if chunks.is_empty() {
+            return None;
+        }
+        let lo = lo.max(chunks.first_index());
+        let hi = hi.min(chunks.next_index() - 1);
+        (lo <= hi).then(|| (chunks.span(lo).expect("in range").0, chunks.span(hi).expect("in range").1))
+    }
+
     /// What raft-engine's recovery truncated when this store opened.
     pub fn recovery_findings(&self) -> &[RecoveryFinding] {
         &self.recovery
     }
 
-    /// Why one entry cannot be read, if it cannot: raft-engine's checksum,
-    /// a missing entry, or the frame's own crc32.
-    fn entry_damage(&self, shard: ShardId, seqno: u64) -> Option<String> {
-        match self.engine.get_entry::<RecordEntry>(shard as u64, seqno) {
-            Ok(Some(entry)) => match Frame::parse(entry.data) {
-                Ok(frame) if frame.seqno() == seqno => None,
-                Ok(frame) => Some(format!("entry {seqno} holds the record of seqno {}", frame.seqno())),
-                Err(e) => Some(format!("record crc32: {e}")),
-            },
-            Ok(None) => Some("raft-engine has no entry for this seqno".to_owned()),
-            Err(e) => Some(e.to_string()),
+    /// The encoded chunk at `index` of `shard`.
+    fn fetch_chunk(&self, shard: ShardId, index: u64) -> Result<bytes::Bytes, raft_engine::Error> {
+        match self.engine.get_entry::<ChunkEntry>(region(shard), index)? {
+            Some(entry) => Ok(entry.data),
+            None => Err(raft_engine::Error::EntryNotFound),
         }
     }
 
-    /// After a failed read of `[from, to]`: the first run of adjacent seqnos
-    /// (from `from`, extended up to the shard's last record) that cannot be
-    /// read, as [`StoreError::Corrupt`]; `failure` itself if every entry
-    /// reads (the failure was not damage).
-    fn find_damage(&self, shard: ShardId, from: u64, to: u64, last: u64, failure: StoreError) -> StoreError {
-        let Some((first_bad, detail)) = (from..=to).find_map(|s| self.entry_damage(shard, s).map(|d| (s, d))) else {
-            return failure;
+    /// Why the chunk at `index` cannot be read, if it cannot: raft-engine's
+    /// checksum, a missing entry, or the chunk's own checks (header, every
+    /// frame's crc32 and seqno, the shard it names).
+    fn chunk_damage(&self, shard: ShardId, index: u64) -> Option<String> {
+        let bytes = match self.fetch_chunk(shard, index) {
+            Ok(bytes) => bytes,
+            Err(raft_engine::Error::EntryNotFound) => return Some("raft-engine has no entry for this chunk".into()),
+            Err(e) => return Some(e.to_string()),
         };
-        let mut last_bad = first_bad;
-        while last_bad < last && self.entry_damage(shard, last_bad + 1).is_some() {
-            last_bad += 1;
+        match Segment::decode(bytes) {
+            Ok(segment) if segment.shard_id() == shard => None,
+            Ok(segment) => Some(format!("chunk {index} holds records of shard {}", segment.shard_id())),
+            Err(e) => Some(format!("chunk {index}: {e}")),
         }
-        StoreError::Corrupt {
-            shard,
-            first_seqno: first_bad,
-            last_seqno: last_bad,
-            file: self.locate(shard, first_bad),
-            detail,
+    }
+
+    /// After a failed read of the chunk at `index`: the run of adjacent
+    /// chunks from it that cannot be read, as [`StoreError::Corrupt`] over
+    /// their retained records; `failure` itself if the chunk reads (the
+    /// failure was not damage).
+    fn find_damage(&self, shard: ShardId, index: u64, failure: StoreError) -> StoreError {
+        let Some(detail) = self.chunk_damage(shard, index) else { return failure };
+        let (bounds, next_index, span) = {
+            let shards = self.shards.lock();
+            let Some(state) = shards.get(&shard) else { return failure };
+            (state.bounds, state.chunks.next_index(), state.chunks.span(index))
+        };
+        let Some((first, mut last)) = span else { return failure };
+        let mut at = index + 1;
+        while at < next_index
+            && !self.shards.lock().get(&shard).is_some_and(|s| s.chunks.is_tombstone(at))
+            && self.chunk_damage(shard, at).is_some()
+        {
+            match self.shards.lock().get(&shard).and_then(|s| s.chunks.span(at)) {
+                Some((_, chunk_last)) => last = chunk_last,
+                None => break,
+            }
+            at += 1;
         }
+        let first_seqno = first.max(bounds.first_seqno);
+        let last_seqno = last.min(bounds.last_seqno).max(first_seqno);
+        StoreError::Corrupt { shard, first_seqno, last_seqno, file: self.locate(shard, first_seqno), detail }
+    }
+
+    /// Every frame of the chunks at indexes `[from, to]`, fully verified.
+    fn read_chunks_whole(&self, shard: ShardId, from: u64, to: u64) -> StoreResult<Vec<Frame>> {
+        let mut frames = Vec::new();
+        for index in from..=to {
+            let bytes = self.fetch_chunk(shard, index).map_err(io)?;
+            let segment = Segment::decode(bytes).map_err(|e| StoreError::Io(format!("chunk {index}: {e}")))?;
+            if segment.shard_id() != shard {
+                return Err(StoreError::Io(format!("chunk {index} holds records of shard {}", segment.shard_id())));
+            }
+            if let Some(last) = frames.last().map(Frame::seqno)
+                && segment.first_seqno() != last + 1
+            {
+                return Err(StoreError::Io(format!("chunk {index} starts at {} after {last}", segment.first_seqno())));
+            }
+            frames.extend(segment.into_frames());
+        }
+        Ok(frames)
     }
 
     /// A tiny non-empty batch: raft-engine skips empty writes entirely, even
@@ -317,16 +462,98 @@ impl EngineStore {
     fn raise_u64(&self, shard: ShardId, key: &[u8], value: u64) -> StoreResult<()> {
         self.state(shard)?;
         let _guard = self.epoch_lock.lock();
-        if get_u64(&self.engine, shard, key).is_some_and(|current| current >= value) {
+        if get_u64(&self.engine, region(shard), key).is_some_and(|current| current >= value) {
             return Ok(());
         }
         let mut batch = LogBatch::default();
-        batch.put(shard as u64, key.to_vec(), value.to_le_bytes().to_vec()).map_err(io)?;
+        put_u64(&mut batch, region(shard), key, value)?;
         self.write(&mut batch, true)
     }
 
-    fn state(&self, shard: ShardId) -> StoreResult<ShardState> {
-        self.shards.lock().get(&shard).copied().ok_or(StoreError::UnknownShard(shard))
+    fn state(&self, shard: ShardId) -> StoreResult<LogBounds> {
+        self.shards.lock().get(&shard).map(|s| s.bounds).ok_or(StoreError::UnknownShard(shard))
+    }
+
+    /// Adds `shard`'s new `frames` (validated, contiguous, continuing its
+    /// log) to `batch` as chunks, merging the shard's tail into them when
+    /// it is due, and returns what to apply once the batch is written.
+    fn plan_append(&self, shard: ShardId, frames: Vec<Frame>, batch: &mut LogBatch) -> StoreResult<Plan> {
+        let ((tail_start, tail_count, tail_bytes), next, old_end) = {
+            let shards = self.shards.lock();
+            let chunks = &shards.get(&shard).ok_or(StoreError::UnknownShard(shard))?.chunks;
+            (chunks.tail(), chunks.end_index(), chunks.next_index())
+        };
+        let new_bytes: u64 = frames.iter().map(|f| f.len() as u64).sum();
+        let by_count = tail_count >= MAX_TAIL_CHUNKS;
+        let merge_due = tail_count > 0 && (tail_bytes + new_bytes >= self.chunk_bytes as u64 || by_count);
+        let mut seal_old_tail = false;
+        let (write_from, frames) = if merge_due {
+            match self.read_chunks_whole(shard, tail_start, next - 1) {
+                Ok(mut tail) => {
+                    tail.extend(frames);
+                    (tail_start, tail)
+                }
+                Err(e) => {
+                    tracing::warn!(shard, error = %e, "cannot read the unsealed chunks back to merge them; left as they are");
+                    seal_old_tail = true;
+                    (next, frames)
+                }
+            }
+        } else {
+            (next, frames)
+        };
+        let merged = write_from < next;
+        let pieces = split(frames, self.chunk_bytes);
+        let count = pieces.len() as u64;
+        let written = self.add_chunks(batch, shard, write_from, pieces, merged && by_count)?;
+        for index in write_from + count..old_end {
+            batch.delete(region(shard), chunk::key(index));
+        }
+        Ok(Plan { shard, write_from, written, seal_old_tail })
+    }
+
+    /// Adds `pieces` to `batch` as the chunks at `write_from` and on (each
+    /// with its directory key), replacing whatever is there. Every piece
+    /// but the last is sealed; the last is sealed when it is full, or when
+    /// `seal_last`.
+    fn add_chunks(
+        &self,
+        batch: &mut LogBatch,
+        shard: ShardId,
+        write_from: u64,
+        pieces: Vec<Vec<Frame>>,
+        seal_last: bool,
+    ) -> StoreResult<Vec<ChunkMeta>> {
+        let count = pieces.len();
+        let mut written = Vec::with_capacity(count);
+        let mut entries = Vec::with_capacity(count);
+        for (i, piece) in pieces.into_iter().enumerate() {
+            let index = write_from + i as u64;
+            let bytes: usize = piece.iter().map(Frame::len).sum();
+            let sealed = i + 1 < count || bytes >= self.chunk_bytes || seal_last;
+            let segment = Segment::encode(shard, piece)
+                .map_err(|e| StoreError::BadPosition { shard, what: format!("encoding a chunk: {e}") })?;
+            let meta = ChunkMeta {
+                chunk: Chunk { first_seqno: segment.first_seqno(), bytes: bytes as u32, sealed },
+                last_seqno: segment.last_seqno(),
+            };
+            batch.put(region(shard), chunk::key(index), meta.encode()).map_err(io)?;
+            entries.push(Entry { index, data: segment.encoded().clone(), ..Entry::default() });
+            written.push(meta);
+        }
+        batch.add_entries::<ChunkEntry>(region(shard), &entries).map_err(io)?;
+        Ok(written)
+    }
+
+    /// Applies a written plan to the chunk map and the bounds.
+    fn apply(state: &mut ShardState, plan: Plan) {
+        if plan.seal_old_tail {
+            state.chunks.seal_all();
+        }
+        state.chunks.replace_from(plan.write_from, plan.written);
+        if let Some(last) = state.chunks.last_seqno() {
+            state.bounds.last_seqno = last;
+        }
     }
 
     /// Bytes the engine's log files occupy on disk.
@@ -339,6 +566,49 @@ impl EngineStore {
     pub fn rotations(&self) -> Arc<crate::zero_fill::Rotations> {
         self.rotations.clone()
     }
+
+    /// Chunks of `shard` (for tests and the status of one shard).
+    pub fn chunk_count(&self, shard: ShardId) -> StoreResult<usize> {
+        self.shards.lock().get(&shard).map(|s| s.chunks.len()).ok_or(StoreError::UnknownShard(shard))
+    }
+}
+
+/// Recovers one shard's positions and chunk map from its region.
+fn load_shard(engine: &Engine, shard: ShardId) -> StoreResult<Option<ShardState>> {
+    let group = region(shard);
+    let Some(first) = get_u64(engine, group, FIRST_KEY) else { return Ok(None) };
+    let inconsistent = |what: String| StoreError::Io(format!("shard {shard}: the WAL's chunk directory {what}"));
+    let mut directory = Vec::new();
+    let mut bad_key = None;
+    let (lo, hi) = chunk::key_range();
+    engine
+        .scan_raw_messages(group, Some(&lo), Some(&hi), false, |key, value| {
+            match (chunk::index_of_key(key), ChunkMeta::decode(value)) {
+                (Some(index), Some(meta)) => directory.push((index, meta)),
+                _ => bad_key = Some(key.to_vec()),
+            }
+            true
+        })
+        .map_err(io)?;
+    if let Some(key) = bad_key {
+        return Err(inconsistent(format!("holds an unreadable key {key:?}")));
+    }
+    let mut chunks = Chunks::from_directory(&directory).map_err(|e| inconsistent(format!("has a gap: {e}")))?;
+    match (engine.first_index(group), engine.last_index(group)) {
+        (Some(lo), Some(hi)) if !chunks.is_empty() && lo == chunks.first_index() && hi + 1 == chunks.next_index() => {}
+        (None, None) if chunks.is_empty() => {
+            chunks = Chunks::empty(get_u64(engine, group, NEXT_CHUNK_KEY).unwrap_or(1));
+        }
+        (lo, hi) => {
+            return Err(inconsistent(format!(
+                "names chunks [{}, {}) but the log holds entries {lo:?}..={hi:?}",
+                chunks.first_index(),
+                chunks.next_index()
+            )));
+        }
+    }
+    let last = chunks.last_seqno().unwrap_or(first - 1).max(first - 1);
+    Ok(Some(ShardState { bounds: LogBounds { first_seqno: first, last_seqno: last, durable_seqno: last }, chunks }))
 }
 
 impl LogStore for EngineStore {
@@ -347,9 +617,10 @@ impl LogStore for EngineStore {
             return Ok(());
         }
         let mut batch = LogBatch::default();
-        batch.put(shard as u64, FIRST_KEY.to_vec(), 1u64.to_le_bytes().to_vec()).map_err(io)?;
+        put_u64(&mut batch, region(shard), FIRST_KEY, 1)?;
         self.write(&mut batch, true)?;
-        self.shards.lock().insert(shard, ShardState { bounds: LogBounds::EMPTY, truncated: false });
+        let state = ShardState { bounds: LogBounds::EMPTY, chunks: Chunks::empty(1) };
+        self.shards.lock().insert(shard, state);
         Ok(())
     }
 
@@ -358,49 +629,36 @@ impl LogStore for EngineStore {
     }
 
     fn bounds(&self, shard: ShardId) -> StoreResult<LogBounds> {
-        Ok(self.state(shard)?.bounds)
+        self.state(shard)
     }
 
     fn append(&self, parts: &[ShardAppend], sync: bool) -> StoreResult<()> {
+        let _writer = self.write_lock.lock();
         // Validate everything first (all or nothing), then build one batch.
-        let mut next: BTreeMap<ShardId, (u64, bool)> = BTreeMap::new();
+        let mut per_shard: BTreeMap<ShardId, Vec<Frame>> = BTreeMap::new();
         {
             let shards = self.shards.lock();
             for part in parts {
                 let state = shards.get(&part.shard).ok_or(StoreError::UnknownShard(part.shard))?;
-                let (expected, _) = *next.entry(part.shard).or_insert((state.bounds.last_seqno + 1, state.truncated));
+                let frames = per_shard.entry(part.shard).or_default();
+                let expected = frames.last().map_or(state.bounds.last_seqno + 1, |f| f.seqno() + 1);
                 check_continues(part.shard, expected, &part.frames)?;
-                next.get_mut(&part.shard).expect("inserted").0 = expected + part.frames.len() as u64;
+                frames.extend(part.frames.iter().cloned());
             }
         }
         let mut batch = LogBatch::default();
-        for part in parts {
-            let entries: Vec<Entry> = part
-                .frames
-                .iter()
-                .map(|frame| Entry {
-                    index: frame.seqno(),
-                    term: frame.epoch(),
-                    data: frame.as_bytes().clone(),
-                    ..Entry::default()
-                })
-                .collect();
-            batch.add_entries::<RecordEntry>(part.shard as u64, &entries).map_err(io)?;
-        }
-        for (&shard, &(_, truncated)) in &next {
-            if truncated {
-                batch.delete(shard as u64, TRUNCATED_KEY.to_vec());
-            }
+        let mut plans = Vec::with_capacity(per_shard.len());
+        for (shard, frames) in per_shard {
+            plans.push(self.plan_append(shard, frames, &mut batch)?);
         }
         if sync && batch.is_empty() {
             batch = Self::sync_marker();
         }
         self.write(&mut batch, sync)?;
         let mut shards = self.shards.lock();
-        for (shard, (next_seqno, _)) in next {
-            let state = shards.get_mut(&shard).expect("validated");
-            state.bounds.last_seqno = next_seqno - 1;
-            state.truncated = false;
+        for plan in plans {
+            let state = shards.get_mut(&plan.shard).expect("validated");
+            Self::apply(state, plan);
         }
         if sync {
             for state in shards.values_mut() {
@@ -411,89 +669,162 @@ impl LogStore for EngineStore {
     }
 
     fn read(&self, shard: ShardId, from: u64, to: u64, max_bytes: usize) -> StoreResult<Vec<Frame>> {
-        let bounds = self.state(shard)?.bounds;
+        let bounds = self.state(shard)?;
         check_range(shard, bounds, from, to)?;
-        // raft-engine bounds reads by encoded entry size, which is a frame
-        // plus a few bytes of protobuf framing: ask it for enough entries to
-        // be sure, then cut in frame bytes exactly.
-        let max_frames = (max_bytes / FRAME_OVERHEAD).saturating_add(1) as u64;
-        let end = (to + 1).min(from.saturating_add(max_frames));
-        let slack = ENTRY_FRAMING_BYTES.saturating_mul((end - from) as usize);
-        let mut entries = Vec::new();
-        let fetched = self.engine.fetch_entries_to::<RecordEntry>(
-            shard as u64,
-            from,
-            end,
-            Some(max_bytes.saturating_add(slack)),
-            &mut entries,
-        );
-        match fetched {
-            // An I/O error is the device's, not damage this store can name.
-            Err(e @ raft_engine::Error::Io(_)) => return Err(io(e)),
-            // A compaction (entries gone below) or a truncation and its
-            // replacing append (fewer entries above) ran between the range
-            // check and the fetch: reads are not ordered with them. A
-            // refusal like any range outside the log, not a storage failure
-            // (which would end the process).
-            Err(raft_engine::Error::EntryCompacted | raft_engine::Error::EntryNotFound) => {
-                let now = self.state(shard).map_or(bounds, |s| s.bounds);
-                return Err(StoreError::OutOfRange { shard, from, to, first: now.first_seqno, last: now.last_seqno });
-            }
-            Err(e) => return Err(self.find_damage(shard, from, end - 1, bounds.last_seqno, io(e))),
-            Ok(_) => {}
-        }
+        let mut frames: Vec<Frame> = Vec::new();
         let mut size = 0usize;
-        let mut frames = Vec::with_capacity(entries.len());
-        for entry in entries {
-            let seqno = entry.index;
-            let frame = match Frame::parse(entry.data) {
-                Ok(frame) if frame.seqno() == seqno => frame,
-                Ok(frame) => {
-                    let what = format!("shard {shard}: entry {seqno} holds the record of seqno {}", frame.seqno());
-                    return Err(self.find_damage(shard, seqno, seqno, bounds.last_seqno, StoreError::Io(what)));
+        let mut next = from;
+        let mut retries = 0;
+        let out_of_range = |store: &EngineStore| {
+            let now = store.state(shard).unwrap_or(bounds);
+            StoreError::OutOfRange { shard, from, to, first: now.first_seqno, last: now.last_seqno }
+        };
+        while next <= to {
+            let found = {
+                let shards = self.shards.lock();
+                let chunks = &shards.get(&shard).ok_or(StoreError::UnknownShard(shard))?.chunks;
+                chunks.find(next).map(|index| (index, chunks.span(index).expect("found")))
+            };
+            // A compaction or a truncation ran after the range check: reads
+            // are not ordered with them. A refusal, not a storage failure.
+            let Some((index, (chunk_first, _))) = found else { return Err(out_of_range(self)) };
+            let bytes = match self.fetch_chunk(shard, index) {
+                Ok(bytes) => bytes,
+                // An I/O error is the device's, not damage this store can name.
+                Err(e @ raft_engine::Error::Io(_)) => return Err(io(e)),
+                Err(raft_engine::Error::EntryCompacted | raft_engine::Error::EntryNotFound) => {
+                    retries += 1;
+                    if retries > READ_RETRIES {
+                        return Err(out_of_range(self));
+                    }
+                    continue;
+                }
+                Err(e) => return Err(self.find_damage(shard, index, io(e))),
+            };
+            let budget = if frames.is_empty() { max_bytes } else { max_bytes - size };
+            match Segment::frames_in(&bytes, next, to, budget) {
+                // The chunk was replaced (merged or truncated) since the
+                // lookup: look again.
+                Ok((header, _)) if header.shard_id == shard && header.first_seqno != chunk_first => {
+                    retries += 1;
+                    if retries > READ_RETRIES {
+                        return Err(out_of_range(self));
+                    }
+                }
+                Ok((header, got)) if header.shard_id == shard && !got.is_empty() => {
+                    for frame in got {
+                        if size + frame.len() > max_bytes && !frames.is_empty() {
+                            return Ok(frames);
+                        }
+                        size += frame.len();
+                        next = frame.seqno() + 1;
+                        frames.push(frame);
+                    }
+                    if size >= max_bytes {
+                        return Ok(frames);
+                    }
+                }
+                Ok((header, _)) => {
+                    let what = format!(
+                        "shard {shard}: chunk {index} holds shard {} seqnos from {}",
+                        header.shard_id, header.first_seqno
+                    );
+                    return Err(self.find_damage(shard, index, StoreError::Io(what)));
                 }
                 Err(e) => {
-                    let what = StoreError::Io(format!("shard {shard}: record {seqno}: {e}"));
-                    return Err(self.find_damage(shard, seqno, seqno, bounds.last_seqno, what));
+                    let what = StoreError::Io(format!("shard {shard}: chunk {index}: {e}"));
+                    return Err(self.find_damage(shard, index, what));
                 }
-            };
-            size += frame.len();
-            if size > max_bytes && !frames.is_empty() {
-                break;
             }
-            frames.push(frame);
         }
         Ok(frames)
     }
 
     fn truncate_suffix(&self, shard: ShardId, keep_through: u64) -> StoreResult<()> {
-        let bounds = self.state(shard)?.bounds;
+        let _writer = self.write_lock.lock();
+        let bounds = self.state(shard)?;
         check_truncate(shard, bounds, keep_through)?;
         if keep_through >= bounds.last_seqno {
             return Ok(());
         }
+        let (cut, cut_first, next) = {
+            let shards = self.shards.lock();
+            let chunks = &shards.get(&shard).expect("checked").chunks;
+            let cut = chunks.find(keep_through + 1).expect("a retained seqno is in a chunk");
+            (cut, chunks.get(cut).expect("found").first_seqno, chunks.next_index())
+        };
+        let group = region(shard);
         let mut batch = LogBatch::default();
-        batch.put(shard as u64, TRUNCATED_KEY.to_vec(), keep_through.to_le_bytes().to_vec()).map_err(io)?;
+        let prefix_from = cut_first.max(bounds.first_seqno);
+        let plan = if prefix_from <= keep_through {
+            // The cut chunk keeps its records up to `keep_through`.
+            let bytes = self.fetch_chunk(shard, cut).map_err(|e| self.find_damage(shard, cut, io(e)))?;
+            let (_, prefix) = Segment::frames_in(&bytes, prefix_from, keep_through, usize::MAX).map_err(|e| {
+                self.find_damage(shard, cut, StoreError::Io(format!("shard {shard}: chunk {cut}: {e}")))
+            })?;
+            let written = self.add_chunks(&mut batch, shard, cut, vec![prefix], false)?;
+            for index in cut + 1..next {
+                batch.delete(group, chunk::key(index));
+            }
+            Plan { shard, write_from: cut, written, seal_old_tail: false }
+        } else {
+            // The cut falls between chunks: a tombstone replaces the first
+            // chunk removed, and with it every later one, without reading
+            // any record (those before the cut may be damaged: this is
+            // how a damaged range is repaired).
+            let tombstone = ChunkMeta::tombstone(keep_through + 1);
+            batch
+                .add_entries::<ChunkEntry>(
+                    group,
+                    &[Entry { index: cut, data: bytes::Bytes::new(), ..Entry::default() }],
+                )
+                .map_err(io)?;
+            batch.put(group, chunk::key(cut), tombstone.encode()).map_err(io)?;
+            for index in cut + 1..next {
+                batch.delete(group, chunk::key(index));
+            }
+            Plan { shard, write_from: cut, written: vec![tombstone], seal_old_tail: false }
+        };
         self.write(&mut batch, true)?;
         let mut shards = self.shards.lock();
         let state = shards.get_mut(&shard).expect("checked");
+        Self::apply(state, plan);
         state.bounds.last_seqno = keep_through;
         state.bounds.durable_seqno = state.bounds.durable_seqno.min(keep_through);
-        state.truncated = true;
         Ok(())
     }
 
     fn compact_prefix(&self, shard: ShardId, first_kept: u64) -> StoreResult<()> {
-        let bounds = self.state(shard)?.bounds;
+        let _writer = self.write_lock.lock();
+        let bounds = self.state(shard)?;
         check_compact(shard, bounds, first_kept)?;
         if first_kept <= bounds.first_seqno {
             return Ok(());
         }
+        let group = region(shard);
+        let (keep_from, first_index, next) = {
+            let shards = self.shards.lock();
+            let chunks = &shards.get(&shard).expect("checked").chunks;
+            (chunks.find(first_kept).unwrap_or(chunks.next_index()), chunks.first_index(), chunks.next_index())
+        };
         let mut batch = LogBatch::default();
-        batch.add_command(shard as u64, Command::Compact { index: first_kept });
-        batch.put(shard as u64, FIRST_KEY.to_vec(), first_kept.to_le_bytes().to_vec()).map_err(io)?;
+        put_u64(&mut batch, group, FIRST_KEY, first_kept)?;
+        if keep_from > first_index && first_index < next {
+            batch.add_command(group, Command::Compact { index: keep_from });
+            for index in first_index..keep_from {
+                batch.delete(group, chunk::key(index));
+            }
+            if keep_from == next {
+                put_u64(&mut batch, group, NEXT_CHUNK_KEY, next)?;
+            }
+        }
         self.write(&mut batch, true)?;
-        self.shards.lock().get_mut(&shard).expect("checked").bounds.first_seqno = first_kept;
+        {
+            let mut shards = self.shards.lock();
+            let state = shards.get_mut(&shard).expect("checked");
+            state.chunks.compact_to(keep_from);
+            state.bounds.first_seqno = first_kept;
+        }
         // Drop whole log files no shard needs any more.
         self.engine.purge_expired_files().map_err(io)?;
         Ok(())
@@ -505,16 +836,17 @@ impl LogStore for EngineStore {
 
     fn epoch(&self, shard: ShardId) -> StoreResult<u64> {
         self.state(shard)?;
-        Ok(get_u64(&self.engine, shard, EPOCH_KEY).unwrap_or(0))
+        Ok(get_u64(&self.engine, region(shard), EPOCH_KEY).unwrap_or(0))
     }
 
     fn locate(&self, shard: ShardId, seqno: u64) -> Option<PathBuf> {
+        let index = self.shards.lock().get(&shard)?.chunks.find(seqno)?;
         let mut files = log_files(&self.dir, ".raftlog");
         files.reverse();
         let mut rewrites = log_files(&self.dir, ".rewrite");
         rewrites.reverse();
         files.extend(rewrites);
-        files.into_iter().map(|f| f.1).find(|path| file_names_entry(path, shard, seqno))
+        files.into_iter().map(|f| f.1).find(|path| file_names_entry(path, region(shard), index))
     }
 
     fn location(&self) -> Option<PathBuf> {
@@ -531,13 +863,21 @@ impl LogStore for EngineStore {
 
     fn log_epoch(&self, shard: ShardId) -> StoreResult<u64> {
         self.state(shard)?;
-        Ok(get_u64(&self.engine, shard, LOG_EPOCH_KEY).unwrap_or(0))
+        Ok(get_u64(&self.engine, region(shard), LOG_EPOCH_KEY).unwrap_or(0))
     }
 
     fn mark_clean_shutdown(&self) -> StoreResult<()> {
         self.engine.sync().map_err(io)?;
         write_durably(&self.dir, CLEAN_SHUTDOWN_FILE, b"clean\n")
             .map_err(|e| StoreError::Io(format!("writing the clean-shutdown marker: {e}")))
+    }
+
+    fn index_bytes(&self) -> u64 {
+        self.shards.lock().values().map(|s| s.chunks.index_bytes()).sum()
+    }
+
+    fn index_chunks(&self) -> u64 {
+        self.shards.lock().values().map(|s| s.chunks.len() as u64).sum()
     }
 }
 
@@ -589,22 +929,24 @@ fn for_each_entries(path: &Path, mut each: impl FnMut(u64, &[u64]) -> bool) {
     }
 }
 
-/// Whether one raft-engine file's item batches name entry `seqno` of `shard`.
-fn file_names_entry(path: &Path, shard: ShardId, seqno: u64) -> bool {
+/// Whether one raft-engine file's item batches name entry `index` of
+/// region `group`.
+fn file_names_entry(path: &Path, group: u64, index: u64) -> bool {
     let mut found = false;
-    for_each_entries(path, |region, seqnos| {
-        found = region == shard as u64 && seqnos.contains(&seqno);
+    for_each_entries(path, |region, indexes| {
+        found = region == group && indexes.contains(&index);
         !found
     });
     found
 }
 
-/// The lowest and highest entry index each shard has in one raft-engine file.
-fn entries_in_file(path: &Path) -> BTreeMap<ShardId, (u64, u64)> {
-    let mut spans: BTreeMap<ShardId, (u64, u64)> = BTreeMap::new();
-    for_each_entries(path, |region, seqnos| {
-        if let (Ok(shard), Some(lo), Some(hi)) = (ShardId::try_from(region), seqnos.iter().min(), seqnos.iter().max()) {
-            let span = spans.entry(shard).or_insert((*lo, *hi));
+/// The lowest and highest entry index each region has in one raft-engine
+/// file.
+fn entries_in_file(path: &Path) -> BTreeMap<u64, (u64, u64)> {
+    let mut spans: BTreeMap<u64, (u64, u64)> = BTreeMap::new();
+    for_each_entries(path, |region, indexes| {
+        if let (Some(lo), Some(hi)) = (indexes.iter().min(), indexes.iter().max()) {
+            let span = spans.entry(region).or_insert((*lo, *hi));
             *span = (span.0.min(*lo), span.1.max(*hi));
         }
         true
@@ -630,3 +972,10 @@ fn sync_dir(dir: &Path) -> std::io::Result<()> {
 #[cfg(test)]
 #[path = "engine_store_test.rs"]
 mod tests;
+
+#[path = "engine_store_legacy.rs"]
+mod legacy;
+
+#[cfg(test)]
+#[path = "engine_store_chunks_test.rs"]
+mod chunks_tests;

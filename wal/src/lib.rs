@@ -18,6 +18,7 @@
 //! * [`failpoints`]: storage fault injection for black-box tests (feature
 //!   `testing`, never in a production build).
 
+pub mod chunk;
 pub mod corruption;
 pub mod disk;
 pub mod disk_space;
@@ -41,7 +42,7 @@ pub use engine_store::{DEFAULT_SPARE_BYTES, EngineStore, EngineStoreConfig};
 pub use mem_store::MemStore;
 pub use metrics::WalMetrics;
 pub use record::{CodecError, Frame, RecordFields};
-pub use segment::Segment;
+pub use segment::{Segment, SegmentHeader};
 pub use store::{LogBounds, LogStore, ShardAppend, ShardId, StartupDamage, StoreError};
 pub use wal::{
     Appended, DEFAULT_SCRUB_BYTES_PER_S, DEFAULT_SCRUB_INTERVAL, NewRecord, Positions, ShardCounters, Wal, WalConfig,

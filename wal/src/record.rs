@@ -118,6 +118,24 @@ impl Frame {
         Ok(frame)
     }
 
+    /// The length of the frame `bytes` starts with, from its length prefix
+    /// alone (bounds-checked, checksum not verified): how a reader skips
+    /// frames it does not return.
+    pub(crate) fn skip_len(bytes: &[u8]) -> Result<usize, CodecError> {
+        if bytes.len() < PREFIX_LEN {
+            return Err(CodecError::Truncated { needed: PREFIX_LEN, available: bytes.len() });
+        }
+        let body_len = u32::from_le_bytes(bytes[0..4].try_into().expect("4 bytes")) as usize;
+        if !(FIXED_BODY_LEN..=MAX_BODY_LEN).contains(&body_len) {
+            return Err(CodecError::BadLength(body_len));
+        }
+        let total = PREFIX_LEN + body_len;
+        if bytes.len() < total {
+            return Err(CodecError::Truncated { needed: total, available: bytes.len() });
+        }
+        Ok(total)
+    }
+
     /// Splits the first frame off `bytes`, verifying it, and returns it with
     /// the remaining bytes. Zero-copy: both share `bytes`' buffer.
     pub fn split_first(bytes: &Bytes) -> Result<(Frame, Bytes), CodecError> {

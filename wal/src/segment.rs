@@ -39,6 +39,64 @@ pub struct Segment {
     encoded: Bytes,
 }
 
+/// A segment's verified header (see the layout above).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct SegmentHeader {
+    pub shard_id: u32,
+    pub first_seqno: u64,
+    /// `>= 1`.
+    pub record_count: u32,
+    /// Bytes of frames after the header; the encoding is exactly
+    /// `SEGMENT_HEADER_LEN + frames_len` bytes.
+    pub frames_len: usize,
+}
+
+impl SegmentHeader {
+    /// Parses and verifies the header of an encoded segment: magic,
+    /// checksum, version, a non-zero record count, and a total length that
+    /// matches the encoding's exactly. The frames are not read.
+    pub fn parse(bytes: &[u8]) -> Result<SegmentHeader, CodecError> {
+        if bytes.len() < SEGMENT_HEADER_LEN {
+            return Err(CodecError::Truncated { needed: SEGMENT_HEADER_LEN, available: bytes.len() });
+        }
+        let header = &bytes[..SEGMENT_HEADER_LEN];
+        if &header[0..4] != MAGIC {
+            return Err(CodecError::SegmentHeader("bad magic".into()));
+        }
+        let stored = u32::from_le_bytes(header[28..32].try_into().expect("4 bytes"));
+        let computed = crc32fast::hash(&header[..28]);
+        if stored != computed {
+            return Err(CodecError::Checksum { stored, computed });
+        }
+        let version = u16::from_le_bytes(header[4..6].try_into().expect("2 bytes"));
+        if version != VERSION {
+            return Err(CodecError::SegmentHeader(format!("unsupported version {version}")));
+        }
+        let shard_id = u32::from_le_bytes(header[8..12].try_into().expect("4 bytes"));
+        let first_seqno = u64::from_le_bytes(header[12..20].try_into().expect("8 bytes"));
+        let record_count = u32::from_le_bytes(header[20..24].try_into().expect("4 bytes"));
+        let frames_len = u32::from_le_bytes(header[24..28].try_into().expect("4 bytes")) as usize;
+        if record_count == 0 {
+            return Err(CodecError::SegmentHeader("zero records".into()));
+        }
+        if first_seqno.checked_add(u64::from(record_count)).is_none() {
+            return Err(CodecError::SegmentHeader("seqno range overflows".into()));
+        }
+        let body = bytes.len() - SEGMENT_HEADER_LEN;
+        if body < frames_len {
+            return Err(CodecError::Truncated { needed: SEGMENT_HEADER_LEN + frames_len, available: bytes.len() });
+        }
+        if body > frames_len {
+            return Err(CodecError::Trailing(body - frames_len));
+        }
+        Ok(SegmentHeader { shard_id, first_seqno, record_count, frames_len })
+    }
+
+    pub fn last_seqno(&self) -> u64 {
+        self.first_seqno + u64::from(self.record_count) - 1
+    }
+}
+
 impl Segment {
     /// Encodes frames (which must be non-empty and contiguous) into a segment.
     pub fn encode(shard_id: u32, frames: Vec<Frame>) -> Result<Segment, CodecError> {
@@ -71,52 +129,63 @@ impl Segment {
 
     /// Decodes and verifies a segment. Zero-copy: the frames share `bytes`.
     pub fn decode(bytes: Bytes) -> Result<Segment, CodecError> {
-        if bytes.len() < SEGMENT_HEADER_LEN {
-            return Err(CodecError::Truncated { needed: SEGMENT_HEADER_LEN, available: bytes.len() });
-        }
-        let header = &bytes[..SEGMENT_HEADER_LEN];
-        if &header[0..4] != MAGIC {
-            return Err(CodecError::SegmentHeader("bad magic".into()));
-        }
-        let stored = u32::from_le_bytes(header[28..32].try_into().expect("4 bytes"));
-        let computed = crc32fast::hash(&header[..28]);
-        if stored != computed {
-            return Err(CodecError::Checksum { stored, computed });
-        }
-        let version = u16::from_le_bytes(header[4..6].try_into().expect("2 bytes"));
-        if version != VERSION {
-            return Err(CodecError::SegmentHeader(format!("unsupported version {version}")));
-        }
-        let shard_id = u32::from_le_bytes(header[8..12].try_into().expect("4 bytes"));
-        let first = u64::from_le_bytes(header[12..20].try_into().expect("8 bytes"));
-        let count = u32::from_le_bytes(header[20..24].try_into().expect("4 bytes"));
-        let frames_len = u32::from_le_bytes(header[24..28].try_into().expect("4 bytes")) as usize;
-        if count == 0 {
-            return Err(CodecError::SegmentHeader("zero records".into()));
-        }
-        let body = bytes.slice(SEGMENT_HEADER_LEN..);
-        if body.len() < frames_len {
-            return Err(CodecError::Truncated { needed: SEGMENT_HEADER_LEN + frames_len, available: bytes.len() });
-        }
-        if body.len() > frames_len {
-            return Err(CodecError::Trailing(body.len() - frames_len));
-        }
-        let mut rest = body;
-        let mut frames = Vec::with_capacity(count.min(1 << 16) as usize);
+        let header = SegmentHeader::parse(&bytes)?;
+        let mut rest = bytes.slice(SEGMENT_HEADER_LEN..);
+        let mut frames = Vec::with_capacity(header.record_count.min(1 << 16) as usize);
         while !rest.is_empty() {
             let (frame, tail) = Frame::split_first(&rest)?;
             let index = frames.len();
-            let expected = first + index as u64;
+            let expected = header.first_seqno + index as u64;
             if frame.seqno() != expected {
                 return Err(CodecError::SeqnoGap { index, expected, found: frame.seqno() });
             }
             frames.push(frame);
             rest = tail;
         }
-        if frames.len() != count as usize {
-            return Err(CodecError::RecordCount { declared: count, found: frames.len() as u32 });
+        if frames.len() != header.record_count as usize {
+            return Err(CodecError::RecordCount { declared: header.record_count, found: frames.len() as u32 });
         }
-        Ok(Segment { shard_id, frames, encoded: bytes })
+        Ok(Segment { shard_id: header.shard_id, frames, encoded: bytes })
+    }
+
+    /// The frames `[from, to]` of an encoded segment, stopping before their
+    /// total size passes `max_bytes` but returning at least one when any is
+    /// in range: how a stored segment is read without decoding all of it.
+    /// The header and every returned frame are verified (checksum and
+    /// seqno); frames before `from` are skipped by their length prefixes,
+    /// whose bounds are checked. Zero-copy: the frames share `bytes`.
+    pub fn frames_in(
+        bytes: &Bytes,
+        from: u64,
+        to: u64,
+        max_bytes: usize,
+    ) -> Result<(SegmentHeader, Vec<Frame>), CodecError> {
+        let header = SegmentHeader::parse(bytes)?;
+        let mut at = SEGMENT_HEADER_LEN;
+        let mut seqno = header.first_seqno;
+        let mut frames = Vec::new();
+        let mut size = 0usize;
+        while seqno <= to.min(header.last_seqno()) {
+            let rest = bytes.slice(at..);
+            if seqno < from {
+                at += Frame::skip_len(&rest)?;
+                seqno += 1;
+                continue;
+            }
+            let (frame, _) = Frame::split_first(&rest)?;
+            if frame.seqno() != seqno {
+                let index = (seqno - header.first_seqno) as usize;
+                return Err(CodecError::SeqnoGap { index, expected: seqno, found: frame.seqno() });
+            }
+            size += frame.len();
+            if size > max_bytes && !frames.is_empty() {
+                break;
+            }
+            at += frame.len();
+            frames.push(frame);
+            seqno += 1;
+        }
+        Ok((header, frames))
     }
 
     pub fn shard_id(&self) -> u32 {
@@ -197,6 +266,45 @@ mod tests {
         #[test]
         fn garbage_never_panics(bytes in proptest::collection::vec(any::<u8>(), 0..512)) {
             let _ = Segment::decode(Bytes::from(bytes));
+        }
+
+        /// `frames_in` returns exactly the decoded frames in range, cut by
+        /// size as the store's reads are (at least one frame).
+        #[test]
+        fn frames_in_matches_decode(payloads in proptest::collection::vec(proptest::collection::vec(any::<u8>(), 0..200), 1..20),
+                                    a in 0u64..25, b in 0u64..25, max_bytes in 0usize..2000) {
+            let seg = Segment::encode(4, frames(100, &payloads)).unwrap();
+            let (from, to) = (100 + a.min(b), 100 + a.max(b));
+            let (header, got) = Segment::frames_in(seg.encoded(), from, to, max_bytes).unwrap();
+            prop_assert_eq!(header.first_seqno, 100);
+            prop_assert_eq!(header.last_seqno(), seg.last_seqno());
+            let mut want = Vec::new();
+            let mut size = 0;
+            for frame in seg.frames().iter().filter(|f| (from..=to).contains(&f.seqno())) {
+                size += frame.len();
+                if size > max_bytes && !want.is_empty() {
+                    break;
+                }
+                want.push(frame.clone());
+            }
+            prop_assert_eq!(got, want);
+        }
+
+        /// A flipped bit in the header, or in a frame `frames_in` returns,
+        /// is refused; garbage never panics it.
+        #[test]
+        fn frames_in_refuses_damage_it_reads(payloads in proptest::collection::vec(proptest::collection::vec(any::<u8>(), 1..100), 1..8),
+                                             bit in any::<prop::sample::Index>()) {
+            let seg = Segment::encode(1, frames(10, &payloads)).unwrap();
+            let mut bytes = seg.encoded().to_vec();
+            let bit = bit.index(bytes.len() * 8);
+            bytes[bit / 8] ^= 1 << (bit % 8);
+            prop_assert!(Segment::frames_in(&Bytes::from(bytes), 10, u64::MAX, usize::MAX).is_err());
+        }
+
+        #[test]
+        fn frames_in_never_panics_on_garbage(bytes in proptest::collection::vec(any::<u8>(), 0..512), from in 0u64..50) {
+            let _ = Segment::frames_in(&Bytes::from(bytes), from, from + 10, 1000);
         }
     }
 

@@ -193,6 +193,20 @@ pub trait LogStore: Send + Sync + 'static {
         Vec::new()
     }
 
+    /// Bytes of memory the store's index of the log takes (every shard),
+    /// an estimate from its structures' sizes. Grows with what the store
+    /// keeps an index entry for (a chunk of records in the raft-engine
+    /// store), not with the records themselves.
+    fn index_bytes(&self) -> u64 {
+        0
+    }
+
+    /// Entries the store's index holds (every shard): chunks in the
+    /// raft-engine store.
+    fn index_chunks(&self) -> u64 {
+        0
+    }
+
     /// Records a graceful shutdown, so the next open skips the tail check.
     /// Nothing may be written after it. Durable on return.
     fn mark_clean_shutdown(&self) -> StoreResult<()> {

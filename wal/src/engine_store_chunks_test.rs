@@ -1,0 +1,319 @@
+//! Unit tests of the raft-engine store's chunks: the index stays small,
+//! merges and splits keep every record, a torn chunk write (a merge
+//! included) loses only itself, damage is reported per chunk and repaired,
+//! and stores written one entry per record convert on open.
+
+use std::path::Path;
+
+use super::*;
+use crate::chunk::CHUNK_INDEX_BYTES;
+use crate::record::RecordFields;
+
+fn frame(seqno: u64, epoch: u64, payload_len: usize) -> Frame {
+    let payload = format!("{seqno:08}-").repeat(payload_len / 9 + 1);
+    Frame::encode(RecordFields {
+        seqno,
+        epoch,
+        timestamp_us: seqno,
+        key: b"k",
+        payload: &payload.as_bytes()[..payload_len],
+    })
+}
+
+fn frames(from: u64, to: u64, payload_len: usize) -> Vec<Frame> {
+    (from..=to).map(|s| frame(s, 1, payload_len)).collect()
+}
+
+fn append(store: &EngineStore, shard: ShardId, frames: Vec<Frame>) {
+    store.append(&[ShardAppend { shard, frames }], true).unwrap();
+}
+
+fn all(store: &EngineStore, shard: ShardId) -> Vec<Frame> {
+    let b = store.bounds(shard).unwrap();
+    if b.is_empty() {
+        return Vec::new();
+    }
+    store.read(shard, b.first_seqno, b.last_seqno, usize::MAX).unwrap()
+}
+
+fn open(dir: &Path, chunk_bytes: u64) -> EngineStore {
+    EngineStore::open(dir, &EngineStoreConfig { chunk_bytes, ..Default::default() }).unwrap()
+}
+
+/// 20,000 records of 100 B in batches of 10 (a busy shard's group
+/// commits) take a chunk per 64 KiB, not an entry per record.
+#[test]
+fn small_appends_merge_into_full_chunks() {
+    let dir = tempfile::tempdir().unwrap();
+    let store = open(dir.path(), DEFAULT_CHUNK_BYTES);
+    store.create_shard(1).unwrap();
+    let mut want = Vec::new();
+    for batch in 0..2_000u64 {
+        let batch = frames(batch * 10 + 1, batch * 10 + 10, 100);
+        want.extend(batch.iter().cloned());
+        append(&store, 1, batch);
+    }
+    let bytes: usize = want.iter().map(Frame::len).sum();
+    let full = bytes.div_ceil(DEFAULT_CHUNK_BYTES as usize);
+    let chunks = store.chunk_count(1).unwrap();
+    assert!(chunks >= full && chunks <= full + MAX_TAIL_CHUNKS, "{chunks} chunks for {bytes} bytes");
+    assert_eq!(store.index_chunks(), chunks as u64);
+    assert_eq!(store.index_bytes(), chunks as u64 * CHUNK_INDEX_BYTES);
+    assert_eq!(all(&store, 1), want);
+    drop(store);
+    let store = open(dir.path(), DEFAULT_CHUNK_BYTES);
+    assert_eq!(store.chunk_count(1).unwrap(), chunks, "the directory is rebuilt as it was");
+    assert_eq!(all(&store, 1), want);
+}
+
+/// One record per append: the tail is merged every MAX_TAIL_CHUNKS
+/// appends, so the index grows with a 64th of the records.
+#[test]
+fn one_record_appends_are_merged_by_count() {
+    let dir = tempfile::tempdir().unwrap();
+    let store = open(dir.path(), DEFAULT_CHUNK_BYTES);
+    store.create_shard(1).unwrap();
+    for seqno in 1..=1_000 {
+        append(&store, 1, frames(seqno, seqno, 20));
+    }
+    let chunks = store.chunk_count(1).unwrap();
+    assert!(chunks <= 1_000 / MAX_TAIL_CHUNKS + MAX_TAIL_CHUNKS, "{chunks} chunks");
+    assert_eq!(all(&store, 1), frames(1, 1_000, 20));
+}
+
+/// A batch larger than a chunk is split; one record larger than a chunk
+/// is a chunk of its own.
+#[test]
+fn large_batches_split_and_large_records_stand_alone() {
+    let dir = tempfile::tempdir().unwrap();
+    let store = open(dir.path(), 4 << 10);
+    store.create_shard(1).unwrap();
+    append(&store, 1, frames(1, 100, 200));
+    let split = store.chunk_count(1).unwrap();
+    assert!(split >= 100 * 236 / (4 << 10), "{split} chunks");
+    append(&store, 1, vec![frame(101, 1, 10 << 10)]);
+    assert_eq!(store.chunk_count(1).unwrap(), split + 1);
+    let mut want = frames(1, 100, 200);
+    want.push(frame(101, 1, 10 << 10));
+    assert_eq!(all(&store, 1), want);
+    assert_eq!(store.read(1, 101, 101, 1).unwrap(), want[100..]);
+}
+
+/// The end of the data written to `file`: raft-engine grows files by
+/// `fallocate`, so what follows the last batch reads as zeros.
+fn data_end(file: &Path) -> usize {
+    let bytes = std::fs::read(file).unwrap();
+    bytes.iter().rposition(|&b| b != 0).map_or(0, |at| at + 1)
+}
+
+fn newest_log_file(dir: &Path) -> PathBuf {
+    log_files(dir, ".raftlog").last().unwrap().1.clone()
+}
+
+/// A crash in the middle of a chunk write (here a merge: the tail's small
+/// chunks rewritten with new records as one): whatever prefix of the
+/// write reached the disk, the store opens with every chunk written
+/// before it, as it was, and appends continue.
+#[test]
+fn a_torn_chunk_write_keeps_every_chunk_before_it() {
+    let dir = tempfile::tempdir().unwrap();
+    let store = open(dir.path(), 4 << 10);
+    store.create_shard(1).unwrap();
+    for batch in 0..8u64 {
+        append(&store, 1, frames(batch * 3 + 1, batch * 3 + 3, 100));
+    }
+    let before = store.chunk_count(1).unwrap();
+    assert_eq!(before, 8, "eight small unsealed chunks");
+    let file = newest_log_file(dir.path());
+    let start = data_end(&file);
+    append(&store, 1, frames(25, 40, 100));
+    assert!(store.chunk_count(1).unwrap() < before, "the append merged the tail");
+    let end = data_end(&file);
+    assert_eq!(newest_log_file(dir.path()), file);
+    let old = frames(1, 24, 100);
+    let mut cuts: Vec<usize> = (0..16).map(|i| start + (end - start) * i / 16).collect();
+    cuts.extend([start + 1, end - 1]);
+    for cut in cuts {
+        let copy = crate::conformance::crash_copy(dir.path());
+        let torn = copy.path().join(file.file_name().unwrap());
+        let mut bytes = std::fs::read(&torn).unwrap();
+        bytes[cut..end].fill(0);
+        std::fs::write(&torn, bytes).unwrap();
+        let reopened = open(copy.path(), 4 << 10);
+        assert_eq!(reopened.bounds(1).unwrap().last_seqno, 24, "cut at {cut} of [{start}, {end})");
+        assert_eq!(all(&reopened, 1), old, "cut at {cut}");
+        append(&reopened, 1, frames(25, 35, 100));
+        drop(reopened);
+        let reopened = open(copy.path(), 4 << 10);
+        assert_eq!(all(&reopened, 1), frames(1, 35, 100), "cut at {cut}: appends continue");
+    }
+    // The whole write on disk: the merged log.
+    let copy = crate::conformance::crash_copy(dir.path());
+    assert_eq!(all(&open(copy.path(), 4 << 10), 1), frames(1, 40, 100));
+}
+
+/// Flips bytes of record `seqno`'s payload in every log file holding it.
+fn flip(dir: &Path, seqno: u64, payload_len: usize) {
+    let pattern = &frame(seqno, 1, payload_len).payload()[..];
+    for (_, file) in log_files(dir, ".raftlog") {
+        let mut bytes = std::fs::read(&file).unwrap();
+        let mut found = false;
+        let mut from = 0;
+        while let Some(at) = bytes[from..].windows(pattern.len()).position(|w| w == pattern) {
+            bytes[from + at + 20] ^= 0x5a;
+            from += at + pattern.len();
+            found = true;
+        }
+        if found {
+            std::fs::write(&file, bytes).unwrap();
+        }
+    }
+}
+
+/// A damaged byte inside a chunk: a read names the chunk's whole range
+/// (it is read whole) and the damaged chunks adjacent to it, reads of other
+/// chunks work, and truncating to just before the range (which reads no
+/// record, so damage before the cut does not stop it) and appending a
+/// replica's copy repairs it.
+#[test]
+fn damage_inside_a_chunk_names_the_chunk_and_a_truncation_repairs_it() {
+    let dir = tempfile::tempdir().unwrap();
+    let store = open(dir.path(), DEFAULT_CHUNK_BYTES);
+    store.create_shard(1).unwrap();
+    // Four appends, four chunks, each in a raft-engine batch of its own.
+    for (from, to) in [(1, 20), (21, 40), (41, 60), (61, 70)] {
+        append(&store, 1, frames(from, to, 100));
+    }
+    assert_eq!(store.chunk_count(1).unwrap(), 4);
+    drop(store);
+    flip(dir.path(), 30, 100);
+    let store = open(dir.path(), DEFAULT_CHUNK_BYTES);
+    let err = store.read(1, 30, 30, usize::MAX).unwrap_err();
+    assert_eq!(err.corrupt_range(), Some((1, 21, 40)), "{err}");
+    assert!(err.to_string().contains("corruption"), "{err}");
+    assert_eq!(store.read(1, 1, 20, usize::MAX).unwrap(), frames(1, 20, 100));
+    assert_eq!(store.read(1, 41, 70, usize::MAX).unwrap(), frames(41, 70, 100));
+    store.truncate_suffix(1, 20).unwrap();
+    append(&store, 1, frames(21, 70, 100));
+    assert_eq!(all(&store, 1), frames(1, 70, 100));
+    drop(store);
+    let store = open(dir.path(), DEFAULT_CHUNK_BYTES);
+    assert_eq!(all(&store, 1), frames(1, 70, 100));
+    drop(store);
+
+    // Damage on both sides of a cut between chunks.
+    flip(dir.path(), 10, 100);
+    flip(dir.path(), 30, 100);
+    let store = open(dir.path(), DEFAULT_CHUNK_BYTES);
+    let err = store.read(1, 10, 10, usize::MAX).unwrap_err();
+    assert_eq!(err.corrupt_range().map(|r| r.1), Some(1), "{err}");
+    store.truncate_suffix(1, 20).unwrap();
+    assert_eq!(store.bounds(1).unwrap().last_seqno, 20);
+    store.truncate_suffix(1, 0).unwrap();
+    append(&store, 1, frames(1, 70, 100));
+    drop(store);
+    assert_eq!(all(&open(dir.path(), DEFAULT_CHUNK_BYTES), 1), frames(1, 70, 100));
+}
+
+/// Extracts a WAL directory produced by an earlier release (a
+/// `tar.gz` under `tests/fixtures`) into a fresh directory.
+fn legacy_fixture(name: &str) -> tempfile::TempDir {
+    let dir = tempfile::tempdir().unwrap();
+    let archive = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures").join(name);
+    let status = std::process::Command::new("tar")
+        .arg("-xzf")
+        .arg(&archive)
+        .arg("-C")
+        .arg(dir.path())
+        .arg("--strip-components=1")
+        .status()
+        .unwrap();
+    assert!(status.success(), "extracting {}", archive.display());
+    dir
+}
+
+/// The records the fixture's generator wrote (`tests/fixtures/README.md`).
+fn legacy_frame(shard: ShardId, seqno: u64, epoch: u64) -> Frame {
+    let payload = format!("legacy shard {shard} record {seqno} epoch {epoch}");
+    let key = format!("k{seqno}");
+    Frame::encode(RecordFields {
+        seqno,
+        epoch,
+        timestamp_us: 1_000_000 + seqno,
+        key: key.as_bytes(),
+        payload: payload.as_bytes(),
+    })
+}
+
+fn legacy_frames(shard: ShardId, from: u64, to: u64, epoch: impl Fn(u64) -> u64) -> Vec<Frame> {
+    (from..=to).map(|s| legacy_frame(shard, s, epoch(s))).collect()
+}
+
+/// What the fixture holds, as the release that wrote it reported it.
+fn assert_legacy_contents(store: &EngineStore) {
+    assert_eq!(store.shards(), vec![1, 2, 3, 4, 5]);
+    let bounds = |shard| {
+        let b = store.bounds(shard).unwrap();
+        (b.first_seqno, b.last_seqno, b.durable_seqno)
+    };
+    assert_eq!(bounds(1), (1001, 3000, 3000));
+    assert_eq!(all(store, 1), legacy_frames(1, 1001, 3000, |s| if s <= 1500 { 1 } else { 2 }));
+    assert_eq!((store.epoch(1).unwrap(), store.log_epoch(1).unwrap()), (3, 2));
+    assert_eq!(bounds(2), (1, 400, 400), "the stale tail hidden by the truncation marker stays gone");
+    assert_eq!(all(store, 2), legacy_frames(2, 1, 400, |_| 1));
+    assert_eq!((store.epoch(2).unwrap(), store.log_epoch(2).unwrap()), (1, 0));
+    assert_eq!(bounds(3), (1, 320, 320));
+    assert_eq!(all(store, 3), legacy_frames(3, 1, 320, |s| if s <= 250 { 1 } else { 2 }));
+    assert_eq!((store.epoch(3).unwrap(), store.log_epoch(3).unwrap()), (2, 2));
+    assert_eq!(bounds(4), (1, 0, 0));
+    assert_eq!(bounds(5), (101, 100, 100), "a fully compacted shard keeps its position");
+}
+
+/// A WAL written one entry per record by the release before chunks
+/// (compacted, truncated, re-appended, empty and fully compacted shards)
+/// opens with every record, position and epoch, converted to chunks; it
+/// takes appends, truncations and compactions, and survives restarts.
+#[test]
+fn a_wal_of_the_release_before_chunks_converts_on_open() {
+    let dir = legacy_fixture("legacy-store-1a8b0ea.tar.gz");
+    let store = open(dir.path(), DEFAULT_CHUNK_BYTES);
+    assert_legacy_contents(&store);
+    assert!(store.chunk_count(1).unwrap() < 10, "2,000 records in a few chunks");
+    let legacy_left: Vec<u64> = store
+        .engine
+        .raft_groups()
+        .into_iter()
+        .filter(|&g| g < CHUNK_REGION && get_u64(&store.engine, g, FIRST_KEY).is_some())
+        .collect();
+    assert!(legacy_left.is_empty(), "{legacy_left:?}");
+    drop(store);
+    let store = open(dir.path(), DEFAULT_CHUNK_BYTES);
+    assert_legacy_contents(&store);
+    append(&store, 2, legacy_frames(2, 401, 450, |_| 4));
+    append(&store, 5, legacy_frames(5, 101, 110, |_| 4));
+    store.truncate_suffix(1, 2500).unwrap();
+    store.compact_prefix(3, 300).unwrap();
+    drop(store);
+    let store = open(dir.path(), DEFAULT_CHUNK_BYTES);
+    assert_eq!(all(&store, 2)[400..], legacy_frames(2, 401, 450, |_| 4));
+    assert_eq!(all(&store, 5), legacy_frames(5, 101, 110, |_| 4));
+    assert_eq!(store.bounds(1).unwrap().last_seqno, 2500);
+    assert_eq!(all(&store, 3), legacy_frames(3, 300, 320, |_| 2));
+}
+
+/// A conversion interrupted after any of its steps (a crash: nothing of
+/// the step after it reached the disk) resumes on the next open and ends
+/// with the same log.
+#[test]
+fn an_interrupted_conversion_resumes() {
+    for steps in 0..4 {
+        let dir = legacy_fixture("legacy-store-1a8b0ea.tar.gz");
+        legacy::STOP_AFTER_STEPS.with(|s| s.set(Some(steps)));
+        let interrupted = EngineStore::open(dir.path(), &Default::default());
+        legacy::STOP_AFTER_STEPS.with(|s| s.set(None));
+        assert!(matches!(interrupted, Err(StoreError::Io(ref e)) if e.contains("stopped")), "steps {steps}");
+        drop(interrupted);
+        let store = open(dir.path(), DEFAULT_CHUNK_BYTES);
+        assert_legacy_contents(&store);
+    }
+}
