@@ -60,6 +60,12 @@ pub struct WalTuning {
     /// allocating new files; purged files refill the pool. Rounded down to
     /// the whole files raft-engine lays out. See `walship_wal::zero_fill`.
     pub spare_bytes: u64,
+    /// Frame bytes per stored chunk: the WAL keeps one storage entry (and
+    /// one index entry in memory) per chunk of a shard's records, so its
+    /// memory grows with the log's bytes over this, not with its records;
+    /// reading one record reads its chunk. 1 KiB to 16 MiB; default 64 KiB.
+    /// See `walship_wal::chunk`.
+    pub chunk_bytes: u64,
     /// Read rate of the background WAL scrubber, which reads and verifies
     /// every shard's retained log, in record bytes per second; 0 disables
     /// it. See `walship_wal::corruption` for the default (8 MiB/s).
@@ -86,6 +92,7 @@ impl Default for WalTuning {
             tail_cache_bytes: wal.tail_cache_bytes,
             prefill: true,
             spare_bytes: walship_wal::DEFAULT_SPARE_BYTES,
+            chunk_bytes: store.chunk_bytes,
             scrub_bytes_per_s: wal.scrub_bytes_per_s,
             scrub_interval_s: wal.scrub_interval.as_secs(),
             min_free_bytes: walship_wal::disk_space::DEFAULT_MIN_FREE_BYTES,
@@ -118,6 +125,9 @@ impl NodeConfig {
         }
         if self.limits.max_record_bytes == 0 || self.limits.max_batch_records == 0 {
             bail!("limits must be positive");
+        }
+        if !(1 << 10..=16 << 20).contains(&self.wal.chunk_bytes) {
+            bail!("wal.chunk_bytes must be between 1024 and 16777216 (16 MiB), got {}", self.wal.chunk_bytes);
         }
         if self.wal.scrub_bytes_per_s > 0 && self.wal.scrub_interval_s == 0 {
             bail!("wal.scrub_interval_s must be positive (or disable the scrubber with wal.scrub_bytes_per_s = 0)");
@@ -160,6 +170,20 @@ mod tests {
         let text = include_str!("../ops/node.example.toml");
         let config: NodeConfig = toml::from_str(text).unwrap();
         config.validate(false).unwrap();
+    }
+
+    #[test]
+    fn chunk_sizes_outside_the_range_are_refused() {
+        let config = |chunk_bytes: u64| {
+            let text = format!("node_id = 1\ndata_dir = \"x\"\nshards = [1]\n[wal]\nchunk_bytes = {chunk_bytes}\n");
+            toml::from_str::<NodeConfig>(&text).unwrap().validate(false)
+        };
+        for bad in [0, 1023, (16 << 20) + 1] {
+            let err = config(bad).unwrap_err().to_string();
+            assert!(err.contains("wal.chunk_bytes") && err.contains(&bad.to_string()), "{err}");
+        }
+        config(1024).unwrap();
+        config(16 << 20).unwrap();
     }
 
     #[test]

@@ -214,6 +214,7 @@ pub async fn start_node(config: NodeConfig, cluster: Option<ClusterConfig>, dril
         target_file_bytes: config.wal.target_file_bytes,
         prefill: config.wal.prefill,
         spare_bytes: config.wal.spare_bytes,
+        chunk_bytes: config.wal.chunk_bytes,
         ..EngineStoreConfig::default()
     };
     // Measured before the store opens: opening may lay out spare files of
@@ -229,6 +230,7 @@ pub async fn start_node(config: NodeConfig, cluster: Option<ClusterConfig>, dril
         .context("opening the WAL")?;
     registry.register(Box::new(walship_wal::metrics::RotationsCollector::new(store.rotations())?))?;
     let store = Arc::new(store);
+    registry.register(Box::new(walship_wal::metrics::IndexCollector::new(store.clone())?))?;
     let wal_config = WalConfig {
         linger: Duration::from_micros(config.wal.linger_us),
         max_batch_bytes: config.wal.max_batch_bytes,

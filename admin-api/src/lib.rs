@@ -23,7 +23,7 @@ use axum::routing::get;
 use prometheus::{Encoder, Registry, TextEncoder};
 use walship_shipping::ReplicationNode;
 
-use crate::models::{ApiError, DiskStatus, NodeStatus};
+use crate::models::{ApiError, DiskStatus, NodeStatus, WalIndexStatus};
 
 /// What a node's admin API reads from.
 pub struct NodeAdmin {
@@ -138,9 +138,22 @@ async fn status(State(admin): State<Arc<NodeAdmin>>) -> Response {
         shards: admin.node.status(),
         heartbeats_received: admin.node.received_heartbeats(),
         disk: disk_status(&admin),
+        wal: wal_index_status(&admin),
         drill_partitioned_from: admin.node.drill_partitioned_from(),
     })
     .into_response()
+}
+
+/// The WAL index's memory, read from the store (no I/O).
+fn wal_index_status(admin: &NodeAdmin) -> WalIndexStatus {
+    let wal = &admin.node.wal;
+    let records = wal
+        .shards()
+        .into_iter()
+        .filter_map(|shard| wal.positions(shard).ok())
+        .map(|p| (p.last_seqno + 1).saturating_sub(p.first_seqno))
+        .sum();
+    WalIndexStatus { index_bytes: wal.index_bytes(), index_chunks: wal.index_chunks(), records }
 }
 
 /// The WAL disk's free space as the node last measured it (no syscall).

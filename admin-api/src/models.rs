@@ -20,6 +20,9 @@ pub struct NodeStatus {
     /// The WAL disk's free space against its reserve.
     #[serde(default)]
     pub disk: DiskStatus,
+    /// What the WAL's index of its log costs in memory.
+    #[serde(default)]
+    pub wal: WalIndexStatus,
     /// Peer nodes a partition drill (`Control.Partition`, dev and test
     /// clusters only) has this node treat as unreachable for replication
     /// traffic right now; empty outside a drill.
@@ -39,6 +42,19 @@ pub struct DiskStatus {
     /// Less than the reserve is free: appends and replicated segments are
     /// refused, the node does not lead, `/readyz` answers 503.
     pub disk_full: bool,
+}
+
+/// The memory of the WAL's index: one entry per stored chunk of records
+/// (`wal.chunk_bytes` of them), not per record.
+#[derive(Debug, Clone, Default, Serialize, Deserialize, PartialEq, Eq, utoipa::ToSchema)]
+pub struct WalIndexStatus {
+    /// Bytes of memory the index takes, every shard (estimated from its
+    /// structures' sizes; `walship_wal_index_bytes`).
+    pub index_bytes: u64,
+    /// Stored chunks it holds, every shard (`walship_wal_index_chunks`).
+    pub index_chunks: u64,
+    /// Records the WAL retains, every shard.
+    pub records: u64,
 }
 
 /// The error body every endpoint answers with: `{"error": {"code", "message"}}`.

@@ -60,7 +60,8 @@ struct CoordinatorDoc;
         walship_shipping::replica::FollowerStatus,
         walship_shipping::replica::CorruptRangeStatus,
         walship_shipping::replica::ReceivedHeartbeat,
-        crate::models::DiskStatus
+        crate::models::DiskStatus,
+        crate::models::WalIndexStatus
     ))
 )]
 struct NodeDoc;

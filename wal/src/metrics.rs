@@ -195,3 +195,37 @@ impl Collector for RotationsCollector {
         family.collect()
     }
 }
+
+/// `walship_wal_index_bytes` and `walship_wal_index_chunks`, read from the
+/// store at each scrape: what the WAL's index of its log costs in memory.
+pub struct IndexCollector {
+    store: Arc<dyn crate::LogStore>,
+    bytes: IntGauge,
+    chunks: IntGauge,
+}
+
+impl IndexCollector {
+    pub fn new(store: Arc<dyn crate::LogStore>) -> prometheus::Result<IndexCollector> {
+        Ok(IndexCollector {
+            store,
+            bytes: IntGauge::new(
+                "walship_wal_index_bytes",
+                "Bytes of memory the WAL's index of its stored chunks takes, every shard (the storage engine's entry \
+                 index and directory keys, and walship's seqno map; estimated from their sizes)",
+            )?,
+            chunks: IntGauge::new("walship_wal_index_chunks", "Stored chunks the WAL's index holds, every shard")?,
+        })
+    }
+}
+
+impl Collector for IndexCollector {
+    fn desc(&self) -> Vec<&Desc> {
+        self.bytes.desc().into_iter().chain(self.chunks.desc()).collect()
+    }
+
+    fn collect(&self) -> Vec<MetricFamily> {
+        self.bytes.set(self.store.index_bytes() as i64);
+        self.chunks.set(self.store.index_chunks() as i64);
+        self.bytes.collect().into_iter().chain(self.chunks.collect()).collect()
+    }
+}

@@ -520,6 +520,17 @@ impl Wal {
         Ok((self.epoch_at(shard, lo).await?, lo))
     }
 
+    /// Bytes of memory the store's index of the log takes (every shard;
+    /// [`LogStore::index_bytes`]).
+    pub fn index_bytes(&self) -> u64 {
+        self.shared.store.index_bytes()
+    }
+
+    /// Entries the store's index holds (every shard; chunks).
+    pub fn index_chunks(&self) -> u64 {
+        self.shared.store.index_chunks()
+    }
+
     pub fn counters(&self, shard: ShardId) -> WalResult<ShardCounters> {
         let p = self.shared.shard(shard)?;
         Ok(ShardCounters { records: p.records.load(Ordering::Acquire), bytes: p.bytes.load(Ordering::Acquire) })
