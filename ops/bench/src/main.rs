@@ -14,16 +14,6 @@
 //! `ops/bench/compare.sh` installs what is missing, builds the release
 //! binaries and runs this; see `ops/bench/README.md`.
 
-mod chart;
-mod failover;
-mod load;
-mod nats;
-mod pg;
-mod proc;
-mod report;
-mod system;
-mod walship;
-
 use std::path::{Path, PathBuf};
 use std::time::Duration;
 
@@ -31,8 +21,9 @@ use anyhow::{Context, Result, bail};
 use clap::{Parser, ValueEnum};
 use walship_proto::log::Durability;
 
-use crate::report::Report;
-use crate::system::Cluster;
+use walship_compare::report::{self, Report};
+use walship_compare::system::Cluster;
+use walship_compare::{chart, failover, load, nats, pg, walship};
 
 #[derive(ValueEnum, Debug, Clone, Copy, PartialEq, Eq)]
 enum SystemKind {
