@@ -19,6 +19,7 @@ fn colour(system: &str) -> RGBColor {
         "walship-all" => RGBColor(0x17, 0xbe, 0xcf),
         "jetstream-r3" => RGBColor(0x2c, 0xa0, 0x2c),
         "postgres-sync" => RGBColor(0xd6, 0x27, 0x28),
+        crate::report::BASELINE => RGBColor(0xff, 0x7f, 0x0e),
         _ => RGBColor(0x55, 0x55, 0x55),
     }
 }

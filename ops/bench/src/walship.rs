@@ -39,6 +39,8 @@ pub struct WalshipCluster {
     durability: Durability,
     /// gRPC address of node i+1 at index i.
     nodes: Vec<SocketAddr>,
+    /// Admin HTTP address of node i+1 at index i.
+    admins: Vec<SocketAddr>,
     /// The configured leader's index into `nodes` (where leader-following
     /// clients start looking).
     leader: usize,
@@ -67,6 +69,20 @@ pub async fn start(
     default_timeouts: bool,
     node_flags: &[&str],
 ) -> Result<Box<dyn Cluster>> {
+    Ok(Box::new(start_cluster(dir, walship, durability, default_timeouts, node_flags, |_| {}).await?))
+}
+
+/// [`start`], returning the cluster itself (its nodes' PIDs and addresses),
+/// with `configure` applied to the cluster config after the harness's own
+/// settings.
+pub async fn start_cluster(
+    dir: &Path,
+    walship: &Path,
+    durability: Durability,
+    default_timeouts: bool,
+    node_flags: &[&str],
+    configure: impl FnOnce(&mut ClusterConfig),
+) -> Result<WalshipCluster> {
     if !walship.is_file() {
         bail!("walship binary not found at {} (build it: cargo build --release)", walship.display());
     }
@@ -86,6 +102,7 @@ pub async fn start(
     }
     let spec = CoordinatorSpec { id: "bench".into(), grpc_addr: loopback()?.into(), admin_addr: loopback()?.into() };
     config.coordinators = vec![spec.clone()];
+    configure(&mut config);
     config.validate()?;
     let file = dir.join("cluster.toml");
     std::fs::write(&file, toml::to_string_pretty(&config)?)?;
@@ -102,6 +119,7 @@ pub async fn start(
     let coordinator = (server, admin);
     let mut servers = Vec::new();
     let mut nodes = Vec::new();
+    let mut admins = Vec::new();
     for node in &config.nodes {
         let mut command = Command::new(walship);
         command
@@ -115,22 +133,57 @@ pub async fn start(
         let log = dir.join(format!("node-{}.log", node.id));
         servers.push(Server::spawn(&format!("walship node {}", node.id), command, &log, libc::SIGTERM)?);
         nodes.push(node.grpc_addr.to_string().parse::<SocketAddr>()?);
+        admins.push(node.admin_addr.to_string().parse::<SocketAddr>()?);
     }
     for (server, addr) in servers.iter_mut().zip(&nodes) {
         tokio::task::block_in_place(|| wait_for_port(*addr, Duration::from_secs(30), server))?;
     }
     let leader = config.shards[0].leader as usize - 1;
-    let cluster = WalshipCluster { durability, nodes, leader, servers, coordinator };
+    let cluster = WalshipCluster { durability, nodes, admins, leader, servers, coordinator };
     cluster.wait_ready().await?;
-    Ok(Box::new(cluster))
+    Ok(cluster)
 }
 
-async fn connect(addr: SocketAddr) -> Result<LogClient<Channel>> {
+/// A `Log` client of the node at `addr`.
+pub async fn connect(addr: SocketAddr) -> Result<LogClient<Channel>> {
     let channel = Endpoint::from_shared(format!("http://{addr}"))?.tcp_nodelay(true).connect().await?;
     Ok(LogClient::new(channel))
 }
 
 impl WalshipCluster {
+    /// The node processes' PIDs, node i+1 at index i.
+    pub fn node_pids(&self) -> Vec<u32> {
+        self.servers.iter().map(Server::pid).collect()
+    }
+
+    /// The nodes' gRPC addresses, node i+1 at index i.
+    pub fn node_addrs(&self) -> &[SocketAddr] {
+        &self.nodes
+    }
+
+    /// The nodes' admin HTTP addresses, node i+1 at index i.
+    pub fn admin_addrs(&self) -> &[SocketAddr] {
+        &self.admins
+    }
+
+    /// Fails if a node or the coordinator has exited.
+    pub fn check_running(&mut self) -> Result<()> {
+        for server in &mut self.servers {
+            server.check_running()?;
+        }
+        self.coordinator.0.check_running()
+    }
+
+    /// The shard's leader as the coordinator records it: index into
+    /// [`Self::node_addrs`].
+    pub async fn leader_index(&self) -> Result<usize> {
+        let leader = self.recorded_leader(self.coordinator.1).await?;
+        if leader == 0 || leader > self.nodes.len() {
+            bail!("the coordinator names node {leader} as leader");
+        }
+        Ok(leader - 1)
+    }
+
     /// Retries one append (following the leader) until the followers are
     /// connected and it is acknowledged at the benchmark's durability.
     async fn wait_ready(&self) -> Result<()> {
@@ -272,7 +325,7 @@ impl Appender for FollowingAppender {
 }
 
 /// A plain HTTP/1.1 GET; returns the body of a 200 answer.
-async fn http_get(addr: SocketAddr, path: &str) -> Result<String> {
+pub async fn http_get(addr: SocketAddr, path: &str) -> Result<String> {
     let mut stream = tokio::net::TcpStream::connect(addr).await?;
     stream.write_all(format!("GET {path} HTTP/1.1\r\nHost: {addr}\r\nConnection: close\r\n\r\n").as_bytes()).await?;
     let mut response = String::new();

@@ -113,6 +113,46 @@ fn smoke_run_measures_every_system_and_leaves_nothing_running() {
     assert!(!data.exists(), "the harness leaves no data behind");
 }
 
+/// `--walship-baseline`: the baseline binary (here the same one) runs every
+/// walship-quorum cell right after it, and the report divides the two.
+#[test]
+fn a_baseline_walship_runs_the_same_cells_and_gets_a_ratio() {
+    let root = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../target/tmp");
+    std::fs::create_dir_all(&root).unwrap();
+    let work = tempfile::tempdir_in(&root).unwrap();
+    let data = work.path().join("data");
+    let out = work.path().join("out");
+    let run = Command::new(env!("CARGO_BIN_EXE_walship-compare"))
+        .args(["--smoke", "--systems", "walship-quorum", "--failover-trials", "0"])
+        .arg("--dir")
+        .arg(&data)
+        .arg("--out")
+        .arg(&out)
+        .arg("--walship")
+        .arg(walship_binary())
+        .arg("--walship-baseline")
+        .arg(walship_binary())
+        .output()
+        .unwrap();
+    let stderr = String::from_utf8_lossy(&run.stderr);
+    assert!(run.status.success(), "walship-compare --walship-baseline failed:\n{stderr}");
+
+    let report: serde_json::Value = serde_json::from_slice(&std::fs::read(out.join("compare.json")).unwrap()).unwrap();
+    let systems: Vec<&str> =
+        report["cells"].as_array().unwrap().iter().map(|c| c["system"].as_str().unwrap()).collect();
+    assert_eq!(systems, ["walship-quorum", "walship-quorum-baseline"]);
+    let low: Vec<&str> = report["low_load"].as_array().unwrap().iter().map(|c| c["system"].as_str().unwrap()).collect();
+    assert_eq!(low, ["walship-quorum", "walship-quorum-baseline"]);
+    for cell in report["cells"].as_array().unwrap() {
+        assert!(cell["records_per_s"].as_f64().unwrap() > 10.0, "{cell}");
+    }
+    assert_eq!(report["settings"]["walship_baseline"].as_str().unwrap(), walship_binary().display().to_string());
+    let markdown = std::fs::read_to_string(out.join("compare.md")).unwrap();
+    assert!(markdown.contains("walship-quorum ÷ walship-quorum-baseline |"), "{markdown}");
+    assert!(processes_mentioning(&data.display().to_string()).is_empty());
+    assert!(!data.exists(), "the harness leaves no data behind");
+}
+
 #[test]
 fn bad_arguments_are_refused_before_anything_starts() {
     for (args, needle) in [
@@ -124,6 +164,9 @@ fn bad_arguments_are_refused_before_anything_starts() {
         (&["--failover-clients", "0"][..], "at least 1"),
         (&["--sizes", "2000000"][..], "1 MiB"),
         (&["--systems", "kafka"][..], "kafka"),
+        (&["--systems", "walship-all", "--walship-baseline", "/bin/sh"][..], "needs walship-quorum"),
+        (&["--walship-baseline", "/nonexistent/walship"][..], "/nonexistent/walship"),
+        (&["--systems", "walship-quorum-baseline"][..], "walship-quorum-baseline"),
     ] {
         let dir = tempfile::tempdir().unwrap();
         let data = dir.path().join("data");
