@@ -68,8 +68,10 @@ pub struct Chunk {
 }
 
 /// Most unsealed chunks a shard keeps before merging them, whatever their
-/// size: bounds the index of a shard appended to one small record at a time.
-pub const MAX_TAIL_CHUNKS: usize = 64;
+/// size: bounds the index of a shard appended to one small record at a time
+/// (to 512 entries, about 100 KiB), and how often such a shard's records
+/// are written twice.
+pub const MAX_TAIL_CHUNKS: usize = 512;
 
 /// A chunk's directory value: its seqno range, size and seal, 21 bytes
 /// little-endian (`first_seqno`, `last_seqno`, `bytes`, `sealed`).

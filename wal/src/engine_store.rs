@@ -55,11 +55,14 @@
 //!
 //! Damage. raft-engine checks an entry batch's checksum only when an entry of
 //! it is read, and reports a mismatch without naming a region, an index or
-//! a file. A read that fails that way (or whose chunk or frame fails its own
-//! checks) is retried chunk by chunk to find which chunks cannot be read,
-//! and reports their records (from the retained log) as corrupt: the run
-//! of adjacent damaged chunks, whole, since a chunk is read whole. The file
-//! holding them is found from raft-engine's file layout: the item batches of
+//! a file. A chunk whose read fails that way is *salvaged*: its exact header
+//! (known from the directory) is found in the log file holding it, and each
+//! frame after it is checked on its own crc32 and seqno, so a read reports
+//! exactly the damaged records and serves the chunk's intact ones, as when
+//! each record had its own entry. A chunk that cannot be salvaged (its
+//! header or its file's metadata is damaged too), or whose own checks fail,
+//! is reported whole, with the run of adjacent damaged chunks. The file
+//! holding damage is found from raft-engine's file layout: the item batches of
 //! the `*.raftlog` files (then `*.rewrite`), newest first, name the file of
 //! every entry ([`EngineStore::locate`]; the newest file naming the entry is
 //! the copy raft-engine reads). When no file names it (its item batch is
@@ -426,6 +429,81 @@ impl EngineStore {
         StoreError::Corrupt { shard, first_seqno, last_seqno, file: self.locate(shard, first_seqno), detail }
     }
 
+    /// The frames of the chunk at `index`, read around raft-engine after its
+    /// batch checksum failed: the chunk's exact header (known from the
+    /// directory) is looked for in the newest log file naming the entry,
+    /// and each frame after it is checked on its own (crc32 and seqno).
+    /// `None` for a frame that fails, so damage is reported per record and
+    /// the intact records of a damaged chunk stay readable, as with one
+    /// entry per record. `None` overall when the chunk's bytes cannot be
+    /// found (its header or the file's metadata is damaged too).
+    fn salvage(&self, shard: ShardId, index: u64) -> Option<Vec<Option<Frame>>> {
+        let (chunk, (first, last)) = {
+            let shards = self.shards.lock();
+            let chunks = &shards.get(&shard)?.chunks;
+            (chunks.get(index)?, chunks.span(index)?)
+        };
+        if chunk.bytes == 0 {
+            return None;
+        }
+        let header = crate::segment::SegmentHeader {
+            shard_id: shard,
+            first_seqno: first,
+            record_count: u32::try_from(last - first + 1).ok()?,
+            frames_len: chunk.bytes as usize,
+        }
+        .encode();
+        let file = self.locate(shard, first)?;
+        let bytes = std::fs::read(file).ok()?;
+        let at = bytes.windows(header.len()).rposition(|w| w == header)? + header.len();
+        let mut rest = bytes::Bytes::copy_from_slice(&bytes[at..(at + chunk.bytes as usize).min(bytes.len())]);
+        let mut frames = Vec::with_capacity(header.len());
+        for seqno in first..=last {
+            match Frame::split_first(&rest) {
+                Ok((frame, tail)) if frame.seqno() == seqno => {
+                    frames.push(Some(frame));
+                    rest = tail;
+                }
+                _ => {
+                    frames.push(None);
+                    match Frame::skip_len(&rest) {
+                        Ok(len) => rest = rest.slice(len..),
+                        Err(_) => rest = bytes::Bytes::new(),
+                    }
+                }
+            }
+        }
+        Some(frames)
+    }
+
+    /// Frames `[from, to]` (within the chunk at `index`) of a chunk whose
+    /// read failed: the salvaged frames when every one of them is intact;
+    /// else [`StoreError::Corrupt`] over the first run of damaged records
+    /// among them (the chunk-level report of [`EngineStore::find_damage`]
+    /// when the chunk cannot be salvaged).
+    fn read_damaged(
+        &self,
+        shard: ShardId,
+        index: u64,
+        from: u64,
+        to: u64,
+        failure: StoreError,
+    ) -> StoreResult<Vec<Frame>> {
+        let Some(salvaged) = self.salvage(shard, index) else { return Err(self.find_damage(shard, index, failure)) };
+        let Some((first, _)) = self.shards.lock().get(&shard).and_then(|s| s.chunks.span(index)) else {
+            return Err(failure);
+        };
+        let wanted = (from - first) as usize..=((to - first) as usize).min(salvaged.len() - 1);
+        let Some(bad) = wanted.clone().find(|&i| salvaged[i].is_none()) else {
+            return Ok(salvaged[wanted].iter().map(|f| f.clone().expect("intact")).collect());
+        };
+        let run = salvaged[bad..].iter().take_while(|f| f.is_none()).count();
+        let (first_seqno, last_seqno) = (first + bad as u64, first + (bad + run) as u64 - 1);
+        let detail = format!("{failure}; the chunk's other records are intact");
+        tracing::debug!(shard, first_seqno, last_seqno, "salvaged a damaged chunk");
+        Err(StoreError::Corrupt { shard, first_seqno, last_seqno, file: self.locate(shard, first_seqno), detail })
+    }
+
     /// Every frame of the chunks at indexes `[from, to]`, fully verified.
     fn read_chunks_whole(&self, shard: ShardId, from: u64, to: u64) -> StoreResult<Vec<Frame>> {
         let mut frames = Vec::new();
@@ -687,7 +765,7 @@ impl LogStore for EngineStore {
             };
             // A compaction or a truncation ran after the range check: reads
             // are not ordered with them. A refusal, not a storage failure.
-            let Some((index, (chunk_first, _))) = found else { return Err(out_of_range(self)) };
+            let Some((index, (chunk_first, chunk_last))) = found else { return Err(out_of_range(self)) };
             let bytes = match self.fetch_chunk(shard, index) {
                 Ok(bytes) => bytes,
                 // An I/O error is the device's, not damage this store can name.
@@ -699,7 +777,18 @@ impl LogStore for EngineStore {
                     }
                     continue;
                 }
-                Err(e) => return Err(self.find_damage(shard, index, io(e))),
+                Err(e) => {
+                    let got = self.read_damaged(shard, index, next, to.min(chunk_last), io(e))?;
+                    for frame in got {
+                        if size + frame.len() > max_bytes && !frames.is_empty() {
+                            return Ok(frames);
+                        }
+                        size += frame.len();
+                        next = frame.seqno() + 1;
+                        frames.push(frame);
+                    }
+                    continue;
+                }
             };
             let budget = if frames.is_empty() { max_bytes } else { max_bytes - size };
             match Segment::frames_in(&bytes, next, to, budget) {
@@ -758,10 +847,16 @@ impl LogStore for EngineStore {
         let prefix_from = cut_first.max(bounds.first_seqno);
         let plan = if prefix_from <= keep_through {
             // The cut chunk keeps its records up to `keep_through`.
-            let bytes = self.fetch_chunk(shard, cut).map_err(|e| self.find_damage(shard, cut, io(e)))?;
-            let (_, prefix) = Segment::frames_in(&bytes, prefix_from, keep_through, usize::MAX).map_err(|e| {
-                self.find_damage(shard, cut, StoreError::Io(format!("shard {shard}: chunk {cut}: {e}")))
-            })?;
+            let prefix = match self.fetch_chunk(shard, cut) {
+                Ok(bytes) => Segment::frames_in(&bytes, prefix_from, keep_through, usize::MAX)
+                    .map(|(_, frames)| frames)
+                    .map_err(|e| {
+                        self.find_damage(shard, cut, StoreError::Io(format!("shard {shard}: chunk {cut}: {e}")))
+                    })?,
+                // The chunk is damaged after the cut (a repair): its intact
+                // records before the cut are kept.
+                Err(e) => self.read_damaged(shard, cut, prefix_from, keep_through, io(e))?,
+            };
             let written = self.add_chunks(&mut batch, shard, cut, vec![prefix], false)?;
             for index in cut + 1..next {
                 batch.delete(group, chunk::key(index));

@@ -67,18 +67,21 @@ fn small_appends_merge_into_full_chunks() {
 }
 
 /// One record per append: the tail is merged every MAX_TAIL_CHUNKS
-/// appends, so the index grows with a 64th of the records.
+/// appends, so the index grows with a 512th of the records.
 #[test]
 fn one_record_appends_are_merged_by_count() {
     let dir = tempfile::tempdir().unwrap();
     let store = open(dir.path(), DEFAULT_CHUNK_BYTES);
     store.create_shard(1).unwrap();
-    for seqno in 1..=1_000 {
+    let appends = MAX_TAIL_CHUNKS as u64 * 2 + 100;
+    for seqno in 1..=appends {
         append(&store, 1, frames(seqno, seqno, 20));
     }
-    let chunks = store.chunk_count(1).unwrap();
-    assert!(chunks <= 1_000 / MAX_TAIL_CHUNKS + MAX_TAIL_CHUNKS, "{chunks} chunks");
-    assert_eq!(all(&store, 1), frames(1, 1_000, 20));
+    // Every MAX_TAIL_CHUNKS + 1 appends, one sealed chunk.
+    let merged = appends / (MAX_TAIL_CHUNKS as u64 + 1);
+    let chunks = store.chunk_count(1).unwrap() as u64;
+    assert_eq!(chunks, merged + appends % (MAX_TAIL_CHUNKS as u64 + 1), "{chunks} chunks");
+    assert_eq!(all(&store, 1), frames(1, appends, 20));
 }
 
 /// A batch larger than a chunk is split; one record larger than a chunk
@@ -170,11 +173,12 @@ fn flip(dir: &Path, seqno: u64, payload_len: usize) {
     }
 }
 
-/// A damaged byte inside a chunk: a read names the chunk's whole range
-/// (it is read whole) and the damaged chunks adjacent to it, reads of other
-/// chunks work, and truncating to just before the range (which reads no
-/// record, so damage before the cut does not stop it) and appending a
-/// replica's copy repairs it.
+/// A damaged byte inside a chunk: raft-engine refuses the chunk (its batch
+/// checksum), the store salvages it record by record, so a read names
+/// exactly the damaged record and the chunk's other records are served;
+/// truncating to just before it (keeping the chunk's intact prefix, or,
+/// between chunks, reading no record at all) and appending a replica's
+/// copy repairs it.
 #[test]
 fn damage_inside_a_chunk_names_the_chunk_and_a_truncation_repairs_it() {
     let dir = tempfile::tempdir().unwrap();
@@ -188,13 +192,15 @@ fn damage_inside_a_chunk_names_the_chunk_and_a_truncation_repairs_it() {
     drop(store);
     flip(dir.path(), 30, 100);
     let store = open(dir.path(), DEFAULT_CHUNK_BYTES);
-    let err = store.read(1, 30, 30, usize::MAX).unwrap_err();
-    assert_eq!(err.corrupt_range(), Some((1, 21, 40)), "{err}");
+    let err = store.read(1, 25, 35, usize::MAX).unwrap_err();
+    assert_eq!(err.corrupt_range(), Some((1, 30, 30)), "exactly the damaged record: {err}");
     assert!(err.to_string().contains("corruption"), "{err}");
-    assert_eq!(store.read(1, 1, 20, usize::MAX).unwrap(), frames(1, 20, 100));
-    assert_eq!(store.read(1, 41, 70, usize::MAX).unwrap(), frames(41, 70, 100));
-    store.truncate_suffix(1, 20).unwrap();
-    append(&store, 1, frames(21, 70, 100));
+    // The chunk's other records are served (each has its own crc32).
+    assert_eq!(store.read(1, 1, 29, usize::MAX).unwrap(), frames(1, 29, 100));
+    assert_eq!(store.read(1, 31, 70, usize::MAX).unwrap(), frames(31, 70, 100));
+    // The repair keeps the damaged chunk's intact records before the cut.
+    store.truncate_suffix(1, 29).unwrap();
+    append(&store, 1, frames(30, 70, 100));
     assert_eq!(all(&store, 1), frames(1, 70, 100));
     drop(store);
     let store = open(dir.path(), DEFAULT_CHUNK_BYTES);
@@ -205,8 +211,8 @@ fn damage_inside_a_chunk_names_the_chunk_and_a_truncation_repairs_it() {
     flip(dir.path(), 10, 100);
     flip(dir.path(), 30, 100);
     let store = open(dir.path(), DEFAULT_CHUNK_BYTES);
-    let err = store.read(1, 10, 10, usize::MAX).unwrap_err();
-    assert_eq!(err.corrupt_range().map(|r| r.1), Some(1), "{err}");
+    let err = store.read(1, 1, 70, usize::MAX).unwrap_err();
+    assert_eq!(err.corrupt_range(), Some((1, 10, 10)), "{err}");
     store.truncate_suffix(1, 20).unwrap();
     assert_eq!(store.bounds(1).unwrap().last_seqno, 20);
     store.truncate_suffix(1, 0).unwrap();

@@ -95,6 +95,21 @@ impl SegmentHeader {
     pub fn last_seqno(&self) -> u64 {
         self.first_seqno + u64::from(self.record_count) - 1
     }
+
+    /// The header's 32 bytes, checksum included.
+    pub fn encode(&self) -> [u8; SEGMENT_HEADER_LEN] {
+        let mut buf = BytesMut::with_capacity(SEGMENT_HEADER_LEN);
+        buf.put_slice(MAGIC);
+        buf.put_u16_le(VERSION);
+        buf.put_u16_le(0);
+        buf.put_u32_le(self.shard_id);
+        buf.put_u64_le(self.first_seqno);
+        buf.put_u32_le(self.record_count);
+        buf.put_u32_le(self.frames_len as u32);
+        let crc = crc32fast::hash(&buf[..28]);
+        buf.put_u32_le(crc);
+        buf[..].try_into().expect("32 bytes")
+    }
 }
 
 impl Segment {
@@ -112,15 +127,8 @@ impl Segment {
         }
         let frames_len: usize = frames.iter().map(Frame::len).sum();
         let mut buf = BytesMut::with_capacity(SEGMENT_HEADER_LEN + frames_len);
-        buf.put_slice(MAGIC);
-        buf.put_u16_le(VERSION);
-        buf.put_u16_le(0);
-        buf.put_u32_le(shard_id);
-        buf.put_u64_le(first);
-        buf.put_u32_le(frames.len() as u32);
-        buf.put_u32_le(frames_len as u32);
-        let crc = crc32fast::hash(&buf[..28]);
-        buf.put_u32_le(crc);
+        let header = SegmentHeader { shard_id, first_seqno: first, record_count: frames.len() as u32, frames_len };
+        buf.put_slice(&header.encode());
         for frame in &frames {
             buf.put_slice(frame.as_bytes());
         }
