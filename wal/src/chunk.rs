@@ -128,12 +128,25 @@ pub struct Chunks {
     /// The index the next chunk takes when there is none (raft-engine
     /// accepts any index for an empty region; indexes stay increasing).
     next_index: u64,
+    /// The unsealed chunks with records at the end ([`Chunks::tail`]):
+    /// how many, their bytes and records, kept as chunks come and go.
+    tail_count: usize,
+    tail_bytes: u64,
+    tail_records: u64,
 }
 
 impl Chunks {
     /// No chunks; the first one written takes index `next_index`.
     pub fn empty(next_index: u64) -> Chunks {
-        Chunks { base: next_index, list: VecDeque::new(), last_seqno: 0, next_index }
+        Chunks {
+            base: next_index,
+            list: VecDeque::new(),
+            last_seqno: 0,
+            next_index,
+            tail_count: 0,
+            tail_bytes: 0,
+            tail_records: 0,
+        }
     }
 
     /// Rebuilds the map from the directory's entries, in index order.
@@ -217,10 +230,26 @@ impl Chunks {
     /// The unsealed chunks with records at the end (before a tombstone):
     /// `(first index, count, bytes)`.
     pub fn tail(&self) -> (u64, usize, u64) {
-        let records = self.list.len() - usize::from(self.ends_in_tombstone());
-        let count = self.list.iter().take(records).rev().take_while(|c| !c.sealed).count();
-        let bytes = self.list.iter().take(records).rev().take(count).map(|c| u64::from(c.bytes)).sum();
-        (self.end_index() - count as u64, count, bytes)
+        (self.end_index() - self.tail_count as u64, self.tail_count, self.tail_bytes)
+    }
+
+    /// Records the unsealed chunks at the end hold.
+    pub fn tail_records(&self) -> u64 {
+        self.tail_records
+    }
+
+    /// Counts the tail again from the chunks (after chunks were removed).
+    fn recount_tail(&mut self) {
+        let with_records = self.list.len() - usize::from(self.ends_in_tombstone());
+        self.tail_count = self.list.iter().take(with_records).rev().take_while(|c| !c.sealed).count();
+        self.tail_bytes = 0;
+        self.tail_records = 0;
+        for at in with_records - self.tail_count..with_records {
+            let index = self.base + at as u64;
+            let (first, last) = self.span(index).expect("in range");
+            self.tail_bytes += u64::from(self.list[at].bytes);
+            self.tail_records += last + 1 - first;
+        }
     }
 
     /// Whether the chunk at `index` is a tombstone.
@@ -235,6 +264,15 @@ impl Chunks {
         }
         self.list.push_back(meta.chunk);
         self.last_seqno = meta.last_seqno;
+        if meta.chunk.bytes == 0 {
+            // A tombstone: the tail is the chunks before it.
+        } else if meta.chunk.sealed {
+            (self.tail_count, self.tail_bytes, self.tail_records) = (0, 0, 0);
+        } else {
+            self.tail_count += 1;
+            self.tail_bytes += u64::from(meta.chunk.bytes);
+            self.tail_records += meta.last_seqno + 1 - meta.chunk.first_seqno;
+        }
     }
 
     /// Removes the chunks at `index` and after (the caller then writes
@@ -250,6 +288,7 @@ impl Chunks {
             self.last_seqno = self.list[keep].first_seqno - 1;
         }
         self.list.truncate(keep);
+        self.recount_tail();
     }
 
     /// Replaces the chunks from `index` on with `written` (which start at
@@ -275,6 +314,7 @@ impl Chunks {
             self.next_index = next;
             self.base = next;
         }
+        self.recount_tail();
     }
 
     /// Marks every chunk sealed (after a tail that could not be read back
@@ -283,6 +323,7 @@ impl Chunks {
         for chunk in &mut self.list {
             chunk.sealed = true;
         }
+        self.recount_tail();
     }
 
     /// Memory the index of these chunks costs ([`CHUNK_INDEX_BYTES`] each).
@@ -354,7 +395,7 @@ mod tests {
         chunks.push(sealed(1, 5));
         chunks.push(meta(6, 6));
         chunks.push(meta(7, 8));
-        assert_eq!(chunks.tail(), (2, 2, 30));
+        assert_eq!((chunks.tail(), chunks.tail_records()), ((2, 2, 30), 3));
         chunks.push(sealed(9, 9));
         assert_eq!(chunks.tail(), (5, 0, 0));
         chunks.push(meta(10, 10));

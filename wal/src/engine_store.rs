@@ -21,13 +21,18 @@
 //! did ([`LogStore::index_bytes`], `walship_wal_index_bytes`).
 //!
 //! Writing. A group commit's records for a shard become one or more chunks
-//! (split at `chunk_bytes`). Small commits leave small *unsealed* chunks at
-//! the shard's end (its tail); once the tail and the new records add up to
-//! `chunk_bytes`, or the tail holds [`MAX_TAIL_CHUNKS`] chunks, the next
-//! append rewrites the tail and the new records as full chunks at the
-//! tail's first index, in the same atomic batch: raft-engine replaces every
-//! entry from that index, and a crash before the batch is durable leaves
-//! the old tail as it was. A record is rewritten at most about twice.
+//! (split at `chunk_bytes`; all sealed when there are several). A small
+//! commit leaves a small *unsealed* chunk at the shard's end (its tail);
+//! once the tail and the new records add up to `chunk_bytes`, or the tail
+//! holds [`MAX_TAIL_CHUNKS`] chunks, the append rewrites the tail and the
+//! new records as full chunks at the tail's first index, in the same atomic
+//! batch: raft-engine replaces every entry from that index, and a crash
+//! before the batch is durable leaves the old tail as it was. The tail's
+//! frames are kept in memory (less than a chunk per shard), so a merge
+//! reads nothing back. Records that arrive in small commits are written
+//! twice; large commits, once. The superseded copies stay in older log
+//! files until raft-engine purges them; nothing reads them, and damage to
+//! them is harmless.
 //! A suffix truncation at a seqno inside a chunk rewrites that chunk's
 //! prefix at the chunk's index; compaction drops whole chunks before the
 //! one holding the new first seqno (that one is kept whole; reads never
@@ -194,6 +199,12 @@ type Engine = raft_engine::Engine<ZeroFilledFs>;
 struct ShardState {
     bounds: LogBounds,
     chunks: Chunks,
+    /// The frames of the unsealed chunks at the end (the tail a merge
+    /// rewrites), one slice of each chunk as written, when known (not after
+    /// an open, a truncation or a compaction: read from the engine at the
+    /// next merge). Less than `chunk_bytes` in all: a merge writes them
+    /// without reading the log back.
+    tail: Option<Vec<TailChunk>>,
 }
 
 /// raft-engine-backed multi-shard log.
@@ -226,21 +237,71 @@ fn put_u64(batch: &mut LogBatch, region: u64, key: &[u8], value: u64) -> StoreRe
     batch.put(region, key.to_vec(), value.to_le_bytes().to_vec()).map_err(io)
 }
 
-/// Splits contiguous frames into chunks of at most `limit` bytes (a larger
-/// frame alone).
-fn split(frames: Vec<Frame>, limit: usize) -> Vec<Vec<Frame>> {
-    let mut pieces = Vec::new();
-    let mut piece = Vec::new();
-    let mut size = 0;
-    for frame in frames {
-        if !piece.is_empty() && size + frame.len() > limit {
-            pieces.push(std::mem::take(&mut piece));
-            size = 0;
-        }
-        size += frame.len();
-        piece.push(frame);
+/// The frames of one unsealed chunk, as written (a slice of its entry's
+/// bytes).
+#[derive(Debug, Clone)]
+struct TailChunk {
+    frames: bytes::Bytes,
+    records: u64,
+}
+
+/// One chunk to write: the frames of the unsealed chunks it merges, then
+/// new frames, borrowed (encoded once, straight into the chunk).
+struct Piece<'a> {
+    first_seqno: u64,
+    records: u64,
+    bytes: usize,
+    merged: Vec<TailChunk>,
+    frames: Vec<&'a Frame>,
+}
+
+impl<'a> Piece<'a> {
+    fn new(first_seqno: u64) -> Piece<'a> {
+        Piece { first_seqno, records: 0, bytes: 0, merged: Vec::new(), frames: Vec::new() }
     }
-    if !piece.is_empty() {
+
+    /// The chunk's bytes: a segment header and the frames.
+    fn encode(&self, shard: ShardId) -> bytes::Bytes {
+        let header = crate::segment::SegmentHeader {
+            shard_id: shard,
+            first_seqno: self.first_seqno,
+            record_count: self.records as u32,
+            frames_len: self.bytes,
+        };
+        let mut buf = bytes::BytesMut::with_capacity(crate::segment::SEGMENT_HEADER_LEN + self.bytes);
+        buf.extend_from_slice(&header.encode());
+        for tail in &self.merged {
+            buf.extend_from_slice(&tail.frames);
+        }
+        for frame in &self.frames {
+            buf.extend_from_slice(frame.as_bytes());
+        }
+        buf.freeze()
+    }
+}
+
+/// Splits `merged` tail chunks (the records from `first_seqno`, less than
+/// `limit` bytes in all) and the new `frames` after them into chunks of at
+/// most `limit` bytes (a larger frame alone); the merged ones lead the
+/// first.
+fn split<'a>(merged: Vec<TailChunk>, first_seqno: u64, frames: &[&'a Frame], limit: usize) -> Vec<Piece<'a>> {
+    let mut pieces = Vec::new();
+    let mut piece = Piece::new(first_seqno);
+    for tail in merged {
+        piece.records += tail.records;
+        piece.bytes += tail.frames.len();
+        piece.merged.push(tail);
+    }
+    for &frame in frames {
+        if piece.records > 0 && piece.bytes + frame.len() > limit {
+            let next = piece.first_seqno + piece.records;
+            pieces.push(std::mem::replace(&mut piece, Piece::new(next)));
+        }
+        piece.records += 1;
+        piece.bytes += frame.len();
+        piece.frames.push(frame);
+    }
+    if piece.records > 0 {
         pieces.push(piece);
     }
     pieces
@@ -254,6 +315,8 @@ struct Plan {
     written: Vec<ChunkMeta>,
     /// The old tail could not be read back for a merge: seal it.
     seal_old_tail: bool,
+    /// The tail's frames after the write, when known.
+    tail_after: Option<Vec<TailChunk>>,
 }
 
 impl EngineStore {
@@ -555,72 +618,96 @@ impl EngineStore {
     /// Adds `shard`'s new `frames` (validated, contiguous, continuing its
     /// log) to `batch` as chunks, merging the shard's tail into them when
     /// it is due, and returns what to apply once the batch is written.
-    fn plan_append(&self, shard: ShardId, frames: Vec<Frame>, batch: &mut LogBatch) -> StoreResult<Plan> {
-        let ((tail_start, tail_count, tail_bytes), next, old_end) = {
-            let shards = self.shards.lock();
-            let chunks = &shards.get(&shard).ok_or(StoreError::UnknownShard(shard))?.chunks;
-            (chunks.tail(), chunks.end_index(), chunks.next_index())
+    fn plan_append(&self, shard: ShardId, frames: &[&Frame], batch: &mut LogBatch) -> StoreResult<Plan> {
+        let ((tail_start, tail_count, tail_bytes), tail_records, next, old_end, known_tail) = {
+            let mut shards = self.shards.lock();
+            let state = shards.get_mut(&shard).ok_or(StoreError::UnknownShard(shard))?;
+            let chunks = &state.chunks;
+            (chunks.tail(), chunks.tail_records(), chunks.end_index(), chunks.next_index(), state.tail.take())
         };
+        let first_new = frames.first().ok_or(StoreError::EmptyAppend { shard })?.seqno();
         let new_bytes: u64 = frames.iter().map(|f| f.len() as u64).sum();
         let by_count = tail_count >= MAX_TAIL_CHUNKS;
         let merge_due = tail_count > 0 && (tail_bytes + new_bytes >= self.chunk_bytes as u64 || by_count);
+        let mut known_tail = known_tail.filter(|t| t.iter().map(|c| c.records).sum::<u64>() == tail_records);
         let mut seal_old_tail = false;
-        let (write_from, frames) = if merge_due {
-            match self.read_chunks_whole(shard, tail_start, next - 1) {
-                Ok(mut tail) => {
-                    tail.extend(frames);
-                    (tail_start, tail)
-                }
+        let mut merged = Vec::new();
+        if merge_due {
+            let tail = match known_tail.take() {
+                Some(tail) => Ok(tail),
+                None => self.read_chunks_whole(shard, tail_start, next - 1).map(|frames| {
+                    frames.into_iter().map(|f| TailChunk { frames: f.into_bytes(), records: 1 }).collect()
+                }),
+            };
+            match tail {
+                Ok(tail) => merged = tail,
                 Err(e) => {
                     tracing::warn!(shard, error = %e, "cannot read the unsealed chunks back to merge them; left as they are");
                     seal_old_tail = true;
-                    (next, frames)
                 }
             }
-        } else {
-            (next, frames)
-        };
-        let merged = write_from < next;
-        let pieces = split(frames, self.chunk_bytes);
+        }
+        let is_merge = !merged.is_empty();
+        let (write_from, first) = if is_merge { (tail_start, first_new - tail_records) } else { (next, first_new) };
+        let pieces = split(merged, first, frames, self.chunk_bytes);
         let count = pieces.len() as u64;
-        let written = self.add_chunks(batch, shard, write_from, pieces, merged && by_count)?;
+        // A merge forced by the count is sealed whatever its size; so is the
+        // remainder of a write split into several chunks (a large group
+        // commit), which would otherwise be rewritten by the next one.
+        let seal_last = (is_merge && by_count) || count > 1;
+        let (written, last) = self.add_chunks(batch, shard, write_from, pieces, seal_last)?;
+        let tail_after = if last.is_none() {
+            Some(Vec::new())
+        } else if !is_merge && !seal_old_tail && tail_count > 0 {
+            // Appended to the old tail (they add up to less than a chunk).
+            known_tail.map(|mut tail| {
+                tail.extend(last);
+                tail
+            })
+        } else {
+            Some(last.into_iter().collect())
+        };
         for index in write_from + count..old_end {
             batch.delete(region(shard), chunk::key(index));
         }
-        Ok(Plan { shard, write_from, written, seal_old_tail })
+        Ok(Plan { shard, write_from, written, seal_old_tail, tail_after })
     }
 
     /// Adds `pieces` to `batch` as the chunks at `write_from` and on (each
     /// with its directory key), replacing whatever is there. Every piece
     /// but the last is sealed; the last is sealed when it is full, or when
-    /// `seal_last`.
+    /// `seal_last`. Returns the chunks' directory entries, and the frames of
+    /// the last one when it is unsealed.
     fn add_chunks(
         &self,
         batch: &mut LogBatch,
         shard: ShardId,
         write_from: u64,
-        pieces: Vec<Vec<Frame>>,
+        pieces: Vec<Piece<'_>>,
         seal_last: bool,
-    ) -> StoreResult<Vec<ChunkMeta>> {
+    ) -> StoreResult<(Vec<ChunkMeta>, Option<TailChunk>)> {
         let count = pieces.len();
         let mut written = Vec::with_capacity(count);
         let mut entries = Vec::with_capacity(count);
+        let mut tail = None;
         for (i, piece) in pieces.into_iter().enumerate() {
             let index = write_from + i as u64;
-            let bytes: usize = piece.iter().map(Frame::len).sum();
-            let sealed = i + 1 < count || bytes >= self.chunk_bytes || seal_last;
-            let segment = Segment::encode(shard, piece)
-                .map_err(|e| StoreError::BadPosition { shard, what: format!("encoding a chunk: {e}") })?;
+            let sealed = i + 1 < count || piece.bytes >= self.chunk_bytes || seal_last;
+            let data = piece.encode(shard);
             let meta = ChunkMeta {
-                chunk: Chunk { first_seqno: segment.first_seqno(), bytes: bytes as u32, sealed },
-                last_seqno: segment.last_seqno(),
+                chunk: Chunk { first_seqno: piece.first_seqno, bytes: piece.bytes as u32, sealed },
+                last_seqno: piece.first_seqno + piece.records - 1,
             };
             batch.put(region(shard), chunk::key(index), meta.encode()).map_err(io)?;
-            entries.push(Entry { index, data: segment.encoded().clone(), ..Entry::default() });
+            if !sealed {
+                let frames = data.slice(crate::segment::SEGMENT_HEADER_LEN..);
+                tail = Some(TailChunk { frames, records: piece.records });
+            }
+            entries.push(Entry { index, data, ..Entry::default() });
             written.push(meta);
         }
         batch.add_entries::<ChunkEntry>(region(shard), &entries).map_err(io)?;
-        Ok(written)
+        Ok((written, tail))
     }
 
     /// Applies a written plan to the chunk map and the bounds.
@@ -629,6 +716,7 @@ impl EngineStore {
             state.chunks.seal_all();
         }
         state.chunks.replace_from(plan.write_from, plan.written);
+        state.tail = plan.tail_after;
         if let Some(last) = state.chunks.last_seqno() {
             state.bounds.last_seqno = last;
         }
@@ -686,7 +774,8 @@ fn load_shard(engine: &Engine, shard: ShardId) -> StoreResult<Option<ShardState>
         }
     }
     let last = chunks.last_seqno().unwrap_or(first - 1).max(first - 1);
-    Ok(Some(ShardState { bounds: LogBounds { first_seqno: first, last_seqno: last, durable_seqno: last }, chunks }))
+    let bounds = LogBounds { first_seqno: first, last_seqno: last, durable_seqno: last };
+    Ok(Some(ShardState { bounds, chunks, tail: None }))
 }
 
 impl LogStore for EngineStore {
@@ -697,7 +786,7 @@ impl LogStore for EngineStore {
         let mut batch = LogBatch::default();
         put_u64(&mut batch, region(shard), FIRST_KEY, 1)?;
         self.write(&mut batch, true)?;
-        let state = ShardState { bounds: LogBounds::EMPTY, chunks: Chunks::empty(1) };
+        let state = ShardState { bounds: LogBounds::EMPTY, chunks: Chunks::empty(1), tail: Some(Vec::new()) };
         self.shards.lock().insert(shard, state);
         Ok(())
     }
@@ -713,7 +802,7 @@ impl LogStore for EngineStore {
     fn append(&self, parts: &[ShardAppend], sync: bool) -> StoreResult<()> {
         let _writer = self.write_lock.lock();
         // Validate everything first (all or nothing), then build one batch.
-        let mut per_shard: BTreeMap<ShardId, Vec<Frame>> = BTreeMap::new();
+        let mut per_shard: BTreeMap<ShardId, Vec<&Frame>> = BTreeMap::new();
         {
             let shards = self.shards.lock();
             for part in parts {
@@ -721,13 +810,13 @@ impl LogStore for EngineStore {
                 let frames = per_shard.entry(part.shard).or_default();
                 let expected = frames.last().map_or(state.bounds.last_seqno + 1, |f| f.seqno() + 1);
                 check_continues(part.shard, expected, &part.frames)?;
-                frames.extend(part.frames.iter().cloned());
+                frames.extend(part.frames.iter());
             }
         }
         let mut batch = LogBatch::default();
         let mut plans = Vec::with_capacity(per_shard.len());
         for (shard, frames) in per_shard {
-            plans.push(self.plan_append(shard, frames, &mut batch)?);
+            plans.push(self.plan_append(shard, &frames, &mut batch)?);
         }
         if sync && batch.is_empty() {
             batch = Self::sync_marker();
@@ -775,6 +864,9 @@ impl LogStore for EngineStore {
                     if retries > READ_RETRIES {
                         return Err(out_of_range(self));
                     }
+                    // The write that replaced it has reached the engine and
+                    // not yet the chunk map: wait for it to finish.
+                    drop(self.write_lock.lock());
                     continue;
                 }
                 Err(e) => {
@@ -794,13 +886,22 @@ impl LogStore for EngineStore {
             match Segment::frames_in(&bytes, next, to, budget) {
                 // The chunk was replaced (merged or truncated) since the
                 // lookup: look again.
-                Ok((header, _)) if header.shard_id == shard && header.first_seqno != chunk_first => {
+                Ok((header, _)) if header.shard_id != shard => {
+                    let what = format!("shard {shard}: chunk {index} holds records of shard {}", header.shard_id);
+                    return Err(self.find_damage(shard, index, StoreError::Io(what)));
+                }
+                // The chunk was replaced (merged, or cut by a truncation)
+                // since the lookup: look again.
+                Ok((header, got)) if header.first_seqno != chunk_first || got.is_empty() => {
                     retries += 1;
                     if retries > READ_RETRIES {
                         return Err(out_of_range(self));
                     }
+                    // The write that replaced it has reached the engine and
+                    // not yet the chunk map: wait for it to finish.
+                    drop(self.write_lock.lock());
                 }
-                Ok((header, got)) if header.shard_id == shard && !got.is_empty() => {
+                Ok((_, got)) => {
                     for frame in got {
                         if size + frame.len() > max_bytes && !frames.is_empty() {
                             return Ok(frames);
@@ -812,13 +913,6 @@ impl LogStore for EngineStore {
                     if size >= max_bytes {
                         return Ok(frames);
                     }
-                }
-                Ok((header, _)) => {
-                    let what = format!(
-                        "shard {shard}: chunk {index} holds shard {} seqnos from {}",
-                        header.shard_id, header.first_seqno
-                    );
-                    return Err(self.find_damage(shard, index, StoreError::Io(what)));
                 }
                 Err(e) => {
                     let what = StoreError::Io(format!("shard {shard}: chunk {index}: {e}"));
@@ -857,11 +951,13 @@ impl LogStore for EngineStore {
                 // records before the cut are kept.
                 Err(e) => self.read_damaged(shard, cut, prefix_from, keep_through, io(e))?,
             };
-            let written = self.add_chunks(&mut batch, shard, cut, vec![prefix], false)?;
+            let prefix: Vec<&Frame> = prefix.iter().collect();
+            let (written, _) =
+                self.add_chunks(&mut batch, shard, cut, split(Vec::new(), prefix_from, &prefix, usize::MAX), false)?;
             for index in cut + 1..next {
                 batch.delete(group, chunk::key(index));
             }
-            Plan { shard, write_from: cut, written, seal_old_tail: false }
+            Plan { shard, write_from: cut, written, seal_old_tail: false, tail_after: None }
         } else {
             // The cut falls between chunks: a tombstone replaces the first
             // chunk removed, and with it every later one, without reading
@@ -878,7 +974,7 @@ impl LogStore for EngineStore {
             for index in cut + 1..next {
                 batch.delete(group, chunk::key(index));
             }
-            Plan { shard, write_from: cut, written: vec![tombstone], seal_old_tail: false }
+            Plan { shard, write_from: cut, written: vec![tombstone], seal_old_tail: false, tail_after: None }
         };
         self.write(&mut batch, true)?;
         let mut shards = self.shards.lock();
@@ -918,6 +1014,7 @@ impl LogStore for EngineStore {
             let mut shards = self.shards.lock();
             let state = shards.get_mut(&shard).expect("checked");
             state.chunks.compact_to(keep_from);
+            state.tail = None;
             state.bounds.first_seqno = first_kept;
         }
         // Drop whole log files no shard needs any more.

@@ -323,3 +323,40 @@ fn an_interrupted_conversion_resumes() {
         assert_legacy_contents(&store);
     }
 }
+
+/// Reads racing appends that merge and split the chunks they look up: every
+/// read of a range inside the log returns exactly its records (a read that
+/// finds its chunk replaced looks it up again), never an error.
+#[test]
+fn reads_racing_merges_return_exactly_their_records() {
+    let dir = tempfile::tempdir().unwrap();
+    let store = Arc::new(open(dir.path(), 2 << 10));
+    store.create_shard(1).unwrap();
+    append(&store, 1, frames(1, 5, 60));
+    let done = Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let writer = {
+        let (store, done) = (store.clone(), done.clone());
+        std::thread::spawn(move || {
+            let mut next = 6;
+            for batch in 0..1_500u64 {
+                let count = 1 + batch % 7;
+                append(&store, 1, frames(next, next + count - 1, 60));
+                next += count;
+            }
+            done.store(true, std::sync::atomic::Ordering::Release);
+        })
+    };
+    let mut reads = 0u64;
+    let mut seed = 7u64;
+    while !done.load(std::sync::atomic::Ordering::Acquire) {
+        let last = store.bounds(1).unwrap().last_seqno;
+        seed = seed.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
+        let from = 1 + (seed >> 33) % last;
+        let to = (from + (seed >> 20) % 40).min(last);
+        let got = store.read(1, from, to, usize::MAX).unwrap_or_else(|e| panic!("read [{from}, {to}] of {last}: {e}"));
+        assert_eq!(got, frames(from, to, 60), "read [{from}, {to}]");
+        reads += 1;
+    }
+    writer.join().unwrap();
+    assert!(reads > 100, "{reads} reads raced the appends");
+}

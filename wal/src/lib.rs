@@ -5,8 +5,11 @@
 //! * [`segment`]: a contiguous run of one shard's frames, the unit shipped to
 //!   followers.
 //! * [`store`]: the [`LogStore`] seam with explicit positions, implemented by
-//!   [`EngineStore`] (raft-engine, one instance per node, region id = shard
-//!   id) and [`MemStore`] (test double); both pass one conformance suite.
+//!   [`EngineStore`] (raft-engine, one instance per node, a region per
+//!   shard, an entry per *chunk* of records) and [`MemStore`] (test
+//!   double); both pass one conformance suite.
+//! * [`chunk`]: the raft-engine store's sparse map from seqno to chunk, and
+//!   what it costs in memory ([`LogStore::index_bytes`]).
 //! * [`disk_space`]: the free-space reserve (`wal.min_free_bytes`) appends
 //!   are refused below, before the WAL meets a real `ENOSPC`.
 //! * [`wal`]: [`Wal`], the sequencer and group-commit persister shared by
