@@ -41,7 +41,7 @@ fn open(dir: &Path, chunk_bytes: u64) -> EngineStore {
 }
 
 /// 20,000 records of 100 B in batches of 10 (a busy shard's group
-/// commits) take a chunk per 64 KiB, not an entry per record.
+/// commits) take a chunk per 128 KiB, not an entry per record.
 #[test]
 fn small_appends_merge_into_full_chunks() {
     let dir = tempfile::tempdir().unwrap();

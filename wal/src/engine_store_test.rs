@@ -190,7 +190,9 @@ fn a_damaged_batch_followed_by_data_is_corruption_not_a_torn_tail() {
 #[test]
 fn locate_names_the_file_of_an_entry_across_rotations() {
     let dir = tempfile::tempdir().unwrap();
-    let config = EngineStoreConfig { target_file_bytes: 64 << 10, ..Default::default() };
+    // Each 20 KiB record is a sealed chunk of its own (none is merged and
+    // rewritten into a later file).
+    let config = EngineStoreConfig { target_file_bytes: 64 << 10, chunk_bytes: 1 << 10, ..Default::default() };
     let store = EngineStore::open(dir.path(), &config).unwrap();
     store.create_shard(1).unwrap();
     let big = |seqno: u64| {
