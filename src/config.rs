@@ -63,7 +63,7 @@ pub struct WalTuning {
     /// Frame bytes per stored chunk: the WAL keeps one storage entry (and
     /// one index entry in memory) per chunk of a shard's records, so its
     /// memory grows with the log's bytes over this, not with its records;
-    /// reading one record reads its chunk. 1 KiB to 16 MiB; default 128 KiB.
+    /// reading one record reads its chunk. 1 KiB to 16 MiB; default 64 KiB.
     /// See `walship_wal::chunk`.
     pub chunk_bytes: u64,
     /// Read rate of the background WAL scrubber, which reads and verifies

@@ -12,7 +12,7 @@
 //!
 //! Memory per chunk: raft-engine's own index entry for it, its directory
 //! key, and this map's 16 bytes ([`CHUNK_INDEX_BYTES`]). A chunk holds up to
-//! `chunk_bytes` of frames (128 KiB by default), so the index grows with the
+//! `chunk_bytes` of frames (64 KiB by default), so the index grows with the
 //! log's bytes over that, not with its records.
 
 use std::collections::VecDeque;

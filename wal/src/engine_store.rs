@@ -15,9 +15,9 @@
 //! chunk, kept when none is left).
 //!
 //! Memory. raft-engine keeps an index entry per entry and every key in
-//! memory; with one entry per chunk (`chunk_bytes` of frames, 128 KiB by
+//! memory; with one entry per chunk (`chunk_bytes` of frames, 64 KiB by
 //! default) the node's memory grows with the log's bytes over that, about
-//! 0.2 % of a log of chunks, not 49 bytes per record as one entry per record
+//! 0.3 % of a log of chunks, not 49 bytes per record as one entry per record
 //! did ([`LogStore::index_bytes`], `walship_wal_index_bytes`).
 //!
 //! Writing. A group commit's records for a shard become one or more chunks
@@ -124,7 +124,7 @@ const CHUNK_REGION: u64 = 1 << 32;
 /// a merge or a truncation) between the lookup and the fetch.
 const READ_RETRIES: usize = 8;
 /// The default [`EngineStoreConfig::chunk_bytes`] (`wal.chunk_bytes`).
-pub const DEFAULT_CHUNK_BYTES: u64 = 128 << 10;
+pub const DEFAULT_CHUNK_BYTES: u64 = 64 << 10;
 
 /// The raft-engine region holding `shard`'s chunks.
 pub fn region(shard: ShardId) -> u64 {
@@ -172,11 +172,11 @@ pub struct EngineStoreConfig {
     pub spare_bytes: u64,
     /// Frame bytes per stored chunk (a single larger record makes a chunk
     /// of its own). The index costs [`chunk::CHUNK_INDEX_BYTES`] of memory
-    /// per chunk, and reading one record reads its whole chunk: 128 KiB
-    /// keeps the index near 0.2 % of the log (as Kafka's offset index at
-    /// its default interval) and a one-record read from the middle of the
-    /// log within 1.5x of the one-entry-per-record store's
-    /// (`ops/bench/results/memory.md`).
+    /// per chunk, and reading one record reads its whole chunk: 64 KiB
+    /// keeps the index near 0.3 % of the log and a one-record read from the
+    /// middle of the log within about 1.5x of the one-entry-per-record
+    /// store's (`ops/bench/results/memory.md`; 128 KiB halves the index and
+    /// costs reads more).
     pub chunk_bytes: u64,
 }
 
@@ -654,9 +654,10 @@ impl EngineStore {
         let pieces = split(merged, first, frames, self.chunk_bytes);
         let count = pieces.len() as u64;
         // A merge forced by the count is sealed whatever its size; so is the
-        // remainder of a write split into several chunks (a large group
-        // commit), which would otherwise be rewritten by the next one.
-        let seal_last = (is_merge && by_count) || count > 1;
+        // remainder of new records split into several chunks (a large group
+        // commit), which the next commit would otherwise rewrite. A merge's
+        // remainder stays the tail.
+        let seal_last = (is_merge && by_count) || (!is_merge && count > 1);
         let (written, last) = self.add_chunks(batch, shard, write_from, pieces, seal_last)?;
         let tail_after = if last.is_none() {
             Some(Vec::new())
