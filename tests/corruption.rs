@@ -432,3 +432,75 @@ async fn a_torn_tail_after_kill_9_is_not_called_corruption() {
         log.lines().filter(|l| (l.contains(" WARN ") || l.contains(" ERROR ")) && l.contains("orruption")).collect();
     assert!(alarms.is_empty(), "a kill -9 was reported as corruption: {alarms:#?}");
 }
+
+/// Flips 4 bytes in the middle of every copy of record `seqno`'s payload in
+/// the WAL's log files (pwrite and fsync). Once a record's small chunk was
+/// merged into a full one, an older log file still holds the superseded
+/// copy; this damages the live one whichever it is.
+fn damage_every_copy(data_dir: &Path, seqno: u64) -> usize {
+    let pattern = payload(seqno);
+    let mut copies = 0;
+    for entry in std::fs::read_dir(data_dir.join("wal")).unwrap() {
+        let file = entry.unwrap().path();
+        if file.extension().is_none_or(|e| e != "raftlog") {
+            continue;
+        }
+        let bytes = std::fs::read(&file).unwrap();
+        let handle = std::fs::OpenOptions::new().read(true).write(true).open(&file).unwrap();
+        let mut from = 0;
+        while let Some(at) = bytes[from..].windows(pattern.len()).position(|w| w == &pattern[..]) {
+            let offset = (from + at + pattern.len() / 2) as u64;
+            let mut four = [0u8; 4];
+            handle.read_exact_at(&mut four, offset).unwrap();
+            for b in &mut four {
+                *b ^= 0x5a;
+            }
+            handle.write_all_at(&four, offset).unwrap();
+            copies += 1;
+            from += at + pattern.len();
+        }
+        handle.sync_all().unwrap();
+    }
+    copies
+}
+
+/// (e) Damage inside a full chunk (a node stores a shard's records in chunks
+/// of up to 64 KiB; one request at a time leaves small chunks that later
+/// appends merge): a read covering the damaged record is `DATA_LOSS` naming
+/// exactly it, and every other record of the same chunk is still served
+/// (the chunk is salvaged record by record).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn damage_inside_a_merged_chunk_costs_only_the_damaged_record() {
+    const RECORDS: u64 = 700;
+    const HIT: u64 = 400;
+    let dir = tempfile::tempdir().unwrap();
+    let config = dir.path().join("node-1.toml");
+    let data = dir.path().join("node-1");
+    std::fs::write(&config, format!("node_id = 1\ndata_dir = {:?}\n[wal]\ntail_cache_bytes = 1024\n", data)).unwrap();
+    let mut cluster = Cluster::launch(&ClusterSpec {
+        nodes: 1,
+        coordinators: 1,
+        replication: FAST,
+        node_args: vec![(1, vec!["--config".into(), config.display().to_string()])],
+        data_dirs: vec![(1, data)],
+        ..ClusterSpec::default()
+    });
+    assert_eq!(wait_leader(&mut cluster, None).await, 1);
+    let acked: Acked = Arc::default();
+    append_records(&mut cluster, 1, RECORDS, &acked).await;
+    let status = cluster.status(1).await.unwrap();
+    let chunks = status["wal"]["index_chunks"].as_u64().unwrap();
+    assert!(chunks < RECORDS / 4, "{RECORDS} single-record appends merged into {chunks} chunks");
+    assert!(damage_every_copy(&cluster.node(1).data_dir.clone(), HIT) >= 1);
+    let grpc = cluster.node(1).grpc.clone();
+
+    let covering = read_range(&grpc, HIT - 5, HIT + 5).await;
+    let message = covering.as_ref().err().map(|s| s.message().to_string()).unwrap_or_default();
+    assert_data_loss("read covering the damage", covering, HIT);
+    assert!(message.contains(&format!("[{HIT}, {HIT}]")), "exactly the damaged record: {message}");
+    let acked = acked.lock().await;
+    let below = read_range(&grpc, 1, HIT - 1).await.expect("records below the damage");
+    let above = read_range(&grpc, HIT + 1, RECORDS).await.expect("records above the damage");
+    assert_eq!((below.len() as u64, above.len() as u64), (HIT - 1, RECORDS - HIT));
+    assert!(below.iter().chain(&above).all(|r| r.payload == acked[&1][&r.seqno]), "the other records are intact");
+}
