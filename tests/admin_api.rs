@@ -58,3 +58,58 @@ async fn readiness_and_error_shapes() {
     let (code, _) = cluster.coord_get(1, "/v1/tasks/none").await;
     assert_eq!(code, 404);
 }
+
+/// Request bodies must be one JSON object: arrays (which a derived
+/// deserializer would map by position, so `[]` was a real failover and
+/// `[1]` a drill), scalars, `null`, duplicate keys and unknown fields are a
+/// 400 naming the problem, and change nothing (no failover, no drill). The
+/// bearer scheme is matched case-insensitively.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn only_json_objects_are_requests_and_refused_ones_change_nothing() {
+    let mut cluster = Cluster::start_with(3, 1, 1, "leader_timeout_ms = 2000", None);
+    let coord = cluster.coordinator(1).admin.clone();
+    wait_until("shard 1 led", Duration::from_secs(30), || {
+        let url = format!("{coord}/v1/shards/1");
+        async move {
+            let (_, body) = common::http_get(&url).await;
+            serde_json::from_str::<serde_json::Value>(&body).is_ok_and(|v| v["leader"].is_u64())
+        }
+    })
+    .await;
+    let before = cluster.leader_of(1, 1).await.expect("a leader");
+    let (_, drills_before) = cluster.coord_get(1, "/v1/drills").await;
+    let hostile = [
+        "[]",
+        "[null, true]",
+        "[1]",
+        "[2, false, true]",
+        "null",
+        "true",
+        "1",
+        "\"x\"",
+        "",
+        r#"{"allow_loss": false, "allow_loss": true}"#,
+        r#"{"bogus": 1}"#,
+    ];
+    for path in ["/v1/shards/1/failover", "/v1/drills/failover", "/v1/drills/catchup", "/v1/drills/corruption"] {
+        for body in hostile {
+            let (code, answer) = cluster.coord_post(1, path, body, Some(TOKEN)).await;
+            assert_eq!(
+                (code, answer["error"]["code"].as_str()),
+                (400, Some("bad_request")),
+                "{path} {body:?}: {answer}"
+            );
+        }
+    }
+    let (code, answer) = cluster.coord_post(1, "/v1/shards/1/failover", "[]", None).await;
+    assert_eq!(code, 401, "the token is checked first: {answer}");
+    assert_eq!(cluster.leader_of(1, 1).await.unwrap(), before, "no refused body moved leadership");
+    let (_, drills_after) = cluster.coord_get(1, "/v1/drills").await;
+    assert_eq!(drills_after, drills_before, "no refused body started a drill");
+
+    // A preview with a lower-case scheme is accepted.
+    let url = format!("{coord}/v1/shards/1/failover");
+    let (code, answer) = common::http_post_authorized(&url, r#"{"preview": true}"#, &format!("bearer {TOKEN}")).await;
+    assert_eq!(code, 200, "{answer}");
+    assert_eq!(cluster.leader_of(1, 1).await.unwrap(), before, "a preview moves nothing");
+}

@@ -8,7 +8,7 @@
 use std::sync::Arc;
 use std::time::Instant;
 
-use axum::extract::rejection::{JsonRejection, QueryRejection};
+use axum::extract::rejection::QueryRejection;
 use axum::extract::{ConnectInfo, Path, Query, State};
 use axum::http::{HeaderMap, StatusCode, header};
 use axum::response::{IntoResponse, Response};
@@ -20,6 +20,7 @@ use walship_shipping::control::drills::{
 };
 use walship_shipping::control::{CoordError, Coordinator, FailoverOutcome, FailoverRequest};
 
+use crate::body::ObjectJson;
 use crate::models::{ApiError, ClusterView, CoordinatorView, NodeView, ReplicaView, ShardView};
 
 /// What the coordinator's admin API reads from.
@@ -64,7 +65,12 @@ pub fn authorize(headers: &HeaderMap, token: &str) -> Result<(), ApiError> {
             "this endpoint needs Authorization: Bearer <token>",
         ));
     };
-    match value.to_str().ok().and_then(|v| v.strip_prefix("Bearer ")) {
+    let given = value
+        .to_str()
+        .ok()
+        .and_then(|v| v.trim().split_once(' '))
+        .and_then(|(scheme, token)| scheme.eq_ignore_ascii_case("bearer").then_some(token.trim()));
+    match given {
         Some(given) if constant_time_eq(given.as_bytes(), token.as_bytes()) => Ok(()),
         _ => Err(ApiError::new(StatusCode::FORBIDDEN, "forbidden", "wrong token")),
     }
@@ -269,22 +275,6 @@ pub fn coord_error(e: CoordError) -> ApiError {
     ApiError::new(status, code, e.to_string())
 }
 
-/// Turns a JSON body rejection into the API's error shape (400 naming the
-/// problem, 413 for oversized bodies, 415 for a wrong content type).
-pub fn body_error(rejection: JsonRejection) -> ApiError {
-    let status = rejection.status();
-    let code = match status {
-        StatusCode::PAYLOAD_TOO_LARGE => "body_too_large",
-        StatusCode::UNSUPPORTED_MEDIA_TYPE => "unsupported_media_type",
-        _ => "bad_request",
-    };
-    ApiError::new(
-        if status == StatusCode::UNPROCESSABLE_ENTITY { StatusCode::BAD_REQUEST } else { status },
-        code,
-        rejection.body_text(),
-    )
-}
-
 #[utoipa::path(post, path = "/v1/shards/{id}/failover", tag = "shards",
     params(("id" = u32, Path, description = "shard id")),
     request_body = FailoverRequest,
@@ -302,7 +292,7 @@ async fn failover(
     ConnectInfo(who): ConnectInfo<std::net::SocketAddr>,
     Path(id): Path<String>,
     headers: HeaderMap,
-    body: Result<Json<FailoverRequest>, JsonRejection>,
+    body: Result<ObjectJson<FailoverRequest>, ApiError>,
 ) -> Response {
     if let Err(e) = authorize(&headers, &admin.token) {
         return e.into_response();
@@ -311,9 +301,9 @@ async fn failover(
         Ok(id) => id,
         Err(e) => return e.into_response(),
     };
-    let Json(request) = match body {
+    let ObjectJson(request) = match body {
         Ok(body) => body,
-        Err(rejection) => return body_error(rejection).into_response(),
+        Err(refused) => return refused.into_response(),
     };
     tracing::info!(%who, shard = id, ?request, "admin: failover requested");
     let reason = if request.allow_loss { "forced" } else { "manual" };
@@ -375,15 +365,15 @@ fn start_drill<R: std::fmt::Debug>(
     admin: &CoordAdmin,
     who: std::net::SocketAddr,
     headers: &HeaderMap,
-    body: Result<Json<R>, JsonRejection>,
+    body: Result<ObjectJson<R>, ApiError>,
     start: impl FnOnce(&Arc<Coordinator>, R) -> Result<String, CoordError>,
 ) -> Response {
     if let Err(e) = authorize(headers, &admin.token) {
         return e.into_response();
     }
-    let Json(request) = match body {
+    let ObjectJson(request) = match body {
         Ok(body) => body,
-        Err(rejection) => return body_error(rejection).into_response(),
+        Err(refused) => return refused.into_response(),
     };
     tracing::info!(%who, ?request, "admin: drill requested");
     match start(&admin.coordinator, request) {
@@ -402,7 +392,7 @@ async fn failover_drill(
     State(admin): State<Arc<CoordAdmin>>,
     ConnectInfo(who): ConnectInfo<std::net::SocketAddr>,
     headers: HeaderMap,
-    body: Result<Json<FailoverDrillRequest>, JsonRejection>,
+    body: Result<ObjectJson<FailoverDrillRequest>, ApiError>,
 ) -> Response {
     start_drill(&admin, who, &headers, body, Coordinator::start_failover_drill)
 }
@@ -417,7 +407,7 @@ async fn catchup_drill(
     State(admin): State<Arc<CoordAdmin>>,
     ConnectInfo(who): ConnectInfo<std::net::SocketAddr>,
     headers: HeaderMap,
-    body: Result<Json<CatchupDrillRequest>, JsonRejection>,
+    body: Result<ObjectJson<CatchupDrillRequest>, ApiError>,
 ) -> Response {
     start_drill(&admin, who, &headers, body, Coordinator::start_catchup_drill)
 }
@@ -434,7 +424,7 @@ async fn corruption_drill(
     State(admin): State<Arc<CoordAdmin>>,
     ConnectInfo(who): ConnectInfo<std::net::SocketAddr>,
     headers: HeaderMap,
-    body: Result<Json<CorruptionDrillRequest>, JsonRejection>,
+    body: Result<ObjectJson<CorruptionDrillRequest>, ApiError>,
 ) -> Response {
     start_drill(&admin, who, &headers, body, Coordinator::start_corruption_drill)
 }
@@ -453,7 +443,7 @@ async fn partition_drill(
     State(admin): State<Arc<CoordAdmin>>,
     ConnectInfo(who): ConnectInfo<std::net::SocketAddr>,
     headers: HeaderMap,
-    body: Result<Json<PartitionDrillRequest>, JsonRejection>,
+    body: Result<ObjectJson<PartitionDrillRequest>, ApiError>,
 ) -> Response {
     start_drill(&admin, who, &headers, body, Coordinator::start_partition_drill)
 }

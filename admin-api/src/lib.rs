@@ -7,6 +7,7 @@
 //! Errors are JSON `{"error": {"code", "message"}}` with the matching HTTP
 //! status; unknown paths answer 404 in that shape.
 
+pub mod body;
 pub mod coord;
 pub mod models;
 pub mod openapi;

@@ -152,7 +152,13 @@ pub async fn http_get(addr_and_path: &str) -> (u16, String) {
 
 /// POST with a JSON body and an optional bearer token.
 pub async fn http_post(addr_and_path: &str, body: &str, token: Option<&str>) -> (u16, String) {
-    http_request_with("POST", addr_and_path, Some(body), token).await
+    let authorization = token.map(|t| format!("Bearer {t}"));
+    http_request_with("POST", addr_and_path, Some(body), authorization.as_deref()).await
+}
+
+/// A POST with this exact `Authorization` header value.
+pub async fn http_post_authorized(addr_and_path: &str, body: &str, authorization: &str) -> (u16, String) {
+    http_request_with("POST", addr_and_path, Some(body), Some(authorization)).await
 }
 
 /// Minimal HTTP/1.1 request: `addr_and_path` is `host:port/path`.
@@ -164,7 +170,7 @@ async fn http_request_with(
     method: &str,
     addr_and_path: &str,
     body: Option<&str>,
-    token: Option<&str>,
+    authorization: Option<&str>,
 ) -> (u16, String) {
     use tokio::io::{AsyncReadExt, AsyncWriteExt};
     let (addr, path) = match addr_and_path.find('/') {
@@ -175,7 +181,7 @@ async fn http_request_with(
     let body = body.unwrap_or("");
     let request = format!(
         "{method} {path} HTTP/1.1\r\nHost: {addr}\r\nConnection: close\r\nContent-Type: application/json\r\n{}Content-Length: {}\r\n\r\n{body}",
-        token.map_or(String::new(), |t| format!("Authorization: Bearer {t}\r\n")),
+        authorization.map_or(String::new(), |a| format!("Authorization: {a}\r\n")),
         body.len()
     );
     stream.write_all(request.as_bytes()).await.unwrap();
