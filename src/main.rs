@@ -76,6 +76,12 @@ fn run() -> Result<()> {
     // are told apart as a torn tail (INFO) or corruption (ERROR).
     walship_wal::recovery_log::install()?;
     let cli = Cli::parse();
+    if matches!(
+        cli.command,
+        Command::Append(_) | Command::Read(_) | Command::Tail(_) | Command::Status(_) | Command::Failover(_)
+    ) {
+        exit_quietly_on_closed_pipe();
+    }
     let runtime = tokio::runtime::Builder::new_multi_thread().enable_all().build()?;
     runtime.block_on(async move {
         match cli.command {
@@ -92,4 +98,17 @@ fn run() -> Result<()> {
             Command::BenchDrills(args) => bench_drills::run(args).await,
         }
     })
+}
+
+/// A client command whose output goes to `head` (or any reader that stops
+/// early) ends quietly when the reader goes away, as Unix tools do: the
+/// default action of SIGPIPE. Rust starts with the signal ignored, so a print
+/// to a closed pipe would panic instead. Servers keep ignoring it (their
+/// sockets report a closed peer as an error).
+fn exit_quietly_on_closed_pipe() {
+    // SAFETY: called before the runtime starts any thread; it only restores
+    // the signal's default disposition.
+    unsafe {
+        libc::signal(libc::SIGPIPE, libc::SIG_DFL);
+    }
 }

@@ -240,3 +240,39 @@ async fn client_commands_fail_on_an_unknown_shard() {
     assert!(!tail.status.success(), "tail of shard 9 should fail: {}", describe(&tail));
     assert!(String::from_utf8_lossy(&tail.stderr).contains("NotFound"), "{}", describe(&tail));
 }
+
+/// `walship read | head -1` and `walship status | head -1`: the command ends
+/// quietly when its reader goes away (SIGPIPE, as Unix tools do), never
+/// with a panic about a broken pipe.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn client_output_into_a_closed_pipe_ends_quietly() {
+    use std::io::{BufRead, Read};
+    use std::os::unix::process::ExitStatusExt;
+
+    let dir = tempfile::tempdir().unwrap();
+    let node = start_node(&dir);
+    wait_healthy(&node).await;
+    let server = node.grpc.as_str();
+    let append = run(
+        walship(&["append", "--server", server, "--count", "3000", "--size", "200", "--batch", "1000", "--shard", "1"]),
+        None,
+    )
+    .await;
+    assert!(append.status.success(), "append failed: {}", describe(&append));
+    // Far more output than a pipe's buffer holds, so the writer meets the
+    // closed pipe while it still has lines to print.
+    for args in
+        [vec!["read", "--server", server, "--shard", "1", "--json"], vec!["read", "--server", server, "--shard", "1"]]
+    {
+        let mut child = walship(&args).stdout(Stdio::piped()).stderr(Stdio::piped()).spawn().unwrap();
+        let mut first = String::new();
+        std::io::BufReader::new(child.stdout.take().unwrap()).read_line(&mut first).unwrap();
+        assert!(!first.is_empty(), "{args:?} printed nothing");
+        // The reader is gone (stdout dropped with the BufReader).
+        let status = child.wait().unwrap();
+        let mut stderr = String::new();
+        child.stderr.take().unwrap().read_to_string(&mut stderr).unwrap();
+        assert!(!stderr.contains("panicked"), "{args:?}: {stderr}");
+        assert!(status.success() || status.signal() == Some(libc::SIGPIPE), "{args:?} ended with {status:?}: {stderr}");
+    }
+}
