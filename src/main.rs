@@ -14,6 +14,8 @@ mod http;
 mod node;
 mod status;
 
+use std::io::IsTerminal;
+
 use anyhow::Result;
 use clap::{Parser, Subcommand};
 
@@ -70,6 +72,9 @@ fn run() -> Result<()> {
                 .unwrap_or_else(|_| "info,raft_engine=warn".into()),
         )
         .with_writer(std::io::stderr)
+        // Colours only for a person at a terminal: a log file, a pipe or a
+        // journal gets plain text (and NO_COLOR turns them off anywhere).
+        .with_ansi(std::io::stderr().is_terminal() && std::env::var_os("NO_COLOR").is_none())
         .finish();
     tracing::subscriber::set_global_default(subscriber)?;
     // In place of tracing-log's bridge: raft-engine's recovery truncations

@@ -276,3 +276,30 @@ async fn client_output_into_a_closed_pipe_ends_quietly() {
         assert!(status.success() || status.signal() == Some(libc::SIGPIPE), "{args:?} ended with {status:?}: {stderr}");
     }
 }
+
+/// A node whose stderr is a file (not a terminal) logs plain text: no ANSI
+/// colour codes in a log file, a pipe or a journal.
+#[test]
+fn logs_to_a_file_carry_no_colour_codes() {
+    let dir = tempfile::tempdir().unwrap();
+    let log = dir.path().join("node.log");
+    let mut command = Command::new(common::walship_bin());
+    command
+        .args(["node", "--node-id", "1", "--grpc", "127.0.0.1:0", "--admin", "127.0.0.1:0", "--wal-prefill", "false"])
+        .arg("--data-dir")
+        .arg(dir.path().join("data"))
+        .args(["--shards", "1"])
+        .env("WALSHIP_LOG", "info")
+        .env_remove("NO_COLOR")
+        .stdout(Stdio::piped())
+        .stderr(Stdio::from(std::fs::File::create(&log).unwrap()));
+    let mut child = command.spawn().unwrap();
+    let mut line = String::new();
+    std::io::BufRead::read_line(&mut std::io::BufReader::new(child.stdout.take().unwrap()), &mut line).unwrap();
+    assert!(line.contains("listening"), "{line}");
+    child.kill().unwrap();
+    child.wait().unwrap();
+    let text = std::fs::read_to_string(&log).unwrap();
+    assert!(text.contains("serving"), "the node logged at INFO: {text}");
+    assert!(!text.contains('\u{1b}'), "no escape codes: {text:?}");
+}
