@@ -569,6 +569,18 @@ impl EngineStore {
         Err(StoreError::Corrupt { shard, first_seqno, last_seqno, file: self.locate(shard, first_seqno), detail })
     }
 
+    /// Whether the chunk at `index` is no longer the one a read looked up
+    /// (it starts elsewhere, holds no record, or is gone), after waiting for
+    /// the write in flight.
+    fn replaced(&self, shard: ShardId, index: u64, first_seqno: u64) -> bool {
+        drop(self.write_lock.lock());
+        let shards = self.shards.lock();
+        !shards
+            .get(&shard)
+            .and_then(|s| s.chunks.get(index))
+            .is_some_and(|c| c.first_seqno == first_seqno && c.bytes > 0)
+    }
+
     /// Every frame of the chunks at indexes `[from, to]`, fully verified.
     fn read_chunks_whole(&self, shard: ShardId, from: u64, to: u64) -> StoreResult<Vec<Frame>> {
         let mut frames = Vec::new();
@@ -873,7 +885,27 @@ impl LogStore for EngineStore {
                     continue;
                 }
                 Err(e) => {
-                    let got = self.read_damaged(shard, index, next, to.min(chunk_last), io(e))?;
+                    let got = match self.read_damaged(shard, index, next, to.min(chunk_last), io(e)) {
+                        // The chunk holds none of them: it was replaced since
+                        // the lookup (a merge or a truncation). Look again,
+                        // never loop on it.
+                        Ok(got) if got.is_empty() => {
+                            retries += 1;
+                            if retries > READ_RETRIES {
+                                return Err(out_of_range(self));
+                            }
+                            drop(self.write_lock.lock());
+                            continue;
+                        }
+                        Ok(got) => got,
+                        Err(e) if self.replaced(shard, index, chunk_first) && retries < READ_RETRIES => {
+                            tracing::debug!(shard, index, error = %e, "a chunk changed under a read; reading again");
+                            retries += 1;
+                            drop(self.write_lock.lock());
+                            continue;
+                        }
+                        Err(e) => return Err(e),
+                    };
                     for frame in got {
                         if size + frame.len() > max_bytes && !frames.is_empty() {
                             return Ok(frames);
@@ -916,6 +948,12 @@ impl LogStore for EngineStore {
                     if size >= max_bytes {
                         return Ok(frames);
                     }
+                }
+                // A chunk a truncation replaced (by a tombstone, or by its
+                // prefix) since the lookup is not damage: look again.
+                Err(_) if self.replaced(shard, index, chunk_first) && retries < READ_RETRIES => {
+                    retries += 1;
+                    drop(self.write_lock.lock());
                 }
                 Err(e) => {
                     let what = StoreError::Io(format!("shard {shard}: chunk {index}: {e}"));

@@ -369,3 +369,65 @@ fn reads_racing_merges_return_exactly_their_records() {
     writer.join().unwrap();
     assert!(reads > 100, "{reads} reads raced the appends");
 }
+
+/// Random appends, truncations of the newest records (as divergence repair
+/// does), compactions and reads, against the in-memory store as the model.
+#[test]
+fn random_operations_match_the_model() {
+    use crate::MemStore;
+    for chunk_bytes in [512u64, 4 << 10, DEFAULT_CHUNK_BYTES] {
+        let dir = tempfile::tempdir().unwrap();
+        let store = open(dir.path(), chunk_bytes);
+        let model = MemStore::new();
+        store.create_shard(1).unwrap();
+        model.create_shard(1).unwrap();
+        let mut seed = chunk_bytes;
+        let mut next_rand = |n: u64| {
+            seed = seed.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
+            (seed >> 33) % n
+        };
+        for step in 0..3_000 {
+            let b = model.bounds(1).unwrap();
+            match next_rand(10) {
+                0..=5 => {
+                    let count = 1 + next_rand(12);
+                    let epoch = 1 + step / 500;
+                    let frames: Vec<Frame> = (b.last_seqno + 1..=b.last_seqno + count)
+                        .map(|s| frame(s, epoch, 50 + (s % 300) as usize))
+                        .collect();
+                    model.append(&[ShardAppend { shard: 1, frames: frames.clone() }], true).unwrap();
+                    append(&store, 1, frames);
+                }
+                6 | 7 if !b.is_empty() => {
+                    let keep = b.last_seqno.saturating_sub(next_rand(20)).max(b.first_seqno - 1);
+                    model.truncate_suffix(1, keep).unwrap();
+                    store.truncate_suffix(1, keep).unwrap();
+                }
+                8 if !b.is_empty() && next_rand(4) == 0 => {
+                    let first = b.first_seqno + next_rand(b.last_seqno - b.first_seqno + 2).min(30);
+                    model.compact_prefix(1, first).unwrap();
+                    store.compact_prefix(1, first).unwrap();
+                }
+                _ if !b.is_empty() => {
+                    let from = b.first_seqno + next_rand(b.last_seqno - b.first_seqno + 1);
+                    let to = (from + next_rand(50)).min(b.last_seqno);
+                    let max = 1 + next_rand(20_000) as usize;
+                    assert_eq!(
+                        store.read(1, from, to, max).unwrap(),
+                        model.read(1, from, to, max).unwrap(),
+                        "step {step}"
+                    );
+                }
+                _ => {}
+            }
+            let (sb, mb) = (store.bounds(1).unwrap(), model.bounds(1).unwrap());
+            assert_eq!((sb.first_seqno, sb.last_seqno), (mb.first_seqno, mb.last_seqno), "step {step}");
+        }
+        drop(store);
+        let store = open(dir.path(), chunk_bytes);
+        assert_eq!(all(&store, 1), {
+            let b = model.bounds(1).unwrap();
+            if b.is_empty() { Vec::new() } else { model.read(1, b.first_seqno, b.last_seqno, usize::MAX).unwrap() }
+        });
+    }
+}
