@@ -139,17 +139,8 @@ impl Frame {
     /// Splits the first frame off `bytes`, verifying it, and returns it with
     /// the remaining bytes. Zero-copy: both share `bytes`' buffer.
     pub fn split_first(bytes: &Bytes) -> Result<(Frame, Bytes), CodecError> {
-        if bytes.len() < PREFIX_LEN {
-            return Err(CodecError::Truncated { needed: PREFIX_LEN, available: bytes.len() });
-        }
-        let body_len = u32::from_le_bytes(bytes[0..4].try_into().expect("4 bytes")) as usize;
-        if !(FIXED_BODY_LEN..=MAX_BODY_LEN).contains(&body_len) {
-            return Err(CodecError::BadLength(body_len));
-        }
-        let total = PREFIX_LEN + body_len;
-        if bytes.len() < total {
-            return Err(CodecError::Truncated { needed: total, available: bytes.len() });
-        }
+        let total = Self::skip_len(bytes)?;
+        let body_len = total - PREFIX_LEN;
         let stored = u32::from_le_bytes(bytes[4..8].try_into().expect("4 bytes"));
         let computed = crc32fast::hash(&bytes[PREFIX_LEN..total]);
         if stored != computed {
