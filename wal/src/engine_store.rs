@@ -570,8 +570,8 @@ impl EngineStore {
     }
 
     /// Whether the chunk at `index` is no longer the one a read looked up
-    /// (it starts elsewhere, holds no record, or is gone), after waiting for
-    /// the write in flight.
+    /// (it starts elsewhere, holds no record, or is gone), once the write in
+    /// flight is done.
     fn replaced(&self, shard: ShardId, index: u64, first_seqno: u64) -> bool {
         drop(self.write_lock.lock());
         let shards = self.shards.lock();
@@ -793,6 +793,36 @@ fn load_shard(engine: &Engine, shard: ShardId) -> StoreResult<Option<ShardState>
     Ok(Some(ShardState { bounds, chunks, tail: None }))
 }
 
+/// The frames a read has taken so far, against its size limit.
+struct Taken {
+    frames: Vec<Frame>,
+    size: usize,
+    /// The seqno the read continues from.
+    next: u64,
+    max_bytes: usize,
+}
+
+impl Taken {
+    /// Takes `got` in order until the next would pass the size limit (the
+    /// first frame is always taken); true when the limit stopped it.
+    fn take(&mut self, got: Vec<Frame>) -> bool {
+        for frame in got {
+            if self.size + frame.len() > self.max_bytes && !self.frames.is_empty() {
+                return true;
+            }
+            self.size += frame.len();
+            self.next = frame.seqno() + 1;
+            self.frames.push(frame);
+        }
+        false
+    }
+
+    /// Bytes still allowed (all of them until a frame is taken).
+    fn budget(&self) -> usize {
+        if self.frames.is_empty() { self.max_bytes } else { self.max_bytes - self.size }
+    }
+}
+
 impl LogStore for EngineStore {
     fn create_shard(&self, shard: ShardId) -> StoreResult<()> {
         if self.shards.lock().contains_key(&shard) {
@@ -853,115 +883,83 @@ impl LogStore for EngineStore {
     fn read(&self, shard: ShardId, from: u64, to: u64, max_bytes: usize) -> StoreResult<Vec<Frame>> {
         let bounds = self.state(shard)?;
         check_range(shard, bounds, from, to)?;
-        let mut frames: Vec<Frame> = Vec::new();
-        let mut size = 0usize;
-        let mut next = from;
+        let mut taken = Taken { frames: Vec::new(), size: 0, next: from, max_bytes };
         let mut retries = 0;
-        let out_of_range = |store: &EngineStore| {
-            let now = store.state(shard).unwrap_or(bounds);
+        // Past its retries (or with its range gone since the range check) a
+        // read lost a race with a compaction or truncation: a refusal like
+        // any range outside the log, not a storage failure.
+        let out_of_range = || {
+            let now = self.state(shard).unwrap_or(bounds);
             StoreError::OutOfRange { shard, from, to, first: now.first_seqno, last: now.last_seqno }
         };
-        while next <= to {
+        // A chunk found replaced (merged, or cut by a truncation) between the
+        // lookup and the fetch: wait for the write in flight, then look
+        // again, a bounded number of times.
+        let retry = |retries: &mut usize| {
+            *retries += 1;
+            if *retries > READ_RETRIES {
+                return Err(out_of_range());
+            }
+            drop(self.write_lock.lock());
+            Ok(())
+        };
+        while taken.next <= to {
+            let next = taken.next;
             let found = {
                 let shards = self.shards.lock();
                 let chunks = &shards.get(&shard).ok_or(StoreError::UnknownShard(shard))?.chunks;
                 chunks.find(next).map(|index| (index, chunks.span(index).expect("found")))
             };
-            // A compaction or a truncation ran after the range check: reads
-            // are not ordered with them. A refusal, not a storage failure.
-            let Some((index, (chunk_first, chunk_last))) = found else { return Err(out_of_range(self)) };
+            let Some((index, (chunk_first, chunk_last))) = found else { return Err(out_of_range()) };
             let bytes = match self.fetch_chunk(shard, index) {
                 Ok(bytes) => bytes,
                 // An I/O error is the device's, not damage this store can name.
                 Err(e @ raft_engine::Error::Io(_)) => return Err(io(e)),
                 Err(raft_engine::Error::EntryCompacted | raft_engine::Error::EntryNotFound) => {
-                    retries += 1;
-                    if retries > READ_RETRIES {
-                        return Err(out_of_range(self));
-                    }
-                    // The write that replaced it has reached the engine and
-                    // not yet the chunk map: wait for it to finish.
-                    drop(self.write_lock.lock());
+                    retry(&mut retries)?;
                     continue;
                 }
-                Err(e) => {
-                    let got = match self.read_damaged(shard, index, next, to.min(chunk_last), io(e)) {
-                        // The chunk holds none of them: it was replaced since
-                        // the lookup (a merge or a truncation). Look again,
-                        // never loop on it.
-                        Ok(got) if got.is_empty() => {
-                            retries += 1;
-                            if retries > READ_RETRIES {
-                                return Err(out_of_range(self));
-                            }
-                            drop(self.write_lock.lock());
-                            continue;
-                        }
-                        Ok(got) => got,
-                        Err(e) if self.replaced(shard, index, chunk_first) && retries < READ_RETRIES => {
-                            tracing::debug!(shard, index, error = %e, "a chunk changed under a read; reading again");
-                            retries += 1;
-                            drop(self.write_lock.lock());
-                            continue;
-                        }
-                        Err(e) => return Err(e),
-                    };
-                    for frame in got {
-                        if size + frame.len() > max_bytes && !frames.is_empty() {
-                            return Ok(frames);
-                        }
-                        size += frame.len();
-                        next = frame.seqno() + 1;
-                        frames.push(frame);
+                Err(e) => match self.read_damaged(shard, index, next, to.min(chunk_last), io(e)) {
+                    // The chunk holds none of them: replaced since the lookup.
+                    Ok(got) if got.is_empty() => {
+                        retry(&mut retries)?;
+                        continue;
                     }
-                    continue;
-                }
+                    Ok(got) => {
+                        if taken.take(got) {
+                            return Ok(taken.frames);
+                        }
+                        continue;
+                    }
+                    Err(e) if retries < READ_RETRIES && self.replaced(shard, index, chunk_first) => {
+                        tracing::debug!(shard, index, error = %e, "a chunk changed under a read; reading again");
+                        retry(&mut retries)?;
+                        continue;
+                    }
+                    Err(e) => return Err(e),
+                },
             };
-            let budget = if frames.is_empty() { max_bytes } else { max_bytes - size };
-            match Segment::frames_in(&bytes, next, to, budget) {
-                // The chunk was replaced (merged or truncated) since the
-                // lookup: look again.
+            match Segment::frames_in(&bytes, next, to, taken.budget()) {
                 Ok((header, _)) if header.shard_id != shard => {
                     let what = format!("shard {shard}: chunk {index} holds records of shard {}", header.shard_id);
                     return Err(self.find_damage(shard, index, StoreError::Io(what)));
                 }
-                // The chunk was replaced (merged, or cut by a truncation)
-                // since the lookup: look again.
-                Ok((header, got)) if header.first_seqno != chunk_first || got.is_empty() => {
-                    retries += 1;
-                    if retries > READ_RETRIES {
-                        return Err(out_of_range(self));
-                    }
-                    // The write that replaced it has reached the engine and
-                    // not yet the chunk map: wait for it to finish.
-                    drop(self.write_lock.lock());
-                }
+                Ok((header, got)) if header.first_seqno != chunk_first || got.is_empty() => retry(&mut retries)?,
                 Ok((_, got)) => {
-                    for frame in got {
-                        if size + frame.len() > max_bytes && !frames.is_empty() {
-                            return Ok(frames);
-                        }
-                        size += frame.len();
-                        next = frame.seqno() + 1;
-                        frames.push(frame);
-                    }
-                    if size >= max_bytes {
-                        return Ok(frames);
+                    if taken.take(got) || taken.size >= max_bytes {
+                        return Ok(taken.frames);
                     }
                 }
                 // A chunk a truncation replaced (by a tombstone, or by its
                 // prefix) since the lookup is not damage: look again.
-                Err(_) if self.replaced(shard, index, chunk_first) && retries < READ_RETRIES => {
-                    retries += 1;
-                    drop(self.write_lock.lock());
-                }
+                Err(_) if retries < READ_RETRIES && self.replaced(shard, index, chunk_first) => retry(&mut retries)?,
                 Err(e) => {
                     let what = StoreError::Io(format!("shard {shard}: chunk {index}: {e}"));
                     return Err(self.find_damage(shard, index, what));
                 }
             }
         }
-        Ok(frames)
+        Ok(taken.frames)
     }
 
     fn truncate_suffix(&self, shard: ShardId, keep_through: u64) -> StoreResult<()> {
