@@ -318,14 +318,10 @@ async fn a_follower_damaged_while_running_is_found_by_the_scrubber_and_repairs_i
     assert_eq!(cluster.leader_of(1, 1).await.map(|(l, _)| l), Some(leader), "the leader did not change");
 }
 
-/// (c) A single-replica shard: no intact copy exists anywhere. Reads below
-/// the damage work; a read covering it is `DATA_LOSS` naming the shard and
-/// seqno; /v1/status shows exactly which seqno and file; /readyz says
-/// `corruption`; the shard keeps its leader; nothing "repairs" it. The
-/// node's in-memory tail cache is kept tiny so reads of these records go to
-/// the store (a cached copy is served from memory, where it is intact).
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn with_no_intact_copy_the_damage_is_data_loss_and_the_rest_is_served() {
+/// A one-node cluster (shard 1 has a single replica) whose node keeps a
+/// tiny tail cache, so reads of its records go to the store (a cached copy
+/// is served from memory, where it is intact); led by node 1.
+async fn single_replica_cluster() -> (tempfile::TempDir, Cluster) {
     let dir = tempfile::tempdir().unwrap();
     let config = dir.path().join("node-1.toml");
     let data = dir.path().join("node-1");
@@ -339,6 +335,18 @@ async fn with_no_intact_copy_the_damage_is_data_loss_and_the_rest_is_served() {
         ..ClusterSpec::default()
     });
     assert_eq!(wait_leader(&mut cluster, None).await, 1);
+    (dir, cluster)
+}
+
+/// (c) A single-replica shard: no intact copy exists anywhere. Reads below
+/// the damage work; a read covering it is `DATA_LOSS` naming the shard and
+/// seqno; /v1/status shows exactly which seqno and file; /readyz says
+/// `corruption`; the shard keeps its leader; nothing "repairs" it. The
+/// node's in-memory tail cache is kept tiny so reads of these records go to
+/// the store (a cached copy is served from memory, where it is intact).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn with_no_intact_copy_the_damage_is_data_loss_and_the_rest_is_served() {
+    let (_dir, mut cluster) = single_replica_cluster().await;
     let acked: Acked = Arc::default();
     append_records(&mut cluster, 1, 200, &acked).await;
     let file = damage(&cluster.node(1).data_dir.clone(), DAMAGED);
@@ -473,19 +481,7 @@ fn damage_every_copy(data_dir: &Path, seqno: u64) -> usize {
 async fn damage_inside_a_merged_chunk_costs_only_the_damaged_record() {
     const RECORDS: u64 = 700;
     const HIT: u64 = 400;
-    let dir = tempfile::tempdir().unwrap();
-    let config = dir.path().join("node-1.toml");
-    let data = dir.path().join("node-1");
-    std::fs::write(&config, format!("node_id = 1\ndata_dir = {:?}\n[wal]\ntail_cache_bytes = 1024\n", data)).unwrap();
-    let mut cluster = Cluster::launch(&ClusterSpec {
-        nodes: 1,
-        coordinators: 1,
-        replication: FAST,
-        node_args: vec![(1, vec!["--config".into(), config.display().to_string()])],
-        data_dirs: vec![(1, data)],
-        ..ClusterSpec::default()
-    });
-    assert_eq!(wait_leader(&mut cluster, None).await, 1);
+    let (_dir, mut cluster) = single_replica_cluster().await;
     let acked: Acked = Arc::default();
     append_records(&mut cluster, 1, RECORDS, &acked).await;
     let status = cluster.status(1).await.unwrap();
