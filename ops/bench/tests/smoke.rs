@@ -8,26 +8,13 @@
 use std::path::{Path, PathBuf};
 use std::process::Command;
 
+mod common;
+
+use common::processes_mentioning;
+
 /// The `walship` binary cargo built beside this package's binary.
 fn walship_binary() -> PathBuf {
-    let compare = Path::new(env!("CARGO_BIN_EXE_walship-compare"));
-    let walship = compare.with_file_name("walship");
-    assert!(walship.is_file(), "{} missing: build the workspace (cargo build --workspace)", walship.display());
-    walship
-}
-
-/// PIDs of processes whose command line mentions `needle`.
-fn processes_mentioning(needle: &str) -> Vec<u32> {
-    let mut pids = Vec::new();
-    for entry in std::fs::read_dir("/proc").unwrap().flatten() {
-        let Ok(pid) = entry.file_name().to_string_lossy().parse::<u32>() else { continue };
-        if let Ok(cmdline) = std::fs::read(entry.path().join("cmdline"))
-            && String::from_utf8_lossy(&cmdline).contains(needle)
-        {
-            pids.push(pid);
-        }
-    }
-    pids
+    common::walship_beside(env!("CARGO_BIN_EXE_walship-compare"))
 }
 
 #[test]
