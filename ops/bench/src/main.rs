@@ -263,7 +263,7 @@ async fn run(mut args: Args) -> Result<()> {
     let mut report = Report {
         settings: report::Settings {
             command: std::env::args().collect::<Vec<_>>().join(" "),
-            started_utc: utc_now(),
+            started_utc: walship_compare::report::utc_now(),
             cores: std::thread::available_parallelism().map_or(1, |n| n.get()),
             duration_s: args.duration,
             warmup_s: args.warmup,
@@ -365,11 +365,6 @@ async fn failover_row(kind: SystemKind, args: &Args) -> Result<report::FailoverR
 }
 
 const NO_FAILOVER: &str = "no automatic failover built in (needs external tooling such as Patroni)";
-
-fn utc_now() -> String {
-    let out = std::process::Command::new("date").args(["-u", "+%Y-%m-%d %H:%M UTC"]).output();
-    out.ok().map(|o| String::from_utf8_lossy(&o.stdout).trim().to_string()).unwrap_or_default()
-}
 
 #[tokio::main]
 async fn main() -> Result<()> {

@@ -380,6 +380,12 @@ impl Report {
     }
 }
 
+/// The time now, as the reports print it (`2026-12-01 14:30 UTC`).
+pub fn utc_now() -> String {
+    let out = std::process::Command::new("date").args(["-u", "+%Y-%m-%d %H:%M UTC"]).output();
+    out.ok().map(|o| String::from_utf8_lossy(&o.stdout).trim().to_string()).unwrap_or_default()
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -110,7 +110,7 @@ impl Args {
 
 async fn run(args: Args) -> Result<()> {
     args.validate()?;
-    let started_utc = utc_now();
+    let started_utc = walship_compare::report::utc_now();
     std::fs::create_dir_all(&args.dir).with_context(|| format!("creating {}", args.dir.display()))?;
     std::fs::create_dir_all(&args.out).with_context(|| format!("creating {}", args.out.display()))?;
     eprintln!("measuring the raw disk under {} ...", args.dir.display());
@@ -207,11 +207,6 @@ async fn run(args: Args) -> Result<()> {
         bail!("{}", failed.join("; "));
     }
     Ok(())
-}
-
-fn utc_now() -> String {
-    let out = std::process::Command::new("date").args(["-u", "+%Y-%m-%d %H:%M UTC"]).output();
-    out.ok().map(|o| String::from_utf8_lossy(&o.stdout).trim().to_string()).unwrap_or_default()
 }
 
 #[tokio::main]
