@@ -358,7 +358,7 @@ fn start_three_nodes(data: &Path, shards: u32, leadership: Leadership, spare_byt
     let leaders = config.shards.iter().map(|s| config.nodes[s.leader as usize - 1].grpc_addr.to_string()).collect();
     std::fs::create_dir_all(data)?;
     let file = data.join("cluster.toml");
-    std::fs::write(&file, toml::to_string_pretty(&config)?)?;
+    config.save(&file).with_context(|| format!("writing {}", file.display()))?;
     // Every process started is in `target` at once, so an early return
     // stops it (Target's drop) instead of leaving it running.
     let mut target = Target { leaders, children: Vec::new() };

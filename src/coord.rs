@@ -18,7 +18,8 @@ use walship_shipping::control::{Coordinator, CoordinatorMetrics, FileKv, Kv, Nat
 #[derive(Args, Debug)]
 pub struct CoordArgs {
     /// Cluster config (see ops/cluster.example.toml); this coordinator's
-    /// addresses come from its [[coordinators]] entry.
+    /// addresses come from its [[coordinators]] entry, the secret its calls
+    /// to nodes carry from `secret`/`secret_file` or WALSHIP_CLUSTER_SECRET.
     #[arg(long, env = "WALSHIP_CLUSTER_CONFIG")]
     cluster: PathBuf,
     /// This coordinator's id (its [[coordinators]] entry).
@@ -67,6 +68,7 @@ pub async fn run_coord(args: CoordArgs) -> Result<()> {
         None => (format!("{:032x}", rand::random::<u128>()), true),
     };
     let registry = prometheus::Registry::new();
+    let gate = crate::node::cluster_gate(&config);
     let coordinator =
         Coordinator::start(args.id.clone(), Arc::new(config), kv.clone(), CoordinatorMetrics::new(&registry)?);
     if let Some(client) = nats {
@@ -86,7 +88,11 @@ pub async fn run_coord(args: CoordArgs) -> Result<()> {
     let shutdown = coordinator.shutdown.clone();
     let (health, health_service) = tonic_health::server::health_reporter();
     health.set_serving::<WalShippingServer<CoordinatorHeartbeats>>().await;
-    let heartbeats = WalShippingServer::new(CoordinatorHeartbeats::new(coordinator.clone()));
+    // Heartbeats move failure detection: members of the cluster only.
+    let heartbeats = tonic::service::interceptor::InterceptedService::new(
+        WalShippingServer::new(CoordinatorHeartbeats::new(coordinator.clone())),
+        gate,
+    );
     let grpc_shutdown = shutdown.clone();
     let grpc = tokio::spawn(async move {
         tonic::transport::Server::builder()

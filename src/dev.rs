@@ -111,7 +111,7 @@ pub async fn run_dev(args: DevArgs) -> Result<()> {
     let cluster = dev_cluster(&args)?;
     std::fs::create_dir_all(&args.data_dir).with_context(|| format!("creating {}", args.data_dir.display()))?;
     let cluster_file = args.data_dir.join("cluster.toml");
-    std::fs::write(&cluster_file, toml::to_string_pretty(&cluster)?)?;
+    cluster.save(&cluster_file).with_context(|| format!("writing {}", cluster_file.display()))?;
     let exe = std::env::current_exe()?;
     let token = args.admin_token.clone().unwrap_or_else(|| format!("{:032x}", rand::random::<u128>()));
     let log = std::env::var("WALSHIP_LOG").unwrap_or_else(|_| "warn".into());

@@ -10,10 +10,12 @@ use anyhow::{Context, Result};
 use clap::Args;
 use tokio::net::TcpListener;
 use tokio_util::sync::CancellationToken;
+use tonic::service::interceptor::InterceptedService;
 use walship_admin_api::NodeAdmin;
 use walship_proto::log::control_server::ControlServer;
 use walship_proto::log::log_server::LogServer;
 use walship_proto::replication::wal_shipping_server::WalShippingServer;
+use walship_shipping::auth::{ClusterSecret, SECRET_ENV};
 use walship_shipping::peers::MAX_PEER_MESSAGE_BYTES;
 use walship_shipping::{
     ClusterConfig, ControlService, LogLimits, LogService, LogServiceMetrics, NodeSpec, ReplicationMetrics,
@@ -29,7 +31,9 @@ pub struct NodeArgs {
     #[arg(long, env = "WALSHIP_NODE_CONFIG")]
     config: Option<PathBuf>,
     /// Cluster config (see ops/cluster.example.toml): peers, shards, replica
-    /// sets and leaders. Without it the node runs alone with --shards.
+    /// sets, leaders and the cluster secret (or WALSHIP_CLUSTER_SECRET)
+    /// that node-to-node and coordinator calls carry. Without it the node
+    /// runs alone with --shards.
     #[arg(long, env = "WALSHIP_CLUSTER_CONFIG")]
     cluster: Option<PathBuf>,
     /// This node's id.
@@ -206,7 +210,16 @@ pub async fn start_node(config: NodeConfig, cluster: Option<ClusterConfig>, dril
             NodeSpec { id: config.node_id, grpc_addr: grpc_addr.into(), admin_addr: admin_addr.into(), region: 0 };
         ClusterConfig::single_node(spec, &config.shards)
     });
+    // A node without a cluster config: its cluster RPCs (drills, say) are
+    // for whoever holds WALSHIP_CLUSTER_SECRET; without it, for nobody.
+    let mut cluster = cluster;
+    if cluster.nodes.len() == 1
+        && let Some(secret) = std::env::var(SECRET_ENV).ok().filter(|s| !s.is_empty())
+    {
+        cluster.secret = Some(ClusterSecret::new(&secret).context(SECRET_ENV)?);
+    }
 
+    let gate = cluster_gate(&cluster);
     let registry = prometheus::Registry::new();
     let wal_dir = config.data_dir.join("wal");
     std::fs::create_dir_all(&wal_dir).with_context(|| format!("creating {}", wal_dir.display()))?;
@@ -281,9 +294,15 @@ pub async fn start_node(config: NodeConfig, cluster: Option<ClusterConfig>, dril
     let shutdown = node.shutdown.clone();
     let control_node = node.clone();
     let grpc_shutdown = shutdown.clone();
-    let shipping = WalShippingServer::new(WalShippingService::new(node.clone()))
-        .max_decoding_message_size(MAX_PEER_MESSAGE_BYTES)
-        .max_encoding_message_size(MAX_PEER_MESSAGE_BYTES);
+    // The cluster's own services admit only callers holding its secret
+    // (`walship_shipping::auth`); Log, health and reflection stay open.
+    let shipping = InterceptedService::new(
+        WalShippingServer::new(WalShippingService::new(node.clone()))
+            .max_decoding_message_size(MAX_PEER_MESSAGE_BYTES)
+            .max_encoding_message_size(MAX_PEER_MESSAGE_BYTES),
+        gate.clone(),
+    );
+    let control = InterceptedService::new(ControlServer::new(ControlService::new(control_node)), gate);
     let grpc = tokio::spawn(async move {
         tonic::transport::Server::builder()
             // Peers may send a whole shipped segment (often 100 KiB and more)
@@ -298,7 +317,7 @@ pub async fn start_node(config: NodeConfig, cluster: Option<ClusterConfig>, dril
                 LogServer::new(log).max_decoding_message_size(max_message).max_encoding_message_size(max_message),
             )
             .add_service(shipping)
-            .add_service(ControlServer::new(ControlService::new(control_node)))
+            .add_service(control)
             .serve_with_incoming_shutdown(
                 // Small request/response RPCs: Nagle plus delayed ACKs would add ~40 ms.
                 tonic::transport::server::TcpIncoming::from(grpc_listener).with_nodelay(Some(true)),
@@ -317,6 +336,16 @@ pub async fn start_node(config: NodeConfig, cluster: Option<ClusterConfig>, dril
     });
     tracing::info!(node_id = config.node_id, %grpc_addr, %admin_addr, "serving");
     Ok(RunningNode { grpc_addr, admin_addr, shutdown, servers: vec![grpc, http], wal })
+}
+
+/// The interceptor that admits cluster RPCs: with the cluster's secret
+/// when it has one, everyone when it runs with `insecure_no_auth`.
+pub fn cluster_gate(cluster: &ClusterConfig) -> impl tonic::service::Interceptor + Clone + Send + Sync + 'static {
+    let gate = cluster.secret().map(|s| s.gate());
+    move |request: tonic::Request<()>| match gate.clone() {
+        Some(mut gate) => tonic::service::Interceptor::call(&mut gate, request),
+        None => Ok(request),
+    }
 }
 
 pub async fn run_node(args: NodeArgs) -> Result<()> {

@@ -202,9 +202,9 @@ async fn damage_record_refuses_bad_input_and_changes_nothing() {
             log.append(request).await.unwrap();
         }
     }
-    async fn control(node: &common::NodeProcess) -> ControlClient<tonic::transport::Channel> {
+    async fn control(node: &common::NodeProcess) -> ControlClient<common::Member> {
         let endpoint = tonic::transport::Endpoint::from_shared(format!("http://{}", node.grpc)).unwrap();
-        ControlClient::new(endpoint.connect().await.unwrap())
+        ControlClient::new(common::as_member(endpoint.connect().await.unwrap()))
     }
     let damage = |shard_id, seqno| DamageRecordRequest { shard_id, seqno };
 
@@ -401,8 +401,10 @@ async fn partition_rpc_refuses_bad_input_and_changes_nothing() {
     use walship_proto::replication::StreamRequest;
     use walship_proto::replication::wal_shipping_client::WalShippingClient;
 
-    async fn channel(grpc: &str) -> tonic::transport::Channel {
-        tonic::transport::Endpoint::from_shared(format!("http://{grpc}")).unwrap().connect().await.unwrap()
+    async fn channel(grpc: &str) -> common::Member {
+        common::as_member(
+            tonic::transport::Endpoint::from_shared(format!("http://{grpc}")).unwrap().connect().await.unwrap(),
+        )
     }
     let cut = |peers: &[u32], millis| PartitionRequest { peers: peers.to_vec(), millis };
 

@@ -112,7 +112,7 @@ async fn stopped_old_leader_cannot_commit_and_its_tail_is_truncated() {
             .connect()
             .await
             .unwrap();
-        let mut control = ControlClient::new(channel);
+        let mut control = ControlClient::new(common::as_member(channel));
         control.pause(PauseRequest { shard_id: 1, paused: true }).await.unwrap();
         controls.push(control);
     }
@@ -190,6 +190,7 @@ async fn preview_and_forced_failover_report_the_exact_loss_and_need_the_token() 
         .connect()
         .await
         .unwrap();
+    let channel = common::as_member(channel);
     ControlClient::new(channel.clone()).pause(PauseRequest { shard_id: 1, paused: true }).await.unwrap();
     for i in 11..=15 {
         leader.append(append(i)).await.unwrap();

@@ -86,6 +86,7 @@ fn deployment_cluster_config_is_valid() {
     config.validate().unwrap();
     assert_eq!(config.nodes.len(), 3);
     assert!(config.coordinated());
+    assert!(config.secret_file.is_some(), "the deployment names where its cluster secret lives");
 }
 
 #[test]
@@ -135,5 +136,12 @@ fn kubernetes_manifests_hold_a_valid_cluster_and_real_flags() {
             assert!(sub_help.contains(flag), "{}: unknown flag {flag}", doc["metadata"]["name"].as_str().unwrap());
         }
         assert_eq!(container["readinessProbe"]["httpGet"]["path"], "/readyz");
+        let env = container["env"].as_sequence().expect("an env list");
+        assert!(
+            env.iter().any(|e| e["name"] == "WALSHIP_CLUSTER_SECRET"
+                && e["valueFrom"]["secretKeyRef"]["name"] == "walship-cluster"),
+            "{}: no cluster secret from a Secret",
+            doc["metadata"]["name"].as_str().unwrap()
+        );
     }
 }

@@ -536,7 +536,7 @@ async fn a_segment_sent_twice_is_answered_with_its_durable_end_both_times() {
         .connect()
         .await
         .unwrap();
-    let client = WalShippingClient::new(channel).max_encoding_message_size(64 << 20);
+    let client = WalShippingClient::new(common::as_member(channel)).max_encoding_message_size(64 << 20);
     let (mut first, mut second) = (client.clone(), client);
     let (a, b) = tokio::join!(first.ship_segment(request.clone()), second.ship_segment(request));
     for (which, answer) in [("one", a), ("the other", b)] {

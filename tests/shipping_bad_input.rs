@@ -168,8 +168,10 @@ async fn connect(grpc: &str) -> Channel {
     Endpoint::from_shared(format!("http://{grpc}")).unwrap().connect().await.unwrap()
 }
 
-fn shipping_client(channel: Channel) -> WalShippingClient<Channel> {
-    WalShippingClient::new(channel).max_encoding_message_size(usize::MAX).max_decoding_message_size(64 * MIB)
+fn shipping_client(channel: Channel) -> WalShippingClient<common::Member> {
+    WalShippingClient::new(common::as_member(channel))
+        .max_encoding_message_size(usize::MAX)
+        .max_decoding_message_size(64 * MIB)
 }
 
 /// What must not change of a replica: (shard_id, role, leader, epoch,

@@ -7,7 +7,9 @@
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::net::SocketAddr;
-use std::path::Path;
+use std::path::{Path, PathBuf};
+
+use crate::auth::{ClusterSecret, MIN_SECRET_LEN, SECRET_ENV};
 use std::time::Duration;
 
 use serde::{Deserialize, Serialize};
@@ -212,6 +214,31 @@ pub struct ClusterConfig {
     pub shards: Vec<ShardSpec>,
     #[serde(default)]
     pub replication: ReplicationConfig,
+    /// The secret every cluster RPC (`WalShipping`, `Control`, node to
+    /// coordinator heartbeats) carries; see [`crate::auth`]. Set here, in
+    /// `secret_file`, or in `WALSHIP_CLUSTER_SECRET` (which wins).
+    /// Never serialized: [`ClusterConfig::save`] writes it to its own file.
+    #[serde(default, skip_serializing)]
+    pub secret: Option<ClusterSecret>,
+    /// A file holding the secret (its surrounding whitespace ignored);
+    /// relative paths are relative to the config file.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub secret_file: Option<PathBuf>,
+    /// Runs the cluster RPCs without authentication. Anyone who reaches a
+    /// node's gRPC port can then fence or reassign its shards: only for a
+    /// network nobody else can reach.
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub insecure_no_auth: bool,
+}
+
+/// Writes `text` to a file only its owner may read.
+fn write_private(path: &Path, text: &str) -> std::io::Result<()> {
+    use std::io::Write;
+    use std::os::unix::fs::OpenOptionsExt;
+    let _ = std::fs::remove_file(path);
+    let mut file = std::fs::OpenOptions::new().write(true).create_new(true).mode(0o600).open(path)?;
+    file.write_all(text.as_bytes())?;
+    file.sync_all()
 }
 
 fn default_cluster_id() -> String {
@@ -233,10 +260,57 @@ impl ClusterConfig {
     pub fn load(path: &Path) -> Result<ClusterConfig, ConfigError> {
         let shown = path.display().to_string();
         let text = std::fs::read_to_string(path).map_err(|source| ConfigError::Read { path: shown.clone(), source })?;
-        let config: ClusterConfig =
+        let mut config: ClusterConfig =
             toml::from_str(&text).map_err(|source| ConfigError::Parse { path: shown, source })?;
+        config.resolve_secret(path.parent().unwrap_or(Path::new(".")), std::env::var(SECRET_ENV).ok())?;
         config.validate()?;
         Ok(config)
+    }
+
+    /// Settles the cluster secret: `env` (the value of
+    /// `WALSHIP_CLUSTER_SECRET`) wins over `secret`, which wins over
+    /// `secret_file` (read relative to `base`). A cluster without one is
+    /// refused unless `insecure_no_auth` says so.
+    pub fn resolve_secret(&mut self, base: &Path, env: Option<String>) -> Result<(), ConfigError> {
+        let invalid = |what: &str, e: crate::auth::SecretError| ConfigError::Invalid(format!("{what}: {e}"));
+        if let Some(env) = env.filter(|e| !e.is_empty()) {
+            self.secret = Some(ClusterSecret::new(&env).map_err(|e| invalid(SECRET_ENV, e))?);
+        } else if self.secret.is_none()
+            && let Some(file) = &self.secret_file
+        {
+            let file = base.join(file);
+            let text = std::fs::read_to_string(&file)
+                .map_err(|source| ConfigError::Read { path: file.display().to_string(), source })?;
+            self.secret = Some(ClusterSecret::new(&text).map_err(|e| invalid(&file.display().to_string(), e))?);
+        }
+        if self.secret.is_none() && !self.insecure_no_auth {
+            return Err(ConfigError::Invalid(format!(
+                "no cluster secret: set `secret` or `secret_file` in the cluster config, or {SECRET_ENV} \
+                 (at least {MIN_SECRET_LEN} characters; e.g. `openssl rand -hex 16`), or accept an \
+                 unauthenticated cluster with `insecure_no_auth = true`"
+            )));
+        }
+        Ok(())
+    }
+
+    /// Writes this config to `path` as TOML for other processes to load.
+    /// Its secret goes to `<path>.secret` (mode 0600), which the written
+    /// config names as its `secret_file`: never into the config itself.
+    pub fn save(&self, path: &Path) -> std::io::Result<()> {
+        let mut written = self.clone();
+        if let Some(secret) = &self.secret {
+            let name = format!("{}.secret", path.file_name().and_then(|n| n.to_str()).unwrap_or("cluster.toml"));
+            let file = path.with_file_name(&name);
+            write_private(&file, secret.expose())?;
+            written.secret_file = Some(PathBuf::from(name));
+        }
+        let text = toml::to_string_pretty(&written).map_err(std::io::Error::other)?;
+        std::fs::write(path, text)
+    }
+
+    /// The secret cluster RPCs carry, if the cluster has one.
+    pub fn secret(&self) -> Option<&ClusterSecret> {
+        self.secret.as_ref()
     }
 
     /// A one-node cluster: every shard has this node as its only replica.
@@ -248,6 +322,11 @@ impl ClusterConfig {
             nodes: vec![node],
             shards: shards.iter().map(|&s| ShardSpec { id: s, replicas: vec![id], leader: id, epoch: 1 }).collect(),
             replication: ReplicationConfig::default(),
+            // Nobody else is a member: a random secret nobody holds keeps
+            // its cluster RPCs closed.
+            secret: Some(ClusterSecret::random()),
+            secret_file: None,
+            insecure_no_auth: false,
         }
     }
 
@@ -269,6 +348,9 @@ impl ClusterConfig {
             nodes,
             shards,
             replication: ReplicationConfig::default(),
+            secret: Some(ClusterSecret::random()),
+            secret_file: None,
+            insecure_no_auth: false,
         }
     }
 
@@ -363,13 +445,60 @@ mod tests {
             nodes: vec![node(1, 7001), node(2, 7002), node(3, 7003)],
             shards: vec![ShardSpec { id: 1, replicas: vec![1, 2, 3], leader: 1, epoch: 1 }],
             replication: ReplicationConfig::default(),
+            secret: None,
+            secret_file: None,
+            insecure_no_auth: false,
         }
+    }
+
+    #[test]
+    fn the_secret_comes_from_env_then_config_then_file_and_is_required() {
+        let dir = tempfile::tempdir().unwrap();
+        let mut c = three();
+        let error = c.resolve_secret(dir.path(), None).unwrap_err().to_string();
+        assert!(error.contains("no cluster secret") && error.contains("WALSHIP_CLUSTER_SECRET"), "{error}");
+        c.insecure_no_auth = true;
+        c.resolve_secret(dir.path(), None).unwrap();
+        assert!(c.secret().is_none());
+
+        let mut c = three();
+        std::fs::write(dir.path().join("s"), "from-the-file-0123456789\n").unwrap();
+        c.secret_file = Some("s".into());
+        c.resolve_secret(dir.path(), None).unwrap();
+        assert!(c.secret().unwrap().matches(b"from-the-file-0123456789"));
+        c.resolve_secret(dir.path(), Some("from-the-environment-0123".into())).unwrap();
+        assert!(c.secret().unwrap().matches(b"from-the-environment-0123"), "the environment wins");
+        let error = c.resolve_secret(dir.path(), Some("short".into())).unwrap_err().to_string();
+        assert!(error.contains("WALSHIP_CLUSTER_SECRET") && error.contains("at least 16"), "{error}");
+
+        let mut c = three();
+        c.secret_file = Some("missing".into());
+        assert!(c.resolve_secret(dir.path(), None).unwrap_err().to_string().contains("missing"));
+        let parsed: Result<ClusterConfig, _> = toml::from_str("nodes = []\nshards = []\nsecret = \"tooshort\"\n");
+        assert!(parsed.unwrap_err().to_string().contains("at least 16"));
+    }
+
+    #[test]
+    fn saving_puts_the_secret_in_a_private_file_only() {
+        use std::os::unix::fs::PermissionsExt;
+        let dir = tempfile::tempdir().unwrap();
+        let mut c = three();
+        c.secret = Some(ClusterSecret::new("saved-secret-0123456789").unwrap());
+        let path = dir.path().join("cluster.toml");
+        c.save(&path).unwrap();
+        let text = std::fs::read_to_string(&path).unwrap();
+        assert!(!text.contains("saved-secret"), "{text}");
+        let secret_file = dir.path().join("cluster.toml.secret");
+        assert_eq!(std::fs::metadata(&secret_file).unwrap().permissions().mode() & 0o777, 0o600);
+        let loaded = ClusterConfig::load(&path).unwrap();
+        assert!(loaded.secret().unwrap().matches(b"saved-secret-0123456789"));
     }
 
     #[test]
     fn example_cluster_config_parses_and_is_valid() {
         let config: ClusterConfig = toml::from_str(include_str!("../../ops/cluster.example.toml")).unwrap();
         config.validate().unwrap();
+        assert!(config.secret_file.is_some(), "the example shows where the secret lives");
         assert_eq!(config.shards_of(2).len(), 3);
         assert_eq!(config.replication.heartbeat_to, Some("10.0.0.1:7400".parse().unwrap()));
         // Every [replication] key the example shows carries the default.

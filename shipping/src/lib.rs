@@ -1,5 +1,6 @@
 //! Replication and the client-facing side of a shard replica.
 //!
+//! * [`auth`]: the cluster secret every cluster RPC carries.
 //! * [`config`]: the cluster configuration (nodes, shards, replica sets,
 //!   replication tuning).
 //! * [`core`]: the pure state machines: a replica's role and epoch rules,
@@ -17,6 +18,7 @@
 //! The epoch fences every message; leadership is static (from the cluster
 //! config) without a coordinator and the coordinator's to move with one.
 
+pub mod auth;
 pub mod config;
 pub mod control;
 pub mod core;

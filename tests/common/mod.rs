@@ -8,8 +8,10 @@ use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
+use tonic::service::interceptor::InterceptedService;
 use tonic::transport::{Channel, Endpoint};
 use walship_proto::log::log_client::LogClient;
+use walship_shipping::auth::{ClusterCredentials, ClusterSecret};
 
 pub mod history;
 pub mod partition;
@@ -87,7 +89,8 @@ impl NodeProcess {
                 .arg("--data-dir")
                 .arg(data_dir)
                 .args(["--shards", shards])
-                .args(extra),
+                .args(extra)
+                .env("WALSHIP_CLUSTER_SECRET", SECRET),
             &format!("node {node_id}"),
         );
         NodeProcess {
@@ -213,6 +216,19 @@ pub struct Cluster {
 
 /// The admin token test coordinators run with.
 pub const TOKEN: &str = "test-token-0123456789";
+
+/// The cluster secret test clusters run with: every WalShipping and
+/// Control call a test makes as a member of the cluster carries it.
+pub const SECRET: &str = "test-cluster-secret-0123456789";
+
+/// A channel whose calls carry the test clusters' secret.
+pub type Member = InterceptedService<Channel, ClusterCredentials>;
+
+/// `channel` with the test clusters' secret on every call, as a member of
+/// the cluster sends them.
+pub fn as_member(channel: Channel) -> Member {
+    InterceptedService::new(channel, ClusterSecret::new(SECRET).unwrap().credentials())
+}
 
 /// A `walship coord` child process. Killed (SIGKILL) on drop.
 pub struct CoordProcess {
@@ -340,7 +356,7 @@ impl Cluster {
         if spec.separate_users {
             partition::open_cluster_dir(dir.path(), coordinators, nats.is_some());
         }
-        let mut toml = String::from("cluster_id = \"test\"\n");
+        let mut toml = format!("cluster_id = \"test\"\nsecret = \"{SECRET}\"\n");
         for c in 1..=coordinators {
             let (g, a) = (free_port(), free_port());
             toml +=
@@ -564,9 +580,17 @@ pub async fn raw_unary(
 ) -> Result<bytes::Bytes, tonic::Status> {
     ready(channel)
         .await
-        .unary(tonic::Request::new(bytes::Bytes::copy_from_slice(body)), raw_path(path), raw::RawCodec)
+        .unary(member_request(bytes::Bytes::copy_from_slice(body)), raw_path(path), raw::RawCodec)
         .await
         .map(tonic::Response::into_inner)
+}
+
+/// A request carrying the test clusters' secret (raw calls reach the
+/// cluster's own services too; `Log` ignores it).
+fn member_request<T>(message: T) -> tonic::Request<T> {
+    let mut request = tonic::Request::new(message);
+    request.metadata_mut().insert(walship_shipping::auth::SECRET_HEADER, SECRET.parse().unwrap());
+    request
 }
 
 /// A generic gRPC client on `channel`, ready to send.
@@ -588,11 +612,8 @@ pub async fn raw_stream_first(
     body: &[u8],
 ) -> Result<bytes::Bytes, tonic::Status> {
     let messages = tokio_stream::iter(vec![bytes::Bytes::copy_from_slice(body)]);
-    let mut answers = ready(channel)
-        .await
-        .streaming(tonic::Request::new(messages), raw_path(path), raw::RawCodec)
-        .await?
-        .into_inner();
+    let mut answers =
+        ready(channel).await.streaming(member_request(messages), raw_path(path), raw::RawCodec).await?.into_inner();
     match answers.message().await? {
         Some(answer) => Ok(answer),
         None => Err(tonic::Status::unknown("the stream ended without an answer or a status")),

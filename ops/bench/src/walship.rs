@@ -105,7 +105,7 @@ pub async fn start_cluster(
     configure(&mut config);
     config.validate()?;
     let file = dir.join("cluster.toml");
-    std::fs::write(&file, toml::to_string_pretty(&config)?)?;
+    config.save(&file).with_context(|| format!("writing {}", file.display()))?;
     let mut command = Command::new(walship);
     command
         .args(["coord", "--id", &spec.id, "--admin-token", "walship-compare-token", "--cluster"])

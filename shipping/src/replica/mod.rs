@@ -144,12 +144,10 @@ impl ReplicationNode {
             let promised = wal.epoch(spec.id)?;
             replicas.insert(spec.id, Arc::new(ShardReplica::new(spec, me, config.coordinated(), promised, last)));
         }
-        let mut addresses = config.addresses();
-        addresses.remove(&me);
         let node = Arc::new(ReplicationNode {
             me,
             region: node_spec.region,
-            peers: Peers::new(&addresses),
+            peers: Peers::new(&config),
             catchup_budget: RateLimiter::new(r.catchup_rate_bytes_per_s),
             settings,
             allow_crash_drills,

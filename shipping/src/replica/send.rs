@@ -48,7 +48,7 @@ pub(super) type ShipCall = (ShipSegmentRequest, tokio::sync::oneshot::Sender<Res
 /// A peer without `ShipSegments` (an older node) answers `UNIMPLEMENTED`;
 /// from then on each push is a unary `ShipSegment`, as before the stream.
 async fn run_ship_stream(
-    mut client: walship_proto::replication::wal_shipping_client::WalShippingClient<tonic::transport::Channel>,
+    mut client: walship_proto::replication::wal_shipping_client::WalShippingClient<crate::peers::PeerChannel>,
     mut calls: tokio::sync::mpsc::Receiver<ShipCall>,
 ) {
     use std::collections::VecDeque;
@@ -110,7 +110,7 @@ const SHIP_STREAM_DEPTH: usize = 256;
 
 /// Unary `ShipSegment` for every push, for a peer without `ShipSegments`.
 async fn ship_unary(
-    client: walship_proto::replication::wal_shipping_client::WalShippingClient<tonic::transport::Channel>,
+    client: walship_proto::replication::wal_shipping_client::WalShippingClient<crate::peers::PeerChannel>,
     first: ShipCall,
     mut calls: tokio::sync::mpsc::Receiver<ShipCall>,
 ) {
@@ -423,6 +423,8 @@ mod ship_stream_tests {
         );
         let channel = tonic::transport::Endpoint::from_shared(format!("http://{addr}")).unwrap().connect_lazy();
         let (calls, rx) = tokio::sync::mpsc::channel(SHIP_STREAM_DEPTH);
+        let channel =
+            tonic::service::interceptor::InterceptedService::new(channel, crate::auth::ClusterCredentials::of(None));
         tokio::spawn(run_ship_stream(WalShippingClient::new(channel), rx));
         for seqno in [5, 9, 12] {
             let (reply, answer) = tokio::sync::oneshot::channel();

@@ -240,7 +240,7 @@ impl Coordinator {
         let lease_ms = config.replication.coordinator_lease_ms;
         let coordinator = Arc::new(Coordinator {
             id,
-            peers: Peers::new(&config.addresses()),
+            peers: Peers::new(&config),
             shard_locks: config.shards.iter().map(|s| (s.id, tokio::sync::Mutex::new(()))).collect(),
             config,
             kv,
