@@ -8,7 +8,7 @@ use base64::Engine as _;
 use bytes::Bytes;
 use clap::{Args, ValueEnum};
 use serde_json::json;
-use tonic::transport::{Channel, Endpoint};
+use tonic::transport::Channel;
 use walship_proto::log::log_client::LogClient;
 use walship_proto::log::{AppendRecord, AppendRequest, Durability, ReadRequest, Record, TailRequest};
 
@@ -115,9 +115,9 @@ pub struct TailArgs {
 
 /// Connects to a node's gRPC address (`host:port` or a URL).
 pub async fn connect(server: &str) -> Result<LogClient<Channel>> {
-    let url = if server.contains("://") { server.to_string() } else { format!("http://{server}") };
-    let channel =
-        Endpoint::from_shared(url.clone())?.connect().await.with_context(|| format!("connecting to {url}"))?;
+    let endpoint = crate::tls::client_endpoint(server)?;
+    let url = endpoint.uri().to_string();
+    let channel = endpoint.connect().await.with_context(|| format!("connecting to {url}"))?;
     Ok(LogClient::new(channel).max_decoding_message_size(64 << 20).max_encoding_message_size(64 << 20))
 }
 
@@ -245,7 +245,10 @@ impl LeaderClient {
 }
 
 fn status_error(status: tonic::Status) -> anyhow::Error {
-    anyhow::anyhow!("{:?}: {}", status.code(), status.message())
+    match crate::tls::explain(&status) {
+        Some(why) => anyhow::anyhow!("{:?}: {}: {why}", status.code(), status.message()),
+        None => anyhow::anyhow!("{:?}: {}", status.code(), status.message()),
+    }
 }
 
 pub async fn append(args: AppendArgs) -> Result<()> {

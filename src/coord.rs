@@ -14,6 +14,7 @@ use walship_proto::replication::wal_shipping_server::WalShippingServer;
 use walship_shipping::ClusterConfig;
 use walship_shipping::control::service::CoordinatorHeartbeats;
 use walship_shipping::control::{Coordinator, CoordinatorMetrics, FileKv, Kv, NatsKv};
+use walship_shipping::peers::PeerTransport;
 
 #[derive(Args, Debug)]
 pub struct CoordArgs {
@@ -22,6 +23,8 @@ pub struct CoordArgs {
     /// to nodes carry from `secret`/`secret_file` or WALSHIP_CLUSTER_SECRET.
     #[arg(long, env = "WALSHIP_CLUSTER_CONFIG")]
     cluster: PathBuf,
+    #[command(flatten)]
+    own_certificate: crate::tls::OwnCertificate,
     /// This coordinator's id (its [[coordinators]] entry).
     #[arg(long, env = "WALSHIP_COORD_ID")]
     id: String,
@@ -47,7 +50,8 @@ pub struct CoordArgs {
 }
 
 pub async fn run_coord(args: CoordArgs) -> Result<()> {
-    let config = ClusterConfig::load(&args.cluster)?;
+    let mut config = ClusterConfig::load(&args.cluster)?;
+    args.own_certificate.apply(&mut config)?;
     let spec = config
         .coordinators
         .iter()
@@ -69,8 +73,10 @@ pub async fn run_coord(args: CoordArgs) -> Result<()> {
     };
     let registry = prometheus::Registry::new();
     let gate = crate::node::cluster_gate(&config);
-    let coordinator =
-        Coordinator::start(args.id.clone(), Arc::new(config), kv.clone(), CoordinatorMetrics::new(&registry)?);
+    let transport = PeerTransport::new(&config).context("the cluster's TLS files")?;
+    let cluster_tls = config.tls.clone();
+    let metrics = CoordinatorMetrics::new(&registry)?;
+    let coordinator = Coordinator::start(args.id.clone(), Arc::new(config), kv.clone(), metrics, transport);
     if let Some(client) = nats {
         coordinator.publish_heartbeats(client);
     }
@@ -94,24 +100,14 @@ pub async fn run_coord(args: CoordArgs) -> Result<()> {
         gate,
     );
     let grpc_shutdown = shutdown.clone();
-    let grpc = tokio::spawn(async move {
-        tonic::transport::Server::builder()
-            .add_service(health_service)
-            .add_service(heartbeats)
-            .serve_with_incoming_shutdown(
-                tonic::transport::server::TcpIncoming::from(grpc_listener).with_nodelay(Some(true)),
-                grpc_shutdown.cancelled_owned(),
-            )
-            .await
-            .context("gRPC server")
-    });
+    let router = tonic::transport::Server::builder().add_service(health_service).add_service(heartbeats);
+    let tls = cluster_tls.clone();
+    let grpc =
+        tokio::spawn(async move { crate::tls::serve_grpc(router, grpc_listener, tls.as_ref(), grpc_shutdown).await });
     let admin = Arc::new(CoordAdmin { coordinator, registry, token: token.clone(), started: Instant::now() });
     let admin_shutdown = shutdown.clone();
     let http = tokio::spawn(async move {
-        axum::serve(admin_listener, coord_router(admin).into_make_service_with_connect_info::<SocketAddr>())
-            .with_graceful_shutdown(admin_shutdown.cancelled_owned())
-            .await
-            .context("admin server")
+        crate::tls::serve_admin(coord_router(admin), admin_listener, cluster_tls.as_ref(), admin_shutdown).await
     });
     let shown = if generated { token.as_str() } else { "(given)" };
     println!(

@@ -34,6 +34,11 @@ pub struct DevArgs {
     /// Admin token of the coordinator (generated when absent).
     #[arg(long, env = "WALSHIP_TOKEN")]
     admin_token: Option<String>,
+    /// Serve TLS on every listener, with mutual TLS between members and on
+    /// the gRPC ports: a throwaway CA and certificates are generated under
+    /// <data-dir>/tls, and the line to point the CLI at them is printed.
+    #[arg(long)]
+    tls: bool,
 }
 
 /// How long a dead node stays down before `walship dev` restarts it.
@@ -108,8 +113,14 @@ fn wait_listening(child: &mut Child, what: &str) -> Result<()> {
 }
 
 pub async fn run_dev(args: DevArgs) -> Result<()> {
-    let cluster = dev_cluster(&args)?;
+    let mut cluster = dev_cluster(&args)?;
     std::fs::create_dir_all(&args.data_dir).with_context(|| format!("creating {}", args.data_dir.display()))?;
+    let certificates = match args.tls {
+        true => Some(crate::tls::LocalCertificates::generate(&args.data_dir.join("tls"))?),
+        false => None,
+    };
+    cluster.tls = certificates.as_ref().map(|c| c.cluster_tls());
+    let scheme = if args.tls { "https" } else { "http" };
     let cluster_file = args.data_dir.join("cluster.toml");
     cluster.save(&cluster_file).with_context(|| format!("writing {}", cluster_file.display()))?;
     let exe = std::env::current_exe()?;
@@ -156,7 +167,7 @@ pub async fn run_dev(args: DevArgs) -> Result<()> {
         let leads: Vec<String> =
             cluster.shards.iter().filter(|s| s.leader == node.id).map(|s| s.id.to_string()).collect();
         println!(
-            "  node {}  gRPC {}  admin http://{}/v1/status  leads shards [{}]",
+            "  node {}  gRPC {}  admin {scheme}://{}/v1/status  leads shards [{}]",
             node.id,
             node.grpc_addr,
             node.admin_addr,
@@ -164,7 +175,11 @@ pub async fn run_dev(args: DevArgs) -> Result<()> {
         );
     }
     let coord = &cluster.coordinators[0];
-    println!("  coordinator  admin http://{}/v1/shards  (token {token})", coord.admin_addr);
+    println!("  coordinator  admin {scheme}://{}/v1/shards  (token {token})", coord.admin_addr);
+    if let Some(certificates) = &certificates {
+        println!("TLS on every port, mutual on gRPC; point the CLI at the throwaway CA:");
+        println!("  {}", certificates.export_line());
+    }
     let first = &cluster.nodes[0].grpc_addr;
     // Shard 2 is led by node 2, so the example shows the leader hint at
     // work; a one-shard cluster has only shard 1.
@@ -208,7 +223,8 @@ mod tests {
 
     #[test]
     fn dev_cluster_spreads_leaders_at_full_replication() {
-        let args = DevArgs { data_dir: "x".into(), shards: 4, nodes: 3, base_port: 7400, admin_token: None };
+        let args =
+            DevArgs { data_dir: "x".into(), shards: 4, nodes: 3, base_port: 7400, admin_token: None, tls: false };
         let c = dev_cluster(&args).unwrap();
         assert_eq!(c.shards.iter().map(|s| s.leader).collect::<Vec<_>>(), vec![1, 2, 3, 1]);
         assert!(c.shards.iter().all(|s| s.replicas == vec![1, 2, 3]));

@@ -13,6 +13,7 @@ mod failover;
 mod http;
 mod node;
 mod status;
+mod tls;
 
 use std::io::IsTerminal;
 
@@ -24,6 +25,8 @@ use clap::{Parser, Subcommand};
 struct Cli {
     #[command(subcommand)]
     command: Command,
+    #[command(flatten)]
+    tls: tls::ClientTls,
 }
 
 #[derive(Subcommand)]
@@ -81,6 +84,7 @@ fn run() -> Result<()> {
     // are told apart as a torn tail (INFO) or corruption (ERROR).
     walship_wal::recovery_log::install()?;
     let cli = Cli::parse();
+    cli.tls.clone().install()?;
     if matches!(
         cli.command,
         Command::Append(_) | Command::Read(_) | Command::Tail(_) | Command::Status(_) | Command::Failover(_)
@@ -106,14 +110,25 @@ fn run() -> Result<()> {
 }
 
 /// A client command whose output goes to `head` (or any reader that stops
-/// early) ends quietly when the reader goes away, as Unix tools do: the
-/// default action of SIGPIPE. Rust starts with the signal ignored, so a print
-/// to a closed pipe would panic instead. Servers keep ignoring it (their
-/// sockets report a closed peer as an error).
+/// early) ends quietly when the reader goes away, as Unix tools do. Not by
+/// restoring SIGPIPE's default action: that would also kill the client when
+/// a *socket* it writes to was closed by the server (a TLS port spoken to
+/// in plaintext, a node that dies), silently, with status 141. Instead a
+/// print to a closed stdout (which panics in Rust, the signal being
+/// ignored) exits with status 0, and every other panic is reported as
+/// before.
 fn exit_quietly_on_closed_pipe() {
-    // SAFETY: called before the runtime starts any thread; it only restores
-    // the signal's default disposition.
-    unsafe {
-        libc::signal(libc::SIGPIPE, libc::SIG_DFL);
-    }
+    let report = std::panic::take_hook();
+    std::panic::set_hook(Box::new(move |info| {
+        let payload = info.payload();
+        let message = payload
+            .downcast_ref::<String>()
+            .map(String::as_str)
+            .or_else(|| payload.downcast_ref::<&str>().copied())
+            .unwrap_or_default();
+        if message.starts_with("failed printing to stdout") && message.contains("Broken pipe") {
+            std::process::exit(0);
+        }
+        report(info);
+    }));
 }

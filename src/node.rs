@@ -6,7 +6,7 @@ use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use anyhow::{Context, Result};
+use anyhow::{Context, Result, bail};
 use clap::Args;
 use tokio::net::TcpListener;
 use tokio_util::sync::CancellationToken;
@@ -16,7 +16,7 @@ use walship_proto::log::control_server::ControlServer;
 use walship_proto::log::log_server::LogServer;
 use walship_proto::replication::wal_shipping_server::WalShippingServer;
 use walship_shipping::auth::{ClusterSecret, SECRET_ENV};
-use walship_shipping::peers::MAX_PEER_MESSAGE_BYTES;
+use walship_shipping::peers::{MAX_PEER_MESSAGE_BYTES, PeerTransport};
 use walship_shipping::{
     ClusterConfig, ControlService, LogLimits, LogService, LogServiceMetrics, NodeSpec, ReplicationMetrics,
     ReplicationNode, WalShippingService,
@@ -36,6 +36,8 @@ pub struct NodeArgs {
     /// runs alone with --shards.
     #[arg(long, env = "WALSHIP_CLUSTER_CONFIG")]
     cluster: Option<PathBuf>,
+    #[command(flatten)]
+    own_certificate: crate::tls::OwnCertificate,
     /// This node's id.
     #[arg(long)]
     node_id: Option<u32>,
@@ -91,7 +93,14 @@ pub struct NodeArgs {
 
 impl NodeArgs {
     fn into_config(self) -> Result<(NodeConfig, Option<ClusterConfig>, Drills)> {
-        let cluster = self.cluster.as_deref().map(ClusterConfig::load).transpose()?;
+        let mut cluster = self.cluster.as_deref().map(ClusterConfig::load).transpose()?;
+        match &mut cluster {
+            Some(cluster) => self.own_certificate.apply(cluster)?,
+            None if self.own_certificate.tls_cert.is_some() => {
+                bail!("--tls-cert/--tls-key need a cluster config with a [tls] section")
+            }
+            None => {}
+        }
         let mut config = match &self.config {
             Some(path) => NodeConfig::load(path)?,
             None => NodeConfig {
@@ -220,6 +229,8 @@ pub async fn start_node(config: NodeConfig, cluster: Option<ClusterConfig>, dril
     }
 
     let gate = cluster_gate(&cluster);
+    let transport = PeerTransport::new(&cluster).context("the cluster's TLS files")?;
+    let cluster_tls = cluster.tls.clone();
     let registry = prometheus::Registry::new();
     let wal_dir = config.data_dir.join("wal");
     std::fs::create_dir_all(&wal_dir).with_context(|| format!("creating {}", wal_dir.display()))?;
@@ -266,6 +277,7 @@ pub async fn start_node(config: NodeConfig, cluster: Option<ClusterConfig>, dril
         ReplicationMetrics::new(&registry)?,
         disk_bytes,
         drills.allow_crash,
+        transport,
     )
     .await
     .map_err(|error| anyhow::anyhow!("starting replication: {error}"))?;
@@ -303,36 +315,26 @@ pub async fn start_node(config: NodeConfig, cluster: Option<ClusterConfig>, dril
         gate.clone(),
     );
     let control = InterceptedService::new(ControlServer::new(ControlService::new(control_node)), gate);
-    let grpc = tokio::spawn(async move {
-        tonic::transport::Server::builder()
-            // Peers may send a whole shipped segment (often 100 KiB and more)
-            // as one HTTP/2 DATA frame instead of 16 KiB pieces: fewer frames
-            // to encode, decode and flow-control. +4–8 % at 4 KiB × 64
-            // (`ops/bench/README.md`). Message size limits are separate.
-            .max_frame_size(1 << 20)
-            .add_service(health_service)
-            .add_service(reflection_v1)
-            .add_service(reflection_v1alpha)
-            .add_service(
-                LogServer::new(log).max_decoding_message_size(max_message).max_encoding_message_size(max_message),
-            )
-            .add_service(shipping)
-            .add_service(control)
-            .serve_with_incoming_shutdown(
-                // Small request/response RPCs: Nagle plus delayed ACKs would add ~40 ms.
-                tonic::transport::server::TcpIncoming::from(grpc_listener).with_nodelay(Some(true)),
-                grpc_shutdown.cancelled_owned(),
-            )
-            .await
-            .context("gRPC server")
-    });
+    let tls = cluster_tls.clone();
+    let router = tonic::transport::Server::builder()
+        // Peers may send a whole shipped segment (often 100 KiB and more)
+        // as one HTTP/2 DATA frame instead of 16 KiB pieces: fewer frames
+        // to encode, decode and flow-control. +4–8 % at 4 KiB × 64
+        // (`ops/bench/README.md`). Message size limits are separate.
+        .max_frame_size(1 << 20)
+        .add_service(health_service)
+        .add_service(reflection_v1)
+        .add_service(reflection_v1alpha)
+        .add_service(LogServer::new(log).max_decoding_message_size(max_message).max_encoding_message_size(max_message))
+        .add_service(shipping)
+        .add_service(control);
+    let grpc =
+        tokio::spawn(async move { crate::tls::serve_grpc(router, grpc_listener, tls.as_ref(), grpc_shutdown).await });
     let admin = Arc::new(NodeAdmin { node, registry, started: Instant::now() });
     let admin_shutdown = shutdown.clone();
     let http = tokio::spawn(async move {
-        axum::serve(admin_listener, walship_admin_api::node_router(admin))
-            .with_graceful_shutdown(admin_shutdown.cancelled_owned())
-            .await
-            .context("admin server")
+        let app = walship_admin_api::node_router(admin);
+        crate::tls::serve_admin(app, admin_listener, cluster_tls.as_ref(), admin_shutdown).await
     });
     tracing::info!(node_id = config.node_id, %grpc_addr, %admin_addr, "serving");
     Ok(RunningNode { grpc_addr, admin_addr, shutdown, servers: vec![grpc, http], wal })

@@ -229,6 +229,71 @@ pub struct ClusterConfig {
     /// network nobody else can reach.
     #[serde(default, skip_serializing_if = "std::ops::Not::not")]
     pub insecure_no_auth: bool,
+    /// TLS on every listener and every call between members; see [`TlsConfig`].
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub tls: Option<TlsConfig>,
+}
+
+/// TLS for a cluster: every gRPC and admin listener of its nodes and
+/// coordinators serves TLS with `cert`/`key`, and members dial each other
+/// over TLS, trusting `ca`. Paths are relative to the cluster config; a
+/// process's `--tls-cert`/`--tls-key` (or `WALSHIP_TLS_CERT`/`_KEY`) name
+/// its own pair instead. Servers reload the pair on SIGHUP and when the
+/// files change.
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq, Eq)]
+#[serde(deny_unknown_fields)]
+pub struct TlsConfig {
+    /// PEM: the certificate authority members' certificates are signed by.
+    pub ca: PathBuf,
+    /// PEM: this process's certificate chain (server and, for mutual TLS,
+    /// client authentication).
+    pub cert: PathBuf,
+    /// PEM: the private key of `cert`.
+    pub key: PathBuf,
+    /// Mutual TLS on the gRPC listeners: a connection without a certificate
+    /// signed by `ca` is refused in the handshake (clients of `Log` then
+    /// need one too: `walship append --cert/--key`). Admin HTTP listeners
+    /// serve TLS without asking for one (browsers, bearer tokens).
+    #[serde(default)]
+    pub require_client_cert: bool,
+}
+
+impl TlsConfig {
+    /// Makes relative paths relative to `base` (the config file's directory).
+    pub fn rebase(&mut self, base: &Path) {
+        for path in [&mut self.ca, &mut self.cert, &mut self.key] {
+            if path.is_relative() {
+                *path = base.join(&*path);
+            }
+        }
+    }
+
+    /// Reads the three PEM files (checked for at least one PEM block each).
+    pub fn read(&self) -> Result<TlsPems, ConfigError> {
+        let read = |path: &Path| {
+            let bytes =
+                std::fs::read(path).map_err(|source| ConfigError::Read { path: path.display().to_string(), source })?;
+            if !bytes.windows(11).any(|w| w == b"-----BEGIN ") {
+                return Err(ConfigError::Invalid(format!("tls: {} holds no PEM block", path.display())));
+            }
+            Ok(bytes)
+        };
+        Ok(TlsPems { ca: read(&self.ca)?, cert: read(&self.cert)?, key: read(&self.key)? })
+    }
+}
+
+/// The PEM contents of a [`TlsConfig`]'s files.
+#[derive(Clone)]
+pub struct TlsPems {
+    pub ca: Vec<u8>,
+    pub cert: Vec<u8>,
+    pub key: Vec<u8>,
+}
+
+impl std::fmt::Debug for TlsPems {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("TlsPems(<redacted>)")
+    }
 }
 
 /// Writes `text` to a file only its owner may read.
@@ -262,7 +327,11 @@ impl ClusterConfig {
         let text = std::fs::read_to_string(path).map_err(|source| ConfigError::Read { path: shown.clone(), source })?;
         let mut config: ClusterConfig =
             toml::from_str(&text).map_err(|source| ConfigError::Parse { path: shown, source })?;
-        config.resolve_secret(path.parent().unwrap_or(Path::new(".")), std::env::var(SECRET_ENV).ok())?;
+        let base = path.parent().unwrap_or(Path::new("."));
+        config.resolve_secret(base, std::env::var(SECRET_ENV).ok())?;
+        if let Some(tls) = &mut config.tls {
+            tls.rebase(base);
+        }
         config.validate()?;
         Ok(config)
     }
@@ -327,6 +396,7 @@ impl ClusterConfig {
             secret: Some(ClusterSecret::random()),
             secret_file: None,
             insecure_no_auth: false,
+            tls: None,
         }
     }
 
@@ -351,6 +421,7 @@ impl ClusterConfig {
             secret: Some(ClusterSecret::random()),
             secret_file: None,
             insecure_no_auth: false,
+            tls: None,
         }
     }
 
@@ -448,6 +519,7 @@ mod tests {
             secret: None,
             secret_file: None,
             insecure_no_auth: false,
+            tls: None,
         }
     }
 

@@ -21,6 +21,10 @@ use super::shard::LeaderState;
 use super::{ReplicaError, ReplicationNode, ShardReplica, now_us};
 use crate::NodeId;
 use crate::core::leader::{LeaderCore, LeaderStart};
+
+/// How long [`ReplicationNode::settle`] waits before it reports a wait
+/// that should have ended.
+const SETTLE_WARN_AFTER: Duration = Duration::from_secs(5);
 use crate::core::replica::{Command, Refusal, Role};
 use crate::core::{Epoch, Seqno};
 
@@ -83,7 +87,22 @@ impl ReplicationNode {
         let _guard = replica.follower.apply_lock.lock().await;
         let queued = *replica.follower.next_expected.borrow() - 1;
         let mut durable = self.wal.durable_watch(replica.shard)?;
-        let _ = durable.wait_for(|d| *d >= queued).await;
+        // Every queued record becomes durable or the process aborts (a
+        // failed write or fsync is fatal), so this wait ends; should it
+        // not, say so once with what it waits for.
+        if tokio::time::timeout(SETTLE_WARN_AFTER, durable.wait_for(|d| *d >= queued)).await.is_err() {
+            let p = self.wal.positions(replica.shard)?;
+            let written = *self.wal.written_watch(replica.shard)?.borrow();
+            tracing::warn!(
+                shard = replica.shard,
+                queued,
+                durable = p.durable_seqno,
+                written,
+                stored = p.last_seqno,
+                "still waiting for queued records to become durable"
+            );
+            let _ = durable.wait_for(|d| *d >= queued).await;
+        }
         Ok(())
     }
 

@@ -69,7 +69,7 @@ use crate::core::leader::LeaderSettings;
 pub use crate::core::replica::{ReplicaCore, Role, View};
 use crate::limiter::RateLimiter;
 use crate::metrics::ReplicationMetrics;
-use crate::peers::Peers;
+use crate::peers::{PeerTransport, Peers};
 
 pub fn now_us() -> u64 {
     SystemTime::now().duration_since(UNIX_EPOCH).map(|d| d.as_micros() as u64).unwrap_or(0)
@@ -125,6 +125,7 @@ impl ReplicationNode {
         metrics: ReplicationMetrics,
         disk_bytes: Box<dyn Fn() -> u64 + Send + Sync>,
         allow_crash_drills: bool,
+        transport: PeerTransport,
     ) -> Result<Arc<ReplicationNode>, ReplicaError> {
         let node_spec = config
             .node(me)
@@ -147,7 +148,7 @@ impl ReplicationNode {
         let node = Arc::new(ReplicationNode {
             me,
             region: node_spec.region,
-            peers: Peers::new(&config),
+            peers: Peers::new(&config, &transport),
             catchup_budget: RateLimiter::new(r.catchup_rate_bytes_per_s),
             settings,
             allow_crash_drills,

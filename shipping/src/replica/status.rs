@@ -186,7 +186,7 @@ impl ReplicationNode {
             .iter()
             .map(|c| c.grpc_addr.clone())
             .chain(self.config.replication.heartbeat_to.map(crate::config::Address::from))
-            .map(|a| crate::peers::peer_channel(&self.config, &a))
+            .map(|a| self.peers.transport().channel(&a))
             .collect();
         let mut tick = tokio::time::interval(interval);
         tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);

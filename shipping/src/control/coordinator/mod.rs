@@ -34,7 +34,7 @@ use crate::config::ClusterConfig;
 use crate::control::failover::{self, Candidate};
 use crate::control::kv::{Kv, KvError};
 use crate::control::state::{ClusterState, FailoverRecord, LeaseAction, STATE_KEY, ShardRecord, lease_action};
-use crate::peers::Peers;
+use crate::peers::{PeerTransport, Peers};
 
 mod promote;
 mod reconcile;
@@ -236,11 +236,12 @@ impl Coordinator {
         config: Arc<ClusterConfig>,
         kv: Arc<dyn Kv>,
         metrics: CoordinatorMetrics,
+        transport: PeerTransport,
     ) -> Arc<Coordinator> {
         let lease_ms = config.replication.coordinator_lease_ms;
         let coordinator = Arc::new(Coordinator {
             id,
-            peers: Peers::new(&config),
+            peers: Peers::new(&config, &transport),
             shard_locks: config.shards.iter().map(|s| (s.id, tokio::sync::Mutex::new(()))).collect(),
             config,
             kv,
