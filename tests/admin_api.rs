@@ -37,6 +37,13 @@ async fn readiness_and_error_shapes() {
     let big = format!("{{\"target\": 2, \"pad\": \"{}\"}}", "x".repeat(100 << 10));
     let (code, body) = cluster.coord_post(1, "/v1/shards/1/failover", &big, Some(TOKEN)).await;
     assert_eq!((code, body["error"]["code"].as_str()), (413, Some("body_too_large")), "{body}");
+    assert!(body["error"]["message"].as_str().unwrap().contains("64 KiB limit"), "{body}");
+    // Far over it (10 MiB): still an answer the caller can read, not a
+    // connection closed under it.
+    let huge = format!("{{\"target\": 2, \"pad\": \"{}\"}}", "x".repeat(10 << 20));
+    let (code, body) = cluster.coord_post(1, "/v1/shards/1/failover", &huge, Some(TOKEN)).await;
+    assert_eq!((code, body["error"]["code"].as_str()), (413, Some("body_too_large")), "{body}");
+    assert_eq!(cluster.leader_of(1, 1).await.unwrap(), before, "an oversized request changed leadership");
     // Malformed and wrongly typed bodies: 400 naming the problem.
     let (code, body) = cluster.coord_post(1, "/v1/shards/1/failover", "{not json", Some(TOKEN)).await;
     assert_eq!(code, 400, "{body}");

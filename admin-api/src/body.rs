@@ -35,13 +35,45 @@ where
                 "the body must be JSON: send Content-Type: application/json",
             ));
         }
-        let bytes = Bytes::from_request(req, state).await.map_err(|rejection| {
-            let status = rejection.status();
-            let code = if status == StatusCode::PAYLOAD_TOO_LARGE { "body_too_large" } else { "bad_request" };
-            ApiError::new(status, code, rejection.body_text())
-        })?;
+        let _ = state;
+        let bytes = read_limited(req).await?;
         parse(&bytes).map(ObjectJson)
     }
+}
+
+/// The most of an oversized body read (and dropped) before answering 413,
+/// so that a client still sending it reads the answer instead of a reset
+/// connection; a body larger still gets the connection closed under it.
+pub const MAX_DRAINED_BYTES: usize = 64 << 20;
+
+/// Reads the body, up to [`crate::MAX_BODY_BYTES`]; over it, drains the
+/// rest (up to [`MAX_DRAINED_BYTES`]) and refuses with 413.
+async fn read_limited(req: Request) -> Result<Bytes, ApiError> {
+    use futures::StreamExt;
+    let mut body = req.into_body().into_data_stream();
+    let mut kept = Vec::new();
+    let mut seen = 0usize;
+    while let Some(chunk) = body.next().await {
+        let chunk = chunk
+            .map_err(|e| ApiError::new(StatusCode::BAD_REQUEST, "bad_request", format!("reading the body: {e}")))?;
+        seen += chunk.len();
+        if seen <= crate::MAX_BODY_BYTES {
+            kept.extend_from_slice(&chunk);
+        } else if seen > MAX_DRAINED_BYTES {
+            break;
+        }
+    }
+    if seen > crate::MAX_BODY_BYTES {
+        return Err(ApiError::new(
+            StatusCode::PAYLOAD_TOO_LARGE,
+            "body_too_large",
+            format!(
+                "the request body ({seen} bytes or more) is over the {} KiB limit of admin requests",
+                crate::MAX_BODY_BYTES >> 10
+            ),
+        ));
+    }
+    Ok(Bytes::from(kept))
 }
 
 /// Parses `bytes` as one JSON object of type `T`.
