@@ -433,6 +433,17 @@ struct LeaderClient {
 
 impl LeaderClient {
     async fn append(&mut self, request: AppendRequest) -> Result<walship_proto::log::AppendResponse, ClientError> {
+        let size = prost::Message::encoded_len(&request);
+        if size > MAX_MESSAGE_BYTES {
+            return Err(ClientError::new(
+                Kind::TooLarge,
+                None,
+                format!(
+                    "the append request is {size} bytes; the client's limit is {MAX_MESSAGE_BYTES} bytes (a node's \
+                     own max_batch_bytes is usually lower): use a smaller --batch; nothing was sent"
+                ),
+            ));
+        }
         let started = Instant::now();
         let mut hint = None;
         self.servers.failures.clear();
