@@ -447,14 +447,14 @@ impl LeaderClient {
         let started = Instant::now();
         let mut hint = None;
         self.servers.failures.clear();
-        // Servers that could not be reached in a row, hinted ones included.
+        // Servers of the list that could not be reached in a row.
         let mut unreachable = 0usize;
         loop {
             let remaining = self.deadline.saturating_sub(started.elapsed());
             if remaining.is_zero() {
                 let last = self.servers.give_up("no leader accepted the append");
                 return Err(ClientError::new(
-                    if last.kind == Kind::DeadlineExceeded { Kind::DeadlineExceeded } else { Kind::Unavailable },
+                    Kind::DeadlineExceeded,
                     None,
                     format!(
                         "no leader accepted the append within {:?} (--deadline); it was not written: {last}",
@@ -462,10 +462,18 @@ impl LeaderClient {
                     ),
                 ));
             }
+            let hinted = hint.is_some() && self.servers.current.is_none();
             let (server, mut client) = match self.servers.client(hint.take(), remaining).await {
                 Ok(c) => {
                     unreachable = 0;
                     c
+                }
+                // A hinted leader that cannot be reached (it died; the
+                // failover is under way) does not count: the servers
+                // that hinted it answered.
+                Err(_) if hinted => {
+                    tokio::time::sleep(Duration::from_millis(50)).await;
+                    continue;
                 }
                 Err(_) => {
                     unreachable += 1;

@@ -286,6 +286,14 @@ async fn appends_move_past_frozen_servers_and_report_unknown_only_when_sent() {
     cluster.wait_node_leads(1, 1, Duration::from_secs(30)).await;
     let (n1, n2, n3) = (cluster.node(1).grpc.clone(), cluster.node(2).grpc.clone(), cluster.node(3).grpc.clone());
 
+    // A refused, an unresolvable and a follower's address before the
+    // leader's: each is passed over.
+    let refused = format!("127.0.0.1:{}", common::free_port());
+    let servers = format!("{refused},no-such-host.invalid:7401,{n3},{n1}");
+    let append = run(walship(&["append", "--server", &servers, "--shard", "1"]), Some("first\n")).await;
+    assert!(append.status.success(), "{}", describe(&append));
+    assert!(String::from_utf8_lossy(&append.stdout).contains("seqnos 1..=1"), "{}", describe(&append));
+
     cluster.signal(2, libc::SIGSTOP);
     let servers = format!("{n2},{n1}");
     let append = run(
@@ -294,14 +302,14 @@ async fn appends_move_past_frozen_servers_and_report_unknown_only_when_sent() {
     )
     .await;
     assert!(append.status.success(), "{}", describe(&append));
-    assert_eq!(json_lines(&append)[0]["last_seqno"], 1, "{}", describe(&append));
+    assert_eq!(json_lines(&append)[0]["last_seqno"], 2, "{}", describe(&append));
     let read = run(
         walship(&["read", "--server", &format!("{n2},{n3}"), "--shard", "1", "--connect-timeout", "1s", "--json"]),
         None,
     )
     .await;
     assert!(read.status.success(), "{}", describe(&read));
-    assert_eq!(seqnos(&json_lines(&read)), vec![1], "{}", describe(&read));
+    assert_eq!(seqnos(&json_lines(&read)), vec![1, 2], "{}", describe(&read));
 
     // Durability ALL with a frozen follower: the leader takes the append
     // and never answers.
@@ -327,7 +335,7 @@ async fn appends_move_past_frozen_servers_and_report_unknown_only_when_sent() {
     cluster.signal(2, libc::SIGCONT);
     let leader: &NodeProcess = cluster.node(1);
     wait_until("the unknown-outcome append is committed after all", Duration::from_secs(30), || async move {
-        durable(leader, 1).await >= 2
+        durable(leader, 1).await >= 3
     })
     .await;
 
@@ -353,7 +361,8 @@ async fn appends_move_past_frozen_servers_and_report_unknown_only_when_sent() {
     cluster.signal(1, libc::SIGCONT);
     let read = run(walship(&["read", "--server", &n1, "--shard", "1", "--json"]), None).await;
     let lines = json_lines(&read);
-    assert_eq!(seqnos(&lines), vec![1, 2], "{}", describe(&read));
+    assert_eq!(seqnos(&lines), vec![1, 2, 3], "{}", describe(&read));
+    assert_eq!(lines[2]["payload"], "maybe", "{}", describe(&read));
     assert!(lines.iter().all(|l| l["payload"] != "never"), "{}", describe(&read));
 }
 
