@@ -307,6 +307,9 @@ pub async fn connect(server: &str, options: &ChannelOptions) -> Result<LogClient
         }
         Ok(Err(status)) => {
             let error = status_error(server, &status);
+            if error.kind == Kind::DeadlineExceeded {
+                return Err(silent());
+            }
             if !matches!(error.kind, Kind::Rejected | Kind::Other | Kind::NotWalship) {
                 return Err(error);
             }

@@ -295,6 +295,7 @@ pub fn status_error(server: &str, status: &tonic::Status) -> ClientError {
     };
     let message = match kind {
         Kind::NotWalship => format!("answered, but not as a walship node's gRPC Log service ({detail})"),
+        Kind::DeadlineExceeded => format!("no answer within the call's deadline (--request-timeout) ({detail})"),
         _ if status.code() == tonic::Code::Unknown || status.code() == tonic::Code::Internal => {
             format!("{detail} ({})", chain(status))
         }

@@ -173,6 +173,20 @@ async fn each_connection_failure_is_named_with_its_exit_code() {
             assert_json_error(&json, code, kind, server);
         }
     }
+    // The timeouts come from the environment when no flag is given; a bad
+    // value there is a usage error.
+    let mut from_env = walship(&["read", "--server", &silent, "--shard", "1"]);
+    from_env.env("WALSHIP_CONNECT_TIMEOUT", "300ms");
+    let output = run(from_env, None).await;
+    assert_failed(&output, 8, "no answer within 300ms (--connect-timeout)");
+    for (variable, value) in [("WALSHIP_CONNECT_TIMEOUT", "soon"), ("WALSHIP_REQUEST_TIMEOUT", "0s")] {
+        let mut bad = walship(&["read", "--server", &node.grpc, "--shard", "1"]);
+        bad.env(variable, value);
+        let output = run(bad, None).await;
+        assert_eq!(output.status.code(), Some(2), "{variable}={value}: {}", describe(&output));
+        assert!(stderr(&output).contains(value), "names the bad value: {}", describe(&output));
+    }
+
     // A list: the failures are all named, the exit code is the last one's.
     let list = format!("no-such-host.invalid:1,{refused}");
     let both = run(walship(&["append", "--server", &list, "--shard", "1"]), Some("x\n")).await;
