@@ -709,7 +709,9 @@ async fn read_records(args: ReadArgs) -> Result<(), ClientError> {
             from_seqno: next.unwrap_or(0),
             to_seqno: end.unwrap_or(0),
             max_bytes: 0,
-            min_seqno: args.after_write.unwrap_or(0),
+            // After the first page, a replica taken over mid-read waits
+            // until it has committed the pinned end.
+            min_seqno: args.after_write.unwrap_or(0).max(end.unwrap_or(0)),
             last: if next.is_none() { args.last.unwrap_or(u64::MAX) } else { 0 },
         };
         let Some(response) = read_page(&mut servers, &request, args.server.request_timeout, deadline_at).await? else {
@@ -804,13 +806,20 @@ async fn tail_records(args: TailArgs) -> Result<(), ClientError> {
         streamed = true;
         servers.failures.clear();
         let (opened_at, first_of_stream) = (Instant::now(), next);
-        let ended = loop {
+        let ended = 'stream: loop {
             match stream.message().await {
                 Ok(Some(response)) => {
                     for record in &response.records {
                         // A replica only streams committed records, which
                         // every replica holds alike; resuming from `next`
                         // neither skips nor repeats one.
+                        if record.seqno > next {
+                            break 'stream ClientError::new(
+                                Kind::Other,
+                                Some(&server),
+                                format!("the stream skipped from seqno {next} to {}", record.seqno),
+                            );
+                        }
                         if record.seqno == next {
                             print_record(shard, record, args.server.json);
                             next += 1;
