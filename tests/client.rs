@@ -679,3 +679,54 @@ async fn read_request_last_and_min_seqno_over_grpc() {
     );
     assert_eq!(durable(&node, 1).await, 5, "nothing changed");
 }
+
+/// A read that loses its replica between pages goes on from the next
+/// seqno on another: every record once, in order.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_read_moves_to_another_replica_between_pages() {
+    let mut cluster = Cluster::start(3, 1, "");
+    cluster.wait_node_leads(1, 1, Duration::from_secs(30)).await;
+    let leader = cluster.nodes[0].grpc.clone();
+    // 1 MB records: a read page (4 MiB by default) holds a few of them.
+    let append = run(
+        walship(&["append", "--server", &leader, "--shard", "1", "--count", "12", "--size", "1000000", "--batch", "4"]),
+        None,
+    )
+    .await;
+    assert!(append.status.success(), "{}", describe(&append));
+    let servers = format!("{},{}", cluster.nodes[1].grpc, cluster.nodes[2].grpc);
+    let mut read = tokio::process::Command::from(walship(&[
+        "read",
+        "--server",
+        &servers,
+        "--shard",
+        "1",
+        "--json",
+        "--after-write",
+        "12",
+        "--request-timeout",
+        "2s",
+    ]))
+    .stdin(Stdio::null())
+    .stdout(Stdio::piped())
+    .stderr(Stdio::piped())
+    .kill_on_drop(true)
+    .spawn()
+    .expect("spawn read");
+    let mut lines = BufReader::new(read.stdout.take().unwrap()).lines();
+    let mut got = Vec::new();
+    let first = tokio::time::timeout(CLI_TIMEOUT, lines.next_line()).await.expect("first line").unwrap().unwrap();
+    got.push(serde_json::from_str::<Value>(&first).unwrap()["seqno"].as_u64().unwrap());
+    // The read cannot ask for its next page before its output is drained
+    // (each line is far larger than a pipe's buffer): freeze its replica now.
+    cluster.signal(2, libc::SIGSTOP);
+    while let Some(line) = tokio::time::timeout(CLI_TIMEOUT, lines.next_line()).await.expect("read line").unwrap() {
+        got.push(serde_json::from_str::<Value>(&line).unwrap()["seqno"].as_u64().unwrap());
+    }
+    let status = read.wait().await.unwrap();
+    let mut err = String::new();
+    tokio::io::AsyncReadExt::read_to_string(&mut read.stderr.take().unwrap(), &mut err).await.unwrap();
+    assert!(status.success(), "read failed: {err}");
+    assert_eq!(got, (1..=12).collect::<Vec<_>>(), "every record once, in order");
+    cluster.signal(2, libc::SIGCONT);
+}
