@@ -382,7 +382,6 @@ impl LogService {
             )));
         }
         if req.min_seqno != 0 {
-            self.replica(shard)?;
             self.wait_committed(shard, req.min_seqno, read_wait_patience(deadline)).await?;
         }
         let req = if req.last == 0 {
