@@ -1,45 +1,109 @@
 //! Client subcommands: `append`, `read`, `tail`. Text output by default;
 //! `--json` prints one JSON object per line for scripts.
+//!
+//! Nothing waits without a bound: opening a connection (TCP, HTTP/2 and a
+//! health probe that the server is a walship node) is bounded by
+//! `--connect-timeout`, each call by `--request-timeout`, a whole command by
+//! `--deadline`, and a tail's stream by HTTP/2 heartbeats (`--idle-timeout`).
+//! With several `--server` addresses a command moves on to the next one when
+//! a server is frozen, refused or not the leader; a tail resumes on another
+//! replica from the next seqno. Failures are named for what they are
+//! ([`crate::client_error`]), with one exit code each.
 
 use std::io::BufRead;
+use std::time::{Duration, Instant};
 
-use anyhow::{Context, Result, bail};
 use base64::Engine as _;
 use bytes::Bytes;
 use clap::{Args, ValueEnum};
 use serde_json::json;
-use tonic::transport::Channel;
+use tonic::transport::{Channel, Endpoint};
+use tonic_health::pb::HealthCheckRequest;
+use tonic_health::pb::health_check_response::ServingStatus;
+use tonic_health::pb::health_client::HealthClient;
 use walship_proto::log::log_client::LogClient;
 use walship_proto::log::{AppendRecord, AppendRequest, Durability, ReadRequest, Record, TailRequest};
 
+use crate::client_error::{ClientError, EXIT_CODES, Failed, Kind, connect_error, status_error};
+
+/// The gRPC service a walship node answers the health probe for.
+const LOG_SERVICE: &str = "walship.v1.Log";
+
+/// Largest message the client sends or accepts; the node's own limits
+/// (`[limits]` in its config) are usually lower and are reported by it.
+const MAX_MESSAGE_BYTES: usize = 64 << 20;
+
 #[derive(Args, Debug, Clone)]
 pub struct ServerArgs {
-    /// gRPC address of a node, e.g. 127.0.0.1:7401; appends take a
-    /// comma-separated list and find the leader among them.
+    /// gRPC address(es) of nodes as host:port, comma-separated, e.g.
+    /// 127.0.0.1:7401,127.0.0.1:7402. Appends find the leader among them;
+    /// reads and tails use the first that answers and move on to the next
+    /// when one fails.
     /// [default: the client config's `server`, else 127.0.0.1:7401]
     #[arg(long, env = "WALSHIP_SERVER")]
     pub server: Option<String>,
     /// Shard id.
     #[arg(long)]
     pub shard: u32,
-    /// One JSON object per line instead of text.
+    /// One JSON object per line instead of text; errors too, as
+    /// {"error": {...}} on stderr.
     #[arg(long)]
     pub json: bool,
+    /// Bound on opening a connection to one server: TCP connect, HTTP/2 and
+    /// the health probe that it is a walship node. A frozen or silent server
+    /// is given up after it and the next one is tried.
+    #[arg(long, env = "WALSHIP_CONNECT_TIMEOUT", default_value = "2s", value_parser = duration)]
+    pub connect_timeout: Duration,
+    /// Bound on one call to one server (an append, a read page).
+    #[arg(long, env = "WALSHIP_REQUEST_TIMEOUT", default_value = "5s", value_parser = duration)]
+    pub request_timeout: Duration,
+    /// Bound on the whole operation across servers and retries: one append
+    /// batch (finding the leader through failovers), a read, or a tail's
+    /// search for a replica to resume on.
+    #[arg(long, env = "WALSHIP_DEADLINE", default_value = "10s", value_parser = duration)]
+    pub deadline: Duration,
 }
 
 impl ServerArgs {
-    /// The node address(es): flag or environment, else the client config.
-    fn address(&self) -> Result<String> {
-        match &self.server {
-            Some(s) => Ok(s.clone()),
-            None => Ok(crate::client_config::load()?.server.unwrap_or_else(|| "127.0.0.1:7401".into())),
+    /// The node addresses, validated: flag or environment, else the client
+    /// config.
+    fn servers(&self) -> Result<Vec<String>, ClientError> {
+        let list = match &self.server {
+            Some(s) => s.clone(),
+            None => crate::client_config::load()
+                .map_err(|e| ClientError::new(Kind::Other, None, format!("{e:#}")))?
+                .server
+                .unwrap_or_else(|| "127.0.0.1:7401".into()),
+        };
+        let servers: Vec<String> = list.split(',').map(|s| s.trim().to_string()).filter(|s| !s.is_empty()).collect();
+        if servers.is_empty() {
+            return Err(ClientError::new(Kind::InvalidAddress, None, "--server needs at least one host:port address"));
         }
+        for server in &servers {
+            server_url(server)?;
+        }
+        Ok(servers)
     }
 
-    /// The first address, for commands that talk to one node.
-    fn first(&self) -> Result<String> {
-        Ok(self.address()?.split(',').next().unwrap_or_default().trim().to_string())
+    fn options(&self) -> ChannelOptions {
+        ChannelOptions { connect_timeout: self.connect_timeout, heartbeat: None }
     }
+}
+
+/// Parses a duration: a number with `ms`, `s` (the default) or `m`; > 0.
+fn duration(text: &str) -> Result<Duration, String> {
+    let (number, unit) = text.split_at(text.find(|c: char| !c.is_ascii_digit() && c != '.').unwrap_or(text.len()));
+    let value: f64 = number.parse().map_err(|_| format!("bad duration {text:?} (e.g. 500ms, 2s, 1m)"))?;
+    let seconds = match unit {
+        "" | "s" => value,
+        "ms" => value / 1000.0,
+        "m" => value * 60.0,
+        _ => return Err(format!("bad duration unit in {text:?} (use ms, s or m)")),
+    };
+    if !(seconds > 0.0 && seconds < 1e9) {
+        return Err(format!("duration {text:?} must be greater than 0"));
+    }
+    Ok(Duration::from_secs_f64(seconds))
 }
 
 #[derive(ValueEnum, Debug, Clone, Copy)]
@@ -60,6 +124,7 @@ impl From<DurabilityArg> for Durability {
 }
 
 #[derive(Args, Debug)]
+#[command(after_help = EXIT_CODES)]
 pub struct AppendArgs {
     #[command(flatten)]
     server: ServerArgs,
@@ -75,50 +140,215 @@ pub struct AppendArgs {
     /// Records per append request.
     #[arg(long, default_value_t = 100)]
     batch: usize,
-    /// How long one append may keep looking for a leader (through failovers).
-    #[arg(long, default_value = "10s", value_parser = humantime_secs)]
-    deadline: std::time::Duration,
+    /// Key stored with every record (default: none for stdin lines, the
+    /// record's index for generated ones).
+    #[arg(long)]
+    key: Option<String>,
 }
 
-fn humantime_secs(text: &str) -> Result<std::time::Duration, String> {
-    let (number, unit) = text.split_at(text.find(|c: char| !c.is_ascii_digit() && c != '.').unwrap_or(text.len()));
-    let value: f64 = number.parse().map_err(|_| format!("bad duration {text:?}"))?;
-    let seconds = match unit {
-        "" | "s" => value,
-        "ms" => value / 1000.0,
-        "m" => value * 60.0,
-        _ => return Err(format!("bad duration unit in {text:?} (use ms, s or m)")),
-    };
-    Ok(std::time::Duration::from_secs_f64(seconds))
+/// Where a read starts.
+#[derive(Debug, Clone, Copy)]
+enum Start {
+    Oldest,
+    Seqno(u64),
+}
+
+fn from_arg(text: &str) -> Result<Start, String> {
+    if text == "oldest" {
+        return Ok(Start::Oldest);
+    }
+    match text.parse::<u64>() {
+        Ok(0) => Err("seqnos start at 1".into()),
+        Ok(n) => Ok(Start::Seqno(n)),
+        Err(_) => Err(format!("{text:?} is neither a seqno nor \"oldest\"")),
+    }
+}
+
+fn at_least_one(text: &str) -> Result<u64, String> {
+    match text.parse::<u64>() {
+        Ok(0) => Err("must be at least 1".into()),
+        Ok(n) => Ok(n),
+        Err(e) => Err(e.to_string()),
+    }
 }
 
 #[derive(Args, Debug)]
+#[command(after_help = EXIT_CODES)]
 pub struct ReadArgs {
     #[command(flatten)]
     server: ServerArgs,
-    /// First seqno to read.
-    #[arg(long, default_value_t = 1)]
-    from: u64,
-    /// Last seqno to read (inclusive); default: the newest durable record.
-    #[arg(long)]
+    /// First seqno to read, or `oldest` (the oldest retained record).
+    #[arg(long, default_value = "oldest", value_parser = from_arg, conflicts_with = "last")]
+    from: Start,
+    /// Last seqno to read (inclusive); past the newest committed record the
+    /// read ends there. Default: the newest committed record when the read
+    /// starts.
+    #[arg(long, conflicts_with = "last")]
     to: Option<u64>,
+    /// Read the newest N committed records.
+    #[arg(long, value_parser = at_least_one)]
+    last: Option<u64>,
+    /// Print at most N records (after --key filtering).
+    #[arg(long, value_parser = at_least_one)]
+    limit: Option<u64>,
+    /// Print only records with this key. Filtered by the client: the node
+    /// still sends every record in range.
+    #[arg(long)]
+    key: Option<String>,
+    /// Read-your-writes: the seqno of your own last append (`append` prints
+    /// it as the end of `seqnos A..=B`, or `last_seqno` with --json). A
+    /// replica that has not committed it yet waits (up to
+    /// --request-timeout) before serving; others are tried next.
+    #[arg(long, value_name = "SEQNO")]
+    after_write: Option<u64>,
 }
 
 #[derive(Args, Debug)]
+#[command(after_help = EXIT_CODES)]
 pub struct TailArgs {
     #[command(flatten)]
     server: ServerArgs,
     /// First seqno to stream.
-    #[arg(long, default_value_t = 1)]
+    #[arg(long, default_value_t = 1, value_parser = clap::value_parser!(u64).range(1..))]
     from: u64,
+    /// Liveness bound on the stream: the client sends HTTP/2 heartbeats
+    /// (PINGs) and gives a server up when it answers nothing for this long,
+    /// then resumes on another replica from the next seqno. A healthy but
+    /// quiet stream runs forever.
+    #[arg(long, env = "WALSHIP_IDLE_TIMEOUT", default_value = "5s", value_parser = duration)]
+    idle_timeout: Duration,
 }
 
-/// Connects to a node's gRPC address (`host:port` or a URL).
-pub async fn connect(server: &str) -> Result<LogClient<Channel>> {
-    let endpoint = crate::tls::client_endpoint(server)?;
-    let url = endpoint.uri().to_string();
-    let channel = endpoint.connect().await.with_context(|| format!("connecting to {url}"))?;
-    Ok(LogClient::new(channel).max_decoding_message_size(64 << 20).max_encoding_message_size(64 << 20))
+/// How a channel to a node is opened.
+#[derive(Debug, Clone, Copy)]
+pub struct ChannelOptions {
+    pub connect_timeout: Duration,
+    /// HTTP/2 heartbeat: a connection that answers no PING for this long is
+    /// closed (for long-lived streams).
+    pub heartbeat: Option<Duration>,
+}
+
+/// `server` as a URL: `host:port` (or `http://host:port`), the port required.
+fn server_url(server: &str) -> Result<String, ClientError> {
+    let invalid = |why: &str| {
+        ClientError::new(
+            Kind::InvalidAddress,
+            Some(server),
+            format!("{server:?} is not a server address ({why}); expected host:port, e.g. 127.0.0.1:7401"),
+        )
+    };
+    // --ca (WALSHIP_CA) turns TLS on for addresses given without a scheme.
+    let scheme = if crate::tls::ClientTls::current().is_some() { "https" } else { "http" };
+    let url = if server.contains("://") { server.to_string() } else { format!("{scheme}://{server}") };
+    let uri: tonic::codegen::http::Uri = url.parse().map_err(|_| invalid("does not parse"))?;
+    if !matches!(uri.scheme_str(), Some("http") | Some("https")) {
+        return Err(invalid("the scheme must be http or https"));
+    }
+    let authority = uri.authority().ok_or_else(|| invalid("no host"))?;
+    if authority.host().is_empty() {
+        return Err(invalid("no host"));
+    }
+    if authority.port_u16().is_none() {
+        return Err(invalid("no port"));
+    }
+    if !matches!(uri.path(), "" | "/") || uri.query().is_some() || authority.as_str().contains('@') {
+        return Err(invalid("only host and port"));
+    }
+    Ok(url)
+}
+
+/// The one place a client channel to a node is configured (timeouts,
+/// heartbeats, TLS with --ca/--cert/--key for https addresses).
+pub fn endpoint(server: &str, options: &ChannelOptions) -> Result<Endpoint, ClientError> {
+    let url = server_url(server)?;
+    let https = url.starts_with("https://");
+    let mut endpoint = Endpoint::from_shared(url)
+        .map_err(|e| ClientError::new(Kind::InvalidAddress, Some(server), e.to_string()))?
+        .connect_timeout(options.connect_timeout)
+        .tcp_nodelay(true);
+    if https {
+        let tls = crate::tls::ClientTls::current().ok_or_else(|| {
+            ClientError::new(Kind::Usage, Some(server), "an https:// address needs --ca (or WALSHIP_CA)".to_string())
+        })?;
+        let config = tls.grpc().map_err(|e| ClientError::new(Kind::Usage, Some(server), format!("{e:#}")))?;
+        endpoint = endpoint
+            .tls_config(config)
+            .map_err(|e| ClientError::new(Kind::Tls, Some(server), format!("TLS settings: {e}")))?;
+    }
+    if let Some(heartbeat) = options.heartbeat {
+        let half = heartbeat / 2;
+        endpoint = endpoint.http2_keep_alive_interval(half).keep_alive_timeout(half).keep_alive_while_idle(true);
+    }
+    Ok(endpoint)
+}
+
+/// Opens a channel to `server` and checks, within the connect timeout,
+/// that it is a live walship node (its health service answers SERVING for
+/// `walship.v1.Log`). Nothing is sent to the Log service before that, so
+/// a server given up here certainly applied nothing.
+pub async fn connect(server: &str, options: &ChannelOptions) -> Result<LogClient<Channel>, ClientError> {
+    let endpoint = endpoint(server, options)?;
+    let started = Instant::now();
+    let bound = options.connect_timeout;
+    let silent = || {
+        ClientError::new(
+            Kind::DeadlineExceeded,
+            Some(server),
+            format!(
+                "no answer within {bound:?} (--connect-timeout): the process may be frozen or overloaded, or \
+                 the port is not a walship node"
+            ),
+        )
+    };
+    let channel = match tokio::time::timeout(bound, endpoint.connect()).await {
+        Err(_) => return Err(silent()),
+        Ok(Err(e)) => return Err(connect_error(server, &e)),
+        Ok(Ok(channel)) => channel,
+    };
+    let mut probe = tonic::Request::new(HealthCheckRequest { service: LOG_SERVICE.into() });
+    let left = bound.saturating_sub(started.elapsed()).max(Duration::from_millis(50));
+    probe.set_timeout(left);
+    match tokio::time::timeout(left, HealthClient::new(channel.clone()).check(probe)).await {
+        Err(_) => return Err(silent()),
+        Ok(Err(status)) if status.code() == tonic::Code::NotFound => {
+            return Err(ClientError::new(
+                Kind::NotWalship,
+                Some(server),
+                "a gRPC server without the walship.v1.Log service".to_string(),
+            ));
+        }
+        Ok(Err(status)) => {
+            let error = status_error(server, &status);
+            if error.kind == Kind::DeadlineExceeded {
+                return Err(silent());
+            }
+            if !matches!(error.kind, Kind::Rejected | Kind::Other | Kind::NotWalship) {
+                return Err(error);
+            }
+            return Err(ClientError::new(
+                Kind::NotWalship,
+                Some(server),
+                format!(
+                    "not a walship node's gRPC address (the HTTP admin port, say{}): its answer to the health \
+                     probe was {:?}: {}",
+                    crate::tls::plaintext_note(),
+                    status.code(),
+                    status.message()
+                ),
+            ));
+        }
+        Ok(Ok(answer)) if answer.get_ref().status() != ServingStatus::Serving => {
+            return Err(ClientError::new(
+                Kind::Unavailable,
+                Some(server),
+                format!("the node's Log service is {:?}", answer.get_ref().status()),
+            ));
+        }
+        Ok(Ok(_)) => {}
+    }
+    Ok(LogClient::new(channel)
+        .max_decoding_message_size(MAX_MESSAGE_BYTES)
+        .max_encoding_message_size(MAX_MESSAGE_BYTES))
 }
 
 /// The leader's gRPC address from a not-leader refusal (`<id>@<addr>`).
@@ -130,27 +360,7 @@ fn leader_hint(status: &tonic::Status) -> Option<String> {
     hint.split_once('@').map(|(_, addr)| addr.to_string())
 }
 
-/// How an append ended when it did not succeed.
-#[derive(Debug)]
-pub enum AppendFailure {
-    /// The request may or may not have been applied (the leader died or was
-    /// deposed mid-flight, or the deadline passed): never safe to assume it
-    /// failed.
-    Unknown(String),
-    /// Refused; nothing was applied.
-    Refused(String),
-}
-
-impl std::fmt::Display for AppendFailure {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        match self {
-            AppendFailure::Unknown(m) => write!(f, "outcome unknown: {m}"),
-            AppendFailure::Refused(m) => write!(f, "refused: {m}"),
-        }
-    }
-}
-
-/// Whether a failed call certainly did not apply the append: a not-leader
+/// Whether a failed append certainly was not applied: a not-leader
 /// refusal, no leader assigned yet, a leadership change before the write,
 /// or a connection that never opened.
 fn not_applied(status: &tonic::Status) -> bool {
@@ -159,156 +369,247 @@ fn not_applied(status: &tonic::Status) -> bool {
         tonic::Code::FailedPrecondition => leader_hint(status).is_some(),
         tonic::Code::Unavailable => {
             !walship_proto::outcome_unknown(status)
-                && (m.contains("no leader assigned") || m.contains("it was not written") || m.contains("connect"))
+                && (m.contains("no leader assigned")
+                    || m.contains("it was not written")
+                    || crate::client_error::chain_has::<tonic::ConnectError>(status))
         }
         _ => false,
     }
 }
 
-/// A client that finds the leader among `servers` and follows it through
-/// failovers: requests that certainly were not applied are retried (on the
-/// hinted leader, else the next server) until `deadline`; anything that may
-/// have been applied is reported as [`AppendFailure::Unknown`].
-pub struct LeaderClient {
-    servers: Vec<String>,
+/// Picks servers in turn and remembers the one that answered.
+struct Servers {
+    list: Vec<String>,
     next: usize,
-    current: Option<LogClient<Channel>>,
-    pub deadline: std::time::Duration,
+    options: ChannelOptions,
+    current: Option<(String, LogClient<Channel>)>,
+    /// Failures since a server last answered.
+    failures: Vec<ClientError>,
 }
 
-impl LeaderClient {
-    pub fn new(servers: Vec<String>, deadline: std::time::Duration) -> LeaderClient {
-        LeaderClient { servers, next: 0, current: None, deadline }
+impl Servers {
+    fn new(list: Vec<String>, options: ChannelOptions) -> Servers {
+        Servers { list, next: 0, options, current: None, failures: Vec::new() }
     }
 
-    async fn client(&mut self, hint: Option<String>) -> Result<LogClient<Channel>> {
-        if let Some(c) = &self.current {
-            return Ok(c.clone());
+    /// The current server's client, else a connection to `hint` or the
+    /// next server in turn; a connection failure is recorded and returned.
+    async fn client(
+        &mut self,
+        hint: Option<String>,
+        remaining: Duration,
+    ) -> Result<(String, LogClient<Channel>), ClientError> {
+        if let Some(current) = &self.current {
+            return Ok(current.clone());
         }
         let server = hint.unwrap_or_else(|| {
-            let s = self.servers[self.next % self.servers.len()].clone();
+            let s = self.list[self.next % self.list.len()].clone();
             self.next += 1;
             s
         });
-        let c = connect(&server).await?;
-        self.current = Some(c.clone());
-        Ok(c)
+        let options = ChannelOptions { connect_timeout: self.options.connect_timeout.min(remaining), ..self.options };
+        match connect(&server, &options).await {
+            Ok(client) => {
+                self.current = Some((server.clone(), client.clone()));
+                Ok((server, client))
+            }
+            Err(e) => {
+                self.failures.push(e.clone());
+                Err(e)
+            }
+        }
     }
 
-    pub async fn append(
-        &mut self,
-        request: AppendRequest,
-    ) -> Result<walship_proto::log::AppendResponse, AppendFailure> {
-        let started = std::time::Instant::now();
+    /// Records a failure of the current server and drops it.
+    fn failed(&mut self, error: ClientError) {
+        self.current = None;
+        self.failures.push(error);
+    }
+
+    /// Whether the last failures cover every server in a row: nobody
+    /// answered usefully, so waiting longer would not help.
+    fn all_failed(&self) -> bool {
+        self.failures.len() >= self.list.len()
+    }
+
+    fn give_up(&self, what: &str) -> ClientError {
+        ClientError::of_all(what, &self.failures[self.failures.len().saturating_sub(self.list.len().max(3))..])
+    }
+}
+
+/// A client that finds the leader among `servers` and follows it through
+/// failovers: requests that certainly were not applied are retried (on the
+/// hinted leader, else the next server) until the deadline; one sent to a
+/// live server that then gave no answer is [`Kind::OutcomeUnknown`].
+struct LeaderClient {
+    servers: Servers,
+    request_timeout: Duration,
+    deadline: Duration,
+}
+
+impl LeaderClient {
+    async fn append(&mut self, request: AppendRequest) -> Result<walship_proto::log::AppendResponse, ClientError> {
+        let size = prost::Message::encoded_len(&request);
+        if size > MAX_MESSAGE_BYTES {
+            return Err(ClientError::new(
+                Kind::TooLarge,
+                None,
+                format!(
+                    "the append request is {size} bytes; the client's limit is {MAX_MESSAGE_BYTES} bytes (a node's \
+                     own max_batch_bytes is usually lower): use a smaller --batch; nothing was sent"
+                ),
+            ));
+        }
+        let started = Instant::now();
         let mut hint = None;
+        self.servers.failures.clear();
+        // Servers of the list that could not be reached in a row.
+        let mut unreachable = 0usize;
         loop {
-            if started.elapsed() > self.deadline {
-                return Err(AppendFailure::Refused(format!(
-                    "no leader accepted the append within {:?}",
-                    self.deadline
-                )));
+            let remaining = self.deadline.saturating_sub(started.elapsed());
+            if remaining.is_zero() {
+                let last = self.servers.give_up("no leader accepted the append");
+                return Err(ClientError::new(
+                    Kind::DeadlineExceeded,
+                    None,
+                    format!(
+                        "no leader accepted the append within {:?} (--deadline); it was not written: {last}",
+                        self.deadline
+                    ),
+                ));
             }
-            let mut client = match self.client(hint.take()).await {
-                Ok(c) => c,
+            let hinted = hint.is_some() && self.servers.current.is_none();
+            let (server, mut client) = match self.servers.client(hint.take(), remaining).await {
+                Ok(c) => {
+                    unreachable = 0;
+                    c
+                }
+                // A hinted leader that cannot be reached (it died; the
+                // failover is under way) does not count: the servers
+                // that hinted it answered.
+                Err(_) if hinted => {
+                    tokio::time::sleep(Duration::from_millis(50)).await;
+                    continue;
+                }
                 Err(_) => {
-                    self.current = None;
-                    tokio::time::sleep(std::time::Duration::from_millis(50)).await;
+                    unreachable += 1;
+                    if unreachable >= self.servers.list.len() {
+                        return Err(self.servers.give_up("no server could be reached; the append was not sent"));
+                    }
                     continue;
                 }
             };
+            let attempt = self.request_timeout.min(remaining).max(Duration::from_millis(100));
             let mut call = tonic::Request::new(request.clone());
-            call.set_timeout(
-                self.deadline.saturating_sub(started.elapsed()).max(std::time::Duration::from_millis(100)),
-            );
-            match client.append(call).await {
-                Ok(response) => return Ok(response.into_inner()),
-                Err(status) if not_applied(&status) => {
-                    self.current = None;
+            call.set_timeout(attempt);
+            match tokio::time::timeout(attempt, client.append(call)).await {
+                Err(_) => {
+                    self.servers.current = None;
+                    return Err(ClientError::new(
+                        Kind::OutcomeUnknown,
+                        Some(&server),
+                        format!(
+                            "the append was sent and no answer came within {attempt:?} (--request-timeout); it may \
+                             or may not have been written"
+                        ),
+                    ));
+                }
+                Ok(Ok(response)) => return Ok(response.into_inner()),
+                Ok(Err(status)) if not_applied(&status) => {
                     hint = leader_hint(&status);
+                    self.servers.failed(status_error(&server, &status));
                     if hint.is_none() {
-                        tokio::time::sleep(std::time::Duration::from_millis(50)).await;
+                        tokio::time::sleep(Duration::from_millis(50)).await;
                     }
                 }
-                Err(status) => {
-                    self.current = None;
-                    let detail = format!("{:?}: {}", status.code(), status.message());
-                    return Err(match status.code() {
-                        tonic::Code::InvalidArgument | tonic::Code::NotFound | tonic::Code::OutOfRange => {
-                            AppendFailure::Refused(detail)
-                        }
-                        _ => AppendFailure::Unknown(detail),
-                    });
+                Ok(Err(status)) => {
+                    self.servers.current = None;
+                    let error = status_error(&server, &status);
+                    if walship_proto::outcome_unknown(&status)
+                        || matches!(error.kind, Kind::Other | Kind::DeadlineExceeded)
+                        || (error.kind == Kind::Unavailable && status.code() == tonic::Code::Unavailable)
+                        || (error.kind == Kind::NotWalship && status.code() != tonic::Code::Unimplemented)
+                    {
+                        return Err(ClientError::new(
+                            Kind::OutcomeUnknown,
+                            Some(&server),
+                            format!("the append may or may not have been written: {}", error.message),
+                        ));
+                    }
+                    return Err(error);
                 }
             }
         }
     }
 }
 
-fn status_error(status: tonic::Status) -> anyhow::Error {
-    match crate::tls::explain(&status) {
-        Some(why) => anyhow::anyhow!("{:?}: {}: {why}", status.code(), status.message()),
-        None => anyhow::anyhow!("{:?}: {}", status.code(), status.message()),
-    }
+/// Runs a client command, attaching how its error should be printed.
+async fn run<F>(json: bool, command: F) -> anyhow::Result<()>
+where
+    F: std::future::Future<Output = Result<(), ClientError>>,
+{
+    command.await.map_err(|error| anyhow::Error::new(Failed { error, json }))
 }
 
-pub async fn append(args: AppendArgs) -> Result<()> {
+pub async fn append(args: AppendArgs) -> anyhow::Result<()> {
+    run(args.server.json, append_records(args)).await
+}
+
+async fn append_records(args: AppendArgs) -> Result<(), ClientError> {
     if args.batch == 0 {
-        bail!("--batch must be at least 1");
+        return Err(ClientError::usage("--batch must be at least 1"));
     }
-    let servers: Vec<String> =
-        args.server.address()?.split(',').map(|s| s.trim().to_string()).filter(|s| !s.is_empty()).collect();
-    if servers.is_empty() {
-        bail!("--server needs at least one address");
-    }
-    let mut client = LeaderClient::new(servers, args.deadline);
-    let mut send = async |records: Vec<AppendRecord>| -> Result<()> {
+    let options = args.server.options();
+    let mut client = LeaderClient {
+        servers: Servers::new(args.server.servers()?, options),
+        request_timeout: args.server.request_timeout,
+        deadline: args.server.deadline,
+    };
+    let shard = args.server.shard;
+    let as_json = args.server.json;
+    let mut send = async |records: Vec<AppendRecord>| -> Result<(), ClientError> {
         let count = records.len();
-        let request = AppendRequest {
-            shard_id: args.server.shard,
-            records,
-            durability: Durability::from(args.durability) as i32,
-        };
+        let request = AppendRequest { shard_id: shard, records, durability: Durability::from(args.durability) as i32 };
         match client.append(request).await {
             Ok(r) => {
-                if args.server.json {
+                if as_json {
                     println!(
                         "{}",
-                        json!({"shard": args.server.shard, "outcome": "acknowledged", "first_seqno": r.first_seqno, "last_seqno": r.last_seqno, "epoch": r.epoch})
+                        json!({"shard": shard, "outcome": "acknowledged", "first_seqno": r.first_seqno, "last_seqno": r.last_seqno, "epoch": r.epoch})
                     );
                 } else {
-                    println!(
-                        "appended shard {} seqnos {}..={} (epoch {})",
-                        args.server.shard, r.first_seqno, r.last_seqno, r.epoch
-                    );
+                    println!("appended shard {shard} seqnos {}..={} (epoch {})", r.first_seqno, r.last_seqno, r.epoch);
                 }
                 Ok(())
             }
-            Err(AppendFailure::Unknown(detail)) => {
-                if args.server.json {
+            Err(error) => {
+                if as_json && error.kind == Kind::OutcomeUnknown {
                     println!(
                         "{}",
-                        json!({"shard": args.server.shard, "outcome": "unknown", "records": count, "detail": detail})
+                        json!({"shard": shard, "outcome": "unknown", "records": count, "detail": error.to_string()})
                     );
                 }
-                Err(anyhow::Error::new(UnknownOutcome(detail)))
+                Err(error)
             }
-            Err(AppendFailure::Refused(detail)) => bail!("append refused: {detail}"),
         }
     };
-    let mut pending = Vec::with_capacity(args.batch);
+    let key = args.key.as_ref().map(|k| Bytes::from(k.clone()));
+    let mut pending = Vec::with_capacity(args.batch.min(100_000));
     if let Some(count) = args.count {
         let size = args.size.unwrap_or(100);
         for i in 0..count {
             let mut payload = vec![0u8; size];
             rand::Rng::fill(&mut rand::thread_rng(), &mut payload[..]);
-            pending.push(AppendRecord { key: Bytes::from(i.to_string()), payload: Bytes::from(payload) });
+            let key = key.clone().unwrap_or_else(|| Bytes::from(i.to_string()));
+            pending.push(AppendRecord { key, payload: Bytes::from(payload) });
             if pending.len() == args.batch {
                 send(std::mem::take(&mut pending)).await?;
             }
         }
     } else {
         for line in std::io::stdin().lock().lines() {
-            pending.push(AppendRecord { key: Bytes::new(), payload: Bytes::from(line.context("reading stdin")?) });
+            let line = line.map_err(|e| ClientError::new(Kind::Other, None, format!("reading stdin: {e}")))?;
+            pending.push(AppendRecord { key: key.clone().unwrap_or_default(), payload: Bytes::from(line) });
             if pending.len() == args.batch {
                 send(std::mem::take(&mut pending)).await?;
             }
@@ -319,18 +620,6 @@ pub async fn append(args: AppendArgs) -> Result<()> {
     }
     Ok(())
 }
-
-/// An append whose outcome is unknown: `walship append` exits with code 3.
-#[derive(Debug)]
-pub struct UnknownOutcome(pub String);
-
-impl std::fmt::Display for UnknownOutcome {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        write!(f, "the append's outcome is unknown (it may or may not have been applied): {}", self.0)
-    }
-}
-
-impl std::error::Error for UnknownOutcome {}
 
 fn print_record(shard: u32, record: &Record, as_json: bool) {
     if as_json {
@@ -353,47 +642,215 @@ fn print_record(shard: u32, record: &Record, as_json: bool) {
     }
 }
 
-pub async fn read(args: ReadArgs) -> Result<()> {
-    let mut client = connect(&args.server.first()?).await?;
-    let mut from = args.from;
-    let mut to = args.to.unwrap_or(0);
+/// Whether a read failed only because nothing is committed at `from` yet.
+fn nothing_yet(status: &tonic::Status) -> bool {
+    status.code() == tonic::Code::OutOfRange && status.message().contains("nothing at seqno")
+}
+
+/// One read call on any replica, moving on to the next when one fails,
+/// within `deadline_at`. `Ok(None)`: nothing is committed in range yet.
+async fn read_page(
+    servers: &mut Servers,
+    request: &ReadRequest,
+    request_timeout: Duration,
+    deadline_at: Instant,
+) -> Result<Option<walship_proto::log::ReadResponse>, ClientError> {
+    servers.failures.clear();
     loop {
-        let request = ReadRequest { shard_id: args.server.shard, from_seqno: from, to_seqno: to, max_bytes: 0 };
-        let response = match client.read(request).await {
-            Ok(r) => r.into_inner(),
-            // An open-ended read of a shard with nothing (more) committed
-            // prints nothing: there is simply nothing to read yet.
-            Err(s)
-                if args.to.is_none()
-                    && s.code() == tonic::Code::OutOfRange
-                    && s.message().contains("nothing at seqno") =>
-            {
-                return Ok(());
-            }
-            Err(s) => return Err(status_error(s)),
+        let remaining = deadline_at.saturating_duration_since(Instant::now());
+        if remaining.is_zero() {
+            let last = servers.give_up("no replica served the read");
+            return Err(ClientError::new(
+                if last.kind == Kind::Unavailable { Kind::Unavailable } else { Kind::DeadlineExceeded },
+                None,
+                format!("no replica served the read within the --deadline: {last}"),
+            ));
+        }
+        let (server, mut client) = match servers.client(None, remaining).await {
+            Ok(c) => c,
+            Err(_) if servers.all_failed() => return Err(servers.give_up("no replica served the read")),
+            Err(_) => continue,
         };
-        if to == 0 {
-            // Pin the end of the range at the first answer's durable seqno.
-            to = response.durable_seqno;
+        let attempt = request_timeout.min(remaining).max(Duration::from_millis(100));
+        let mut call = tonic::Request::new(*request);
+        call.set_timeout(attempt);
+        let error = match tokio::time::timeout(attempt, client.read(call)).await {
+            Ok(Ok(response)) => return Ok(Some(response.into_inner())),
+            Ok(Err(status)) if nothing_yet(&status) => return Ok(None),
+            Ok(Err(status)) => status_error(&server, &status),
+            Err(_) => ClientError::new(
+                Kind::DeadlineExceeded,
+                Some(&server),
+                format!("no answer to the read within {attempt:?} (--request-timeout)"),
+            ),
+        };
+        if !error.kind.try_elsewhere() {
+            return Err(error);
         }
-        for record in &response.records {
-            print_record(args.server.shard, record, args.server.json);
-        }
-        from = response.next_seqno;
-        if from > to || response.records.is_empty() {
-            return Ok(());
+        servers.failed(error);
+        if servers.all_failed() {
+            return Err(servers.give_up("no replica served the read"));
         }
     }
 }
 
-pub async fn tail(args: TailArgs) -> Result<()> {
-    let mut client = connect(&args.server.first()?).await?;
-    let request = TailRequest { shard_id: args.server.shard, from_seqno: args.from };
-    let mut stream = client.tail(request).await.map_err(status_error)?.into_inner();
-    while let Some(response) = stream.message().await.map_err(status_error)? {
+pub async fn read(args: ReadArgs) -> anyhow::Result<()> {
+    run(args.server.json, read_records(args)).await
+}
+
+async fn read_records(args: ReadArgs) -> Result<(), ClientError> {
+    if let (Start::Seqno(from), Some(to)) = (args.from, args.to)
+        && to < from
+    {
+        return Err(ClientError::usage(format!("--to {to} is before --from {from}")));
+    }
+    let mut servers = Servers::new(args.server.servers()?, args.server.options());
+    let deadline_at = Instant::now() + args.server.deadline;
+    let shard = args.server.shard;
+    let key = args.key.as_ref().map(|k| k.as_bytes());
+    let mut printed = 0u64;
+    // The next seqno to ask for (None: the first request picks the start)
+    // and the end of the range, pinned by the first answer.
+    let mut next = match args.from {
+        Start::Seqno(s) if args.last.is_none() => Some(s),
+        _ => None,
+    };
+    let mut end: Option<u64> = None;
+    loop {
+        let request = ReadRequest {
+            shard_id: shard,
+            from_seqno: next.unwrap_or(0),
+            to_seqno: end.unwrap_or(0),
+            max_bytes: 0,
+            // After the first page, a replica taken over mid-read waits
+            // until it has committed the pinned end.
+            min_seqno: args.after_write.unwrap_or(0).max(end.unwrap_or(0)),
+            last: if next.is_none() { args.last.unwrap_or(u64::MAX) } else { 0 },
+        };
+        let Some(response) = read_page(&mut servers, &request, args.server.request_timeout, deadline_at).await? else {
+            return Ok(());
+        };
+        let to = *end.get_or_insert(args.to.map_or(response.durable_seqno, |t| t.min(response.durable_seqno)));
         for record in &response.records {
-            print_record(args.server.shard, record, args.server.json);
+            if record.seqno > to {
+                return Ok(());
+            }
+            if key.is_some_and(|k| k != &record.key[..]) {
+                continue;
+            }
+            print_record(shard, record, args.server.json);
+            printed += 1;
+            if args.limit.is_some_and(|l| printed >= l) {
+                return Ok(());
+            }
+        }
+        if response.next_seqno > to || response.records.is_empty() {
+            return Ok(());
+        }
+        next = Some(response.next_seqno);
+    }
+}
+
+pub async fn tail(args: TailArgs) -> anyhow::Result<()> {
+    run(args.server.json, tail_records(args)).await
+}
+
+async fn tail_records(args: TailArgs) -> Result<(), ClientError> {
+    let options = ChannelOptions { heartbeat: Some(args.idle_timeout), ..args.server.options() };
+    let mut servers = Servers::new(args.server.servers()?, options);
+    let shard = args.server.shard;
+    let mut next = args.from;
+    // Whether a stream was ever opened: before that, servers that all fail
+    // end the command at once; after, the tail keeps looking for a replica
+    // to resume on until --deadline.
+    let mut streamed = false;
+    let mut since = Instant::now();
+    loop {
+        let remaining = args.server.deadline.saturating_sub(since.elapsed());
+        if remaining.is_zero() {
+            let last = servers.give_up("no replica resumed the tail");
+            return Err(ClientError::new(
+                if last.kind.try_elsewhere() { Kind::DeadlineExceeded } else { last.kind },
+                None,
+                format!(
+                    "no replica resumed the tail at seqno {next} within {:?} (--deadline): {last}",
+                    args.server.deadline
+                ),
+            ));
+        }
+        let (server, mut client) = match servers.client(None, remaining).await {
+            Ok(c) => c,
+            Err(_) => {
+                if !streamed && servers.all_failed() {
+                    return Err(servers.give_up("no replica could be reached"));
+                }
+                if servers.failures.len().is_multiple_of(servers.list.len()) {
+                    tokio::time::sleep(Duration::from_millis(200)).await;
+                }
+                continue;
+            }
+        };
+        let attempt = args.server.request_timeout.min(remaining).max(Duration::from_millis(100));
+        let opened =
+            tokio::time::timeout(attempt, client.tail(TailRequest { shard_id: shard, from_seqno: next })).await;
+        let mut stream = match opened {
+            Ok(Ok(response)) => response.into_inner(),
+            Ok(Err(status)) => {
+                let error = status_error(&server, &status);
+                let behind = status.code() == tonic::Code::OutOfRange && status.message().contains("cannot tail from");
+                if !streamed && !error.kind.try_elsewhere() && !behind {
+                    return Err(error);
+                }
+                servers.failed(error);
+                if servers.failures.len().is_multiple_of(servers.list.len()) {
+                    tokio::time::sleep(Duration::from_millis(200)).await;
+                }
+                continue;
+            }
+            Err(_) => {
+                servers.failed(ClientError::new(
+                    Kind::DeadlineExceeded,
+                    Some(&server),
+                    format!("the tail did not start within {attempt:?} (--request-timeout)"),
+                ));
+                continue;
+            }
+        };
+        streamed = true;
+        servers.failures.clear();
+        let (opened_at, first_of_stream) = (Instant::now(), next);
+        let ended = 'stream: loop {
+            match stream.message().await {
+                Ok(Some(response)) => {
+                    for record in &response.records {
+                        // A replica only streams committed records, which
+                        // every replica holds alike; resuming from `next`
+                        // neither skips nor repeats one.
+                        if record.seqno > next {
+                            break 'stream ClientError::new(
+                                Kind::Other,
+                                Some(&server),
+                                format!("the stream skipped from seqno {next} to {}", record.seqno),
+                            );
+                        }
+                        if record.seqno == next {
+                            print_record(shard, record, args.server.json);
+                            next += 1;
+                        }
+                    }
+                }
+                Ok(None) => {
+                    break ClientError::new(Kind::Unavailable, Some(&server), "the node ended the tail stream");
+                }
+                Err(status) => break status_error(&server, &status),
+            }
+        };
+        // Resume elsewhere: this server is dead, frozen or stopping. The
+        // deadline starts over only after a stream that did some good, so
+        // replicas that fail every stream at once do not loop forever.
+        servers.failed(ended);
+        if next > first_of_stream || opened_at.elapsed() >= args.idle_timeout {
+            since = Instant::now();
         }
     }
-    Ok(())
 }

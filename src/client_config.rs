@@ -1,7 +1,9 @@
 //! Defaults for the client commands from a config file:
 //! `$WALSHIP_CLIENT_CONFIG`, else `~/.config/walship/client.toml`.
 //! Flags and environment variables (`WALSHIP_ADMIN`, `WALSHIP_TOKEN`,
-//! `WALSHIP_SERVER`) win over it.
+//! `WALSHIP_SERVER`) win over it. The data commands' timeouts come from
+//! flags or `WALSHIP_CONNECT_TIMEOUT`, `WALSHIP_REQUEST_TIMEOUT`,
+//! `WALSHIP_DEADLINE` and `WALSHIP_IDLE_TIMEOUT` (see `walship read --help`).
 //!
 //! ```toml
 //! admin = "http://10.0.0.10:7380"   # coordinator admin URL

@@ -5,6 +5,7 @@ mod bench;
 mod bench_drills;
 mod client;
 mod client_config;
+mod client_error;
 mod config;
 mod coord;
 mod dev;
@@ -59,10 +60,11 @@ fn main() -> std::process::ExitCode {
     match run() {
         Ok(()) => std::process::ExitCode::SUCCESS,
         Err(e) => {
-            eprintln!("error: {e:#}");
-            if e.downcast_ref::<client::UnknownOutcome>().is_some() {
-                return std::process::ExitCode::from(3);
+            // Client commands name their failure and exit with its code.
+            if let Some(failed) = e.downcast_ref::<client_error::Failed>() {
+                return std::process::ExitCode::from(failed.error.report(failed.json));
             }
+            eprintln!("error: {e:#}");
             std::process::ExitCode::FAILURE
         }
     }

@@ -331,7 +331,7 @@ pub async fn serve_admin(
 /// TLS for the client commands (`append`, `read`, `tail`, `status`,
 /// `failover`, `drill`), global flags so they read the same on any of them.
 /// `--ca` alone: the server is verified and the connection encrypted;
-/// `--cert`/`--key` as well: this client presents a certificate, which a
+/// `--cert`/`--cert-key` as well: this client presents a certificate, which a
 /// cluster with `require_client_cert` asks for on its gRPC ports.
 #[derive(clap::Args, Debug, Clone, Default)]
 pub struct ClientTls {
@@ -339,12 +339,12 @@ pub struct ClientTls {
     /// client commands (gRPC and admin HTTP).
     #[arg(long, global = true, env = "WALSHIP_CA")]
     pub ca: Option<PathBuf>,
-    /// PEM client certificate for mutual TLS (with --key).
-    #[arg(long, global = true, env = "WALSHIP_CERT", requires = "key")]
+    /// PEM client certificate for mutual TLS (with --cert-key).
+    #[arg(long, global = true, env = "WALSHIP_CERT", requires = "cert_key")]
     pub cert: Option<PathBuf>,
-    /// PEM private key of --cert.
+    /// PEM private key of --cert (`--key` is a record's key).
     #[arg(long, global = true, env = "WALSHIP_KEY", requires = "cert")]
-    pub key: Option<PathBuf>,
+    pub cert_key: Option<PathBuf>,
 }
 
 static CLIENT_TLS: std::sync::OnceLock<ClientTls> = std::sync::OnceLock::new();
@@ -353,9 +353,9 @@ impl ClientTls {
     /// Makes these the settings of this process's client commands.
     pub fn install(self) -> Result<()> {
         if self.ca.is_none() && self.cert.is_some() {
-            bail!("--cert/--key need --ca (the CA that signed the servers' certificates)");
+            bail!("--cert/--cert-key need --ca (the CA that signed the servers' certificates)");
         }
-        for path in [&self.ca, &self.cert, &self.key].into_iter().flatten() {
+        for path in [&self.ca, &self.cert, &self.cert_key].into_iter().flatten() {
             std::fs::metadata(path).with_context(|| format!("reading {}", path.display()))?;
         }
         let _ = CLIENT_TLS.set(self);
@@ -373,7 +373,7 @@ impl ClientTls {
         let read = |p: &PathBuf| std::fs::read(p).with_context(|| format!("reading {}", p.display()));
         let ca = self.ca.as_ref().context("--ca")?;
         let mut config = ClientTlsConfig::new().ca_certificate(Certificate::from_pem(read(ca)?));
-        if let (Some(cert), Some(key)) = (&self.cert, &self.key) {
+        if let (Some(cert), Some(key)) = (&self.cert, &self.cert_key) {
             config = config.identity(Identity::from_pem(read(cert)?, read(key)?));
         }
         Ok(config)
@@ -389,31 +389,13 @@ impl ClientTls {
             .with_safe_default_protocol_versions()
             .context("TLS protocol versions")?
             .with_root_certificates(roots);
-        let mut config = match (&self.cert, &self.key) {
+        let mut config = match (&self.cert, &self.cert_key) {
             (Some(cert), Some(key)) => builder.with_client_auth_cert(certs(cert)?, self::key(key)?)?,
             _ => builder.with_no_client_auth(),
         };
         config.alpn_protocols = vec![b"http/1.1".to_vec()];
         Ok(tokio_rustls::TlsConnector::from(Arc::new(config)))
     }
-}
-
-/// A gRPC endpoint for a client command: `https://` when TLS is on (or
-/// the address says so), with the `--ca/--cert/--key` settings.
-pub fn client_endpoint(server: &str) -> Result<tonic::transport::Endpoint> {
-    let tls = ClientTls::current();
-    let url = match server.split_once("://") {
-        Some(_) => server.to_string(),
-        None if tls.is_some() => format!("https://{server}"),
-        None => format!("http://{server}"),
-    };
-    let endpoint =
-        tonic::transport::Endpoint::from_shared(url.clone()).with_context(|| format!("bad address {url:?}"))?;
-    if url.starts_with("https://") {
-        let tls = tls.with_context(|| format!("{url}: https needs --ca (or WALSHIP_CA)"))?;
-        return Ok(endpoint.tls_config(tls.grpc()?)?);
-    }
-    Ok(endpoint)
 }
 
 /// Throwaway certificates for a local cluster (`walship dev --tls`, tests,
@@ -500,35 +482,36 @@ fn write_private(path: &Path, text: &str) -> Result<()> {
     Ok(())
 }
 
-/// What a failed call's transport error says about TLS, in an operator's
-/// words: the handshake alert or certificate problem behind a bare
-/// "transport error", or a plaintext client talking to a TLS port.
-pub fn explain(status: &tonic::Status) -> Option<String> {
-    let mut chain = Vec::new();
-    let mut source: Option<&(dyn std::error::Error + 'static)> = std::error::Error::source(status);
-    while let Some(error) = source {
-        chain.push(error.to_string());
-        source = error.source();
-    }
-    let all = chain.join(": ");
+/// What a failed call's error chain (`chain`, its sources joined) says
+/// about TLS, in an operator's words: the handshake alert or certificate
+/// problem behind a bare "transport error", or a plaintext client talking
+/// to a TLS port. `None` when it is not about TLS.
+pub fn hint(chain: &str) -> Option<&'static str> {
     let tls = ClientTls::current();
     let dropped = ["broken pipe", "h2 protocol error", "reset", "not ready", "frame with invalid size", "closed"]
         .iter()
-        .any(|w| all.contains(w));
-    let hint = if all.contains("CertificateRequired") {
-        "the server requires a client certificate (mutual TLS): pass --cert and --key (or WALSHIP_CERT/WALSHIP_KEY)"
-    } else if all.contains("UnknownCA") || all.contains("BadCertificate") || all.contains("CertificateUnknown") {
-        "the server refused this client's certificate: it is not signed by the cluster's CA"
-    } else if all.contains("invalid peer certificate") {
-        "the server's certificate is not valid for --ca and this address"
-    } else if dropped && tls.is_none() {
-        "the server dropped the connection: if it serves TLS, pass --ca (or WALSHIP_CA)"
+        .any(|w| chain.contains(w));
+    if chain.contains("CertificateRequired") {
+        Some(
+            "the server requires a client certificate (mutual TLS): pass --cert and --cert-key (or WALSHIP_CERT/WALSHIP_KEY)",
+        )
+    } else if chain.contains("UnknownCA") || chain.contains("BadCertificate") || chain.contains("CertificateUnknown") {
+        Some("the server refused this client's certificate: it is not signed by the cluster's CA")
+    } else if chain.contains("invalid peer certificate") {
+        Some("the server's certificate is not valid for --ca and this address")
+    } else if chain.contains("InvalidContentType") || chain.contains("corrupt message") {
+        Some("the server does not speak TLS here: drop --ca, or use the right port")
     } else if dropped && tls.is_some_and(|t| t.cert.is_none()) {
-        "the server dropped the connection: if it requires client certificates (mutual TLS), pass --cert and --key"
-    } else if all.is_empty() {
-        return None;
+        Some(
+            "the server dropped the connection: if it requires client certificates (mutual TLS), pass --cert and --cert-key",
+        )
     } else {
-        return Some(all);
-    };
-    Some(format!("{hint} ({all})"))
+        None
+    }
+}
+
+/// What to add to a "not a walship server" diagnosis: a TLS port spoken
+/// to in plaintext looks just like one.
+pub fn plaintext_note() -> &'static str {
+    if ClientTls::current().is_none() { "; or a TLS port: then pass --ca (or WALSHIP_CA)" } else { "" }
 }

@@ -91,7 +91,13 @@ async fn pipelined_appends_get_contiguous_seqnos_and_are_stored_as_sent() {
         common::wait_until("every replica to commit 300 records", WAIT, || {
             let mut client = client.clone();
             async move {
-                let read = walship_proto::log::ReadRequest { shard_id: 1, from_seqno: 1, to_seqno: 0, max_bytes: 0 };
+                let read = walship_proto::log::ReadRequest {
+                    shard_id: 1,
+                    from_seqno: 1,
+                    to_seqno: 0,
+                    max_bytes: 0,
+                    ..Default::default()
+                };
                 client.read(read).await.map(|r| r.into_inner().durable_seqno >= 300).unwrap_or(false)
             }
         })

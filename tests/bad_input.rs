@@ -114,7 +114,13 @@ async fn read_all(client: &mut LogClient<Channel>, shard: u32, first: u64, durab
     let mut from = first;
     while from <= durable {
         let response = client
-            .read(ReadRequest { shard_id: shard, from_seqno: from, to_seqno: durable, max_bytes: 0 })
+            .read(ReadRequest {
+                shard_id: shard,
+                from_seqno: from,
+                to_seqno: durable,
+                max_bytes: 0,
+                ..Default::default()
+            })
             .await
             .unwrap_or_else(|s| panic!("reading shard {shard} from {from}: {s}"))
             .into_inner();
@@ -230,7 +236,13 @@ async fn bad_requests_are_refused_precisely_and_change_nothing() {
         },
         Case {
             name: "read from unknown shard 99",
-            call: Call::Read(ReadRequest { shard_id: 99, from_seqno: 1, to_seqno: 0, max_bytes: 0 }),
+            call: Call::Read(ReadRequest {
+                shard_id: 99,
+                from_seqno: 1,
+                to_seqno: 0,
+                max_bytes: 0,
+                ..Default::default()
+            }),
             code: Code::NotFound,
             words: vec!["shard"],
             numbers: vec![99],
@@ -308,21 +320,39 @@ async fn bad_requests_are_refused_precisely_and_change_nothing() {
         // 6. Seqno ranges.
         Case {
             name: "read from seqno 0",
-            call: Call::Read(ReadRequest { shard_id: 1, from_seqno: 0, to_seqno: 0, max_bytes: 0 }),
+            call: Call::Read(ReadRequest {
+                shard_id: 1,
+                from_seqno: 0,
+                to_seqno: 0,
+                max_bytes: 0,
+                ..Default::default()
+            }),
             code: Code::InvalidArgument,
             words: vec!["from_seqno"],
             numbers: vec![],
         },
         Case {
             name: "read from past the newest durable (open end)",
-            call: Call::Read(ReadRequest { shard_id: 1, from_seqno: durable1 + 1, to_seqno: 0, max_bytes: 0 }),
+            call: Call::Read(ReadRequest {
+                shard_id: 1,
+                from_seqno: durable1 + 1,
+                to_seqno: 0,
+                max_bytes: 0,
+                ..Default::default()
+            }),
             code: Code::OutOfRange,
             words: vec!["committed"],
             numbers: vec![durable1 + 1, durable1],
         },
         Case {
             name: "read from far past the newest durable (open end)",
-            call: Call::Read(ReadRequest { shard_id: 1, from_seqno: durable1 + 100, to_seqno: 0, max_bytes: 0 }),
+            call: Call::Read(ReadRequest {
+                shard_id: 1,
+                from_seqno: durable1 + 100,
+                to_seqno: 0,
+                max_bytes: 0,
+                ..Default::default()
+            }),
             code: Code::OutOfRange,
             words: vec!["committed"],
             numbers: vec![durable1],
@@ -334,6 +364,7 @@ async fn bad_requests_are_refused_precisely_and_change_nothing() {
                 from_seqno: durable1 + 1,
                 to_seqno: durable1 + 3,
                 max_bytes: 0,
+                ..Default::default()
             }),
             code: Code::OutOfRange,
             words: vec!["committed"],
@@ -341,21 +372,39 @@ async fn bad_requests_are_refused_precisely_and_change_nothing() {
         },
         Case {
             name: "read with to_seqno past the newest durable",
-            call: Call::Read(ReadRequest { shard_id: 1, from_seqno: 1, to_seqno: durable1 + 1, max_bytes: 0 }),
+            call: Call::Read(ReadRequest {
+                shard_id: 1,
+                from_seqno: 1,
+                to_seqno: durable1 + 1,
+                max_bytes: 0,
+                ..Default::default()
+            }),
             code: Code::OutOfRange,
             words: vec!["committed"],
             numbers: vec![durable1 + 1, durable1],
         },
         Case {
             name: "read with to_seqno before from_seqno",
-            call: Call::Read(ReadRequest { shard_id: 1, from_seqno: 3, to_seqno: 2, max_bytes: 0 }),
+            call: Call::Read(ReadRequest {
+                shard_id: 1,
+                from_seqno: 3,
+                to_seqno: 2,
+                max_bytes: 0,
+                ..Default::default()
+            }),
             code: Code::InvalidArgument,
             words: vec!["to_seqno", "from_seqno"],
             numbers: vec![2, 3],
         },
         Case {
             name: "read of an empty shard",
-            call: Call::Read(ReadRequest { shard_id: 3, from_seqno: 1, to_seqno: 0, max_bytes: 0 }),
+            call: Call::Read(ReadRequest {
+                shard_id: 3,
+                from_seqno: 1,
+                to_seqno: 0,
+                max_bytes: 0,
+                ..Default::default()
+            }),
             code: Code::OutOfRange,
             words: vec!["shard 3"],
             numbers: vec![durable3],

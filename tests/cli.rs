@@ -225,12 +225,11 @@ async fn client_commands_fail_on_an_unknown_shard() {
     assert!(read.stdout.is_empty(), "nothing on stdout: {}", describe(&read));
 
     // A hosted but empty shard: an open-ended read prints nothing and
-    // succeeds; an explicit range past the end is still an error.
+    // succeeds, and so does a range past the end (it reads what exists).
     let empty = run(walship(&["read", "--server", server, "--shard", "1", "--from", "1"]), None).await;
     assert!(empty.status.success() && empty.stdout.is_empty(), "{}", describe(&empty));
     let past = run(walship(&["read", "--server", server, "--shard", "1", "--from", "1", "--to", "5"]), None).await;
-    assert!(!past.status.success(), "{}", describe(&past));
-    assert!(String::from_utf8_lossy(&past.stderr).contains("OutOfRange"), "{}", describe(&past));
+    assert!(past.status.success() && past.stdout.is_empty(), "{}", describe(&past));
 
     let append = run(walship(&["append", "--server", server, "--shard", "9"]), Some("x\n")).await;
     assert!(!append.status.success(), "append to shard 9 should fail: {}", describe(&append));

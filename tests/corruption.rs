@@ -110,7 +110,7 @@ async fn try_read_all(grpc: &str, to: u64) -> Result<Vec<Record>, tonic::Status>
     let mut out = Vec::new();
     let mut from = 1;
     while from <= to {
-        let request = ReadRequest { shard_id: 1, from_seqno: from, to_seqno: to, max_bytes: 0 };
+        let request = ReadRequest { shard_id: 1, from_seqno: from, to_seqno: to, max_bytes: 0, ..Default::default() };
         let r = log.read(request).await?.into_inner();
         from = r.next_seqno;
         out.extend(r.records);
@@ -122,7 +122,7 @@ async fn try_read_all(grpc: &str, to: u64) -> Result<Vec<Record>, tonic::Status>
 async fn read_range(grpc: &str, from: u64, to: u64) -> Result<Vec<Record>, tonic::Status> {
     let channel = tonic::transport::Endpoint::from_shared(format!("http://{grpc}")).unwrap().connect().await.unwrap();
     let mut log = walship_proto::log::log_client::LogClient::new(channel).max_decoding_message_size(64 << 20);
-    let request = ReadRequest { shard_id: 1, from_seqno: from, to_seqno: to, max_bytes: 0 };
+    let request = ReadRequest { shard_id: 1, from_seqno: from, to_seqno: to, max_bytes: 0, ..Default::default() };
     log.read(request).await.map(|r| r.into_inner().records)
 }
 

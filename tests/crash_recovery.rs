@@ -93,8 +93,15 @@ async fn verify(node: &NodeProcess, acked: &Acked) -> u64 {
         let mut from = 1;
         let mut durable = None;
         loop {
-            let r =
-                client.read(ReadRequest { shard_id: shard, from_seqno: from, to_seqno: 0, max_bytes: 1 << 20 }).await;
+            let r = client
+                .read(ReadRequest {
+                    shard_id: shard,
+                    from_seqno: from,
+                    to_seqno: 0,
+                    max_bytes: 1 << 20,
+                    ..Default::default()
+                })
+                .await;
             let r = match r {
                 Ok(r) => r.into_inner(),
                 // Empty shard: nothing durable to read.
@@ -277,7 +284,7 @@ async fn a_node_starts_when_its_wal_file_cannot_be_zero_filled() {
     assert_eq!(append(&node, "two").await, 2);
     let mut client = node.client().await;
     let read = client
-        .read(ReadRequest { shard_id: 1, from_seqno: 1, to_seqno: 2, max_bytes: 1 << 20 })
+        .read(ReadRequest { shard_id: 1, from_seqno: 1, to_seqno: 2, max_bytes: 1 << 20, ..Default::default() })
         .await
         .unwrap()
         .into_inner();

@@ -78,7 +78,8 @@ async fn whole_cluster_restart(signal: i32) {
     for (shard, seqno, payload) in last {
         let (leader, led_at) = wait_new_leader(&mut cluster, shard, None).await;
         let mut log = cluster.node(leader).client().await;
-        let read = ReadRequest { shard_id: shard, from_seqno: seqno, to_seqno: seqno, max_bytes: 0 };
+        let read =
+            ReadRequest { shard_id: shard, from_seqno: seqno, to_seqno: seqno, max_bytes: 0, ..Default::default() };
         let mut outcome = log.read(read).await;
         while outcome.is_err() && led_at.elapsed() < Duration::from_secs(1) {
             tokio::time::sleep(Duration::from_millis(10)).await;

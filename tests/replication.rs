@@ -390,9 +390,15 @@ async fn followers_refuse_appends_naming_the_leader_and_serve_committed_reads() 
     wait_until("follower to serve the committed record", WAIT, || {
         let mut f = follower.clone();
         async move {
-            f.read(ReadRequest { shard_id: 1, from_seqno: r.first_seqno, to_seqno: 0, max_bytes: 0 })
-                .await
-                .is_ok_and(|resp| resp.into_inner().records.first().is_some_and(|rec| &rec.payload[..] == b"x"))
+            f.read(ReadRequest {
+                shard_id: 1,
+                from_seqno: r.first_seqno,
+                to_seqno: 0,
+                max_bytes: 0,
+                ..Default::default()
+            })
+            .await
+            .is_ok_and(|resp| resp.into_inner().records.first().is_some_and(|rec| &rec.payload[..] == b"x"))
         }
     })
     .await;

@@ -222,7 +222,7 @@ async fn read_range(
     let mut next = from;
     while next <= to {
         let response = client
-            .read(ReadRequest { shard_id: shard, from_seqno: next, to_seqno: to, max_bytes: 0 })
+            .read(ReadRequest { shard_id: shard, from_seqno: next, to_seqno: to, max_bytes: 0, ..Default::default() })
             .await?
             .into_inner();
         assert!(!response.records.is_empty(), "shard {shard}: empty read at {next} (to {to})");
@@ -792,7 +792,7 @@ async fn bad_shipping_requests_are_refused_precisely_and_change_nothing() {
     let records_after = read_range(&mut follower_log, SHARD, 1, d).await.expect("follower read after");
     assert_eq!(records_after, records_before, "node {FOLLOWER}'s shard {SHARD} records changed");
     let status = follower_log
-        .read(ReadRequest { shard_id: SHARD, from_seqno: d + 1, to_seqno: 0, max_bytes: 0 })
+        .read(ReadRequest { shard_id: SHARD, from_seqno: d + 1, to_seqno: 0, max_bytes: 0, ..Default::default() })
         .await
         .expect_err("nothing past D on the follower");
     assert_eq!(status.code(), Code::OutOfRange, "read past D on the follower: {status:?}");

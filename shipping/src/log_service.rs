@@ -8,7 +8,9 @@
 //! | shard not hosted by this node | `NOT_FOUND` |
 //! | append to a follower (metadata `walship-leader: <id>@<addr>` names the leader) | `FAILED_PRECONDITION` |
 //! | empty batch, record over the size limit, too many records, unknown durability, seqno 0, `to < from` | `INVALID_ARGUMENT` |
+//! | `last` with a non-zero `from_seqno` | `INVALID_ARGUMENT` |
 //! | range before the oldest retained or past the newest committed record | `OUT_OF_RANGE` |
+//! | a read's `min_seqno` not committed here before the call's deadline (names the seqno committed) | `UNAVAILABLE` |
 //! | WAL writer stopped | `UNAVAILABLE` (retryable) |
 //! | a record in range is corrupt in this replica's copy (names shard, seqnos, file) | `DATA_LOSS` |
 //!
@@ -16,10 +18,12 @@
 //! leader has fsynced, `QUORUM` (the default) once a majority of the replica
 //! set has, `ALL` once every replica has. Reads and tails, on any replica,
 //! only return committed records (durable on a majority), so nothing a read
-//! returned can be lost in a failover.
+//! returned can be lost in a failover. A read carrying `min_seqno` (the
+//! caller's own last write) waits, within its deadline, until this replica
+//! has committed it: read-your-writes on a follower.
 
 use std::pin::Pin;
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
 use std::collections::HashSet;
 
@@ -164,6 +168,39 @@ fn durability_name(d: Durability) -> &'static str {
 }
 
 type TailStream = Pin<Box<dyn Stream<Item = Result<TailResponse, Status>> + Send>>;
+
+/// Longest a read waits for its `min_seqno` when the call carries no
+/// deadline.
+pub const MAX_READ_WAIT: Duration = Duration::from_secs(30);
+
+/// The call's deadline from its `grpc-timeout` header (`<digits><unit>`,
+/// unit one of H M S m u n), if it has a valid one.
+fn call_deadline(metadata: &tonic::metadata::MetadataMap) -> Option<Duration> {
+    let value = metadata.get("grpc-timeout")?.to_str().ok()?;
+    let split = value.len().checked_sub(1)?;
+    let (digits, unit) = value.split_at(split);
+    let n: u64 = digits.parse().ok()?;
+    Some(match unit {
+        "H" => Duration::from_secs(n.saturating_mul(3600)),
+        "M" => Duration::from_secs(n.saturating_mul(60)),
+        "S" => Duration::from_secs(n),
+        "m" => Duration::from_millis(n),
+        "u" => Duration::from_micros(n),
+        "n" => Duration::from_nanos(n),
+        _ => return None,
+    })
+}
+
+/// How long a read waits for its `min_seqno`: until shortly before the
+/// call's deadline (so that the answer names how far this replica got,
+/// rather than the transport's bare "timeout expired"), at most
+/// [`MAX_READ_WAIT`].
+fn read_wait_patience(deadline: Option<Duration>) -> Duration {
+    match deadline {
+        Some(d) => d.saturating_sub((d / 10).min(Duration::from_millis(500))).min(MAX_READ_WAIT),
+        None => MAX_READ_WAIT,
+    }
+}
 
 impl LogService {
     pub fn new(node: Arc<ReplicationNode>, limits: LogLimits, metrics: LogServiceMetrics) -> LogService {
@@ -313,8 +350,63 @@ impl LogService {
         Ok(AppendResponse { first_seqno: appended.first_seqno, last_seqno: appended.last_seqno, epoch })
     }
 
-    async fn read_inner(&self, req: ReadRequest) -> Result<ReadResponse, Status> {
+    /// Waits, up to `patience`, until this replica has committed `seqno`
+    /// (a read's `min_seqno`); UNAVAILABLE naming how far it got otherwise.
+    async fn wait_committed(&self, shard: ShardId, seqno: u64, patience: Duration) -> Result<(), Status> {
+        let replica = self.replica(shard)?;
+        let mut readable = replica.readable_watch();
+        let reached = tokio::select! {
+            reached = tokio::time::timeout(patience, readable.wait_for(|&c| c >= seqno)) => reached,
+            _ = self.node.shutdown.cancelled() => {
+                return Err(Status::unavailable(format!("node {} is shutting down", self.node.me)));
+            }
+        };
+        match reached {
+            Ok(Ok(_)) => Ok(()),
+            Ok(Err(_)) => Err(Status::unavailable(format!("node {} is shutting down", self.node.me))),
+            Err(_) => Err(Status::unavailable(format!(
+                "shard {shard}: this replica has committed up to seqno {}, short of min_seqno {seqno}, after \
+                 waiting {} ms (the call's deadline); retry, or read from the leader",
+                replica.readable(),
+                patience.as_millis()
+            ))),
+        }
+    }
+
+    async fn read_inner(&self, req: ReadRequest, deadline: Option<Duration>) -> Result<ReadResponse, Status> {
         let shard = req.shard_id;
+        if req.last != 0 && req.from_seqno != 0 {
+            return Err(Status::invalid_argument(format!(
+                "from_seqno {} with last {}: a read of the newest records takes from_seqno 0",
+                req.from_seqno, req.last
+            )));
+        }
+        if req.min_seqno != 0 {
+            self.wait_committed(shard, req.min_seqno, read_wait_patience(deadline)).await?;
+        }
+        let req = if req.last == 0 {
+            req
+        } else {
+            let durable = self.replica(shard)?.readable();
+            let first = self.wal.positions(shard).map_err(wal_status)?.first_seqno;
+            let to = if req.to_seqno == 0 { durable } else { req.to_seqno };
+            if to > durable {
+                return Err(Status::out_of_range(format!(
+                    "shard {shard}: to_seqno {to} passes the newest committed seqno {durable}"
+                )));
+            }
+            if to < first {
+                // Nothing retained in range (an empty shard, say).
+                return Ok(ReadResponse {
+                    records: Vec::new(),
+                    next_seqno: first,
+                    durable_seqno: durable,
+                    first_seqno: first,
+                });
+            }
+            let from = to.saturating_sub(req.last - 1).max(first);
+            ReadRequest { from_seqno: from, to_seqno: to, ..req }
+        };
         let (first_seqno, durable) = self.check_from(shard, req.from_seqno)?;
         let to = if req.to_seqno == 0 { durable } else { req.to_seqno };
         if to < req.from_seqno {
@@ -363,7 +455,8 @@ impl Log for LogService {
     }
 
     async fn read(&self, request: Request<ReadRequest>) -> Result<Response<ReadResponse>, Status> {
-        self.read_inner(request.into_inner()).await.map(Response::new).map_err(|s| self.reject("read", s))
+        let deadline = call_deadline(request.metadata());
+        self.read_inner(request.into_inner(), deadline).await.map(Response::new).map_err(|s| self.reject("read", s))
     }
 
     type TailStream = TailStream;

@@ -677,7 +677,13 @@ pub async fn read_all(grpc: &str, shard: u32, to: u64) -> Vec<walship_proto::log
     let mut out = Vec::new();
     let mut from = 1;
     while from <= to {
-        let request = walship_proto::log::ReadRequest { shard_id: shard, from_seqno: from, to_seqno: to, max_bytes: 0 };
+        let request = walship_proto::log::ReadRequest {
+            shard_id: shard,
+            from_seqno: from,
+            to_seqno: to,
+            max_bytes: 0,
+            ..Default::default()
+        };
         let r = log.read(request).await.unwrap().into_inner();
         from = r.next_seqno;
         out.extend(r.records);

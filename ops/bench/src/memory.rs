@@ -384,8 +384,13 @@ async fn read_middle(addr: SocketAddr, admin: SocketAddr, node: u32, reads: usiz
     };
     for _ in 0..reads {
         let seqno = rng.gen_range(from..=to);
-        let mut request =
-            tonic::Request::new(ReadRequest { shard_id: SHARD, from_seqno: seqno, to_seqno: seqno, max_bytes: 0 });
+        let mut request = tonic::Request::new(ReadRequest {
+            shard_id: SHARD,
+            from_seqno: seqno,
+            to_seqno: seqno,
+            max_bytes: 0,
+            ..Default::default()
+        });
         request.set_timeout(READ_TIMEOUT);
         let t = Instant::now();
         let answer = tokio::time::timeout(READ_TIMEOUT, client.read(request)).await;

@@ -416,7 +416,13 @@ impl Coordinator {
             let mut from = 1;
             while from <= target {
                 let r = client
-                    .read(ReadRequest { shard_id: shard, from_seqno: from, to_seqno: target, max_bytes: 0 })
+                    .read(ReadRequest {
+                        shard_id: shard,
+                        from_seqno: from,
+                        to_seqno: target,
+                        max_bytes: 0,
+                        ..Default::default()
+                    })
                     .await
                     .map_err(|s| format!("reading node {node}: {s}"))?
                     .into_inner();
