@@ -38,7 +38,7 @@ use anyhow::{Context, Result, bail};
 use bytes::Bytes;
 use clap::{Args, ValueEnum};
 use serde::Serialize;
-use tonic::transport::{Channel, Endpoint};
+use tonic::transport::{Certificate, Channel, ClientTlsConfig, Endpoint, Identity};
 use walship_loadgen::Measured;
 use walship_proto::log::log_client::LogClient;
 use walship_proto::log::{AppendRecord, AppendRequest, Durability};
@@ -50,6 +50,9 @@ pub enum BenchPath {
     Wal,
     Local,
     Quorum,
+    /// `quorum` with TLS on every connection (mutual between members and
+    /// from the appenders): its throughput ÷ `quorum`'s is TLS's cost.
+    QuorumTls,
     All,
 }
 
@@ -59,6 +62,7 @@ impl BenchPath {
             BenchPath::Wal => "wal",
             BenchPath::Local => "local",
             BenchPath::Quorum => "rf3-quorum",
+            BenchPath::QuorumTls => "rf3-quorum-tls",
             BenchPath::All => "rf3-all",
         }
     }
@@ -67,7 +71,7 @@ impl BenchPath {
     fn copies(self) -> f64 {
         match self {
             BenchPath::Wal | BenchPath::Local => 1.0,
-            BenchPath::Quorum | BenchPath::All => 3.0,
+            BenchPath::Quorum | BenchPath::QuorumTls | BenchPath::All => 3.0,
         }
     }
 }
@@ -139,8 +143,12 @@ enum Connection {
 }
 
 impl Connection {
-    async fn open(leader: &str, transport: Transport) -> Result<Connection> {
-        let channel: Channel = Endpoint::from_shared(format!("http://{leader}"))?.tcp_nodelay(true).connect().await?;
+    async fn open(leader: &str, transport: Transport, tls: Option<&ClientTlsConfig>) -> Result<Connection> {
+        let endpoint = match tls {
+            Some(tls) => Endpoint::from_shared(format!("https://{leader}"))?.tls_config(tls.clone())?,
+            None => Endpoint::from_shared(format!("http://{leader}"))?,
+        };
+        let channel: Channel = endpoint.tcp_nodelay(true).connect().await?;
         let client = LogClient::new(channel);
         Ok(match transport {
             Transport::Stream => Connection::Stream(Arc::new(AppendPipeline::open(client).await?)),
@@ -175,6 +183,9 @@ struct Cell {
     /// records/s ÷ the single-node `local` path's records/s in the same cell,
     /// when both were measured.
     vs_local: Option<f64>,
+    /// A TLS cell's records/s ÷ the same cell without TLS, when measured.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    vs_plaintext: Option<f64>,
     /// p99 append latency ÷ raw 4 KiB fdatasync p99.
     p99_ratio: f64,
 }
@@ -204,6 +215,7 @@ fn cell(path: BenchPath, size: usize, shards: u32, appenders: usize, m: &Measure
         p999_us: f.p999_us,
         bandwidth_ratio: f.mib_per_s * path.copies() / base.seq_write_mib_s,
         vs_local: None,
+        vs_plaintext: None,
         p99_ratio: f.p99_us / base.fdatasync_4k_p99_us,
     }
 }
@@ -252,6 +264,8 @@ struct Target {
     /// gRPC address of shard i's leader at index i-1.
     leaders: Vec<String>,
     children: Vec<std::process::Child>,
+    /// How appenders connect when the cluster serves TLS.
+    client_tls: Option<ClientTlsConfig>,
 }
 
 impl Drop for Target {
@@ -303,7 +317,7 @@ fn single_node(data: &Path, shards: u32, spare_bytes: u64) -> Result<Target> {
         .chain([format!("1-{shards}"), "--wal-spare-bytes".into(), spare_bytes.to_string()])
         .collect();
     let (child, grpc) = spawn_listening("node", &args, data)?;
-    Ok(Target { leaders: vec![grpc; shards as usize], children: vec![child] })
+    Ok(Target { leaders: vec![grpc; shards as usize], children: vec![child], client_tls: None })
 }
 
 /// Attempts at starting a three-node cluster: its ports are picked before
@@ -315,10 +329,10 @@ const CLUSTER_START_ATTEMPTS: usize = 3;
 /// a coordinator when `leadership` says so; each node lays out
 /// `spare_bytes` of spare WAL files. A start that fails (a port taken in
 /// the meantime) stops what it started and tries again on fresh ports.
-fn three_nodes(data: &Path, shards: u32, leadership: Leadership, spare_bytes: u64) -> Result<Target> {
+fn three_nodes(data: &Path, shards: u32, leadership: Leadership, spare_bytes: u64, tls: bool) -> Result<Target> {
     let mut attempt = 1;
     loop {
-        match start_three_nodes(data, shards, leadership, spare_bytes) {
+        match start_three_nodes(data, shards, leadership, spare_bytes, tls) {
             Ok(target) => return Ok(target),
             Err(error) if attempt < CLUSTER_START_ATTEMPTS => {
                 eprintln!("starting the three-node cluster failed ({error:#}); trying again on fresh ports");
@@ -330,7 +344,7 @@ fn three_nodes(data: &Path, shards: u32, leadership: Leadership, spare_bytes: u6
     }
 }
 
-fn start_three_nodes(data: &Path, shards: u32, leadership: Leadership, spare_bytes: u64) -> Result<Target> {
+fn start_three_nodes(data: &Path, shards: u32, leadership: Leadership, spare_bytes: u64, tls: bool) -> Result<Target> {
     use walship_shipping::{ClusterConfig, NodeSpec};
     // Every listener stays bound until all ports are picked, so no two are
     // the same.
@@ -357,11 +371,24 @@ fn start_three_nodes(data: &Path, shards: u32, leadership: Leadership, spare_byt
     drop(listeners);
     let leaders = config.shards.iter().map(|s| config.nodes[s.leader as usize - 1].grpc_addr.to_string()).collect();
     std::fs::create_dir_all(data)?;
+    let certificates = match tls {
+        true => Some(crate::tls::LocalCertificates::generate(&data.join("tls"))?),
+        false => None,
+    };
+    config.tls = certificates.as_ref().map(|c| c.cluster_tls());
     let file = data.join("cluster.toml");
     config.save(&file).with_context(|| format!("writing {}", file.display()))?;
     // Every process started is in `target` at once, so an early return
     // stops it (Target's drop) instead of leaving it running.
-    let mut target = Target { leaders, children: Vec::new() };
+    let mut target = Target { leaders, children: Vec::new(), client_tls: None };
+    if let Some(c) = &certificates {
+        let read = |p: &Path| std::fs::read(p).with_context(|| format!("reading {}", p.display()));
+        target.client_tls = Some(
+            ClientTlsConfig::new()
+                .ca_certificate(Certificate::from_pem(read(&c.ca)?))
+                .identity(Identity::from_pem(read(&c.client_cert)?, read(&c.client_key)?)),
+        );
+    }
     let children = &mut target.children;
     if leadership == Leadership::Coordinated {
         let args: Vec<String> =
@@ -395,8 +422,11 @@ async fn grpc_cell(
     let _ = std::fs::remove_dir_all(&data);
     let (target, durability) = match path {
         BenchPath::Local => (single_node(&data, shards, args.wal_spare_bytes)?, Durability::Local),
-        BenchPath::Quorum => (three_nodes(&data, shards, args.leadership, args.wal_spare_bytes)?, Durability::Quorum),
-        BenchPath::All => (three_nodes(&data, shards, args.leadership, args.wal_spare_bytes)?, Durability::All),
+        BenchPath::Quorum | BenchPath::QuorumTls => {
+            let tls = path == BenchPath::QuorumTls;
+            (three_nodes(&data, shards, args.leadership, args.wal_spare_bytes, tls)?, Durability::Quorum)
+        }
+        BenchPath::All => (three_nodes(&data, shards, args.leadership, args.wal_spare_bytes, false)?, Durability::All),
         BenchPath::Wal => bail!("the wal path runs in process"),
     };
     // A few HTTP/2 connections per leader, shared round-robin by the appenders.
@@ -404,7 +434,7 @@ async fn grpc_cell(
     for leader in &target.leaders {
         let mut per = Vec::new();
         for _ in 0..appenders.div_ceil(shards as usize).clamp(1, 4) {
-            per.push(Connection::open(leader, args.transport).await?);
+            per.push(Connection::open(leader, args.transport, target.client_tls.as_ref()).await?);
         }
         clients.push(per);
     }
@@ -459,13 +489,14 @@ fn print_table(base: &Baseline, cells: &[Cell]) {
     );
     println!();
     println!(
-        "| path | record B | shards | appenders | records/s | MiB/s | p50 µs | p99 µs | p999 µs | disk MiB/s ÷ disk limit | p99 ÷ fsync p99 | ÷ local |"
+        "| path | record B | shards | appenders | records/s | MiB/s | p50 µs | p99 µs | p999 µs | disk MiB/s ÷ disk limit | p99 ÷ fsync p99 | ÷ local | ÷ plaintext |"
     );
-    println!("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|");
+    println!("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|");
     for c in cells {
         let vs_local = c.vs_local.map_or("".to_string(), |r| format!("{r:.2}"));
+        let vs_plaintext = c.vs_plaintext.map_or("".to_string(), |r| format!("{r:.2}"));
         println!(
-            "| {} | {} | {} | {} | {:.0} | {:.1} | {:.0} | {:.0} | {:.0} | {:.2} | {:.2} | {} |",
+            "| {} | {} | {} | {} | {:.0} | {:.1} | {:.0} | {:.0} | {:.0} | {:.2} | {:.2} | {} | {} |",
             c.path,
             c.record_bytes,
             c.shards,
@@ -477,7 +508,8 @@ fn print_table(base: &Baseline, cells: &[Cell]) {
             c.p999_us,
             c.bandwidth_ratio,
             c.p99_ratio,
-            vs_local
+            vs_local,
+            vs_plaintext
         );
     }
 }
@@ -532,6 +564,15 @@ pub async fn run(args: BenchArgs) -> Result<()> {
                 .iter()
                 .find(|l| (l.record_bytes, l.shards, l.appenders) == (c.record_bytes, c.shards, c.appenders))
                 .map(|l| c.records_per_s / l.records_per_s);
+        }
+    }
+    let plain: Vec<Cell> = cells.iter().filter(|c| c.path == "rf3-quorum").cloned().collect();
+    for c in &mut cells {
+        if c.path == "rf3-quorum-tls" {
+            c.vs_plaintext = plain
+                .iter()
+                .find(|p| (p.record_bytes, p.shards, p.appenders) == (c.record_bytes, c.shards, c.appenders))
+                .map(|p| c.records_per_s / p.records_per_s);
         }
     }
     print_table(&base, &cells);
