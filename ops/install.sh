@@ -83,3 +83,11 @@ install_fonts() {
     apt_install fonts-dejavu-core
   fi
 }
+
+# curl: the operator walkthroughs in README.md and ops/ use it, and tests run them as printed.
+install_curl() {
+  if ! command -v curl >/dev/null; then
+    echo "installing curl (Debian) ..." >&2
+    apt_install curl ca-certificates
+  fi
+}

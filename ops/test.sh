@@ -29,6 +29,7 @@ install_nftables # the partition tests (they also need root)
 install_browser
 install_postgres # the comparison benchmark's smoke test
 install_fonts
+install_curl # the walkthroughs tests run as printed
 
 cargo fmt --all -- --check
 cargo clippy --workspace --all-targets --locked -- -D warnings

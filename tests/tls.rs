@@ -300,3 +300,23 @@ async fn certificates_reload_on_sighup_and_on_file_changes() {
     let _ = node.kill();
     let _ = node.wait();
 }
+
+/// The "Trying it" walkthrough of ops/README.md's TLS section runs as
+/// printed (with this build's `walship` first on PATH).
+#[test]
+fn the_tls_walkthrough_in_the_ops_readme_runs_as_printed() {
+    let readme = std::fs::read_to_string(concat!(env!("CARGO_MANIFEST_DIR"), "/ops/README.md")).unwrap();
+    let from = readme.find("**Trying it.**").expect("the walkthrough");
+    let block = readme[from..].split("```sh\n").nth(1).unwrap().split("```").next().unwrap();
+    assert!(block.contains("walship dev --tls") && block.contains("kill %1"), "{block}");
+    let bin = walship_bin();
+    let path = format!("{}:{}", bin.parent().unwrap().display(), std::env::var("PATH").unwrap_or_default());
+    let _ = std::fs::remove_dir_all("/tmp/walship-tls");
+    let output =
+        Command::new("bash").args(["-e", "-c", block]).env("PATH", path).env("WALSHIP_LOG", "warn").output().unwrap();
+    let stdout = text(&output.stdout);
+    assert!(output.status.success(), "the walkthrough failed:\n{stdout}\n{}", text(&output.stderr));
+    assert!(stdout.contains("appended shard 1"), "{stdout}");
+    assert!(stdout.contains("\"node_id\":1"), "curl over https reached node 1's status: {stdout}");
+    let _ = std::fs::remove_dir_all("/tmp/walship-tls");
+}
