@@ -259,7 +259,7 @@ pub fn coord_error(e: CoordError) -> ApiError {
         // The named replica does not exist in this shard.
         CoordError::UnknownShard(_) | CoordError::NotAReplica { .. } => StatusCode::NOT_FOUND,
         CoordError::BadRequest(_) => StatusCode::BAD_REQUEST,
-        CoordError::WouldLose { .. } | CoordError::Busy(_) => StatusCode::CONFLICT,
+        CoordError::WouldLose { .. } | CoordError::Busy(_) | CoordError::DrillWouldEvict { .. } => StatusCode::CONFLICT,
     };
     let code = match &e {
         CoordError::NotActive => "not_active",
@@ -271,6 +271,7 @@ pub fn coord_error(e: CoordError) -> ApiError {
         CoordError::Busy(_) => "failover_in_progress",
         CoordError::Kv(_) => "kv_unavailable",
         CoordError::BadRequest(_) => "bad_request",
+        CoordError::DrillWouldEvict { .. } => "drill_would_evict",
     };
     ApiError::new(status, code, e.to_string())
 }
@@ -361,12 +362,12 @@ fn started(id: String) -> Response {
 }
 
 /// Starts a drill after the token and body checks; 202 with its id.
-fn start_drill<R: std::fmt::Debug>(
+async fn start_drill<R: std::fmt::Debug, F: std::future::Future<Output = Result<String, CoordError>>>(
     admin: &CoordAdmin,
     who: std::net::SocketAddr,
     headers: &HeaderMap,
     body: Result<ObjectJson<R>, ApiError>,
-    start: impl FnOnce(&Arc<Coordinator>, R) -> Result<String, CoordError>,
+    start: impl FnOnce(Arc<Coordinator>, R) -> F,
 ) -> Response {
     if let Err(e) = authorize(headers, &admin.token) {
         return e.into_response();
@@ -376,7 +377,7 @@ fn start_drill<R: std::fmt::Debug>(
         Err(refused) => return refused.into_response(),
     };
     tracing::info!(%who, ?request, "admin: drill requested");
-    match start(&admin.coordinator, request) {
+    match start(admin.coordinator.clone(), request).await {
         Ok(id) => started(id),
         Err(e) => coord_error(e).into_response(),
     }
@@ -394,7 +395,7 @@ async fn failover_drill(
     headers: HeaderMap,
     body: Result<ObjectJson<FailoverDrillRequest>, ApiError>,
 ) -> Response {
-    start_drill(&admin, who, &headers, body, Coordinator::start_failover_drill)
+    start_drill(&admin, who, &headers, body, async |c, r| c.start_failover_drill(r).await).await
 }
 
 #[utoipa::path(post, path = "/v1/drills/catchup", tag = "drills", request_body = CatchupDrillRequest,
@@ -409,7 +410,7 @@ async fn catchup_drill(
     headers: HeaderMap,
     body: Result<ObjectJson<CatchupDrillRequest>, ApiError>,
 ) -> Response {
-    start_drill(&admin, who, &headers, body, Coordinator::start_catchup_drill)
+    start_drill(&admin, who, &headers, body, async |c, r| c.start_catchup_drill(r).await).await
 }
 
 /// Dev and test clusters only: the chosen node (started with
@@ -426,7 +427,7 @@ async fn corruption_drill(
     headers: HeaderMap,
     body: Result<ObjectJson<CorruptionDrillRequest>, ApiError>,
 ) -> Response {
-    start_drill(&admin, who, &headers, body, Coordinator::start_corruption_drill)
+    start_drill(&admin, who, &headers, body, async |c, r| c.start_corruption_drill(r).await).await
 }
 
 /// Dev and test clusters only: the shard's leader is cut from its followers
@@ -445,7 +446,7 @@ async fn partition_drill(
     headers: HeaderMap,
     body: Result<ObjectJson<PartitionDrillRequest>, ApiError>,
 ) -> Response {
-    start_drill(&admin, who, &headers, body, Coordinator::start_partition_drill)
+    start_drill(&admin, who, &headers, body, async |c, r| c.start_partition_drill(r).await).await
 }
 
 #[utoipa::path(get, path = "/healthz", tag = "health", responses((status = 200, description = "the process is up", body = String)))]

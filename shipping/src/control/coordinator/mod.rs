@@ -62,6 +62,12 @@ pub enum CoordError {
     Unreachable(NodeId),
     #[error("a failover of shard {0} is already running")]
     Busy(u32),
+    #[error(
+        "the drill would write about {needs} bytes into shard {shard}, which retains {retained} of its {retain_bytes}-byte \
+         retention (replication.retain_bytes): retention would then compact the shard's oldest records, yours among them. \
+         Drill a shard with room, or write less (a smaller volume)"
+    )]
+    DrillWouldEvict { shard: u32, needs: u64, retained: u64, retain_bytes: u64 },
     #[error("KV: {0}")]
     Kv(#[from] KvError),
     #[error("{0}")]
