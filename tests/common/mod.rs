@@ -11,6 +11,7 @@ use std::time::{Duration, Instant};
 use tonic::transport::{Channel, Endpoint};
 use walship_proto::log::log_client::LogClient;
 
+pub mod dev;
 pub mod history;
 pub mod partition;
 
