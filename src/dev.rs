@@ -90,13 +90,23 @@ impl Drop for Children {
     }
 }
 
-fn free_port() -> Result<u16> {
-    Ok(TcpListener::bind("127.0.0.1:0")?.local_addr()?.port())
-}
+/// Addresses on loopback: `base + offset`, or with base 0 a free port,
+/// held until the whole cluster is laid out so no two are the same.
+#[derive(Default)]
+struct Ports(Vec<TcpListener>);
 
-fn address(base: u16, offset: u16) -> Result<SocketAddr> {
-    let port = if base == 0 { free_port()? } else { base.checked_add(offset).context("port out of range")? };
-    Ok(SocketAddr::from(([127, 0, 0, 1], port)))
+impl Ports {
+    fn address(&mut self, base: u16, offset: u16) -> Result<SocketAddr> {
+        let port = if base == 0 {
+            let listener = TcpListener::bind("127.0.0.1:0")?;
+            let port = listener.local_addr()?.port();
+            self.0.push(listener);
+            port
+        } else {
+            base.checked_add(offset).context("port out of range")?
+        };
+        Ok(SocketAddr::from(([127, 0, 0, 1], port)))
+    }
 }
 
 /// The dev cluster's configuration: shard i led by node ((i-1) mod n)+1.
@@ -104,13 +114,14 @@ fn dev_cluster(args: &DevArgs) -> Result<ClusterConfig> {
     if args.nodes == 0 || args.shards == 0 {
         bail!("--nodes and --shards must be at least 1");
     }
+    let mut ports = Ports::default();
     let mut nodes = Vec::new();
     for id in 1..=args.nodes {
         let offset = id as u16;
         nodes.push(NodeSpec {
             id,
-            grpc_addr: address(args.base_port, offset)?.into(),
-            admin_addr: address(args.base_port, 80 + offset)?.into(),
+            grpc_addr: ports.address(args.base_port, offset)?.into(),
+            admin_addr: ports.address(args.base_port, 80 + offset)?.into(),
             region: id,
         });
     }
@@ -118,8 +129,8 @@ fn dev_cluster(args: &DevArgs) -> Result<ClusterConfig> {
     config.cluster_id = "walship-dev".into();
     config.coordinators = vec![CoordinatorSpec {
         id: "dev".into(),
-        grpc_addr: address(args.base_port, 90)?.into(),
-        admin_addr: address(args.base_port, 80)?.into(),
+        grpc_addr: ports.address(args.base_port, 90)?.into(),
+        admin_addr: ports.address(args.base_port, 80)?.into(),
     }];
     config.validate()?;
     Ok(config)
@@ -223,6 +234,23 @@ async fn current_leaders(admin: &str, shards: u32) -> Result<std::collections::B
     }
 }
 
+/// Makes `command`'s process receive SIGTERM when `walship dev` dies, even
+/// by SIGKILL, so that no node or coordinator outlives it.
+fn die_with_parent(command: &mut Command) -> &mut Command {
+    use std::os::unix::process::CommandExt;
+    // SAFETY: prctl(2) only, in the child between fork and exec. The signal
+    // follows the thread that forked: `run_dev` spawns every child from the
+    // thread that runs it to the end (the runtime's block_on).
+    unsafe {
+        command.pre_exec(|| {
+            if libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGTERM) != 0 {
+                return Err(std::io::Error::last_os_error());
+            }
+            Ok(())
+        })
+    }
+}
+
 /// Waits for a child's "listening" line on stdout.
 fn wait_listening(child: &mut Child, what: &str) -> Result<()> {
     let stdout = child.stdout.take().context("child stdout")?;
@@ -245,7 +273,7 @@ pub async fn run_dev(args: DevArgs) -> Result<()> {
     std::fs::write(&cluster_file, toml::to_string_pretty(&cluster)?)?;
     let exe = std::env::current_exe()?;
     let log = std::env::var("WALSHIP_LOG").unwrap_or_else(|_| "warn".into());
-    let coordinator = Command::new(&exe)
+    let coordinator = die_with_parent(&mut Command::new(&exe))
         .args(["coord", "--id", "dev", "--admin-token", &token, "--cluster"])
         .arg(&cluster_file)
         .arg("--data-dir")
@@ -259,6 +287,7 @@ pub async fn run_dev(args: DevArgs) -> Result<()> {
     let reserve_arg = reserve.map(|r| r.to_string());
     let spawn_node = |id: u32| -> Result<Child> {
         let mut command = Command::new(&exe);
+        die_with_parent(&mut command);
         // A dev cluster starts in a blink rather than writing a WAL file of
         // zeros and its spares per node first (`wal.prefill`).
         command.args(["node", "--allow-crash-drills", "--wal-prefill", "false", "--node-id", &id.to_string()]);

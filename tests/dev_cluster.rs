@@ -138,9 +138,9 @@ async fn http_get_quick(url: &str) -> Option<u16> {
     Some(http_get(addr_and_path).await.0)
 }
 
-/// The disk cap: a dev cluster capped at a few MiB beyond what it holds
-/// refuses appends with RESOURCE_EXHAUSTED once its nodes have written
-/// about that much, and its data dir stays near the cap.
+/// The disk cap: a dev cluster capped at 48 MiB refuses appends (its nodes
+/// report their disk full) once its nodes have written about that much,
+/// and its data dir stays near the cap.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_disk_cap_refuses_appends_past_it() {
     let dir = tempfile::tempdir().unwrap();
@@ -164,20 +164,49 @@ async fn the_disk_cap_refuses_appends_past_it() {
         }
     }
     let (round, stderr) = refused.expect("no append was refused: the cap did not hold");
-    assert!(stderr.contains("refused"), "round {round}: {stderr}");
-    // Every node refuses for a full disk (it hands its leaderships over, and
-    // nobody can take them: the client hears no leader accept).
-    for id in 1..=3 {
-        let url = dev.node_admin(id);
-        let (code, body) = http_get(url.trim_start_matches("http://")).await;
+    // Refused for a full disk: the nodes run with the cap's reserve, and
+    // report the disk full (each hands its leaderships over and nobody can
+    // take them, so the client may hear of no leader, or of an outcome it
+    // cannot know, rather than RESOURCE_EXHAUSTED itself).
+    let admins: Vec<String> = (1..=3).map(|id| dev.node_admin(id).trim_start_matches("http://").to_string()).collect();
+    let mut reserves = std::collections::BTreeSet::new();
+    for admin in &admins {
+        let (code, body) = http_get(admin).await;
         assert_eq!(code, 200, "{body}");
         let status: serde_json::Value = serde_json::from_str(&body).unwrap();
-        assert_eq!(status["disk"]["disk_full"], true, "node {id} after round {round}: {}", status["disk"]);
-        let reserve = status["disk"]["min_free_bytes"].as_u64().unwrap();
-        assert!(reserve > 256 << 20, "node {id} runs with the default reserve, not the cap's: {reserve}");
+        reserves.insert(status["disk"]["min_free_bytes"].as_u64().unwrap());
     }
+    assert_eq!(reserves.len(), 1, "the nodes run with different reserves: {reserves:?}");
+    let reserve = *reserves.first().unwrap();
+    assert!(reserve > 256 << 20, "the nodes run with the default reserve, not the cap's: {reserve}");
+    wait_until(&format!("a node to report its disk full after round {round} ({stderr})"), WAIT, || async {
+        let mut full = false;
+        for admin in &admins {
+            let (_, body) = http_get(admin).await;
+            full |= serde_json::from_str::<serde_json::Value>(&body).is_ok_and(|s| s["disk"]["disk_full"] == true);
+        }
+        full
+    })
+    .await;
     let used = dev::disk_usage(&data);
     // The nodes see each other's writes every 200 ms (statvfs), so they
-    // overshoot by what three replicas write in that time.
-    assert!(used <= (cap_mib + 32) << 20, "the data dir holds {} MiB, cap {cap_mib} MiB", used >> 20);
+    // overshoot by what three replicas write in that time. (The reserve
+    // counts the whole file system: another process freeing space while
+    // this runs moves the cap up by as much.)
+    assert!(used <= (cap_mib + 64) << 20, "the data dir holds {} MiB, cap {cap_mib} MiB", used >> 20);
+}
+
+/// Its nodes and coordinator never outlive `walship dev`, even when it is
+/// killed with SIGKILL (no chance to stop them).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn nothing_outlives_a_killed_dev_cluster() {
+    let dir = tempfile::tempdir().unwrap();
+    let data = dir.path().join("dev");
+    let mut dev = DevProcess::start(&data, &["--shards", "1"]);
+    let children = dev::processes_under(&data);
+    assert!(children.len() >= 4, "a coordinator and three nodes: {children:?}\n{}", dev.output());
+    let _ = dev.child.kill();
+    let _ = dev.child.wait();
+    wait_until("every node and the coordinator to stop", WAIT, || async { dev::processes_under(&data).is_empty() })
+        .await;
 }

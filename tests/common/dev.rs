@@ -13,6 +13,8 @@ use super::walship_bin;
 /// A running `walship dev`; SIGTERM (it stops its own children) on drop.
 pub struct DevProcess {
     pub child: Child,
+    /// Its data dir: its nodes and coordinator are found by it.
+    data: std::path::PathBuf,
     /// Every stdout line so far.
     pub lines: Vec<String>,
     rx: Receiver<String>,
@@ -60,7 +62,14 @@ impl DevProcess {
                 }
             }
         });
-        let mut dev = DevProcess { child, lines: Vec::new(), rx, admin: String::new(), token: String::new() };
+        let mut dev = DevProcess {
+            child,
+            data: data.to_path_buf(),
+            lines: Vec::new(),
+            rx,
+            admin: String::new(),
+            token: String::new(),
+        };
         dev.wait_printed("Ctrl-C stops the cluster", Duration::from_secs(120));
         let export = dev
             .lines
@@ -145,15 +154,34 @@ impl Drop for DevProcess {
         // nodes and coordinator on SIGTERM.
         unsafe { libc::kill(self.child.id() as i32, libc::SIGTERM) };
         let deadline = Instant::now() + Duration::from_secs(20);
-        while Instant::now() < deadline {
-            if matches!(self.child.try_wait(), Ok(Some(_))) {
-                return;
-            }
+        while Instant::now() < deadline && !matches!(self.child.try_wait(), Ok(Some(_))) {
             std::thread::sleep(Duration::from_millis(50));
         }
         let _ = self.child.kill();
         let _ = self.child.wait();
+        // Whatever it left running (it should have stopped them all).
+        for pid in processes_under(&self.data) {
+            // SAFETY: kill(2) on a process the dev cluster of this test started.
+            unsafe { libc::kill(pid, libc::SIGKILL) };
+        }
     }
+}
+
+/// Pids of the running `walship` processes whose command line names a path
+/// under `data`.
+pub fn processes_under(data: &Path) -> Vec<i32> {
+    let data = data.to_string_lossy().into_owned();
+    let mut pids = Vec::new();
+    let Ok(entries) = std::fs::read_dir("/proc") else { return pids };
+    for entry in entries.flatten() {
+        let Ok(pid) = entry.file_name().to_string_lossy().parse::<i32>() else { continue };
+        let Ok(cmdline) = std::fs::read(entry.path().join("cmdline")) else { continue };
+        let args: Vec<String> = cmdline.split(|&b| b == 0).map(|a| String::from_utf8_lossy(a).into_owned()).collect();
+        if args.first().is_some_and(|a| a.ends_with("/walship")) && args.iter().any(|a| a.starts_with(&data)) {
+            pids.push(pid);
+        }
+    }
+    pids
 }
 
 /// The pid of the `walship node` process that dev started for node `id`
