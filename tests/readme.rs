@@ -9,6 +9,8 @@
 //! PATH. Ports are substituted as the README documents: 74xx becomes B+xx.
 //! A command that follows forever (`walship tail`) runs in the background
 //! until it has printed the record the block appended, then is stopped.
+//! `BROWSER=echo` makes `xdg-open` print the dashboard URL on a machine
+//! without a desktop instead of starting a text browser.
 
 mod common;
 
@@ -104,6 +106,9 @@ fn the_readme_using_it_block_runs_as_printed() {
         .current_dir(dir.path())
         .env("PATH", path)
         .env("WALSHIP_LOG", "warn")
+        // xdg-open without a desktop falls back to $BROWSER: print the URL
+        // rather than start a text browser.
+        .env("BROWSER", "echo")
         .env_remove("WALSHIP_ADMIN")
         .env_remove("WALSHIP_TOKEN")
         .stdin(Stdio::null())
