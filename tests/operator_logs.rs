@@ -99,6 +99,8 @@ async fn a_coordinator_before_its_nodes_does_not_warn_no_majority_but_a_real_los
     .await;
     let text = log();
     assert_eq!(no_majority_lines(&text, "WARN"), Vec::<String>::new(), "start-up WARNed:\n{text}");
+    let warnings: Vec<&str> = text.lines().filter(|l| l.contains(" WARN ") || l.contains(" ERROR ")).collect();
+    assert!(warnings.is_empty(), "a start-up in order logged warnings:\n{text}");
     assert!(!no_majority_lines(&text, "INFO").is_empty(), "the waiting was not logged at INFO:\n{text}");
 
     // A real loss of majority: nodes 2 and 3 die; node 1 is left alone.
