@@ -6,6 +6,11 @@
 //! as a follower (`--no-restart` leaves it down). Runs until Ctrl-C, then
 //! stops its children.
 //!
+//! The nodes start first and the coordinator after them, so that it hears
+//! every replica from its first rounds: a fresh dev cluster keeps the
+//! leaders of its cluster file, spread over the nodes, rather than failing
+//! over shards whose leaders had not started yet.
+//!
 //! What it prints is meant to be pasted: the dashboard URL, an
 //! `export WALSHIP_ADMIN=… WALSHIP_TOKEN=…` line for the admin commands,
 //! and the leaders the coordinator reports once every shard has one. The
@@ -273,17 +278,6 @@ pub async fn run_dev(args: DevArgs) -> Result<()> {
     std::fs::write(&cluster_file, toml::to_string_pretty(&cluster)?)?;
     let exe = std::env::current_exe()?;
     let log = std::env::var("WALSHIP_LOG").unwrap_or_else(|_| "warn".into());
-    let coordinator = die_with_parent(&mut Command::new(&exe))
-        .args(["coord", "--id", "dev", "--admin-token", &token, "--cluster"])
-        .arg(&cluster_file)
-        .arg("--data-dir")
-        .arg(args.data_dir.join("coord"))
-        .env("WALSHIP_LOG", &log)
-        .stdout(Stdio::piped())
-        .spawn()
-        .context("starting the coordinator")?;
-    let mut children = Children(vec![(0, coordinator)]);
-    wait_listening(&mut children.0[0].1, "the coordinator")?;
     let reserve_arg = reserve.map(|r| r.to_string());
     let spawn_node = |id: u32| -> Result<Child> {
         let mut command = Command::new(&exe);
@@ -306,10 +300,25 @@ pub async fn run_dev(args: DevArgs) -> Result<()> {
         wait_listening(&mut child, &format!("node {id}"))?;
         Ok(child)
     };
+    // Nodes first, then the coordinator: it then hears every replica from
+    // its first rounds and keeps the leaders of the cluster file, instead
+    // of failing over shards whose leaders have not started yet.
+    let mut children = Children(Vec::new());
     for node in &cluster.nodes {
         let child = spawn_node(node.id)?;
         children.0.push((node.id, child));
     }
+    let coordinator = die_with_parent(&mut Command::new(&exe))
+        .args(["coord", "--id", "dev", "--admin-token", &token, "--cluster"])
+        .arg(&cluster_file)
+        .arg("--data-dir")
+        .arg(args.data_dir.join("coord"))
+        .env("WALSHIP_LOG", &log)
+        .stdout(Stdio::piped())
+        .spawn()
+        .context("starting the coordinator")?;
+    children.0.push((0, coordinator));
+    wait_listening(&mut children.0.last_mut().expect("just pushed").1, "the coordinator")?;
     let coord = &cluster.coordinators[0];
     let admin = format!("http://{}", coord.admin_addr);
     let leaders = current_leaders(&admin, args.shards).await?;
