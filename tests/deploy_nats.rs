@@ -122,6 +122,7 @@ async fn the_nats_3_node_guide_files_describe_a_cluster_that_starts() {
     let mut processes = Vec::new();
     let mut token = String::new();
     let mut node_grpc = BTreeMap::new();
+    let mut machines = Vec::new();
     for machine in 1..=3u32 {
         let env = env_file(&to_loopback(&guide_file(&format!("machine-{machine}.env")), &mut ports));
         let get = |k: &str| env.iter().find(|(key, _)| key == k).map(|(_, v)| v.clone()).unwrap();
@@ -130,31 +131,38 @@ async fn the_nats_3_node_guide_files_describe_a_cluster_that_starts() {
         // machine 1's NATS, moved to loopback like every other address.
         assert!(get("WALSHIP_NATS").starts_with("nats://127.0.0.1:"), "{}", get("WALSHIP_NATS"));
         token = get("WALSHIP_TOKEN");
-        let apply = |command: &mut Command| {
-            for (k, v) in &env {
-                let v = match k.as_str() {
-                    "WALSHIP_CLUSTER_CONFIG" => cluster_path.display().to_string(),
-                    "WALSHIP_NATS" => nats_url.clone(),
-                    _ => v.clone(),
-                };
-                command.env(k, v);
-            }
-        };
+        let env: Vec<(String, String)> = env
+            .into_iter()
+            .map(|(k, v)| match k.as_str() {
+                "WALSHIP_CLUSTER_CONFIG" => (k, cluster_path.display().to_string()),
+                "WALSHIP_NATS" => (k, nats_url.clone()),
+                _ => (k, v),
+            })
+            .collect();
+        machines.push((machine, env));
+    }
+    // As the guide orders it: the three nodes, then the three coordinators.
+    for (machine, env) in &machines {
         // walship node --node-id "$WALSHIP_NODE_ID" --data-dir /var/lib/walship
+        let node_id = env.iter().find(|(k, _)| k == "WALSHIP_NODE_ID").unwrap().1.clone();
         let mut node = Command::new(walship_bin());
-        apply(&mut node);
-        node.args(["node", "--node-id", &get("WALSHIP_NODE_ID"), "--data-dir"])
+        node.envs(env.iter().map(|(k, v)| (k, v)))
+            .args(["node", "--node-id", &node_id, "--data-dir"])
             .arg(dir.path().join(format!("machine-{machine}/walship")))
             // Not in the guide: spare WAL files of zeros (2 GiB per node)
             // are left out here so three nodes fit a test machine.
             .args(["--wal-prefill", "false"]);
         let (child, fields) = spawn_listening(&mut node, &format!("node {machine}"));
-        node_grpc.insert(machine, fields["grpc"].clone());
+        node_grpc.insert(*machine, fields["grpc"].clone());
         processes.push(Killed(child));
+    }
+    for (machine, env) in &machines {
         // walship coord --data-dir /var/lib/walship-coord
         let mut coord = Command::new(walship_bin());
-        apply(&mut coord);
-        coord.args(["coord", "--data-dir"]).arg(dir.path().join(format!("machine-{machine}/walship-coord")));
+        coord
+            .envs(env.iter().map(|(k, v)| (k, v)))
+            .args(["coord", "--data-dir"])
+            .arg(dir.path().join(format!("machine-{machine}/walship-coord")));
         let (child, fields) = spawn_listening(&mut coord, &format!("coordinator {machine}"));
         assert_eq!(fields["kv"], format!("nats:{nats_url}/walship"), "coordinator {machine} is not on NATS");
         assert_eq!(fields["token"], "(given)", "the env file's token was not taken");
@@ -196,6 +204,13 @@ async fn the_nats_3_node_guide_files_describe_a_cluster_that_starts() {
     })
     .await;
     let active = active.lock().unwrap().clone().unwrap();
+    // Nodes first, as the guide says: the leaders are cluster.toml's.
+    let (_, body) = http_get(&format!("{active}/v1/shards")).await;
+    let shards: serde_json::Value = serde_json::from_str(&body).unwrap();
+    for (shard, spec) in shards.as_array().unwrap().iter().zip(config["shards"].as_array().unwrap()) {
+        assert_eq!(shard["shard_id"].as_i64(), spec["id"].as_integer(), "{body}");
+        assert_eq!(shard["leader"].as_i64(), spec["leader"].as_integer(), "the guide's leaders moved: {body}");
+    }
 
     // The guide's "check the cluster" commands, against the loopback stand-ins.
     let status = Command::new(walship_bin())
