@@ -219,6 +219,8 @@ async fn the_nats_3_node_guide_files_describe_a_cluster_that_starts() {
         .output()
         .unwrap();
     assert!(status.status.success(), "{}", String::from_utf8_lossy(&status.stderr));
+    let table = String::from_utf8_lossy(&status.stdout);
+    assert!(table.lines().next().is_some_and(|l| l.contains("(active)") && l.contains("kv nats:")), "{table}");
     let mut append = Command::new(walship_bin())
         .args(["append", "--server", &node_grpc[&1], "--shard", "2"])
         .env("WALSHIP_LOG", "warn")
