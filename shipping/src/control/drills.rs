@@ -715,3 +715,54 @@ impl Coordinator {
         })
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_budget_gives_out_exactly_its_bytes_and_counts_what_its_splits_take() {
+        let budget = Budget::new(1_000);
+        assert!(budget.take(600));
+        assert!(!budget.take(401), "past what is left: refused, and nothing taken");
+        assert!(budget.take(400));
+        assert!(!budget.take(1));
+        assert_eq!(budget.written(), 1_000);
+        let split = budget.split(50);
+        assert!(split.take(50) && !split.take(1));
+        assert_eq!(budget.written(), 1_050, "a split's bytes count in its parent's written");
+        assert_eq!(split.written(), 1_050);
+    }
+
+    #[test]
+    fn concurrent_takers_never_overspend_a_budget() {
+        let budget = Budget::new(10_000);
+        let taken: u64 = std::thread::scope(|s| {
+            let handles: Vec<_> = (0..8)
+                .map(|_| {
+                    s.spawn(|| {
+                        let mut mine = 0;
+                        while budget.take(7) {
+                            mine += 7;
+                        }
+                        mine
+                    })
+                })
+                .collect();
+            handles.into_iter().map(|h| h.join().unwrap()).sum()
+        });
+        assert!(taken <= 10_000 && taken > 10_000 - 7 * 8, "taken {taken}");
+        assert_eq!(budget.written(), taken);
+    }
+
+    #[test]
+    fn a_catch_up_drill_accounts_for_its_records_as_stored() {
+        let request =
+            CatchupDrillRequest { shard: 1, follower: None, volume_bytes: 4096 * 100, record_bytes: 4096, clients: 8 };
+        let framed = 100 * (4096 + FRAME_OVERHEAD);
+        assert_eq!(catchup_fill_bytes(&request), framed + framed / 8);
+        // Tiny records still count at least their tag's size.
+        let tiny = CatchupDrillRequest { volume_bytes: 10, record_bytes: 1, ..request };
+        assert_eq!(catchup_fill_bytes(&tiny), 10 * (64 + FRAME_OVERHEAD) + 10 * (64 + FRAME_OVERHEAD) / 8);
+    }
+}
