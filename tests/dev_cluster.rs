@@ -30,10 +30,10 @@ async fn dev_prints_what_to_paste_and_keeps_its_token_across_restarts() {
     let (code, page) = http_get(&format!("{}/", admin.trim_start_matches("http://"))).await;
     assert_eq!(code, 200, "dashboard: {page}");
     // The token is kept, readable by its owner only.
-    let file = data.join("admin-token");
+    let token_file = data.join("admin-token");
     use std::os::unix::fs::PermissionsExt;
-    assert_eq!(std::fs::metadata(&file).unwrap().permissions().mode() & 0o777, 0o600);
-    assert_eq!(std::fs::read_to_string(&file).unwrap().trim(), token);
+    assert_eq!(std::fs::metadata(&token_file).unwrap().permissions().mode() & 0o777, 0o600);
+    assert_eq!(std::fs::read_to_string(&token_file).unwrap().trim(), token);
     // The token works on a mutating endpoint (and a wrong one does not).
     let preview = r#"{"preview":true}"#;
     let addr = admin.trim_start_matches("http://");
@@ -52,8 +52,11 @@ async fn dev_prints_what_to_paste_and_keeps_its_token_across_restarts() {
     // Restarted, every leader restarted in its epoch and the coordinator
     // moved each shard to another replica: the leaders printed are those,
     // not the cluster file's (shard i led by node ((i-1) mod 3)+1).
+    // A token file others may read is restricted again at the next start.
+    std::fs::set_permissions(&token_file, std::fs::Permissions::from_mode(0o644)).unwrap();
     let dev = DevProcess::start(&data, &[]);
     assert_eq!(dev.token, token, "the restarted dev cluster changed its token:\n{}", dev.output());
+    assert_eq!(std::fs::metadata(&token_file).unwrap().permissions().mode() & 0o777, 0o600);
     assert!(dev.printed("kept in"), "{}", dev.output());
     let printed = dev.printed_leaders(3);
     let addr = dev.admin.trim_start_matches("http://").to_string();
