@@ -2,8 +2,24 @@
 //! coord`, file KV under the data folder) and three `walship node` child
 //! processes on loopback (a real gRPC hop between them), several shards at
 //! RF=3 with leaders spread over the nodes, no other setup. A node that dies
-//! (a crash drill, a kill) is restarted and rejoins as a follower. Runs until
-//! Ctrl-C, then stops its children.
+//! (a crash drill, a kill) is restarted after [`RESTART_DELAY`] and rejoins
+//! as a follower (`--no-restart` leaves it down). Runs until Ctrl-C, then
+//! stops its children.
+//!
+//! The nodes start first and the coordinator after them, so that it hears
+//! every replica from its first rounds: a fresh dev cluster keeps the
+//! leaders of its cluster file, spread over the nodes, rather than failing
+//! over shards whose leaders had not started yet.
+//!
+//! What it prints is meant to be pasted: the dashboard URL, an
+//! `export WALSHIP_ADMIN=… WALSHIP_TOKEN=…` line for the admin commands,
+//! and the leaders the coordinator reports once every shard has one. The
+//! admin token is generated once and kept in `<data-dir>/admin-token`
+//! (mode 0600), so a restarted dev cluster keeps it. The cluster's disk use
+//! is capped (`--max-disk-mib`) with the nodes' free-space reserve
+//! (`wal.min_free_bytes`): set to the free space at start plus what the
+//! data dir already holds, less the cap, so the nodes refuse appends
+//! (`RESOURCE_EXHAUSTED`) once they have written the cap's worth.
 
 use std::io::{BufRead, BufReader};
 use std::net::{SocketAddr, TcpListener};
@@ -31,15 +47,33 @@ pub struct DevArgs {
     /// coordinator on gRPC base+90 and admin base+80. 0 picks free ports.
     #[arg(long, default_value_t = 7400)]
     base_port: u16,
-    /// Admin token of the coordinator (generated when absent).
+    /// Admin token of the coordinator [default: the one kept in
+    /// <data-dir>/admin-token, generated there (mode 0600) on first start].
     #[arg(long, env = "WALSHIP_TOKEN")]
     admin_token: Option<String>,
+    /// Disk the whole dev cluster may use, in MiB: past it its nodes refuse
+    /// appends with RESOURCE_EXHAUSTED (and keep serving reads) until the
+    /// data dir is deleted or the cap raised. Enforced with the nodes'
+    /// free-space reserve (`wal.min_free_bytes`), so anything else filling
+    /// the same file system counts against it too. 0: no cap (the nodes'
+    /// default 256 MiB reserve only).
+    #[arg(long, default_value_t = DEFAULT_MAX_DISK_MIB)]
+    max_disk_mib: u64,
+    /// Leave a node that exits down instead of restarting it after 1 s.
+    #[arg(long)]
+    no_restart: bool,
     /// Serve TLS on every listener, with mutual TLS between members and on
     /// the gRPC ports: a throwaway CA and certificates are generated under
     /// <data-dir>/tls, and the line to point the CLI at them is printed.
     #[arg(long)]
     tls: bool,
 }
+
+/// `--max-disk-mib`'s default: 2 GiB for the whole dev cluster.
+pub const DEFAULT_MAX_DISK_MIB: u64 = 2048;
+
+/// The file under the data dir that keeps the generated admin token.
+const TOKEN_FILE: &str = "admin-token";
 
 /// How long a dead node stays down before `walship dev` restarts it.
 const RESTART_DELAY: Duration = Duration::from_secs(1);
@@ -66,13 +100,23 @@ impl Drop for Children {
     }
 }
 
-fn free_port() -> Result<u16> {
-    Ok(TcpListener::bind("127.0.0.1:0")?.local_addr()?.port())
-}
+/// Addresses on loopback: `base + offset`, or with base 0 a free port,
+/// held until the whole cluster is laid out so no two are the same.
+#[derive(Default)]
+struct Ports(Vec<TcpListener>);
 
-fn address(base: u16, offset: u16) -> Result<SocketAddr> {
-    let port = if base == 0 { free_port()? } else { base.checked_add(offset).context("port out of range")? };
-    Ok(SocketAddr::from(([127, 0, 0, 1], port)))
+impl Ports {
+    fn address(&mut self, base: u16, offset: u16) -> Result<SocketAddr> {
+        let port = if base == 0 {
+            let listener = TcpListener::bind("127.0.0.1:0")?;
+            let port = listener.local_addr()?.port();
+            self.0.push(listener);
+            port
+        } else {
+            base.checked_add(offset).context("port out of range")?
+        };
+        Ok(SocketAddr::from(([127, 0, 0, 1], port)))
+    }
 }
 
 /// The dev cluster's configuration: shard i led by node ((i-1) mod n)+1.
@@ -80,13 +124,14 @@ fn dev_cluster(args: &DevArgs) -> Result<ClusterConfig> {
     if args.nodes == 0 || args.shards == 0 {
         bail!("--nodes and --shards must be at least 1");
     }
+    let mut ports = Ports::default();
     let mut nodes = Vec::new();
     for id in 1..=args.nodes {
         let offset = id as u16;
         nodes.push(NodeSpec {
             id,
-            grpc_addr: address(args.base_port, offset)?.into(),
-            admin_addr: address(args.base_port, 80 + offset)?.into(),
+            grpc_addr: ports.address(args.base_port, offset)?.into(),
+            admin_addr: ports.address(args.base_port, 80 + offset)?.into(),
             region: id,
         });
     }
@@ -94,11 +139,126 @@ fn dev_cluster(args: &DevArgs) -> Result<ClusterConfig> {
     config.cluster_id = "walship-dev".into();
     config.coordinators = vec![CoordinatorSpec {
         id: "dev".into(),
-        grpc_addr: address(args.base_port, 90)?.into(),
-        admin_addr: address(args.base_port, 80)?.into(),
+        grpc_addr: ports.address(args.base_port, 90)?.into(),
+        admin_addr: ports.address(args.base_port, 80)?.into(),
     }];
     config.validate()?;
     Ok(config)
+}
+
+/// The admin token: given, else the one kept in `<data_dir>/admin-token`,
+/// else a new one written there with mode 0600. Returns it and where it
+/// came from.
+fn admin_token(args: &DevArgs) -> Result<(String, String)> {
+    use std::io::Write;
+    use std::os::unix::fs::{OpenOptionsExt, PermissionsExt};
+    if let Some(token) = &args.admin_token {
+        if token.len() < 8 {
+            bail!("--admin-token (WALSHIP_TOKEN) must be at least 8 characters");
+        }
+        return Ok((token.clone(), "given with --admin-token or WALSHIP_TOKEN".into()));
+    }
+    let path = args.data_dir.join(TOKEN_FILE);
+    match std::fs::read_to_string(&path) {
+        Ok(text) => {
+            let token = text.trim().to_string();
+            if token.len() < 8 || token.chars().any(char::is_whitespace) {
+                bail!(
+                    "{} does not hold a token (8 or more characters, no spaces); delete it to get a new one",
+                    path.display()
+                );
+            }
+            // Whoever can read the file can use the admin API.
+            std::fs::set_permissions(&path, std::fs::Permissions::from_mode(0o600))
+                .with_context(|| format!("restricting {} to its owner", path.display()))?;
+            Ok((token, format!("kept in {}", path.display())))
+        }
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
+            let token = format!("{:032x}", rand::random::<u128>());
+            let mut file = std::fs::OpenOptions::new()
+                .write(true)
+                .create_new(true)
+                .mode(0o600)
+                .open(&path)
+                .with_context(|| format!("creating {}", path.display()))?;
+            writeln!(file, "{token}")?;
+            file.sync_all()?;
+            Ok((token, format!("new, kept in {} for the next start", path.display())))
+        }
+        Err(e) => Err(e).with_context(|| format!("reading {}", path.display())),
+    }
+}
+
+/// Bytes the files under `dir` take on disk.
+fn disk_usage(dir: &std::path::Path) -> u64 {
+    use std::os::unix::fs::MetadataExt;
+    let Ok(entries) = std::fs::read_dir(dir) else { return 0 };
+    entries
+        .flatten()
+        .map(|e| match e.metadata() {
+            Ok(m) if m.is_dir() => disk_usage(&e.path()),
+            Ok(m) => m.blocks() * 512,
+            Err(_) => 0,
+        })
+        .sum()
+}
+
+/// The nodes' `--wal-min-free-bytes` that caps the cluster at `cap` bytes
+/// under `dir`: refuse appends once the free space is what it is now plus
+/// what the data dir holds, less the cap (never below the default reserve).
+fn reserve_for_cap(dir: &std::path::Path, cap: u64) -> Result<Option<u64>> {
+    if cap == 0 {
+        return Ok(None);
+    }
+    let free = walship_wal::disk_space::free_bytes(dir).with_context(|| format!("measuring {}", dir.display()))?;
+    let reserve = (free + disk_usage(dir)).saturating_sub(cap);
+    Ok(Some(reserve.max(walship_wal::disk_space::DEFAULT_MIN_FREE_BYTES)))
+}
+
+/// Waits until the coordinator reports a leader for every shard that also
+/// reports itself leading; returns shard -> leader.
+async fn current_leaders(admin: &str, shards: u32) -> Result<std::collections::BTreeMap<u32, u32>> {
+    let deadline = std::time::Instant::now() + Duration::from_secs(60);
+    loop {
+        if let Ok((200, list)) = crate::http::request("GET", admin, "/v1/shards", None, None).await {
+            let leaders: std::collections::BTreeMap<u32, u32> =
+                list.as_array()
+                    .into_iter()
+                    .flatten()
+                    .filter_map(|s| {
+                        let leader = s["leader"].as_u64()?;
+                        let leading = s["replicas"].as_array()?.iter().any(|r| {
+                            r["node_id"].as_u64() == Some(leader) && r["role"] == "leader" && r["alive"] == true
+                        });
+                        leading.then_some((s["shard_id"].as_u64()? as u32, leader as u32))
+                    })
+                    .collect();
+            if leaders.len() == shards as usize {
+                return Ok(leaders);
+            }
+        }
+        if std::time::Instant::now() > deadline {
+            bail!("the coordinator at {admin} reported no leader for every shard within 60 s");
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+}
+
+/// Makes `command`'s process receive SIGTERM when `walship dev` dies, even
+/// by SIGKILL, so that no node or coordinator outlives it.
+fn die_with_parent(command: &mut Command) -> &mut Command {
+    use std::os::unix::process::CommandExt;
+    // SAFETY: prctl(2) only, in the child between fork and exec. The signal
+    // follows the thread that forked: `run_dev` spawns every child from the
+    // thread that runs it to the end (the runtime's block_on).
+    unsafe {
+        command.pre_exec(|| {
+            if libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGTERM) != 0 {
+                return Err(std::io::Error::last_os_error());
+            }
+            Ok(())
+        })
+    }
 }
 
 /// Waits for a child's "listening" line on stdout.
@@ -121,27 +281,30 @@ pub async fn run_dev(args: DevArgs) -> Result<()> {
     };
     cluster.tls = certificates.as_ref().map(|c| c.cluster_tls());
     let scheme = if args.tls { "https" } else { "http" };
+    if let Some(c) = &certificates {
+        // What this process itself asks the coordinator over https.
+        crate::tls::ClientTls::for_local(c).install()?;
+    }
+    let (token, token_from) = admin_token(&args)?;
+    let cap = args.max_disk_mib.checked_mul(1 << 20).context("--max-disk-mib is too large")?;
+    let reserve = reserve_for_cap(&args.data_dir, cap)?;
+    let used_at_start = disk_usage(&args.data_dir);
     let cluster_file = args.data_dir.join("cluster.toml");
     cluster.save(&cluster_file).with_context(|| format!("writing {}", cluster_file.display()))?;
     let exe = std::env::current_exe()?;
-    let token = args.admin_token.clone().unwrap_or_else(|| format!("{:032x}", rand::random::<u128>()));
     let log = std::env::var("WALSHIP_LOG").unwrap_or_else(|_| "warn".into());
-    let coordinator = Command::new(&exe)
-        .args(["coord", "--id", "dev", "--admin-token", &token, "--cluster"])
-        .arg(&cluster_file)
-        .arg("--data-dir")
-        .arg(args.data_dir.join("coord"))
-        .env("WALSHIP_LOG", &log)
-        .stdout(Stdio::piped())
-        .spawn()
-        .context("starting the coordinator")?;
-    let mut children = Children(vec![(0, coordinator)]);
-    wait_listening(&mut children.0[0].1, "the coordinator")?;
+    let reserve_arg = reserve.map(|r| r.to_string());
     let spawn_node = |id: u32| -> Result<Child> {
-        let mut child = Command::new(&exe)
-            // A dev cluster starts in a blink rather than writing a WAL file of
-            // zeros and its spares per node first (`wal.prefill`).
-            .args(["node", "--allow-crash-drills", "--wal-prefill", "false", "--node-id", &id.to_string(), "--cluster"])
+        let mut command = Command::new(&exe);
+        die_with_parent(&mut command);
+        // A dev cluster starts in a blink rather than writing a WAL file of
+        // zeros and its spares per node first (`wal.prefill`).
+        command.args(["node", "--allow-crash-drills", "--wal-prefill", "false", "--node-id", &id.to_string()]);
+        if let Some(reserve) = &reserve_arg {
+            command.args(["--wal-min-free-bytes", reserve]);
+        }
+        let mut child = command
+            .arg("--cluster")
             .arg(&cluster_file)
             .arg("--data-dir")
             .arg(args.data_dir.join(format!("node-{id}")))
@@ -152,10 +315,28 @@ pub async fn run_dev(args: DevArgs) -> Result<()> {
         wait_listening(&mut child, &format!("node {id}"))?;
         Ok(child)
     };
+    // Nodes first, then the coordinator: it then hears every replica from
+    // its first rounds and keeps the leaders of the cluster file, instead
+    // of failing over shards whose leaders have not started yet.
+    let mut children = Children(Vec::new());
     for node in &cluster.nodes {
         let child = spawn_node(node.id)?;
         children.0.push((node.id, child));
     }
+    let coordinator = die_with_parent(&mut Command::new(&exe))
+        .args(["coord", "--id", "dev", "--admin-token", &token, "--cluster"])
+        .arg(&cluster_file)
+        .arg("--data-dir")
+        .arg(args.data_dir.join("coord"))
+        .env("WALSHIP_LOG", &log)
+        .stdout(Stdio::piped())
+        .spawn()
+        .context("starting the coordinator")?;
+    children.0.push((0, coordinator));
+    wait_listening(&mut children.0.last_mut().expect("just pushed").1, "the coordinator")?;
+    let coord = &cluster.coordinators[0];
+    let admin = format!("{scheme}://{}", coord.admin_addr);
+    let leaders = current_leaders(&admin, args.shards).await?;
     println!(
         "walship dev: {} nodes, shards 1..={} at RF={}, data in {}",
         cluster.nodes.len(),
@@ -165,7 +346,7 @@ pub async fn run_dev(args: DevArgs) -> Result<()> {
     );
     for node in &cluster.nodes {
         let leads: Vec<String> =
-            cluster.shards.iter().filter(|s| s.leader == node.id).map(|s| s.id.to_string()).collect();
+            leaders.iter().filter(|&(_, &leader)| leader == node.id).map(|(shard, _)| shard.to_string()).collect();
         println!(
             "  node {}  gRPC {}  admin {scheme}://{}/v1/status  leads shards [{}]",
             node.id,
@@ -174,11 +355,39 @@ pub async fn run_dev(args: DevArgs) -> Result<()> {
             leads.join(", ")
         );
     }
-    let coord = &cluster.coordinators[0];
-    println!("  coordinator  admin {scheme}://{}/v1/shards  (token {token})", coord.admin_addr);
+    println!("  coordinator  admin {admin}/v1/shards  (leaders above as it reports them now)");
+    println!("dashboard: {admin}/");
+    println!("admin token ({token_from}); for walship status/failover/drill and curl:");
+    println!("  export WALSHIP_ADMIN={admin} WALSHIP_TOKEN={token}");
     if let Some(certificates) = &certificates {
         println!("TLS on every port, mutual on gRPC; point the CLI at the throwaway CA:");
         println!("  {}", certificates.export_line());
+    }
+    match reserve {
+        Some(_) => println!(
+            "disk: the cluster may use up to {} MiB under {} (--max-disk-mib; {} MiB used now); past it nodes refuse appends (RESOURCE_EXHAUSTED) and keep serving reads",
+            args.max_disk_mib,
+            args.data_dir.display(),
+            used_at_start >> 20
+        ),
+        None => println!(
+            "disk: no cap (--max-disk-mib 0); nodes refuse appends only when the file system under {} has less than 256 MiB free",
+            args.data_dir.display()
+        ),
+    }
+    if used_at_start >= cap && cap > 0 {
+        println!(
+            "  warning: the data dir already holds the cap: appends will be refused (delete {} or raise --max-disk-mib)",
+            args.data_dir.display()
+        );
+    }
+    if args.no_restart {
+        println!("restarts: off (--no-restart): a node that exits stays down");
+    } else {
+        println!(
+            "restarts: a node that exits (a crash drill, a kill) is restarted after {}s; --no-restart leaves it down",
+            RESTART_DELAY.as_secs()
+        );
     }
     let first = &cluster.nodes[0].grpc_addr;
     // Shard 2 is led by node 2, so the example shows the leader hint at
@@ -187,10 +396,12 @@ pub async fn run_dev(args: DevArgs) -> Result<()> {
     println!("try (any node works: clients follow the leader hint):");
     println!("  echo hello | walship append --server {first} --shard {example}");
     println!("  walship read --server {first} --shard {example} --from 1");
+    println!("  walship status --admin {admin}");
     println!("cluster config: {}; Ctrl-C stops the cluster.", cluster_file.display());
 
     let mut term = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate())?;
     let mut check = tokio::time::interval(Duration::from_millis(500));
+    let mut left_down = std::collections::BTreeSet::new();
     loop {
         tokio::select! {
             _ = tokio::signal::ctrl_c() => break,
@@ -201,10 +412,16 @@ pub async fn run_dev(args: DevArgs) -> Result<()> {
                         if *id == 0 {
                             bail!("the coordinator exited ({status}); stopping the dev cluster");
                         }
+                        if args.no_restart {
+                            if left_down.insert(*id) {
+                                println!("node {id} exited ({status}); left down (--no-restart)");
+                            }
+                            continue;
+                        }
                         // Restart only after the coordinator has noticed the
                         // loss (leader_timeout_ms), so a crash drill sees a
                         // real failover rather than the same leader back.
-                        println!("node {id} exited ({status}); restarting it in {RESTART_DELAY:?}");
+                        println!("node {id} exited ({status}); restarting it in {}s", RESTART_DELAY.as_secs());
                         tokio::time::sleep(RESTART_DELAY).await;
                         *child = spawn_node(*id)?;
                     }
@@ -223,8 +440,16 @@ mod tests {
 
     #[test]
     fn dev_cluster_spreads_leaders_at_full_replication() {
-        let args =
-            DevArgs { data_dir: "x".into(), shards: 4, nodes: 3, base_port: 7400, admin_token: None, tls: false };
+        let args = DevArgs {
+            data_dir: "x".into(),
+            shards: 4,
+            nodes: 3,
+            base_port: 7400,
+            admin_token: None,
+            max_disk_mib: DEFAULT_MAX_DISK_MIB,
+            no_restart: false,
+            tls: false,
+        };
         let c = dev_cluster(&args).unwrap();
         assert_eq!(c.shards.iter().map(|s| s.leader).collect::<Vec<_>>(), vec![1, 2, 3, 1]);
         assert!(c.shards.iter().all(|s| s.replicas == vec![1, 2, 3]));

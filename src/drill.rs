@@ -1,7 +1,9 @@
 //! `walship drill failover|catchup|corruption|partition`: start a drill on
-//! the coordinator's admin API, show its progress, print its report (JSON
-//! on stdout). Exits non-zero when the drill failed or found what it must
-//! not (records lost, a leader acknowledging after losing its majority).
+//! the coordinator's admin API, show its progress, print a summary of its
+//! report (the report as JSON with `--json`). Warns first that the drill
+//! appends records into the live shard. Exits non-zero when the drill
+//! failed or found what it must not (records lost, a leader acknowledging
+//! after losing its majority).
 
 use std::time::Duration;
 
@@ -39,9 +41,15 @@ impl AdminArgs {
 }
 
 #[derive(Args, Debug)]
+#[command(after_help = "A drill appends records into the live shard it drills; they stay in its log. The coordinator \
+refuses (409 drill_would_evict) a drill that would write more than the shard's headroom below \
+replication.retain_bytes, so that retention never compacts records written before the drill on its account.")]
 pub struct DrillArgs {
     #[command(subcommand)]
     pub kind: DrillKind,
+    /// Print the drill's report as JSON on stdout instead of a summary.
+    #[arg(long, global = true)]
+    pub json: bool,
     #[command(flatten)]
     pub admin: AdminArgs,
 }
@@ -133,6 +141,16 @@ pub async fn run_drill(admin: &Admin, path: &str, body: serde_json::Value, quiet
 }
 
 pub async fn run(args: DrillArgs) -> Result<()> {
+    let shard = match &args.kind {
+        DrillKind::Failover { shard, .. }
+        | DrillKind::Catchup { shard, .. }
+        | DrillKind::Corruption { shard, .. }
+        | DrillKind::Partition { shard, .. } => *shard,
+    };
+    eprintln!(
+        "note: this drill appends records into the live shard {shard}, and they stay in its log; the coordinator \
+         refuses it if they would make retention compact records written before it"
+    );
     let (path, body) = match args.kind {
         DrillKind::Failover { shard, clients } => {
             ("/v1/drills/failover", serde_json::json!({"shard": shard, "clients": clients}))
@@ -150,8 +168,12 @@ pub async fn run(args: DrillArgs) -> Result<()> {
             serde_json::json!({"shard": shard, "between": between, "seconds": seconds, "trials": trials, "clients": clients}),
         ),
     };
-    let report = run_drill(&args.admin.resolve()?, path, body, false).await?;
-    println!("{}", serde_json::to_string_pretty(&report)?);
+    let report = run_drill(&args.admin.resolve()?, path, body, args.json).await?;
+    if args.json {
+        println!("{}", serde_json::to_string_pretty(&report)?);
+    } else {
+        print!("{}", summary(&report));
+    }
     if report["state"] != "done" {
         bail!("drill failed: {}", report["error"]);
     }
@@ -179,4 +201,105 @@ pub async fn run(args: DrillArgs) -> Result<()> {
         }
     }
     Ok(())
+}
+
+fn mib(bytes: u64) -> String {
+    format!("{:.1} MiB", bytes as f64 / (1 << 20) as f64)
+}
+
+fn nodes(list: &serde_json::Value) -> String {
+    list.as_array().map_or_else(String::new, |a| a.iter().map(|n| n.to_string()).collect::<Vec<_>>().join(", "))
+}
+
+/// A few lines a person reads: what the drill did and found.
+pub fn summary(report: &serde_json::Value) -> String {
+    let n = |v: &serde_json::Value| v.as_u64().unwrap_or(0);
+    let f = |v: &serde_json::Value| v.as_f64().unwrap_or(0.0);
+    let mut out = format!(
+        "{} drill {} on shard {}: {}\n",
+        report["kind"].as_str().unwrap_or("?"),
+        report["id"].as_str().unwrap_or("?"),
+        report["shard"],
+        report["state"].as_str().unwrap_or("?")
+    );
+    if let Some(error) = report["error"].as_str() {
+        out += &format!("  error: {error}\n");
+    }
+    let failover = &report["failover"];
+    if !failover.is_null() {
+        out += &format!(
+            "  leader {} -> {} (epoch {} -> {}, by {}); the new leader acknowledged {} ms after the loss\n",
+            failover["old_leader"],
+            failover["new_leader"],
+            failover["old_epoch"],
+            failover["new_epoch"],
+            failover["method"].as_str().unwrap_or("?"),
+            n(&failover["time_to_new_leader_ms"])
+        );
+        out += &format!(
+            "  {} records acknowledged under load: {} lost, {} divergent replicas (checked nodes {})\n",
+            n(&failover["acked"]),
+            n(&failover["lost"]),
+            n(&failover["divergent_replicas"]),
+            nodes(&failover["checked_replicas"])
+        );
+    }
+    let catchup = &report["catchup"];
+    if !catchup.is_null() {
+        out += &format!(
+            "  follower {} was {} records ({}) behind; caught up in {:.2} s ({:.1} MiB/s)\n",
+            catchup["follower"],
+            n(&catchup["records_behind"]),
+            mib(n(&catchup["bytes_behind"])),
+            f(&catchup["catchup_seconds"]),
+            f(&catchup["catchup_mib_per_s"])
+        );
+        out += &format!(
+            "  appends: {:.0}/s before the pause, {:.0}/s during the catch-up\n",
+            f(&catchup["append_rate_before"]),
+            f(&catchup["append_rate_during_catchup"])
+        );
+    }
+    let corruption = &report["corruption"];
+    if !corruption.is_null() {
+        out += &format!(
+            "  node {} damaged seqno {}: detected after {} ms, repaired after {} ms, {} refetched; {} acknowledged, {} lost\n",
+            corruption["node"],
+            corruption["seqno"],
+            n(&corruption["detection_ms"]),
+            n(&corruption["repair_ms"]),
+            mib(n(&corruption["bytes_refetched"])),
+            n(&corruption["acked"]),
+            n(&corruption["records_lost"])
+        );
+    }
+    let partition = &report["partition"];
+    if !partition.is_null() {
+        let times = &partition["time_to_new_leader"];
+        out += &format!(
+            "  cut {} for {} s, {} trial(s): {} failovers, {} records lost",
+            partition["between"].as_str().unwrap_or("?"),
+            partition["seconds"],
+            partition["trials"].as_array().map_or(0, Vec::len),
+            n(&partition["failovers"]),
+            n(&partition["records_lost"])
+        );
+        if !times.is_null() {
+            out += &format!("; time to a new leader p50 {} ms, max {} ms", n(&times["p50_ms"]), n(&times["max_ms"]));
+        }
+        if !partition["old_leader_local_acks_after_timeout"].is_null() {
+            out += &format!(
+                "; old leader's LOCAL acks past the replication timeout: {}",
+                n(&partition["old_leader_local_acks_after_timeout"])
+            );
+        }
+        out += "\n";
+    }
+    out += &format!(
+        "  wrote {} into shard {} (its retention headroom was {}); --json prints the whole report\n",
+        mib(n(&report["bytes_written"])),
+        report["shard"],
+        mib(n(&report["retention_headroom_bytes"]))
+    );
+    out
 }

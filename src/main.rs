@@ -22,8 +22,11 @@ use anyhow::Result;
 use clap::{Parser, Subcommand};
 
 #[derive(Parser)]
-#[command(name = "walship", version, about = "A sharded, replicated write-ahead-log service")]
+#[command(name = "walship", version, about = "A sharded, replicated write-ahead-log service", after_help = LOGGING_HELP)]
 struct Cli {
+    /// Log line format on stderr: `text` or `json` [env: WALSHIP_LOG_FORMAT; default: text].
+    #[arg(long, global = true, value_enum)]
+    log_format: Option<LogFormat>,
     #[command(subcommand)]
     command: Command,
     #[command(flatten)]
@@ -33,10 +36,13 @@ struct Cli {
 #[derive(Subcommand)]
 enum Command {
     /// Run a shard node: its WAL, the client Log service (gRPC) and its admin HTTP API.
+    #[command(after_help = LOGGING_HELP)]
     Node(node::NodeArgs),
     /// Run a coordinator: leadership in a compare-and-set KV, failure detection, failover, the cluster admin API.
+    #[command(after_help = LOGGING_HELP)]
     Coord(coord::CoordArgs),
     /// Run an embedded local cluster: three nodes on loopback, shards at RF=3, no other setup.
+    #[command(after_help = LOGGING_HELP)]
     Dev(dev::DevArgs),
     /// Append records to a shard: one per stdin line, or generated with --count/--size.
     Append(client::AppendArgs),
@@ -70,23 +76,66 @@ fn main() -> std::process::ExitCode {
     }
 }
 
+/// How log lines are written to stderr (`WALSHIP_LOG_FORMAT` or `--log-format`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
+enum LogFormat {
+    /// One human-readable line per event (colours only at a terminal).
+    Text,
+    /// One JSON object per line: `timestamp`, `level`, `target`, `fields`
+    /// (with `message`) and the enclosing `spans`.
+    Json,
+}
+
+const LOGGING_HELP: &str = "Logging (to stderr):
+  WALSHIP_LOG         which events are logged, as a tracing filter: a level (error, warn, info, debug, trace)
+                      and per-module levels, e.g. `info,walship_shipping=debug` [default: info,raft_engine=warn]
+  WALSHIP_LOG_FORMAT  `text` (default) or `json` (one JSON object per line); `--log-format` overrides it
+  NO_COLOR            no ANSI colours even at a terminal (a pipe or a file never gets them)";
+
 fn run() -> Result<()> {
-    let subscriber = tracing_subscriber::fmt()
-        .with_env_filter(
-            tracing_subscriber::EnvFilter::try_from_env("WALSHIP_LOG")
-                .unwrap_or_else(|_| "info,raft_engine=warn".into()),
-        )
-        .with_writer(std::io::stderr)
-        // Colours only for a person at a terminal: a log file, a pipe or a
-        // journal gets plain text (and NO_COLOR turns them off anywhere).
-        .with_ansi(std::io::stderr().is_terminal() && std::env::var_os("NO_COLOR").is_none())
-        .finish();
-    tracing::subscriber::set_global_default(subscriber)?;
+    let cli = Cli::parse();
+    let format = match cli.log_format {
+        Some(format) => format,
+        None => match std::env::var("WALSHIP_LOG_FORMAT") {
+            Ok(value) => <LogFormat as clap::ValueEnum>::from_str(&value, true)
+                .map_err(|_| anyhow::anyhow!("WALSHIP_LOG_FORMAT must be `text` or `json`, not {value:?}"))?,
+            Err(_) => LogFormat::Text,
+        },
+    };
+    let filter =
+        tracing_subscriber::EnvFilter::try_from_env("WALSHIP_LOG").unwrap_or_else(|_| "info,raft_engine=warn".into());
+    let builder = tracing_subscriber::fmt().with_env_filter(filter).with_writer(std::io::stderr);
+    match format {
+        LogFormat::Text => tracing::subscriber::set_global_default(
+            builder
+                // Colours only for a person at a terminal: a log file, a pipe or a
+                // journal gets plain text (and NO_COLOR turns them off anywhere).
+                .with_ansi(std::io::stderr().is_terminal() && std::env::var_os("NO_COLOR").is_none())
+                .finish(),
+        )?,
+        LogFormat::Json => tracing::subscriber::set_global_default(builder.json().with_ansi(false).finish())?,
+    }
+    if cli.log_format.is_some() {
+        // Processes this one starts (`walship dev`'s nodes) log the same way.
+        // SAFETY: no other thread runs yet (the runtime starts below).
+        unsafe { std::env::set_var("WALSHIP_LOG_FORMAT", if format == LogFormat::Json { "json" } else { "text" }) };
+    }
     // In place of tracing-log's bridge: raft-engine's recovery truncations
     // are told apart as a torn tail (INFO) or corruption (ERROR).
     walship_wal::recovery_log::install()?;
-    let cli = Cli::parse();
-    cli.tls.clone().install()?;
+    // The client commands' TLS (`walship dev --tls` installs its own).
+    if matches!(
+        cli.command,
+        Command::Append(_)
+            | Command::Read(_)
+            | Command::Tail(_)
+            | Command::Status(_)
+            | Command::Failover(_)
+            | Command::Drill(_)
+            | Command::BenchDrills(_)
+    ) {
+        cli.tls.clone().install()?;
+    }
     if matches!(
         cli.command,
         Command::Append(_) | Command::Read(_) | Command::Tail(_) | Command::Status(_) | Command::Failover(_)

@@ -362,6 +362,15 @@ impl ClientTls {
         Ok(())
     }
 
+    /// The CLI's settings for `certificates`.
+    pub fn for_local(certificates: &LocalCertificates) -> ClientTls {
+        ClientTls {
+            ca: Some(certificates.ca.clone()),
+            cert: Some(certificates.client_cert.clone()),
+            cert_key: Some(certificates.client_key.clone()),
+        }
+    }
+
     /// This process's client TLS settings, if TLS is on.
     pub fn current() -> Option<&'static ClientTls> {
         CLIENT_TLS.get().filter(|t| t.ca.is_some())

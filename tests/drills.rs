@@ -113,7 +113,7 @@ async fn cli_drill(cluster: &mut Cluster, kind: &str, args: &[&str]) -> (bool, S
     let args: Vec<String> = args.iter().map(|a| a.to_string()).collect();
     let output = tokio::task::spawn_blocking(move || {
         std::process::Command::new(common::walship_bin())
-            .args(["drill", &kind, "--admin", &admin, "--token", TOKEN])
+            .args(["drill", &kind, "--json", "--admin", &admin, "--token", TOKEN])
             .args(&args)
             .output()
             .expect("run walship drill")
@@ -482,4 +482,97 @@ async fn partition_rpc_refuses_bad_input_and_changes_nothing() {
         async move { healed }
     })
     .await;
+}
+
+/// Drills write into the live shard but never make retention compact the
+/// operator's records: with a 12 MiB retention and 2 MiB of the operator's
+/// records in shard 1, a catch-up drill of 8 MiB is refused (409
+/// `drill_would_evict`, nothing written), while a failover drill and a
+/// 1 MiB catch-up drill run, report what they wrote within the headroom,
+/// and every node still holds the operator's records from seqno 1 after
+/// retention has run many times. The CLI warns first and prints a summary.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn drills_never_cost_the_operators_records_through_retention() {
+    let replication =
+        format!("{FAST}\nretain_bytes = {}\nmax_retain_bytes = {}\nretention_interval_ms = 100", 12 << 20, 24 << 20);
+    let mut cluster = Cluster::start_with(3, 1, 1, &replication, None);
+    wait_coordinator_records_node_1(&mut cluster).await;
+    cluster.wait_node_leads(1, 1, Duration::from_secs(30)).await;
+    let grpc = cluster.node(1).grpc.clone();
+    let out = std::process::Command::new(common::walship_bin())
+        .args(["append", "--server", &grpc, "--shard", "1", "--count", "8", "--size", "262144"])
+        .env("WALSHIP_LOG", "warn")
+        .output()
+        .unwrap();
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    let operators = common::read_all(&grpc, 1, 8).await;
+    assert_eq!(operators.len(), 8);
+    let last_before = cluster.status(1).await.unwrap()["shards"][0]["last_seqno"].as_u64().unwrap();
+
+    // Too big for the headroom: refused, nothing written.
+    let (ok, stdout, stderr) = cli_drill(&mut cluster, "catchup", &["--shard", "1", "--volume-mib", "8"]).await;
+    assert!(!ok, "an 8 MiB drill into a shard with ~10 MiB of headroom ran: {stdout}");
+    assert!(stderr.contains("409") && stderr.contains("drill_would_evict"), "{stderr}");
+    assert!(stderr.contains("retention"), "{stderr}");
+    let last_after = cluster.status(1).await.unwrap()["shards"][0]["last_seqno"].as_u64().unwrap();
+    assert_eq!(last_after, last_before, "the refused drill wrote records");
+
+    // A failover drill, through the CLI without --json: a warning, then a summary.
+    let admin = format!("http://{}", cluster.coordinator(1).admin);
+    let output = tokio::task::spawn_blocking(move || {
+        std::process::Command::new(common::walship_bin())
+            .args(["drill", "failover", "--shard", "1", "--clients", "4", "--admin", &admin, "--token", TOKEN])
+            .output()
+            .unwrap()
+    })
+    .await
+    .unwrap();
+    let (stdout, stderr) = (String::from_utf8_lossy(&output.stdout), String::from_utf8_lossy(&output.stderr));
+    assert!(output.status.success(), "{stdout}\n{stderr}");
+    assert!(stderr.contains("appends records into the live shard 1"), "no warning: {stderr}");
+    assert!(stdout.starts_with("failover drill failover-") && stdout.contains(": done"), "{stdout}");
+    assert!(stdout.contains(" lost, 0 divergent replicas") && stdout.contains("0 lost"), "{stdout}");
+    assert!(stdout.contains("wrote ") && stdout.contains("retention headroom"), "{stdout}");
+    assert!(serde_json::from_str::<serde_json::Value>(&stdout).is_err(), "the summary is not JSON");
+
+    let (code, list) = cluster.coord_get(1, "/v1/drills").await;
+    assert_eq!(code, 200);
+    let failover = list.as_array().unwrap().iter().find(|d| d["kind"] == "failover").expect("the failover drill");
+    let (written, headroom) =
+        (failover["bytes_written"].as_u64().unwrap(), failover["retention_headroom_bytes"].as_u64().unwrap());
+    assert!(written > 0 && written <= headroom, "wrote {written} of {headroom}");
+    assert!(headroom < 12 << 20, "the headroom counts the operator's records: {headroom}");
+
+    // The crashed leader back, following, before the catch-up drill pauses a follower.
+    cluster.restart(1);
+    wait_until("every replica of shard 1 alive and assigned", Duration::from_secs(60), || {
+        let (code, s) = futures::executor::block_on(cluster.coord_get(1, "/v1/shards/1"));
+        let ok = code == 200
+            && s["replicas"].as_array().is_some_and(|r| {
+                r.iter().all(|r| r["alive"] == true && (r["role"] == "leader" || r["role"] == "follower"))
+            });
+        async move { ok }
+    })
+    .await;
+    let report = run_drill(
+        &mut cluster,
+        "/v1/drills/catchup",
+        r#"{"shard": 1, "volume_bytes": 1048576, "record_bytes": 4096, "clients": 2}"#,
+    )
+    .await;
+    assert_eq!(report["state"], "done", "{report}");
+    assert!(report["bytes_written"].as_u64().unwrap() <= report["retention_headroom_bytes"].as_u64().unwrap());
+
+    // Retention runs every 100 ms; after many passes every live node still
+    // serves the operator's records from seqno 1.
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    let (_, shard) = cluster.coord_get(1, "/v1/shards/1").await;
+    for replica in shard["replicas"].as_array().unwrap() {
+        let node = replica["node_id"].as_u64().unwrap() as u32;
+        let Some(status) = cluster.status(node).await else { continue };
+        assert_eq!(status["shards"][0]["first_seqno"], 1, "node {node} compacted: {status}");
+        let grpc = cluster.node(node).grpc.clone();
+        let records = common::read_all(&grpc, 1, 8).await;
+        assert_eq!(records, operators, "node {node}'s copy of the operator's records");
+    }
 }

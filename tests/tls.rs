@@ -56,7 +56,7 @@ impl TlsDev {
             {
                 admin = Some(url.trim_end_matches("/v1/shards").to_string());
             }
-            if words.first() == Some(&"export") {
+            if words.first() == Some(&"export") && line.contains("WALSHIP_CA=") {
                 export = words[1..]
                     .iter()
                     .filter_map(|w| w.split_once('='))

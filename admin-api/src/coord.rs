@@ -259,7 +259,7 @@ pub fn coord_error(e: CoordError) -> ApiError {
         // The named replica does not exist in this shard.
         CoordError::UnknownShard(_) | CoordError::NotAReplica { .. } => StatusCode::NOT_FOUND,
         CoordError::BadRequest(_) => StatusCode::BAD_REQUEST,
-        CoordError::WouldLose { .. } | CoordError::Busy(_) => StatusCode::CONFLICT,
+        CoordError::WouldLose { .. } | CoordError::Busy(_) | CoordError::DrillWouldEvict { .. } => StatusCode::CONFLICT,
     };
     let code = match &e {
         CoordError::NotActive => "not_active",
@@ -271,6 +271,7 @@ pub fn coord_error(e: CoordError) -> ApiError {
         CoordError::Busy(_) => "failover_in_progress",
         CoordError::Kv(_) => "kv_unavailable",
         CoordError::BadRequest(_) => "bad_request",
+        CoordError::DrillWouldEvict { .. } => "drill_would_evict",
     };
     ApiError::new(status, code, e.to_string())
 }
@@ -361,12 +362,12 @@ fn started(id: String) -> Response {
 }
 
 /// Starts a drill after the token and body checks; 202 with its id.
-fn start_drill<R: std::fmt::Debug>(
+async fn start_drill<R: std::fmt::Debug, F: std::future::Future<Output = Result<String, CoordError>>>(
     admin: &CoordAdmin,
     who: std::net::SocketAddr,
     headers: &HeaderMap,
     body: Result<ObjectJson<R>, ApiError>,
-    start: impl FnOnce(&Arc<Coordinator>, R) -> Result<String, CoordError>,
+    start: impl FnOnce(Arc<Coordinator>, R) -> F,
 ) -> Response {
     if let Err(e) = authorize(headers, &admin.token) {
         return e.into_response();
@@ -376,7 +377,7 @@ fn start_drill<R: std::fmt::Debug>(
         Err(refused) => return refused.into_response(),
     };
     tracing::info!(%who, ?request, "admin: drill requested");
-    match start(&admin.coordinator, request) {
+    match start(admin.coordinator.clone(), request).await {
         Ok(id) => started(id),
         Err(e) => coord_error(e).into_response(),
     }
@@ -385,7 +386,7 @@ fn start_drill<R: std::fmt::Debug>(
 #[utoipa::path(post, path = "/v1/drills/failover", tag = "drills", request_body = FailoverDrillRequest,
     security(("bearer" = [])), responses((status = 202, description = "started", body = DrillStarted),
         (status = 400, description = "malformed body", body = crate::models::ErrorBody), (status = 401, body = crate::models::ErrorBody), (status = 403, body = crate::models::ErrorBody),
-        (status = 404, description = "unknown shard", body = crate::models::ErrorBody), (status = 409, body = crate::models::ErrorBody), (status = 413, body = crate::models::ErrorBody),
+        (status = 404, description = "unknown shard", body = crate::models::ErrorBody), (status = 409, description = "the shard has no leader now (failover_in_progress), or the drill needs more than its headroom below replication.retain_bytes (drill_would_evict)", body = crate::models::ErrorBody), (status = 413, body = crate::models::ErrorBody),
         (status = 415, description = "not application/json", body = crate::models::ErrorBody),
         (status = 503, description = "not the active coordinator", body = crate::models::ErrorBody)))]
 async fn failover_drill(
@@ -394,13 +395,13 @@ async fn failover_drill(
     headers: HeaderMap,
     body: Result<ObjectJson<FailoverDrillRequest>, ApiError>,
 ) -> Response {
-    start_drill(&admin, who, &headers, body, Coordinator::start_failover_drill)
+    start_drill(&admin, who, &headers, body, async |c, r| c.start_failover_drill(r).await).await
 }
 
 #[utoipa::path(post, path = "/v1/drills/catchup", tag = "drills", request_body = CatchupDrillRequest,
     security(("bearer" = [])), responses((status = 202, description = "started", body = DrillStarted),
         (status = 400, description = "malformed body", body = crate::models::ErrorBody), (status = 401, body = crate::models::ErrorBody), (status = 403, body = crate::models::ErrorBody),
-        (status = 404, description = "unknown shard", body = crate::models::ErrorBody), (status = 409, body = crate::models::ErrorBody), (status = 413, body = crate::models::ErrorBody),
+        (status = 404, description = "unknown shard", body = crate::models::ErrorBody), (status = 409, description = "the shard has no leader now (failover_in_progress), or the drill needs more than its headroom below replication.retain_bytes (drill_would_evict)", body = crate::models::ErrorBody), (status = 413, body = crate::models::ErrorBody),
         (status = 415, description = "not application/json", body = crate::models::ErrorBody),
         (status = 503, description = "not the active coordinator", body = crate::models::ErrorBody)))]
 async fn catchup_drill(
@@ -409,7 +410,7 @@ async fn catchup_drill(
     headers: HeaderMap,
     body: Result<ObjectJson<CatchupDrillRequest>, ApiError>,
 ) -> Response {
-    start_drill(&admin, who, &headers, body, Coordinator::start_catchup_drill)
+    start_drill(&admin, who, &headers, body, async |c, r| c.start_catchup_drill(r).await).await
 }
 
 /// Dev and test clusters only: the chosen node (started with
@@ -417,7 +418,7 @@ async fn catchup_drill(
 #[utoipa::path(post, path = "/v1/drills/corruption", tag = "drills", request_body = CorruptionDrillRequest,
     security(("bearer" = [])), responses((status = 202, description = "started", body = DrillStarted),
         (status = 400, description = "malformed body, or the leader without allow_leader", body = crate::models::ErrorBody), (status = 401, body = crate::models::ErrorBody), (status = 403, body = crate::models::ErrorBody),
-        (status = 404, description = "unknown shard", body = crate::models::ErrorBody), (status = 409, body = crate::models::ErrorBody), (status = 413, body = crate::models::ErrorBody),
+        (status = 404, description = "unknown shard", body = crate::models::ErrorBody), (status = 409, description = "the shard has no leader now (failover_in_progress), or the drill needs more than its headroom below replication.retain_bytes (drill_would_evict)", body = crate::models::ErrorBody), (status = 413, body = crate::models::ErrorBody),
         (status = 415, description = "not application/json", body = crate::models::ErrorBody),
         (status = 503, description = "not the active coordinator", body = crate::models::ErrorBody)))]
 async fn corruption_drill(
@@ -426,7 +427,7 @@ async fn corruption_drill(
     headers: HeaderMap,
     body: Result<ObjectJson<CorruptionDrillRequest>, ApiError>,
 ) -> Response {
-    start_drill(&admin, who, &headers, body, Coordinator::start_corruption_drill)
+    start_drill(&admin, who, &headers, body, async |c, r| c.start_corruption_drill(r).await).await
 }
 
 /// Dev and test clusters only: the shard's leader is cut from its followers
@@ -436,7 +437,7 @@ async fn corruption_drill(
 #[utoipa::path(post, path = "/v1/drills/partition", tag = "drills", request_body = PartitionDrillRequest,
     security(("bearer" = [])), responses((status = 202, description = "started", body = DrillStarted),
         (status = 400, description = "malformed body, between not one of the supported shapes, trials, seconds or clients out of range, fewer than 3 replicas", body = crate::models::ErrorBody), (status = 401, body = crate::models::ErrorBody), (status = 403, body = crate::models::ErrorBody),
-        (status = 404, description = "unknown shard", body = crate::models::ErrorBody), (status = 409, body = crate::models::ErrorBody), (status = 413, body = crate::models::ErrorBody),
+        (status = 404, description = "unknown shard", body = crate::models::ErrorBody), (status = 409, description = "the shard has no leader now (failover_in_progress), or the drill needs more than its headroom below replication.retain_bytes (drill_would_evict)", body = crate::models::ErrorBody), (status = 413, body = crate::models::ErrorBody),
         (status = 415, description = "not application/json", body = crate::models::ErrorBody),
         (status = 503, description = "not the active coordinator", body = crate::models::ErrorBody)))]
 async fn partition_drill(
@@ -445,7 +446,7 @@ async fn partition_drill(
     headers: HeaderMap,
     body: Result<ObjectJson<PartitionDrillRequest>, ApiError>,
 ) -> Response {
-    start_drill(&admin, who, &headers, body, Coordinator::start_partition_drill)
+    start_drill(&admin, who, &headers, body, async |c, r| c.start_partition_drill(r).await).await
 }
 
 #[utoipa::path(get, path = "/healthz", tag = "health", responses((status = 200, description = "the process is up", body = String)))]

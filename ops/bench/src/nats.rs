@@ -13,8 +13,8 @@
 //! Every server runs JetStream with `sync_interval: always`. By default the
 //! file store leaves writes in the OS page cache and fsyncs every two minutes;
 //! with `always` "a explicit sync will occur on every write"
-//! (<https://docs.nats.io/reference/2.14/config/jetstream/sync_interval>;
-//! the server reports it as `"sync_always": true` under `config` in `/jsz`).
+//! (NATS server 2.14's documentation of the JetStream `sync_interval`
+//! setting; the server reports it as `"sync_always": true` under `config` in `/jsz`).
 //!
 //! One stream `BENCH` takes subject `bench`: file storage, three replicas,
 //! limits retention, no limits (no max bytes/messages/age), no compression,
@@ -379,8 +379,7 @@ http: "{monitor}"
 
 jetstream {{
   store_dir: "{store}"
-  # fsync every write instead of every 2 minutes:
-  # https://docs.nats.io/reference/2.14/config/jetstream/sync_interval
+  # fsync every write instead of every 2 minutes (JetStream's sync_interval)
   sync_interval: always
 }}
 

@@ -22,10 +22,24 @@
 //!   the time to a new leader's first QUORUM acknowledgement, counts
 //!   failovers and the old leader's `LOCAL` acknowledgements after it lost
 //!   its majority, heals, and verifies every acknowledged record.
+//!
+//! Every drill appends records into the live shard it drills (that is what
+//! it measures), and they stay in its log like any other. They never cost
+//! the operator's own records through retention: before a drill starts, the
+//! coordinator asks the shard's replicas how many bytes each retains and
+//! takes the headroom below `replication.retain_bytes` (the fullest
+//! replica's); a drill that needs more than that is refused
+//! ([`CoordError::DrillWouldEvict`], 409) before it writes anything, and
+//! the drill's load generators stop appending once they have written the
+//! headroom ([`Budget`]), so retention has nothing to compact on the
+//! drill's account. The report says how many bytes the drill wrote
+//! (`bytes_written`) and what headroom it had. Retention weighs a shard's
+//! log by its average record size, so the check is as exact as retention
+//! itself.
 
 use std::collections::BTreeMap;
 use std::sync::Arc;
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicI64, AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
 use bytes::Bytes;
@@ -145,6 +159,13 @@ pub struct DrillReport {
     pub corruption: Option<CorruptionDrillResult>,
     pub partition: Option<PartitionDrillResult>,
     pub error: Option<String>,
+    /// Bytes of records (frames) the drill appended to the shard, so far.
+    #[serde(default)]
+    pub bytes_written: u64,
+    /// What the drill could write before retention would compact records
+    /// written before it (`retain_bytes` less what the shard retained).
+    #[serde(default)]
+    pub retention_headroom_bytes: u64,
 }
 
 /// Drill reports, newest last.
@@ -182,6 +203,8 @@ impl Drills {
                 corruption: None,
                 partition: None,
                 error: None,
+                bytes_written: 0,
+                retention_headroom_bytes: 0,
             },
         );
         id
@@ -198,6 +221,62 @@ impl Drills {
     }
 }
 
+/// Bytes a frame takes in the log beyond its payload, as drills count it
+/// (the frame header with crc, seqno, epoch, timestamp, and some slack).
+pub(crate) const FRAME_OVERHEAD: u64 = 64;
+
+/// The least headroom below `retain_bytes` a drill with a light load
+/// (failover, corruption, partition) starts with.
+pub const MIN_DRILL_HEADROOM: u64 = 4 << 20;
+
+/// The most a failover, corruption or partition drill's load writes.
+pub(crate) const MAX_LOAD_BYTES: u64 = 256 << 20;
+
+/// The bytes a drill's load generators may still append. Every appender
+/// takes a record's bytes before sending it and stops when none are left.
+pub(crate) struct Budget {
+    remaining: AtomicI64,
+    /// Bytes taken by this budget and every one split from it.
+    written: Arc<AtomicU64>,
+}
+
+impl Budget {
+    pub(crate) fn new(bytes: u64) -> Arc<Budget> {
+        Arc::new(Budget { remaining: AtomicI64::new(bytes.min(i64::MAX as u64) as i64), written: Arc::default() })
+    }
+
+    /// A budget of its own, counted in this one's `written`.
+    pub(crate) fn split(&self, bytes: u64) -> Arc<Budget> {
+        Arc::new(Budget { remaining: AtomicI64::new(bytes.min(i64::MAX as u64) as i64), written: self.written.clone() })
+    }
+
+    /// Takes `bytes` if that many are left.
+    pub(crate) fn take(&self, bytes: u64) -> bool {
+        let bytes = bytes as i64;
+        if self.remaining.fetch_sub(bytes, Ordering::AcqRel) >= bytes {
+            self.written.fetch_add(bytes as u64, Ordering::Relaxed);
+            true
+        } else {
+            self.remaining.fetch_add(bytes, Ordering::AcqRel);
+            false
+        }
+    }
+
+    pub(crate) fn written(&self) -> u64 {
+        self.written.load(Ordering::Relaxed)
+    }
+}
+
+/// What a catch-up drill appends while the follower is paused: its records
+/// (volume over record size, as the drill counts them) as framed.
+fn catchup_fill_bytes(request: &CatchupDrillRequest) -> u64 {
+    let records = request.volume_bytes / request.record_bytes.max(1) as u64;
+    // A payload is at least its tag (~30 bytes); an eighth more for
+    // appends that time out unacknowledged.
+    let framed = records.max(1) * (request.record_bytes.max(64) as u64 + FRAME_OVERHEAD);
+    framed + framed / 8
+}
+
 /// Acknowledged appends: seqno -> (payload, epoch).
 type Acks = Arc<AsyncMutex<BTreeMap<u64, (Bytes, u64)>>>;
 
@@ -210,15 +289,29 @@ struct Load {
 
 impl Load {
     /// `clients` appenders on `shard` at QUORUM through the leader the
-    /// coordinator records, following it through failovers.
-    fn start(coordinator: &Arc<Coordinator>, shard: u32, clients: usize, record_bytes: usize, tag: &str) -> Load {
+    /// coordinator records, following it through failovers, until stopped
+    /// or `budget` is spent.
+    fn start(
+        coordinator: &Arc<Coordinator>,
+        shard: u32,
+        clients: usize,
+        record_bytes: usize,
+        tag: &str,
+        budget: &Arc<Budget>,
+    ) -> Load {
         let stop = Arc::new(AtomicBool::new(false));
         let acked_count = Arc::new(AtomicU64::new(0));
         let acks: Acks = Arc::default();
         let tasks = (0..clients)
             .map(|c| {
-                let (coordinator, stop, count, acks, tag) =
-                    (coordinator.clone(), stop.clone(), acked_count.clone(), acks.clone(), tag.to_string());
+                let (coordinator, stop, count, acks, tag, budget) = (
+                    coordinator.clone(),
+                    stop.clone(),
+                    acked_count.clone(),
+                    acks.clone(),
+                    tag.to_string(),
+                    budget.clone(),
+                );
                 tokio::spawn(async move {
                     let mut n = 0u64;
                     while !stop.load(Ordering::Relaxed) {
@@ -229,6 +322,9 @@ impl Load {
                         };
                         let mut payload = format!("{tag}-c{c}-n{n}-").into_bytes();
                         payload.resize(record_bytes.max(payload.len()), b'.');
+                        if !budget.take(payload.len() as u64 + FRAME_OVERHEAD) {
+                            break;
+                        }
                         n += 1;
                         let payload = Bytes::from(payload);
                         let mut request = tonic::Request::new(AppendRequest {
@@ -264,7 +360,7 @@ impl Load {
 impl Coordinator {
     /// Starts a failover drill; returns its id. Progress and the report are
     /// under [`Coordinator::drills`].
-    pub fn start_failover_drill(self: &Arc<Self>, request: FailoverDrillRequest) -> Result<String, CoordError> {
+    pub async fn start_failover_drill(self: &Arc<Self>, request: FailoverDrillRequest) -> Result<String, CoordError> {
         if !(1..=256).contains(&request.clients) || request.phase_ms > 60_000 {
             return Err(CoordError::BadRequest("clients must be 1..=256 and phase_ms at most 60000".into()));
         }
@@ -273,25 +369,75 @@ impl Coordinator {
         if record.leader.is_none() {
             return Err(CoordError::Busy(request.shard));
         }
+        let headroom = self.retention_headroom(request.shard, &record.replicas, MIN_DRILL_HEADROOM).await?;
+        let budget = Budget::new(headroom.min(MAX_LOAD_BYTES));
         let id = self.drills.create("failover", request.shard);
-        let (me, drill) = (self.clone(), id.clone());
-        self.run_drill(id.clone(), async move { me.failover_drill(&drill, &request).await }, |r, out| {
-            r.failover = Some(out)
-        });
+        let (me, drill, load_budget) = (self.clone(), id.clone(), budget.clone());
+        self.run_drill(
+            id.clone(),
+            headroom,
+            budget,
+            async move { me.failover_drill(&drill, &request, &load_budget).await },
+            |r, out| r.failover = Some(out),
+        );
         Ok(id)
     }
 
-    /// Runs a drill in the background and records how it ended.
+    /// The bytes `shard` can take before retention compacts any record
+    /// already in it: `retain_bytes` less what its fullest answering replica
+    /// retains. Refuses with [`CoordError::DrillWouldEvict`] below `needs`,
+    /// and with [`CoordError::NoMajority`] when no majority answers.
+    pub(crate) async fn retention_headroom(
+        &self,
+        shard: u32,
+        replicas: &[NodeId],
+        needs: u64,
+    ) -> Result<u64, CoordError> {
+        let retain_bytes = self.config.replication.retain_bytes;
+        let mut answered = 0;
+        let mut retained = 0;
+        for &node in replicas {
+            let position = tokio::time::timeout(Duration::from_secs(2), self.position_of(node, shard)).await;
+            if let Ok(Some(p)) = position {
+                answered += 1;
+                retained = retained.max(p.retained_bytes);
+            }
+        }
+        if !crate::control::failover::is_majority(answered, replicas.len()) {
+            return Err(CoordError::NoMajority { shard, answered, replicas: replicas.len() });
+        }
+        let headroom = retain_bytes.saturating_sub(retained);
+        if headroom < needs {
+            return Err(CoordError::DrillWouldEvict { shard, needs, retained, retain_bytes });
+        }
+        Ok(headroom)
+    }
+
+    /// Runs a drill in the background and records how it ended and what it
+    /// wrote.
     fn run_drill<T: Send + 'static>(
         self: &Arc<Self>,
         id: String,
+        headroom: u64,
+        budget: Arc<Budget>,
         drill: impl std::future::Future<Output = Result<T, String>> + Send + 'static,
         record: impl FnOnce(&mut DrillReport, T) + Send + 'static,
     ) {
         let me = self.clone();
+        self.drills.update(&id, |r| r.retention_headroom_bytes = headroom);
+        let watched = budget.clone();
+        let (watcher_me, watcher_id) = (self.clone(), id.clone());
+        let watcher = tokio::spawn(async move {
+            loop {
+                tokio::time::sleep(Duration::from_millis(100)).await;
+                watcher_me.drills.update(&watcher_id, |r| r.bytes_written = watched.written());
+            }
+        });
         tokio::spawn(async move {
             let result = drill.await;
+            watcher.abort();
             me.drills.update(&id, |r| {
+                r.bytes_written = budget.written();
                 r.finished_unix_ms = Some(now_ms());
                 match result {
                     Ok(out) => {
@@ -312,12 +458,13 @@ impl Coordinator {
         self: &Arc<Self>,
         id: &str,
         request: &FailoverDrillRequest,
+        budget: &Arc<Budget>,
     ) -> Result<FailoverDrillResult, String> {
         let shard = request.shard;
         let record = self.state().and_then(|s| s.shards.get(&shard).cloned()).ok_or("not active")?;
         let (old_leader, old_epoch) = (record.leader.ok_or("no leader")?, record.epoch);
         self.drills.progress(id, "load running");
-        let load = Load::start(self, shard, request.clients.max(1), 64, id);
+        let load = Load::start(self, shard, request.clients.max(1), 64, id, budget);
         tokio::time::sleep(Duration::from_millis(request.phase_ms)).await;
         if load.acked_count.load(Ordering::Relaxed) == 0 {
             load.stop().await;
@@ -346,7 +493,10 @@ impl Coordinator {
         let first_new = loop {
             if lost_at.elapsed() > Duration::from_secs(30) {
                 load.stop().await;
-                return Err("no new leader acknowledged an append within 30 s".into());
+                return Err(format!(
+                    "no new leader acknowledged an append within 30 s (the drill wrote {} bytes; its load stops at the shard's retention headroom)",
+                    budget.written()
+                ));
             }
             let newest = acks.lock().await.values().map(|(_, e)| *e).max().unwrap_or(0);
             if newest > old_epoch {
@@ -449,7 +599,7 @@ impl Coordinator {
     }
 
     /// Starts a catch-up drill; returns its id.
-    pub fn start_catchup_drill(self: &Arc<Self>, request: CatchupDrillRequest) -> Result<String, CoordError> {
+    pub async fn start_catchup_drill(self: &Arc<Self>, request: CatchupDrillRequest) -> Result<String, CoordError> {
         if !(1..=256).contains(&request.clients)
             || !(1..=(1 << 20)).contains(&request.record_bytes)
             || !(1..=(16u64 << 30)).contains(&request.volume_bytes)
@@ -472,17 +622,26 @@ impl Coordinator {
                 .find(|&&r| r != leader)
                 .ok_or(CoordError::NotAReplica { shard: request.shard, node: leader })?,
         };
+        // The volume while the follower is paused, plus light loads before
+        // and during its catch-up.
+        let fill = catchup_fill_bytes(&request);
+        let needs = fill.saturating_add(MIN_DRILL_HEADROOM);
+        let headroom = self.retention_headroom(request.shard, &record.replicas, needs).await?;
+        let budget = Budget::new(fill);
         let id = self.drills.create("catchup", request.shard);
-        let (me, drill) = (self.clone(), id.clone());
+        let (me, drill, load_budget) = (self.clone(), id.clone(), budget.clone());
+        let spare = (headroom - fill) / 2;
         self.run_drill(
             id.clone(),
-            async move { me.catchup_drill(&drill, &request, leader, follower).await },
+            headroom,
+            budget,
+            async move { me.catchup_drill(&drill, &request, leader, follower, &load_budget, spare).await },
             |r, out| r.catchup = Some(out),
         );
         Ok(id)
     }
 
-    async fn position_of(&self, node: NodeId, shard: u32) -> Option<walship_proto::log::FenceResponse> {
+    pub(crate) async fn position_of(&self, node: NodeId, shard: u32) -> Option<walship_proto::log::FenceResponse> {
         let mut c = self.peers.control(node)?;
         c.position(PositionRequest { shard_id: shard }).await.ok().map(|r| r.into_inner())
     }
@@ -493,11 +652,14 @@ impl Coordinator {
         request: &CatchupDrillRequest,
         leader: NodeId,
         follower: NodeId,
+        fill_budget: &Arc<Budget>,
+        spare: u64,
     ) -> Result<CatchupDrillResult, String> {
         let shard = request.shard;
         let mut control = self.peers.control(follower).ok_or("no follower client")?;
         self.drills.progress(id, "measuring append throughput before the pause");
-        let before = Load::start(self, shard, request.clients.max(1), request.record_bytes, id);
+        let before =
+            Load::start(self, shard, request.clients.max(1), request.record_bytes, id, &fill_budget.split(spare));
         let t = Instant::now();
         tokio::time::sleep(Duration::from_secs(1)).await;
         let rate_before = before.acked_count.load(Ordering::Relaxed) as f64 / t.elapsed().as_secs_f64();
@@ -508,9 +670,18 @@ impl Coordinator {
             .map_err(|s| format!("pausing node {follower}: {s}"))?;
         let start_pos = self.position_of(follower, shard).await.ok_or("follower position")?;
         self.drills.progress(id, &format!("follower {follower} paused; appending {} bytes", request.volume_bytes));
-        let fill = Load::start(self, shard, request.clients.max(1) * 4, request.record_bytes, id);
+        let fill = Load::start(self, shard, request.clients.max(1) * 4, request.record_bytes, id, fill_budget);
         let records_wanted = request.volume_bytes / request.record_bytes.max(1) as u64;
         while fill.acked_count.load(Ordering::Relaxed) < records_wanted {
+            if fill.tasks.iter().all(|t| t.is_finished()) {
+                // Its budget spent on appends that were not acknowledged.
+                fill.stop().await;
+                let _ = control.pause(PauseRequest { shard_id: shard, paused: false }).await;
+                return Err(format!(
+                    "the load wrote its {} bytes without {records_wanted} acknowledgements; the follower was resumed",
+                    fill_budget.written()
+                ));
+            }
             tokio::time::sleep(Duration::from_millis(10)).await;
         }
         fill.stop().await;
@@ -518,7 +689,8 @@ impl Coordinator {
         let records_behind = leader_pos.durable_seqno.saturating_sub(start_pos.durable_seqno);
         let bytes_behind = records_behind * (request.record_bytes as u64 + 36);
         self.drills.progress(id, &format!("resuming follower {follower}: {records_behind} records behind"));
-        let during = Load::start(self, shard, request.clients.max(1), request.record_bytes, id);
+        let during =
+            Load::start(self, shard, request.clients.max(1), request.record_bytes, id, &fill_budget.split(spare));
         let resumed = Instant::now();
         control
             .pause(PauseRequest { shard_id: shard, paused: false })
@@ -547,5 +719,56 @@ impl Coordinator {
             append_rate_before: rate_before,
             append_rate_during_catchup: rate_during,
         })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_budget_gives_out_exactly_its_bytes_and_counts_what_its_splits_take() {
+        let budget = Budget::new(1_000);
+        assert!(budget.take(600));
+        assert!(!budget.take(401), "past what is left: refused, and nothing taken");
+        assert!(budget.take(400));
+        assert!(!budget.take(1));
+        assert_eq!(budget.written(), 1_000);
+        let split = budget.split(50);
+        assert!(split.take(50) && !split.take(1));
+        assert_eq!(budget.written(), 1_050, "a split's bytes count in its parent's written");
+        assert_eq!(split.written(), 1_050);
+    }
+
+    #[test]
+    fn concurrent_takers_never_overspend_a_budget() {
+        let budget = Budget::new(10_000);
+        let taken: u64 = std::thread::scope(|s| {
+            let handles: Vec<_> = (0..8)
+                .map(|_| {
+                    s.spawn(|| {
+                        let mut mine = 0;
+                        while budget.take(7) {
+                            mine += 7;
+                        }
+                        mine
+                    })
+                })
+                .collect();
+            handles.into_iter().map(|h| h.join().unwrap()).sum()
+        });
+        assert!(taken <= 10_000 && taken > 10_000 - 7 * 8, "taken {taken}");
+        assert_eq!(budget.written(), taken);
+    }
+
+    #[test]
+    fn a_catch_up_drill_accounts_for_its_records_as_stored() {
+        let request =
+            CatchupDrillRequest { shard: 1, follower: None, volume_bytes: 4096 * 100, record_bytes: 4096, clients: 8 };
+        let framed = 100 * (4096 + FRAME_OVERHEAD);
+        assert_eq!(catchup_fill_bytes(&request), framed + framed / 8);
+        // Tiny records still count at least their tag's size.
+        let tiny = CatchupDrillRequest { volume_bytes: 10, record_bytes: 1, ..request };
+        assert_eq!(catchup_fill_bytes(&tiny), 10 * (64 + FRAME_OVERHEAD) + 10 * (64 + FRAME_OVERHEAD) / 8);
     }
 }

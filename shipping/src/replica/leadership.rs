@@ -135,7 +135,16 @@ impl ReplicationNode {
             first_seqno: p.first_seqno,
             disk_full: self.disk_full(),
             corrupt_from_seqno: self.corrupt_from(shard).unwrap_or(0),
+            retained_bytes: self.retained_bytes(shard, &p),
         })
+    }
+
+    /// Bytes of the shard's retained durable records, as retention counts
+    /// them (records times the average frame size).
+    fn retained_bytes(&self, shard: ShardId, p: &walship_wal::Positions) -> u64 {
+        let Ok(c) = self.wal.counters(shard) else { return 0 };
+        let average = c.bytes.checked_div(c.records).unwrap_or(0);
+        (p.durable_seqno + 1).saturating_sub(p.first_seqno.max(1)) * average
     }
 
     /// Raises the replica's epoch: it refuses anything older from now on

@@ -62,6 +62,12 @@ pub enum CoordError {
     Unreachable(NodeId),
     #[error("a failover of shard {0} is already running")]
     Busy(u32),
+    #[error(
+        "the drill would write about {needs} bytes into shard {shard}, which retains {retained} of its {retain_bytes}-byte \
+         retention (replication.retain_bytes): retention would then compact the shard's oldest records, yours among them. \
+         Drill a shard with room, or write less (a smaller volume)"
+    )]
+    DrillWouldEvict { shard: u32, needs: u64, retained: u64, retain_bytes: u64 },
     #[error("KV: {0}")]
     Kv(#[from] KvError),
     #[error("{0}")]
@@ -188,7 +194,18 @@ pub struct Coordinator {
     /// Shards whose automatic failover found no majority: not retried before
     /// this instant (each attempt raises the epoch).
     retry_after: Mutex<BTreeMap<u32, Instant>>,
+    /// When this coordinator started (see [`START_GRACE`]).
+    started: Instant,
+    /// Shards whose "waiting for replicas to start" line was logged once.
+    waiting_logged: Mutex<std::collections::BTreeSet<u32>>,
 }
+
+/// A failover that finds no majority of a shard's replicas is worth a WARN
+/// when a replica this coordinator had heard from went silent, or once the
+/// coordinator has run this long. Before that, replicas it never heard from
+/// are taken to be still starting (a cluster whose coordinator comes up
+/// before its nodes), and the refusal is logged once at INFO, then at DEBUG.
+pub const START_GRACE: Duration = Duration::from_secs(60);
 
 /// How long an automatic failover that found no majority waits to retry.
 const NO_MAJORITY_BACKOFF: Duration = Duration::from_secs(1);
@@ -255,6 +272,8 @@ impl Coordinator {
             drills: Default::default(),
             heartbeat_sink: Mutex::new(None),
             retry_after: Mutex::new(BTreeMap::new()),
+            started: Instant::now(),
+            waiting_logged: Mutex::new(Default::default()),
         });
         tokio::spawn(coordinator.clone().run_lease());
         tokio::spawn(coordinator.clone().run_reconcile());

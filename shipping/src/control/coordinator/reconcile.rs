@@ -76,7 +76,7 @@ impl Coordinator {
                     match me.failover_replacing(shard, FailoverRequest::default(), reason, replaced).await {
                         Err(e @ CoordError::NoMajority { .. }) => {
                             me.retry_after.lock().insert(shard, Instant::now() + NO_MAJORITY_BACKOFF);
-                            tracing::warn!(shard, error = %e, "automatic failover");
+                            me.log_no_majority(shard, &e);
                         }
                         Ok(outcome) => {
                             tracing::info!(shard, to = ?outcome.to, epoch = outcome.epoch, took_ms = outcome.took_ms, "automatic failover")
@@ -110,6 +110,31 @@ impl Coordinator {
                     tokio::spawn(async move { me.assign(shard, &record, leader, replica).await });
                 }
             }
+        }
+    }
+
+    /// Logs an automatic failover that found no majority: WARN once a
+    /// replica of the shard that this coordinator had heard from went
+    /// silent, or past [`START_GRACE`]; before that (replicas not started
+    /// yet) INFO the first time for the shard, DEBUG after.
+    fn log_no_majority(&self, shard: u32, error: &CoordError) {
+        let timeout = Duration::from_millis(self.config.replication.leader_timeout_ms);
+        let replicas =
+            self.config.shards.iter().find(|s| s.id == shard).map(|s| s.replicas.clone()).unwrap_or_default();
+        let lost_one = {
+            let seen = self.seen.lock();
+            replicas.iter().any(|r| seen.get(r).is_some_and(|n| n.at.elapsed() > timeout))
+        };
+        if lost_one || self.started.elapsed() > START_GRACE {
+            tracing::warn!(shard, %error, "automatic failover");
+        } else if self.waiting_logged.lock().insert(shard) {
+            tracing::info!(
+                shard,
+                %error,
+                "automatic failover waits for a majority of the shard's replicas (never heard from since this coordinator started: still starting?)"
+            );
+        } else {
+            tracing::debug!(shard, %error, "automatic failover");
         }
     }
 

@@ -73,7 +73,10 @@ impl Coordinator {
     /// Starts a corruption drill; returns its id. Refuses (changing
     /// nothing) an unknown shard, a node without a replica, and the leader
     /// unless `allow_leader`.
-    pub fn start_corruption_drill(self: &Arc<Self>, request: CorruptionDrillRequest) -> Result<String, CoordError> {
+    pub async fn start_corruption_drill(
+        self: &Arc<Self>,
+        request: CorruptionDrillRequest,
+    ) -> Result<String, CoordError> {
         if !(1..=256).contains(&request.clients) || request.phase_ms > 60_000 {
             return Err(CoordError::BadRequest("clients must be 1..=256 and phase_ms at most 60000".into()));
         }
@@ -97,11 +100,15 @@ impl Coordinator {
                 .find(|&&r| r != leader)
                 .ok_or(CoordError::NotAReplica { shard: request.shard, node: leader })?,
         };
+        let headroom = self.retention_headroom(request.shard, &record.replicas, MIN_DRILL_HEADROOM).await?;
+        let budget = Budget::new(headroom.min(MAX_LOAD_BYTES));
         let id = self.drills.create("corruption", request.shard);
-        let (me, drill) = (self.clone(), id.clone());
+        let (me, drill, load_budget) = (self.clone(), id.clone(), budget.clone());
         self.run_drill(
             id.clone(),
-            async move { me.corruption_drill(&drill, &request, leader, node).await },
+            headroom,
+            budget,
+            async move { me.corruption_drill(&drill, &request, leader, node, &load_budget).await },
             |r, out| r.corruption = Some(out),
         );
         Ok(id)
@@ -113,10 +120,11 @@ impl Coordinator {
         request: &CorruptionDrillRequest,
         leader: NodeId,
         node: NodeId,
+        budget: &Arc<Budget>,
     ) -> Result<CorruptionDrillResult, String> {
         let shard = request.shard;
         self.drills.progress(id, "load running");
-        let load = Load::start(self, shard, request.clients.max(1), 64, id);
+        let load = Load::start(self, shard, request.clients.max(1), 64, id, budget);
         tokio::time::sleep(Duration::from_millis(request.phase_ms)).await;
         // The damaged record: the middle acknowledged one, so its payload is
         // known and records on both sides of it exist.

@@ -30,7 +30,7 @@ use bytes::Bytes;
 use serde::{Deserialize, Serialize};
 use walship_proto::log::{AppendRecord, AppendRequest, Durability, PartitionRequest};
 
-use super::{Load, default_clients};
+use super::{Budget, FRAME_OVERHEAD, Load, MAX_LOAD_BYTES, MIN_DRILL_HEADROOM, default_clients};
 use crate::NodeId;
 use crate::control::coordinator::{CoordError, Coordinator};
 
@@ -168,18 +168,29 @@ struct LocalProbe {
 }
 
 impl LocalProbe {
-    fn start(coordinator: &Arc<Coordinator>, node: NodeId, shard: u32, epoch: u64, tag: String) -> LocalProbe {
+    fn start(
+        coordinator: &Arc<Coordinator>,
+        node: NodeId,
+        shard: u32,
+        epoch: u64,
+        tag: String,
+        budget: &Arc<Budget>,
+    ) -> LocalProbe {
         let stop = Arc::new(AtomicBool::new(false));
-        let (flag, log) = (stop.clone(), coordinator.peers.log(node));
+        let (flag, log, budget) = (stop.clone(), coordinator.peers.log(node), budget.clone());
         let task = tokio::spawn(async move {
             let mut acked = Vec::new();
             let Some(mut log) = log else { return acked };
             let mut n = 0u64;
             while !flag.load(Ordering::Relaxed) {
                 n += 1;
+                let payload = Bytes::from(format!("{tag}-local-{n}"));
+                if !budget.take(payload.len() as u64 + FRAME_OVERHEAD) {
+                    break;
+                }
                 let mut request = tonic::Request::new(AppendRequest {
                     shard_id: shard,
-                    records: vec![AppendRecord { key: Bytes::new(), payload: Bytes::from(format!("{tag}-local-{n}")) }],
+                    records: vec![AppendRecord { key: Bytes::new(), payload }],
                     durability: Durability::Local as i32,
                 });
                 request.set_timeout(Duration::from_secs(2));
@@ -211,7 +222,7 @@ impl Coordinator {
     /// an unknown shard (404), `between` other than the supported shapes,
     /// trials outside 1..=20, seconds outside 1..=300, clients outside
     /// 1..=256, and a shard with fewer than 3 replicas (400).
-    pub fn start_partition_drill(self: &Arc<Self>, request: PartitionDrillRequest) -> Result<String, CoordError> {
+    pub async fn start_partition_drill(self: &Arc<Self>, request: PartitionDrillRequest) -> Result<String, CoordError> {
         if !BETWEEN.contains(&request.between.as_str()) {
             return Err(CoordError::BadRequest(format!(
                 "between must be one of {}, not {:?}",
@@ -241,11 +252,17 @@ impl Coordinator {
                 record.replicas.len()
             )));
         }
+        let headroom = self.retention_headroom(request.shard, &record.replicas, MIN_DRILL_HEADROOM).await?;
+        let budget = Budget::new(headroom.min(MAX_LOAD_BYTES));
         let id = self.drills.create("partition", request.shard);
-        let (me, drill) = (self.clone(), id.clone());
-        self.run_drill(id.clone(), async move { me.partition_drill(&drill, &request).await }, |r, out| {
-            r.partition = Some(out)
-        });
+        let (me, drill, load_budget) = (self.clone(), id.clone(), budget.clone());
+        self.run_drill(
+            id.clone(),
+            headroom,
+            budget,
+            async move { me.partition_drill(&drill, &request, &load_budget).await },
+            |r, out| r.partition = Some(out),
+        );
         Ok(id)
     }
 
@@ -253,11 +270,12 @@ impl Coordinator {
         self: &Arc<Self>,
         id: &str,
         request: &PartitionDrillRequest,
+        budget: &Arc<Budget>,
     ) -> Result<PartitionDrillResult, String> {
         let timeout = self.config.replication.replication_timeout();
         let mut trials = Vec::new();
         for trial in 1..=request.trials {
-            trials.push(self.partition_trial(id, request, trial).await?);
+            trials.push(self.partition_trial(id, request, trial, budget).await?);
         }
         let leader_cut = request.between == BETWEEN[0];
         Ok(PartitionDrillResult {
@@ -301,6 +319,7 @@ impl Coordinator {
         id: &str,
         request: &PartitionDrillRequest,
         trial: u32,
+        budget: &Arc<Budget>,
     ) -> Result<PartitionTrial, String> {
         let shard = request.shard;
         let of = request.trials;
@@ -320,7 +339,7 @@ impl Coordinator {
         };
         let tag = format!("{id}-t{trial}");
         self.drills.progress(id, &format!("trial {trial}/{of}: load running"));
-        let load = Load::start(self, shard, request.clients, 64, &tag);
+        let load = Load::start(self, shard, request.clients, 64, &tag, budget);
         let deadline = Instant::now() + Duration::from_secs(10);
         while load.acked_count.load(Ordering::Relaxed) == 0 {
             if Instant::now() > deadline {
@@ -341,7 +360,7 @@ impl Coordinator {
             }
         };
         let lost_majority_at = answered[0];
-        let probe = leader_cut.then(|| LocalProbe::start(self, old_leader, shard, old_epoch, tag.clone()));
+        let probe = leader_cut.then(|| LocalProbe::start(self, old_leader, shard, old_epoch, tag.clone(), budget));
         let hold_until = cut_at + Duration::from_secs(request.seconds);
         let mut failed_over = None;
         let first_new = if leader_cut {
