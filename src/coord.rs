@@ -99,7 +99,13 @@ pub async fn run_coord(args: CoordArgs) -> Result<()> {
             .await
             .context("gRPC server")
     });
-    let admin = Arc::new(CoordAdmin { coordinator, registry, token: token.clone(), started: Instant::now() });
+    let admin = Arc::new(CoordAdmin {
+        coordinator,
+        registry,
+        token: token.clone(),
+        started: Instant::now(),
+        lag_history: Default::default(),
+    });
     let admin_shutdown = shutdown.clone();
     let http = tokio::spawn(async move {
         axum::serve(admin_listener, coord_router(admin).into_make_service_with_connect_info::<SocketAddr>())
