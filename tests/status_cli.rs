@@ -52,12 +52,24 @@ async fn status_shows_the_real_leaders() {
     assert_eq!(v["cluster"]["coordinator"]["active"], true);
     assert_eq!(v["shards"][0]["leader"], 1);
     assert_eq!(v["shards"][1]["leader"], 2);
+    // Each position's age is in the table, and a caught-up follower's lag
+    // is live.
+    let header: Vec<&str> = text.lines().find(|l| l.contains("shard")).unwrap().split('|').map(str::trim).collect();
+    let column = |name: &str| header.iter().position(|h| *h == name).unwrap_or_else(|| panic!("no {name}: {text}"));
+    let cells =
+        |shard: u32, node: u32| row(shard, node).split('|').map(str::trim).map(String::from).collect::<Vec<_>>();
+    assert!(cells(1, 1)[column("pos age")].ends_with('s'), "{text}");
+    assert_eq!(cells(1, 1)[column("lag is")], "-", "a leader has no lag: {text}");
+    assert_eq!(cells(1, 2)[column("lag is")], "live", "{text}");
     // `--json` is the coordinator's own view: it matches GET /v1/shards, but
-    // for how long ago each heartbeat was.
+    // for how long ago each heartbeat was and when positions were read.
     let strip = |mut shards: serde_json::Value| {
         for shard in shards.as_array_mut().unwrap() {
             for replica in shard["replicas"].as_array_mut().unwrap() {
-                replica.as_object_mut().unwrap().remove("last_heartbeat_ms_ago");
+                let replica = replica.as_object_mut().unwrap();
+                for varying in ["last_heartbeat_ms_ago", "position_age_ms", "position_unix_us", "lag_position_age_ms"] {
+                    assert!(replica.remove(varying).is_some(), "{varying} missing");
+                }
             }
         }
         shards
