@@ -105,6 +105,23 @@ async fn a_dead_follower_shows_its_last_known_position_and_a_growing_age_after_f
         async move { grown }
     })
     .await;
+    // The new leader's own status says it does not know node 3's position
+    // (its count from 0 is an upper bound), and knows node 1's.
+    wait_until("node 2's status to know node 1's position and not node 3's", WAIT, || {
+        let status = futures::executor::block_on(cluster.status(2));
+        let known = |node: u64| {
+            status.as_ref().and_then(|s| {
+                s["shards"][0]["followers"]
+                    .as_array()?
+                    .iter()
+                    .find(|f| f["node_id"] == node)
+                    .map(|f| (f["position_known"].as_bool(), f["last_reply_ms_ago"].is_null()))
+            })
+        };
+        let ok = known(1) == Some((Some(true), false)) && known(3) == Some((Some(false), true));
+        async move { ok }
+    })
+    .await;
     // The live follower is not stale, and the leader shows no lag of its own.
     let (_, shard) = cluster.coord_get(1, "/v1/shards/1").await;
     assert_eq!(replica(&shard, 1)["lag_stale"], false, "{shard}");

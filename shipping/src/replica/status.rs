@@ -33,6 +33,12 @@ pub struct FollowerStatus {
     pub lag_apply_seconds: f64,
     /// Milliseconds since the follower last answered; none if never.
     pub last_reply_ms_ago: Option<u64>,
+    /// The follower has told this leader its position. Until it does (it
+    /// has been down since this leadership began), `acked_seqno` is 0 and
+    /// the lag counts the whole log: an upper bound, not its position. The
+    /// coordinator then counts from the follower's own last heartbeat.
+    #[serde(default)]
+    pub position_known: bool,
 }
 
 /// One shard replica's state, for `/v1/status`.
@@ -331,5 +337,6 @@ fn follower_status(id: NodeId, progress: &FollowerProgress, lag: &Lag, now: u64)
         lag_flush_seconds: lag.flush_seconds,
         lag_apply_seconds: lag.apply_seconds,
         last_reply_ms_ago: progress.last_reply_us.map(|t| now.saturating_sub(t) / 1_000),
+        position_known: progress.last_reply_us.is_some(),
     }
 }
