@@ -151,7 +151,11 @@ fn shown_lag(
 ) -> ShownLag {
     let c = &admin.coordinator;
     let Some(leader) = leader.filter(|&l| l != node) else { return ShownLag::default() };
-    let Some((l, l_age)) = c.heartbeat_aged(leader, shard) else { return ShownLag::default() };
+    // Only the recorded leader's report as leader counts (just after a
+    // failover it may still report as a follower): else the lag is unknown.
+    let Some((l, l_age)) = c.heartbeat_aged(leader, shard).filter(|(l, _)| l.is_leader) else {
+        return ShownLag::default();
+    };
     let timeout = c.config.replication.leader_timeout_ms;
     // The leader heard from it in this leadership: its figures, counted from
     // the position the follower last acknowledged.
