@@ -1,5 +1,6 @@
-//! The coordinator's admin HTTP API: the cluster, its shards (leader,
-//! epoch, replicas with positions and lag), failover (with preview and
+//! The coordinator's admin HTTP API: the cluster (with a per-node panel),
+//! its shards (leader, epoch, replicas with positions and their age, lag
+//! live or stale), each shard's lag history, failover (with preview and
 //! forced modes) and health. Mutating endpoints need the bearer token:
 //! 401 without one, 403 with a wrong one; every mutation is logged with the
 //! caller's address and what was asked. Serve with
