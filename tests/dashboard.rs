@@ -5,14 +5,15 @@
 //! nothing lost. A second test opens it on a cluster with history: the lag
 //! chart is drawn from the coordinator's history on open, with a time axis
 //! and a legend of node names, beside the per-node panel and the catch-up
-//! drill results. Screenshots are saved under the test's output directory.
+//! drill results; a third, that the node panel flags a node below its disk
+//! reserve. Screenshots are saved under the test's output directory.
 
 mod common;
 
 use std::path::Path;
 use std::time::Duration;
 
-use common::{Cluster, TOKEN};
+use common::{Cluster, ClusterSpec, TOKEN};
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn dashboard_shows_the_leader_and_runs_a_drill() {
@@ -162,4 +163,32 @@ async fn dashboard_draws_the_lag_history_on_open_with_a_time_axis_nodes_and_catc
     let png = std::fs::read(&shot).unwrap();
     assert!(png.len() > 10_000 && png.starts_with(b"\x89PNG"), "screenshot at {}", shot.display());
     eprintln!("screenshot: {}", shot.display());
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_node_panel_flags_a_node_below_its_disk_reserve() {
+    // Node 3 wants 1 PiB free: its disk is "full" from the start.
+    let mut cluster = Cluster::launch(&ClusterSpec {
+        coordinators: 1,
+        replication: "heartbeat_ms = 50\nleader_timeout_ms = 1000",
+        node_args: vec![(3, vec!["--wal-min-free-bytes".to_string(), (1u64 << 50).to_string()])],
+        ..ClusterSpec::default()
+    });
+    cluster.wait_node_leads(1, 1, Duration::from_secs(30)).await;
+    common::wait_until("the coordinator to see node 3's full disk", Duration::from_secs(30), || {
+        let (_, c) = futures::executor::block_on(cluster.coord_get(1, "/v1/cluster"));
+        let full = c["nodes"].as_array().is_some_and(|n| {
+            n.iter().any(|n| n["node_id"] == 3 && n["disk_full"] == true)
+                && n.iter().any(|n| n["node_id"] == 1 && n["disk_full"] == false)
+        });
+        async move { full }
+    })
+    .await;
+    let url = format!("http://{}/", cluster.coordinator(1).admin);
+    let shot = Path::new(env!("CARGO_TARGET_TMPDIR")).join("dashboard-disk-full.png");
+    let page = browser_run("lag.mjs", vec![url, shot.display().to_string()]).await;
+    assert_eq!(page["errors"], serde_json::json!([]), "page errors: {page}");
+    let state = |n: &str| page["nodes"][n].as_array().unwrap().last().unwrap().as_str().unwrap().to_string();
+    assert_eq!(state("3"), "DISK FULL", "{page}");
+    assert_eq!(state("1"), "ok", "{page}");
 }
