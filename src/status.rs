@@ -135,6 +135,18 @@ pub async fn run(args: StatusArgs) -> Result<()> {
         println!("{}", line(row));
     }
     println!("{rule}");
+    let stale = shards
+        .as_array()
+        .into_iter()
+        .flatten()
+        .flat_map(|s| s["replicas"].as_array().into_iter().flatten())
+        .any(|r| r["lag_stale"] == true);
+    if stale {
+        println!(
+            "STALE lag: the follower is down or its leader has not heard from it; it lacks at least the records \
+             after its last known position"
+        );
+    }
     let without = cluster["shards_without_leader"].as_u64().unwrap_or(0);
     if without > 0 {
         println!("{without} shard(s) without a leader");

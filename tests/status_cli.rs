@@ -61,6 +61,7 @@ async fn status_shows_the_real_leaders() {
     assert!(cells(1, 1)[column("pos age")].ends_with('s'), "{text}");
     assert_eq!(cells(1, 1)[column("lag is")], "-", "a leader has no lag: {text}");
     assert_eq!(cells(1, 2)[column("lag is")], "live", "{text}");
+    assert!(!text.contains("STALE"), "every replica is up: {text}");
     // `--json` is the coordinator's own view: it matches GET /v1/shards, but
     // for how long ago each heartbeat was and when positions were read.
     let strip = |mut shards: serde_json::Value| {

@@ -139,6 +139,7 @@ async fn a_dead_follower_shows_its_last_known_position_and_a_growing_age_after_f
     assert!(row.iter().any(|c| c.starts_with(&format!("STALE from {last_known}"))), "{text}");
     assert!(row.contains(&(total - last_known).to_string().as_str()), "{text}");
     assert!(text.contains("pos age") && text.contains("lag is"), "{text}");
+    assert!(text.contains("STALE lag: the follower is down or its leader has not heard from it"), "{text}");
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
