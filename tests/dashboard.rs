@@ -4,9 +4,10 @@
 //! (answering the token prompt), and the drill reports a new leader with
 //! nothing lost. A second test opens it on a cluster with history: the lag
 //! chart is drawn from the coordinator's history on open, with a time axis
-//! and a legend of node names, beside the per-node panel and the catch-up
-//! drill results; a third, that the node panel flags a node below its disk
-//! reserve. Screenshots are saved under the test's output directory.
+//! and a legend of node names, beside the per-node panel and the results of
+//! a catch-up drill run from its button; a third, that the node panel flags
+//! a node below its disk reserve. Screenshots are saved under the test's
+//! output directory.
 
 mod common;
 
@@ -95,26 +96,23 @@ async fn append_one(grpc: &str) {
 async fn dashboard_draws_the_lag_history_on_open_with_a_time_axis_nodes_and_catchup_drills() {
     let mut cluster = Cluster::start_with(3, 1, 1, "heartbeat_ms = 50\nleader_timeout_ms = 1000", None);
     cluster.wait_node_leads(1, 1, Duration::from_secs(30)).await;
-    // A small catch-up drill on node 3.
-    let (code, started) = cluster
-        .coord_post(
-            1,
-            "/v1/drills/catchup",
-            r#"{"shard": 1, "follower": 3, "volume_bytes": 1048576, "record_bytes": 1024, "clients": 2}"#,
-            Some(TOKEN),
-        )
-        .await;
-    assert_eq!(code, 202, "{started}");
-    let drill = started["id"].as_str().unwrap().to_string();
-    common::wait_until("the catch-up drill to finish", Duration::from_secs(60), || {
-        let (_, r) = futures::executor::block_on(cluster.coord_get(1, &format!("/v1/drills/{drill}")));
-        let done = r["state"] != "running";
-        async move { done }
-    })
+    // A catch-up drill on node 3, from the page's button.
+    let url = format!("http://{}/", cluster.coordinator(1).admin);
+    let shot = Path::new(env!("CARGO_TARGET_TMPDIR")).join("dashboard-catchup.png");
+    let run = browser_run(
+        "lag.mjs",
+        vec!["catchup".into(), url.clone(), TOKEN.into(), "3".into(), shot.display().to_string()],
+    )
     .await;
-    let (_, report) = cluster.coord_get(1, &format!("/v1/drills/{drill}")).await;
-    assert_eq!(report["state"], "done", "{report}");
+    assert_eq!(run["errors"], serde_json::json!([]), "page errors: {run}");
+    let report = &run["report"];
+    assert_eq!((report["state"].as_str(), report["catchup"]["follower"].as_u64()), (Some("done"), Some(3)), "{report}");
+    let drill = report["id"].as_str().unwrap().to_string();
     let behind = report["catchup"]["records_behind"].as_u64().unwrap();
+    assert!(behind > 0, "{report}");
+    // The coordinator holds the same report.
+    let (_, held) = cluster.coord_get(1, &format!("/v1/drills/{drill}")).await;
+    assert_eq!((held["state"].as_str(), held["catchup"]["records_behind"].as_u64()), (Some("done"), Some(behind)));
     // Node 2 dies; one more record, so its lag is 1 and stale.
     cluster.node(2).kill9();
     append_one(&cluster.node(1).grpc.clone()).await;
@@ -127,10 +125,9 @@ async fn dashboard_draws_the_lag_history_on_open_with_a_time_axis_nodes_and_catc
     })
     .await;
     let (grpc2, grpc3) = (cluster.node(2).grpc.clone(), cluster.node(3).grpc.clone());
-    let url = format!("http://{}/", cluster.coordinator(1).admin);
     let shot = Path::new(env!("CARGO_TARGET_TMPDIR")).join("dashboard-lag.png");
     let _ = std::fs::remove_file(&shot);
-    let page = browser_run("lag.mjs", vec![url, shot.display().to_string()]).await;
+    let page = browser_run("lag.mjs", vec!["inspect".into(), url, shot.display().to_string()]).await;
     assert_eq!(page["errors"], serde_json::json!([]), "page errors: {page}");
     // On its first render the chart already holds the coordinator's history.
     let points3 = page["first"]["points"]["3"].as_u64().unwrap_or(0);
@@ -186,7 +183,7 @@ async fn the_node_panel_flags_a_node_below_its_disk_reserve() {
     .await;
     let url = format!("http://{}/", cluster.coordinator(1).admin);
     let shot = Path::new(env!("CARGO_TARGET_TMPDIR")).join("dashboard-disk-full.png");
-    let page = browser_run("lag.mjs", vec![url, shot.display().to_string()]).await;
+    let page = browser_run("lag.mjs", vec!["inspect".into(), url, shot.display().to_string()]).await;
     assert_eq!(page["errors"], serde_json::json!([]), "page errors: {page}");
     let state = |n: &str| page["nodes"][n].as_array().unwrap().last().unwrap().as_str().unwrap().to_string();
     assert_eq!(state("3"), "DISK FULL", "{page}");
