@@ -1,8 +1,8 @@
 //! The coordinator's short lag history: one sample a second of every
 //! follower's lag (as `GET /v1/shards` shows it), the last 15 minutes at
 //! most, so the dashboard draws a chart the moment it opens. Memory is
-//! bounded: [`MAX_SAMPLES`] per follower of each shard, series of replicas
-//! that left a shard's replica set dropped. It also keeps, for followers
+//! bounded: [`MAX_SAMPLES`] per follower of each shard (under 64 KiB),
+//! series of replicas that left a shard's replica set dropped. It also keeps, for followers
 //! whose lag is stale, when the leader accepted the oldest record each
 //! lacks (one entry per such follower), so their lag in seconds is the age
 //! of that record.
@@ -96,6 +96,11 @@ mod tests {
         assert_eq!(series[0].1.last().unwrap().at_unix_ms, 3 * MAX_SAMPLES as u64 - 1);
         assert!(h.of_shard(2, 0).is_empty());
         assert_eq!(h.of_shard(1, 3 * MAX_SAMPLES as u64 - 10)[0].1.len(), 10);
+    }
+
+    #[test]
+    fn a_follower_costs_at_most_64_kib() {
+        assert!(std::mem::size_of::<LagSample>() * MAX_SAMPLES <= 64 << 10);
     }
 
     #[test]
