@@ -104,7 +104,13 @@ pub async fn run_coord(args: CoordArgs) -> Result<()> {
     let tls = cluster_tls.clone();
     let grpc =
         tokio::spawn(async move { crate::tls::serve_grpc(router, grpc_listener, tls.as_ref(), grpc_shutdown).await });
-    let admin = Arc::new(CoordAdmin { coordinator, registry, token: token.clone(), started: Instant::now() });
+    let admin = Arc::new(CoordAdmin {
+        coordinator,
+        registry,
+        token: token.clone(),
+        started: Instant::now(),
+        lag_history: Default::default(),
+    });
     let admin_shutdown = shutdown.clone();
     let http = tokio::spawn(async move {
         crate::tls::serve_admin(coord_router(admin), admin_listener, cluster_tls.as_ref(), admin_shutdown).await

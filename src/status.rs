@@ -1,5 +1,8 @@
 //! `walship status`: the cluster as the active coordinator sees it, as a
-//! table (like `patronictl list`) or JSON.
+//! table (like `patronictl list`) or JSON. Each replica's positions come
+//! from its own newest heartbeat (`pos age` says how old); a follower's lag
+//! is `live` while its leader hears from it, else `STALE`, counted from its
+//! last known position.
 
 use anyhow::{Result, bail};
 use clap::Args;
@@ -26,6 +29,28 @@ fn cell(v: &serde_json::Value) -> String {
         },
         other => other.to_string(),
     }
+}
+
+/// Milliseconds as seconds with one decimal, `-` when absent.
+fn age(ms: &serde_json::Value) -> String {
+    ms.as_u64().map_or_else(|| "-".into(), |ms| format!("{:.1}s", ms as f64 / 1e3))
+}
+
+/// `live`, or `STALE` with the age of the position the lag counts from
+/// (the follower is down or its leader has not heard from it), or `-` for a
+/// leader.
+fn lag_state(replica: &serde_json::Value) -> String {
+    if replica["lag_records"].is_null() && replica["lag_stale"] != true {
+        return "-".into();
+    }
+    if replica["lag_stale"] == true {
+        return format!(
+            "STALE from {} ({} old)",
+            cell(&replica["lag_from_seqno"]),
+            age(&replica["lag_position_age_ms"])
+        );
+    }
+    "live".into()
 }
 
 pub async fn run(args: StatusArgs) -> Result<()> {
@@ -63,9 +88,11 @@ pub async fn run(args: StatusArgs) -> Result<()> {
         "last",
         "durable",
         "commit",
+        "pos age",
         "lag rec",
         "lag bytes",
         "lag s",
+        "lag is",
     ];
     let mut rows: Vec<Vec<String>> = Vec::new();
     for shard in shards.as_array().into_iter().flatten() {
@@ -85,9 +112,11 @@ pub async fn run(args: StatusArgs) -> Result<()> {
                 cell(&replica["last_seqno"]),
                 cell(&replica["durable_seqno"]),
                 cell(&replica["commit_seqno"]),
+                age(&replica["position_age_ms"]),
                 cell(&replica["lag_records"]),
                 cell(&replica["lag_bytes"]),
                 cell(&replica["lag_seconds"]),
+                lag_state(replica),
             ]);
         }
     }
@@ -106,6 +135,18 @@ pub async fn run(args: StatusArgs) -> Result<()> {
         println!("{}", line(row));
     }
     println!("{rule}");
+    let stale = shards
+        .as_array()
+        .into_iter()
+        .flatten()
+        .flat_map(|s| s["replicas"].as_array().into_iter().flatten())
+        .any(|r| r["lag_stale"] == true);
+    if stale {
+        println!(
+            "STALE lag: the follower is down or its leader has not heard from it; it lacks at least the records \
+             after its last known position"
+        );
+    }
     let without = cluster["shards_without_leader"].as_u64().unwrap_or(0);
     if without > 0 {
         println!("{without} shard(s) without a leader");

@@ -10,14 +10,15 @@ use common::{Cluster, wait_until};
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn status_shows_the_real_leaders() {
     let mut cluster = Cluster::start_with(3, 2, 1, "leader_timeout_ms = 2000", None);
+    // Followed: every follower's lag live (its leader has heard from it).
     wait_until("both shards led and followed", Duration::from_secs(30), || {
         let (code, shards) = futures::executor::block_on(cluster.coord_get(1, "/v1/shards"));
         let ok = code == 200
             && shards.as_array().is_some_and(|a| {
                 a.iter().all(|s| {
-                    s["replicas"]
-                        .as_array()
-                        .is_some_and(|r| r.iter().all(|r| r["role"] == "leader" || r["role"] == "follower"))
+                    s["replicas"].as_array().is_some_and(|r| {
+                        r.iter().all(|r| r["role"] == "leader" || (r["role"] == "follower" && r["lag_stale"] == false))
+                    })
                 })
             });
         async move { ok }
@@ -52,12 +53,25 @@ async fn status_shows_the_real_leaders() {
     assert_eq!(v["cluster"]["coordinator"]["active"], true);
     assert_eq!(v["shards"][0]["leader"], 1);
     assert_eq!(v["shards"][1]["leader"], 2);
+    // Each position's age is in the table, and a caught-up follower's lag
+    // is live.
+    let header: Vec<&str> = text.lines().find(|l| l.contains("shard")).unwrap().split('|').map(str::trim).collect();
+    let column = |name: &str| header.iter().position(|h| *h == name).unwrap_or_else(|| panic!("no {name}: {text}"));
+    let cells =
+        |shard: u32, node: u32| row(shard, node).split('|').map(str::trim).map(String::from).collect::<Vec<_>>();
+    assert!(cells(1, 1)[column("pos age")].ends_with('s'), "{text}");
+    assert_eq!(cells(1, 1)[column("lag is")], "-", "a leader has no lag: {text}");
+    assert_eq!(cells(1, 2)[column("lag is")], "live", "{text}");
+    assert!(!text.contains("STALE"), "every replica is up: {text}");
     // `--json` is the coordinator's own view: it matches GET /v1/shards, but
-    // for how long ago each heartbeat was.
+    // for how long ago each heartbeat was and when positions were read.
     let strip = |mut shards: serde_json::Value| {
         for shard in shards.as_array_mut().unwrap() {
             for replica in shard["replicas"].as_array_mut().unwrap() {
-                replica.as_object_mut().unwrap().remove("last_heartbeat_ms_ago");
+                let replica = replica.as_object_mut().unwrap();
+                for varying in ["last_heartbeat_ms_ago", "position_age_ms", "position_unix_us", "lag_position_age_ms"] {
+                    assert!(replica.remove(varying).is_some(), "{varying} missing");
+                }
             }
         }
         shards

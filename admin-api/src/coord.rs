@@ -1,5 +1,6 @@
-//! The coordinator's admin HTTP API: the cluster, its shards (leader,
-//! epoch, replicas with positions and lag), failover (with preview and
+//! The coordinator's admin HTTP API: the cluster (with a per-node panel),
+//! its shards (leader, epoch, replicas with positions and their age, lag
+//! live or stale), each shard's lag history, failover (with preview and
 //! forced modes) and health. Mutating endpoints need the bearer token:
 //! 401 without one, 403 with a wrong one; every mutation is logged with the
 //! caller's address and what was asked. Serve with
@@ -21,7 +22,10 @@ use walship_shipping::control::drills::{
 use walship_shipping::control::{CoordError, Coordinator, FailoverOutcome, FailoverRequest};
 
 use crate::body::ObjectJson;
-use crate::models::{ApiError, ClusterView, CoordinatorView, NodeView, ReplicaView, ShardView};
+use crate::history::{LagHistory, MAX_SAMPLES, SAMPLE_INTERVAL};
+use crate::models::{
+    ApiError, ClusterView, CoordinatorView, LagHistoryView, LagSample, LagSeries, NodeView, ReplicaView, ShardView,
+};
 
 /// What the coordinator's admin API reads from.
 pub struct CoordAdmin {
@@ -29,9 +33,15 @@ pub struct CoordAdmin {
     pub registry: Registry,
     pub token: String,
     pub started: Instant,
+    /// Recent lag samples (`/v1/shards/{id}/lag-history`), filled once a
+    /// second by a task [`coord_router`] starts.
+    pub lag_history: LagHistory,
 }
 
+/// The coordinator's admin router; also starts the lag sampler (ends with
+/// the coordinator's shutdown token).
 pub fn coord_router(admin: Arc<CoordAdmin>) -> Router {
+    tokio::spawn(sample_lag(admin.clone()));
     Router::new()
         .route("/", get(dashboard))
         .route("/healthz", get(healthz))
@@ -42,6 +52,7 @@ pub fn coord_router(admin: Arc<CoordAdmin>) -> Router {
         .route("/v1/shards", get(shards))
         .route("/v1/shards/{id}", get(shard))
         .route("/v1/shards/{id}/failover", post(failover))
+        .route("/v1/shards/{id}/lag-history", get(lag_history))
         .route("/v1/drills", get(drills))
         .route("/v1/drills/{id}", get(drill))
         .route("/v1/drills/failover", post(failover_drill))
@@ -114,6 +125,70 @@ async fn state(admin: &CoordAdmin) -> Result<walship_shipping::control::state::C
     }
 }
 
+/// A follower's lag as shown (see `ReplicaView`).
+#[derive(Default)]
+struct ShownLag {
+    records: Option<u64>,
+    bytes: Option<u64>,
+    seconds: Option<f64>,
+    stale: bool,
+    from_seqno: Option<u64>,
+    position_age_ms: Option<u64>,
+}
+
+fn now_unix_us() -> u64 {
+    std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.as_micros() as u64)
+}
+
+/// The lag of `node` in `shard`: its leader's live figures while the leader
+/// hears from it; else counted from its own last reported position, stale.
+fn shown_lag(
+    admin: &CoordAdmin,
+    shard: u32,
+    node: u32,
+    leader: Option<u32>,
+    alive: bool,
+    mine: Option<&(walship_proto::replication::HeartbeatRequest, u64)>,
+) -> ShownLag {
+    let c = &admin.coordinator;
+    let Some(leader) = leader.filter(|&l| l != node) else { return ShownLag::default() };
+    // Only the recorded leader's report as leader counts (just after a
+    // failover it may still report as a follower): else the lag is unknown.
+    let Some((l, l_age)) = c.heartbeat_aged(leader, shard).filter(|(l, _)| l.is_leader) else {
+        return ShownLag::default();
+    };
+    let timeout = c.config.replication.leader_timeout_ms;
+    // The leader heard from it in this leadership: its figures, counted from
+    // the position the follower last acknowledged.
+    if let (Some(&records), Some(&silent)) = (l.replication_lag.get(&node), l.follower_silent_ms.get(&node)) {
+        return ShownLag {
+            records: Some(records),
+            bytes: l.replication_lag_bytes.get(&node).copied(),
+            seconds: l.replication_lag_seconds.get(&node).copied(),
+            stale: !alive || silent > timeout,
+            from_seqno: Some(l.durable_seqno.saturating_sub(records)),
+            position_age_ms: Some(silent + l_age),
+        };
+    }
+    // It never answered this leader (down since before the leadership, or
+    // just starting): from its own last heartbeat, never the whole log.
+    let Some((h, age)) = mine else { return ShownLag { stale: true, ..ShownLag::default() } };
+    let records = l.durable_seqno.saturating_sub(h.durable_seqno);
+    let seconds = if records == 0 {
+        Some(0.0)
+    } else {
+        admin.lag_history.written_us(shard, h.durable_seqno + 1).map(|at| now_unix_us().saturating_sub(at) as f64 / 1e6)
+    };
+    ShownLag {
+        records: Some(records),
+        bytes: None,
+        seconds,
+        stale: true,
+        from_seqno: Some(h.durable_seqno),
+        position_age_ms: Some(*age),
+    }
+}
+
 fn shard_view(
     admin: &CoordAdmin,
     id: u32,
@@ -122,15 +197,15 @@ fn shard_view(
 ) -> ShardView {
     let c = &admin.coordinator;
     let timeout = c.config.replication.leader_timeout_ms;
-    let leader_hb = record.leader.and_then(|l| c.heartbeat(l, id));
     let replicas = record
         .replicas
         .iter()
         .map(|&node| {
-            let hb = c.heartbeat(node, id);
+            let aged = c.heartbeat_aged(node, id);
+            let hb = aged.as_ref().map(|(h, _)| h);
             let seen = c.last_seen_ms(node);
-            let lag = |m: Option<u64>| m;
             let alive = seen.is_some_and(|ms| ms <= timeout);
+            let lag = shown_lag(admin, id, node, record.leader, alive, aged.as_ref());
             ReplicaView {
                 node_id: node,
                 role: match &hb {
@@ -143,16 +218,21 @@ fn shard_view(
                 },
                 alive,
                 last_heartbeat_ms_ago: seen,
-                epoch: hb.as_ref().map_or(0, |h| h.epoch),
-                last_epoch: hb.as_ref().map_or(0, |h| h.last_epoch),
-                last_seqno: hb.as_ref().map_or(0, |h| h.last_seqno),
-                durable_seqno: hb.as_ref().map_or(0, |h| h.durable_seqno),
-                commit_seqno: hb.as_ref().map_or(0, |h| h.commit_seqno),
-                lag_records: lag(leader_hb.as_ref().and_then(|l| l.replication_lag.get(&node).copied())),
-                lag_bytes: leader_hb.as_ref().and_then(|l| l.replication_lag_bytes.get(&node).copied()),
-                lag_seconds: leader_hb.as_ref().and_then(|l| l.replication_lag_seconds.get(&node).copied()),
-                disk_full: hb.as_ref().is_some_and(|h| h.disk_full),
-                corrupt_from_seqno: hb.as_ref().map(|h| h.corrupt_from_seqno).filter(|&s| s > 0),
+                position_age_ms: aged.as_ref().map(|(_, age)| *age),
+                position_unix_us: hb.map(|h| h.last_heartbeat_ns / 1_000).filter(|&us| us > 0),
+                epoch: hb.map_or(0, |h| h.epoch),
+                last_epoch: hb.map_or(0, |h| h.last_epoch),
+                last_seqno: hb.map_or(0, |h| h.last_seqno),
+                durable_seqno: hb.map_or(0, |h| h.durable_seqno),
+                commit_seqno: hb.map_or(0, |h| h.commit_seqno),
+                lag_records: lag.records,
+                lag_bytes: lag.bytes,
+                lag_seconds: lag.seconds,
+                lag_stale: lag.stale,
+                lag_from_seqno: lag.from_seqno,
+                lag_position_age_ms: lag.position_age_ms,
+                disk_full: hb.is_some_and(|h| h.disk_full),
+                corrupt_from_seqno: hb.map(|h| h.corrupt_from_seqno).filter(|&s| s > 0),
             }
         })
         .collect();
@@ -163,6 +243,138 @@ fn shard_view(
         commit_floor: record.commit_floor,
         replicas,
         last_failover,
+    }
+}
+
+/// Once a second: samples every follower's lag into the history, and
+/// fetches from each shard's leader when it accepted the oldest record each
+/// stale follower lacks (its lag in seconds).
+async fn sample_lag(admin: Arc<CoordAdmin>) {
+    let mut tick = tokio::time::interval(SAMPLE_INTERVAL);
+    tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    loop {
+        tokio::select! {
+            _ = tick.tick() => {}
+            _ = admin.coordinator.shutdown.cancelled() => return,
+        }
+        let Ok(state) = state(&admin).await else { continue };
+        let now = walship_shipping::control::coordinator::now_ms();
+        let mut keep = std::collections::BTreeSet::new();
+        let mut needed = std::collections::BTreeMap::new();
+        for (&id, record) in &state.shards {
+            let view = shard_view(&admin, id, record, None);
+            for r in view.replicas.iter().filter(|r| Some(r.node_id) != view.leader) {
+                keep.insert((id, r.node_id));
+                admin.lag_history.record(
+                    id,
+                    r.node_id,
+                    LagSample {
+                        at_unix_ms: now,
+                        lag_records: r.lag_records,
+                        lag_bytes: r.lag_bytes,
+                        lag_seconds: r.lag_seconds,
+                        stale: r.lag_stale,
+                    },
+                );
+                if let (true, Some(from), Some(leader)) = (r.lag_stale, r.lag_from_seqno, view.leader)
+                    && r.lag_records.unwrap_or(0) > 0
+                {
+                    needed.insert((id, from + 1), leader);
+                }
+            }
+        }
+        admin.lag_history.retain(&keep);
+        let mut times = std::collections::BTreeMap::new();
+        for ((shard, seqno), leader) in needed {
+            let at = match admin.lag_history.written_us(shard, seqno) {
+                Some(at) => Some(at),
+                None => written_us(&admin.coordinator, leader, shard, seqno).await,
+            };
+            if let Some(at) = at {
+                times.insert((shard, seqno), at);
+            }
+        }
+        admin.lag_history.set_written(times);
+    }
+}
+
+/// When `leader` accepted record `seqno` of `shard` (its timestamp), read
+/// from the leader; none if it cannot say within half a second.
+async fn written_us(c: &Coordinator, leader: u32, shard: u32, seqno: u64) -> Option<u64> {
+    let mut client = c.peers.log(leader)?;
+    let mut request = tonic::Request::new(walship_proto::log::ReadRequest {
+        shard_id: shard,
+        from_seqno: seqno,
+        to_seqno: seqno,
+        max_bytes: 1,
+        ..Default::default()
+    });
+    request.set_timeout(std::time::Duration::from_millis(500));
+    let records = client.read(request).await.ok()?.into_inner().records;
+    records.into_iter().find(|r| r.seqno == seqno).map(|r| r.timestamp_us)
+}
+
+/// `?seconds=` on the lag history.
+#[derive(Debug, serde::Deserialize)]
+#[serde(deny_unknown_fields)]
+struct Window {
+    seconds: Option<u64>,
+}
+
+/// A shard's lag history: one sample a second per follower, the last
+/// `seconds` (default and at most 900), oldest first.
+#[utoipa::path(get, path = "/v1/shards/{id}/lag-history", tag = "shards",
+    params(("id" = u32, Path, description = "shard id"),
+        ("seconds" = Option<u32>, Query, minimum = 1, maximum = 900, description = "the last N seconds (default 900)")),
+    responses((status = 200, body = LagHistoryView), (status = 400, description = "not a shard id, or a bad query", body = crate::models::ErrorBody),
+        (status = 404, description = "unknown shard", body = crate::models::ErrorBody), (status = 503, body = crate::models::ErrorBody)))]
+async fn lag_history(
+    State(admin): State<Arc<CoordAdmin>>,
+    Path(id): Path<String>,
+    window: Result<Query<Window>, QueryRejection>,
+) -> Response {
+    let id = match parse_shard(&id) {
+        Ok(id) => id,
+        Err(e) => return e.into_response(),
+    };
+    let Query(window) = match window {
+        Ok(window) => window,
+        Err(rejection) => {
+            return ApiError::new(StatusCode::BAD_REQUEST, "bad_query", rejection.body_text()).into_response();
+        }
+    };
+    let max = MAX_SAMPLES as u64 * SAMPLE_INTERVAL.as_secs();
+    let seconds = match window.seconds {
+        None => max,
+        Some(n) if (1..=max).contains(&n) => n,
+        Some(n) => {
+            return ApiError::new(StatusCode::BAD_REQUEST, "bad_query", format!("seconds {n} is outside 1..={max}"))
+                .into_response();
+        }
+    };
+    let state = match state(&admin).await {
+        Ok(state) => state,
+        Err(e) => return e.into_response(),
+    };
+    if !state.shards.contains_key(&id) {
+        return ApiError::new(StatusCode::NOT_FOUND, "unknown_shard", format!("shard {id} does not exist"))
+            .into_response();
+    }
+    let now = walship_shipping::control::coordinator::now_ms();
+    let series = admin
+        .lag_history
+        .of_shard(id, now.saturating_sub(seconds * 1_000))
+        .into_iter()
+        .map(|(node, samples)| LagSeries { node_id: node, name: node_name(&admin.coordinator, node), samples })
+        .collect();
+    Json(LagHistoryView { shard_id: id, interval_ms: SAMPLE_INTERVAL.as_millis() as u64, now_unix_ms: now, series })
+        .into_response()
+}
+
+fn node_name(c: &Coordinator, node: u32) -> String {
+    match c.config.node(node) {
+        Some(n) => format!("node {node} ({})", n.grpc_addr),
+        None => format!("node {node}"),
     }
 }
 
@@ -191,6 +403,8 @@ async fn cluster(State(admin): State<Arc<CoordAdmin>>) -> Response {
             .iter()
             .map(|n| {
                 let seen = c.last_seen_ms(n.id);
+                let reports = c.heartbeats_of(n.id);
+                let newest = reports.iter().max_by_key(|h| h.last_heartbeat_ns);
                 NodeView {
                     node_id: n.id,
                     grpc_addr: n.grpc_addr.to_string(),
@@ -198,6 +412,13 @@ async fn cluster(State(admin): State<Arc<CoordAdmin>>) -> Response {
                     region: n.region,
                     last_heartbeat_ms_ago: seen,
                     alive: seen.is_some_and(|ms| ms <= timeout),
+                    uptime_seconds: newest
+                        .filter(|h| h.uptime_ms > 0)
+                        .map(|h| (h.uptime_ms + seen.unwrap_or(0)) / 1_000),
+                    wal_disk_bytes: newest.map(|h| h.disk_bytes),
+                    disk_free_bytes: newest.map(|h| h.disk_free_bytes),
+                    disk_full: reports.iter().any(|h| h.disk_full),
+                    corrupt_shards: reports.iter().filter(|h| h.corrupt_from_seqno > 0).map(|h| h.shard_id).collect(),
                 }
             })
             .collect(),

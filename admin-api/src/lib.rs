@@ -9,6 +9,7 @@
 
 pub mod body;
 pub mod coord;
+pub mod history;
 pub mod models;
 pub mod openapi;
 

@@ -122,6 +122,22 @@ pub struct NodeView {
     pub last_heartbeat_ms_ago: Option<u64>,
     /// Heard from within the leader timeout.
     pub alive: bool,
+    /// How long its process has run, as of its last heartbeat plus that
+    /// heartbeat's age; none until heard from.
+    #[serde(default)]
+    pub uptime_seconds: Option<u64>,
+    /// Bytes its WAL takes on disk (its last heartbeat).
+    #[serde(default)]
+    pub wal_disk_bytes: Option<u64>,
+    /// Free bytes of its WAL disk (its last heartbeat).
+    #[serde(default)]
+    pub disk_free_bytes: Option<u64>,
+    /// Its WAL disk is below the free-space reserve (`wal.min_free_bytes`).
+    #[serde(default)]
+    pub disk_full: bool,
+    /// Shards whose replica on this node reports a corrupt range.
+    #[serde(default)]
+    pub corrupt_shards: Vec<u32>,
 }
 
 /// `GET /v1/shards/{id}` on the coordinator.
@@ -137,6 +153,13 @@ pub struct ShardView {
 
 /// One replica as the coordinator sees it (from its heartbeats and, for
 /// lag, its leader's).
+///
+/// Positions are not one snapshot of the shard: each replica's come from its
+/// own newest heartbeat, and each says how old it is (`position_age_ms`,
+/// `position_unix_us`). A follower shown ahead of its leader's `last_seqno`
+/// is always the younger report: its `position_unix_us` is later than the
+/// leader's (both are read on the nodes' clocks, so across machines clock
+/// skew adds in).
 #[derive(Debug, Clone, Serialize, Deserialize, PartialEq, utoipa::ToSchema)]
 pub struct ReplicaView {
     pub node_id: u32,
@@ -144,15 +167,42 @@ pub struct ReplicaView {
     /// leader timeout) or `unknown` (never heard from).
     pub role: String,
     pub alive: bool,
+    /// Milliseconds since this coordinator heard from the node (any shard).
     pub last_heartbeat_ms_ago: Option<u64>,
+    /// Milliseconds since this coordinator received the heartbeat this
+    /// replica's positions come from (grows while the replica is silent);
+    /// none if never heard from.
+    #[serde(default)]
+    pub position_age_ms: Option<u64>,
+    /// When the node read those positions (unix microseconds, its clock).
+    #[serde(default)]
+    pub position_unix_us: Option<u64>,
     pub epoch: u64,
     pub last_epoch: u64,
     pub last_seqno: u64,
     pub durable_seqno: u64,
     pub commit_seqno: u64,
+    /// Records the follower lacks: the leader's durable position minus the
+    /// follower's. Live (the leader's count) while the leader hears from it;
+    /// otherwise counted from its last known position and `lag_stale`.
     pub lag_records: Option<u64>,
+    /// Bytes it lacks; none when stale and the leader never heard from it in
+    /// this leadership (unknown).
     pub lag_bytes: Option<u64>,
+    /// The age of the oldest record it lacks (when its leader wrote it); 0
+    /// when it lacks nothing.
     pub lag_seconds: Option<f64>,
+    /// The lag is not live: the follower is down, or its leader has not
+    /// heard from it in this leadership, so the figures count from its last
+    /// known position, `lag_position_age_ms` old.
+    #[serde(default)]
+    pub lag_stale: bool,
+    /// The follower position the lag counts from.
+    #[serde(default)]
+    pub lag_from_seqno: Option<u64>,
+    /// How old that position is (milliseconds, this coordinator's clock).
+    #[serde(default)]
+    pub lag_position_age_ms: Option<u64>,
     /// Its last heartbeat reports its WAL disk below the free-space reserve
     /// (`wal.min_free_bytes`): it refuses appends and does not lead.
     #[serde(default)]
@@ -162,4 +212,37 @@ pub struct ReplicaView {
     /// intact replica); none when intact.
     #[serde(default)]
     pub corrupt_from_seqno: Option<u64>,
+}
+
+/// `GET /v1/shards/{id}/lag-history`: the coordinator's recent lag samples
+/// of one shard's followers, oldest first (one a second, the last 15
+/// minutes at most; memory is bounded).
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq, utoipa::ToSchema)]
+pub struct LagHistoryView {
+    pub shard_id: u32,
+    /// Milliseconds between samples.
+    pub interval_ms: u64,
+    /// The coordinator's clock when answering (unix ms).
+    pub now_unix_ms: u64,
+    pub series: Vec<LagSeries>,
+}
+
+/// One follower's lag over time.
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq, utoipa::ToSchema)]
+pub struct LagSeries {
+    pub node_id: u32,
+    /// A readable name: `node <id> (<grpc address>)`.
+    pub name: String,
+    pub samples: Vec<LagSample>,
+}
+
+/// One sample of a follower's lag (see `ReplicaView`); taken while it was
+/// not the leader.
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq, utoipa::ToSchema)]
+pub struct LagSample {
+    pub at_unix_ms: u64,
+    pub lag_records: Option<u64>,
+    pub lag_bytes: Option<u64>,
+    pub lag_seconds: Option<f64>,
+    pub stale: bool,
 }

@@ -7,7 +7,8 @@ use utoipa::{Modify, OpenApi};
 
 use crate::coord::DrillStarted;
 use crate::models::{
-    ClusterView, CoordinatorView, ErrorBody, ErrorDetail, NodeStatus, NodeView, ReplicaView, ShardView,
+    ClusterView, CoordinatorView, ErrorBody, ErrorDetail, LagHistoryView, LagSample, LagSeries, NodeStatus, NodeView,
+    ReplicaView, ShardView,
 };
 
 struct Bearer;
@@ -28,12 +29,14 @@ impl Modify for Bearer {
     paths(
         crate::coord::healthz, crate::coord::readyz, crate::coord::metrics, crate::coord::openapi,
         crate::coord::cluster, crate::coord::shards, crate::coord::shard, crate::coord::failover,
+        crate::coord::lag_history,
         crate::coord::drills, crate::coord::drill, crate::coord::failover_drill, crate::coord::catchup_drill,
         crate::coord::corruption_drill, crate::coord::partition_drill,
         crate::coord::tasks, crate::coord::task,
     ),
     components(schemas(
         ClusterView, CoordinatorView, NodeView, ShardView, ReplicaView, ErrorBody, ErrorDetail, DrillStarted,
+        LagHistoryView, LagSeries, LagSample,
         walship_shipping::control::state::FailoverRecord,
         walship_shipping::control::FailoverRequest, walship_shipping::control::FailoverOutcome,
         walship_shipping::control::coordinator::CandidatePreview,

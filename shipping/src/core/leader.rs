@@ -183,8 +183,11 @@ struct Mark {
     at_us: u64,
 }
 
-/// Marks kept at most (older ones are dropped; lag past them is estimated).
-const LEDGER_CAP: usize = 100_000;
+/// Marks kept at most per shard, whatever the followers lack: past it the
+/// ledger is thinned (every other mark after the two oldest dropped), so a
+/// dead follower costs a bounded ledger, the slowest follower's time lag
+/// stays exact and the others' is at worst that of a neighbouring mark.
+pub(crate) const LEDGER_CAP: usize = 4_096;
 
 /// The leader side of one shard.
 #[derive(Debug, Clone)]
@@ -208,6 +211,9 @@ pub struct LeaderCore {
     /// Average frame size so far, for estimates past the ledger.
     avg_frame_bytes: u64,
     started_us: u64,
+    /// The durable position this leadership started at: records through it
+    /// were durable before `started_us` (the ledger has no mark for them).
+    start_durable: Seqno,
 }
 
 impl LeaderCore {
@@ -235,6 +241,7 @@ impl LeaderCore {
             ledger: VecDeque::new(),
             avg_frame_bytes: 0,
             started_us: now_us,
+            start_durable: start.durable,
         };
         core.recompute_commit();
         core
@@ -310,7 +317,7 @@ impl LeaderCore {
         }
         self.ledger.push_back(Mark { seqno: durable, bytes, at_us: now_us });
         if self.ledger.len() > LEDGER_CAP {
-            self.ledger.pop_front();
+            self.thin_ledger();
         }
         self.recompute_commit()
     }
@@ -466,8 +473,15 @@ impl LeaderCore {
         let seconds = if records == 0 {
             0.0
         } else {
-            // When the oldest record it lacks became durable here.
-            let since = self.ledger.iter().find(|m| m.seqno > p.acked).map_or(self.started_us, |m| m.at_us);
+            // When the oldest record it lacks became durable here. One from
+            // before this leadership has no mark: it was durable before the
+            // leadership started, so its age is at least that long (a later
+            // mark would make a follower that lacks old records look current).
+            let since = if p.acked < self.start_durable {
+                self.started_us
+            } else {
+                self.ledger.iter().find(|m| m.seqno > p.acked).map_or(self.started_us, |m| m.at_us)
+            };
             now_us.saturating_sub(since) as f64 / 1e6
         };
         Some(Lag { records, bytes, write_seconds: seconds, flush_seconds: seconds, apply_seconds: seconds })
@@ -523,6 +537,24 @@ impl LeaderCore {
             (Some(a), Some(b)) => b.saturating_sub(a),
             _ => to.since(from) * self.avg_frame_bytes,
         }
+    }
+
+    /// Halves a full ledger: keeps the two oldest marks (the slowest
+    /// follower's base and the mark of the oldest record it lacks) and the
+    /// newest, and every other mark between.
+    fn thin_ledger(&mut self) {
+        let last = self.ledger.len() - 1;
+        let mut i = 0;
+        self.ledger.retain(|_| {
+            let keep = i < 2 || i == last || i % 2 == 0;
+            i += 1;
+            keep
+        });
+    }
+
+    /// The number of marks the ledger holds (bounded by [`LEDGER_CAP`]).
+    pub fn ledger_len(&self) -> usize {
+        self.ledger.len()
     }
 
     /// Drops marks no follower's lag needs (all but the newest one at or

@@ -287,6 +287,48 @@ fn lag_in_records_bytes_and_seconds() {
 }
 
 #[test]
+fn a_follower_lacking_records_from_before_the_leadership_shows_their_age_from_its_start() {
+    // Leader since t=10 s with 100 records durable from an earlier epoch;
+    // follower 2 holds 50 of them, follower 3 all.
+    let mut core = LeaderCore::new(start(6, 100, 101, 100), &[2, 3], SETTINGS, 10_000_000);
+    probe(&mut core, 2, 50, 10_000_000);
+    probe(&mut core, 3, 100, 10_000_000);
+    // Light load: one append, made durable at t=30 s.
+    core.on_local_durable(Seqno(101), 101, 10_100, 30_000_000);
+    core.on_reply(3, ShipReply::Applied { applied: Seqno(101) }, 30_000_000).unwrap();
+    let lag = core.lag(2, 30_001_000).unwrap();
+    assert_eq!(lag.records, 51);
+    // Record 51 was durable before the leadership started: at least 20 s
+    // old, not the 1 ms of the newest append.
+    assert!(lag.flush_seconds >= 20.0, "{lag:?}");
+    // And it keeps growing while the follower lacks it.
+    assert!(core.lag(2, 40_000_000).unwrap().flush_seconds >= 30.0);
+}
+
+#[test]
+fn a_dead_follower_costs_a_bounded_ledger_and_keeps_its_time_lag() {
+    let mut core = leader();
+    probe(&mut core, 2, 0, 0);
+    probe(&mut core, 3, 0, 0);
+    // Follower 2 answered through 1 (durable at t=1 s), then died; follower
+    // 3 keeps up with one group commit per record.
+    core.on_local_durable(Seqno(1), 1, 100, 1_000_000);
+    core.on_reply(2, ShipReply::Applied { applied: Seqno(1) }, 1_000_000).unwrap();
+    core.on_local_durable(Seqno(2), 2, 200, 2_000_000);
+    for s in 3..=(4 * LEDGER_CAP as u64) {
+        core.on_local_durable(Seqno(s), s, s * 100, 2_000_000 + s);
+        core.on_keepalive_sent(3, 2_000_000 + s);
+        core.on_reply(3, ShipReply::Applied { applied: Seqno(s) }, 2_000_000 + s).unwrap();
+        assert!(core.ledger_len() <= LEDGER_CAP, "ledger grew to {} marks", core.ledger_len());
+    }
+    // Record 2, the oldest follower 2 lacks, became durable at t=2 s.
+    let lag = core.lag(2, 12_000_000).unwrap();
+    assert_eq!(lag.records, 4 * LEDGER_CAP as u64 - 1);
+    assert!((lag.flush_seconds - 10.0).abs() < 1e-9, "{lag:?}");
+    assert_eq!(core.lag(3, 12_000_000).unwrap().flush_seconds, 0.0);
+}
+
+#[test]
 fn retention_holds_for_followers_up_to_the_hard_bound() {
     let mut core = leader();
     probe(&mut core, 2, 0, 0);

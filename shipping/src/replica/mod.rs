@@ -111,6 +111,8 @@ pub struct ReplicationNode {
     ship_streams: Mutex<BTreeMap<NodeId, tokio::sync::mpsc::Sender<send::ShipCall>>>,
     /// Peers a partition drill cuts replication traffic with, for a while.
     drill_partition: Arc<drill_partition::DrillPartition>,
+    /// When this node started (its heartbeats report the uptime).
+    started: Instant,
 }
 
 impl ReplicationNode {
@@ -161,6 +163,7 @@ impl ReplicationNode {
             shutdown: CancellationToken::new(),
             ship_streams: Mutex::new(BTreeMap::new()),
             drill_partition: Default::default(),
+            started: Instant::now(),
         });
         if !node.config.coordinated() {
             for spec in node.config.shards_of(me) {

@@ -33,6 +33,12 @@ pub struct FollowerStatus {
     pub lag_apply_seconds: f64,
     /// Milliseconds since the follower last answered; none if never.
     pub last_reply_ms_ago: Option<u64>,
+    /// The follower has told this leader its position. Until it does (it
+    /// has been down since this leadership began), `acked_seqno` is 0 and
+    /// the lag counts the whole log: an upper bound, not its position. The
+    /// coordinator then counts from the follower's own last heartbeat.
+    #[serde(default)]
+    pub position_known: bool,
 }
 
 /// One shard replica's state, for `/v1/status`.
@@ -137,7 +143,7 @@ impl ReplicationNode {
                     leader: replica.leader_id(self.me),
                     replicas: replica.replicas.clone(),
                     first_seqno: p.first_seqno,
-                    last_seqno: p.last_seqno,
+                    last_seqno: self.last_written(replica.shard, &p),
                     durable_seqno: p.durable_seqno,
                     commit_seqno: commit,
                     followers,
@@ -145,6 +151,15 @@ impl ReplicationNode {
                 }
             })
             .collect()
+    }
+
+    /// The newest seqno this replica has written: the store's last, or
+    /// beyond it what the WAL has sequenced and a leader may already have
+    /// shipped (early shipping). Reporting less would show a follower ahead
+    /// of its leader.
+    fn last_written(&self, shard: ShardId, p: &walship_wal::Positions) -> u64 {
+        let written = self.wal.written_watch(shard).map_or(0, |w| *w.borrow());
+        p.last_seqno.max(written)
     }
 
     /// Heartbeats received (newest per node and shard).
@@ -204,6 +219,11 @@ impl ReplicationNode {
                 let (Ok(p), Ok(c)) = (self.wal.positions(replica.shard), self.wal.counters(replica.shard)) else {
                     continue;
                 };
+                // The positions' time, taken as they are read: the
+                // coordinator shows each position with its age, so a
+                // follower reported ahead of its leader is visibly younger.
+                let last_seqno = self.last_written(replica.shard, &p);
+                let positions_us = now_us();
                 let now = Instant::now();
                 let (prev, at) = last_records.insert(replica.shard, (c.records, now)).unwrap_or((c.records, now));
                 let elapsed = now.duration_since(at).as_secs_f64();
@@ -241,10 +261,10 @@ impl ReplicationNode {
                     replication_lag: lag_records,
                     replication_lag_bytes: lag_bytes,
                     replication_lag_seconds: lag_seconds,
-                    last_heartbeat_ns: now_us() * 1_000,
+                    last_heartbeat_ns: positions_us * 1_000,
                     node_id: self.me,
                     epoch: view.epoch.0,
-                    last_seqno: p.last_seqno,
+                    last_seqno,
                     durable_seqno: p.durable_seqno,
                     commit_seqno: commit,
                     is_leader: view.role == Role::Leader,
@@ -262,6 +282,7 @@ impl ReplicationNode {
                         _ => 0,
                     },
                     follower_silent_ms,
+                    uptime_ms: self.started.elapsed().as_millis() as u64,
                 });
             }
             self.metrics.append_rate.set(node_rate);
@@ -316,5 +337,6 @@ fn follower_status(id: NodeId, progress: &FollowerProgress, lag: &Lag, now: u64)
         lag_flush_seconds: lag.flush_seconds,
         lag_apply_seconds: lag.apply_seconds,
         last_reply_ms_ago: progress.last_reply_us.map(|t| now.saturating_sub(t) / 1_000),
+        position_known: progress.last_reply_us.is_some(),
     }
 }

@@ -124,7 +124,8 @@ pub struct FailoverOutcome {
 
 struct NodeSeen {
     at: Instant,
-    shards: BTreeMap<u32, HeartbeatRequest>,
+    /// The newest heartbeat of each of its replicas, with when it arrived.
+    shards: BTreeMap<u32, (HeartbeatRequest, Instant)>,
 }
 
 struct Active {
@@ -322,7 +323,7 @@ impl Coordinator {
         let node =
             seen.entry(request.node_id).or_insert_with(|| NodeSeen { at: Instant::now(), shards: BTreeMap::new() });
         node.at = Instant::now();
-        node.shards.insert(request.shard_id, request.clone());
+        node.shards.insert(request.shard_id, (request.clone(), node.at));
         drop(seen);
         if let Some(sink) = self.heartbeat_sink.lock().as_ref()
             && self.is_active()
@@ -357,7 +358,20 @@ impl Coordinator {
 
     /// The newest heartbeat of a replica.
     pub fn heartbeat(&self, node: NodeId, shard: u32) -> Option<HeartbeatRequest> {
-        self.seen.lock().get(&node).and_then(|n| n.shards.get(&shard).cloned())
+        self.seen.lock().get(&node).and_then(|n| n.shards.get(&shard).map(|(hb, _)| hb.clone()))
+    }
+
+    /// The newest heartbeat of a replica, with milliseconds since it arrived.
+    pub fn heartbeat_aged(&self, node: NodeId, shard: u32) -> Option<(HeartbeatRequest, u64)> {
+        self.seen
+            .lock()
+            .get(&node)
+            .and_then(|n| n.shards.get(&shard).map(|(hb, at)| (hb.clone(), at.elapsed().as_millis() as u64)))
+    }
+
+    /// The newest heartbeat of every replica a node reported.
+    pub fn heartbeats_of(&self, node: NodeId) -> Vec<HeartbeatRequest> {
+        self.seen.lock().get(&node).map(|n| n.shards.values().map(|(hb, _)| hb.clone()).collect()).unwrap_or_default()
     }
 
     fn encode(state: &ClusterState) -> Bytes {

@@ -157,7 +157,7 @@ impl Coordinator {
         let takes_over = |r: &NodeId| {
             seen.get(r).is_some_and(|n| {
                 n.at.elapsed() <= timeout
-                    && n.shards.get(&shard).is_some_and(|f| {
+                    && n.shards.get(&shard).is_some_and(|(f, _)| {
                         !f.disk_full
                             && f.corrupt_from_seqno == 0
                             && (reason == "disk_full" || f.durable_seqno >= hb.commit_seqno)
@@ -181,7 +181,7 @@ impl Coordinator {
             .filter(|&&n| Some(n) != record.leader)
             .map(|n| {
                 let node = seen.get(n);
-                let hb = node.and_then(|s| s.shards.get(&shard));
+                let hb = node.and_then(|s| s.shards.get(&shard)).map(|(hb, _)| hb);
                 let age = node.map(|s| s.at.elapsed());
                 FollowerReport {
                     fresh: hb.is_some() && age.is_some_and(|a| a <= fresh),

@@ -1,0 +1,114 @@
+//! The coordinator's short lag history: one sample a second of every
+//! follower's lag (as `GET /v1/shards` shows it), the last 15 minutes at
+//! most, so the dashboard draws a chart the moment it opens. Memory is
+//! bounded: [`MAX_SAMPLES`] per follower of each shard (under 64 KiB),
+//! series of replicas that left a shard's replica set dropped. It also keeps, for followers
+//! whose lag is stale, when the leader accepted the oldest record each
+//! lacks (one entry per such follower), so their lag in seconds is the age
+//! of that record.
+
+use std::collections::{BTreeMap, BTreeSet, VecDeque};
+use std::sync::Mutex;
+use std::time::Duration;
+
+use crate::models::LagSample;
+
+/// How often the coordinator samples lag.
+pub const SAMPLE_INTERVAL: Duration = Duration::from_secs(1);
+/// Samples kept per follower: 15 minutes at one a second.
+pub const MAX_SAMPLES: usize = 900;
+
+#[derive(Default)]
+pub struct LagHistory {
+    series: Mutex<BTreeMap<(u32, u32), VecDeque<LagSample>>>,
+    /// `(shard, seqno)` -> unix µs its leader accepted that record.
+    written_us: Mutex<BTreeMap<(u32, u64), u64>>,
+}
+
+impl LagHistory {
+    /// Adds a sample of follower `node` of `shard`, dropping the oldest past
+    /// [`MAX_SAMPLES`].
+    pub fn record(&self, shard: u32, node: u32, sample: LagSample) {
+        let mut series = self.series.lock().expect("lag history lock");
+        let s = series.entry((shard, node)).or_default();
+        s.push_back(sample);
+        while s.len() > MAX_SAMPLES {
+            s.pop_front();
+        }
+    }
+
+    /// Forgets series other than `keep` (replicas no longer followers).
+    pub fn retain(&self, keep: &BTreeSet<(u32, u32)>) {
+        self.series.lock().expect("lag history lock").retain(|k, _| keep.contains(k));
+    }
+
+    /// The samples of every follower of `shard` newer than `since_unix_ms`,
+    /// oldest first.
+    pub fn of_shard(&self, shard: u32, since_unix_ms: u64) -> Vec<(u32, Vec<LagSample>)> {
+        self.series
+            .lock()
+            .expect("lag history lock")
+            .range((shard, 0)..=(shard, u32::MAX))
+            .map(|(&(_, node), s)| (node, s.iter().filter(|x| x.at_unix_ms >= since_unix_ms).cloned().collect()))
+            .collect()
+    }
+
+    /// When the leader accepted record `seqno` of `shard`, if fetched.
+    pub fn written_us(&self, shard: u32, seqno: u64) -> Option<u64> {
+        self.written_us.lock().expect("lag history lock").get(&(shard, seqno)).copied()
+    }
+
+    /// Replaces the write times kept (only those still needed).
+    pub fn set_written(&self, times: BTreeMap<(u32, u64), u64>) {
+        *self.written_us.lock().expect("lag history lock") = times;
+    }
+
+    /// Samples held, every series (for tests of the bound).
+    pub fn len(&self) -> usize {
+        self.series.lock().expect("lag history lock").values().map(VecDeque::len).sum()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn sample(at: u64) -> LagSample {
+        LagSample { at_unix_ms: at, lag_records: Some(at), lag_bytes: None, lag_seconds: Some(0.0), stale: false }
+    }
+
+    #[test]
+    fn each_series_keeps_at_most_fifteen_minutes() {
+        let h = LagHistory::default();
+        for at in 0..(3 * MAX_SAMPLES as u64) {
+            h.record(1, 2, sample(at));
+            h.record(1, 3, sample(at));
+        }
+        assert_eq!(h.len(), 2 * MAX_SAMPLES);
+        let series = h.of_shard(1, 0);
+        assert_eq!(series.iter().map(|(n, _)| *n).collect::<Vec<_>>(), vec![2, 3]);
+        // The newest are kept, oldest first.
+        assert_eq!(series[0].1.first().unwrap().at_unix_ms, 2 * MAX_SAMPLES as u64);
+        assert_eq!(series[0].1.last().unwrap().at_unix_ms, 3 * MAX_SAMPLES as u64 - 1);
+        assert!(h.of_shard(2, 0).is_empty());
+        assert_eq!(h.of_shard(1, 3 * MAX_SAMPLES as u64 - 10)[0].1.len(), 10);
+    }
+
+    #[test]
+    fn a_follower_costs_at_most_64_kib() {
+        assert!(std::mem::size_of::<LagSample>() * MAX_SAMPLES <= 64 << 10);
+    }
+
+    #[test]
+    fn series_of_replicas_that_left_are_dropped() {
+        let h = LagHistory::default();
+        h.record(1, 2, sample(1));
+        h.record(1, 3, sample(1));
+        h.retain(&BTreeSet::from([(1, 3)]));
+        assert_eq!(h.of_shard(1, 0).iter().map(|(n, _)| *n).collect::<Vec<_>>(), vec![3]);
+    }
+}

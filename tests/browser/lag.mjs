@@ -1,0 +1,72 @@
+// Opens the coordinator's dashboard in headless Chromium.
+// `catchup` mode runs a catch-up drill from the page's button (1 MiB, pausing
+// the given follower, answering the token prompt) and prints its report.
+// `inspect` mode reports what an operator sees on the first render: the lag
+// chart (drawn from the coordinator's history, so not empty on open), its
+// time axis and legend, the per-node panel and the catch-up drills table.
+// Both save a screenshot.
+// Usage: node lag.mjs catchup <dashboard url> <token> <follower> <screenshot.png>
+//        node lag.mjs inspect <dashboard url> <screenshot.png>
+import { chromium } from "playwright-core";
+
+const mode = process.argv[2];
+const [url, token, follower, shot] = mode === "catchup" ? process.argv.slice(3)
+  : [process.argv[3], null, null, process.argv[4]];
+const browser = await chromium.launch({
+  executablePath: process.env.WALSHIP_CHROMIUM || "/usr/bin/chromium",
+  args: ["--no-sandbox", "--disable-gpu", "--disable-background-networking", "--disable-quic",
+         "--no-first-run", "--disable-component-update", "--disable-sync"],
+});
+try {
+  const page = await browser.newPage({ viewport: { width: 1400, height: 1800 } });
+  const errors = [];
+  page.on("pageerror", (e) => errors.push(String(e)));
+  page.on("dialog", (d) => (d.type() === "prompt" ? d.accept(token) : d.accept()));
+  await page.goto(url);
+  if (mode === "catchup") {
+    await page.waitForSelector(`#catchup-follower option[value="${follower}"]`, { state: "attached", timeout: 30000 });
+    await page.fill("#catchup-mib", "1");
+    await page.selectOption("#catchup-follower", follower);
+    await page.click("#catchup-btn");
+    await page.waitForFunction(() => {
+      const t = document.querySelector("#action-output").textContent;
+      return t.includes('"state": "done"') || t.includes('"state": "failed"') || t.includes("refused");
+    }, null, { timeout: 90000 });
+    const output = await page.textContent("#action-output");
+    await page.waitForSelector("#catchups tbody tr[data-drill]", { timeout: 10000 });
+    await page.screenshot({ path: shot, fullPage: true });
+    console.log(JSON.stringify({ errors, report: JSON.parse(output) }));
+    process.exit(0);
+  }
+  // The first refresh has rendered (the summary is written last).
+  await page.waitForFunction(() => document.querySelector("#summary").textContent !== "loading…", null, { timeout: 30000 });
+  const first = await page.evaluate(() => {
+    // Points per node, and of them in stale (dashed) stretches.
+    const points = {}, stale = {};
+    for (const l of document.querySelectorAll("#lag-chart polyline")) {
+      const n = l.getAttribute("points").trim().split(/\s+/).length;
+      points[l.dataset.node] = (points[l.dataset.node] || 0) + n;
+      if (l.classList.contains("stale")) stale[l.dataset.node] = (stale[l.dataset.node] || 0) + n;
+    }
+    return { series: Object.keys(points), points, stale };
+  });
+  const result = await page.evaluate(() => {
+    const texts = (sel) => [...document.querySelectorAll(sel)].map(e => e.textContent);
+    const row = (sel) => Object.fromEntries([...document.querySelectorAll(sel)].map(r =>
+      [r.dataset.node || r.dataset.drill, [...r.cells].map(c => c.textContent)]));
+    return {
+      x_ticks: texts("#lag-chart text.x-tick"),
+      y_ticks: texts("#lag-chart text.y-tick"),
+      legend: texts("#lag-legend .item"),
+      legend_colours: [...document.querySelectorAll("#lag-legend .swatch")].map(s => s.style.background),
+      nodes: row("#nodes tbody tr"),
+      catchups: row("#catchups tbody tr"),
+      shard_rows: row("#shards tbody tr"),
+      summary: document.querySelector("#summary").textContent,
+    };
+  });
+  await page.screenshot({ path: shot, fullPage: true });
+  console.log(JSON.stringify({ errors, first, ...result }));
+} finally {
+  await browser.close();
+}
