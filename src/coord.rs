@@ -4,12 +4,14 @@
 use std::net::SocketAddr;
 use std::path::PathBuf;
 use std::sync::Arc;
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
 use anyhow::{Context, Result, bail};
 use clap::Args;
 use tokio::net::TcpListener;
 use walship_admin_api::coord::{CoordAdmin, coord_router};
+use walship_dataplane::coordinator::{BuildPolicy, DataPlaneService, DataPlaneSettings, Dispatcher};
+use walship_proto::dataplane::data_plane_server::DataPlaneServer;
 use walship_proto::replication::wal_shipping_server::WalShippingServer;
 use walship_shipping::ClusterConfig;
 use walship_shipping::control::service::CoordinatorHeartbeats;
@@ -47,6 +49,18 @@ pub struct CoordArgs {
     /// Bearer token for mutating admin endpoints; generated and printed when absent.
     #[arg(long, env = "WALSHIP_TOKEN")]
     admin_token: Option<String>,
+    /// What to do with a node whose build differs from this coordinator's
+    /// when it connects to the DataPlane: `warn` (take it, show it) or
+    /// `refuse`.
+    #[arg(long, env = "WALSHIP_BUILD_POLICY", value_enum, default_value = "warn")]
+    build_policy: BuildPolicyArg,
+    /// Seconds a running task may go without its counters growing before
+    /// it is cancelled and dispatched again.
+    #[arg(long, default_value_t = 30)]
+    task_stall_s: u64,
+    /// Dispatches of one task before it fails for good (a dead letter).
+    #[arg(long, default_value_t = 3, value_parser = clap::value_parser!(u32).range(1..))]
+    task_attempts: u32,
 }
 
 pub async fn run_coord(args: CoordArgs) -> Result<()> {
@@ -73,6 +87,8 @@ pub async fn run_coord(args: CoordArgs) -> Result<()> {
     };
     let registry = prometheus::Registry::new();
     let gate = crate::node::cluster_gate(&config);
+    let data_plane_gate = crate::node::cluster_gate(&config);
+    let cluster_id = config.cluster_id.clone();
     let transport = PeerTransport::new(&config).context("the cluster's TLS files")?;
     let cluster_tls = config.tls.clone();
     let metrics = CoordinatorMetrics::new(&registry)?;
@@ -100,7 +116,38 @@ pub async fn run_coord(args: CoordArgs) -> Result<()> {
         gate,
     );
     let grpc_shutdown = shutdown.clone();
-    let router = tonic::transport::Server::builder().add_service(health_service).add_service(heartbeats);
+    let active_check = {
+        let coordinator = coordinator.clone();
+        Arc::new(move || if coordinator.is_active() { Ok(()) } else { Err(None) })
+    };
+    let dataplane = Dispatcher::start(
+        DataPlaneSettings {
+            cluster_id: cluster_id.clone(),
+            build_sha: crate::BUILD.to_string(),
+            build_policy: match args.build_policy {
+                BuildPolicyArg::Warn => BuildPolicy::Warn,
+                BuildPolicyArg::Refuse => BuildPolicy::Refuse,
+            },
+            stall: Duration::from_secs(args.task_stall_s.max(1)),
+            max_attempts: args.task_attempts,
+        },
+        active_check,
+        shutdown.clone(),
+    );
+    let data_plane = tonic::service::interceptor::InterceptedService::new(
+        DataPlaneServer::new(DataPlaneService(dataplane.clone()))
+            .max_decoding_message_size(walship_dataplane::MAX_MESSAGE_BYTES)
+            .max_encoding_message_size(walship_dataplane::MAX_MESSAGE_BYTES),
+        data_plane_gate,
+    );
+    let router = tonic::transport::Server::builder()
+        // A worker that vanished without closing its stream is noticed
+        // within ten seconds, so its tasks are dispatched again.
+        .http2_keepalive_interval(Some(Duration::from_secs(5)))
+        .http2_keepalive_timeout(Some(Duration::from_secs(5)))
+        .add_service(health_service)
+        .add_service(heartbeats)
+        .add_service(data_plane);
     let tls = cluster_tls.clone();
     let grpc =
         tokio::spawn(async move { crate::tls::serve_grpc(router, grpc_listener, tls.as_ref(), grpc_shutdown).await });
@@ -110,6 +157,7 @@ pub async fn run_coord(args: CoordArgs) -> Result<()> {
         token: token.clone(),
         started: Instant::now(),
         lag_history: Default::default(),
+        dataplane,
     });
     let admin_shutdown = shutdown.clone();
     let http = tokio::spawn(async move {
@@ -126,4 +174,11 @@ pub async fn run_coord(args: CoordArgs) -> Result<()> {
     grpc.await??;
     http.await??;
     Ok(())
+}
+
+/// `--build-policy`.
+#[derive(clap::ValueEnum, Debug, Clone, Copy)]
+enum BuildPolicyArg {
+    Warn,
+    Refuse,
 }

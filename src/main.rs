@@ -21,6 +21,13 @@ use std::io::IsTerminal;
 use anyhow::Result;
 use clap::{Parser, Subcommand};
 
+/// The build a process runs: its version and, when built from git with
+/// `WALSHIP_BUILD_SHA` set, the commit (DataPlane workers are compared on it).
+pub const BUILD: &str = match option_env!("WALSHIP_BUILD_SHA") {
+    Some(sha) => sha,
+    None => env!("CARGO_PKG_VERSION"),
+};
+
 #[derive(Parser)]
 #[command(name = "walship", version, about = "A sharded, replicated write-ahead-log service", after_help = LOGGING_HELP)]
 struct Cli {

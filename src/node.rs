@@ -12,6 +12,8 @@ use tokio::net::TcpListener;
 use tokio_util::sync::CancellationToken;
 use tonic::service::interceptor::InterceptedService;
 use walship_admin_api::NodeAdmin;
+use walship_dataplane::worker::{Dial, Worker, WorkerSettings};
+use walship_proto::dataplane::data_plane_client::DataPlaneClient;
 use walship_proto::log::control_server::ControlServer;
 use walship_proto::log::log_server::LogServer;
 use walship_proto::replication::wal_shipping_server::WalShippingServer;
@@ -230,6 +232,9 @@ pub async fn start_node(config: NodeConfig, cluster: Option<ClusterConfig>, dril
 
     let gate = cluster_gate(&cluster);
     let transport = PeerTransport::new(&cluster).context("the cluster's TLS files")?;
+    let worker_transport = transport.clone();
+    let cluster_coordinated = cluster.coordinated();
+    let coordinator_addrs: Vec<String> = cluster.coordinators.iter().map(|c| c.grpc_addr.to_string()).collect();
     let cluster_tls = cluster.tls.clone();
     let registry = prometheus::Registry::new();
     let wal_dir = config.data_dir.join("wal");
@@ -330,6 +335,27 @@ pub async fn start_node(config: NodeConfig, cluster: Option<ClusterConfig>, dril
         .add_service(control);
     let grpc =
         tokio::spawn(async move { crate::tls::serve_grpc(router, grpc_listener, tls.as_ref(), grpc_shutdown).await });
+    if cluster_coordinated {
+        // The DataPlane worker: one stream to the active coordinator.
+        let settings = WorkerSettings {
+            worker_id: format!("node-{}", config.node_id),
+            build_sha: crate::BUILD.to_string(),
+            num_cpus: std::thread::available_parallelism().map_or(1, |n| n.get() as i32),
+            memory_bytes: TASK_MEMORY_BYTES,
+            coordinators: coordinator_addrs.clone(),
+        };
+        let dial_transport = worker_transport.clone();
+        let dial: Dial<_> = Arc::new(move |addr: &str| {
+            let address = addr.parse().ok()?;
+            Some(
+                DataPlaneClient::new(dial_transport.channel(&address))
+                    .max_decoding_message_size(walship_dataplane::MAX_MESSAGE_BYTES)
+                    .max_encoding_message_size(walship_dataplane::MAX_MESSAGE_BYTES),
+            )
+        });
+        let runners = walship_dataplane::kinds::runners(wal.clone());
+        tokio::spawn(Worker::new(settings, dial, runners).run(shutdown.clone()));
+    }
     let admin = Arc::new(NodeAdmin { node, registry, started: Instant::now() });
     let admin_shutdown = shutdown.clone();
     let http = tokio::spawn(async move {
@@ -339,6 +365,10 @@ pub async fn start_node(config: NodeConfig, cluster: Option<ClusterConfig>, dril
     tracing::info!(node_id = config.node_id, %grpc_addr, %admin_addr, "serving");
     Ok(RunningNode { grpc_addr, admin_addr, shutdown, servers: vec![grpc, http], wal })
 }
+
+/// The memory a node's DataPlane tasks may use, announced to the
+/// coordinator (`Hello.gomemlimit`), which bounds how many it sends at once.
+pub const TASK_MEMORY_BYTES: i64 = 1 << 30;
 
 /// The interceptor that admits cluster RPCs: with the cluster's secret
 /// when it has one, everyone when it runs with `insecure_no_auth`.

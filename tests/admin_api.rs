@@ -59,7 +59,7 @@ async fn readiness_and_error_shapes() {
     // Task list: bounded, and a bad query is a JSON 400.
     let (code, tasks) = cluster.coord_get(1, "/v1/tasks?limit=5").await;
     assert_eq!(code, 200);
-    assert!(tasks.as_array().unwrap().len() <= 5);
+    assert!(tasks["tasks"].as_array().unwrap().len() <= 5, "{tasks}");
     let (code, body) = cluster.coord_get(1, "/v1/tasks?limit=many").await;
     assert_eq!((code, body["error"]["code"].as_str()), (400, Some("bad_query")));
     let (code, _) = cluster.coord_get(1, "/v1/tasks/none").await;

@@ -32,6 +32,8 @@ pub struct CoordAdmin {
     pub coordinator: Arc<Coordinator>,
     pub registry: Registry,
     pub token: String,
+    /// The DataPlane: connected workers and their tasks.
+    pub dataplane: Arc<walship_dataplane::coordinator::Dispatcher>,
     pub started: Instant,
     /// Recent lag samples (`/v1/shards/{id}/lag-history`), filled once a
     /// second by a task [`coord_router`] starts.
@@ -59,8 +61,11 @@ pub fn coord_router(admin: Arc<CoordAdmin>) -> Router {
         .route("/v1/drills/catchup", post(catchup_drill))
         .route("/v1/drills/corruption", post(corruption_drill))
         .route("/v1/drills/partition", post(partition_drill))
-        .route("/v1/tasks", get(tasks))
-        .route("/v1/tasks/{id}", get(task))
+        .route("/v1/tasks", get(crate::tasks::list).post(crate::tasks::start))
+        .route("/v1/tasks/{id}", get(crate::tasks::show))
+        .route("/v1/tasks/{id}/cancel", post(crate::tasks::cancel))
+        .route("/v1/dead-letters", get(crate::tasks::dead_letters))
+        .route("/v1/dead-letters/{id}/redrive", post(crate::tasks::redrive))
         .fallback(|| async { ApiError::new(StatusCode::NOT_FOUND, "not_found", "no such endpoint") })
         .method_not_allowed_fallback(crate::method_not_allowed)
         .layer(axum::extract::DefaultBodyLimit::max(crate::MAX_BODY_BYTES))
@@ -425,6 +430,18 @@ async fn cluster(State(admin): State<Arc<CoordAdmin>>) -> Response {
         shards: state.shards.len(),
         shards_without_leader: state.shards.values().filter(|r| r.leader.is_none()).count(),
         recent_failovers: state.failovers.iter().rev().take(20).cloned().collect(),
+        workers: admin.dataplane.workers(),
+        dataplane: {
+            let c = &admin.dataplane.counters;
+            let n = |a: &std::sync::atomic::AtomicU64| a.load(std::sync::atomic::Ordering::Relaxed);
+            crate::models::DataPlaneView {
+                dispatched: n(&c.dispatched),
+                redispatched: n(&c.redispatched),
+                dropped_results: n(&c.dropped_results),
+                duplicate_completions: n(&c.duplicate_completions),
+                refused_streams: n(&c.refused_streams),
+            }
+        },
     };
     Json(view).into_response()
 }
@@ -535,7 +552,7 @@ async fn failover(
     }
 }
 
-/// Drills (and, until the DataPlane exists, the tasks) the coordinator ran,
+/// Drills the coordinator ran,
 /// oldest first, the newest `limit` (default 100, at most 1000).
 #[utoipa::path(get, path = "/v1/drills", tag = "drills",
     params(("limit" = Option<u32>, Query, minimum = 1, maximum = 1000, description = "newest N (default 100)")),
@@ -678,22 +695,6 @@ async fn healthz() -> &'static str {
 #[utoipa::path(get, path = "/openapi.json", tag = "health", responses((status = 200, description = "this document")))]
 async fn openapi() -> Response {
     Json(crate::openapi::coordinator()).into_response()
-}
-
-/// Tasks the coordinator runs. Until the DataPlane carries tasks, these are
-/// its drills.
-#[utoipa::path(get, path = "/v1/tasks", tag = "tasks",
-    params(("limit" = Option<u32>, Query, minimum = 1, maximum = 1000, description = "newest N (default 100)")),
-    responses((status = 200, body = Vec<DrillReport>), (status = 400, description = "bad query", body = crate::models::ErrorBody)))]
-async fn tasks(state: State<Arc<CoordAdmin>>, page: Result<Query<Page>, QueryRejection>) -> Response {
-    drills(state, page).await
-}
-
-#[utoipa::path(get, path = "/v1/tasks/{id}", tag = "tasks",
-    params(("id" = String, Path, description = "task id")),
-    responses((status = 200, body = DrillReport), (status = 404, description = "unknown task", body = crate::models::ErrorBody)))]
-async fn task(state: State<Arc<CoordAdmin>>, id: Path<String>) -> Response {
-    drill(state, id).await
 }
 
 /// The answer to a drill request.

@@ -12,6 +12,7 @@ pub mod coord;
 pub mod history;
 pub mod models;
 pub mod openapi;
+pub mod tasks;
 
 use std::sync::Arc;
 use std::time::Instant;

@@ -99,6 +99,23 @@ pub struct ClusterView {
     pub shards: usize,
     pub shards_without_leader: usize,
     pub recent_failovers: Vec<FailoverRecord>,
+    /// Nodes connected to this coordinator's DataPlane as workers.
+    pub workers: Vec<walship_dataplane::coordinator::WorkerView>,
+    pub dataplane: DataPlaneView,
+}
+
+/// What the DataPlane has done since this coordinator started.
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq, utoipa::ToSchema)]
+pub struct DataPlaneView {
+    pub dispatched: u64,
+    /// Tasks requeued after their worker went away or they stalled.
+    pub redispatched: u64,
+    /// Result batches for an unknown job or task, dropped.
+    pub dropped_results: u64,
+    /// Results of tasks already finished or moved elsewhere, dropped.
+    pub duplicate_completions: u64,
+    /// Connect streams refused (standby, no Hello, a duplicate worker id, bad build).
+    pub refused_streams: u64,
 }
 
 #[derive(Debug, Clone, Serialize, Deserialize, PartialEq, utoipa::ToSchema)]

@@ -25,14 +25,15 @@ impl Modify for Bearer {
 
 #[derive(OpenApi)]
 #[openapi(
-    info(title = "walship coordinator admin API", description = "Cluster, shards, failover and drills. Mutating endpoints need a bearer token."),
+    info(title = "walship coordinator admin API", description = "Cluster, shards, failover, drills and DataPlane tasks. Mutating endpoints need a bearer token."),
     paths(
         crate::coord::healthz, crate::coord::readyz, crate::coord::metrics, crate::coord::openapi,
         crate::coord::cluster, crate::coord::shards, crate::coord::shard, crate::coord::failover,
         crate::coord::lag_history,
         crate::coord::drills, crate::coord::drill, crate::coord::failover_drill, crate::coord::catchup_drill,
         crate::coord::corruption_drill, crate::coord::partition_drill,
-        crate::coord::tasks, crate::coord::task,
+        crate::tasks::list, crate::tasks::show, crate::tasks::start, crate::tasks::cancel,
+        crate::tasks::dead_letters, crate::tasks::redrive,
     ),
     components(schemas(
         ClusterView, CoordinatorView, NodeView, ShardView, ReplicaView, ErrorBody, ErrorDetail, DrillStarted,
@@ -46,6 +47,9 @@ impl Modify for Bearer {
         walship_shipping::control::drills::CorruptionDrillRequest, walship_shipping::control::drills::CorruptionDrillResult,
         walship_shipping::control::drills::PartitionDrillRequest, walship_shipping::control::drills::PartitionDrillResult,
         walship_shipping::control::drills::PartitionTrial, walship_shipping::control::drills::TimeSummary,
+        crate::tasks::TaskView, crate::tasks::TaskPage, crate::tasks::NewTask, crate::tasks::NewTaskKind, crate::tasks::TaskStarted,
+        walship_dataplane::task::TaskState,
+        walship_dataplane::coordinator::WorkerView, crate::models::DataPlaneView,
     )),
     modifiers(&Bearer),
 )]

@@ -1,10 +1,23 @@
-//! The `DataPlane` bidi stream between the coordinator and the nodes.
+//! The `DataPlane` bidi stream between the coordinator and the nodes:
+//! operational work on shards as tasks.
 //!
-//! Not built yet: a later issue adds both sides here. The coordinator side
-//! will dispatch tasks (catch-up, replica checksum verification over a seqno
-//! range, export, archive, replica rebuild), track their progress and
-//! liveness, redispatch after a disconnect and drop duplicate completions,
-//! and park permanently failed tasks in a dead-letter queue. The node side
-//! will hold one `Connect` stream, de-dupe on `task_id` and report
-//! `TaskProgress` and `ResultBatch`es. The wire contract already lives in
-//! `walship-proto` (`dataplane.v1.DataPlane`).
+//! * [`task`]: a task's record and state transitions (pure).
+//! * [`coordinator`]: the coordinator side: `DataPlane/Connect`, worker
+//!   admission, capacity-aware dispatch, result routing, redispatch after
+//!   a disconnect, stall and deadline enforcement, cancellation, dead
+//!   letters.
+//! * [`worker`]: the node side: one stream to the active coordinator,
+//!   reconnecting with backoff, de-duping dispatches, running tasks by kind
+//!   and reporting their progress and results.
+//! * [`kinds`]: the task kinds; adding one is one file there.
+//!
+//! The wire contract is `walship-proto`'s `dataplane.v1.DataPlane`.
+
+pub mod coordinator;
+pub mod kinds;
+pub mod task;
+pub mod worker;
+
+/// Largest DataPlane message either side takes (a result batch is at most
+/// this); a bigger one ends the stream with `RESOURCE_EXHAUSTED`.
+pub const MAX_MESSAGE_BYTES: usize = 16 << 20;

@@ -1,0 +1,309 @@
+//! The coordinator's task endpoints: DataPlane tasks listed, shown,
+//! started, cancelled; dead letters listed and re-driven.
+//!
+//! `GET /v1/tasks?state=&kind=&shard=&node=&limit=&offset=` lists tasks
+//! newest first; `GET /v1/tasks/{id}` shows one (state, node, attempts,
+//! progress and throughput, result rows and bytes, summary, error);
+//! `POST /v1/tasks` starts a job (`{"kind": "noop", ...}`);
+//! `POST /v1/tasks/{id}/cancel` stops one; `GET /v1/dead-letters` lists the
+//! tasks that failed on every attempt, `POST /v1/dead-letters/{id}/redrive`
+//! queues one again. Mutations need the bearer token.
+
+use std::sync::Arc;
+
+use axum::Json;
+use axum::extract::rejection::QueryRejection;
+use axum::extract::{Path, Query, State};
+use axum::http::{HeaderMap, StatusCode};
+use axum::response::{IntoResponse, Response};
+use serde::{Deserialize, Serialize};
+use walship_dataplane::task::{Progress, Task, TaskSpec, TaskState};
+
+use crate::body::ObjectJson;
+use crate::coord::{CoordAdmin, authorize};
+use crate::models::ApiError;
+
+/// A task as the API shows it.
+#[derive(Debug, Serialize, Deserialize, utoipa::ToSchema)]
+pub struct TaskView {
+    pub task_id: String,
+    /// The job it belongs to.
+    pub query_id: String,
+    pub kind: String,
+    /// queued, running, succeeded, failed, cancelled.
+    pub state: String,
+    pub shard: Option<u32>,
+    /// The worker it must run on, if any.
+    pub target: Option<String>,
+    /// The worker it runs on now, or last ran on.
+    pub node: Option<String>,
+    pub attempts: u32,
+    pub rows: i64,
+    pub bytes: i64,
+    pub rows_per_s: f64,
+    pub bytes_per_s: f64,
+    pub result_rows: u64,
+    pub result_bytes: u64,
+    pub created_unix_ms: u64,
+    pub finished_unix_ms: Option<u64>,
+    pub error: Option<String>,
+    pub dead_letter: bool,
+    #[schema(value_type = Option<Object>)]
+    pub summary: Option<serde_json::Value>,
+}
+
+impl From<Task> for TaskView {
+    fn from(t: Task) -> TaskView {
+        let Progress { rows, bytes, rows_per_s, bytes_per_s, .. } = t.progress;
+        TaskView {
+            task_id: t.spec.task_id,
+            query_id: t.spec.query_id,
+            kind: t.spec.kind,
+            state: t.state.name().to_string(),
+            shard: t.spec.shard,
+            target: t.spec.target,
+            node: t.assigned.map(|(w, _)| w).or(t.last_worker),
+            attempts: t.attempts,
+            rows,
+            bytes,
+            rows_per_s,
+            bytes_per_s,
+            result_rows: t.result_rows,
+            result_bytes: t.result_bytes,
+            created_unix_ms: t.created_unix_ms,
+            finished_unix_ms: t.finished_unix_ms,
+            error: t.error,
+            dead_letter: t.dead_letter,
+            summary: t.summary,
+        }
+    }
+}
+
+/// Filters and paging of `GET /v1/tasks`.
+#[derive(Debug, Deserialize, utoipa::IntoParams)]
+#[into_params(parameter_in = Query)]
+#[serde(deny_unknown_fields)]
+pub struct TaskQuery {
+    /// queued, running, succeeded, failed or cancelled.
+    state: Option<TaskState>,
+    kind: Option<String>,
+    #[param(value_type = Option<i64>, minimum = 0, maximum = 4294967295.0)]
+    shard: Option<u32>,
+    /// A worker id, e.g. node-2.
+    node: Option<String>,
+    /// At most this many (default 100, at most 1000).
+    #[param(minimum = 1, maximum = 1000)]
+    limit: Option<u32>,
+    /// Skip this many of the newest first.
+    #[param(minimum = 0, maximum = 1000000)]
+    offset: Option<u32>,
+}
+
+/// A page of tasks, newest first.
+#[derive(Debug, Serialize, Deserialize, utoipa::ToSchema)]
+pub struct TaskPage {
+    pub tasks: Vec<TaskView>,
+    /// Tasks matching the filters in all.
+    pub total: usize,
+}
+
+fn bad(what: String) -> Response {
+    ApiError::new(StatusCode::BAD_REQUEST, "bad_query", what).into_response()
+}
+
+#[utoipa::path(get, path = "/v1/tasks", tag = "tasks", params(TaskQuery),
+    responses((status = 200, body = TaskPage), (status = 400, description = "bad query", body = crate::models::ErrorBody)))]
+pub async fn list(State(admin): State<Arc<CoordAdmin>>, query: Result<Query<TaskQuery>, QueryRejection>) -> Response {
+    let Query(q) = match query {
+        Ok(q) => q,
+        Err(rejection) => return bad(rejection.body_text()),
+    };
+    let state = q.state;
+    let limit = q.limit.unwrap_or(100);
+    if !(1..=1000).contains(&limit) {
+        return bad(format!("limit {limit} is outside 1..=1000"));
+    }
+    let offset = q.offset.unwrap_or(0);
+    if offset > 1_000_000 {
+        return bad(format!("offset {offset} is over 1000000"));
+    }
+    let matching: Vec<Task> = admin
+        .dataplane
+        .tasks()
+        .into_iter()
+        .rev()
+        .filter(|t| state.is_none_or(|s| t.state == s))
+        .filter(|t| q.kind.as_ref().is_none_or(|k| &t.spec.kind == k))
+        .filter(|t| q.shard.is_none_or(|s| t.spec.shard == Some(s)))
+        .filter(|t| {
+            q.node
+                .as_ref()
+                .is_none_or(|n| t.assigned.as_ref().is_some_and(|(w, _)| w == n) || t.spec.target.as_ref() == Some(n))
+        })
+        .collect();
+    let total = matching.len();
+    let tasks = matching.into_iter().skip(offset as usize).take(limit as usize).map(TaskView::from).collect();
+    Json(TaskPage { tasks, total }).into_response()
+}
+
+#[utoipa::path(get, path = "/v1/tasks/{id}", tag = "tasks", params(("id" = String, Path, description = "task id")),
+    responses((status = 200, body = TaskView), (status = 404, description = "unknown task", body = crate::models::ErrorBody)))]
+pub async fn show(State(admin): State<Arc<CoordAdmin>>, Path(id): Path<String>) -> Response {
+    match admin.dataplane.task(&id) {
+        Some(task) => Json(TaskView::from(task)).into_response(),
+        None => ApiError::new(StatusCode::NOT_FOUND, "not_found", format!("no task {id}")).into_response(),
+    }
+}
+
+/// The kinds of task `POST /v1/tasks` starts.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize, Serialize, utoipa::ToSchema)]
+#[serde(rename_all = "snake_case")]
+pub enum NewTaskKind {
+    /// Waits `sleep_ms`, then succeeds (or fails with `fail`): for tests and
+    /// the dispatch benchmark.
+    Noop,
+}
+
+/// A job to start.
+#[derive(Debug, Deserialize, utoipa::ToSchema)]
+#[serde(deny_unknown_fields)]
+pub struct NewTask {
+    pub kind: NewTaskKind,
+    /// The worker to run on (`node-N`, 404 when the cluster has no such
+    /// node); any worker when absent.
+    #[serde(default)]
+    #[schema(pattern = "^node-[0-9]+$")]
+    pub node: Option<String>,
+    /// noop: milliseconds to wait (at most an hour).
+    #[serde(default, deserialize_with = "walship_shipping::control::lenient::opt_int")]
+    #[schema(minimum = 0, maximum = 3600000)]
+    pub sleep_ms: Option<u64>,
+    /// noop: whether its counters grow while it waits (default true).
+    #[serde(default)]
+    pub advance: Option<bool>,
+    /// noop: fail with this error.
+    #[serde(default)]
+    pub fail: Option<String>,
+    /// Milliseconds from now after which the task is failed (0 or absent:
+    /// no deadline).
+    #[serde(default, deserialize_with = "walship_shipping::control::lenient::opt_int")]
+    #[schema(minimum = 0, maximum = 86400000)]
+    pub deadline_ms: Option<u64>,
+}
+
+/// A started job.
+#[derive(Debug, Serialize, Deserialize, utoipa::ToSchema)]
+pub struct TaskStarted {
+    pub query_id: String,
+    pub task_ids: Vec<String>,
+}
+
+#[utoipa::path(post, path = "/v1/tasks", tag = "tasks", request_body = NewTask, security(("bearer" = [])),
+    responses((status = 202, body = TaskStarted), (status = 400, body = crate::models::ErrorBody),
+        (status = 401, body = crate::models::ErrorBody), (status = 403, body = crate::models::ErrorBody),
+        (status = 404, description = "no such node", body = crate::models::ErrorBody),
+        (status = 415, body = crate::models::ErrorBody), (status = 503, description = "not the active coordinator", body = crate::models::ErrorBody)))]
+pub async fn start(
+    State(admin): State<Arc<CoordAdmin>>,
+    headers: HeaderMap,
+    body: Result<ObjectJson<NewTask>, ApiError>,
+) -> Response {
+    if let Err(e) = authorize(&headers, &admin.token) {
+        return e.into_response();
+    }
+    let ObjectJson(new) = match body {
+        Ok(b) => b,
+        Err(e) => return e.into_response(),
+    };
+    if !admin.coordinator.is_active() {
+        return ApiError::new(StatusCode::SERVICE_UNAVAILABLE, "not_active", "this coordinator is a standby")
+            .into_response();
+    }
+    if let Some(node) = &new.node
+        && !admin.coordinator.config.nodes.iter().any(|n| format!("node-{}", n.id) == *node)
+    {
+        return ApiError::new(StatusCode::NOT_FOUND, "not_found", format!("{node} is not a node of this cluster"))
+            .into_response();
+    }
+    let NewTaskKind::Noop = new.kind;
+    if new.sleep_ms.is_some_and(|ms| ms > 3_600_000) || new.deadline_ms.is_some_and(|ms| ms > 86_400_000) {
+        return ApiError::new(
+            StatusCode::BAD_REQUEST,
+            "bad_request",
+            "sleep_ms is at most 3600000 (an hour) and deadline_ms at most 86400000 (a day)",
+        )
+        .into_response();
+    }
+    let blob = serde_json::json!({
+        "sleep_ms": new.sleep_ms.unwrap_or(0),
+        "advance": new.advance.unwrap_or(true),
+        "fail": new.fail,
+    });
+    let deadline = match new.deadline_ms {
+        Some(ms) if ms > 0 => walship_dataplane::task::unix_nanos() + (ms as i64).saturating_mul(1_000_000),
+        _ => 0,
+    };
+    let dispatcher = &admin.dataplane;
+    let query_id = dispatcher.new_id("q");
+    let task_id = dispatcher.new_id("t");
+    let spec = TaskSpec {
+        task_id: task_id.clone(),
+        query_id: query_id.clone(),
+        kind: walship_dataplane::kinds::noop::KIND.to_string(),
+        target: new.node,
+        shard: None,
+        blob: blob.to_string().into_bytes(),
+        deadline_unix_nano: deadline,
+    };
+    let mut events = dispatcher.submit(&query_id, vec![spec]);
+    // Nothing to collect from a noop: drain its events until it ends.
+    let (d, q) = (dispatcher.clone(), query_id.clone());
+    tokio::spawn(async move {
+        while let Some(event) = events.recv().await {
+            if matches!(event, walship_dataplane::coordinator::JobEvent::Finished { .. }) {
+                break;
+            }
+        }
+        d.close_job(&q);
+    });
+    (StatusCode::ACCEPTED, Json(TaskStarted { query_id, task_ids: vec![task_id] })).into_response()
+}
+
+#[utoipa::path(post, path = "/v1/tasks/{id}/cancel", tag = "tasks", params(("id" = String, Path, description = "task id")),
+    security(("bearer" = [])),
+    responses((status = 200, body = TaskView), (status = 401, body = crate::models::ErrorBody), (status = 403, body = crate::models::ErrorBody),
+        (status = 404, description = "unknown task", body = crate::models::ErrorBody)))]
+pub async fn cancel(State(admin): State<Arc<CoordAdmin>>, headers: HeaderMap, Path(id): Path<String>) -> Response {
+    if let Err(e) = authorize(&headers, &admin.token) {
+        return e.into_response();
+    }
+    match admin.dataplane.cancel(&id, "cancelled by an operator").await {
+        None => ApiError::new(StatusCode::NOT_FOUND, "not_found", format!("no task {id}")).into_response(),
+        Some(_) => Json(TaskView::from(admin.dataplane.task(&id).expect("just cancelled"))).into_response(),
+    }
+}
+
+#[utoipa::path(get, path = "/v1/dead-letters", tag = "tasks",
+    responses((status = 200, body = Vec<TaskView>)))]
+pub async fn dead_letters(State(admin): State<Arc<CoordAdmin>>) -> Response {
+    let dead: Vec<TaskView> =
+        admin.dataplane.tasks().into_iter().filter(|t| t.dead_letter).map(TaskView::from).collect();
+    Json(dead).into_response()
+}
+
+#[utoipa::path(post, path = "/v1/dead-letters/{id}/redrive", tag = "tasks", params(("id" = String, Path, description = "task id")),
+    security(("bearer" = [])),
+    responses((status = 200, body = TaskView), (status = 401, body = crate::models::ErrorBody), (status = 403, body = crate::models::ErrorBody),
+        (status = 404, description = "unknown task", body = crate::models::ErrorBody), (status = 409, description = "not a dead letter", body = crate::models::ErrorBody)))]
+pub async fn redrive(State(admin): State<Arc<CoordAdmin>>, headers: HeaderMap, Path(id): Path<String>) -> Response {
+    if let Err(e) = authorize(&headers, &admin.token) {
+        return e.into_response();
+    }
+    if admin.dataplane.task(&id).is_none() {
+        return ApiError::new(StatusCode::NOT_FOUND, "not_found", format!("no task {id}")).into_response();
+    }
+    match admin.dataplane.redrive(&id) {
+        Ok(()) => Json(TaskView::from(admin.dataplane.task(&id).expect("known"))).into_response(),
+        Err(why) => ApiError::new(StatusCode::CONFLICT, "not_dead_letter", why).into_response(),
+    }
+}

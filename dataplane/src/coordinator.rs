@@ -1,0 +1,713 @@
+//! The coordinator side of `DataPlane/Connect`: workers, dispatch, results.
+//!
+//! * **Connection.** Only the active coordinator takes workers (a standby
+//!   answers `FAILED_PRECONDITION` naming the active one in
+//!   `walship-active-coordinator`). The first message must be `Hello`
+//!   (within [`HELLO_TIMEOUT`]), else `INVALID_ARGUMENT` and the stream
+//!   closes; a second `Hello` on a stream closes it the same way. A build
+//!   that differs from the coordinator's is refused or warned about
+//!   ([`BuildPolicy`]). A worker id that is already connected is refused
+//!   with `ALREADY_EXISTS`: two live workers claiming one id are a
+//!   misconfiguration, and a restarted node's stale stream ends within
+//!   HTTP/2 keepalive (the coordinator's gRPC server pings every 5 s), after
+//!   which the node's reconnect succeeds.
+//! * **Dispatch.** Tasks queue in creation order. A task with a target
+//!   (verify and export run where the replica is) waits for that worker;
+//!   any other goes to the connected worker with the most free capacity.
+//!   A worker's capacity is bound by its `num_cpus` and memory
+//!   ([`capacity`]); it never has more tasks in flight, and sends to it go
+//!   through a bounded channel feeding HTTP/2 (flow control holds the
+//!   dispatcher back; nothing buffers without bound).
+//! * **Results.** `ResultBatch`es are routed by `query_id` to the job
+//!   waiting for them; unknown jobs, finished tasks and a worker the task
+//!   is no longer assigned to are dropped and counted (duplicate
+//!   completions after a redispatch), and the stream stays up. A terminal
+//!   batch ends its task; one with `err` fails it and its job discards the
+//!   partial output.
+//! * **Liveness.** A worker that goes away has its running tasks requeued
+//!   (redispatched elsewhere or to it when it returns); a task whose
+//!   counters stop growing for the stall time is cancelled and requeued;
+//!   one past its deadline is cancelled and failed. After
+//!   [`DataPlaneSettings::max_attempts`] a task fails for good and is kept
+//!   as a dead letter until re-driven.
+
+use std::collections::{BTreeMap, HashMap};
+use std::pin::Pin;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::Duration;
+
+use futures::Stream;
+use parking_lot::Mutex;
+use tokio::sync::{Notify, mpsc};
+use tokio_stream::StreamExt;
+use tokio_stream::wrappers::ReceiverStream;
+use tonic::{Request, Response, Status, Streaming};
+use walship_proto::dataplane::coord_envelope::Msg as Down;
+use walship_proto::dataplane::data_plane_server::DataPlane;
+use walship_proto::dataplane::worker_envelope::Msg as Up;
+use walship_proto::dataplane::{
+    CoordEnvelope, Hello, ResultBatch, TaskCancel, TaskDispatch, TaskProgress, Welcome, WorkerEnvelope,
+};
+
+use crate::task::{Task, TaskSpec, TaskState, unix_ms, unix_nanos};
+
+/// How long a new stream may take to say `Hello`.
+pub const HELLO_TIMEOUT: Duration = Duration::from_secs(10);
+
+/// Messages queued towards one worker before sends wait (HTTP/2 flow
+/// control then holds them back).
+const OUTBOX: usize = 64;
+
+/// The metadata key a standby's refusal names the active coordinator in.
+pub const ACTIVE_METADATA_KEY: &str = "walship-active-coordinator";
+
+/// Longest worker id taken.
+const MAX_WORKER_ID: usize = 128;
+
+/// Tasks kept after they finished (the newest), for the admin API.
+const KEEP_FINISHED: usize = 10_000;
+
+/// What to do with a worker whose build differs from the coordinator's.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum BuildPolicy {
+    /// Take it, and show the mismatch (admin API, a WARN line).
+    Warn,
+    /// Refuse it (`FAILED_PRECONDITION`).
+    Refuse,
+}
+
+/// Tuning of the coordinator side.
+#[derive(Debug, Clone)]
+pub struct DataPlaneSettings {
+    pub cluster_id: String,
+    pub build_sha: String,
+    pub build_policy: BuildPolicy,
+    /// A running task whose counters do not grow for this long is stalled.
+    pub stall: Duration,
+    /// Dispatches of one task before it fails for good.
+    pub max_attempts: u32,
+}
+
+/// Whether this coordinator is the active one; `Err` names the active one
+/// (its gRPC address), if known.
+pub type ActiveCheck = Arc<dyn Fn() -> Result<(), Option<String>> + Send + Sync>;
+
+/// How many tasks a worker runs at once: two per CPU, and one per 64 MiB
+/// of its task memory, whichever is less (at least one).
+pub fn capacity(num_cpus: i32, memory_bytes: i64) -> usize {
+    let by_cpu = (num_cpus.max(1) as usize) * 2;
+    let by_memory = if memory_bytes > 0 { (memory_bytes as u64 / (64 << 20)) as usize } else { usize::MAX };
+    by_cpu.min(by_memory).max(1)
+}
+
+/// A connected worker.
+struct Worker {
+    conn: u64,
+    hello: Hello,
+    capacity: usize,
+    in_flight: usize,
+    outbox: mpsc::Sender<Result<CoordEnvelope, Status>>,
+    connected_unix_ms: u64,
+    build_matches: bool,
+}
+
+/// A job waiting for its tasks' results.
+struct Job {
+    results: mpsc::UnboundedSender<JobEvent>,
+}
+
+/// What a job hears about its tasks.
+#[derive(Debug)]
+pub enum JobEvent {
+    /// A batch of task `task_id`'s output (from `worker`).
+    Batch { task_id: String, worker: String, batch: ResultBatch },
+    /// Task `task_id` ended in `state` (with its error).
+    Finished { task_id: String, state: TaskState, error: Option<String> },
+}
+
+/// A connected worker as the admin API shows it.
+#[derive(Debug, Clone, PartialEq, serde::Serialize, serde::Deserialize, utoipa::ToSchema)]
+pub struct WorkerView {
+    pub worker_id: String,
+    pub build_sha: String,
+    /// Whether its build is the coordinator's.
+    pub build_matches: bool,
+    pub num_cpus: i32,
+    pub memory_bytes: i64,
+    pub capacity: usize,
+    pub in_flight: usize,
+    pub connected_unix_ms: u64,
+}
+
+#[derive(Default)]
+struct State {
+    workers: BTreeMap<String, Worker>,
+    tasks: BTreeMap<String, Task>,
+    /// Task ids in creation order (queue order and listing order).
+    order: Vec<String>,
+    jobs: HashMap<String, Job>,
+}
+
+/// Counters the admin API and metrics show.
+#[derive(Default, Debug)]
+pub struct Counters {
+    pub dispatched: AtomicU64,
+    pub redispatched: AtomicU64,
+    pub dropped_results: AtomicU64,
+    pub duplicate_completions: AtomicU64,
+    pub refused_streams: AtomicU64,
+}
+
+/// The coordinator's DataPlane: the gRPC service and the dispatcher.
+pub struct Dispatcher {
+    settings: DataPlaneSettings,
+    active: ActiveCheck,
+    state: Mutex<State>,
+    wake: Notify,
+    next_conn: AtomicU64,
+    next_id: AtomicU64,
+    pub counters: Counters,
+}
+
+impl Dispatcher {
+    /// Starts the dispatcher and its watchdog (stalls, deadlines) until
+    /// `stop`.
+    pub fn start(
+        settings: DataPlaneSettings,
+        active: ActiveCheck,
+        stop: tokio_util::sync::CancellationToken,
+    ) -> Arc<Dispatcher> {
+        let dispatcher = Arc::new(Dispatcher {
+            settings,
+            active,
+            state: Mutex::new(State::default()),
+            wake: Notify::new(),
+            next_conn: AtomicU64::new(1),
+            next_id: AtomicU64::new(1),
+            counters: Counters::default(),
+        });
+        tokio::spawn(dispatcher.clone().run_dispatch(stop.clone()));
+        tokio::spawn(dispatcher.clone().run_watchdog(stop));
+        dispatcher
+    }
+
+    /// A fresh id with `prefix` (`q-…` for jobs, `t-…` for tasks): unique
+    /// per coordinator process, ordered, and random enough across restarts.
+    pub fn new_id(&self, prefix: &str) -> String {
+        let n = self.next_id.fetch_add(1, Ordering::Relaxed);
+        format!("{prefix}-{:08x}-{n}", rand::random::<u32>())
+    }
+
+    /// Queues a job's tasks; the returned receiver hears their batches and
+    /// ends. A task id already known is ignored (idempotent submission).
+    pub fn submit(&self, query_id: &str, tasks: Vec<TaskSpec>) -> mpsc::UnboundedReceiver<JobEvent> {
+        let (tx, rx) = mpsc::unbounded_channel();
+        {
+            let mut state = self.state.lock();
+            state.jobs.insert(query_id.to_string(), Job { results: tx });
+            for spec in tasks {
+                if state.tasks.contains_key(&spec.task_id) {
+                    continue;
+                }
+                state.order.push(spec.task_id.clone());
+                state.tasks.insert(spec.task_id.clone(), Task::new(spec));
+            }
+        }
+        self.wake.notify_one();
+        rx
+    }
+
+    /// Forgets a job's result routing (its tasks stay listed).
+    pub fn close_job(&self, query_id: &str) {
+        self.state.lock().jobs.remove(query_id);
+    }
+
+    /// Cancels a task: it stops on its worker (if running) and is marked
+    /// cancelled. Answers its state before, or `None` if unknown.
+    pub async fn cancel(&self, task_id: &str, reason: &str) -> Option<TaskState> {
+        let (before, outbox) = {
+            let mut state = self.state.lock();
+            let task = state.tasks.get_mut(task_id)?;
+            let before = task.state;
+            if before.finished() {
+                return Some(before);
+            }
+            let assigned = task.assigned.take();
+            task.finish(TaskState::Cancelled, Some(reason.to_string()));
+            let job = task.spec.query_id.clone();
+            let outbox = assigned.and_then(|(worker, _)| {
+                let w = state.workers.get_mut(&worker)?;
+                w.in_flight = w.in_flight.saturating_sub(1);
+                Some(w.outbox.clone())
+            });
+            if let Some(job) = state.jobs.get(&job) {
+                let _ = job.results.send(JobEvent::Finished {
+                    task_id: task_id.to_string(),
+                    state: TaskState::Cancelled,
+                    error: Some(reason.to_string()),
+                });
+            }
+            (before, outbox)
+        };
+        if let Some(outbox) = outbox {
+            let cancel = TaskCancel { task_id: task_id.to_string(), reason: reason.to_string() };
+            let _ = outbox.send(Ok(CoordEnvelope { msg: Some(Down::TaskCancel(cancel)) })).await;
+        }
+        self.wake.notify_one();
+        Some(before)
+    }
+
+    /// Puts a dead letter back in the queue with fresh attempts.
+    pub fn redrive(&self, task_id: &str) -> Result<(), String> {
+        let mut state = self.state.lock();
+        let task = state.tasks.get_mut(task_id).ok_or_else(|| format!("no task {task_id}"))?;
+        if !task.dead_letter {
+            return Err(format!("task {task_id} is {}, not a dead letter", task.state.name()));
+        }
+        task.dead_letter = false;
+        task.attempts = 0;
+        task.state = TaskState::Queued;
+        task.finished_unix_ms = None;
+        drop(state);
+        self.wake.notify_one();
+        Ok(())
+    }
+
+    /// Every task, oldest first.
+    pub fn tasks(&self) -> Vec<Task> {
+        let state = self.state.lock();
+        state.order.iter().filter_map(|id| state.tasks.get(id).cloned()).collect()
+    }
+
+    pub fn task(&self, task_id: &str) -> Option<Task> {
+        self.state.lock().tasks.get(task_id).cloned()
+    }
+
+    /// Records a finished task's summary (the job that ran it computed it).
+    pub fn set_summary(&self, task_id: &str, summary: serde_json::Value) {
+        if let Some(task) = self.state.lock().tasks.get_mut(task_id) {
+            task.summary = Some(summary);
+        }
+    }
+
+    /// The connected workers.
+    pub fn workers(&self) -> Vec<WorkerView> {
+        self.state
+            .lock()
+            .workers
+            .iter()
+            .map(|(id, w)| WorkerView {
+                worker_id: id.clone(),
+                build_sha: w.hello.build_sha.clone(),
+                build_matches: w.build_matches,
+                num_cpus: w.hello.num_cpus,
+                memory_bytes: w.hello.gomemlimit,
+                capacity: w.capacity,
+                in_flight: w.in_flight,
+                connected_unix_ms: w.connected_unix_ms,
+            })
+            .collect()
+    }
+
+    pub fn is_connected(&self, worker: &str) -> bool {
+        self.state.lock().workers.contains_key(worker)
+    }
+
+    /// Checks a Hello; answers the worker's capacity.
+    fn admit(&self, hello: &Hello) -> Result<(usize, bool), Status> {
+        let id = &hello.worker_id;
+        if id.is_empty() || id.len() > MAX_WORKER_ID || !id.bytes().all(|b| b.is_ascii_graphic()) {
+            return Err(Status::invalid_argument(format!(
+                "Hello.worker_id must be 1 to {MAX_WORKER_ID} printable characters without spaces"
+            )));
+        }
+        if hello.num_cpus < 0 || hello.gomemlimit < 0 {
+            return Err(Status::invalid_argument("Hello.num_cpus and Hello.gomemlimit must not be negative"));
+        }
+        let matches = hello.build_sha == self.settings.build_sha;
+        if !matches {
+            match self.settings.build_policy {
+                BuildPolicy::Refuse => {
+                    return Err(Status::failed_precondition(format!(
+                        "worker {id} runs build {:?}, this coordinator {:?} (build_policy = refuse)",
+                        hello.build_sha, self.settings.build_sha
+                    )));
+                }
+                BuildPolicy::Warn => tracing::warn!(
+                    worker = %id,
+                    worker_build = %hello.build_sha,
+                    coordinator_build = %self.settings.build_sha,
+                    "a worker runs another build"
+                ),
+            }
+        }
+        Ok((capacity(hello.num_cpus, hello.gomemlimit), matches))
+    }
+
+    /// A worker's stream ended: its running tasks are requeued.
+    fn disconnected(&self, worker: &str, conn: u64) {
+        let mut state = self.state.lock();
+        if state.workers.get(worker).is_none_or(|w| w.conn != conn) {
+            return;
+        }
+        state.workers.remove(worker);
+        let max = self.settings.max_attempts;
+        let mut lost = 0;
+        let mut finished = Vec::new();
+        for task in state.tasks.values_mut() {
+            if task.state == TaskState::Running
+                && task.assigned.as_ref().is_some_and(|(w, c)| w == worker && *c == conn)
+            {
+                task.lost(&format!("worker {worker} disconnected"), max);
+                lost += 1;
+                if task.state.finished() {
+                    finished.push((task.spec.query_id.clone(), task.spec.task_id.clone(), task.error.clone()));
+                }
+            }
+        }
+        for (job, task_id, error) in finished {
+            if let Some(job) = state.jobs.get(&job) {
+                let _ = job.results.send(JobEvent::Finished { task_id, state: TaskState::Failed, error });
+            }
+        }
+        drop(state);
+        self.counters.redispatched.fetch_add(lost, Ordering::Relaxed);
+        tracing::info!(worker, requeued = lost, "worker disconnected");
+        self.wake.notify_one();
+    }
+
+    /// One message from `worker` (connection `conn`).
+    fn on_message(&self, worker: &str, conn: u64, msg: Up) -> Result<(), Status> {
+        match msg {
+            Up::Hello(_) => Err(Status::invalid_argument("a second Hello on one stream; reconnect to introduce again")),
+            Up::TaskProgress(p) => {
+                self.on_progress(worker, conn, p);
+                Ok(())
+            }
+            Up::ResultBatch(batch) => {
+                self.on_batch(worker, conn, batch);
+                Ok(())
+            }
+        }
+    }
+
+    fn on_progress(&self, worker: &str, conn: u64, p: TaskProgress) {
+        let mut state = self.state.lock();
+        let Some(task) = state.tasks.get_mut(&p.task_id) else { return };
+        if task.state != TaskState::Running
+            || task.assigned.as_ref().is_none_or(|(w, c)| w != worker || *c != conn)
+            || (p.attempt != 0 && p.attempt != task.attempts)
+        {
+            return;
+        }
+        task.report(p.rows_processed, p.bytes_processed, (p.timestamp_unix_nano / 1_000_000).max(0) as u64);
+    }
+
+    fn on_batch(&self, worker: &str, conn: u64, batch: ResultBatch) {
+        let mut state = self.state.lock();
+        let state = &mut *state;
+        let Some(job) = state.jobs.get(&batch.query_id) else {
+            self.counters.dropped_results.fetch_add(1, Ordering::Relaxed);
+            tracing::debug!(worker, query_id = %batch.query_id, "a result for an unknown job: dropped");
+            return;
+        };
+        let task_id = if batch.task_id.is_empty() {
+            // A seed worker: the job's task on this worker.
+            state
+                .tasks
+                .values()
+                .find(|t| t.spec.query_id == batch.query_id && t.assigned.as_ref().is_some_and(|(w, _)| w == worker))
+                .map(|t| t.spec.task_id.clone())
+                .unwrap_or_default()
+        } else {
+            batch.task_id.clone()
+        };
+        let Some(task) = state.tasks.get_mut(&task_id) else {
+            self.counters.dropped_results.fetch_add(1, Ordering::Relaxed);
+            return;
+        };
+        if task.state != TaskState::Running
+            || task.assigned.as_ref().is_none_or(|(w, c)| w != worker || *c != conn)
+            || (batch.attempt != 0 && batch.attempt != task.attempts)
+        {
+            // Finished already, cancelled, redispatched elsewhere, or the
+            // late answer of an earlier dispatch.
+            self.counters.duplicate_completions.fetch_add(1, Ordering::Relaxed);
+            return;
+        }
+        task.result_rows += batch.row_count.max(0) as u64;
+        task.result_bytes += batch.payload.len() as u64;
+        let terminal = batch.terminal;
+        let failed = !batch.err.is_empty();
+        let error = failed.then(|| batch.err.clone());
+        let _ = job.results.send(JobEvent::Batch { task_id: task_id.clone(), worker: worker.to_string(), batch });
+        if terminal {
+            let state_now = if failed { TaskState::Failed } else { TaskState::Succeeded };
+            task.finish(state_now, error.clone());
+            task.assigned = None;
+            let _ = job.results.send(JobEvent::Finished { task_id, state: state_now, error });
+            if let Some(w) = state.workers.get_mut(worker) {
+                w.in_flight = w.in_flight.saturating_sub(1);
+            }
+            self.wake.notify_one();
+        }
+    }
+
+    /// Picks queued tasks and sends them, until `stop`.
+    async fn run_dispatch(self: Arc<Self>, stop: tokio_util::sync::CancellationToken) {
+        loop {
+            let sends = self.pick();
+            if sends.is_empty() {
+                tokio::select! {
+                    _ = self.wake.notified() => {}
+                    _ = stop.cancelled() => return,
+                    // Deadlines and reconnects also change what can go.
+                    _ = tokio::time::sleep(Duration::from_millis(500)) => {}
+                }
+                continue;
+            }
+            for (outbox, dispatch, worker, conn) in sends {
+                let task_id = dispatch.task_id.clone();
+                // Waits while the worker's outbox is full: HTTP/2 flow
+                // control, not a sleep, paces dispatch.
+                if outbox.send(Ok(CoordEnvelope { msg: Some(Down::TaskDispatch(dispatch)) })).await.is_err() {
+                    self.disconnected(&worker, conn);
+                    continue;
+                }
+                self.counters.dispatched.fetch_add(1, Ordering::Relaxed);
+                tracing::debug!(task_id, worker, "dispatched");
+            }
+        }
+    }
+
+    /// Assigns what can go now: queued tasks to workers with room.
+    #[allow(clippy::type_complexity)]
+    fn pick(&self) -> Vec<(mpsc::Sender<Result<CoordEnvelope, Status>>, TaskDispatch, String, u64)> {
+        let mut state = self.state.lock();
+        let state = &mut *state;
+        let mut sends = Vec::new();
+        for id in &state.order {
+            let Some(task) = state.tasks.get_mut(id) else { continue };
+            if task.state != TaskState::Queued {
+                continue;
+            }
+            let worker = match &task.spec.target {
+                Some(target) => {
+                    state.workers.get_mut(target).filter(|w| w.in_flight < w.capacity).map(|_| target.clone())
+                }
+                None => state
+                    .workers
+                    .iter()
+                    .filter(|(_, w)| w.in_flight < w.capacity)
+                    .max_by_key(|(id, w)| (w.capacity - w.in_flight, std::cmp::Reverse((*id).clone())))
+                    .map(|(id, _)| id.clone()),
+            };
+            let Some(worker) = worker else { continue };
+            let w = state.workers.get_mut(&worker).expect("picked from the map");
+            w.in_flight += 1;
+            task.dispatched(&worker, w.conn);
+            let dispatch = TaskDispatch {
+                task_id: task.spec.task_id.clone(),
+                query_id: task.spec.query_id.clone(),
+                stage_id: task.spec.kind.clone(),
+                task_blob: task.spec.blob.clone().into(),
+                deadline_unix_nano: task.spec.deadline_unix_nano,
+                attempt: task.attempts,
+            };
+            sends.push((w.outbox.clone(), dispatch, worker, w.conn));
+        }
+        sends
+    }
+
+    /// Every second: stalled tasks are cancelled and requeued, expired
+    /// ones cancelled and failed; old finished tasks are forgotten.
+    async fn run_watchdog(self: Arc<Self>, stop: tokio_util::sync::CancellationToken) {
+        let mut tick = tokio::time::interval(Duration::from_millis(250));
+        loop {
+            tokio::select! {
+                _ = tick.tick() => {}
+                _ = stop.cancelled() => return,
+            }
+            let now = unix_nanos();
+            let (mut cancels, mut events) = (Vec::new(), Vec::new());
+            {
+                let mut state = self.state.lock();
+                let state = &mut *state;
+                for task in state.tasks.values_mut() {
+                    let reason = if task.expired(now) {
+                        Some(("deadline exceeded".to_string(), true))
+                    } else if task.stalled(self.settings.stall) {
+                        Some((format!("no progress for {:?}", self.settings.stall), false))
+                    } else {
+                        None
+                    };
+                    let Some((reason, fail)) = reason else { continue };
+                    let assigned = task.assigned.clone();
+                    if fail {
+                        task.assigned = None;
+                        task.finish(TaskState::Failed, Some(reason.clone()));
+                    } else {
+                        task.lost(&reason, self.settings.max_attempts);
+                    }
+                    if task.state.finished() {
+                        events.push((task.spec.query_id.clone(), task.spec.task_id.clone(), task.error.clone()));
+                    }
+                    if let Some((worker, _)) = assigned
+                        && let Some(w) = state.workers.get_mut(&worker)
+                    {
+                        w.in_flight = w.in_flight.saturating_sub(1);
+                        cancels.push((w.outbox.clone(), TaskCancel { task_id: task.spec.task_id.clone(), reason }));
+                    }
+                }
+                for (job, task_id, error) in events.drain(..) {
+                    if let Some(job) = state.jobs.get(&job) {
+                        let _ = job.results.send(JobEvent::Finished { task_id, state: TaskState::Failed, error });
+                    }
+                }
+                forget_old(state);
+            }
+            for (outbox, cancel) in cancels {
+                let _ = outbox.try_send(Ok(CoordEnvelope { msg: Some(Down::TaskCancel(cancel)) }));
+                self.wake.notify_one();
+            }
+        }
+    }
+}
+
+/// Keeps at most [`KEEP_FINISHED`] finished tasks (dead letters are kept).
+fn forget_old(state: &mut State) {
+    let finished = state.order.iter().filter(|id| state.tasks.get(*id).is_some_and(|t| t.state.finished())).count();
+    if finished <= KEEP_FINISHED {
+        return;
+    }
+    let mut excess = finished - KEEP_FINISHED;
+    let tasks = &mut state.tasks;
+    state.order.retain(|id| {
+        let drop = excess > 0 && tasks.get(id).is_some_and(|t| t.state.finished() && !t.dead_letter);
+        if drop {
+            excess -= 1;
+            tasks.remove(id);
+        }
+        !drop
+    });
+}
+
+type Outbound = Pin<Box<dyn Stream<Item = Result<CoordEnvelope, Status>> + Send>>;
+
+/// The gRPC service over a [`Dispatcher`].
+#[derive(Clone)]
+pub struct DataPlaneService(pub Arc<Dispatcher>);
+
+#[tonic::async_trait]
+impl DataPlane for DataPlaneService {
+    type ConnectStream = Outbound;
+
+    async fn connect(&self, request: Request<Streaming<WorkerEnvelope>>) -> Result<Response<Outbound>, Status> {
+        let dispatcher = self.0.clone();
+        let refuse = |status: Status| {
+            dispatcher.counters.refused_streams.fetch_add(1, Ordering::Relaxed);
+            Err(status)
+        };
+        if let Err(active) = (dispatcher.active)() {
+            let mut status = Status::failed_precondition(format!(
+                "this coordinator is a standby; connect to the active one{}",
+                active.as_deref().map(|a| format!(" at {a}")).unwrap_or_default()
+            ));
+            if let Some(active) = active.and_then(|a| a.parse().ok()) {
+                status.metadata_mut().insert(ACTIVE_METADATA_KEY, active);
+            }
+            return refuse(status);
+        }
+        let mut inbound = request.into_inner();
+        let first = match tokio::time::timeout(HELLO_TIMEOUT, inbound.message()).await {
+            Err(_) => return refuse(Status::deadline_exceeded(format!("no Hello within {HELLO_TIMEOUT:?}"))),
+            Ok(Err(status)) => return refuse(status),
+            Ok(Ok(None)) => return refuse(Status::invalid_argument("the stream ended before its Hello")),
+            Ok(Ok(Some(first))) => first,
+        };
+        let hello = match first.msg {
+            Some(Up::Hello(hello)) => hello,
+            Some(_) => {
+                return refuse(Status::invalid_argument("the first message of a DataPlane stream must be Hello"));
+            }
+            None => {
+                return refuse(Status::invalid_argument("an empty WorkerEnvelope: the first message must be Hello"));
+            }
+        };
+        let (capacity, build_matches) = match dispatcher.admit(&hello) {
+            Ok(admitted) => admitted,
+            Err(status) => return refuse(status),
+        };
+        let worker = hello.worker_id.clone();
+        let (tx, rx) = mpsc::channel(OUTBOX);
+        let conn = dispatcher.next_conn.fetch_add(1, Ordering::Relaxed);
+        {
+            let mut state = dispatcher.state.lock();
+            if let Some(existing) = state.workers.get(&worker)
+                && !existing.outbox.is_closed()
+            {
+                drop(state);
+                return refuse(Status::already_exists(format!(
+                    "worker {worker} is already connected; a second stream with its id is refused"
+                )));
+            }
+            state.workers.insert(
+                worker.clone(),
+                Worker {
+                    conn,
+                    hello: hello.clone(),
+                    capacity,
+                    in_flight: 0,
+                    outbox: tx.clone(),
+                    connected_unix_ms: unix_ms(),
+                    build_matches,
+                },
+            );
+        }
+        let welcome = Welcome { cluster_id: dispatcher.settings.cluster_id.clone(), server_time: unix_nanos() };
+        let _ = tx.send(Ok(CoordEnvelope { msg: Some(Down::Welcome(welcome)) })).await;
+        tracing::info!(worker, capacity, build = %hello.build_sha, "worker connected");
+        dispatcher.wake.notify_one();
+        // Read until the worker goes away or breaks the protocol.
+        let reader = dispatcher.clone();
+        tokio::spawn(async move {
+            let ended = loop {
+                match inbound.next().await {
+                    None => break None,
+                    Some(Err(status)) => break Some(status.to_string()),
+                    Some(Ok(WorkerEnvelope { msg: None })) => {
+                        let status = Status::invalid_argument("an empty WorkerEnvelope");
+                        let _ = tx.send(Err(status.clone())).await;
+                        break Some(status.to_string());
+                    }
+                    Some(Ok(WorkerEnvelope { msg: Some(msg) })) => {
+                        if let Err(status) = reader.on_message(&worker, conn, msg) {
+                            let _ = tx.send(Err(status.clone())).await;
+                            break Some(status.to_string());
+                        }
+                    }
+                }
+            };
+            if let Some(error) = ended {
+                tracing::info!(worker, error, "worker stream ended");
+            }
+            reader.disconnected(&worker, conn);
+        });
+        Ok(Response::new(Box::pin(ReceiverStream::new(rx)) as Outbound))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn capacity_is_bound_by_cpus_and_memory() {
+        assert_eq!(capacity(4, 0), 8);
+        assert_eq!(capacity(4, 128 << 20), 2);
+        assert_eq!(capacity(0, 0), 2);
+        assert_eq!(capacity(8, 1), 1, "at least one");
+    }
+}

@@ -1,0 +1,280 @@
+//! The DataPlane against real processes: nodes connect to the active
+//! coordinator as workers, tasks are dispatched by capacity, redispatched
+//! after a worker dies, stalled and expired tasks are caught, cancellation
+//! and dead letters work through the admin API; and the stream's rules
+//! (Hello first, no duplicate worker, cluster secret, standby refusal)
+//! hold for a hand-rolled worker.
+
+mod common;
+
+use std::time::Duration;
+
+use common::{Cluster, TOKEN, wait_until};
+use serde_json::{Value, json};
+use tokio_stream::StreamExt;
+use tonic::Code;
+use walship_proto::dataplane::data_plane_client::DataPlaneClient;
+use walship_proto::dataplane::worker_envelope::Msg as Up;
+use walship_proto::dataplane::{Hello, ResultBatch, TaskProgress, WorkerEnvelope};
+
+const WAIT: Duration = Duration::from_secs(60);
+
+async fn workers(cluster: &mut Cluster) -> Vec<String> {
+    let (_, view) = cluster.coord_get(1, "/v1/cluster").await;
+    view["workers"]
+        .as_array()
+        .map_or(Vec::new(), |w| w.iter().map(|w| w["worker_id"].as_str().unwrap_or_default().to_string()).collect())
+}
+
+async fn wait_workers(cluster: &mut Cluster, n: usize) {
+    wait_until("workers connected", WAIT, || {
+        let got = futures::executor::block_on(workers(cluster)).len();
+        async move { got == n }
+    })
+    .await;
+}
+
+async fn start(cluster: &mut Cluster, body: Value) -> String {
+    let (code, answer) = cluster.coord_post(1, "/v1/tasks", &body.to_string(), Some(TOKEN)).await;
+    assert_eq!(code, 202, "{answer}");
+    answer["task_ids"][0].as_str().unwrap().to_string()
+}
+
+async fn task(cluster: &mut Cluster, id: &str) -> Value {
+    let (code, view) = cluster.coord_get(1, &format!("/v1/tasks/{id}")).await;
+    assert_eq!(code, 200, "{view}");
+    view
+}
+
+async fn wait_state(cluster: &mut Cluster, id: &str, states: &[&str]) -> Value {
+    let mut last = Value::Null;
+    let deadline = std::time::Instant::now() + WAIT;
+    while std::time::Instant::now() < deadline {
+        last = task(cluster, id).await;
+        if states.iter().any(|s| last["state"] == *s) {
+            return last;
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    panic!("task {id} never reached {states:?}: {last}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn tasks_spread_over_workers_and_survive_a_dying_one() {
+    let mut cluster = Cluster::start_with(3, 1, 1, "", None);
+    wait_workers(&mut cluster, 3).await;
+    let (_, view) = cluster.coord_get(1, "/v1/cluster").await;
+    for w in view["workers"].as_array().unwrap() {
+        assert_eq!(w["build_matches"], true, "{w}");
+        assert!(w["capacity"].as_u64().unwrap() >= 1, "{w}");
+    }
+    // Thirty short tasks: all succeed, and more than one worker ran some.
+    let mut ids = Vec::new();
+    for _ in 0..30 {
+        ids.push(start(&mut cluster, json!({"kind": "noop", "sleep_ms": 200})).await);
+    }
+    let mut ran_on = std::collections::BTreeSet::new();
+    for id in &ids {
+        let done = wait_state(&mut cluster, id, &["succeeded", "failed"]).await;
+        assert_eq!(done["state"], "succeeded", "{done}");
+        assert_eq!(done["attempts"], 1, "{done}");
+        assert_eq!(done["kind"], "noop");
+        ran_on.insert(done["node"].as_str().unwrap().to_string());
+    }
+    assert!(ran_on.len() >= 2, "thirty tasks all went to {ran_on:?}");
+    let (_, page) = cluster.coord_get(1, "/v1/tasks?kind=noop&limit=1000").await;
+    assert_eq!(page["total"], 30, "{page}");
+
+    // A long task on the node that dies: requeued, run elsewhere, finished once.
+    let long = start(&mut cluster, json!({"kind": "noop", "sleep_ms": 3000})).await;
+    let running = wait_state(&mut cluster, &long, &["running"]).await;
+    let node: u32 = running["node"].as_str().unwrap().trim_start_matches("node-").parse().unwrap();
+    cluster.node(node).kill9();
+    let done = wait_state(&mut cluster, &long, &["succeeded", "failed"]).await;
+    assert_eq!(done["state"], "succeeded", "{done}");
+    assert_eq!(done["attempts"], 2, "dispatched again after its worker died: {done}");
+    let (_, view) = cluster.coord_get(1, "/v1/cluster").await;
+    assert!(view["dataplane"]["redispatched"].as_u64().unwrap() >= 1, "{view}");
+    cluster.restart(node);
+    wait_workers(&mut cluster, 3).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn stalls_deadlines_cancels_and_dead_letters() {
+    let mut cluster = Cluster::start_with(2, 1, 0, "", None);
+    // One coordinator with short stall and attempt limits.
+    let config = cluster.config_path.clone();
+    let dir = cluster.dir.path().to_path_buf();
+    let grpc = format!("127.0.0.1:{}", common::free_port());
+    let admin = format!("127.0.0.1:{}", common::free_port());
+    let text = std::fs::read_to_string(&config).unwrap();
+    let coordinator = format!("[[coordinators]]\nid = \"c1\"\ngrpc_addr = \"{grpc}\"\nadmin_addr = \"{admin}\"\n");
+    std::fs::write(&config, text.replacen("[[nodes]]", &format!("{coordinator}[[nodes]]"), 1)).unwrap();
+    // Nodes read the config at start: restart them to learn the coordinator.
+    cluster.restart(1);
+    cluster.restart(2);
+    let (child, _) = common::spawn_listening(
+        std::process::Command::new(common::walship_bin())
+            .args([
+                "coord",
+                "--id",
+                "c1",
+                "--admin-token",
+                TOKEN,
+                "--task-stall-s",
+                "2",
+                "--task-attempts",
+                "2",
+                "--cluster",
+            ])
+            .arg(&config)
+            .arg("--data-dir")
+            .arg(dir.join("coord")),
+        "coordinator",
+    );
+    cluster.coordinators.push(common::CoordProcess { child, admin: admin.clone(), grpc, id: 1 });
+    wait_workers(&mut cluster, 2).await;
+
+    // No progress: requeued once, then failed for good (a dead letter).
+    let stuck = start(&mut cluster, json!({"kind": "noop", "sleep_ms": 60000, "advance": false})).await;
+    let failed = wait_state(&mut cluster, &stuck, &["failed"]).await;
+    assert_eq!(failed["attempts"], 2, "{failed}");
+    assert_eq!(failed["dead_letter"], true, "{failed}");
+    assert!(failed["error"].as_str().unwrap().contains("no progress"), "{failed}");
+    let (_, dead) = cluster.coord_get(1, "/v1/dead-letters").await;
+    assert!(dead.as_array().unwrap().iter().any(|t| t["task_id"] == *stuck), "{dead}");
+    // Re-driven: queued and dispatched again.
+    let (code, _) = cluster.coord_post(1, &format!("/v1/dead-letters/{stuck}/redrive"), "{}", Some(TOKEN)).await;
+    assert_eq!(code, 200);
+    let again = wait_state(&mut cluster, &stuck, &["running", "queued"]).await;
+    assert_eq!(again["dead_letter"], false, "{again}");
+    // A task that is not a dead letter cannot be re-driven; an unknown one is 404.
+    let quick = start(&mut cluster, json!({"kind": "noop"})).await;
+    wait_state(&mut cluster, &quick, &["succeeded"]).await;
+    let (code, body) = cluster.coord_post(1, &format!("/v1/dead-letters/{quick}/redrive"), "{}", Some(TOKEN)).await;
+    assert_eq!((code, body["error"]["code"].as_str()), (409, Some("not_dead_letter")), "{body}");
+    let (code, _) = cluster.coord_post(1, "/v1/dead-letters/t-nope/redrive", "{}", Some(TOKEN)).await;
+    assert_eq!(code, 404);
+
+    // Past its deadline: failed, not retried.
+    let late = start(&mut cluster, json!({"kind": "noop", "sleep_ms": 20000, "deadline_ms": 500})).await;
+    let failed = wait_state(&mut cluster, &late, &["failed"]).await;
+    assert!(failed["error"].as_str().unwrap().contains("deadline"), "{failed}");
+
+    // Cancelled by an operator: stays cancelled.
+    let long = start(&mut cluster, json!({"kind": "noop", "sleep_ms": 20000})).await;
+    wait_state(&mut cluster, &long, &["running"]).await;
+    let (code, _) = cluster.coord_post(1, &format!("/v1/tasks/{long}/cancel"), "{}", None).await;
+    assert_eq!(code, 401, "cancel needs the token");
+    let (code, view) = cluster.coord_post(1, &format!("/v1/tasks/{long}/cancel"), "{}", Some(TOKEN)).await;
+    assert_eq!((code, view["state"].as_str()), (200, Some("cancelled")), "{view}");
+    tokio::time::sleep(Duration::from_secs(1)).await;
+    assert_eq!(task(&mut cluster, &long).await["state"], "cancelled");
+
+    // A failing task fails with its error; bad requests change nothing.
+    let bad = start(&mut cluster, json!({"kind": "noop", "fail": "on purpose"})).await;
+    let failed = wait_state(&mut cluster, &bad, &["failed"]).await;
+    assert_eq!(failed["error"], "on purpose");
+    let (_, before) = cluster.coord_get(1, "/v1/tasks?limit=1000").await;
+    for body in [
+        json!({"kind": "mystery"}),
+        json!({"kind": ""}),
+        json!({"kind": "noop", "node": "node-9"}),
+        json!({"kind": "noop", "extra": 1}),
+        json!([]),
+    ] {
+        let (code, answer) = cluster.coord_post(1, "/v1/tasks", &body.to_string(), Some(TOKEN)).await;
+        assert!((400..500).contains(&code), "{body} -> {code} {answer}");
+    }
+    let (code, _) = cluster.coord_post(1, "/v1/tasks", &json!({"kind": "noop"}).to_string(), None).await;
+    assert_eq!(code, 401);
+    let (_, after) = cluster.coord_get(1, "/v1/tasks?limit=1000").await;
+    assert_eq!(before["total"], after["total"], "refused requests added tasks");
+    for query in ["state=sideways", "limit=0", "limit=5000", "shard=x"] {
+        let (code, _) = cluster.coord_get(1, &format!("/v1/tasks?{query}")).await;
+        assert_eq!(code, 400, "{query}");
+    }
+    let (code, _) = cluster.coord_get(1, "/v1/tasks/t-nope").await;
+    assert_eq!(code, 404);
+}
+
+async fn channel(grpc: &str) -> tonic::transport::Channel {
+    tonic::transport::Endpoint::from_shared(format!("http://{grpc}")).unwrap().connect().await.unwrap()
+}
+
+/// A client as a member of the cluster (with its secret).
+async fn member(grpc: &str) -> DataPlaneClient<common::Member> {
+    DataPlaneClient::new(common::as_member(channel(grpc).await))
+}
+
+fn hello(id: &str) -> WorkerEnvelope {
+    WorkerEnvelope {
+        msg: Some(Up::Hello(Hello {
+            worker_id: id.into(),
+            build_sha: env!("CARGO_PKG_VERSION").into(),
+            num_cpus: 1,
+            gomemlimit: 0,
+        })),
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_stream_starts_with_hello_and_refuses_what_breaks_its_rules() {
+    let mut cluster = Cluster::start_with(3, 1, 2, "", None);
+    wait_workers(&mut cluster, 3).await;
+    let active = cluster.coordinator(1).grpc.clone();
+    let standby = cluster.coordinator(2).grpc.clone();
+
+    // Without the cluster secret.
+    let refused =
+        DataPlaneClient::new(channel(&active).await).connect(tokio_stream::iter(vec![hello("stranger")])).await;
+    assert_eq!(refused.unwrap_err().code(), Code::Unauthenticated);
+    // A standby names no workers and refuses.
+    let refused = member(&standby).await.connect(tokio_stream::iter(vec![hello("w1")])).await;
+    let status = refused.unwrap_err();
+    assert_eq!(status.code(), Code::FailedPrecondition, "{status:?}");
+    assert!(status.message().contains("standby"), "{status:?}");
+    // The first message is not Hello.
+    let progress = WorkerEnvelope { msg: Some(Up::TaskProgress(TaskProgress::default())) };
+    let refused = member(&active).await.connect(tokio_stream::iter(vec![progress])).await;
+    let status = refused.unwrap_err();
+    assert_eq!(status.code(), Code::InvalidArgument);
+    assert!(status.message().contains("Hello"), "{status:?}");
+    // A worker id that is already connected; an empty one.
+    let refused = member(&active).await.connect(tokio_stream::iter(vec![hello("node-1")])).await;
+    assert_eq!(refused.unwrap_err().code(), Code::AlreadyExists);
+    let refused = member(&active).await.connect(tokio_stream::iter(vec![hello("")])).await;
+    assert_eq!(refused.unwrap_err().code(), Code::InvalidArgument);
+    assert_eq!(workers(&mut cluster).await.len(), 3, "refusals changed the workers");
+
+    // A proper worker: Welcome; a result for an unknown job is dropped and
+    // the stream stays up; a second Hello ends it.
+    let (tx, rx) = tokio::sync::mpsc::channel(8);
+    tx.send(hello("probe")).await.unwrap();
+    let mut inbound =
+        member(&active).await.connect(tokio_stream::wrappers::ReceiverStream::new(rx)).await.unwrap().into_inner();
+    let welcome = inbound.next().await.unwrap().unwrap();
+    assert!(matches!(welcome.msg, Some(walship_proto::dataplane::coord_envelope::Msg::Welcome(_))), "{welcome:?}");
+    wait_workers(&mut cluster, 4).await;
+    let (_, before) = cluster.coord_get(1, "/v1/cluster").await;
+    let stray =
+        ResultBatch { query_id: "q-nobody".into(), worker_id: "probe".into(), terminal: true, ..Default::default() };
+    tx.send(WorkerEnvelope { msg: Some(Up::ResultBatch(stray)) }).await.unwrap();
+    wait_until("the stray result counted", WAIT, || {
+        let (_, now) = futures::executor::block_on(cluster.coord_get(1, "/v1/cluster"));
+        let more = now["dataplane"]["dropped_results"].as_u64() > before["dataplane"]["dropped_results"].as_u64();
+        async move { more }
+    })
+    .await;
+    assert!(workers(&mut cluster).await.contains(&"probe".to_string()), "the stream stayed up");
+    tx.send(hello("probe")).await.unwrap();
+    let ended = inbound.next().await;
+    assert!(matches!(&ended, Some(Err(s)) if s.code() == Code::InvalidArgument), "{ended:?}");
+    wait_workers(&mut cluster, 3).await;
+
+    // The coordinator restarts: every node reconnects by itself.
+    cluster.restart_coordinator(1);
+    wait_workers(&mut cluster, 3).await;
+    let id = start(&mut cluster, json!({"kind": "noop"})).await;
+    assert_eq!(wait_state(&mut cluster, &id, &["succeeded", "failed"]).await["state"], "succeeded");
+}
