@@ -8,3 +8,5 @@
 //! will hold one `Connect` stream, de-dupe on `task_id` and report
 //! `TaskProgress` and `ResultBatch`es. The wire contract already lives in
 //! `walship-proto` (`dataplane.v1.DataPlane`).
+
+pub mod arrow_export;
