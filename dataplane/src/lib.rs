@@ -10,3 +10,4 @@
 //! `walship-proto` (`dataplane.v1.DataPlane`).
 
 pub mod arrow_export;
+pub mod verify;
