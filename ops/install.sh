@@ -33,6 +33,17 @@ install_schemathesis() {
   export WALSHIP_SCHEMATHESIS="$tools/venv/bin/schemathesis"
 }
 
+# pyarrow (PyPI) reads the Arrow IPC files `walship export` writes, as a
+# user would, in tests/arrow_pyarrow.rs.
+install_pyarrow() {
+  install_nats # creates the venv
+  if ! "$tools/venv/bin/python" -c "import pyarrow" >/dev/null 2>&1; then
+    echo "installing pyarrow (PyPI) into $tools/venv ..." >&2
+    "$tools/venv/bin/pip" install --quiet --disable-pip-version-check pyarrow
+  fi
+  export WALSHIP_PYTHON="$tools/venv/bin/python"
+}
+
 # promtool (Debian package prometheus) validates ops/prometheus/alerts.yml.
 install_promtool() {
   if ! command -v promtool >/dev/null; then

@@ -24,6 +24,7 @@ fi
 . "$root/ops/install.sh"
 install_nats
 install_schemathesis
+install_pyarrow # tests/arrow_pyarrow.rs reads an export with it
 install_promtool
 install_nftables # the partition tests (they also need root)
 install_browser

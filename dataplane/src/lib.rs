@@ -10,12 +10,17 @@
 //!   reconnecting with backoff, de-duping dispatches, running tasks by kind
 //!   and reporting their progress and results.
 //! * [`kinds`]: the task kinds; adding one is one file there.
+//! * [`arrow_export`]: records as Arrow record batches, IPC streams and files.
+//! * [`verify`]: per-chunk checksums of a seqno range and where replicas
+//!   first differ.
 //!
 //! The wire contract is `walship-proto`'s `dataplane.v1.DataPlane`.
 
+pub mod arrow_export;
 pub mod coordinator;
 pub mod kinds;
 pub mod task;
+pub mod verify;
 pub mod worker;
 
 /// Largest DataPlane message either side takes (a result batch is at most
