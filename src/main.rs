@@ -14,6 +14,7 @@ mod failover;
 mod http;
 mod node;
 mod status;
+mod task;
 mod tls;
 
 use std::io::IsTerminal;
@@ -67,6 +68,10 @@ enum Command {
     Drill(drill::DrillArgs),
     /// Measure append throughput and latency against this machine's raw disk limits.
     Bench(bench::BenchArgs),
+    /// List, show, cancel and re-drive the coordinator's DataPlane tasks.
+    Task(task::TaskArgs),
+    /// Compare every replica of a shard record by record; report the first seqno where one differs.
+    Verify(task::VerifyArgs),
 }
 
 fn main() -> std::process::ExitCode {
@@ -76,6 +81,9 @@ fn main() -> std::process::ExitCode {
             // Client commands name their failure and exit with its code.
             if let Some(failed) = e.downcast_ref::<client_error::Failed>() {
                 return std::process::ExitCode::from(failed.error.report(failed.json));
+            }
+            if e.downcast_ref::<task::Diverged>().is_some() {
+                return std::process::ExitCode::from(4);
             }
             eprintln!("error: {e:#}");
             std::process::ExitCode::FAILURE
@@ -140,6 +148,8 @@ fn run() -> Result<()> {
             | Command::Failover(_)
             | Command::Drill(_)
             | Command::BenchDrills(_)
+            | Command::Task(_)
+            | Command::Verify(_)
     ) {
         cli.tls.clone().install()?;
     }
@@ -163,6 +173,8 @@ fn run() -> Result<()> {
             Command::Status(args) => status::run(args).await,
             Command::Failover(args) => failover::run(args).await,
             Command::BenchDrills(args) => bench_drills::run(args).await,
+            Command::Task(args) => task::run(args).await,
+            Command::Verify(args) => task::verify(args).await,
         }
     })
 }

@@ -64,6 +64,7 @@ pub fn coord_router(admin: Arc<CoordAdmin>) -> Router {
         .route("/v1/tasks", get(crate::tasks::list).post(crate::tasks::start))
         .route("/v1/tasks/{id}", get(crate::tasks::show))
         .route("/v1/tasks/{id}/cancel", post(crate::tasks::cancel))
+        .route("/v1/jobs/{id}", get(crate::tasks::job))
         .route("/v1/dead-letters", get(crate::tasks::dead_letters))
         .route("/v1/dead-letters/{id}/redrive", post(crate::tasks::redrive))
         .fallback(|| async { ApiError::new(StatusCode::NOT_FOUND, "not_found", "no such endpoint") })

@@ -13,6 +13,25 @@ use crate::models::{
 
 struct Bearer;
 
+/// `NewTask`'s variants refuse unknown fields (serde's
+/// `deny_unknown_fields`); utoipa does not say so for an internally tagged
+/// enum's variants, so this closes them (`additionalProperties: false`).
+struct ClosedNewTask;
+
+impl Modify for ClosedNewTask {
+    fn modify(&self, openapi: &mut utoipa::openapi::OpenApi) {
+        use utoipa::openapi::RefOr;
+        use utoipa::openapi::schema::{AdditionalProperties, Schema};
+        let Some(components) = openapi.components.as_mut() else { return };
+        let Some(RefOr::T(Schema::OneOf(one_of))) = components.schemas.get_mut("NewTask") else { return };
+        for item in &mut one_of.items {
+            if let RefOr::T(Schema::Object(object)) = item {
+                object.additional_properties = Some(Box::new(AdditionalProperties::FreeForm(false)));
+            }
+        }
+    }
+}
+
 impl Modify for Bearer {
     fn modify(&self, openapi: &mut utoipa::openapi::OpenApi) {
         let components = openapi.components.get_or_insert_with(Default::default);
@@ -33,7 +52,7 @@ impl Modify for Bearer {
         crate::coord::drills, crate::coord::drill, crate::coord::failover_drill, crate::coord::catchup_drill,
         crate::coord::corruption_drill, crate::coord::partition_drill,
         crate::tasks::list, crate::tasks::show, crate::tasks::start, crate::tasks::cancel,
-        crate::tasks::dead_letters, crate::tasks::redrive,
+        crate::tasks::dead_letters, crate::tasks::redrive, crate::tasks::job,
     ),
     components(schemas(
         ClusterView, CoordinatorView, NodeView, ShardView, ReplicaView, ErrorBody, ErrorDetail, DrillStarted,
@@ -47,11 +66,12 @@ impl Modify for Bearer {
         walship_shipping::control::drills::CorruptionDrillRequest, walship_shipping::control::drills::CorruptionDrillResult,
         walship_shipping::control::drills::PartitionDrillRequest, walship_shipping::control::drills::PartitionDrillResult,
         walship_shipping::control::drills::PartitionTrial, walship_shipping::control::drills::TimeSummary,
-        crate::tasks::TaskView, crate::tasks::TaskPage, crate::tasks::NewTask, crate::tasks::NewTaskKind, crate::tasks::TaskStarted,
+        crate::tasks::TaskView, crate::tasks::TaskPage, crate::tasks::NewTask, crate::tasks::TaskStarted, crate::tasks::JobView,
+        walship_dataplane::kinds::verify::VerifyReport,
         walship_dataplane::task::TaskState,
         walship_dataplane::coordinator::WorkerView, crate::models::DataPlaneView,
     )),
-    modifiers(&Bearer),
+    modifiers(&Bearer, &ClosedNewTask),
 )]
 struct CoordinatorDoc;
 

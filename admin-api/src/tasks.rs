@@ -155,40 +155,69 @@ pub async fn show(State(admin): State<Arc<CoordAdmin>>, Path(id): Path<String>) 
     }
 }
 
-/// The kinds of task `POST /v1/tasks` starts.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize, Serialize, utoipa::ToSchema)]
-#[serde(rename_all = "snake_case")]
-pub enum NewTaskKind {
-    /// Waits `sleep_ms`, then succeeds (or fails with `fail`): for tests and
-    /// the dispatch benchmark.
-    Noop,
+/// A job to start, by kind.
+#[derive(Debug, Deserialize, utoipa::ToSchema)]
+#[serde(tag = "kind", rename_all = "snake_case", deny_unknown_fields)]
+pub enum NewTask {
+    /// Waits `sleep_ms`, then succeeds (or fails with `fail`): for tests
+    /// and the dispatch benchmark.
+    Noop {
+        /// The worker to run on (`node-N`, 404 when the cluster has no such
+        /// node); any worker when absent.
+        #[serde(default)]
+        #[schema(pattern = "^node-[0-9]+$")]
+        node: Option<String>,
+        /// Milliseconds to wait (at most an hour).
+        #[serde(default, deserialize_with = "walship_shipping::control::lenient::opt_int")]
+        #[schema(minimum = 0, maximum = 3600000)]
+        sleep_ms: Option<u64>,
+        /// Whether its counters grow while it waits (default true).
+        #[serde(default)]
+        advance: Option<bool>,
+        /// Fail with this error.
+        #[serde(default)]
+        fail: Option<String>,
+        /// Milliseconds from now after which the task is failed (0 or absent:
+        /// no deadline; at most a day).
+        #[serde(default, deserialize_with = "walship_shipping::control::lenient::opt_int")]
+        #[schema(minimum = 0, maximum = 86400000)]
+        deadline_ms: Option<u64>,
+    },
+    /// Compares every replica of `shard` over `[from, to]` and reports the
+    /// first seqno where one differs (`GET /v1/jobs/{query_id}`).
+    Verify {
+        /// The shard (404 when the cluster has no such shard).
+        #[serde(deserialize_with = "walship_shipping::control::lenient::int")]
+        #[schema(value_type = i64, minimum = 0, maximum = 4294967295.0)]
+        shard: u32,
+        /// The first seqno (default 1).
+        #[serde(default, deserialize_with = "walship_shipping::control::lenient::opt_int")]
+        #[schema(minimum = 1)]
+        from: Option<u64>,
+        /// The last seqno (default: the leader's commit seqno now). A range
+        /// with `to` below `from` holds nothing (verdict `empty`).
+        #[serde(default, deserialize_with = "walship_shipping::control::lenient::opt_int")]
+        #[schema(minimum = 1)]
+        to: Option<u64>,
+        /// Records per chunk of the first pass (default 4096).
+        #[serde(default, deserialize_with = "walship_shipping::control::lenient::opt_int")]
+        #[schema(minimum = 1, maximum = 1000000)]
+        chunk_records: Option<u64>,
+        /// Milliseconds from now after which its tasks are failed (0 or absent:
+        /// no deadline; at most a day).
+        #[serde(default, deserialize_with = "walship_shipping::control::lenient::opt_int")]
+        #[schema(minimum = 0, maximum = 86400000)]
+        deadline_ms: Option<u64>,
+    },
 }
 
-/// A job to start.
-#[derive(Debug, Deserialize, utoipa::ToSchema)]
-#[serde(deny_unknown_fields)]
-pub struct NewTask {
-    pub kind: NewTaskKind,
-    /// The worker to run on (`node-N`, 404 when the cluster has no such
-    /// node); any worker when absent.
-    #[serde(default)]
-    #[schema(pattern = "^node-[0-9]+$")]
-    pub node: Option<String>,
-    /// noop: milliseconds to wait (at most an hour).
-    #[serde(default, deserialize_with = "walship_shipping::control::lenient::opt_int")]
-    #[schema(minimum = 0, maximum = 3600000)]
-    pub sleep_ms: Option<u64>,
-    /// noop: whether its counters grow while it waits (default true).
-    #[serde(default)]
-    pub advance: Option<bool>,
-    /// noop: fail with this error.
-    #[serde(default)]
-    pub fail: Option<String>,
-    /// Milliseconds from now after which the task is failed (0 or absent:
-    /// no deadline).
-    #[serde(default, deserialize_with = "walship_shipping::control::lenient::opt_int")]
-    #[schema(minimum = 0, maximum = 86400000)]
-    pub deadline_ms: Option<u64>,
+/// Unix nanoseconds `ms` from now (0: none), or a refusal past a day.
+fn deadline(ms: Option<u64>) -> Result<i64, Box<Response>> {
+    match ms {
+        Some(ms) if ms > 86_400_000 => Err(Box::new(bad_request("deadline_ms is at most 86400000 (a day)".into()))),
+        Some(ms) if ms > 0 => Ok(walship_dataplane::task::unix_nanos() + (ms as i64) * 1_000_000),
+        _ => Ok(0),
+    }
 }
 
 /// A started job.
@@ -219,30 +248,30 @@ pub async fn start(
         return ApiError::new(StatusCode::SERVICE_UNAVAILABLE, "not_active", "this coordinator is a standby")
             .into_response();
     }
-    if let Some(node) = &new.node
+    let (node, sleep_ms, advance, fail, deadline_ms) = match new {
+        NewTask::Verify { shard, from, to, chunk_records, deadline_ms } => {
+            return start_verify(&admin, shard, from, to, chunk_records, deadline_ms);
+        }
+        NewTask::Noop { node, sleep_ms, advance, fail, deadline_ms } => (node, sleep_ms, advance, fail, deadline_ms),
+    };
+    if let Some(node) = &node
         && !admin.coordinator.config.nodes.iter().any(|n| format!("node-{}", n.id) == *node)
     {
         return ApiError::new(StatusCode::NOT_FOUND, "not_found", format!("{node} is not a node of this cluster"))
             .into_response();
     }
-    let NewTaskKind::Noop = new.kind;
-    if new.sleep_ms.is_some_and(|ms| ms > 3_600_000) || new.deadline_ms.is_some_and(|ms| ms > 86_400_000) {
-        return ApiError::new(
-            StatusCode::BAD_REQUEST,
-            "bad_request",
-            "sleep_ms is at most 3600000 (an hour) and deadline_ms at most 86400000 (a day)",
-        )
-        .into_response();
+    if sleep_ms.is_some_and(|ms| ms > 3_600_000) {
+        return bad_request("sleep_ms is at most 3600000 (an hour)".into());
     }
-    let blob = serde_json::json!({
-        "sleep_ms": new.sleep_ms.unwrap_or(0),
-        "advance": new.advance.unwrap_or(true),
-        "fail": new.fail,
-    });
-    let deadline = match new.deadline_ms {
-        Some(ms) if ms > 0 => walship_dataplane::task::unix_nanos() + (ms as i64).saturating_mul(1_000_000),
-        _ => 0,
+    let deadline = match deadline(deadline_ms) {
+        Ok(d) => d,
+        Err(response) => return *response,
     };
+    let blob = serde_json::json!({
+        "sleep_ms": sleep_ms.unwrap_or(0),
+        "advance": advance.unwrap_or(true),
+        "fail": fail,
+    });
     let dispatcher = &admin.dataplane;
     let query_id = dispatcher.new_id("q");
     let task_id = dispatcher.new_id("t");
@@ -250,7 +279,7 @@ pub async fn start(
         task_id: task_id.clone(),
         query_id: query_id.clone(),
         kind: walship_dataplane::kinds::noop::KIND.to_string(),
-        target: new.node,
+        target: node,
         shard: None,
         blob: blob.to_string().into_bytes(),
         deadline_unix_nano: deadline,
@@ -305,5 +334,76 @@ pub async fn redrive(State(admin): State<Arc<CoordAdmin>>, headers: HeaderMap, P
     match admin.dataplane.redrive(&id) {
         Ok(()) => Json(TaskView::from(admin.dataplane.task(&id).expect("known"))).into_response(),
         Err(why) => ApiError::new(StatusCode::CONFLICT, "not_dead_letter", why).into_response(),
+    }
+}
+
+fn bad_request(what: String) -> Response {
+    ApiError::new(StatusCode::BAD_REQUEST, "bad_request", what).into_response()
+}
+
+/// Starts a verify job: its tasks are planned by the coordinator (one per
+/// replica, then a narrower second pass if needed).
+fn start_verify(
+    admin: &Arc<CoordAdmin>,
+    shard: u32,
+    from: Option<u64>,
+    to: Option<u64>,
+    chunk_records: Option<u64>,
+    deadline_ms: Option<u64>,
+) -> Response {
+    use walship_dataplane::kinds::verify;
+    let c = &admin.coordinator;
+    let Some(spec) = c.config.shards.iter().find(|s| s.id == shard) else {
+        return ApiError::new(StatusCode::NOT_FOUND, "not_found", format!("no shard {shard}")).into_response();
+    };
+    let deadline = match deadline(deadline_ms) {
+        Ok(d) => d,
+        Err(response) => return *response,
+    };
+    let from = from.unwrap_or(1).max(1);
+    let to = match to {
+        Some(to) => to,
+        None => {
+            let leader = c.state().and_then(|s| s.shards.get(&shard).and_then(|r| r.leader));
+            let commit = leader.and_then(|l| c.heartbeat(l, shard)).map(|h| h.commit_seqno);
+            commit.unwrap_or(u64::MAX)
+        }
+    };
+    let chunk = chunk_records.unwrap_or(verify::DEFAULT_CHUNK_RECORDS);
+    if !(1..=1_000_000).contains(&chunk) {
+        return bad_request(format!("chunk_records {chunk} is outside 1..=1000000"));
+    }
+    let dispatcher = admin.dataplane.clone();
+    let job = dispatcher.new_id("v");
+    dispatcher.set_report(&job, None);
+    let (d, j, replicas) = (dispatcher.clone(), job.clone(), spec.replicas.clone());
+    tokio::spawn(async move {
+        let report = verify::run(d.clone(), shard, replicas, from, to, chunk, deadline).await;
+        tracing::info!(job = %j, verdict = %report.verdict, first = ?report.first_divergent_seqno, "verify finished");
+        d.set_report(&j, Some(serde_json::to_value(report).expect("plain data")));
+    });
+    (StatusCode::ACCEPTED, Json(TaskStarted { query_id: job, task_ids: Vec::new() })).into_response()
+}
+
+/// A planned job (verify) and its report.
+#[derive(Debug, Serialize, Deserialize, utoipa::ToSchema)]
+pub struct JobView {
+    pub job_id: String,
+    /// `running` or `done`.
+    pub state: String,
+    /// The job's report once done (a verify: `VerifyReport`).
+    #[schema(value_type = Option<Object>)]
+    pub report: Option<serde_json::Value>,
+}
+
+#[utoipa::path(get, path = "/v1/jobs/{id}", tag = "tasks", params(("id" = String, Path, description = "job id (POST /v1/tasks's query_id)")),
+    responses((status = 200, body = JobView), (status = 404, description = "unknown job", body = crate::models::ErrorBody)))]
+pub async fn job(State(admin): State<Arc<CoordAdmin>>, Path(id): Path<String>) -> Response {
+    match admin.dataplane.report(&id) {
+        None => ApiError::new(StatusCode::NOT_FOUND, "not_found", format!("no job {id}")).into_response(),
+        Some(report) => {
+            Json(JobView { job_id: id, state: if report.is_some() { "done" } else { "running" }.into(), report })
+                .into_response()
+        }
     }
 }

@@ -169,6 +169,9 @@ pub struct Dispatcher {
     next_conn: AtomicU64,
     next_id: AtomicU64,
     pub counters: Counters,
+    /// Reports of jobs a coordinator-side planner runs (verify): `None`
+    /// while running. The newest [`KEEP_FINISHED`].
+    reports: Mutex<BTreeMap<String, Option<serde_json::Value>>>,
 }
 
 impl Dispatcher {
@@ -187,6 +190,7 @@ impl Dispatcher {
             next_conn: AtomicU64::new(1),
             next_id: AtomicU64::new(1),
             counters: Counters::default(),
+            reports: Mutex::new(BTreeMap::new()),
         });
         tokio::spawn(dispatcher.clone().run_dispatch(stop.clone()));
         tokio::spawn(dispatcher.clone().run_watchdog(stop));
@@ -217,6 +221,21 @@ impl Dispatcher {
         }
         self.wake.notify_one();
         rx
+    }
+
+    /// Records a planned job's report (`None`: still running).
+    pub fn set_report(&self, job: &str, report: Option<serde_json::Value>) {
+        let mut reports = self.reports.lock();
+        reports.insert(job.to_string(), report);
+        while reports.len() > KEEP_FINISHED {
+            let oldest = reports.keys().next().cloned().expect("non-empty");
+            reports.remove(&oldest);
+        }
+    }
+
+    /// A planned job's report: `Some(None)` while it runs.
+    pub fn report(&self, job: &str) -> Option<Option<serde_json::Value>> {
+        self.reports.lock().get(job).cloned()
     }
 
     /// Forgets a job's result routing (its tasks stay listed).

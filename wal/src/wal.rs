@@ -754,6 +754,15 @@ impl Wal {
         if let Some(frames) = self.shared.shard(shard)?.tail.lock().read(from, to, max_bytes) {
             return Ok(frames);
         }
+        self.read_stored(shard, from, to, max_bytes).await
+    }
+
+    /// Like [`Wal::read`], but from the store only, never the tail cache
+    /// (which holds intact copies of the newest records even when their
+    /// stored bytes are damaged): what a cross-replica verify compares.
+    /// Records not yet in the store are not returned (a short read).
+    pub async fn read_stored(&self, shard: ShardId, from: u64, to: u64, max_bytes: usize) -> WalResult<Vec<Frame>> {
+        self.shared.shard(shard)?;
         let shared = self.shared.clone();
         // Frames past the store's last are staged and cached (the cache never
         // evicts them), so a range that missed the cache and runs past the

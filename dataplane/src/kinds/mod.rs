@@ -2,6 +2,7 @@
 //! for the node side, and what the coordinator needs to plan it.
 
 pub mod noop;
+pub mod verify;
 
 use std::sync::Arc;
 
@@ -9,6 +10,5 @@ use crate::worker::TaskRunner;
 
 /// Every kind a node runs, over its WAL.
 pub fn runners(wal: walship_wal::Wal) -> Vec<Arc<dyn TaskRunner>> {
-    let _ = wal;
-    vec![Arc::new(noop::NoopRunner)]
+    vec![Arc::new(noop::NoopRunner), Arc::new(verify::VerifyRunner(wal))]
 }

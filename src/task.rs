@@ -1,0 +1,223 @@
+//! `walship task list|show|cancel|redrive` and `walship verify`: the
+//! coordinator's DataPlane tasks through its admin API.
+
+use std::time::Duration;
+
+use anyhow::{Result, bail};
+use clap::{Args, Subcommand};
+use serde_json::Value;
+
+use crate::drill::{Admin, AdminArgs};
+use crate::http;
+
+#[derive(Args, Debug)]
+pub struct TaskArgs {
+    #[command(subcommand)]
+    pub command: TaskCommand,
+    /// Print JSON on stdout instead of text.
+    #[arg(long, global = true)]
+    pub json: bool,
+    #[command(flatten)]
+    pub admin: AdminArgs,
+}
+
+#[derive(Subcommand, Debug)]
+pub enum TaskCommand {
+    /// List tasks, newest first.
+    List {
+        /// queued, running, succeeded, failed or cancelled.
+        #[arg(long)]
+        state: Option<String>,
+        /// A task kind, e.g. verify.
+        #[arg(long)]
+        kind: Option<String>,
+        #[arg(long)]
+        shard: Option<u32>,
+        /// A worker, e.g. node-2.
+        #[arg(long)]
+        node: Option<String>,
+        #[arg(long, default_value_t = 20)]
+        limit: u32,
+    },
+    /// Show one task.
+    Show { id: String },
+    /// Stop a task on its node.
+    Cancel { id: String },
+    /// Queue a dead letter (a task that failed on every attempt) again.
+    Redrive { id: String },
+    /// List the dead letters.
+    DeadLetters,
+}
+
+/// Refuses an admin answer that is not `want`.
+fn expect(status: u16, want: u16, answer: &Value) -> Result<()> {
+    if status != want {
+        bail!(
+            "{} ({status}): {}",
+            answer["error"]["code"].as_str().unwrap_or("refused"),
+            answer["error"]["message"].as_str().unwrap_or_default()
+        );
+    }
+    Ok(())
+}
+
+fn line(t: &Value) -> String {
+    format!(
+        "{:<24} {:<8} {:<10} shard {:<5} node {:<8} attempts {} rows {}{}",
+        t["task_id"].as_str().unwrap_or_default(),
+        t["kind"].as_str().unwrap_or_default(),
+        t["state"].as_str().unwrap_or_default(),
+        t["shard"].as_u64().map_or("-".to_string(), |s| s.to_string()),
+        t["node"].as_str().unwrap_or("-"),
+        t["attempts"],
+        t["rows"],
+        t["error"].as_str().map(|e| format!("  error: {e}")).unwrap_or_default()
+    )
+}
+
+pub async fn run(args: TaskArgs) -> Result<()> {
+    let admin = args.admin.resolve()?;
+    let token = admin.token.as_deref();
+    let (status, answer, want) = match &args.command {
+        TaskCommand::List { state, kind, shard, node, limit } => {
+            let mut query = vec![format!("limit={limit}")];
+            for (k, v) in [("state", state.clone()), ("kind", kind.clone()), ("node", node.clone())] {
+                if let Some(v) = v {
+                    query.push(format!("{k}={v}"));
+                }
+            }
+            if let Some(shard) = shard {
+                query.push(format!("shard={shard}"));
+            }
+            let (s, a) =
+                http::request("GET", &admin.url, &format!("/v1/tasks?{}", query.join("&")), None, None).await?;
+            (s, a, 200)
+        }
+        TaskCommand::Show { id } => {
+            let (s, a) = http::request("GET", &admin.url, &format!("/v1/tasks/{id}"), None, None).await?;
+            (s, a, 200)
+        }
+        TaskCommand::Cancel { id } => {
+            let (s, a) =
+                http::request("POST", &admin.url, &format!("/v1/tasks/{id}/cancel"), Some("{}"), token).await?;
+            (s, a, 200)
+        }
+        TaskCommand::Redrive { id } => {
+            let path = format!("/v1/dead-letters/{id}/redrive");
+            let (s, a) = http::request("POST", &admin.url, &path, Some("{}"), token).await?;
+            (s, a, 200)
+        }
+        TaskCommand::DeadLetters => {
+            let (s, a) = http::request("GET", &admin.url, "/v1/dead-letters", None, None).await?;
+            (s, a, 200)
+        }
+    };
+    expect(status, want, &answer)?;
+    if args.json {
+        println!("{}", serde_json::to_string_pretty(&answer)?);
+        return Ok(());
+    }
+    match &args.command {
+        TaskCommand::List { .. } => {
+            for t in answer["tasks"].as_array().into_iter().flatten() {
+                println!("{}", line(t));
+            }
+            println!("({} of {} tasks)", answer["tasks"].as_array().map_or(0, Vec::len), answer["total"]);
+        }
+        TaskCommand::DeadLetters => {
+            for t in answer.as_array().into_iter().flatten() {
+                println!("{}", line(t));
+            }
+        }
+        _ => println!("{}", line(&answer)),
+    }
+    Ok(())
+}
+
+#[derive(Args, Debug)]
+#[command(after_help = "Exit codes: 0 the replicas hold the same records; 1 an error; 4 they differ (the \
+report names the first seqno and the replicas that differ).")]
+pub struct VerifyArgs {
+    /// The shard to verify.
+    #[arg(long)]
+    pub shard: u32,
+    /// First seqno [default: 1].
+    #[arg(long)]
+    pub from: Option<u64>,
+    /// Last seqno [default: the leader's commit seqno now].
+    #[arg(long)]
+    pub to: Option<u64>,
+    /// Records per chunk of the first pass [default: 4096].
+    #[arg(long)]
+    pub chunk_records: Option<u64>,
+    /// Print the report as JSON.
+    #[arg(long)]
+    pub json: bool,
+    #[command(flatten)]
+    pub admin: AdminArgs,
+}
+
+/// The replicas differ (`walship verify` exits with it).
+#[derive(Debug)]
+pub struct Diverged;
+
+impl std::fmt::Display for Diverged {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("the replicas differ")
+    }
+}
+
+impl std::error::Error for Diverged {}
+
+async fn poll_job(admin: &Admin, job: &str, bar: &indicatif::ProgressBar) -> Result<Value> {
+    loop {
+        let (status, view) = http::request("GET", &admin.url, &format!("/v1/jobs/{job}"), None, None).await?;
+        expect(status, 200, &view)?;
+        if view["state"] == "done" {
+            return Ok(view["report"].clone());
+        }
+        bar.tick();
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+}
+
+pub async fn verify(args: VerifyArgs) -> Result<()> {
+    let admin = args.admin.resolve()?;
+    let mut body = serde_json::json!({"kind": "verify", "shard": args.shard});
+    for (k, v) in [("from", args.from), ("to", args.to), ("chunk_records", args.chunk_records)] {
+        if let Some(v) = v {
+            body[k] = v.into();
+        }
+    }
+    let (status, started) =
+        http::request("POST", &admin.url, "/v1/tasks", Some(&body.to_string()), admin.token.as_deref()).await?;
+    expect(status, 202, &started)?;
+    let job = started["query_id"].as_str().unwrap_or_default().to_string();
+    let bar = indicatif::ProgressBar::new_spinner();
+    bar.set_message(format!("verifying shard {} on every replica (job {job})", args.shard));
+    bar.enable_steady_tick(Duration::from_millis(100));
+    let report = poll_job(&admin, &job, &bar).await;
+    bar.finish_and_clear();
+    let report = report?;
+    if args.json {
+        println!("{}", serde_json::to_string_pretty(&report)?);
+    } else {
+        match report["verdict"].as_str().unwrap_or_default() {
+            "equal" => println!(
+                "shard {}: every replica ({}) holds the same records [{}, {}]",
+                args.shard, report["replicas"], report["from"], report["equal_through"]
+            ),
+            "diverged" => println!(
+                "shard {}: replicas differ from seqno {}: differing {}, missing records {}, majority {}",
+                args.shard, report["first_divergent_seqno"], report["differing"], report["missing"], report["majority"]
+            ),
+            "empty" => println!("shard {}: no replica holds a record of the range", args.shard),
+            "settled" => println!("shard {}: {}", args.shard, report["note"].as_str().unwrap_or_default()),
+            _ => bail!("verify failed: {}", report["error"].as_str().unwrap_or("unknown")),
+        }
+    }
+    if report["verdict"] == "diverged" {
+        return Err(Diverged.into());
+    }
+    Ok(())
+}
