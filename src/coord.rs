@@ -158,6 +158,7 @@ pub async fn run_coord(args: CoordArgs) -> Result<()> {
         started: Instant::now(),
         lag_history: Default::default(),
         dataplane,
+        exports_dir: args.data_dir.join("exports"),
     });
     let admin_shutdown = shutdown.clone();
     let http = tokio::spawn(async move {

@@ -18,6 +18,20 @@ pub async fn request(
     body: Option<&str>,
     token: Option<&str>,
 ) -> Result<(u16, serde_json::Value)> {
+    let (status, payload) = request_raw(method, base, path, body, token).await?;
+    let payload = String::from_utf8_lossy(&payload).to_string();
+    let json = serde_json::from_str(&payload).unwrap_or(serde_json::Value::String(payload));
+    Ok((status, json))
+}
+
+/// Sends a request; returns (status, body bytes).
+pub async fn request_raw(
+    method: &str,
+    base: &str,
+    path: &str,
+    body: Option<&str>,
+    token: Option<&str>,
+) -> Result<(u16, Vec<u8>)> {
     let host = authority(base);
     let tls = crate::tls::ClientTls::current();
     let https = base.starts_with("https://") || (tls.is_some() && !base.starts_with("http://"));
@@ -38,22 +52,22 @@ pub async fn request(
     } else {
         exchange(tcp, &head, body).await?
     };
-    let text = String::from_utf8_lossy(&raw);
-    if !text.starts_with("HTTP/") {
+    if !raw.starts_with(b"HTTP/") {
         bail!(
             "{base} did not answer in HTTP{}",
             if https { "" } else { " (if it serves TLS, use an https:// URL and --ca)" }
         );
     }
-    let (head, payload) = text.split_once("\r\n\r\n").context("malformed HTTP response")?;
+    let split = raw.windows(4).position(|w| w == b"\r\n\r\n").context("malformed HTTP response")?;
+    let head = String::from_utf8_lossy(&raw[..split]).to_string();
+    let payload = &raw[split + 4..];
     let status: u16 = head.split_whitespace().nth(1).and_then(|s| s.parse().ok()).context("malformed HTTP status")?;
     let payload = if head.to_ascii_lowercase().contains("transfer-encoding: chunked") {
         dechunk(payload)
     } else {
-        payload.to_string()
+        payload.to_vec()
     };
-    let json = serde_json::from_str(&payload).unwrap_or(serde_json::Value::String(payload));
-    Ok((status, json))
+    Ok((status, payload))
 }
 
 /// Writes one request and reads the whole answer (the server closes).
@@ -75,15 +89,17 @@ async fn exchange(
     Ok(raw)
 }
 
-fn dechunk(mut body: &str) -> String {
-    let mut out = String::new();
-    while let Some((size, rest)) = body.split_once("\r\n") {
+fn dechunk(mut body: &[u8]) -> Vec<u8> {
+    let mut out = Vec::new();
+    while let Some(eol) = body.windows(2).position(|w| w == b"\r\n") {
+        let size = String::from_utf8_lossy(&body[..eol]).to_string();
         let Ok(n) = usize::from_str_radix(size.trim(), 16) else { break };
+        let rest = &body[eol + 2..];
         if n == 0 || rest.len() < n {
             break;
         }
-        out.push_str(&rest[..n]);
-        body = rest[n..].trim_start_matches("\r\n");
+        out.extend_from_slice(&rest[..n]);
+        body = rest[n..].strip_prefix(b"\r\n").unwrap_or(&rest[n..]);
     }
     out
 }

@@ -72,6 +72,8 @@ enum Command {
     Task(task::TaskArgs),
     /// Compare every replica of a shard record by record; report the first seqno where one differs.
     Verify(task::VerifyArgs),
+    /// Write a shard's records of a range to an Arrow IPC file (seqno, epoch, timestamp, key, payload).
+    Export(task::ExportArgs),
 }
 
 fn main() -> std::process::ExitCode {
@@ -150,6 +152,7 @@ fn run() -> Result<()> {
             | Command::BenchDrills(_)
             | Command::Task(_)
             | Command::Verify(_)
+            | Command::Export(_)
     ) {
         cli.tls.clone().install()?;
     }
@@ -175,6 +178,7 @@ fn run() -> Result<()> {
             Command::BenchDrills(args) => bench_drills::run(args).await,
             Command::Task(args) => task::run(args).await,
             Command::Verify(args) => task::verify(args).await,
+            Command::Export(args) => task::export(args).await,
         }
     })
 }

@@ -390,3 +390,76 @@ async fn verify_finds_the_first_bad_seqno_of_a_damaged_replica() {
     let (_, after) = cluster.coord_get(1, "/v1/tasks?kind=verify&limit=1000").await;
     assert_eq!(after["total"], 18, "refused verifies started tasks");
 }
+
+/// `walship export` writes a range of a shard as an Arrow IPC file that
+/// pyarrow reads back with every field equal to what the shard serves.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn export_round_trips_through_pyarrow() {
+    use walship_proto::log::{AppendRecord, AppendRequest, Durability};
+    let mut cluster = Cluster::start_with(3, 1, 1, "", None);
+    wait_workers(&mut cluster, 3).await;
+    let (leader, _) = cluster.leader_of(1, 1).await.expect("a leader");
+    let grpc = cluster.node(leader).grpc.clone();
+    let mut log = cluster.node(leader).client().await;
+    for i in 0..25u32 {
+        let records = (0..10u32)
+            .map(|j| AppendRecord {
+                // Every third record has no key (exported as null).
+                key: if j % 3 == 0 { Vec::new().into() } else { format!("key-{i}-{j}").into_bytes().into() },
+                payload: (0..=(i * 10 + j) as u8).collect::<Vec<u8>>().into(),
+            })
+            .collect();
+        log.append(AppendRequest { shard_id: 1, records, durability: Durability::Quorum as i32 }).await.unwrap();
+    }
+    let dir = tempfile::tempdir().unwrap();
+    let out = dir.path().join("shard-1.arrow");
+    let admin = format!("http://{}", cluster.coordinator(1).admin);
+    let run = std::process::Command::new(common::walship_bin())
+        .args(["export", "--shard", "1", "--from", "11", "--to", "240", "--out"])
+        .arg(&out)
+        .args(["--admin", &admin, "--token", TOKEN])
+        .output()
+        .unwrap();
+    assert!(run.status.success(), "{}", String::from_utf8_lossy(&run.stderr));
+    assert!(String::from_utf8_lossy(&run.stdout).contains("230 rows"), "{}", String::from_utf8_lossy(&run.stdout));
+
+    let python = std::env::var_os("WALSHIP_PYTHON").map_or_else(
+        || std::path::PathBuf::from(env!("CARGO_MANIFEST_DIR")).join(".walship/tools/venv/bin/python"),
+        std::path::PathBuf::from,
+    );
+    let script = r#"
+import json, sys
+import pyarrow as pa
+table = pa.ipc.open_file(sys.argv[1]).read_all()
+rows = []
+for r in table.to_pylist():
+    rows.append([r["seqno"], r["epoch"], None if r["key"] is None else r["key"].hex(), r["payload"].hex()])
+ts = table.column("timestamp_us").cast(pa.int64()).to_pylist()
+print(json.dumps({"rows": rows, "ts": ts}))
+"#;
+    let read = std::process::Command::new(&python).args(["-c", script]).arg(&out).output().unwrap();
+    assert!(read.status.success(), "pyarrow: {}", String::from_utf8_lossy(&read.stderr));
+    let got: Value = serde_json::from_slice(&read.stdout).unwrap();
+    let records = common::read_all(&grpc, 1, 250).await;
+    let want: Vec<Value> = records[10..240]
+        .iter()
+        .map(|r| {
+            let hex = |b: &[u8]| b.iter().map(|x| format!("{x:02x}")).collect::<String>();
+            json!([r.seqno, r.epoch, if r.key.is_empty() { Value::Null } else { hex(&r.key).into() }, hex(&r.payload)])
+        })
+        .collect();
+    assert_eq!(got["rows"].as_array().unwrap().len(), 230);
+    assert_eq!(got["rows"], Value::Array(want), "every field as the shard serves it");
+    let ts: Vec<u64> = records[10..240].iter().map(|r| r.timestamp_us).collect();
+    assert_eq!(got["ts"], json!(ts));
+
+    // A replica that is not one of the shard's, or an unknown shard: refused.
+    for (body, code) in
+        [(json!({"kind": "export", "shard": 1, "node": "node-7"}), 404), (json!({"kind": "export", "shard": 8}), 404)]
+    {
+        let (got, answer) = cluster.coord_post(1, "/v1/tasks", &body.to_string(), Some(TOKEN)).await;
+        assert_eq!(got, code, "{body}: {answer}");
+    }
+    let (code, _) = cluster.coord_get(1, "/v1/jobs/x-nothing/export").await;
+    assert_eq!(code, 404);
+}

@@ -34,6 +34,8 @@ pub struct CoordAdmin {
     pub token: String,
     /// The DataPlane: connected workers and their tasks.
     pub dataplane: Arc<walship_dataplane::coordinator::Dispatcher>,
+    /// Where export jobs write their Arrow files.
+    pub exports_dir: std::path::PathBuf,
     pub started: Instant,
     /// Recent lag samples (`/v1/shards/{id}/lag-history`), filled once a
     /// second by a task [`coord_router`] starts.
@@ -65,6 +67,7 @@ pub fn coord_router(admin: Arc<CoordAdmin>) -> Router {
         .route("/v1/tasks/{id}", get(crate::tasks::show))
         .route("/v1/tasks/{id}/cancel", post(crate::tasks::cancel))
         .route("/v1/jobs/{id}", get(crate::tasks::job))
+        .route("/v1/jobs/{id}/export", get(crate::tasks::export_file))
         .route("/v1/dead-letters", get(crate::tasks::dead_letters))
         .route("/v1/dead-letters/{id}/redrive", post(crate::tasks::redrive))
         .fallback(|| async { ApiError::new(StatusCode::NOT_FOUND, "not_found", "no such endpoint") })

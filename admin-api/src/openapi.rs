@@ -52,7 +52,7 @@ impl Modify for Bearer {
         crate::coord::drills, crate::coord::drill, crate::coord::failover_drill, crate::coord::catchup_drill,
         crate::coord::corruption_drill, crate::coord::partition_drill,
         crate::tasks::list, crate::tasks::show, crate::tasks::start, crate::tasks::cancel,
-        crate::tasks::dead_letters, crate::tasks::redrive, crate::tasks::job,
+        crate::tasks::dead_letters, crate::tasks::redrive, crate::tasks::job, crate::tasks::export_file,
     ),
     components(schemas(
         ClusterView, CoordinatorView, NodeView, ShardView, ReplicaView, ErrorBody, ErrorDetail, DrillStarted,
@@ -67,7 +67,7 @@ impl Modify for Bearer {
         walship_shipping::control::drills::PartitionDrillRequest, walship_shipping::control::drills::PartitionDrillResult,
         walship_shipping::control::drills::PartitionTrial, walship_shipping::control::drills::TimeSummary,
         crate::tasks::TaskView, crate::tasks::TaskPage, crate::tasks::NewTask, crate::tasks::TaskStarted, crate::tasks::JobView,
-        walship_dataplane::kinds::verify::VerifyReport,
+        walship_dataplane::kinds::verify::VerifyReport, walship_dataplane::kinds::export::ExportReport,
         walship_dataplane::task::TaskState,
         walship_dataplane::coordinator::WorkerView, crate::models::DataPlaneView,
     )),

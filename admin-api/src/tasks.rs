@@ -183,6 +183,28 @@ pub enum NewTask {
         #[schema(minimum = 0, maximum = 86400000)]
         deadline_ms: Option<u64>,
     },
+    /// Writes `shard`'s records `[from, to]`, read on `node` (default: the
+    /// leader), into an Arrow IPC file on the coordinator
+    /// (`GET /v1/jobs/{query_id}/export`).
+    Export {
+        #[serde(deserialize_with = "walship_shipping::control::lenient::int")]
+        #[schema(value_type = i64, minimum = 0, maximum = 4294967295.0)]
+        shard: u32,
+        #[serde(default)]
+        #[schema(pattern = "^node-[0-9]+$")]
+        node: Option<String>,
+        /// The first seqno (default 1).
+        #[serde(default, deserialize_with = "walship_shipping::control::lenient::opt_int")]
+        #[schema(minimum = 1)]
+        from: Option<u64>,
+        /// The last seqno (default: the leader's commit seqno now).
+        #[serde(default, deserialize_with = "walship_shipping::control::lenient::opt_int")]
+        #[schema(minimum = 1)]
+        to: Option<u64>,
+        #[serde(default, deserialize_with = "walship_shipping::control::lenient::opt_int")]
+        #[schema(minimum = 0, maximum = 86400000)]
+        deadline_ms: Option<u64>,
+    },
     /// Compares every replica of `shard` over `[from, to]` and reports the
     /// first seqno where one differs (`GET /v1/jobs/{query_id}`).
     Verify {
@@ -251,6 +273,9 @@ pub async fn start(
     let (node, sleep_ms, advance, fail, deadline_ms) = match new {
         NewTask::Verify { shard, from, to, chunk_records, deadline_ms } => {
             return start_verify(&admin, shard, from, to, chunk_records, deadline_ms);
+        }
+        NewTask::Export { shard, node, from, to, deadline_ms } => {
+            return start_export(&admin, shard, node, from, to, deadline_ms);
         }
         NewTask::Noop { node, sleep_ms, advance, fail, deadline_ms } => (node, sleep_ms, advance, fail, deadline_ms),
     };
@@ -405,5 +430,79 @@ pub async fn job(State(admin): State<Arc<CoordAdmin>>, Path(id): Path<String>) -
             Json(JobView { job_id: id, state: if report.is_some() { "done" } else { "running" }.into(), report })
                 .into_response()
         }
+    }
+}
+
+/// The leader of `shard` and its commit seqno now, as the coordinator knows.
+fn leader_and_commit(admin: &CoordAdmin, shard: u32) -> (Option<u32>, Option<u64>) {
+    let c = &admin.coordinator;
+    let leader = c.state().and_then(|s| s.shards.get(&shard).and_then(|r| r.leader));
+    (leader, leader.and_then(|l| c.heartbeat(l, shard)).map(|h| h.commit_seqno))
+}
+
+/// Starts an export job: one task on `node` (default the leader), its
+/// batches written into an Arrow IPC file here.
+fn start_export(
+    admin: &Arc<CoordAdmin>,
+    shard: u32,
+    node: Option<String>,
+    from: Option<u64>,
+    to: Option<u64>,
+    deadline_ms: Option<u64>,
+) -> Response {
+    use walship_dataplane::kinds::export;
+    let Some(spec) = admin.coordinator.config.shards.iter().find(|s| s.id == shard) else {
+        return ApiError::new(StatusCode::NOT_FOUND, "not_found", format!("no shard {shard}")).into_response();
+    };
+    let deadline = match deadline(deadline_ms) {
+        Ok(d) => d,
+        Err(response) => return *response,
+    };
+    let (leader, commit) = leader_and_commit(admin, shard);
+    let node = match node {
+        Some(node) => match node.strip_prefix("node-").and_then(|n| n.parse::<u32>().ok()) {
+            Some(n) if spec.replicas.contains(&n) => n,
+            _ => {
+                return ApiError::new(
+                    StatusCode::NOT_FOUND,
+                    "not_found",
+                    format!("{node} holds no replica of shard {shard}"),
+                )
+                .into_response();
+            }
+        },
+        None => match leader {
+            Some(leader) => leader,
+            None => {
+                return ApiError::new(StatusCode::CONFLICT, "no_leader", format!("shard {shard} has no leader now"))
+                    .into_response();
+            }
+        },
+    };
+    let from = from.unwrap_or(1).max(1);
+    let to = to.or(commit).unwrap_or(0);
+    let dispatcher = admin.dataplane.clone();
+    let job = dispatcher.new_id("x");
+    dispatcher.set_report(&job, None);
+    let (d, j, dir) = (dispatcher.clone(), job.clone(), admin.exports_dir.clone());
+    tokio::spawn(async move {
+        let report = export::run(d.clone(), dir, j.clone(), shard, node, from, to, deadline).await;
+        tracing::info!(job = %j, state = %report.state, rows = report.rows, "export finished");
+        d.set_report(&j, Some(serde_json::to_value(report).expect("plain data")));
+    });
+    (StatusCode::ACCEPTED, Json(TaskStarted { query_id: job, task_ids: Vec::new() })).into_response()
+}
+
+#[utoipa::path(get, path = "/v1/jobs/{id}/export", tag = "tasks", params(("id" = String, Path, description = "an export job's id")),
+    responses((status = 200, description = "the Arrow IPC file", content_type = "application/vnd.apache.arrow.file"),
+        (status = 404, description = "no such export, or not finished", body = crate::models::ErrorBody)))]
+pub async fn export_file(State(admin): State<Arc<CoordAdmin>>, Path(id): Path<String>) -> Response {
+    let done = admin.dataplane.report(&id).flatten().is_some_and(|r| r["state"] == "done" && r["file"].is_string());
+    if !done || !id.starts_with("x-") || !id.bytes().all(|b| b.is_ascii_alphanumeric() || b == b'-') {
+        return ApiError::new(StatusCode::NOT_FOUND, "not_found", format!("no finished export {id}")).into_response();
+    }
+    match tokio::fs::read(walship_dataplane::kinds::export::file_of(&admin.exports_dir, &id)).await {
+        Ok(bytes) => ([(axum::http::header::CONTENT_TYPE, "application/vnd.apache.arrow.file")], bytes).into_response(),
+        Err(e) => ApiError::new(StatusCode::NOT_FOUND, "not_found", format!("export {id}: {e}")).into_response(),
     }
 }

@@ -1,0 +1,171 @@
+//! `export`: a shard's records of a range as Arrow (seqno, epoch,
+//! timestamp, key, payload; [`crate::arrow_export`]).
+//!
+//! * **On a node** ([`ExportRunner`]): reads `[from, to]` (capped at its
+//!   durable seqno) page by page and sends each page as one `ResultBatch`
+//!   holding an Arrow IPC stream.
+//! * **On the coordinator** ([`run`]): one task on the shard's leader; its
+//!   batches are appended, in order, to an Arrow IPC *file*
+//!   (`<coordinator data dir>/exports/<job>.arrow`) that pyarrow, DuckDB or
+//!   any Arrow reader opens. If the task is dispatched again (its node went
+//!   away), the file starts over; if it fails, the partial file is removed.
+
+use std::future::Future;
+use std::path::{Path, PathBuf};
+use std::pin::Pin;
+use std::sync::Arc;
+
+use serde::{Deserialize, Serialize};
+use walship_wal::Wal;
+
+use crate::arrow_export::{IpcFileWriter, ipc_stream};
+use crate::coordinator::{Dispatcher, JobEvent};
+use crate::task::{TaskSpec, TaskState};
+use crate::worker::{TaskContext, TaskOutcome, TaskRunner};
+
+pub const KIND: &str = "export";
+
+/// Record bytes per batch (each batch is one DataPlane message).
+const PAGE_BYTES: usize = 4 << 20;
+
+#[derive(Debug, Clone, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct ExportBlob {
+    pub shard: u32,
+    pub from: u64,
+    pub to: u64,
+}
+
+/// Reads a range of this node's replica as Arrow batches.
+pub struct ExportRunner(pub Wal);
+
+impl TaskRunner for ExportRunner {
+    fn kind(&self) -> &'static str {
+        KIND
+    }
+
+    fn run(&self, task: Arc<TaskContext>) -> Pin<Box<dyn Future<Output = TaskOutcome> + Send>> {
+        let wal = self.0.clone();
+        Box::pin(async move {
+            let blob: ExportBlob =
+                serde_json::from_slice(&task.blob).map_err(|e| format!("an export task's blob: {e}"))?;
+            let p = wal.positions(blob.shard).map_err(|e| e.to_string())?;
+            if blob.from < p.first_seqno {
+                return Err(format!(
+                    "shard {}: records before {} are no longer retained here (asked from {})",
+                    blob.shard, p.first_seqno, blob.from
+                ));
+            }
+            let to = blob.to.min(p.durable_seqno);
+            let mut next = blob.from;
+            while next <= to {
+                if task.cancel.is_cancelled() {
+                    return Err("cancelled".into());
+                }
+                let frames = wal.read(blob.shard, next, to, PAGE_BYTES).await.map_err(|e| e.to_string())?;
+                let Some(last) = frames.last().map(|f| f.seqno()) else { break };
+                let bytes: usize = frames.iter().map(|f| f.len()).sum();
+                let payload = ipc_stream(&frames).map_err(|e| e.to_string())?;
+                task.send(frames.len() as i32, payload).await?;
+                task.advance(frames.len() as i64, bytes as i64);
+                next = last + 1;
+            }
+            Ok((0, Vec::new()))
+        })
+    }
+}
+
+/// What an export wrote.
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq, utoipa::ToSchema)]
+pub struct ExportReport {
+    pub shard: u32,
+    pub from: u64,
+    pub to: u64,
+    /// The node that read the records.
+    pub node: u32,
+    /// `done` or `failed`.
+    pub state: String,
+    pub rows: u64,
+    pub bytes: u64,
+    /// The Arrow IPC file on the coordinator (`GET /v1/jobs/{id}/export`).
+    pub file: Option<String>,
+    pub error: Option<String>,
+}
+
+/// Where job `job`'s export file lives under `dir`.
+pub fn file_of(dir: &Path, job: &str) -> PathBuf {
+    dir.join(format!("{job}.arrow"))
+}
+
+/// Exports `[from, to]` of `shard` read on `node` into `file_of(dir, job)`.
+#[allow(clippy::too_many_arguments)]
+pub async fn run(
+    dispatcher: Arc<Dispatcher>,
+    dir: PathBuf,
+    job: String,
+    shard: u32,
+    node: u32,
+    from: u64,
+    to: u64,
+    deadline_unix_nano: i64,
+) -> ExportReport {
+    let path = file_of(&dir, &job);
+    let mut report =
+        ExportReport { shard, from, to, node, state: "failed".into(), rows: 0, bytes: 0, file: None, error: None };
+    let outcome: Result<u64, String> = async {
+        std::fs::create_dir_all(&dir).map_err(|e| format!("creating {}: {e}", dir.display()))?;
+        let task_id = dispatcher.new_id("t");
+        let blob = serde_json::to_vec(&ExportBlob { shard, from, to }).expect("plain data");
+        let spec = TaskSpec {
+            task_id: task_id.clone(),
+            query_id: job.clone(),
+            kind: KIND.to_string(),
+            target: Some(format!("node-{node}")),
+            shard: Some(shard),
+            blob,
+            deadline_unix_nano,
+        };
+        let mut events = dispatcher.submit(&job, vec![spec]);
+        let mut writer = IpcFileWriter::create(&path).map_err(|e| e.to_string())?;
+        let mut attempt = 1;
+        let result = loop {
+            let Some(event) = events.recv().await else { break Err("the job's events ended".to_string()) };
+            match event {
+                JobEvent::Batch { batch, .. } => {
+                    // A dispatch after the first starts over from `from`.
+                    let now = dispatcher.task(&task_id).map_or(attempt, |t| t.attempts);
+                    if now != attempt {
+                        attempt = now;
+                        writer = IpcFileWriter::create(&path).map_err(|e| e.to_string())?;
+                    }
+                    if !batch.payload.is_empty() {
+                        writer
+                            .write_ipc_stream(&batch.payload)
+                            .map_err(|e| format!("a batch from node {node}: {e}"))?;
+                    }
+                }
+                JobEvent::Finished { state: TaskState::Succeeded, .. } => break Ok(()),
+                JobEvent::Finished { state, error, .. } => {
+                    break Err(format!("the export task {}: {}", state.name(), error.unwrap_or_default()));
+                }
+            }
+        };
+        dispatcher.close_job(&job);
+        result?;
+        writer.finish().map_err(|e| e.to_string())
+    }
+    .await;
+    match outcome {
+        Ok(rows) => {
+            report.state = "done".into();
+            report.rows = rows;
+            report.bytes = std::fs::metadata(&path).map_or(0, |m| m.len());
+            report.file = Some(path.display().to_string());
+        }
+        Err(error) => {
+            let _ = std::fs::remove_file(&path);
+            report.error = Some(error);
+        }
+    }
+    report
+}
