@@ -29,8 +29,8 @@
 //!   happen. The coordinator's hand-over floor still applies from the start.
 //! * Leader lease (coordinated clusters): the leader acknowledges appends
 //!   at any durability only while it has heard, within `lease_us`, from a
-//!   majority of its replica set (positive ship replies; its own start
-//!   counts as contact). A leader frozen or cut off from its followers past
+//!   majority of its replica set (positive ship replies, dated by when the
+//!   request they answer was sent; its own start counts as contact). A leader frozen or cut off from its followers past
 //!   the failure timeout stops acknowledging even `LOCAL` appends and, once
 //!   a majority had answered it in this leadership, steps down (Raft's
 //!   CheckQuorum), even while it still reaches the coordinator. `LOCAL` is still not failover-safe: it is acknowledged
@@ -375,7 +375,13 @@ impl LeaderCore {
 
     /// A follower answered. Returns `Ok(commit moved)` or `Err(newer epoch)`
     /// when the follower has seen a newer epoch than this leader's.
-    pub fn on_reply(&mut self, follower: NodeId, reply: ShipReply, now_us: u64) -> Result<bool, Epoch> {
+    /// `sent_us` is when the request this reply answers was sent: a
+    /// positive reply shows the follower accepted this leadership at some
+    /// instant after it, not at the instant the reply is read. The lease
+    /// counts from it, so replies that waited in a socket while this leader
+    /// was frozen (SIGSTOP, a long pause) cannot extend a lease that lapsed
+    /// meanwhile.
+    pub fn on_reply(&mut self, follower: NodeId, reply: ShipReply, sent_us: u64) -> Result<bool, Epoch> {
         let first = self.first;
         let durable = self.durable;
         let written = self.written;
@@ -396,7 +402,7 @@ impl LeaderCore {
                 p.next = p.acked + 1;
             }
             ShipReply::Applied { applied } | ShipReply::Gap { applied } => {
-                p.last_reply_us = Some(now_us);
+                p.last_reply_us = Some(p.last_reply_us.map_or(sent_us, |last| last.max(sent_us)));
                 // Never past what this leader's log holds: a longer log on
                 // the follower is a divergence for EpochEnd repair, not an ack.
                 p.acked = p.acked.max(applied.min(written));

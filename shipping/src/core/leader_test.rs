@@ -411,6 +411,28 @@ fn the_lease_needs_a_majority_of_recent_positive_replies() {
 }
 
 #[test]
+fn a_reply_read_after_a_freeze_dates_from_its_request_and_renews_no_lapsed_lease() {
+    let mut core = leased(&[2, 3]);
+    // Keepalives sent at 10_500; the leader then freezes until 50_000 and
+    // reads the replies that waited in its sockets.
+    for follower in [2, 3] {
+        assert_eq!(core.poll_ship(follower, 10_500), ShipDecision::Keepalive);
+        core.on_keepalive_sent(follower, 10_500);
+        core.on_reply(follower, ShipReply::Applied { applied: Seqno(0) }, 10_500).unwrap();
+    }
+    assert!(core.lease_holds(11_499), "the replies show contact as of their requests");
+    assert!(!core.lease_holds(50_000), "nothing since: the lease lapsed during the freeze");
+    // A later request's reply does renew it, from that request on.
+    core.on_keepalive_sent(2, 50_000);
+    core.on_reply(2, ShipReply::Applied { applied: Seqno(0) }, 50_000).unwrap();
+    assert!(core.lease_holds(50_999));
+    // A reply to an older request never moves the contact back.
+    core.on_keepalive_sent(2, 40_000);
+    core.on_reply(2, ShipReply::Applied { applied: Seqno(0) }, 40_000).unwrap();
+    assert!(core.lease_holds(50_999));
+}
+
+#[test]
 fn a_majority_has_answered_once_any_majority_replied_in_this_leadership() {
     let mut core = leased(&[2, 3, 4, 5]);
     assert!(!core.had_majority(), "nobody answered yet: followers may still be starting");

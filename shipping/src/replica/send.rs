@@ -243,24 +243,28 @@ impl ReplicationNode {
                                 break;
                             }
                         };
-                        leader.core.lock().on_sent(follower, from, last, now_us());
-                        in_flight.push(self.ship(&replica, &leader, follower, Some(segment)));
+                        let sent = now_us();
+                        leader.core.lock().on_sent(follower, from, last, sent);
+                        let ship = self.ship(&replica, &leader, follower, Some(segment));
+                        in_flight.push(dated(sent, ship));
                     }
                     ShipDecision::Keepalive => {
-                        leader.core.lock().on_keepalive_sent(follower, now_us());
-                        in_flight.push(self.ship(&replica, &leader, follower, None));
+                        let sent = now_us();
+                        leader.core.lock().on_keepalive_sent(follower, sent);
+                        let ship = self.ship(&replica, &leader, follower, None);
+                        in_flight.push(dated(sent, ship));
                     }
                     ShipDecision::Idle => break,
                 }
             }
             tokio::select! {
-                Some(reply) = in_flight.next(), if !in_flight.is_empty() => {
+                Some((sent, reply)) = in_flight.next(), if !in_flight.is_empty() => {
                     if matches!(reply, ShipReply::Failed) {
                         self.metrics.ship_errors.with_label_values(&[&follower.to_string()]).inc();
                     }
                     let deposed = {
                         let mut core = leader.core.lock();
-                        let deposed = core.on_reply(follower, reply, now_us()).err();
+                        let deposed = core.on_reply(follower, reply, sent).err();
                         replica.publish_leader(&core, &self.metrics);
                         deposed
                     };
@@ -438,4 +442,10 @@ mod ship_stream_tests {
         }
         server.abort();
     }
+}
+
+/// A ship call's reply with when its request was sent (what a reply proves
+/// about the follower dates from then; see `LeaderCore::on_reply`).
+async fn dated<F: std::future::Future>(sent_us: u64, call: F) -> (u64, F::Output) {
+    (sent_us, call.await)
 }
