@@ -371,6 +371,12 @@ impl ReplicationNode {
     }
 }
 
+/// A ship call's reply with when its request was sent (what a reply proves
+/// about the follower dates from then; see `LeaderCore::on_reply`).
+async fn dated<F: std::future::Future>(sent_us: u64, call: F) -> (u64, F::Output) {
+    (sent_us, call.await)
+}
+
 #[cfg(test)]
 mod ship_stream_tests {
     use std::pin::Pin;
@@ -442,10 +448,4 @@ mod ship_stream_tests {
         }
         server.abort();
     }
-}
-
-/// A ship call's reply with when its request was sent (what a reply proves
-/// about the follower dates from then; see `LeaderCore::on_reply`).
-async fn dated<F: std::future::Future>(sent_us: u64, call: F) -> (u64, F::Output) {
-    (sent_us, call.await)
 }
