@@ -463,3 +463,84 @@ print(json.dumps({"rows": rows, "ts": ts}))
     let (code, _) = cluster.coord_get(1, "/v1/jobs/x-nothing/export").await;
     assert_eq!(code, 404);
 }
+
+/// A coordinator that refuses other builds (`--build-policy refuse`), and a
+/// worker that sends a result larger than the stream's limit: the stream
+/// ends with a clear status and the coordinator carries on.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn other_builds_and_oversized_results_are_refused() {
+    let dir = tempfile::tempdir().unwrap();
+    let (grpc, admin, node) = (common::free_port(), common::free_port(), common::free_port());
+    let config = dir.path().join("cluster.toml");
+    std::fs::write(
+        &config,
+        format!(
+            "secret = \"{}\"\n[[coordinators]]\nid = \"c1\"\ngrpc_addr = \"127.0.0.1:{grpc}\"\nadmin_addr = \"127.0.0.1:{admin}\"\n\
+             [[nodes]]\nid = 1\ngrpc_addr = \"127.0.0.1:{node}\"\nadmin_addr = \"127.0.0.1:{}\"\n\
+             [[shards]]\nid = 1\nreplicas = [1]\nleader = 1\n",
+            common::SECRET,
+            common::free_port()
+        ),
+    )
+    .unwrap();
+    let (mut coordinator, _) = common::spawn_listening(
+        std::process::Command::new(common::walship_bin())
+            .args(["coord", "--id", "c1", "--admin-token", TOKEN, "--cluster"])
+            .arg(&config)
+            .arg("--data-dir")
+            .arg(dir.path().join("coord"))
+            .env("WALSHIP_BUILD_POLICY", "refuse"),
+        "coordinator",
+    );
+    let addr = format!("127.0.0.1:{grpc}");
+    // Active once it holds the lease: then it takes workers.
+    let mut welcome = None;
+    for _ in 0..100 {
+        let (tx, rx) = tokio::sync::mpsc::channel(8);
+        tx.send(hello("same-build")).await.unwrap();
+        match member(&addr).await.connect(tokio_stream::wrappers::ReceiverStream::new(rx)).await {
+            Ok(stream) => {
+                welcome = Some((tx, stream.into_inner()));
+                break;
+            }
+            Err(status) if status.message().contains("standby") => {
+                tokio::time::sleep(Duration::from_millis(100)).await;
+            }
+            Err(status) => panic!("a worker of the same build was refused: {status:?}"),
+        }
+    }
+    let (tx, mut inbound) = welcome.expect("the coordinator became active");
+    assert!(inbound.next().await.unwrap().is_ok(), "Welcome");
+    let other = WorkerEnvelope {
+        msg: Some(Up::Hello(Hello {
+            worker_id: "other-build".into(),
+            build_sha: "0.0.0-elsewhere".into(),
+            num_cpus: 1,
+            gomemlimit: 0,
+        })),
+    };
+    let status = member(&addr).await.connect(tokio_stream::iter(vec![other])).await.unwrap_err();
+    assert_eq!(status.code(), Code::FailedPrecondition, "{status:?}");
+    assert!(status.message().contains("build") && status.message().contains("0.0.0-elsewhere"), "{status:?}");
+
+    // Over the 16 MiB message limit: the stream ends, naming the limit.
+    let huge = ResultBatch {
+        query_id: "q-huge".into(),
+        worker_id: "same-build".into(),
+        terminal: true,
+        payload: vec![7u8; 17 << 20].into(),
+        ..Default::default()
+    };
+    tx.send(WorkerEnvelope { msg: Some(Up::ResultBatch(huge)) }).await.unwrap();
+    let ended = tokio::time::timeout(WAIT, inbound.next()).await.expect("the stream ends");
+    let Some(Err(status)) = ended else { panic!("the stream ended without saying why: {ended:?}") };
+    assert!(status.message().contains("too large") || status.message().contains("length"), "{status:?}");
+    // The coordinator still takes a worker afterwards.
+    let (tx2, rx2) = tokio::sync::mpsc::channel(8);
+    tx2.send(hello("after-huge")).await.unwrap();
+    let mut again =
+        member(&addr).await.connect(tokio_stream::wrappers::ReceiverStream::new(rx2)).await.unwrap().into_inner();
+    assert!(again.next().await.unwrap().is_ok());
+    let _ = coordinator.kill();
+    let _ = coordinator.wait();
+}

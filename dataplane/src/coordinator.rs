@@ -695,7 +695,12 @@ impl DataPlane for DataPlaneService {
             let ended = loop {
                 match inbound.next().await {
                     None => break None,
-                    Some(Err(status)) => break Some(status.to_string()),
+                    // A message it cannot take (over the size limit,
+                    // undecodable): tell the worker why before closing.
+                    Some(Err(status)) => {
+                        let _ = tx.send(Err(status.clone())).await;
+                        break Some(status.to_string());
+                    }
                     Some(Ok(WorkerEnvelope { msg: None })) => {
                         let status = Status::invalid_argument("an empty WorkerEnvelope");
                         let _ = tx.send(Err(status.clone())).await;
