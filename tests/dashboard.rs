@@ -181,6 +181,18 @@ async fn the_node_panel_flags_a_node_below_its_disk_reserve() {
         async move { full }
     })
     .await;
+    // A DataPlane task, finished, for the tasks panel; every node a worker.
+    let (code, started) =
+        cluster.coord_post(1, "/v1/tasks", r#"{"kind": "noop", "sleep_ms": 50}"#, Some(common::TOKEN)).await;
+    assert_eq!(code, 202, "{started}");
+    let task = started["task_ids"][0].as_str().unwrap().to_string();
+    common::wait_until("the task done and three workers connected", Duration::from_secs(30), || {
+        let (_, t) = futures::executor::block_on(cluster.coord_get(1, &format!("/v1/tasks/{task}")));
+        let (_, c) = futures::executor::block_on(cluster.coord_get(1, "/v1/cluster"));
+        let ok = t["state"] == "succeeded" && c["workers"].as_array().is_some_and(|w| w.len() == 3);
+        async move { ok }
+    })
+    .await;
     let url = format!("http://{}/", cluster.coordinator(1).admin);
     let shot = Path::new(env!("CARGO_TARGET_TMPDIR")).join("dashboard-disk-full.png");
     let page = browser_run("lag.mjs", vec!["inspect".into(), url, shot.display().to_string()]).await;
@@ -188,4 +200,11 @@ async fn the_node_panel_flags_a_node_below_its_disk_reserve() {
     let state = |n: &str| page["nodes"][n].as_array().unwrap().last().unwrap().as_str().unwrap().to_string();
     assert_eq!(state("3"), "DISK FULL", "{page}");
     assert_eq!(state("1"), "ok", "{page}");
+    // The DataPlane panels: the workers with their capacity, and the task.
+    let workers = page["workers"].as_object().unwrap();
+    assert_eq!(workers.len(), 3, "{page}");
+    assert!(workers.contains_key("node-1") && workers.contains_key("node-3"), "{page}");
+    let row = page["tasks"][task.as_str()].as_array().unwrap_or_else(|| panic!("no row for {task}: {page}"));
+    assert_eq!(row[1], "noop", "{page}");
+    assert_eq!(row[2], "succeeded", "{page}");
 }

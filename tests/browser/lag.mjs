@@ -53,7 +53,7 @@ try {
   const result = await page.evaluate(() => {
     const texts = (sel) => [...document.querySelectorAll(sel)].map(e => e.textContent);
     const row = (sel) => Object.fromEntries([...document.querySelectorAll(sel)].map(r =>
-      [r.dataset.node || r.dataset.drill, [...r.cells].map(c => c.textContent)]));
+      [r.dataset.node || r.dataset.drill || r.dataset.worker || r.dataset.task, [...r.cells].map(c => c.textContent)]));
     return {
       x_ticks: texts("#lag-chart text.x-tick"),
       y_ticks: texts("#lag-chart text.y-tick"),
@@ -62,6 +62,8 @@ try {
       nodes: row("#nodes tbody tr"),
       catchups: row("#catchups tbody tr"),
       shard_rows: row("#shards tbody tr"),
+      workers: row("#workers tbody tr"),
+      tasks: row("#tasks tbody tr"),
       summary: document.querySelector("#summary").textContent,
     };
   });
