@@ -74,6 +74,8 @@ enum Command {
     Verify(task::VerifyArgs),
     /// Write a shard's records of a range to an Arrow IPC file (seqno, epoch, timestamp, key, payload).
     Export(task::ExportArgs),
+    /// Measure DataPlane dispatch on a live cluster: no-op tasks per second and their latency.
+    BenchTasks(task::BenchTasksArgs),
 }
 
 fn main() -> std::process::ExitCode {
@@ -153,6 +155,7 @@ fn run() -> Result<()> {
             | Command::Task(_)
             | Command::Verify(_)
             | Command::Export(_)
+            | Command::BenchTasks(_)
     ) {
         cli.tls.clone().install()?;
     }
@@ -179,6 +182,7 @@ fn run() -> Result<()> {
             Command::Task(args) => task::run(args).await,
             Command::Verify(args) => task::verify(args).await,
             Command::Export(args) => task::export(args).await,
+            Command::BenchTasks(args) => task::bench_tasks(args).await,
         }
     })
 }

@@ -286,3 +286,65 @@ pub async fn export(args: ExportArgs) -> Result<()> {
     );
     Ok(())
 }
+
+#[derive(Args, Debug)]
+#[command(after_help = "Runs against a live cluster (e.g. `walship dev`): starts --tasks no-op tasks as one job \
+and prints tasks/s and each one's dispatch-to-completion latency (p50, p99, max), measured by the coordinator.")]
+pub struct BenchTasksArgs {
+    /// No-op tasks to dispatch.
+    #[arg(long, default_value_t = 10_000, value_parser = clap::value_parser!(u32).range(1..=100_000))]
+    pub tasks: u32,
+    #[command(flatten)]
+    pub admin: AdminArgs,
+}
+
+/// The dispatch benchmark: how fast the coordinator gets no-op tasks to
+/// the workers and their completions back.
+pub async fn bench_tasks(args: BenchTasksArgs) -> Result<()> {
+    let admin = args.admin.resolve()?;
+    let body = serde_json::json!({"kind": "noop", "count": args.tasks});
+    let started = std::time::Instant::now();
+    let (status, job) =
+        http::request("POST", &admin.url, "/v1/tasks", Some(&body.to_string()), admin.token.as_deref()).await?;
+    expect(status, 202, &job)?;
+    let query = job["query_id"].as_str().unwrap_or_default().to_string();
+    let finished = loop {
+        let path = format!("/v1/tasks?query_id={query}&state=succeeded&limit=1");
+        let (status, page) = http::request("GET", &admin.url, &path, None, None).await?;
+        expect(status, 200, &page)?;
+        if page["total"].as_u64() == Some(u64::from(args.tasks)) {
+            break started.elapsed();
+        }
+        if started.elapsed() > Duration::from_secs(600) {
+            bail!("the tasks did not all succeed within 10 minutes ({} did)", page["total"]);
+        }
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    };
+    let mut took = Vec::new();
+    let mut offset = 0;
+    while took.len() < args.tasks as usize {
+        let path = format!("/v1/tasks?query_id={query}&limit=1000&offset={offset}");
+        let (status, page) = http::request("GET", &admin.url, &path, None, None).await?;
+        expect(status, 200, &page)?;
+        let tasks = page["tasks"].as_array().cloned().unwrap_or_default();
+        if tasks.is_empty() {
+            break;
+        }
+        took.extend(tasks.iter().filter_map(|t| t["took_us"].as_u64()));
+        offset += tasks.len();
+    }
+    took.sort_unstable();
+    let at =
+        |q: f64| took.get(((took.len() as f64 * q) as usize).min(took.len().saturating_sub(1))).copied().unwrap_or(0);
+    println!(
+        "{} no-op tasks in {:.2} s: {:.0} tasks/s (wall, including the API round trips); dispatch to completion \
+         p50 {:.2} ms, p99 {:.2} ms, max {:.2} ms",
+        args.tasks,
+        finished.as_secs_f64(),
+        f64::from(args.tasks) / finished.as_secs_f64(),
+        at(0.5) as f64 / 1000.0,
+        at(0.99) as f64 / 1000.0,
+        took.last().copied().unwrap_or(0) as f64 / 1000.0
+    );
+    Ok(())
+}

@@ -84,6 +84,23 @@ async fn tasks_spread_over_workers_and_survive_a_dying_one() {
     assert!(ran_on.len() >= 2, "thirty tasks all went to {ran_on:?}");
     let (_, page) = cluster.coord_get(1, "/v1/tasks?kind=noop&limit=1000").await;
     assert_eq!(page["total"], 30, "{page}");
+    assert!(page["tasks"].as_array().unwrap().iter().all(|t| t["took_us"].as_u64().is_some()), "{page}");
+
+    // The dispatch benchmark's harness runs (figures live in its output,
+    // not in assertions).
+    let admin = format!("http://{}", cluster.coordinator(1).admin);
+    let bench = std::process::Command::new(common::walship_bin())
+        .args(["bench-tasks", "--tasks", "200", "--admin", &admin, "--token", TOKEN])
+        .output()
+        .unwrap();
+    let printed = String::from_utf8_lossy(&bench.stdout);
+    assert!(bench.status.success(), "{printed} {}", String::from_utf8_lossy(&bench.stderr));
+    assert!(printed.contains("200 no-op tasks") && printed.contains("tasks/s") && printed.contains("p99"), "{printed}");
+    let refused = std::process::Command::new(common::walship_bin())
+        .args(["bench-tasks", "--tasks", "0", "--admin", &admin, "--token", TOKEN])
+        .output()
+        .unwrap();
+    assert_eq!(refused.status.code(), Some(2), "--tasks 0 is a usage error");
 
     // A long task on the node that dies: requeued, run elsewhere, finished once.
     let long = start(&mut cluster, json!({"kind": "noop", "sleep_ms": 3000})).await;

@@ -46,6 +46,8 @@ pub struct TaskView {
     pub result_bytes: u64,
     pub created_unix_ms: u64,
     pub finished_unix_ms: Option<u64>,
+    /// Microseconds from its last dispatch to its finish.
+    pub took_us: Option<u64>,
     pub error: Option<String>,
     pub dead_letter: bool,
     #[schema(value_type = Option<Object>)]
@@ -72,6 +74,7 @@ impl From<Task> for TaskView {
             result_bytes: t.result_bytes,
             created_unix_ms: t.created_unix_ms,
             finished_unix_ms: t.finished_unix_ms,
+            took_us: t.took_us,
             error: t.error,
             dead_letter: t.dead_letter,
             summary: t.summary,
@@ -91,6 +94,8 @@ pub struct TaskQuery {
     shard: Option<u32>,
     /// A worker id, e.g. node-2.
     node: Option<String>,
+    /// The job (`query_id`) the tasks belong to.
+    query_id: Option<String>,
     /// At most this many (default 100, at most 1000).
     #[param(minimum = 1, maximum = 1000)]
     limit: Option<u32>,
@@ -134,6 +139,7 @@ pub async fn list(State(admin): State<Arc<CoordAdmin>>, query: Result<Query<Task
         .rev()
         .filter(|t| state.is_none_or(|s| t.state == s))
         .filter(|t| q.kind.as_ref().is_none_or(|k| &t.spec.kind == k))
+        .filter(|t| q.query_id.as_ref().is_none_or(|j| &t.spec.query_id == j))
         .filter(|t| q.shard.is_none_or(|s| t.spec.shard == Some(s)))
         .filter(|t| {
             q.node
@@ -177,6 +183,11 @@ pub enum NewTask {
         /// Fail with this error.
         #[serde(default)]
         fail: Option<String>,
+        /// Start this many such tasks at once, as one job (default 1; the
+        /// dispatch benchmark uses thousands).
+        #[serde(default, deserialize_with = "walship_shipping::control::lenient::opt_int")]
+        #[schema(minimum = 1, maximum = 100000)]
+        count: Option<u32>,
         /// Milliseconds from now after which the task is failed (0 or absent:
         /// no deadline; at most a day).
         #[serde(default, deserialize_with = "walship_shipping::control::lenient::opt_int")]
@@ -270,14 +281,16 @@ pub async fn start(
         return ApiError::new(StatusCode::SERVICE_UNAVAILABLE, "not_active", "this coordinator is a standby")
             .into_response();
     }
-    let (node, sleep_ms, advance, fail, deadline_ms) = match new {
+    let (node, sleep_ms, advance, fail, deadline_ms, count) = match new {
         NewTask::Verify { shard, from, to, chunk_records, deadline_ms } => {
             return start_verify(&admin, shard, from, to, chunk_records, deadline_ms);
         }
         NewTask::Export { shard, node, from, to, deadline_ms } => {
             return start_export(&admin, shard, node, from, to, deadline_ms);
         }
-        NewTask::Noop { node, sleep_ms, advance, fail, deadline_ms } => (node, sleep_ms, advance, fail, deadline_ms),
+        NewTask::Noop { node, sleep_ms, advance, fail, deadline_ms, count } => {
+            (node, sleep_ms, advance, fail, deadline_ms, count)
+        }
     };
     if let Some(node) = &node
         && !admin.coordinator.config.nodes.iter().any(|n| format!("node-{}", n.id) == *node)
@@ -297,30 +310,40 @@ pub async fn start(
         "advance": advance.unwrap_or(true),
         "fail": fail,
     });
+    let count = count.unwrap_or(1);
+    if !(1..=100_000).contains(&count) {
+        return bad_request(format!("count {count} is outside 1..=100000"));
+    }
     let dispatcher = &admin.dataplane;
     let query_id = dispatcher.new_id("q");
-    let task_id = dispatcher.new_id("t");
-    let spec = TaskSpec {
-        task_id: task_id.clone(),
-        query_id: query_id.clone(),
-        kind: walship_dataplane::kinds::noop::KIND.to_string(),
-        target: node,
-        shard: None,
-        blob: blob.to_string().into_bytes(),
-        deadline_unix_nano: deadline,
-    };
-    let mut events = dispatcher.submit(&query_id, vec![spec]);
-    // Nothing to collect from a noop: drain its events until it ends.
-    let (d, q) = (dispatcher.clone(), query_id.clone());
+    let blob = blob.to_string().into_bytes();
+    let specs: Vec<TaskSpec> = (0..count)
+        .map(|_| TaskSpec {
+            task_id: dispatcher.new_id("t"),
+            query_id: query_id.clone(),
+            kind: walship_dataplane::kinds::noop::KIND.to_string(),
+            target: node.clone(),
+            shard: None,
+            blob: blob.clone(),
+            deadline_unix_nano: deadline,
+        })
+        .collect();
+    let task_ids: Vec<String> = specs.iter().map(|t| t.task_id.clone()).collect();
+    let mut events = dispatcher.submit(&query_id, specs);
+    // Nothing to collect from a noop: drain its events until all ended.
+    let (d, q, mut left) = (dispatcher.clone(), query_id.clone(), task_ids.len());
     tokio::spawn(async move {
         while let Some(event) = events.recv().await {
             if matches!(event, walship_dataplane::coordinator::JobEvent::Finished { .. }) {
-                break;
+                left -= 1;
+                if left == 0 {
+                    break;
+                }
             }
         }
         d.close_job(&q);
     });
-    (StatusCode::ACCEPTED, Json(TaskStarted { query_id, task_ids: vec![task_id] })).into_response()
+    (StatusCode::ACCEPTED, Json(TaskStarted { query_id, task_ids })).into_response()
 }
 
 #[utoipa::path(post, path = "/v1/tasks/{id}/cancel", tag = "tasks", params(("id" = String, Path, description = "task id")),

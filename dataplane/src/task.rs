@@ -92,7 +92,12 @@ pub struct Task {
     pub progress: Progress,
     /// When its counters last grew (or it was dispatched).
     pub advanced_at: std::time::Instant,
+    /// When it was last dispatched.
+    dispatched_at: Option<std::time::Instant>,
     pub created_unix_ms: u64,
+    /// Microseconds from its last dispatch to its finish, once finished
+    /// (the dispatch benchmark's latency).
+    pub took_us: Option<u64>,
     pub finished_unix_ms: Option<u64>,
     pub error: Option<String>,
     /// Rows in its result batches.
@@ -123,7 +128,9 @@ impl Task {
             attempts: 0,
             progress: Progress::default(),
             advanced_at: std::time::Instant::now(),
+            dispatched_at: None,
             created_unix_ms: unix_ms(),
+            took_us: None,
             finished_unix_ms: None,
             error: None,
             result_rows: 0,
@@ -135,11 +142,17 @@ impl Task {
 
     /// Dispatched to `worker` on connection `conn`.
     pub fn dispatched(&mut self, worker: &str, conn: u64) {
+        self.took_us = None;
+        self.dispatched_at = Some(std::time::Instant::now());
         self.state = TaskState::Running;
         self.assigned = Some((worker.to_string(), conn));
         self.last_worker = Some(worker.to_string());
         self.attempts += 1;
         self.advanced_at = std::time::Instant::now();
+    }
+
+    fn advanced_since_dispatch(&self) -> u64 {
+        self.dispatched_at.map_or(0, |t| t.elapsed().as_micros() as u64)
     }
 
     /// Its worker went away or it stalled: back in the queue, or failed
@@ -159,6 +172,9 @@ impl Task {
         self.state = state;
         self.error = error;
         self.finished_unix_ms = Some(unix_ms());
+        if self.dispatched_at.is_some() {
+            self.took_us = Some(self.advanced_since_dispatch());
+        }
     }
 
     /// A progress report: monotonic counters only (a smaller one is
