@@ -145,8 +145,11 @@ pub struct WorkerView {
 struct State {
     workers: BTreeMap<String, Worker>,
     tasks: BTreeMap<String, Task>,
-    /// Task ids in creation order (queue order and listing order).
+    /// Task ids in creation order (listing order).
     order: Vec<String>,
+    /// Ids of queued tasks, oldest first (dispatch order). Entries of
+    /// tasks no longer queued (cancelled meanwhile) are dropped when met.
+    queue: std::collections::VecDeque<String>,
     jobs: HashMap<String, Job>,
 }
 
@@ -216,6 +219,7 @@ impl Dispatcher {
                     continue;
                 }
                 state.order.push(spec.task_id.clone());
+                state.queue.push_back(spec.task_id.clone());
                 state.tasks.insert(spec.task_id.clone(), Task::new(spec));
             }
         }
@@ -289,6 +293,7 @@ impl Dispatcher {
         task.attempts = 0;
         task.state = TaskState::Queued;
         task.finished_unix_ms = None;
+        state.queue.push_back(task_id.to_string());
         drop(state);
         self.wake.notify_one();
         Ok(())
@@ -375,12 +380,16 @@ impl Dispatcher {
         let max = self.settings.max_attempts;
         let mut lost = 0;
         let mut finished = Vec::new();
-        for task in state.tasks.values_mut() {
+        let State { tasks, queue, .. } = &mut *state;
+        for task in tasks.values_mut() {
             if task.state == TaskState::Running
                 && task.assigned.as_ref().is_some_and(|(w, c)| w == worker && *c == conn)
             {
                 task.lost(&format!("worker {worker} disconnected"), max);
                 lost += 1;
+                if task.state == TaskState::Queued {
+                    queue.push_back(task.spec.task_id.clone());
+                }
                 if task.state.finished() {
                     finished.push((task.spec.query_id.clone(), task.spec.task_id.clone(), task.error.clone()));
                 }
@@ -507,8 +516,17 @@ impl Dispatcher {
         let mut state = self.state.lock();
         let state = &mut *state;
         let mut sends = Vec::new();
-        for id in &state.order {
-            let Some(task) = state.tasks.get_mut(id) else { continue };
+        // Stop scanning once no worker has room: a busy cluster with a long
+        // queue costs one pass per freed slot, not one per queued task.
+        let mut room: usize = state.workers.values().map(|w| w.capacity.saturating_sub(w.in_flight)).sum();
+        let mut kept = std::collections::VecDeque::with_capacity(state.queue.len());
+        while let Some(id) = state.queue.pop_front() {
+            if room == 0 {
+                kept.push_back(id);
+                kept.extend(state.queue.drain(..));
+                break;
+            }
+            let Some(task) = state.tasks.get_mut(&id) else { continue };
             if task.state != TaskState::Queued {
                 continue;
             }
@@ -523,9 +541,13 @@ impl Dispatcher {
                     .max_by_key(|(id, w)| (w.capacity - w.in_flight, std::cmp::Reverse((*id).clone())))
                     .map(|(id, _)| id.clone()),
             };
-            let Some(worker) = worker else { continue };
+            let Some(worker) = worker else {
+                kept.push_back(id);
+                continue;
+            };
             let w = state.workers.get_mut(&worker).expect("picked from the map");
             w.in_flight += 1;
+            room -= 1;
             task.dispatched(&worker, w.conn);
             let dispatch = TaskDispatch {
                 task_id: task.spec.task_id.clone(),
@@ -537,6 +559,7 @@ impl Dispatcher {
             };
             sends.push((w.outbox.clone(), dispatch, worker, w.conn));
         }
+        state.queue = kept;
         sends
     }
 
@@ -569,6 +592,9 @@ impl Dispatcher {
                         task.finish(TaskState::Failed, Some(reason.clone()));
                     } else {
                         task.lost(&reason, self.settings.max_attempts);
+                        if task.state == TaskState::Queued {
+                            state.queue.push_back(task.spec.task_id.clone());
+                        }
                     }
                     if task.state.finished() {
                         events.push((task.spec.query_id.clone(), task.spec.task_id.clone(), task.error.clone()));
