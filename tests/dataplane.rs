@@ -561,3 +561,33 @@ async fn other_builds_and_oversized_results_are_refused() {
     let _ = coordinator.kill();
     let _ = coordinator.wait();
 }
+
+/// The active coordinator dies: the standby takes the lease and every node
+/// follows it, connecting to its DataPlane by itself, and tasks run there.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn workers_follow_a_coordinator_failover() {
+    let mut cluster = Cluster::start_with(3, 1, 2, "", None);
+    wait_workers(&mut cluster, 3).await;
+    cluster.coordinator(1).kill9();
+    wait_until("the standby's DataPlane to have every node", WAIT, || {
+        let (_, view) = futures::executor::block_on(cluster.coord_get(2, "/v1/cluster"));
+        let ok = view["coordinator"]["active"] == true && view["workers"].as_array().is_some_and(|w| w.len() == 3);
+        async move { ok }
+    })
+    .await;
+    let (code, started) =
+        cluster.coord_post(2, "/v1/tasks", &json!({"kind": "noop", "count": 6}).to_string(), Some(TOKEN)).await;
+    assert_eq!(code, 202, "{started}");
+    for id in started["task_ids"].as_array().unwrap() {
+        let id = id.as_str().unwrap();
+        let deadline = std::time::Instant::now() + WAIT;
+        loop {
+            let (_, t) = cluster.coord_get(2, &format!("/v1/tasks/{id}")).await;
+            if t["state"] == "succeeded" {
+                break;
+            }
+            assert!(std::time::Instant::now() < deadline && t["state"] != "failed", "{t}");
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+    }
+}
