@@ -150,8 +150,7 @@ fn dev_cluster(args: &DevArgs) -> Result<ClusterConfig> {
 /// else a new one written there with mode 0600. Returns it and where it
 /// came from.
 fn admin_token(args: &DevArgs) -> Result<(String, String)> {
-    use std::io::Write;
-    use std::os::unix::fs::{OpenOptionsExt, PermissionsExt};
+    use std::os::unix::fs::PermissionsExt;
     if let Some(token) = &args.admin_token {
         if token.len() < 8 {
             bail!("--admin-token (WALSHIP_TOKEN) must be at least 8 characters");
@@ -175,14 +174,8 @@ fn admin_token(args: &DevArgs) -> Result<(String, String)> {
         }
         Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
             let token = format!("{:032x}", rand::random::<u128>());
-            let mut file = std::fs::OpenOptions::new()
-                .write(true)
-                .create_new(true)
-                .mode(0o600)
-                .open(&path)
+            walship_shipping::config::write_private(&path, &format!("{token}\n"))
                 .with_context(|| format!("creating {}", path.display()))?;
-            writeln!(file, "{token}")?;
-            file.sync_all()?;
             Ok((token, format!("new, kept in {} for the next start", path.display())))
         }
         Err(e) => Err(e).with_context(|| format!("reading {}", path.display())),

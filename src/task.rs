@@ -181,12 +181,17 @@ async fn poll_job(admin: &Admin, job: &str, bar: &indicatif::ProgressBar) -> Res
     }
 }
 
-pub async fn verify(args: VerifyArgs) -> Result<()> {
-    let admin = args.admin.resolve()?;
-    let mut body = serde_json::json!({"kind": "verify", "shard": args.shard});
-    for (k, v) in [("from", args.from), ("to", args.to), ("chunk_records", args.chunk_records)] {
+/// Starts a planned job (`body`, a `POST /v1/tasks` request) and waits for
+/// its report behind a spinner saying `what`; answers the job id and report.
+async fn run_job(
+    admin: &Admin,
+    mut body: Value,
+    numbers: &[(&str, Option<u64>)],
+    what: &str,
+) -> Result<(String, Value)> {
+    for (k, v) in numbers {
         if let Some(v) = v {
-            body[k] = v.into();
+            body[*k] = (*v).into();
         }
     }
     let (status, started) =
@@ -194,11 +199,19 @@ pub async fn verify(args: VerifyArgs) -> Result<()> {
     expect(status, 202, &started)?;
     let job = started["query_id"].as_str().unwrap_or_default().to_string();
     let bar = indicatif::ProgressBar::new_spinner();
-    bar.set_message(format!("verifying shard {} on every replica (job {job})", args.shard));
+    bar.set_message(format!("{what} (job {job})"));
     bar.enable_steady_tick(Duration::from_millis(100));
-    let report = poll_job(&admin, &job, &bar).await;
+    let report = poll_job(admin, &job, &bar).await;
     bar.finish_and_clear();
-    let report = report?;
+    Ok((job, report?))
+}
+
+pub async fn verify(args: VerifyArgs) -> Result<()> {
+    let admin = args.admin.resolve()?;
+    let body = serde_json::json!({"kind": "verify", "shard": args.shard});
+    let numbers = [("from", args.from), ("to", args.to), ("chunk_records", args.chunk_records)];
+    let what = format!("verifying shard {} on every replica", args.shard);
+    let (_, report) = run_job(&admin, body, &numbers, &what).await?;
     if args.json {
         println!("{}", serde_json::to_string_pretty(&report)?);
     } else {
@@ -247,24 +260,11 @@ pub struct ExportArgs {
 pub async fn export(args: ExportArgs) -> Result<()> {
     let admin = args.admin.resolve()?;
     let mut body = serde_json::json!({"kind": "export", "shard": args.shard});
-    for (k, v) in [("from", args.from), ("to", args.to)] {
-        if let Some(v) = v {
-            body[k] = v.into();
-        }
-    }
     if let Some(node) = &args.node {
         body["node"] = node.clone().into();
     }
-    let (status, started) =
-        http::request("POST", &admin.url, "/v1/tasks", Some(&body.to_string()), admin.token.as_deref()).await?;
-    expect(status, 202, &started)?;
-    let job = started["query_id"].as_str().unwrap_or_default().to_string();
-    let bar = indicatif::ProgressBar::new_spinner();
-    bar.set_message(format!("exporting shard {} (job {job})", args.shard));
-    bar.enable_steady_tick(Duration::from_millis(100));
-    let report = poll_job(&admin, &job, &bar).await;
-    bar.finish_and_clear();
-    let report = report?;
+    let what = format!("exporting shard {}", args.shard);
+    let (job, report) = run_job(&admin, body, &[("from", args.from), ("to", args.to)], &what).await?;
     if report["state"] != "done" {
         bail!("export failed: {}", report["error"].as_str().unwrap_or("unknown"));
     }

@@ -29,7 +29,7 @@ use tokio::sync::mpsc;
 use tokio_rustls::TlsAcceptor;
 use tokio_rustls::server::TlsStream;
 use tokio_util::sync::CancellationToken;
-use walship_shipping::config::TlsConfig;
+use walship_shipping::config::{TlsConfig, write_private};
 
 /// How often the certificate files are checked for changes.
 pub const RELOAD_POLL: Duration = Duration::from_secs(2);
@@ -454,9 +454,10 @@ impl LocalCertificates {
         };
         std::fs::write(&files.ca, ca_cert.pem())?;
         std::fs::write(&files.cert, cert)?;
-        write_private(&files.key, &key)?;
+        write_private(&files.key, &key).with_context(|| format!("writing {}", files.key.display()))?;
         std::fs::write(&files.client_cert, client_cert)?;
-        write_private(&files.client_key, &client_key)?;
+        write_private(&files.client_key, &client_key)
+            .with_context(|| format!("writing {}", files.client_key.display()))?;
         Ok(files)
     }
 
@@ -474,21 +475,6 @@ impl LocalCertificates {
             self.client_key.display()
         )
     }
-}
-
-/// Writes `text` to a new file only its owner may read.
-fn write_private(path: &Path, text: &str) -> Result<()> {
-    use std::io::Write;
-    use std::os::unix::fs::OpenOptionsExt;
-    let _ = std::fs::remove_file(path);
-    let mut file = std::fs::OpenOptions::new()
-        .write(true)
-        .create_new(true)
-        .mode(0o600)
-        .open(path)
-        .with_context(|| format!("creating {}", path.display()))?;
-    file.write_all(text.as_bytes())?;
-    Ok(())
 }
 
 /// What a failed call's error chain (`chain`, its sources joined) says

@@ -409,14 +409,7 @@ fn start_verify(
         Err(response) => return *response,
     };
     let from = from.unwrap_or(1).max(1);
-    let to = match to {
-        Some(to) => to,
-        None => {
-            let leader = c.state().and_then(|s| s.shards.get(&shard).and_then(|r| r.leader));
-            let commit = leader.and_then(|l| c.heartbeat(l, shard)).map(|h| h.commit_seqno);
-            commit.unwrap_or(u64::MAX)
-        }
-    };
+    let to = to.or_else(|| leader_and_commit(admin, shard).1).unwrap_or(u64::MAX);
     let chunk = chunk_records.unwrap_or(verify::DEFAULT_CHUNK_RECORDS);
     if !(1..=1_000_000).contains(&chunk) {
         return bad_request(format!("chunk_records {chunk} is outside 1..=1000000"));

@@ -296,8 +296,9 @@ impl std::fmt::Debug for TlsPems {
     }
 }
 
-/// Writes `text` to a file only its owner may read.
-fn write_private(path: &Path, text: &str) -> std::io::Result<()> {
+/// Writes `text` to a new file only its owner may read (replacing any
+/// file at `path`), and syncs it: secrets, keys, tokens.
+pub fn write_private(path: &Path, text: &str) -> std::io::Result<()> {
     use std::io::Write;
     use std::os::unix::fs::OpenOptionsExt;
     let _ = std::fs::remove_file(path);
