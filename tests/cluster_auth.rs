@@ -97,6 +97,8 @@ async fn cluster_rpcs_without_the_secret_are_refused_and_change_nothing() {
     })
     .await;
     let (leader, epoch) = cluster.leader_of(1, 1).await.unwrap();
+    // Recorded by the coordinator is not yet leading: wait for the node.
+    cluster.wait_node_leads(leader, 1, Duration::from_secs(30)).await;
     let follower = if leader == 1 { 2 } else { 1 };
     let epoch_of = |status: Option<serde_json::Value>| status.map(|s| s["shards"][0]["epoch"].clone());
     wait_until("every replica in the leader's epoch", Duration::from_secs(30), || {
