@@ -10,6 +10,7 @@ use anyhow::{Context, Result, bail};
 use clap::Args;
 use tokio::net::TcpListener;
 use walship_admin_api::coord::{CoordAdmin, coord_router};
+use walship_dataplane::bus::{LocalBus, NatsBus, TaskBus};
 use walship_dataplane::coordinator::{BuildPolicy, DataPlaneService, DataPlaneSettings, Dispatcher};
 use walship_proto::dataplane::data_plane_server::DataPlaneServer;
 use walship_proto::replication::wal_shipping_server::WalShippingServer;
@@ -80,6 +81,12 @@ pub async fn run_coord(args: CoordArgs) -> Result<()> {
         }
         None => (Arc::new(FileKv::open(&args.data_dir.join("kv"))?), None),
     };
+    // Task cancels and dead letters: shared over NATS when the KV is, else
+    // in this process with the dead letters in the data dir.
+    let bus: Arc<dyn TaskBus> = match &nats {
+        Some(client) => Arc::new(NatsBus::open(client.clone(), &config.cluster_id).await?),
+        None => Arc::new(LocalBus::open(&args.data_dir.join("tasks"))?),
+    };
     let (token, generated) = match args.admin_token {
         Some(t) if t.len() >= 8 => (t, false),
         Some(_) => bail!("--admin-token must be at least 8 characters"),
@@ -123,6 +130,7 @@ pub async fn run_coord(args: CoordArgs) -> Result<()> {
     let dataplane = Dispatcher::start(
         DataPlaneSettings {
             cluster_id: cluster_id.clone(),
+            coordinator_id: args.id.clone(),
             build_sha: crate::BUILD.to_string(),
             build_policy: match args.build_policy {
                 BuildPolicyArg::Warn => BuildPolicy::Warn,
@@ -132,6 +140,7 @@ pub async fn run_coord(args: CoordArgs) -> Result<()> {
             max_attempts: args.task_attempts,
         },
         active_check,
+        bus.clone(),
         shutdown.clone(),
     );
     let data_plane = tonic::service::interceptor::InterceptedService::new(
@@ -170,6 +179,7 @@ pub async fn run_coord(args: CoordArgs) -> Result<()> {
         args.id,
         kv.describe()
     );
+    tracing::info!(bus = %bus.describe(), "task bus");
     crate::node::shutdown_signal().await;
     shutdown.cancel();
     grpc.await??;

@@ -12,6 +12,7 @@ use tokio::net::TcpListener;
 use tokio_util::sync::CancellationToken;
 use tonic::service::interceptor::InterceptedService;
 use walship_admin_api::NodeAdmin;
+use walship_admin_api::models::WorkerStatus;
 use walship_dataplane::worker::{Dial, Worker, WorkerSettings};
 use walship_proto::dataplane::data_plane_client::DataPlaneClient;
 use walship_proto::log::control_server::ControlServer;
@@ -335,6 +336,7 @@ pub async fn start_node(config: NodeConfig, cluster: Option<ClusterConfig>, dril
         .add_service(control);
     let grpc =
         tokio::spawn(async move { crate::tls::serve_grpc(router, grpc_listener, tls.as_ref(), grpc_shutdown).await });
+    let mut worker_status: Option<Arc<dyn Fn() -> WorkerStatus + Send + Sync>> = None;
     if cluster_coordinated {
         // The DataPlane worker: one stream to the active coordinator.
         let settings = WorkerSettings {
@@ -354,9 +356,15 @@ pub async fn start_node(config: NodeConfig, cluster: Option<ClusterConfig>, dril
             )
         });
         let runners = walship_dataplane::kinds::runners(wal.clone());
-        tokio::spawn(Worker::new(settings, dial, runners).run(shutdown.clone()));
+        let worker = Worker::new(settings, dial, runners);
+        tokio::spawn(worker.clone().run(shutdown.clone()));
+        worker_status = Some(Arc::new(move || {
+            let mut running_tasks = worker.running();
+            running_tasks.sort();
+            WorkerStatus { coordinator: worker.connected_to.lock().clone(), running_tasks }
+        }));
     }
-    let admin = Arc::new(NodeAdmin { node, registry, started: Instant::now() });
+    let admin = Arc::new(NodeAdmin { node, registry, started: Instant::now(), worker: worker_status });
     let admin_shutdown = shutdown.clone();
     let http = tokio::spawn(async move {
         let app = walship_admin_api::node_router(admin);

@@ -100,7 +100,8 @@ pub async fn run(args: TaskArgs) -> Result<()> {
         TaskCommand::Cancel { id } => {
             let (s, a) =
                 http::request("POST", &admin.url, &format!("/v1/tasks/{id}/cancel"), Some("{}"), token).await?;
-            (s, a, 200)
+            // 202: another coordinator's task, the cancel broadcast to it.
+            (s, a, if s == 202 { 202 } else { 200 })
         }
         TaskCommand::Redrive { id } => {
             let path = format!("/v1/dead-letters/{id}/redrive");
@@ -126,9 +127,18 @@ pub async fn run(args: TaskArgs) -> Result<()> {
         }
         TaskCommand::DeadLetters => {
             for t in answer.as_array().into_iter().flatten() {
-                println!("{}", line(t));
+                println!(
+                    "{:<24} {:<8} shard {:<5} last node {:<8} attempts {}  error: {}",
+                    t["task_id"].as_str().unwrap_or_default(),
+                    t["kind"].as_str().unwrap_or_default(),
+                    t["shard"].as_u64().map_or("-".to_string(), |s| s.to_string()),
+                    t["last_worker"].as_str().unwrap_or("-"),
+                    t["attempts"],
+                    t["error"].as_str().unwrap_or_default()
+                );
             }
         }
+        TaskCommand::Cancel { .. } if status == 202 => println!("{}", answer["message"].as_str().unwrap_or_default()),
         _ => println!("{}", line(&answer)),
     }
     Ok(())

@@ -444,6 +444,8 @@ async fn cluster(State(admin): State<Arc<CoordAdmin>>) -> Response {
                 dropped_results: n(&c.dropped_results),
                 duplicate_completions: n(&c.duplicate_completions),
                 refused_streams: n(&c.refused_streams),
+                orphans_cancelled: n(&c.orphans_cancelled),
+                task_bus: admin.dataplane.bus_description(),
             }
         },
     };

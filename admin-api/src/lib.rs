@@ -26,13 +26,15 @@ use axum::routing::get;
 use prometheus::{Encoder, Registry, TextEncoder};
 use walship_shipping::ReplicationNode;
 
-use crate::models::{ApiError, DiskStatus, NodeStatus, WalIndexStatus};
+use crate::models::{ApiError, DiskStatus, NodeStatus, WalIndexStatus, WorkerStatus};
 
 /// What a node's admin API reads from.
 pub struct NodeAdmin {
     pub node: Arc<ReplicationNode>,
     pub registry: Registry,
     pub started: Instant,
+    /// The DataPlane worker's state now (`None`: no coordinator configured).
+    pub worker: Option<Arc<dyn Fn() -> WorkerStatus + Send + Sync>>,
 }
 
 /// The router of a node's admin HTTP API.
@@ -143,6 +145,7 @@ async fn status(State(admin): State<Arc<NodeAdmin>>) -> Response {
         disk: disk_status(&admin),
         wal: wal_index_status(&admin),
         drill_partitioned_from: admin.node.drill_partitioned_from(),
+        dataplane: admin.worker.as_ref().map(|status| status()),
     })
     .into_response()
 }

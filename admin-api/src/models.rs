@@ -28,6 +28,18 @@ pub struct NodeStatus {
     /// traffic right now; empty outside a drill.
     #[serde(default)]
     pub drill_partitioned_from: Vec<u32>,
+    /// This node's DataPlane worker (absent without coordinators).
+    #[serde(default)]
+    pub dataplane: Option<WorkerStatus>,
+}
+
+/// A node's DataPlane worker.
+#[derive(Debug, Clone, Default, Serialize, Deserialize, PartialEq, Eq, utoipa::ToSchema)]
+pub struct WorkerStatus {
+    /// The coordinator its stream is open to (`None`: reconnecting).
+    pub coordinator: Option<String>,
+    /// Ids of the tasks running here now, sorted.
+    pub running_tasks: Vec<String>,
 }
 
 /// The free space of a node's WAL disk (`wal.min_free_bytes`).
@@ -116,6 +128,13 @@ pub struct DataPlaneView {
     pub duplicate_completions: u64,
     /// Connect streams refused (standby, no Hello, a duplicate worker id, bad build).
     pub refused_streams: u64,
+    /// Cancels sent to workers for tasks no coordinator tracks (dispatched
+    /// before a coordinator change).
+    #[serde(default)]
+    pub orphans_cancelled: u64,
+    /// Where cancels travel and dead letters are kept.
+    #[serde(default)]
+    pub task_bus: String,
 }
 
 #[derive(Debug, Clone, Serialize, Deserialize, PartialEq, utoipa::ToSchema)]

@@ -17,6 +17,8 @@ use axum::extract::{Path, Query, State};
 use axum::http::{HeaderMap, StatusCode};
 use axum::response::{IntoResponse, Response};
 use serde::{Deserialize, Serialize};
+use walship_dataplane::bus::DeadLetter;
+use walship_dataplane::coordinator::{Cancelled, RedriveError};
 use walship_dataplane::task::{Progress, Task, TaskSpec, TaskState};
 
 use crate::body::ObjectJson;
@@ -346,42 +348,78 @@ pub async fn start(
     (StatusCode::ACCEPTED, Json(TaskStarted { query_id, task_ids })).into_response()
 }
 
+/// A cancel for a task another coordinator may run, sent on.
+#[derive(Debug, Serialize, utoipa::ToSchema)]
+pub struct CancelBroadcast {
+    pub task_id: String,
+    pub broadcast: bool,
+    pub message: String,
+}
+
 #[utoipa::path(post, path = "/v1/tasks/{id}/cancel", tag = "tasks", params(("id" = String, Path, description = "task id")),
     security(("bearer" = [])),
-    responses((status = 200, body = TaskView), (status = 401, body = crate::models::ErrorBody), (status = 403, body = crate::models::ErrorBody),
+    responses((status = 200, description = "cancelled here (a finished task is shown as it was); the cancel is also broadcast so the task stops on every worker", body = TaskView),
+        (status = 202, description = "not a task of this coordinator, but coordinators share a NATS bus: broadcast to them and every worker", body = CancelBroadcast), (status = 401, body = crate::models::ErrorBody), (status = 403, body = crate::models::ErrorBody),
         (status = 404, description = "unknown task", body = crate::models::ErrorBody)))]
 pub async fn cancel(State(admin): State<Arc<CoordAdmin>>, headers: HeaderMap, Path(id): Path<String>) -> Response {
     if let Err(e) = authorize(&headers, &admin.token) {
         return e.into_response();
     }
     match admin.dataplane.cancel(&id, "cancelled by an operator").await {
-        None => ApiError::new(StatusCode::NOT_FOUND, "not_found", format!("no task {id}")).into_response(),
-        Some(_) => Json(TaskView::from(admin.dataplane.task(&id).expect("just cancelled"))).into_response(),
+        Cancelled::Unknown => {
+            ApiError::new(StatusCode::NOT_FOUND, "not_found", format!("no task {id}")).into_response()
+        }
+        Cancelled::Here(_) => match admin.dataplane.task(&id) {
+            Some(task) => Json(TaskView::from(task)).into_response(),
+            None => ApiError::new(StatusCode::NOT_FOUND, "not_found", format!("no task {id}")).into_response(),
+        },
+        Cancelled::Broadcast => (
+            StatusCode::ACCEPTED,
+            Json(CancelBroadcast {
+                task_id: id,
+                broadcast: true,
+                message: "not a task of this coordinator: the cancel was broadcast to the other coordinators and \
+                          every worker"
+                    .into(),
+            }),
+        )
+            .into_response(),
     }
 }
 
 #[utoipa::path(get, path = "/v1/dead-letters", tag = "tasks",
-    responses((status = 200, body = Vec<TaskView>)))]
+    responses((status = 200, description = "tasks that failed on every attempt, oldest failure first; kept by the task bus (a file in the coordinator's data dir, or a JetStream stream with NATS), so those of earlier coordinators are listed too", body = Vec<DeadLetter>),
+        (status = 503, description = "the task bus is unavailable", body = crate::models::ErrorBody)))]
 pub async fn dead_letters(State(admin): State<Arc<CoordAdmin>>) -> Response {
-    let dead: Vec<TaskView> =
-        admin.dataplane.tasks().into_iter().filter(|t| t.dead_letter).map(TaskView::from).collect();
-    Json(dead).into_response()
+    match admin.dataplane.dead_letters().await {
+        Ok(letters) => Json(letters).into_response(),
+        Err(e) => ApiError::new(StatusCode::SERVICE_UNAVAILABLE, "task_bus_unavailable", e.to_string()).into_response(),
+    }
 }
 
 #[utoipa::path(post, path = "/v1/dead-letters/{id}/redrive", tag = "tasks", params(("id" = String, Path, description = "task id")),
     security(("bearer" = [])),
-    responses((status = 200, body = TaskView), (status = 401, body = crate::models::ErrorBody), (status = 403, body = crate::models::ErrorBody),
-        (status = 404, description = "unknown task", body = crate::models::ErrorBody), (status = 409, description = "not a dead letter", body = crate::models::ErrorBody)))]
+    responses((status = 200, description = "queued again with fresh attempts", body = TaskView), (status = 401, body = crate::models::ErrorBody), (status = 403, body = crate::models::ErrorBody),
+        (status = 404, description = "no such task and no dead letter of it", body = crate::models::ErrorBody), (status = 409, description = "not a dead letter", body = crate::models::ErrorBody),
+        (status = 503, description = "the task bus is unavailable", body = crate::models::ErrorBody)))]
 pub async fn redrive(State(admin): State<Arc<CoordAdmin>>, headers: HeaderMap, Path(id): Path<String>) -> Response {
     if let Err(e) = authorize(&headers, &admin.token) {
         return e.into_response();
     }
-    if admin.dataplane.task(&id).is_none() {
-        return ApiError::new(StatusCode::NOT_FOUND, "not_found", format!("no task {id}")).into_response();
-    }
-    match admin.dataplane.redrive(&id) {
-        Ok(()) => Json(TaskView::from(admin.dataplane.task(&id).expect("known"))).into_response(),
-        Err(why) => ApiError::new(StatusCode::CONFLICT, "not_dead_letter", why).into_response(),
+    match admin.dataplane.redrive(&id).await {
+        Ok(task) => {
+            tracing::info!(task_id = %id, "admin: dead letter re-driven");
+            Json(TaskView::from(task)).into_response()
+        }
+        Err(e @ RedriveError::NotFound(_)) => {
+            ApiError::new(StatusCode::NOT_FOUND, "not_found", e.to_string()).into_response()
+        }
+        Err(e @ RedriveError::NotDeadLetter(..)) => {
+            ApiError::new(StatusCode::CONFLICT, "not_dead_letter", e.to_string()).into_response()
+        }
+        Err(e @ RedriveError::Bus(_)) => {
+            ApiError::new(StatusCode::SERVICE_UNAVAILABLE, "task_bus_unavailable", e.to_string()).into_response()
+        }
     }
 }
 

@@ -16,8 +16,9 @@
 //!   any other goes to the connected worker with the most free capacity.
 //!   A worker's capacity is bound by its `num_cpus` and memory
 //!   ([`capacity`]); it never has more tasks in flight, and sends to it go
-//!   through a bounded channel feeding HTTP/2 (flow control holds the
-//!   dispatcher back; nothing buffers without bound).
+//!   through a bounded channel feeding HTTP/2: a worker that stops reading
+//!   fills its channel and gets nothing more until it drains (nothing
+//!   buffers without bound, and the other workers are not held up).
 //! * **Results.** `ResultBatch`es are routed by `query_id` to the job
 //!   waiting for them; unknown jobs, finished tasks and a worker the task
 //!   is no longer assigned to are dropped and counted (duplicate
@@ -29,7 +30,11 @@
 //!   counters stop growing for the stall time is cancelled and requeued;
 //!   one past its deadline is cancelled and failed. After
 //!   [`DataPlaneSettings::max_attempts`] a task fails for good and is kept
-//!   as a dead letter until re-driven.
+//!   as a dead letter (on the [`TaskBus`], where other coordinators and
+//!   later runs see it) until re-driven.
+//! * **Cancels** go to every connected worker and, through the bus, to
+//!   every other coordinator; a worker's progress for a task no coordinator
+//!   tracks (dispatched before a coordinator change) gets it cancelled.
 
 use std::collections::{BTreeMap, HashMap};
 use std::pin::Pin;
@@ -50,6 +55,7 @@ use walship_proto::dataplane::{
     CoordEnvelope, Hello, ResultBatch, TaskCancel, TaskDispatch, TaskProgress, Welcome, WorkerEnvelope,
 };
 
+use crate::bus::{BusError, CancelNotice, DeadLetter, TaskBus};
 use crate::task::{Task, TaskSpec, TaskState, unix_ms, unix_nanos};
 
 /// How long a new stream may take to say `Hello`.
@@ -59,11 +65,17 @@ pub const HELLO_TIMEOUT: Duration = Duration::from_secs(10);
 /// control then holds them back).
 const OUTBOX: usize = 64;
 
+/// A reserved slot in one worker's outbox.
+type Permit = mpsc::OwnedPermit<Result<CoordEnvelope, Status>>;
+
 /// The metadata key a standby's refusal names the active coordinator in.
 pub const ACTIVE_METADATA_KEY: &str = "walship-active-coordinator";
 
 /// Longest worker id taken.
 const MAX_WORKER_ID: usize = 128;
+
+/// Longest build id taken.
+const MAX_BUILD_SHA: usize = 256;
 
 /// Tasks kept after they finished (the newest), for the admin API.
 const KEEP_FINISHED: usize = 10_000;
@@ -82,6 +94,8 @@ pub enum BuildPolicy {
 #[derive(Debug, Clone)]
 pub struct DataPlaneSettings {
     pub cluster_id: String,
+    /// This coordinator's id (named in the cancels it broadcasts).
+    pub coordinator_id: String,
     pub build_sha: String,
     pub build_policy: BuildPolicy,
     /// A running task whose counters do not grow for this long is stalled.
@@ -161,6 +175,8 @@ pub struct Counters {
     pub dropped_results: AtomicU64,
     pub duplicate_completions: AtomicU64,
     pub refused_streams: AtomicU64,
+    /// Cancels sent for tasks workers ran that no coordinator tracks.
+    pub orphans_cancelled: AtomicU64,
 }
 
 /// The coordinator's DataPlane: the gRPC service and the dispatcher.
@@ -175,6 +191,33 @@ pub struct Dispatcher {
     /// Reports of jobs a coordinator-side planner runs (verify): `None`
     /// while running. The newest [`KEEP_FINISHED`].
     reports: Mutex<BTreeMap<String, Option<serde_json::Value>>>,
+    /// Cancels to and from the other coordinators; where dead letters live.
+    bus: Arc<dyn TaskBus>,
+    /// Dead letters on their way to the bus (written in order by one task).
+    dead_letters: mpsc::UnboundedSender<DeadLetter>,
+}
+
+/// What [`Dispatcher::cancel`] did.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Cancelled {
+    /// A task of this coordinator's, in this state before (finished ones
+    /// stay as they were).
+    Here(TaskState),
+    /// Unknown here; broadcast to the other coordinators and every worker.
+    Broadcast,
+    /// Unknown, and no other coordinator could know it.
+    Unknown,
+}
+
+/// Why a re-drive was refused.
+#[derive(Debug, thiserror::Error)]
+pub enum RedriveError {
+    #[error("no task {0} and no dead letter of it")]
+    NotFound(String),
+    #[error("task {0} is {1}, not a dead letter")]
+    NotDeadLetter(String, &'static str),
+    #[error(transparent)]
+    Bus(#[from] BusError),
 }
 
 impl Dispatcher {
@@ -183,9 +226,13 @@ impl Dispatcher {
     pub fn start(
         settings: DataPlaneSettings,
         active: ActiveCheck,
+        bus: Arc<dyn TaskBus>,
         stop: tokio_util::sync::CancellationToken,
     ) -> Arc<Dispatcher> {
+        let (dead_tx, dead_rx) = mpsc::unbounded_channel();
         let dispatcher = Arc::new(Dispatcher {
+            bus,
+            dead_letters: dead_tx,
             settings,
             active,
             state: Mutex::new(State::default()),
@@ -196,6 +243,8 @@ impl Dispatcher {
             reports: Mutex::new(BTreeMap::new()),
         });
         tokio::spawn(dispatcher.clone().run_dispatch(stop.clone()));
+        tokio::spawn(dispatcher.clone().run_cancels(stop.clone()));
+        tokio::spawn(dispatcher.clone().write_dead_letters(dead_rx, stop.clone()));
         tokio::spawn(dispatcher.clone().run_watchdog(stop));
         dispatcher
     }
@@ -247,56 +296,170 @@ impl Dispatcher {
         self.state.lock().jobs.remove(query_id);
     }
 
-    /// Cancels a task: it stops on its worker (if running) and is marked
-    /// cancelled. Answers its state before, or `None` if unknown.
-    pub async fn cancel(&self, task_id: &str, reason: &str) -> Option<TaskState> {
-        let (before, outbox) = {
-            let mut state = self.state.lock();
-            let task = state.tasks.get_mut(task_id)?;
-            let before = task.state;
-            if before.finished() {
-                return Some(before);
-            }
-            let assigned = task.assigned.take();
-            task.finish(TaskState::Cancelled, Some(reason.to_string()));
-            let job = task.spec.query_id.clone();
-            let outbox = assigned.and_then(|(worker, _)| {
-                let w = state.workers.get_mut(&worker)?;
-                w.in_flight = w.in_flight.saturating_sub(1);
-                Some(w.outbox.clone())
-            });
-            if let Some(job) = state.jobs.get(&job) {
-                let _ = job.results.send(JobEvent::Finished {
-                    task_id: task_id.to_string(),
-                    state: TaskState::Cancelled,
-                    error: Some(reason.to_string()),
-                });
-            }
-            (before, outbox)
+    /// Cancels a task: marked cancelled here, and a cancel broadcast to
+    /// every coordinator (the bus) and from there to every worker, so it
+    /// stops wherever it runs, also on a worker an earlier coordinator
+    /// dispatched it to. A task unknown here is broadcast only when other
+    /// coordinators hear the bus (one of them may know it).
+    pub async fn cancel(&self, task_id: &str, reason: &str) -> Cancelled {
+        let outcome = match self.cancel_here(task_id, reason) {
+            Some(before) => Cancelled::Here(before),
+            None if self.bus.shared() => Cancelled::Broadcast,
+            None => return Cancelled::Unknown,
         };
-        if let Some(outbox) = outbox {
-            let cancel = TaskCancel { task_id: task_id.to_string(), reason: reason.to_string() };
-            let _ = outbox.send(Ok(CoordEnvelope { msg: Some(Down::TaskCancel(cancel)) })).await;
+        if !matches!(outcome, Cancelled::Here(before) if before.finished()) {
+            let notice = CancelNotice {
+                task_id: task_id.to_string(),
+                reason: reason.to_string(),
+                origin: self.settings.coordinator_id.clone(),
+            };
+            if let Err(e) = self.bus.publish_cancel(&notice).await {
+                tracing::warn!(task_id, error = %e, "the cancel reached this coordinator's workers only");
+            }
         }
-        self.wake.notify_one();
-        Some(before)
+        outcome
     }
 
-    /// Puts a dead letter back in the queue with fresh attempts.
-    pub fn redrive(&self, task_id: &str) -> Result<(), String> {
+    /// Marks a task cancelled (if known and running or queued) and tells
+    /// every connected worker to stop it (a worker that does not run it
+    /// ignores that). Answers its state before, or `None` if unknown.
+    fn cancel_here(&self, task_id: &str, reason: &str) -> Option<TaskState> {
         let mut state = self.state.lock();
-        let task = state.tasks.get_mut(task_id).ok_or_else(|| format!("no task {task_id}"))?;
-        if !task.dead_letter {
-            return Err(format!("task {task_id} is {}, not a dead letter", task.state.name()));
+        let known = match state.tasks.get_mut(task_id) {
+            None => None,
+            Some(task) => {
+                let before = task.state;
+                if !before.finished() {
+                    let assigned = task.assigned.take();
+                    task.finish(TaskState::Cancelled, Some(reason.to_string()));
+                    let job = task.spec.query_id.clone();
+                    if let Some((worker, _)) = assigned
+                        && let Some(w) = state.workers.get_mut(&worker)
+                    {
+                        w.in_flight = w.in_flight.saturating_sub(1);
+                    }
+                    if let Some(job) = state.jobs.get(&job) {
+                        let _ = job.results.send(JobEvent::Finished {
+                            task_id: task_id.to_string(),
+                            state: TaskState::Cancelled,
+                            error: Some(reason.to_string()),
+                        });
+                    }
+                }
+                Some(before)
+            }
+        };
+        if known.is_none_or(|before| !before.finished()) {
+            let cancel = TaskCancel { task_id: task_id.to_string(), reason: reason.to_string() };
+            for w in state.workers.values() {
+                // A worker whose outbox is full has stopped reading; its
+                // stream ends by keepalive and the task with it.
+                let _ = w.outbox.try_send(Ok(CoordEnvelope { msg: Some(Down::TaskCancel(cancel.clone())) }));
+            }
         }
-        task.dead_letter = false;
-        task.attempts = 0;
-        task.state = TaskState::Queued;
-        task.finished_unix_ms = None;
-        state.queue.push_back(task_id.to_string());
         drop(state);
         self.wake.notify_one();
-        Ok(())
+        known
+    }
+
+    /// Applies the cancels the bus brings (this coordinator's own too:
+    /// they are idempotent), until `stop`.
+    async fn run_cancels(self: Arc<Self>, stop: tokio_util::sync::CancellationToken) {
+        let mut backoff = Duration::from_millis(200);
+        loop {
+            let mut cancels = tokio::select! {
+                subscribed = self.bus.cancels() => match subscribed {
+                    Ok(cancels) => cancels,
+                    Err(e) => {
+                        tracing::warn!(error = %e, "cannot hear task cancels; retrying");
+                        tokio::select! {
+                            _ = tokio::time::sleep(backoff) => {}
+                            _ = stop.cancelled() => return,
+                        }
+                        backoff = (backoff * 2).min(Duration::from_secs(5));
+                        continue;
+                    }
+                },
+                _ = stop.cancelled() => return,
+            };
+            backoff = Duration::from_millis(200);
+            loop {
+                let notice = tokio::select! {
+                    notice = cancels.next() => notice,
+                    _ = stop.cancelled() => return,
+                };
+                let Some(notice) = notice else { break };
+                if notice.origin != self.settings.coordinator_id {
+                    tracing::info!(task_id = %notice.task_id, origin = %notice.origin, "task cancel from another coordinator");
+                }
+                self.cancel_here(&notice.task_id, &notice.reason);
+            }
+        }
+    }
+
+    /// Writes dead letters to the bus in order, retrying while it is
+    /// down (they are also in the task table meanwhile).
+    async fn write_dead_letters(
+        self: Arc<Self>,
+        mut letters: mpsc::UnboundedReceiver<DeadLetter>,
+        stop: tokio_util::sync::CancellationToken,
+    ) {
+        while let Some(letter) = tokio::select! { l = letters.recv() => l, _ = stop.cancelled() => None } {
+            loop {
+                match self.bus.put_dead_letter(&letter).await {
+                    Ok(()) => break,
+                    Err(e) => {
+                        tracing::warn!(task_id = %letter.task_id, error = %e, "keeping a dead letter failed; retrying");
+                        tokio::select! {
+                            _ = tokio::time::sleep(Duration::from_secs(1)) => {}
+                            _ = stop.cancelled() => return,
+                        }
+                    }
+                }
+            }
+        }
+    }
+
+    /// What carries cancels and keeps dead letters.
+    pub fn bus_description(&self) -> String {
+        self.bus.describe()
+    }
+
+    /// The dead letters (from the bus: those of earlier coordinators too).
+    pub async fn dead_letters(&self) -> Result<Vec<DeadLetter>, BusError> {
+        self.bus.dead_letters().await
+    }
+
+    /// Queues a dead letter again with fresh attempts: one in this
+    /// coordinator's table, or one only the bus knows (failed under an
+    /// earlier coordinator: its spec comes from the letter).
+    pub async fn redrive(&self, task_id: &str) -> Result<Task, RedriveError> {
+        if let Some(task) = self.task(task_id)
+            && !task.dead_letter
+        {
+            return Err(RedriveError::NotDeadLetter(task_id.to_string(), task.state.name()));
+        }
+        let letter = self.bus.take_dead_letter(task_id).await?;
+        let mut state = self.state.lock();
+        let state = &mut *state;
+        match (state.tasks.get_mut(task_id), letter) {
+            (Some(task), _) if task.dead_letter => {
+                task.dead_letter = false;
+                task.attempts = 0;
+                task.state = TaskState::Queued;
+                task.finished_unix_ms = None;
+            }
+            (Some(task), _) => return Err(RedriveError::NotDeadLetter(task_id.to_string(), task.state.name())),
+            (None, Some(letter)) => {
+                state.order.push(task_id.to_string());
+                state.tasks.insert(task_id.to_string(), Task::new(letter.spec()?));
+            }
+            (None, None) => return Err(RedriveError::NotFound(task_id.to_string())),
+        }
+        state.queue.push_back(task_id.to_string());
+        let task = state.tasks[task_id].clone();
+        self.wake.notify_one();
+        Ok(task)
     }
 
     /// Every task, oldest first.
@@ -347,6 +510,11 @@ impl Dispatcher {
                 "Hello.worker_id must be 1 to {MAX_WORKER_ID} printable characters without spaces"
             )));
         }
+        if hello.build_sha.len() > MAX_BUILD_SHA || hello.build_sha.chars().any(char::is_control) {
+            return Err(Status::invalid_argument(format!(
+                "Hello.build_sha must be at most {MAX_BUILD_SHA} bytes without control characters"
+            )));
+        }
         if hello.num_cpus < 0 || hello.gomemlimit < 0 {
             return Err(Status::invalid_argument("Hello.num_cpus and Hello.gomemlimit must not be negative"));
         }
@@ -393,6 +561,9 @@ impl Dispatcher {
                 if task.state.finished() {
                     finished.push((task.spec.query_id.clone(), task.spec.task_id.clone(), task.error.clone()));
                 }
+                if task.dead_letter {
+                    let _ = self.dead_letters.send(DeadLetter::of(task));
+                }
             }
         }
         for (job, task_id, error) in finished {
@@ -423,7 +594,19 @@ impl Dispatcher {
 
     fn on_progress(&self, worker: &str, conn: u64, p: TaskProgress) {
         let mut state = self.state.lock();
-        let Some(task) = state.tasks.get_mut(&p.task_id) else { return };
+        let Some(task) = state.tasks.get_mut(&p.task_id) else {
+            // Running on a worker, unknown here: dispatched by an earlier
+            // coordinator (a failover), whose job is gone. Nobody waits
+            // for its result, so it only costs the node: stop it.
+            if let Some(w) = state.workers.get(worker) {
+                let reason = "no coordinator tracks this task (dispatched before a coordinator change)".to_string();
+                let cancel = TaskCancel { task_id: p.task_id.clone(), reason };
+                let _ = w.outbox.try_send(Ok(CoordEnvelope { msg: Some(Down::TaskCancel(cancel)) }));
+                self.counters.orphans_cancelled.fetch_add(1, Ordering::Relaxed);
+                tracing::info!(worker, task_id = %p.task_id, "an orphaned task: cancelled");
+            }
+            return;
+        };
         if task.state != TaskState::Running
             || task.assigned.as_ref().is_none_or(|(w, c)| w != worker || *c != conn)
             || (p.attempt != 0 && p.attempt != task.attempts)
@@ -496,29 +679,32 @@ impl Dispatcher {
                 }
                 continue;
             }
-            for (outbox, dispatch, worker, conn) in sends {
-                let task_id = dispatch.task_id.clone();
-                // Waits while the worker's outbox is full: HTTP/2 flow
-                // control, not a sleep, paces dispatch.
-                if outbox.send(Ok(CoordEnvelope { msg: Some(Down::TaskDispatch(dispatch)) })).await.is_err() {
-                    self.disconnected(&worker, conn);
-                    continue;
-                }
+            for (permit, dispatch) in sends {
+                tracing::debug!(task_id = %dispatch.task_id, "dispatched");
+                permit.send(Ok(CoordEnvelope { msg: Some(Down::TaskDispatch(dispatch)) }));
                 self.counters.dispatched.fetch_add(1, Ordering::Relaxed);
-                tracing::debug!(task_id, worker, "dispatched");
             }
         }
     }
 
-    /// Assigns what can go now: queued tasks to workers with room.
-    #[allow(clippy::type_complexity)]
-    fn pick(&self) -> Vec<(mpsc::Sender<Result<CoordEnvelope, Status>>, TaskDispatch, String, u64)> {
+    /// Assigns what can go now: queued tasks to workers with room, each
+    /// with a slot already reserved in its worker's outbox. A worker whose
+    /// outbox is full (it stopped reading: HTTP/2 flow control holds the
+    /// messages back) has no room until it drains, so a stuck worker never
+    /// holds up dispatch to the others.
+    fn pick(&self) -> Vec<(Permit, TaskDispatch)> {
         let mut state = self.state.lock();
         let state = &mut *state;
         let mut sends = Vec::new();
+        let has_room = |w: &Worker| w.in_flight < w.capacity && w.outbox.capacity() > 0;
         // Stop scanning once no worker has room: a busy cluster with a long
         // queue costs one pass per freed slot, not one per queued task.
-        let mut room: usize = state.workers.values().map(|w| w.capacity.saturating_sub(w.in_flight)).sum();
+        let mut room: usize = state
+            .workers
+            .values()
+            .filter(|w| has_room(w))
+            .map(|w| (w.capacity - w.in_flight).min(w.outbox.capacity()))
+            .sum();
         let mut kept = std::collections::VecDeque::with_capacity(state.queue.len());
         while let Some(id) = state.queue.pop_front() {
             if room == 0 {
@@ -531,21 +717,24 @@ impl Dispatcher {
                 continue;
             }
             let worker = match &task.spec.target {
-                Some(target) => {
-                    state.workers.get_mut(target).filter(|w| w.in_flight < w.capacity).map(|_| target.clone())
-                }
+                Some(target) => state.workers.get(target).filter(|w| has_room(w)).map(|_| target.clone()),
                 None => state
                     .workers
                     .iter()
-                    .filter(|(_, w)| w.in_flight < w.capacity)
+                    .filter(|(_, w)| has_room(w))
                     .max_by_key(|(id, w)| (w.capacity - w.in_flight, std::cmp::Reverse((*id).clone())))
                     .map(|(id, _)| id.clone()),
             };
-            let Some(worker) = worker else {
+            let w = worker.and_then(|worker| state.workers.get_mut(&worker).map(|w| (worker, w)));
+            let Some((worker, w)) = w else {
                 kept.push_back(id);
                 continue;
             };
-            let w = state.workers.get_mut(&worker).expect("picked from the map");
+            // Another sender (a cancel) may have taken the last slot.
+            let Ok(permit) = w.outbox.clone().try_reserve_owned() else {
+                kept.push_back(id);
+                continue;
+            };
             w.in_flight += 1;
             room -= 1;
             task.dispatched(&worker, w.conn);
@@ -557,7 +746,7 @@ impl Dispatcher {
                 deadline_unix_nano: task.spec.deadline_unix_nano,
                 attempt: task.attempts,
             };
-            sends.push((w.outbox.clone(), dispatch, worker, w.conn));
+            sends.push((permit, dispatch));
         }
         state.queue = kept;
         sends
@@ -598,6 +787,9 @@ impl Dispatcher {
                     }
                     if task.state.finished() {
                         events.push((task.spec.query_id.clone(), task.spec.task_id.clone(), task.error.clone()));
+                    }
+                    if task.dead_letter {
+                        let _ = self.dead_letters.send(DeadLetter::of(task));
                     }
                     if let Some((worker, _)) = assigned
                         && let Some(w) = state.workers.get_mut(&worker)

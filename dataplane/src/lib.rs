@@ -9,6 +9,8 @@
 //! * [`worker`]: the node side: one stream to the active coordinator,
 //!   reconnecting with backoff, de-duping dispatches, running tasks by kind
 //!   and reporting their progress and results.
+//! * [`bus`]: cancels broadcast between coordinators and the dead letters
+//!   (in process, or NATS and JetStream).
 //! * [`kinds`]: the task kinds; adding one is one file there.
 //! * [`arrow_export`]: records as Arrow record batches, IPC streams and files.
 //! * [`verify`]: per-chunk checksums of a seqno range and where replicas
@@ -17,6 +19,7 @@
 //! The wire contract is `walship-proto`'s `dataplane.v1.DataPlane`.
 
 pub mod arrow_export;
+pub mod bus;
 pub mod coordinator;
 pub mod kinds;
 pub mod task;

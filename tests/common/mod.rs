@@ -213,6 +213,8 @@ pub struct Cluster {
     /// Every process runs as a Unix user of its own ([`ClusterSpec::separate_users`]);
     /// restarts keep it.
     pub separate_users: bool,
+    /// Extra arguments of every coordinator (restarts too).
+    pub coord_args: Vec<String>,
 }
 
 /// The admin token test coordinators run with.
@@ -286,6 +288,9 @@ pub struct ClusterSpec<'a> {
     /// `walship-c<c>` (created on first use; needs root), so that
     /// [`partition::Partition`] can cut links by socket owner.
     pub separate_users: bool,
+    /// Extra arguments of every coordinator (restarts too), e.g.
+    /// `--task-stall-s 2`.
+    pub coord_args: Vec<String>,
 }
 
 impl Default for ClusterSpec<'_> {
@@ -302,6 +307,7 @@ impl Default for ClusterSpec<'_> {
             data_dirs: Vec::new(),
             stderr_logs: Vec::new(),
             separate_users: false,
+            coord_args: Vec::new(),
         }
     }
 }
@@ -401,6 +407,7 @@ impl Cluster {
             coordinators: Vec::new(),
             nats: nats.map(str::to_string),
             separate_users: spec.separate_users,
+            coord_args: spec.coord_args.clone(),
         };
         for c in 1..=coordinators {
             let coordinator = cluster.spawn_coordinator(c);
@@ -420,6 +427,7 @@ impl Cluster {
         if let Some(url) = &self.nats {
             command.args(["--nats", url]);
         }
+        command.args(&self.coord_args);
         if self.separate_users {
             partition::run_as(&mut command, &partition::coordinator_user(c), &[&self.dir.path().join("coord")]);
         }
