@@ -62,6 +62,12 @@ pub struct CoordArgs {
     /// Dispatches of one task before it fails for good (a dead letter).
     #[arg(long, default_value_t = 3, value_parser = clap::value_parser!(u32).range(1..))]
     task_attempts: u32,
+    /// Seconds between scheduled verifies of every shard (a scrub: each
+    /// shard in turn, all it has committed, compared across its replicas;
+    /// a divergence is logged at ERROR and shown in GET /v1/cluster).
+    /// 0: only on demand.
+    #[arg(long, env = "WALSHIP_VERIFY_EVERY_S", default_value_t = 86_400)]
+    verify_every_s: u64,
 }
 
 pub async fn run_coord(args: CoordArgs) -> Result<()> {
@@ -166,9 +172,11 @@ pub async fn run_coord(args: CoordArgs) -> Result<()> {
         token: token.clone(),
         started: Instant::now(),
         lag_history: Default::default(),
+        verify_schedule: Default::default(),
         dataplane,
         exports_dir: args.data_dir.join("exports"),
     });
+    walship_admin_api::jobs::schedule_verify(admin.clone(), Duration::from_secs(args.verify_every_s));
     let admin_shutdown = shutdown.clone();
     let http = tokio::spawn(async move {
         crate::tls::serve_admin(coord_router(admin), admin_listener, cluster_tls.as_ref(), admin_shutdown).await

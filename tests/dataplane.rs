@@ -337,28 +337,8 @@ async fn verify_finds_the_first_bad_seqno_of_a_damaged_replica() {
     assert_eq!(report["verdict"], "equal", "{report}");
     assert_eq!(report["equal_through"], 300, "{report}");
 
-    // Silent divergence, which no checksum catches: node 2's record 37 is
-    // rewritten offline as a different, well-formed record (same seqno,
-    // epoch, time and key; another payload). Its CRCs all hold, so neither
-    // reads nor the scrubber notice; only comparing replicas does.
-    cluster.node(2).kill9();
-    {
-        use walship_wal::{EngineStore, EngineStoreConfig, Frame, LogStore, RecordFields, ShardAppend};
-        let dir = cluster.node(2).data_dir.join("wal");
-        let store = EngineStore::open(&dir, &EngineStoreConfig::default()).expect("open node 2's WAL");
-        let tail = store.read(1, 37, 300, usize::MAX).expect("read node 2's records");
-        assert_eq!(tail.len(), 264);
-        let forged = Frame::encode(RecordFields {
-            seqno: 37,
-            epoch: tail[0].epoch(),
-            timestamp_us: tail[0].timestamp_us(),
-            key: &tail[0].key(),
-            payload: b"not what the leader wrote",
-        });
-        let frames: Vec<Frame> = std::iter::once(forged).chain(tail[1..].iter().cloned()).collect();
-        store.truncate_suffix(1, 36).unwrap();
-        store.append(&[ShardAppend { shard: 1, frames }], true).unwrap();
-    }
+    // Node 2's record 37 silently diverges.
+    forge_record(&mut cluster, 2, 1, 37, 300);
     cluster.restart(2);
     wait_workers(&mut cluster, 3).await;
     let report =
@@ -406,6 +386,85 @@ async fn verify_finds_the_first_bad_seqno_of_a_damaged_replica() {
     }
     let (_, after) = cluster.coord_get(1, "/v1/tasks?kind=verify&limit=1000").await;
     assert_eq!(after["total"], 18, "refused verifies started tasks");
+}
+
+/// Silent divergence, which no checksum catches: node `node`'s record
+/// `seqno` of `shard` is rewritten offline as a different, well-formed
+/// record (same seqno, epoch, time and key; another payload; records up to
+/// `last` kept). Its CRCs all hold, so neither reads nor the scrubber
+/// notice; only comparing replicas does. Leaves the node stopped.
+fn forge_record(cluster: &mut Cluster, node: u32, shard: u32, seqno: u64, last: u64) {
+    use walship_wal::{EngineStore, EngineStoreConfig, Frame, LogStore, RecordFields, ShardAppend};
+    cluster.node(node).kill9();
+    let dir = cluster.node(node).data_dir.join("wal");
+    let store = EngineStore::open(&dir, &EngineStoreConfig::default()).expect("open the node's WAL");
+    let tail = store.read(shard, seqno, last, usize::MAX).expect("read the node's records");
+    assert_eq!(tail.len() as u64, last - seqno + 1);
+    let forged = Frame::encode(RecordFields {
+        seqno,
+        epoch: tail[0].epoch(),
+        timestamp_us: tail[0].timestamp_us(),
+        key: &tail[0].key(),
+        payload: b"not what the leader wrote",
+    });
+    let frames: Vec<Frame> = std::iter::once(forged).chain(tail[1..].iter().cloned()).collect();
+    store.truncate_suffix(shard, seqno - 1).unwrap();
+    store.append(&[ShardAppend { shard, frames }], true).unwrap();
+}
+
+/// `walship coord --verify-every-s`: the coordinator verifies every shard
+/// by itself and shows each one's last verdict; it finds a replica that
+/// silently diverged without anyone asking.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_scheduled_verify_finds_a_diverged_replica_by_itself() {
+    use walship_proto::log::{AppendRecord, AppendRequest, Durability};
+    let mut cluster = Cluster::launch(&common::ClusterSpec {
+        nodes: 3,
+        shards: 1,
+        coordinators: 1,
+        coord_args: vec!["--verify-every-s".into(), "1".into()],
+        ..Default::default()
+    });
+    wait_workers(&mut cluster, 3).await;
+    let (leader, _) = cluster.leader_of(1, 1).await.expect("a leader");
+    let mut log = cluster.node(leader).client().await;
+    let records = (0..100)
+        .map(|i| AppendRecord { key: Default::default(), payload: format!("scrub-{i}").into_bytes().into() })
+        .collect();
+    log.append(AppendRequest { shard_id: 1, records, durability: Durability::All as i32 }).await.unwrap();
+    let last_verdict = async |cluster: &mut Cluster| -> Value {
+        let (_, view) = cluster.coord_get(1, "/v1/cluster").await;
+        assert_eq!(view["dataplane"]["verify_schedule"]["every_s"], 1, "{view}");
+        view["dataplane"]["verify_schedule"]["last"][0].clone()
+    };
+    let deadline = std::time::Instant::now() + WAIT;
+    loop {
+        let last = last_verdict(&mut cluster).await;
+        if last["verdict"] == "equal" && last["to"].as_u64() >= Some(100) {
+            assert_eq!(last["shard"], 1, "{last}");
+            break;
+        }
+        assert!(std::time::Instant::now() < deadline, "no equal scheduled verify: {last}");
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+    // A follower silently diverges: the next scheduled round names it.
+    let follower = if leader == 2 { 3 } else { 2 };
+    forge_record(&mut cluster, follower, 1, 40, 100);
+    cluster.restart(follower);
+    wait_workers(&mut cluster, 3).await;
+    let deadline = std::time::Instant::now() + WAIT;
+    loop {
+        let last = last_verdict(&mut cluster).await;
+        if last["verdict"] == "diverged" {
+            assert_eq!(last["first_divergent_seqno"], 40, "{last}");
+            assert_eq!(last["differing"], json!([follower]), "{last}");
+            let (code, job) = cluster.coord_get(1, &format!("/v1/jobs/{}", last["job_id"].as_str().unwrap())).await;
+            assert_eq!((code, job["report"]["verdict"].as_str()), (200, Some("diverged")), "{job}");
+            break;
+        }
+        assert!(std::time::Instant::now() < deadline, "the scheduled verify never saw the divergence: {last}");
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
 }
 
 /// `walship export` writes a range of a shard as an Arrow IPC file that

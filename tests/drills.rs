@@ -82,10 +82,42 @@ async fn failover_drill_reports_a_new_leader_and_nothing_lost() {
 async fn catchup_drill_reports_rate_and_live_throughput() {
     let mut cluster = Cluster::start_with(3, 1, 1, FAST, None);
     cluster.wait_node_leads(1, 1, Duration::from_secs(30)).await;
-    let report =
-        run_drill(&mut cluster, "/v1/drills/catchup", r#"{"shard": 1, "volume_bytes": 4194304, "record_bytes": 4096}"#)
-            .await;
+    let body = r#"{"shard": 1, "volume_bytes": 4194304, "record_bytes": 4096}"#;
+    let (code, started) = cluster.coord_post(1, "/v1/drills/catchup", body, Some(TOKEN)).await;
+    assert_eq!(code, 202, "{started}");
+    let id = started["id"].as_str().unwrap().to_string();
+    // A drill is a task the coordinator runs: listed while it runs, not
+    // cancellable (it runs to its end, which restores the cluster).
+    let (code, task) = cluster.coord_get(1, &format!("/v1/tasks/{id}")).await;
+    assert_eq!(code, 200, "{task}");
+    assert_eq!((task["kind"].as_str(), task["shard"].as_u64()), (Some("drill-catchup"), Some(1)), "{task}");
+    assert_eq!(task["node"], "coordinator c1", "{task}");
+    if task["state"] == "running" {
+        let (code, refused) = cluster.coord_post(1, &format!("/v1/tasks/{id}/cancel"), "{}", Some(TOKEN)).await;
+        assert_eq!((code, refused["error"]["code"].as_str()), (409, Some("not_cancellable")), "{refused}");
+    }
+    let mut report = serde_json::Value::Null;
+    wait_until("the catch-up drill to finish", Duration::from_secs(90), || {
+        let (_, r) = futures::executor::block_on(cluster.coord_get(1, &format!("/v1/drills/{id}")));
+        let done = r["state"] != "running";
+        report = r;
+        async move { done }
+    })
+    .await;
     assert_eq!(report["state"], "done", "{report}");
+    let mut task = serde_json::Value::Null;
+    wait_until("the drill's task to finish", Duration::from_secs(10), || {
+        let (_, t) = futures::executor::block_on(cluster.coord_get(1, &format!("/v1/tasks/{id}")));
+        let done = t["state"] != "running";
+        task = t;
+        async move { done }
+    })
+    .await;
+    assert_eq!(task["state"], "succeeded", "{task}");
+    assert_eq!(task["summary"]["catchup"], report["catchup"], "the task's summary is the drill's report");
+    assert!(task["bytes"].as_i64().unwrap() > 0, "the drill's bytes written are its progress: {task}");
+    let (_, page) = cluster.coord_get(1, "/v1/tasks?kind=drill-catchup").await;
+    assert_eq!(page["total"], 1, "{page}");
     let c = &report["catchup"];
     assert!(c["records_behind"].as_u64().unwrap() >= 1000, "{c}");
     assert!(c["catchup_mib_per_s"].as_f64().unwrap() > 0.0);

@@ -40,6 +40,8 @@ pub struct CoordAdmin {
     /// Recent lag samples (`/v1/shards/{id}/lag-history`), filled once a
     /// second by a task [`coord_router`] starts.
     pub lag_history: LagHistory,
+    /// Scheduled verifies (`walship coord --verify-every`).
+    pub verify_schedule: crate::jobs::VerifyScheduleState,
 }
 
 /// The coordinator's admin router; also starts the lag sampler (ends with
@@ -446,6 +448,7 @@ async fn cluster(State(admin): State<Arc<CoordAdmin>>) -> Response {
                 refused_streams: n(&c.refused_streams),
                 orphans_cancelled: n(&c.orphans_cancelled),
                 task_bus: admin.dataplane.bus_description(),
+                verify_schedule: admin.verify_schedule.view(),
             }
         },
     };
@@ -622,7 +625,10 @@ async fn start_drill<R: std::fmt::Debug, F: std::future::Future<Output = Result<
     };
     tracing::info!(%who, ?request, "admin: drill requested");
     match start(admin.coordinator.clone(), request).await {
-        Ok(id) => started(id),
+        Ok(id) => {
+            crate::jobs::track_drill(admin, &id);
+            started(id)
+        }
         Err(e) => coord_error(e).into_response(),
     }
 }

@@ -10,6 +10,7 @@
 pub mod body;
 pub mod coord;
 pub mod history;
+pub mod jobs;
 pub mod models;
 pub mod openapi;
 pub mod tasks;

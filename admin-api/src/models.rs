@@ -135,6 +135,9 @@ pub struct DataPlaneView {
     /// Where cancels travel and dead letters are kept.
     #[serde(default)]
     pub task_bus: String,
+    /// Scheduled verifies: how often, and each shard's last verdict.
+    #[serde(default)]
+    pub verify_schedule: crate::jobs::VerifySchedule,
 }
 
 #[derive(Debug, Clone, Serialize, Deserialize, PartialEq, utoipa::ToSchema)]

@@ -66,7 +66,7 @@ impl Modify for Bearer {
         walship_shipping::control::drills::CorruptionDrillRequest, walship_shipping::control::drills::CorruptionDrillResult,
         walship_shipping::control::drills::PartitionDrillRequest, walship_shipping::control::drills::PartitionDrillResult,
         walship_shipping::control::drills::PartitionTrial, walship_shipping::control::drills::TimeSummary,
-        crate::tasks::TaskView, crate::tasks::TaskPage, crate::tasks::CancelBroadcast, crate::tasks::NewTask, crate::tasks::TaskStarted, crate::tasks::JobView,
+        crate::tasks::TaskView, crate::tasks::TaskPage, crate::tasks::CancelBroadcast, crate::jobs::VerifySchedule, crate::jobs::ScheduledVerify, crate::tasks::NewTask, crate::tasks::TaskStarted, crate::tasks::JobView,
         walship_dataplane::kinds::verify::VerifyReport, walship_dataplane::kinds::export::ExportReport,
         walship_dataplane::task::TaskState, walship_dataplane::bus::DeadLetter,
         walship_dataplane::coordinator::WorkerView, crate::models::DataPlaneView,

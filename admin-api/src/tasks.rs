@@ -359,7 +359,8 @@ pub struct CancelBroadcast {
 #[utoipa::path(post, path = "/v1/tasks/{id}/cancel", tag = "tasks", params(("id" = String, Path, description = "task id")),
     security(("bearer" = [])),
     responses((status = 200, description = "cancelled here (a finished task is shown as it was); the cancel is also broadcast so the task stops on every worker", body = TaskView),
-        (status = 202, description = "not a task of this coordinator, but coordinators share a NATS bus: broadcast to them and every worker", body = CancelBroadcast), (status = 401, body = crate::models::ErrorBody), (status = 403, body = crate::models::ErrorBody),
+        (status = 202, description = "not a task of this coordinator, but coordinators share a NATS bus: broadcast to them and every worker", body = CancelBroadcast),
+        (status = 409, description = "a running drill (not_cancellable)", body = crate::models::ErrorBody), (status = 401, body = crate::models::ErrorBody), (status = 403, body = crate::models::ErrorBody),
         (status = 404, description = "unknown task", body = crate::models::ErrorBody)))]
 pub async fn cancel(State(admin): State<Arc<CoordAdmin>>, headers: HeaderMap, Path(id): Path<String>) -> Response {
     if let Err(e) = authorize(&headers, &admin.token) {
@@ -369,6 +370,12 @@ pub async fn cancel(State(admin): State<Arc<CoordAdmin>>, headers: HeaderMap, Pa
         Cancelled::Unknown => {
             ApiError::new(StatusCode::NOT_FOUND, "not_found", format!("no task {id}")).into_response()
         }
+        Cancelled::NotCancellable => ApiError::new(
+            StatusCode::CONFLICT,
+            "not_cancellable",
+            format!("task {id} is a drill the coordinator runs; it runs to its end, which restores the cluster"),
+        )
+        .into_response(),
         Cancelled::Here(_) => match admin.dataplane.task(&id) {
             Some(task) => Json(TaskView::from(task)).into_response(),
             None => ApiError::new(StatusCode::NOT_FOUND, "not_found", format!("no task {id}")).into_response(),
@@ -437,31 +444,19 @@ fn start_verify(
     chunk_records: Option<u64>,
     deadline_ms: Option<u64>,
 ) -> Response {
-    use walship_dataplane::kinds::verify;
-    let c = &admin.coordinator;
-    let Some(spec) = c.config.shards.iter().find(|s| s.id == shard) else {
-        return ApiError::new(StatusCode::NOT_FOUND, "not_found", format!("no shard {shard}")).into_response();
-    };
     let deadline = match deadline(deadline_ms) {
         Ok(d) => d,
         Err(response) => return *response,
     };
-    let from = from.unwrap_or(1).max(1);
-    let to = to.or_else(|| leader_and_commit(admin, shard).1).unwrap_or(u64::MAX);
-    let chunk = chunk_records.unwrap_or(verify::DEFAULT_CHUNK_RECORDS);
-    if !(1..=1_000_000).contains(&chunk) {
-        return bad_request(format!("chunk_records {chunk} is outside 1..=1000000"));
+    match crate::jobs::launch_verify(admin, shard, from, to, chunk_records, deadline) {
+        Ok((job, _)) => {
+            (StatusCode::ACCEPTED, Json(TaskStarted { query_id: job, task_ids: Vec::new() })).into_response()
+        }
+        Err(crate::jobs::VerifyRefused::NoShard) => {
+            ApiError::new(StatusCode::NOT_FOUND, "not_found", format!("no shard {shard}")).into_response()
+        }
+        Err(crate::jobs::VerifyRefused::Bad(why)) => bad_request(why),
     }
-    let dispatcher = admin.dataplane.clone();
-    let job = dispatcher.new_id("v");
-    dispatcher.set_report(&job, None);
-    let (d, j, replicas) = (dispatcher.clone(), job.clone(), spec.replicas.clone());
-    tokio::spawn(async move {
-        let report = verify::run(d.clone(), shard, replicas, from, to, chunk, deadline).await;
-        tracing::info!(job = %j, verdict = %report.verdict, first = ?report.first_divergent_seqno, "verify finished");
-        d.set_report(&j, Some(serde_json::to_value(report).expect("plain data")));
-    });
-    (StatusCode::ACCEPTED, Json(TaskStarted { query_id: job, task_ids: Vec::new() })).into_response()
 }
 
 /// A planned job (verify) and its report.
@@ -488,7 +483,7 @@ pub async fn job(State(admin): State<Arc<CoordAdmin>>, Path(id): Path<String>) -
 }
 
 /// The leader of `shard` and its commit seqno now, as the coordinator knows.
-fn leader_and_commit(admin: &CoordAdmin, shard: u32) -> (Option<u32>, Option<u64>) {
+pub(crate) fn leader_and_commit(admin: &CoordAdmin, shard: u32) -> (Option<u32>, Option<u64>) {
     let c = &admin.coordinator;
     let leader = c.state().and_then(|s| s.shards.get(&shard).and_then(|r| r.leader));
     (leader, leader.and_then(|l| c.heartbeat(l, shard)).map(|h| h.commit_seqno))

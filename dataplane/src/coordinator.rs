@@ -207,6 +207,8 @@ pub enum Cancelled {
     Broadcast,
     /// Unknown, and no other coordinator could know it.
     Unknown,
+    /// Run by the coordinator itself (a drill), which sees it through.
+    NotCancellable,
 }
 
 /// Why a re-drive was refused.
@@ -302,6 +304,9 @@ impl Dispatcher {
     /// dispatched it to. A task unknown here is broadcast only when other
     /// coordinators hear the bus (one of them may know it).
     pub async fn cancel(&self, task_id: &str, reason: &str) -> Cancelled {
+        if self.task(task_id).is_some_and(|t| t.on_coordinator && !t.state.finished()) {
+            return Cancelled::NotCancellable;
+        }
         let outcome = match self.cancel_here(task_id, reason) {
             Some(before) => Cancelled::Here(before),
             None if self.bus.shared() => Cancelled::Broadcast,
@@ -327,6 +332,7 @@ impl Dispatcher {
         let mut state = self.state.lock();
         let known = match state.tasks.get_mut(task_id) {
             None => None,
+            Some(task) if task.on_coordinator => Some(task.state),
             Some(task) => {
                 let before = task.state;
                 if !before.finished() {
@@ -460,6 +466,38 @@ impl Dispatcher {
         let task = state.tasks[task_id].clone();
         self.wake.notify_one();
         Ok(task)
+    }
+
+    /// Lists a task the coordinator runs itself (a drill) as running on
+    /// it; [`Dispatcher::progress_here`] and [`Dispatcher::finish_here`]
+    /// keep it current. `false` if the id is taken.
+    pub fn track_here(&self, spec: TaskSpec) -> bool {
+        let mut state = self.state.lock();
+        if state.tasks.contains_key(&spec.task_id) {
+            return false;
+        }
+        let mut task = Task::new(spec);
+        task.on_coordinator = true;
+        task.dispatched(&format!("coordinator {}", self.settings.coordinator_id), 0);
+        task.assigned = None;
+        state.order.push(task.spec.task_id.clone());
+        state.tasks.insert(task.spec.task_id.clone(), task);
+        true
+    }
+
+    /// A coordinator-run task's counters now.
+    pub fn progress_here(&self, task_id: &str, rows: i64, bytes: i64) {
+        if let Some(task) = self.state.lock().tasks.get_mut(task_id).filter(|t| t.on_coordinator) {
+            task.report(rows, bytes, unix_ms());
+        }
+    }
+
+    /// A coordinator-run task ended.
+    pub fn finish_here(&self, task_id: &str, state: TaskState, error: Option<String>, summary: serde_json::Value) {
+        if let Some(task) = self.state.lock().tasks.get_mut(task_id).filter(|t| t.on_coordinator) {
+            task.finish(state, error);
+            task.summary = Some(summary);
+        }
     }
 
     /// Every task, oldest first.

@@ -108,6 +108,10 @@ pub struct Task {
     pub summary: Option<serde_json::Value>,
     /// Failed on every attempt: kept in the dead letters until re-driven.
     pub dead_letter: bool,
+    /// Run by the coordinator itself (a drill: it orchestrates the cluster,
+    /// so no node can run it), never dispatched; its progress comes from
+    /// the coordinator, so it does not stall and cannot be cancelled.
+    pub on_coordinator: bool,
 }
 
 pub fn unix_ms() -> u64 {
@@ -137,6 +141,7 @@ impl Task {
             result_bytes: 0,
             summary: None,
             dead_letter: false,
+            on_coordinator: false,
         }
     }
 
@@ -199,7 +204,7 @@ impl Task {
 
     /// Running without its counters growing for `stall`.
     pub fn stalled(&self, stall: Duration) -> bool {
-        self.state == TaskState::Running && self.advanced_at.elapsed() > stall
+        self.state == TaskState::Running && !self.on_coordinator && self.advanced_at.elapsed() > stall
     }
 
     /// Past its deadline.
