@@ -496,6 +496,30 @@ async fn an_export_batch_that_is_not_arrow_fails_its_job() {
     );
 }
 
+/// 1b'. The same garbage as the export task's terminal batch: the job
+/// fails naming the payload, and the task is not shown as succeeded (its
+/// only output was refused).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_terminal_export_batch_that_is_not_arrow_fails_job_and_task() {
+    let lone = Lone::start(&["--task-stall-s", "600"]).await;
+    let admin = lone.admin().to_string();
+    let mut worker = Fake::connect(lone.grpc(), "node-1", 1).await;
+    let (job, _) = submit(&admin, json!({"kind": "export", "shard": 1, "node": "node-1", "from": 1, "to": 10})).await;
+    let dispatch = worker.next_dispatch().await;
+    worker.send(worker.batch(&dispatch, true, 10, &[0xff; 64])).await;
+    let report = wait_job(&admin, &job).await;
+    assert_eq!(report["state"], "failed", "{report}");
+    let error = report["error"].as_str().unwrap_or_default();
+    assert!(error.contains("batch") && error.contains("Arrow IPC"), "the error names no payload: {report}");
+    worker.barrier(&admin).await;
+    let shown = task(&admin, &dispatch.task_id).await;
+    assert!(
+        shown["state"] == "failed" || shown["state"] == "cancelled",
+        "the export job failed on this task's payload, yet the task shows {}: {shown}",
+        shown["state"]
+    );
+}
+
 async fn wait_job(admin: &str, job: &str) -> Value {
     let deadline = Instant::now() + WAIT;
     loop {
