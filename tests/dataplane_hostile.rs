@@ -105,6 +105,17 @@ async fn post(admin: &str, path: &str, body: &Value) -> (u16, Value) {
 async fn workers(admin: &str) -> Vec<String> {
     let (code, view) = get(admin, "/v1/cluster").await;
     assert_eq!(code, 200, "{view}");
+    worker_ids(&view)
+}
+
+/// The workers, or `None` while the coordinator cannot say yet (503 until
+/// the cluster state is first written).
+async fn workers_now(admin: &str) -> Option<Vec<String>> {
+    let (code, view) = get(admin, "/v1/cluster").await;
+    (code == 200).then(|| worker_ids(&view))
+}
+
+fn worker_ids(view: &Value) -> Vec<String> {
     view["workers"]
         .as_array()
         .map_or(Vec::new(), |w| w.iter().map(|w| w["worker_id"].as_str().unwrap_or_default().to_string()).collect())
@@ -643,7 +654,7 @@ async fn a_stuck_worker_does_not_stall_dispatch_to_healthy_ones() {
     let grpc = cluster.coordinator(1).grpc.clone();
     wait_until("node-1 connected", WAIT, || {
         let admin = admin.clone();
-        async move { workers(&admin).await == ["node-1"] }
+        async move { workers_now(&admin).await.is_some_and(|w| w == ["node-1"]) }
     })
     .await;
     // The real node runs a task first: it is healthy.
@@ -653,7 +664,7 @@ async fn a_stuck_worker_does_not_stall_dispatch_to_healthy_ones() {
     let (_keep, _never_read) = stuck_worker(&grpc, "stuck", STUCK_CPUS).await;
     wait_until("the stuck worker connected", WAIT, || {
         let admin = admin.clone();
-        async move { workers(&admin).await.len() == 2 }
+        async move { workers_now(&admin).await.is_some_and(|w| w.len() == 2) }
     })
     .await;
     // Untargeted no-ops go to the worker with the most room: the stuck one.
