@@ -365,3 +365,70 @@ enum Session {
     Standby(Option<String>),
     Failed(String),
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn worker() -> Arc<Worker<tonic::transport::Channel>> {
+        let settings = WorkerSettings {
+            worker_id: "node-1".into(),
+            build_sha: "test".into(),
+            num_cpus: 1,
+            memory_bytes: 0,
+            coordinators: Vec::new(),
+        };
+        let dial: Dial<tonic::transport::Channel> = Arc::new(|_| None);
+        Worker::new(settings, dial, vec![Arc::new(crate::kinds::noop::NoopRunner)])
+    }
+
+    fn dispatch(kind: &str) -> TaskDispatch {
+        TaskDispatch {
+            task_id: "t-1".into(),
+            query_id: "q-1".into(),
+            stage_id: kind.into(),
+            task_blob: bytes::Bytes::from_static(b"{}"),
+            deadline_unix_nano: 0,
+            attempt: 1,
+        }
+    }
+
+    async fn next_batch(up: &mut mpsc::Receiver<WorkerEnvelope>) -> ResultBatch {
+        let message = tokio::time::timeout(Duration::from_secs(10), up.recv()).await.expect("an answer in time");
+        match message.and_then(|m| m.msg) {
+            Some(Up::ResultBatch(batch)) => batch,
+            other => panic!("expected a ResultBatch, got {other:?}"),
+        }
+    }
+
+    /// A dispatch of a kind this node has no runner for (an unknown
+    /// `stage_id`, from a newer coordinator say): the task fails at once
+    /// with a terminal batch naming the kind, is not left running, and a
+    /// duplicate of that dispatch is answered the same without running.
+    #[tokio::test]
+    async fn an_unknown_kind_fails_its_task_and_is_not_left_running() {
+        let worker = worker();
+        let stop = CancellationToken::new();
+        let (up, mut sent) = mpsc::channel(8);
+        worker.clone().start(dispatch("mystery"), up.clone(), &stop);
+        let batch = next_batch(&mut sent).await;
+        assert!(batch.terminal, "{batch:?}");
+        assert!(batch.err.contains("unknown task kind") && batch.err.contains("mystery"), "{batch:?}");
+        assert_eq!((batch.task_id.as_str(), batch.query_id.as_str(), batch.attempt), ("t-1", "q-1", 1));
+        assert_eq!((batch.row_count, batch.payload.len(), batch.worker_id.as_str()), (0, 0, "node-1"));
+        assert!(worker.running().is_empty(), "{:?}", worker.running());
+
+        worker.clone().start(dispatch("mystery"), up.clone(), &stop);
+        let again = next_batch(&mut sent).await;
+        assert_eq!(again, batch, "a duplicate dispatch is answered from memory");
+        assert!(worker.running().is_empty());
+
+        // An empty kind is just as unknown; a known kind still runs.
+        worker.clone().start(TaskDispatch { task_id: "t-2".into(), ..dispatch("") }, up.clone(), &stop);
+        let empty = next_batch(&mut sent).await;
+        assert!(empty.terminal && empty.err.contains("unknown task kind"), "{empty:?}");
+        worker.clone().start(TaskDispatch { task_id: "t-3".into(), ..dispatch("noop") }, up, &stop);
+        let noop = next_batch(&mut sent).await;
+        assert!(noop.terminal && noop.err.is_empty(), "{noop:?}");
+    }
+}
