@@ -473,21 +473,6 @@ async fn an_export_batch_that_is_not_arrow_fails_its_job() {
     let (code, _) = get(&admin, &format!("/v1/jobs/{job}/export")).await;
     assert_eq!(code, 404, "a failed export serves no file");
 
-    // The coordinator carries on: the stream is up, another export of the
-    // same worker is written.
-    worker.barrier(&admin).await;
-    assert!(workers(&admin).await.contains(&"node-1".to_string()));
-    let (job2, _) = submit(&admin, export).await;
-    let second = loop {
-        let d = worker.next_dispatch().await;
-        if d.query_id == job2 {
-            break d;
-        }
-    };
-    worker.send(worker.batch(&second, true, 0, b"")).await;
-    let report2 = wait_job(&admin, &job2).await;
-    assert_eq!((report2["state"].as_str(), report2["rows"].as_u64()), (Some("done"), Some(0)), "{report2}");
-
     // The failed job's task: stopped on its worker (a TaskCancel) and no
     // longer running, well before the 30 s stall would catch it.
     let failed_task = dispatch.task_id.clone();
@@ -505,6 +490,21 @@ async fn an_export_batch_that_is_not_arrow_fails_its_job() {
         cancelled && shown["state"] != "running",
         "the export job failed but its task was left running on node-1 (no TaskCancel within 15 s): {shown}"
     );
+
+    // The coordinator carries on: the stream is up, another export of the
+    // same worker is written.
+    worker.barrier(&admin).await;
+    assert!(workers(&admin).await.contains(&"node-1".to_string()));
+    let (job2, _) = submit(&admin, export).await;
+    let second = loop {
+        let d = worker.next_dispatch().await;
+        if d.query_id == job2 {
+            break d;
+        }
+    };
+    worker.send(worker.batch(&second, true, 0, b"")).await;
+    let report2 = wait_job(&admin, &job2).await;
+    assert_eq!((report2["state"].as_str(), report2["rows"].as_u64()), (Some("done"), Some(0)), "{report2}");
 }
 
 /// 1b'. The same garbage as the export task's terminal batch: the job
@@ -667,9 +667,20 @@ async fn a_stuck_worker_does_not_stall_dispatch_to_healthy_ones() {
         async move { workers_now(&admin).await.is_some_and(|w| w.len() == 2) }
     })
     .await;
-    // Untargeted no-ops go to the worker with the most room: the stuck one.
-    submit(&admin, json!({"kind": "noop", "count": MAX_COUNT})).await;
-    let sent = dispatch_settled(&admin, Duration::from_secs(3)).await;
+    // Untargeted no-ops go to the worker with the most room: the stuck one
+    // takes as many as any worker may hold at once (its Hello claims far
+    // more), the rest go to the healthy node.
+    submit(&admin, json!({"kind": "noop", "count": 5000})).await;
+    let stuck_in_flight = || async {
+        let (_, view) = get(&admin, "/v1/cluster").await;
+        let workers = view["workers"].as_array().cloned().unwrap_or_default();
+        workers.iter().find(|w| w["worker_id"] == "stuck").map(|w| (w["in_flight"].clone(), w["capacity"].clone()))
+    };
+    wait_until("the stuck worker to be full", WAIT, || async {
+        stuck_in_flight().await.is_some_and(|(n, cap)| n == 1024 && cap == 1024)
+    })
+    .await;
+    let sent = counter(&admin, "dispatched").await;
 
     // Tasks for the healthy node: they must run there.
     let (_, healthy) = submit(&admin, json!({"kind": "noop", "node": "node-1", "count": 5})).await;

@@ -74,6 +74,9 @@ pub const ACTIVE_METADATA_KEY: &str = "walship-active-coordinator";
 /// Longest worker id taken.
 const MAX_WORKER_ID: usize = 128;
 
+/// Most tasks one worker is given at once, whatever it announces.
+pub const MAX_CAPACITY: usize = 1024;
+
 /// Longest build id taken.
 const MAX_BUILD_SHA: usize = 256;
 
@@ -109,9 +112,10 @@ pub struct DataPlaneSettings {
 pub type ActiveCheck = Arc<dyn Fn() -> Result<(), Option<String>> + Send + Sync>;
 
 /// How many tasks a worker runs at once: two per CPU, and one per 64 MiB
-/// of its task memory, whichever is less (at least one).
+/// of its task memory, whichever is less (at least one, at most
+/// [`MAX_CAPACITY`]: a worker's word cannot claim the whole queue).
 pub fn capacity(num_cpus: i32, memory_bytes: i64) -> usize {
-    let by_cpu = (num_cpus.max(1) as usize) * 2;
+    let by_cpu = (num_cpus.clamp(1, MAX_CAPACITY as i32 / 2) as usize) * 2;
     let by_memory = if memory_bytes > 0 { (memory_bytes as u64 / (64 << 20)) as usize } else { usize::MAX };
     by_cpu.min(by_memory).max(1)
 }
@@ -125,6 +129,8 @@ struct Worker {
     outbox: mpsc::Sender<Result<CoordEnvelope, Status>>,
     connected_unix_ms: u64,
     build_matches: bool,
+    /// Someone waits for its full outbox to drain (then wakes dispatch).
+    drain_watched: Arc<std::sync::atomic::AtomicBool>,
 }
 
 /// A job waiting for its tasks' results.
@@ -468,6 +474,23 @@ impl Dispatcher {
         Ok(task)
     }
 
+    /// A job refused a task's output (a batch it cannot read): a running
+    /// task is cancelled everywhere; one that already finished with that
+    /// batch is marked failed with `error`.
+    pub async fn reject_output(&self, task_id: &str, error: &str) {
+        {
+            let mut state = self.state.lock();
+            if let Some(task) = state.tasks.get_mut(task_id)
+                && task.state == TaskState::Succeeded
+            {
+                task.state = TaskState::Failed;
+                task.error = Some(error.to_string());
+                return;
+            }
+        }
+        self.cancel(task_id, error).await;
+    }
+
     /// Lists a task the coordinator runs itself (a drill) as running on
     /// it; [`Dispatcher::progress_here`] and [`Dispatcher::finish_here`]
     /// keep it current. `false` if the id is taken.
@@ -707,6 +730,18 @@ impl Dispatcher {
     /// Picks queued tasks and sends them, until `stop`.
     async fn run_dispatch(self: Arc<Self>, stop: tokio_util::sync::CancellationToken) {
         loop {
+            // A worker with room whose outbox is full wakes dispatch as soon
+            // as it drains, not at the next tick.
+            for (outbox, watched) in self.full_outboxes() {
+                let me = self.clone();
+                tokio::spawn(async move {
+                    if let Ok(permit) = outbox.reserve().await {
+                        drop(permit);
+                    }
+                    watched.store(false, Ordering::Release);
+                    me.wake.notify_one();
+                });
+            }
             let sends = self.pick();
             if sends.is_empty() {
                 tokio::select! {
@@ -723,6 +758,19 @@ impl Dispatcher {
                 self.counters.dispatched.fetch_add(1, Ordering::Relaxed);
             }
         }
+    }
+
+    /// Outboxes of workers with room that are full and nobody watches yet.
+    #[allow(clippy::type_complexity)]
+    fn full_outboxes(&self) -> Vec<(mpsc::Sender<Result<CoordEnvelope, Status>>, Arc<std::sync::atomic::AtomicBool>)> {
+        let state = self.state.lock();
+        state
+            .workers
+            .values()
+            .filter(|w| w.in_flight < w.capacity && w.outbox.capacity() == 0)
+            .filter(|w| !w.drain_watched.swap(true, Ordering::AcqRel))
+            .map(|w| (w.outbox.clone(), w.drain_watched.clone()))
+            .collect()
     }
 
     /// Assigns what can go now: queued tasks to workers with room, each
@@ -938,6 +986,7 @@ impl DataPlane for DataPlaneService {
                     outbox: tx.clone(),
                     connected_unix_ms: unix_ms(),
                     build_matches,
+                    drain_watched: Arc::default(),
                 },
             );
         }
@@ -989,5 +1038,7 @@ mod tests {
         assert_eq!(capacity(4, 128 << 20), 2);
         assert_eq!(capacity(0, 0), 2);
         assert_eq!(capacity(8, 1), 1, "at least one");
+        assert_eq!(capacity(1_000_000, 0), MAX_CAPACITY, "at most MAX_CAPACITY");
+        assert_eq!(capacity(i32::MAX, i64::MAX), MAX_CAPACITY);
     }
 }

@@ -136,12 +136,19 @@ pub async fn run(
                     let now = dispatcher.task(&task_id).map_or(attempt, |t| t.attempts);
                     if now != attempt {
                         attempt = now;
-                        writer = IpcFileWriter::create(&path).map_err(|e| e.to_string())?;
+                        match IpcFileWriter::create(&path) {
+                            Ok(fresh) => writer = fresh,
+                            Err(e) => break Err(e.to_string()),
+                        }
                     }
-                    if !batch.payload.is_empty() {
-                        writer
-                            .write_ipc_stream(&batch.payload)
-                            .map_err(|e| format!("a batch from node {node}: {e}"))?;
+                    if !batch.payload.is_empty()
+                        && let Err(e) = writer.write_ipc_stream(&batch.payload)
+                    {
+                        let error = format!("a batch from node {node}: {e}");
+                        // Its output is refused: the task stops (or, if
+                        // that was its last batch, counts as failed).
+                        dispatcher.reject_output(&task_id, &error).await;
+                        break Err(error);
                     }
                 }
                 JobEvent::Finished { state: TaskState::Succeeded, .. } => break Ok(()),
