@@ -64,7 +64,7 @@ pub enum ExportError {
     TooLarge { column: &'static str, bytes: u64 },
     #[error("not a walship Arrow IPC stream: {0}")]
     Decode(String),
-    #[error("batch does not have the walship export schema: {0}")]
+    #[error("batch does not have the expected schema: {0}")]
     SchemaMismatch(String),
     #[error("Arrow encoding failed: {0}")]
     Arrow(#[from] ArrowError),
@@ -150,19 +150,25 @@ pub fn ipc_stream(frames: &[Frame]) -> Result<Vec<u8>, ExportError> {
 /// stream, a truncated stream, bytes after its end-of-stream marker, and a
 /// stream of any other schema. Never panics.
 pub fn decode_ipc_stream(bytes: &[u8]) -> Result<Vec<RecordBatch>, ExportError> {
+    decode_ipc_stream_of(bytes, &schema())
+}
+
+/// [`decode_ipc_stream`] for a stream of schema `want` (another task
+/// kind's output, e.g. verify's chunk sums).
+pub fn decode_ipc_stream_of(bytes: &[u8], want: &Schema) -> Result<Vec<RecordBatch>, ExportError> {
     if bytes.is_empty() {
         return Err(ExportError::Decode("empty payload".into()));
     }
     // arrow-ipc validates what it decodes (flatbuffer verifier, array data
     // validation, bounded preallocation for declared lengths); a panic left
     // in it for some forged input still becomes a refusal here.
-    match catch_unwind(AssertUnwindSafe(|| decode_unchecked(bytes))) {
+    match catch_unwind(AssertUnwindSafe(|| decode_unchecked(bytes, want))) {
         Ok(result) => result,
         Err(_) => Err(ExportError::Decode("malformed IPC stream (decoder panicked)".into())),
     }
 }
 
-fn decode_unchecked(bytes: &[u8]) -> Result<Vec<RecordBatch>, ExportError> {
+fn decode_unchecked(bytes: &[u8], want: &Schema) -> Result<Vec<RecordBatch>, ExportError> {
     let decode = |e: ArrowError| ExportError::Decode(e.to_string());
     let mut decoder = StreamDecoder::new();
     let mut buffer = Buffer::from(bytes.to_vec());
@@ -179,7 +185,7 @@ fn decode_unchecked(bytes: &[u8]) -> Result<Vec<RecordBatch>, ExportError> {
             Err(e) => return Err(decode(e)),
         };
         if let Some(schema) = decoder.schema() {
-            check_schema(&schema)?;
+            check_schema(&schema, want)?;
         }
         match batch {
             Some(batch) => batches.push(batch),
@@ -197,10 +203,9 @@ fn decode_unchecked(bytes: &[u8]) -> Result<Vec<RecordBatch>, ExportError> {
     Ok(batches)
 }
 
-/// Refuses a schema other than [`schema()`]: names, types, nullability and
+/// Refuses a schema other than `want`: names, types, nullability and
 /// order must all match (metadata is ignored).
-fn check_schema(got: &Schema) -> Result<(), ExportError> {
-    let want = schema();
+fn check_schema(got: &Schema, want: &Schema) -> Result<(), ExportError> {
     let same =
         got.fields().len() == want.fields().len()
             && got.fields().iter().zip(want.fields().iter()).all(|(g, w)| {
@@ -216,7 +221,7 @@ fn check_schema(got: &Schema) -> Result<(), ExportError> {
                 .collect::<Vec<_>>()
                 .join(", ")
         };
-        Err(ExportError::SchemaMismatch(format!("expected [{}], got [{}]", describe(&want), describe(got))))
+        Err(ExportError::SchemaMismatch(format!("expected [{}], got [{}]", describe(want), describe(got))))
     }
 }
 
@@ -250,7 +255,7 @@ impl IpcFileWriter {
     /// Appends one batch, e.g. one [`decode_ipc_stream`] returned. A batch
     /// of another schema is refused and nothing is written.
     pub fn write(&mut self, batch: &RecordBatch) -> Result<(), ExportError> {
-        check_schema(&batch.schema())?;
+        check_schema(&batch.schema(), &schema())?;
         self.writer.write(batch)?;
         self.rows += batch.num_rows() as u64;
         Ok(())

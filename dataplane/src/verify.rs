@@ -40,13 +40,15 @@
 //! # Wire encoding
 //!
 //! [`ChunkSum`] derives serde; for the task stream, [`encode_chunk_sums`]
-//! writes each sum as 32 little-endian bytes (`first`, `last`, `records`,
-//! `digest`, 8 bytes each) one after the other, and
-//! [`decode_chunk_sums`] refuses a length that is not a multiple of 32 and
-//! any list [`first_divergence`] would refuse.
+//! writes the sums as an Arrow IPC stream (like every task's output), one
+//! row per chunk, columns `first`, `last`, `records` and `digest`, all
+//! non-null `UInt64` ([`sums_schema`]); [`decode_chunk_sums`] refuses a
+//! payload that is not such a stream (any other schema, truncated,
+//! trailing bytes, nulls) and any list [`first_divergence`] would refuse.
 
 use std::collections::BTreeSet;
 use std::hash::Hasher;
+use std::sync::Arc;
 
 use serde::{Deserialize, Serialize};
 use twox_hash::XxHash64;
@@ -55,8 +57,12 @@ use walship_wal::Frame;
 /// A node's id, as in the cluster config.
 pub type NodeId = u32;
 
-/// Bytes of one encoded [`ChunkSum`].
-pub const CHUNK_SUM_LEN: usize = 32;
+/// The Arrow schema of chunk sums on the wire.
+pub fn sums_schema() -> arrow_schema::SchemaRef {
+    use arrow_schema::{DataType, Field, Schema};
+    let column = |name| Field::new(name, DataType::UInt64, false);
+    std::sync::Arc::new(Schema::new(vec![column("first"), column("last"), column("records"), column("digest")]))
+}
 
 /// The digest of one chunk of a replica's records.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
@@ -86,8 +92,8 @@ pub enum VerifyError {
     BadChunk { node: NodeId, index: usize, reason: String },
     #[error("chunk {index} is malformed: {reason}")]
     Malformed { index: usize, reason: String },
-    #[error("chunk sums are {0} bytes, not a multiple of {CHUNK_SUM_LEN}")]
-    BadLength(usize),
+    #[error("chunk sums: {0}")]
+    BadPayload(String),
 }
 
 /// Sums records into [`ChunkSum`]s one frame at a time, so a worker can sum
@@ -180,28 +186,46 @@ pub fn chunk_sums<'a>(
     Ok(summer.finish())
 }
 
-/// Encodes sums for the wire: 32 little-endian bytes each (see the module doc).
+/// Encodes sums for the wire: an Arrow IPC stream of [`sums_schema`].
 pub fn encode_chunk_sums(sums: &[ChunkSum]) -> Vec<u8> {
-    let mut out = Vec::with_capacity(sums.len() * CHUNK_SUM_LEN);
-    for s in sums {
-        for v in [s.first, s.last, s.records, s.digest] {
-            out.extend_from_slice(&v.to_le_bytes());
-        }
-    }
+    use arrow_array::{ArrayRef, RecordBatch, UInt64Array};
+    let column = |f: fn(&ChunkSum) -> u64| Arc::new(UInt64Array::from_iter_values(sums.iter().map(f))) as ArrayRef;
+    let columns = vec![column(|s| s.first), column(|s| s.last), column(|s| s.records), column(|s| s.digest)];
+    let batch = RecordBatch::try_new(sums_schema(), columns).expect("four u64 columns of one length");
+    let mut out = Vec::with_capacity(sums.len() * 32 + 512);
+    let mut writer = arrow_ipc::writer::StreamWriter::try_new(&mut out, &sums_schema()).expect("in memory");
+    writer.write(&batch).expect("in memory");
+    writer.finish().expect("in memory");
+    drop(writer);
     out
 }
 
-/// Decodes [`encode_chunk_sums`]' bytes, refusing a bad length or a list
-/// that is not well formed (see [`first_divergence`]).
+/// Decodes [`encode_chunk_sums`]' bytes, refusing what is not an Arrow IPC
+/// stream of [`sums_schema`] and a list that is not well formed (see
+/// [`first_divergence`]).
 pub fn decode_chunk_sums(bytes: &[u8]) -> Result<Vec<ChunkSum>, VerifyError> {
-    if !bytes.len().is_multiple_of(CHUNK_SUM_LEN) {
-        return Err(VerifyError::BadLength(bytes.len()));
+    use arrow_array::{Array, UInt64Array};
+    let batches = crate::arrow_export::decode_ipc_stream_of(bytes, &sums_schema())
+        .map_err(|e| VerifyError::BadPayload(e.to_string()))?;
+    let mut sums = Vec::new();
+    for batch in &batches {
+        let column = |i: usize| -> Result<&UInt64Array, VerifyError> {
+            let array = batch.column(i).as_any().downcast_ref::<UInt64Array>().expect("the schema was checked");
+            if array.null_count() > 0 {
+                return Err(VerifyError::BadPayload(format!("nulls in column {}", sums_schema().field(i).name())));
+            }
+            Ok(array)
+        };
+        let (first, last, records, digest) = (column(0)?, column(1)?, column(2)?, column(3)?);
+        for row in 0..batch.num_rows() {
+            sums.push(ChunkSum {
+                first: first.value(row),
+                last: last.value(row),
+                records: records.value(row),
+                digest: digest.value(row),
+            });
+        }
     }
-    let u64_at = |c: &[u8], i: usize| u64::from_le_bytes(c[i * 8..i * 8 + 8].try_into().expect("8 bytes"));
-    let sums: Vec<ChunkSum> = bytes
-        .chunks_exact(CHUNK_SUM_LEN)
-        .map(|c| ChunkSum { first: u64_at(c, 0), last: u64_at(c, 1), records: u64_at(c, 2), digest: u64_at(c, 3) })
-        .collect();
     check_list(&sums).map_err(|(index, reason)| VerifyError::Malformed { index, reason })?;
     Ok(sums)
 }
@@ -685,11 +709,24 @@ mod tests {
     #[test]
     fn wire_encodings_round_trip() {
         let s = sums(&log(1, 500), 100);
+        assert_eq!(s.len(), 6, "1..=99, 100..=199, ..., 500..=500");
         let bytes = encode_chunk_sums(&s);
-        assert_eq!(bytes.len(), 6 * CHUNK_SUM_LEN, "1..=99, 100..=199, ..., 500..=500");
         assert_eq!(decode_chunk_sums(&bytes).unwrap(), s);
-        assert_eq!(decode_chunk_sums(&[]).unwrap(), vec![]);
-        assert_eq!(decode_chunk_sums(&bytes[..40]).unwrap_err(), VerifyError::BadLength(40));
+        assert_eq!(decode_chunk_sums(&encode_chunk_sums(&[])).unwrap(), vec![]);
+        // What is not a whole stream of the sums' schema is refused, named.
+        for bad in [&[][..], &bytes[..40], &bytes[..bytes.len() - 1], b"0123456789abcdef0123456789abcdef"] {
+            assert!(matches!(decode_chunk_sums(bad), Err(VerifyError::BadPayload(_))), "{} bytes", bad.len());
+        }
+        let mut trailing = bytes.clone();
+        trailing.extend_from_slice(&bytes);
+        assert!(matches!(decode_chunk_sums(&trailing), Err(VerifyError::BadPayload(_))));
+        // An export stream (records, not sums) is another schema.
+        let records = crate::arrow_export::ipc_stream(&log(1, 3)).unwrap();
+        let err = decode_chunk_sums(&records).unwrap_err();
+        assert!(err.to_string().contains("expected [first: UInt64"), "{err}");
+        // Self-describing: any Arrow reader sees the columns.
+        let batches = crate::arrow_export::decode_ipc_stream_of(&bytes, &sums_schema()).unwrap();
+        assert_eq!(batches[0].schema().field(3).name(), "digest");
         let json = serde_json::to_string(&s[0]).unwrap();
         assert!(json.contains("\"first\":1") && json.contains("\"records\":99"), "{json}");
         assert_eq!(serde_json::from_str::<ChunkSum>(&json).unwrap(), s[0]);

@@ -6,7 +6,7 @@
 //!   ([`walship_wal::Wal::read_stored`], never the tail cache, so on-disk
 //!   damage counts) of `[from, to]`, capped at its own retained and durable
 //!   range, page by page, and answers the chunk sums
-//!   ([`crate::verify::encode_chunk_sums`]). A record it cannot read
+//!   (an Arrow IPC stream, [`crate::verify::encode_chunk_sums`]). A record it cannot read
 //!   (damage) is summed as a fixed "unreadable" record, so it shows as a
 //!   divergence at exactly that seqno instead of failing the task.
 //! * **On the coordinator** ([`run`]): one task per replica (each must run
