@@ -232,6 +232,109 @@ pub struct ClusterConfig {
     /// TLS on every listener and every call between members; see [`TlsConfig`].
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub tls: Option<TlsConfig>,
+    /// The object store sealed segments are archived to; none: no archive.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub archive: Option<ArchiveConfig>,
+}
+
+/// `[archive]`: where each shard's leader uploads sealed segments of its
+/// committed records (see `walship_shipping::archive`).
+///
+/// ```toml
+/// [archive]
+/// store = "dir"            # a directory (the embedded default of `walship dev`)
+/// dir = "archive"          # relative to this file
+///
+/// [archive]
+/// store = "s3"             # any S3-compatible service
+/// bucket = "walship-prod"
+/// prefix = "eu-1"          # optional key prefix
+/// endpoint = "https://s3.eu-central-1.amazonaws.com"   # optional
+/// region = "eu-central-1"
+/// path_style = false       # true for most self-hosted servers
+/// ```
+///
+/// S3 credentials come from the standard AWS chain (`AWS_ACCESS_KEY_ID` /
+/// `AWS_SECRET_ACCESS_KEY`, a profile, an instance role), never from this
+/// file.
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq, Eq)]
+#[serde(deny_unknown_fields)]
+pub struct ArchiveConfig {
+    /// `dir` or `s3`.
+    pub store: ArchiveStoreKind,
+    /// `dir`: the directory (relative paths are relative to the config file).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub dir: Option<PathBuf>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub bucket: Option<String>,
+    /// A key prefix every object of the cluster goes under.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub prefix: Option<String>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub endpoint: Option<String>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub region: Option<String>,
+    #[serde(default)]
+    pub path_style: bool,
+    /// Seal a segment once this many bytes of committed records wait.
+    #[serde(default = "default_segment_bytes")]
+    pub segment_bytes: u64,
+    /// ... or once the oldest waiting record is this old.
+    #[serde(default = "default_segment_age_ms")]
+    pub segment_age_ms: u64,
+}
+
+/// Which object store `[archive]` names.
+#[derive(Debug, Clone, Copy, Serialize, Deserialize, PartialEq, Eq)]
+#[serde(rename_all = "lowercase")]
+pub enum ArchiveStoreKind {
+    Dir,
+    S3,
+}
+
+fn default_segment_bytes() -> u64 {
+    64 << 20
+}
+
+fn default_segment_age_ms() -> u64 {
+    10_000
+}
+
+impl ArchiveConfig {
+    /// A directory store at `dir`.
+    pub fn dir(dir: PathBuf) -> ArchiveConfig {
+        ArchiveConfig {
+            store: ArchiveStoreKind::Dir,
+            dir: Some(dir),
+            bucket: None,
+            prefix: None,
+            endpoint: None,
+            region: None,
+            path_style: false,
+            segment_bytes: default_segment_bytes(),
+            segment_age_ms: default_segment_age_ms(),
+        }
+    }
+
+    fn validate(&self) -> Result<(), String> {
+        match self.store {
+            ArchiveStoreKind::Dir if self.dir.is_none() => return Err("store = \"dir\" needs `dir`".into()),
+            ArchiveStoreKind::S3 if self.bucket.as_deref().is_none_or(str::is_empty) => {
+                return Err("store = \"s3\" needs `bucket`".into());
+            }
+            _ => {}
+        }
+        if let Some(prefix) = &self.prefix {
+            crate::archive::ArchiveLayout::new(Some(prefix)).map_err(|e| format!("prefix: {e}"))?;
+        }
+        if !(1 << 10..=1 << 30).contains(&self.segment_bytes) {
+            return Err(format!("segment_bytes {} is outside 1 KiB..=1 GiB", self.segment_bytes));
+        }
+        if !(10..=3_600_000).contains(&self.segment_age_ms) {
+            return Err(format!("segment_age_ms {} is outside 10..=3600000", self.segment_age_ms));
+        }
+        Ok(())
+    }
 }
 
 /// TLS for a cluster: every gRPC and admin listener of its nodes and
@@ -333,6 +436,11 @@ impl ClusterConfig {
         if let Some(tls) = &mut config.tls {
             tls.rebase(base);
         }
+        if let Some(dir) = config.archive.as_mut().and_then(|a| a.dir.as_mut())
+            && dir.is_relative()
+        {
+            *dir = base.join(&*dir);
+        }
         config.validate()?;
         Ok(config)
     }
@@ -398,6 +506,7 @@ impl ClusterConfig {
             secret_file: None,
             insecure_no_auth: false,
             tls: None,
+            archive: None,
         }
     }
 
@@ -423,11 +532,15 @@ impl ClusterConfig {
             secret_file: None,
             insecure_no_auth: false,
             tls: None,
+            archive: None,
         }
     }
 
     pub fn validate(&self) -> Result<(), ConfigError> {
         let bad = |m: String| Err(ConfigError::Invalid(m));
+        if let Some(archive) = &self.archive {
+            archive.validate().map_err(|e| ConfigError::Invalid(format!("[archive]: {e}")))?;
+        }
         let mut ids = BTreeSet::new();
         let mut addrs = BTreeSet::new();
         for node in &self.nodes {
@@ -521,6 +634,7 @@ mod tests {
             secret_file: None,
             insecure_no_auth: false,
             tls: None,
+            archive: None,
         }
     }
 

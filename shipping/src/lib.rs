@@ -18,6 +18,7 @@
 //! The epoch fences every message; leadership is static (from the cluster
 //! config) without a coordinator and the coordinator's to move with one.
 
+pub mod archive;
 pub mod auth;
 pub mod config;
 pub mod control;

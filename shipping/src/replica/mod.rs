@@ -41,6 +41,7 @@
 //! epoch). Failover ranks replicas by it, which lets a new leader commit
 //! earlier epochs' records by counting (`core/leader.rs`).
 
+pub mod archive;
 mod catchup;
 mod damage;
 pub mod drill_partition;
@@ -113,6 +114,10 @@ pub struct ReplicationNode {
     drill_partition: Arc<drill_partition::DrillPartition>,
     /// When this node started (its heartbeats report the uptime).
     started: Instant,
+    /// Where sealed segments go, once [`ReplicationNode::start_archiving`] ran.
+    archive: std::sync::OnceLock<Arc<archive::Archive>>,
+    /// Each archived shard's position and lag (shards this node leads).
+    archive_status: Mutex<BTreeMap<ShardId, archive::ArchiveStatus>>,
 }
 
 impl ReplicationNode {
@@ -164,6 +169,8 @@ impl ReplicationNode {
             ship_streams: Mutex::new(BTreeMap::new()),
             drill_partition: Default::default(),
             started: Instant::now(),
+            archive: Default::default(),
+            archive_status: Default::default(),
         });
         if !node.config.coordinated() {
             for spec in node.config.shards_of(me) {

@@ -27,7 +27,11 @@ impl ReplicationNode {
                         tracing::warn!(shard = replica.shard, followers = ?plan.reseed, "retention bound reached: followers need a re-seed");
                         leader.core.lock().mark_reseed(&plan.reseed);
                     }
-                    plan.compact_to.map(|s| s.0)
+                    // Nothing the archive lacks is compacted (see archive.rs).
+                    match (plan.compact_to.map(|s| s.0), self.archived_through(replica.shard)) {
+                        (Some(to), Some(archived)) => Some(to.min(archived + 1)).filter(|to| *to > 1),
+                        (to, _) => to,
+                    }
                 }
                 None => {
                     let (Ok(p), Ok(c)) = (self.wal.positions(replica.shard), self.wal.counters(replica.shard)) else {

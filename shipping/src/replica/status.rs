@@ -68,6 +68,10 @@ pub struct ReplicaStatus {
     /// truncates and refetches them, a leader hands over when an intact
     /// replica holds everything acknowledged. Empty when none.
     pub corruption: Vec<CorruptRangeStatus>,
+    /// The shard's archive, on the leader that archives it (`None` on
+    /// followers and without an object store).
+    #[serde(default)]
+    pub archive: Option<super::archive::ArchiveStatus>,
 }
 
 /// A corrupt range of one replica's log.
@@ -148,6 +152,7 @@ impl ReplicationNode {
                     commit_seqno: commit,
                     followers,
                     corruption: self.wal.shard_corruption(replica.shard).iter().map(CorruptRangeStatus::of).collect(),
+                    archive: self.archive_status(replica.shard),
                 }
             })
             .collect()

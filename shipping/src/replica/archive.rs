@@ -1,0 +1,293 @@
+//! Archiving: the leader of each shard seals its committed records into
+//! segments and uploads them to the object store, in seqno order.
+//!
+//! * **Who.** The shard's leader (it knows the commit position and is the
+//!   one replica guaranteed to hold every committed record). After a
+//!   failover the new leader lists the archive and goes on from what it
+//!   holds ([`crate::archive::chain`]), so nothing is skipped; a segment
+//!   the old leader uploaded without the new one seeing it only overlaps
+//!   records the new one uploads again, which are the same committed
+//!   records, and readers take each seqno once.
+//! * **When.** A segment is sealed once `segment_bytes` of committed records
+//!   wait, or the oldest waiting record is `segment_age` old; then it is
+//!   read from the WAL (at most `segment_bytes`), encoded, uploaded with its
+//!   checksum, and `archived_seqno` moves to its last record. Uploads run
+//!   one at a time per shard, so `archived_seqno` only moves in order.
+//! * **Failures.** A failed upload is retried with backoff (200 ms doubling
+//!   to 10 s; a refusal of our credentials waits 10 s between tries and is
+//!   shown as such); appends never wait for the archive. Archive lag
+//!   (records, seconds) is in the replica's status and in metrics.
+//! * **Retention.** While archiving is on, the leader compacts no record
+//!   that is not archived yet (see `retention.rs`): the local disk holds
+//!   what the store does not, until the disk-full reserve refuses appends.
+
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use bytes::Bytes;
+use prometheus::{IntCounterVec, IntGaugeVec, Opts, Registry};
+use serde::{Deserialize, Serialize};
+use walship_objstore::{ObjectStore, StoreError};
+use walship_wal::Segment;
+
+use super::ReplicationNode;
+use super::shard::ShardReplica;
+use crate::archive::{ArchiveLayout, Manifest, SegmentRef, chain};
+
+/// What a node archives to, and how.
+pub struct Archive {
+    pub store: Arc<dyn ObjectStore>,
+    pub layout: ArchiveLayout,
+    /// Seal a segment once this many bytes of committed records wait.
+    pub segment_bytes: u64,
+    /// ... or once the oldest waiting record is this old.
+    pub segment_age: Duration,
+    pub metrics: ArchiveMetrics,
+}
+
+/// `walship_archive_*`.
+pub struct ArchiveMetrics {
+    archived_seqno: IntGaugeVec,
+    lag_records: IntGaugeVec,
+    lag_seconds: prometheus::GaugeVec,
+    uploaded_bytes: IntCounterVec,
+    upload_failures: IntCounterVec,
+}
+
+impl ArchiveMetrics {
+    pub fn new(registry: &Registry) -> prometheus::Result<ArchiveMetrics> {
+        let archived_seqno = IntGaugeVec::new(
+            Opts::new("walship_archive_seqno", "Newest seqno of the shard in the object store (leader's view)"),
+            &["shard"],
+        )?;
+        let lag_records = IntGaugeVec::new(
+            Opts::new("walship_archive_lag_records", "Committed records of the shard not yet in the object store"),
+            &["shard"],
+        )?;
+        let lag_seconds = prometheus::GaugeVec::new(
+            Opts::new(
+                "walship_archive_lag_seconds",
+                "Age of the oldest committed record not yet in the object store (0 when none waits)",
+            ),
+            &["shard"],
+        )?;
+        let uploaded_bytes = IntCounterVec::new(
+            Opts::new("walship_archive_uploaded_bytes_total", "Bytes of segments uploaded to the object store"),
+            &["shard"],
+        )?;
+        let upload_failures = IntCounterVec::new(
+            Opts::new(
+                "walship_archive_upload_failures_total",
+                "Failed archive uploads and listings, by reason (denied, unavailable, corrupt, invalid_key)",
+            ),
+            &["reason"],
+        )?;
+        registry.register(Box::new(archived_seqno.clone()))?;
+        registry.register(Box::new(lag_records.clone()))?;
+        registry.register(Box::new(lag_seconds.clone()))?;
+        registry.register(Box::new(uploaded_bytes.clone()))?;
+        registry.register(Box::new(upload_failures.clone()))?;
+        Ok(ArchiveMetrics { archived_seqno, lag_records, lag_seconds, uploaded_bytes, upload_failures })
+    }
+}
+
+/// A shard's archive as its replica reports it (leader only).
+#[derive(Debug, Clone, Default, Serialize, Deserialize, PartialEq, utoipa::ToSchema)]
+pub struct ArchiveStatus {
+    /// Newest seqno in the object store (0: none yet, or not listed yet).
+    pub archived_seqno: u64,
+    /// Committed records not yet archived.
+    pub lag_records: u64,
+    /// Age of the oldest committed record not yet archived.
+    pub lag_seconds: f64,
+    pub segments_uploaded: u64,
+    pub bytes_uploaded: u64,
+    /// The last failure, while failing (cleared by a success).
+    pub error: Option<String>,
+    /// What the store is (never a secret).
+    pub store: String,
+}
+
+fn reason(e: &StoreError) -> &'static str {
+    match e {
+        StoreError::Denied(_) => "denied",
+        StoreError::Unavailable(_) => "unavailable",
+        StoreError::Corrupt { .. } => "corrupt",
+        StoreError::InvalidKey { .. } => "invalid_key",
+    }
+}
+
+fn now_ms() -> u64 {
+    std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.as_millis() as u64)
+}
+
+impl ReplicationNode {
+    /// Starts archiving every shard this node hosts (each while it leads).
+    pub fn start_archiving(self: &Arc<Self>, archive: Archive) {
+        let archive = Arc::new(archive);
+        if self.archive.set(archive.clone()).is_err() {
+            return;
+        }
+        for replica in self.replicas.values() {
+            tokio::spawn(self.clone().run_archive(replica.clone(), archive.clone()));
+        }
+    }
+
+    /// The shard's archive status, when this node archives it.
+    pub fn archive_status(&self, shard: u32) -> Option<ArchiveStatus> {
+        self.archive_status.lock().get(&shard).cloned()
+    }
+
+    /// Newest archived seqno of a shard this node leads and archives (what
+    /// retention may compact through); `None` when archiving is off.
+    pub(super) fn archived_through(&self, shard: u32) -> Option<u64> {
+        self.archive.get()?;
+        Some(self.archive_status.lock().get(&shard).map_or(0, |s| s.archived_seqno))
+    }
+
+    async fn run_archive(self: Arc<Self>, replica: Arc<ShardReplica>, archive: Arc<Archive>) {
+        let shard = replica.shard;
+        let label = shard.to_string();
+        let mut tick = tokio::time::interval(Duration::from_millis(200));
+        tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+        // Known while this node leads; listed again after a leadership change.
+        let mut archived: Option<(u64, u64)> = None; // (archived seqno, leader epoch)
+        let mut backoff = Duration::ZERO;
+        let mut retry_at = Instant::now();
+        loop {
+            tokio::select! {
+                _ = tick.tick() => {}
+                _ = self.shutdown.cancelled() => return,
+            }
+            let Some(leader) = replica.leader_state() else {
+                archived = None;
+                self.archive_status.lock().remove(&shard);
+                continue;
+            };
+            if Instant::now() < retry_at {
+                continue;
+            }
+            let epoch = leader.epoch;
+            let commit = leader.core.lock().commit().0;
+            let outcome: Result<(), StoreError> = async {
+                let through = match archived {
+                    Some((seqno, e)) if e == epoch => seqno,
+                    _ => {
+                        let listed = archive.store.list(&archive.layout.segments_prefix(shard)).await?;
+                        let segments = listed.iter().filter_map(|m| SegmentRef::parse(m.key.as_str(), m.size));
+                        let (_, end) = chain(segments.collect());
+                        archived = Some((end, epoch));
+                        end
+                    }
+                };
+                let positions = self.wal.positions(shard).map_err(|e| StoreError::Unavailable(e.to_string()))?;
+                // An archive behind the local log's start (archiving turned
+                // on late, or a gap) restarts at the local start.
+                let from = (through + 1).max(positions.first_seqno);
+                self.set_archive_lag(&archive, shard, through, commit, from).await;
+                if commit < from {
+                    return Ok(());
+                }
+                let counters = self.wal.counters(shard).map_err(|e| StoreError::Unavailable(e.to_string()))?;
+                let average = counters.bytes.checked_div(counters.records).unwrap_or(0).max(1);
+                let waiting_bytes = (commit - from + 1).saturating_mul(average);
+                let oldest = self.wal.read(shard, from, from, usize::MAX).await.ok().and_then(|f| f.first().cloned());
+                let age = oldest.map_or(Duration::ZERO, |f| {
+                    Duration::from_micros((now_ms() * 1000).saturating_sub(f.timestamp_us()))
+                });
+                if waiting_bytes < archive.segment_bytes && age < archive.segment_age {
+                    return Ok(());
+                }
+                let frames = self
+                    .wal
+                    .read(shard, from, commit, archive.segment_bytes as usize)
+                    .await
+                    .map_err(|e| StoreError::Unavailable(format!("reading the WAL: {e}")))?;
+                let Some(last) = frames.last() else { return Ok(()) };
+                let (last_seqno, last_epoch) = (last.seqno(), last.epoch());
+                let segment = Segment::encode(shard, frames).map_err(|e| StoreError::Unavailable(e.to_string()))?;
+                let bytes: Bytes = segment.encoded().clone();
+                let size = bytes.len() as u64;
+                let key = archive.layout.segment_key(shard, from, last_seqno, last_epoch);
+                archive.store.put(&key, bytes).await?;
+                archived = Some((last_seqno, epoch));
+                archive.metrics.uploaded_bytes.with_label_values(&[&label]).inc_by(size);
+                {
+                    let mut all = self.archive_status.lock();
+                    let status = all.entry(shard).or_default();
+                    status.archived_seqno = last_seqno;
+                    status.segments_uploaded += 1;
+                    status.bytes_uploaded += size;
+                    status.error = None;
+                }
+                tracing::debug!(shard, first = from, last = last_seqno, bytes = size, "archived a segment");
+                let manifest = Manifest {
+                    shard,
+                    first_seqno: positions.first_seqno,
+                    archived_seqno: last_seqno,
+                    segments: 0,
+                    bytes: 0,
+                    written_by: self.me,
+                    written_unix_ms: now_ms(),
+                };
+                let manifest = serde_json::to_vec_pretty(&manifest).expect("plain data");
+                if let Err(e) = archive.store.put(&archive.layout.manifest_key(shard), manifest.into()).await {
+                    tracing::debug!(shard, error = %e, "writing the archive manifest (a summary only)");
+                }
+                self.set_archive_lag(&archive, shard, last_seqno, commit, last_seqno + 1).await;
+                // More may wait: go again without waiting for the tick.
+                tick.reset_immediately();
+                Ok(())
+            }
+            .await;
+            match outcome {
+                Ok(()) => backoff = Duration::ZERO,
+                Err(e) => {
+                    archive.metrics.upload_failures.with_label_values(&[reason(&e)]).inc();
+                    backoff = match e {
+                        StoreError::Denied(_) => Duration::from_secs(10),
+                        _ => (backoff * 2).clamp(Duration::from_millis(200), Duration::from_secs(10)),
+                    };
+                    retry_at = Instant::now() + backoff;
+                    let error = e.to_string();
+                    let changed = {
+                        let mut all = self.archive_status.lock();
+                        let status = all.entry(shard).or_default();
+                        let changed = status.error.as_deref() != Some(error.as_str());
+                        status.error = Some(error.clone());
+                        changed
+                    };
+                    if changed {
+                        tracing::warn!(shard, error, retry_in = ?backoff, "archiving failed; retrying");
+                    }
+                }
+            }
+        }
+    }
+
+    /// Records the archive position and lag of a shard: `through` archived,
+    /// `commit` committed, the oldest waiting record at `waiting_from`.
+    async fn set_archive_lag(&self, archive: &Archive, shard: u32, through: u64, commit: u64, waiting_from: u64) {
+        let lag_records = commit.saturating_sub(through);
+        let lag_seconds = if lag_records == 0 || waiting_from > commit {
+            0.0
+        } else {
+            match self.wal.read(shard, waiting_from, waiting_from, usize::MAX).await {
+                Ok(frames) => {
+                    frames.first().map_or(0.0, |f| (now_ms() * 1000).saturating_sub(f.timestamp_us()) as f64 / 1e6)
+                }
+                Err(_) => 0.0,
+            }
+        };
+        let label = shard.to_string();
+        archive.metrics.archived_seqno.with_label_values(&[&label]).set(through as i64);
+        archive.metrics.lag_records.with_label_values(&[&label]).set(lag_records as i64);
+        archive.metrics.lag_seconds.with_label_values(&[&label]).set(lag_seconds);
+        let mut all = self.archive_status.lock();
+        let status = all.entry(shard).or_default();
+        status.archived_seqno = through;
+        status.lag_records = lag_records;
+        status.lag_seconds = lag_seconds;
+        status.store = archive.store.describe();
+    }
+}
