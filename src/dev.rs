@@ -137,6 +137,9 @@ fn dev_cluster(args: &DevArgs) -> Result<ClusterConfig> {
     }
     let mut config = ClusterConfig::replicated_everywhere(nodes, args.shards);
     config.cluster_id = "walship-dev".into();
+    // Archives out of the box: a directory beside the nodes' data (the
+    // path is relative to the cluster config written into the data dir).
+    config.archive = Some(walship_shipping::config::ArchiveConfig::dir("archive".into()));
     config.coordinators = vec![CoordinatorSpec {
         id: "dev".into(),
         grpc_addr: ports.address(args.base_port, 90)?.into(),

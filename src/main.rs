@@ -1,6 +1,7 @@
 //! The `walship` binary: CLI parsing, configuration and process wiring only.
 //! Everything with behaviour lives in the workspace crates.
 
+mod archive;
 mod bench;
 mod bench_drills;
 mod client;
@@ -76,6 +77,10 @@ enum Command {
     Export(task::ExportArgs),
     /// Measure DataPlane dispatch on a live cluster: no-op tasks per second and their latency.
     BenchTasks(task::BenchTasksArgs),
+    /// List or check what the object store holds of a shard.
+    Archive(archive::ArchiveArgs),
+    /// Rebuild a shard's log from the object store alone, to a seqno or a time, into a new data dir.
+    Restore(archive::RestoreArgs),
 }
 
 fn main() -> std::process::ExitCode {
@@ -183,6 +188,8 @@ fn run() -> Result<()> {
             Command::Verify(args) => task::verify(args).await,
             Command::Export(args) => task::export(args).await,
             Command::BenchTasks(args) => task::bench_tasks(args).await,
+            Command::Archive(args) => archive::run(args).await,
+            Command::Restore(args) => archive::run_restore(args).await,
         }
     })
 }

@@ -287,6 +287,17 @@ pub async fn start_node(config: NodeConfig, cluster: Option<ClusterConfig>, dril
     )
     .await
     .map_err(|error| anyhow::anyhow!("starting replication: {error}"))?;
+    if let Some(archive) = &node.config.archive {
+        let store = crate::archive::open_store(archive).await?;
+        tracing::info!(store = %store.describe(), "archiving sealed segments of the shards this node leads");
+        node.start_archiving(walship_shipping::replica::archive::Archive {
+            store,
+            layout: crate::archive::layout(archive)?,
+            segment_bytes: archive.segment_bytes,
+            segment_age: std::time::Duration::from_millis(archive.segment_age_ms),
+            metrics: walship_shipping::replica::archive::ArchiveMetrics::new(&registry)?,
+        });
+    }
     for shard in wal.shards() {
         let p = wal.positions(shard)?;
         tracing::info!(shard, first = p.first_seqno, last = p.last_seqno, durable = p.durable_seqno, "recovered");

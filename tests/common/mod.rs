@@ -291,6 +291,9 @@ pub struct ClusterSpec<'a> {
     /// Extra arguments of every coordinator (restarts too), e.g.
     /// `--task-stall-s 2`.
     pub coord_args: Vec<String>,
+    /// Extra TOML at the end of the cluster config (tables such as
+    /// `[archive]`).
+    pub cluster_toml: String,
 }
 
 impl Default for ClusterSpec<'_> {
@@ -308,6 +311,7 @@ impl Default for ClusterSpec<'_> {
             stderr_logs: Vec::new(),
             separate_users: false,
             coord_args: Vec::new(),
+            cluster_toml: String::new(),
         }
     }
 }
@@ -388,6 +392,7 @@ impl Cluster {
         let heartbeat_to =
             if coordinators == 0 { format!("heartbeat_to = \"127.0.0.1:{}\"\n", ports[0].0) } else { String::new() };
         toml += &format!("[replication]\n{heartbeat_to}{replication}\n");
+        toml += &spec.cluster_toml;
         let config_path = dir.path().join("cluster.toml");
         std::fs::write(&config_path, toml).unwrap();
         let nodes = (1..=nodes)

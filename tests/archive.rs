@@ -1,0 +1,226 @@
+//! The archive: each shard's leader uploads sealed segments of committed
+//! records to the object store (here the directory store); across a leader
+//! crash the archive holds every committed record exactly once; `walship
+//! archive ls|verify` read it and `walship restore` rebuilds the shard from
+//! it alone, to a seqno or a time, into a data dir a node then serves.
+
+mod common;
+
+use std::path::Path;
+use std::process::Command;
+use std::time::{Duration, Instant};
+
+use common::{Cluster, ClusterSpec, wait_until};
+use walship_proto::log::{AppendRecord, AppendRequest, Durability};
+
+const WAIT: Duration = Duration::from_secs(60);
+
+/// Small segments sealed quickly, so a short test makes many.
+const ARCHIVE: &str = "[archive]\nstore = \"dir\"\ndir = \"archive\"\nsegment_bytes = 8192\nsegment_age_ms = 100\n";
+
+fn walship(args: &[&str]) -> (bool, String, String) {
+    let out = Command::new(common::walship_bin()).args(args).output().unwrap();
+    (out.status.success(), String::from_utf8_lossy(&out.stdout).into(), String::from_utf8_lossy(&out.stderr).into())
+}
+
+fn path(p: &Path) -> &str {
+    p.to_str().unwrap()
+}
+
+/// The shard's archive status on node `id` (its leader).
+async fn archive_of(cluster: &Cluster, id: u32) -> serde_json::Value {
+    let status = cluster.status(id).await.unwrap_or_default();
+    status["shards"][0]["archive"].clone()
+}
+
+/// Appends `n` records of about 300 bytes through node `id`, QUORUM;
+/// answers the acknowledged seqnos (a failed append is not acknowledged).
+async fn append(cluster: &Cluster, id: u32, n: usize, tag: &str) -> Vec<u64> {
+    let Some(mut log) = common::history::client(&cluster.nodes[id as usize - 1].grpc).await else { return vec![] };
+    let mut acked = Vec::new();
+    for i in 0..n {
+        let record = AppendRecord { key: format!("k{i}").into_bytes().into(), payload: format!("{tag}-{i}-").repeat(30).into_bytes().into() };
+        let request = AppendRequest { shard_id: 1, records: vec![record], durability: Durability::Quorum as i32 };
+        match log.append(request).await {
+            Ok(r) => acked.push(r.into_inner().first_seqno),
+            Err(_) => break,
+        }
+    }
+    acked
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_archive_holds_every_committed_record_once_across_a_leader_crash_and_restores() {
+    let mut cluster = Cluster::launch(&ClusterSpec {
+        nodes: 3,
+        shards: 1,
+        coordinators: 1,
+        replication: "heartbeat_ms = 50\nleader_timeout_ms = 1000\nkeepalive_ms = 100",
+        cluster_toml: ARCHIVE.into(),
+        ..ClusterSpec::default()
+    });
+    let config = cluster.config_path.clone();
+    let archive_dir = cluster.dir.path().join("archive");
+    let (first_leader, _) = loop {
+        if let Some(leader) = cluster.leader_of(1, 1).await {
+            break leader;
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    };
+    cluster.wait_node_leads(first_leader, 1, WAIT).await;
+    let mut acked = append(&cluster, first_leader, 300, "before").await;
+    assert_eq!(acked.len(), 300);
+    // The leader archives: its status shows the position, the store the files.
+    wait_until("the leader to archive what it committed", WAIT, || async {
+        archive_of(&cluster, first_leader).await["archived_seqno"].as_u64() >= Some(300)
+    })
+    .await;
+    let status = archive_of(&cluster, first_leader).await;
+    assert!(status["segments_uploaded"].as_u64().unwrap() >= 2, "small segments: {status}");
+    assert!(status["store"].as_str().unwrap().contains("archive"), "{status}");
+    assert_eq!(status["error"], serde_json::Value::Null, "{status}");
+    let metrics = reqwest_metrics(&cluster, first_leader).await;
+    assert!(metrics.contains("walship_archive_seqno{shard=\"1\"}"), "no archive metric");
+
+    // Crash the leader; the new one goes on from what the archive holds.
+    cluster.node(first_leader).kill9();
+    let new_leader = loop {
+        if let Some((leader, _)) = cluster.leader_of(1, 1).await
+            && leader != first_leader
+        {
+            break leader;
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    };
+    cluster.wait_node_leads(new_leader, 1, WAIT).await;
+    acked.extend(append(&cluster, new_leader, 200, "after").await);
+    let last = *acked.last().unwrap();
+    wait_until("the new leader to archive everything committed", WAIT, || async {
+        archive_of(&cluster, new_leader).await["archived_seqno"].as_u64() >= Some(last)
+    })
+    .await;
+
+    // The archive: one run of segments, every record intact.
+    let (ok, out, err) = walship(&["archive", "verify", "--cluster", path(&config), "--shard", "1", "--json"]);
+    assert!(ok, "{out}{err}");
+    let verified: serde_json::Value = serde_json::from_str(&out).unwrap();
+    assert_eq!(verified["first_seqno"], 1, "{verified}");
+    assert!(verified["last_seqno"].as_u64().unwrap() >= last, "{verified}");
+    let (ok, out, err) = walship(&["archive", "ls", "--cluster", path(&config), "--shard", "1"]);
+    assert!(ok && out.contains("segments") && out.contains(".wseg"), "{out}{err}");
+
+    // Restore all of it: the same records as the cluster serves, each once.
+    let restored = cluster.dir.path().join("restored-all");
+    let (ok, out, err) = walship(&["restore", "--cluster", path(&config), "--shard", "1", "--into", path(&restored)]);
+    assert!(ok, "{out}{err}");
+    assert!(out.contains("crc verified"), "{out}");
+    let served = common::read_all(&cluster.nodes[new_leader as usize - 1].grpc, 1, last).await;
+    assert_eq!(served.len() as u64, last);
+    for seqno in &acked {
+        assert!(served.iter().any(|r| r.seqno == *seqno), "acknowledged {seqno} is not served");
+    }
+    let restored_records = serve_restored(&restored, last).await;
+    assert_eq!(restored_records.len(), served.len(), "restored a different number of records");
+    for (a, b) in restored_records.iter().zip(&served) {
+        assert_eq!((a.seqno, &a.key, &a.payload, a.epoch), (b.seqno, &b.key, &b.payload, b.epoch), "seqno {}", b.seqno);
+    }
+
+    // To a seqno, and to a time.
+    let to_seqno = cluster.dir.path().join("restored-to-seqno");
+    let (ok, out, err) = walship(&[
+        "restore", "--cluster", path(&config), "--shard", "1", "--to-seqno", "123", "--into", path(&to_seqno),
+    ]);
+    assert!(ok && out.contains("123 records (seqnos 1..=123)"), "{out}{err}");
+    assert_eq!(serve_restored(&to_seqno, 123).await.len(), 123);
+    let cut = &served[249];
+    let at = cut.timestamp_us;
+    let time = chrono_rfc3339(at);
+    let to_time = cluster.dir.path().join("restored-to-time");
+    let (ok, out, err) =
+        walship(&["restore", "--cluster", path(&config), "--shard", "1", "--to-time", &time, "--into", path(&to_time)]);
+    assert!(ok, "{out}{err}");
+    let expected = served.iter().take_while(|r| r.timestamp_us <= at).count();
+    assert!(out.contains(&format!("{expected} records")), "{out} (expected {expected})");
+
+    // Bad input changes nothing: an existing dir, a bad time, no [archive].
+    let (ok, _, err) = walship(&["restore", "--cluster", path(&config), "--shard", "1", "--into", path(&to_seqno)]);
+    assert!(!ok && err.contains("exists"), "{err}");
+    let (ok, _, err) = walship(&[
+        "restore", "--cluster", path(&config), "--shard", "1", "--to-time", "yesterday", "--into", path(&archive_dir.join("x")),
+    ]);
+    assert!(!ok && err.contains("RFC 3339"), "{err}");
+    assert!(!archive_dir.join("x").exists(), "a refused restore created its dir");
+    let bare = cluster.dir.path().join("bare.toml");
+    std::fs::write(&bare, std::fs::read_to_string(&config).unwrap().replace(ARCHIVE, "")).unwrap();
+    let (ok, _, err) = walship(&["archive", "ls", "--cluster", path(&bare), "--shard", "1"]);
+    assert!(!ok && err.contains("no [archive]"), "{err}");
+}
+
+/// `[archive]` settings a node refuses to start with, each named.
+#[test]
+fn bad_archive_settings_are_refused() {
+    let dir = tempfile::tempdir().unwrap();
+    for (archive, named) in [
+        ("[archive]\nstore = \"dir\"\n", "needs `dir`"),
+        ("[archive]\nstore = \"s3\"\n", "needs `bucket`"),
+        ("[archive]\nstore = \"ftp\"\ndir = \"x\"\n", "store"),
+        ("[archive]\nstore = \"dir\"\ndir = \"x\"\nprefix = \"../up\"\n", "prefix"),
+        ("[archive]\nstore = \"dir\"\ndir = \"x\"\nsegment_bytes = 0\n", "segment_bytes"),
+        ("[archive]\nstore = \"dir\"\ndir = \"x\"\nsurprise = 1\n", "surprise"),
+    ] {
+        let config = dir.path().join("cluster.toml");
+        std::fs::write(
+            &config,
+            format!(
+                "insecure_no_auth = true\n[[nodes]]\nid = 1\ngrpc_addr = \"127.0.0.1:1\"\nadmin_addr = \"127.0.0.1:2\"\n\
+                 [[shards]]\nid = 1\nreplicas = [1]\nleader = 1\n{archive}"
+            ),
+        )
+        .unwrap();
+        let (ok, _, err) = walship(&["archive", "ls", "--cluster", path(&config), "--shard", "1"]);
+        assert!(!ok && err.contains(named), "{archive}: {err}");
+    }
+}
+
+async fn reqwest_metrics(cluster: &Cluster, id: u32) -> String {
+    common::http_get(&cluster.nodes[id as usize - 1].admin_url("/metrics")).await.1
+}
+
+fn chrono_rfc3339(us: u64) -> String {
+    let secs = (us / 1_000_000) as i64;
+    let micros = (us % 1_000_000) as u32;
+    chrono::DateTime::from_timestamp(secs, micros * 1000).unwrap().to_rfc3339_opts(chrono::SecondsFormat::Micros, true)
+}
+
+/// Starts a one-node static cluster on a restored data dir and reads the
+/// shard through `to`; stops it.
+async fn serve_restored(data: &Path, to: u64) -> Vec<walship_proto::log::Record> {
+    let (grpc, admin) = (common::free_port(), common::free_port());
+    let config = data.join("cluster.toml");
+    std::fs::write(
+        &config,
+        format!(
+            "insecure_no_auth = true\n[[nodes]]\nid = 1\ngrpc_addr = \"127.0.0.1:{grpc}\"\nadmin_addr = \"127.0.0.1:{admin}\"\n\
+             [[shards]]\nid = 1\nreplicas = [1]\nleader = 1\nepoch = 1000\n"
+        ),
+    )
+    .unwrap();
+    let (mut child, _) = common::spawn_listening(
+        Command::new(common::walship_bin())
+            .args(["node", "--node-id", "1", "--wal-prefill", "false", "--cluster"])
+            .arg(&config)
+            .arg("--data-dir")
+            .arg(data),
+        "restored node",
+    );
+    let grpc = format!("127.0.0.1:{grpc}");
+    let deadline = Instant::now() + WAIT;
+    while common::history::client(&grpc).await.is_none() {
+        assert!(Instant::now() < deadline, "the restored node never served");
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    let records = common::read_all(&grpc, 1, to).await;
+    let _ = child.kill();
+    let _ = child.wait();
+    records
+}
