@@ -15,6 +15,11 @@
 //! a sidecar file could not promise). `list` reports the object's size (the
 //! file's less the header).
 //!
+//! Since keys are paths, one key cannot be both an object and a directory
+//! of others: where S3 takes both `a` and `a/b`, this store refuses the
+//! second put with [`StoreError::InvalidKey`] (walship's keys,
+//! `<dir>/<segment file>`, never nest).
+//!
 //! A put writes `<name>~tmp-<pid>-<n>` beside the target (`~` is never in a
 //! key, so a temp file is never listed nor mistaken for an object), fsyncs
 //! it, renames it over the target and fsyncs the directory (and, when the
@@ -114,8 +119,16 @@ impl LocalDirStore {
         loop {
             attempt += 1;
             let created_dirs = !dir.is_dir();
-            if created_dirs {
-                std::fs::create_dir_all(&dir).map_err(|e| io_error("creating", &dir, e))?;
+            if created_dirs && let Err(e) = std::fs::create_dir_all(&dir) {
+                // A file (an object) where a directory must be.
+                if dir.ancestors().any(|a| a.starts_with(&self.root) && a.is_file()) {
+                    return Err(StoreError::InvalidKey {
+                        key: key.as_str().to_string(),
+                        reason: "lies under the key of an existing object (a LocalDirStore keeps objects as files)"
+                            .to_string(),
+                    });
+                }
+                return Err(io_error("creating", &dir, e));
             }
             let temp = dir.join(format!(
                 "{name}{TEMP_MARK}{}-{}",
@@ -134,6 +147,13 @@ impl LocalDirStore {
                 let _ = std::fs::remove_file(&temp);
                 if e.kind() == ErrorKind::NotFound && attempt < 5 {
                     continue;
+                }
+                if path.is_dir() {
+                    return Err(StoreError::InvalidKey {
+                        key: key.as_str().to_string(),
+                        reason: "is a prefix of other objects' keys (a LocalDirStore keeps those in a directory)"
+                            .to_string(),
+                    });
                 }
                 return Err(io_error("renaming into", &path, e));
             }
@@ -154,7 +174,8 @@ impl LocalDirStore {
         let path = self.path_of(key)?;
         let file = match std::fs::read(&path) {
             Ok(file) => file,
-            Err(e) if e.kind() == ErrorKind::NotFound => return Ok(None),
+            // No file, or a file (another object) where a directory would be.
+            Err(e) if matches!(e.kind(), ErrorKind::NotFound | ErrorKind::NotADirectory) => return Ok(None),
             // A directory where the key's file would be: no such object.
             Err(_) if path.is_dir() => return Ok(None),
             Err(e) => return Err(io_error("reading", &path, e)),
@@ -240,7 +261,7 @@ impl LocalDirStore {
         let path = self.path_of(key)?;
         match std::fs::remove_file(&path) {
             Ok(()) => {}
-            Err(e) if e.kind() == ErrorKind::NotFound => return Ok(()),
+            Err(e) if matches!(e.kind(), ErrorKind::NotFound | ErrorKind::NotADirectory) => return Ok(()),
             Err(_) if path.is_dir() => return Ok(()),
             Err(e) => return Err(io_error("removing", &path, e)),
         }
@@ -322,6 +343,23 @@ mod tests {
         let err = store.path_of(&ObjectKey::new("out/x").unwrap()).unwrap_err();
         assert!(matches!(err, StoreError::InvalidKey { .. }), "{err}");
         assert!(store.path_of(&ObjectKey::new("in/x").unwrap()).unwrap().starts_with(store.root()));
+    }
+
+    #[tokio::test]
+    async fn a_key_cannot_be_both_an_object_and_a_directory_of_objects() {
+        let dir = tempfile::tempdir().unwrap();
+        let store = LocalDirStore::open(dir.path()).unwrap();
+        let key = |k: &str| ObjectKey::new(k).unwrap();
+        store.put(&key("a"), Bytes::from_static(b"1")).await.unwrap();
+        let err = store.put(&key("a/b"), Bytes::from_static(b"2")).await.unwrap_err();
+        assert!(matches!(&err, StoreError::InvalidKey { reason, .. } if reason.contains("existing object")), "{err}");
+        store.put(&key("c/d"), Bytes::from_static(b"3")).await.unwrap();
+        let err = store.put(&key("c"), Bytes::from_static(b"4")).await.unwrap_err();
+        assert!(matches!(&err, StoreError::InvalidKey { reason, .. } if reason.contains("prefix")), "{err}");
+        assert!(store.get(&key("c")).await.unwrap().is_none());
+        store.delete(&key("c")).await.unwrap();
+        assert_eq!(store.get(&key("c/d")).await.unwrap().unwrap(), Bytes::from_static(b"3"));
+        assert!(store.get(&key("a/b")).await.unwrap().is_none());
     }
 
     #[test]
