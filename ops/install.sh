@@ -102,3 +102,18 @@ install_curl() {
     apt_install curl ca-certificates
   fi
 }
+
+# s3s-fs (crates.io) is the S3-compatible server objstore's tests run
+# S3Store against: a real HTTP server that keeps objects as plain files.
+# 0.14.1 is the last release that builds on our Rust (1.95). Installed with
+# `cargo install --root` into $tools so the user's ~/.cargo is left alone,
+# built in a throwaway target dir (not a CARGO_TARGET_DIR the caller set).
+install_s3s_fs() {
+  if [ ! -x "$tools/bin/s3s-fs" ]; then
+    echo "installing s3s-fs 0.14.1 (crates.io) into $tools/bin (about 3 minutes) ..." >&2
+    mkdir -p "$tools"
+    (unset CARGO_TARGET_DIR; cargo install s3s-fs@0.14.1 --locked --features binary \
+      --root "$tools" --quiet)
+  fi
+  export WALSHIP_S3S_FS="$tools/bin/s3s-fs"
+}

@@ -1,10 +1,11 @@
 #!/usr/bin/env bash
 # The whole walship test suite: formatting, lints, unit, conformance and
 # black-box tests (real `walship node` / `walship coord` processes, a real
-# NATS server, and for the comparison benchmark's smoke run a PostgreSQL
-# primary with two standbys, each on free loopback ports, started and stopped
-# by the tests; the partition tests run each process as a Unix user of its
-# own and cut links with nftables, which needs root).
+# NATS server, a real S3-compatible server (s3s-fs), and for the comparison
+# benchmark's smoke run a PostgreSQL primary with two standbys, each on free
+# loopback ports, started and stopped by the tests; the partition tests run
+# each process as a Unix user of its own and cut links with nftables, which
+# needs root).
 # Installs what the tests need when the machine lacks it. `.ci/run` runs
 # exactly this.
 set -euo pipefail
@@ -31,6 +32,7 @@ install_browser
 install_postgres # the comparison benchmark's smoke test
 install_fonts
 install_curl # the walkthroughs tests run as printed
+install_s3s_fs # objstore's S3Store runs its conformance suite against it
 
 cargo fmt --all -- --check
 cargo clippy --workspace --all-targets --locked -- -D warnings
