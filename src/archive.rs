@@ -106,7 +106,8 @@ pub async fn run(args: ArchiveArgs) -> Result<()> {
         ArchiveCommand::Verify { target } => {
             let config = archive_of(&target.cluster)?;
             let store = open_store(&config).await?;
-            let read = restore::read_back(store.as_ref(), &layout(&config)?, target.shard, Until::End, |_| Ok(())).await?;
+            let read =
+                restore::read_back(store.as_ref(), &layout(&config)?, target.shard, Until::End, |_| Ok(())).await?;
             if target.json {
                 println!("{}", serde_json::to_string_pretty(&read)?);
             } else {

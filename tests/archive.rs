@@ -39,7 +39,10 @@ async fn append(cluster: &Cluster, id: u32, n: usize, tag: &str) -> Vec<u64> {
     let Some(mut log) = common::history::client(&cluster.nodes[id as usize - 1].grpc).await else { return vec![] };
     let mut acked = Vec::new();
     for i in 0..n {
-        let record = AppendRecord { key: format!("k{i}").into_bytes().into(), payload: format!("{tag}-{i}-").repeat(30).into_bytes().into() };
+        let record = AppendRecord {
+            key: format!("k{i}").into_bytes().into(),
+            payload: format!("{tag}-{i}-").repeat(30).into_bytes().into(),
+        };
         let request = AppendRequest { shard_id: 1, records: vec![record], durability: Durability::Quorum as i32 };
         match log.append(request).await {
             Ok(r) => acked.push(r.into_inner().first_seqno),
@@ -128,7 +131,15 @@ async fn the_archive_holds_every_committed_record_once_across_a_leader_crash_and
     // To a seqno, and to a time.
     let to_seqno = cluster.dir.path().join("restored-to-seqno");
     let (ok, out, err) = walship(&[
-        "restore", "--cluster", path(&config), "--shard", "1", "--to-seqno", "123", "--into", path(&to_seqno),
+        "restore",
+        "--cluster",
+        path(&config),
+        "--shard",
+        "1",
+        "--to-seqno",
+        "123",
+        "--into",
+        path(&to_seqno),
     ]);
     assert!(ok && out.contains("123 records (seqnos 1..=123)"), "{out}{err}");
     assert_eq!(serve_restored(&to_seqno, 123).await.len(), 123);
@@ -146,7 +157,15 @@ async fn the_archive_holds_every_committed_record_once_across_a_leader_crash_and
     let (ok, _, err) = walship(&["restore", "--cluster", path(&config), "--shard", "1", "--into", path(&to_seqno)]);
     assert!(!ok && err.contains("exists"), "{err}");
     let (ok, _, err) = walship(&[
-        "restore", "--cluster", path(&config), "--shard", "1", "--to-time", "yesterday", "--into", path(&archive_dir.join("x")),
+        "restore",
+        "--cluster",
+        path(&config),
+        "--shard",
+        "1",
+        "--to-time",
+        "yesterday",
+        "--into",
+        path(&archive_dir.join("x")),
     ]);
     assert!(!ok && err.contains("RFC 3339"), "{err}");
     assert!(!archive_dir.join("x").exists(), "a refused restore created its dir");
@@ -183,7 +202,7 @@ fn bad_archive_settings_are_refused() {
 }
 
 async fn reqwest_metrics(cluster: &Cluster, id: u32) -> String {
-    common::http_get(&cluster.nodes[id as usize - 1].admin_url("/metrics")).await.1
+    common::http_get(&format!("{}/metrics", cluster.nodes[id as usize - 1].admin)).await.1
 }
 
 fn chrono_rfc3339(us: u64) -> String {
