@@ -28,7 +28,13 @@ pub async fn open_store(config: &ArchiveConfig) -> Result<Arc<dyn ObjectStore>> 
                 settings.region = region.clone();
             }
             settings.path_style = config.path_style;
-            Arc::new(S3Store::new(settings).await.context("the archive's S3 store")?)
+            let store = S3Store::new(settings).await.context("the archive's S3 store")?;
+            // A missing bucket is created; a refusal (credentials) is not
+            // fatal here: uploads retry and show it until it is fixed.
+            if let Err(e) = store.ensure_bucket().await {
+                tracing::warn!(error = %e, "checking the archive's bucket");
+            }
+            Arc::new(store)
         }
     })
 }

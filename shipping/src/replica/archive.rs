@@ -164,16 +164,20 @@ impl ReplicationNode {
                 self.archive_status.lock().remove(&shard);
                 continue;
             };
-            if Instant::now() < retry_at {
-                continue;
-            }
             let epoch = leader.epoch;
             let commit = leader.core.lock().commit().0;
+            if Instant::now() < retry_at {
+                // Waiting to retry: the lag still shows what waits.
+                let known = self.archive_status.lock().get(&shard).map_or(0, |s| s.archived_seqno);
+                self.set_archive_lag(&archive, shard, known, commit, known + 1).await;
+                continue;
+            }
             let outcome: Result<(), StoreError> = async {
                 let through = match archived {
                     Some((seqno, e)) if e == epoch => seqno,
                     _ => {
-                        let listed = archive.store.list(&archive.layout.segments_prefix(shard)).await?;
+                        let prefix = archive.layout.segments_prefix(shard);
+                        let listed = self.showing_lag(&archive, shard, commit, archive.store.list(&prefix)).await?;
                         let segments = listed.iter().filter_map(|m| SegmentRef::parse(m.key.as_str(), m.size));
                         let (_, end) = chain(segments.collect());
                         archived = Some((end, epoch));
@@ -209,7 +213,7 @@ impl ReplicationNode {
                 let bytes: Bytes = segment.encoded().clone();
                 let size = bytes.len() as u64;
                 let key = archive.layout.segment_key(shard, from, last_seqno, last_epoch);
-                archive.store.put(&key, bytes).await?;
+                self.showing_lag(&archive, shard, commit, archive.store.put(&key, bytes)).await?;
                 archived = Some((last_seqno, epoch));
                 archive.metrics.uploaded_bytes.with_label_values(&[&label]).inc_by(size);
                 {
@@ -250,6 +254,8 @@ impl ReplicationNode {
                     };
                     retry_at = Instant::now() + backoff;
                     let error = e.to_string();
+                    let known = self.archive_status.lock().get(&shard).map_or(0, |s| s.archived_seqno);
+                    self.set_archive_lag(&archive, shard, known, commit, known + 1).await;
                     let changed = {
                         let mut all = self.archive_status.lock();
                         let status = all.entry(shard).or_default();
@@ -260,6 +266,28 @@ impl ReplicationNode {
                     if changed {
                         tracing::warn!(shard, error, retry_in = ?backoff, "archiving failed; retrying");
                     }
+                }
+            }
+        }
+    }
+
+    /// Awaits `call` (a slow or hung store: up to its operation timeout),
+    /// keeping the shard's archive lag current meanwhile.
+    async fn showing_lag<T>(
+        &self,
+        archive: &Archive,
+        shard: u32,
+        commit: u64,
+        call: impl std::future::Future<Output = Result<T, StoreError>>,
+    ) -> Result<T, StoreError> {
+        tokio::pin!(call);
+        loop {
+            tokio::select! {
+                done = &mut call => return done,
+                _ = tokio::time::sleep(Duration::from_secs(1)) => {
+                    let known = self.archive_status.lock().get(&shard).map_or(0, |s| s.archived_seqno);
+                    let commit = self.replica(shard).and_then(|r| r.leader_state()).map_or(commit, |l| l.core.lock().commit().0);
+                    self.set_archive_lag(archive, shard, known, commit, known + 1).await;
                 }
             }
         }
