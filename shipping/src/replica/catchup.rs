@@ -233,7 +233,17 @@ impl ReplicationNode {
             self.peers.shipping(leader).ok_or_else(|| ReplicaError::Unavailable("leader address unknown".into()))?;
         let from = *replica.follower.next_expected.borrow();
         let request = StreamRequest { shard_id: replica.shard, from_seqno: from, epoch, follower_node_id: self.me };
-        let mut stream = client.stream_segments(request).await?.into_inner();
+        let mut stream = match client.stream_segments(request).await {
+            Ok(stream) => stream.into_inner(),
+            Err(status) => {
+                // The leader no longer holds what comes next here: re-seed
+                // from the archive up to what it holds, then stream the rest.
+                if let Some(first) = super::error::metadata_u64(&status, super::error::RETAINED_METADATA_KEY) {
+                    return self.reseed_from_archive(replica, leader, epoch, first).await;
+                }
+                return Err(status.into());
+            }
+        };
         // Pipelined: receive the next chunk while earlier ones are written
         // and fsynced (they still enter the WAL in order, and consecutive
         // chunks share group commits), with a bounded number in flight.
@@ -248,6 +258,79 @@ impl ReplicationNode {
         for pending in in_flight {
             self.settle_inbound(replica, pending).await?;
         }
+        Ok(())
+    }
+
+    /// Re-seeds this follower from the object store: every archived
+    /// segment from its next expected seqno until the leader's oldest
+    /// retained one (`leader_first`) is applied as a catch-up chunk would
+    /// be (each record's crc checked, overlaps skipped, in order, fsynced);
+    /// the caller's next catch-up streams the rest from the leader. Only
+    /// committed records are archived and a repaired follower's log is a
+    /// prefix of its leader's, so what is applied is exactly what the
+    /// leader holds. Bytes count as `walship_catchup_bytes_total{source="archive"}`.
+    async fn reseed_from_archive(
+        self: &Arc<Self>,
+        replica: &Arc<ShardReplica>,
+        leader: NodeId,
+        epoch: u64,
+        leader_first: u64,
+    ) -> Result<(), ReplicaError> {
+        let shard = replica.shard;
+        let Some(archive) = self.archive.get().cloned() else {
+            return Err(ReplicaError::Unavailable(format!(
+                "shard {shard}: the leader keeps records from seqno {leader_first} only and this node has no \
+                 [archive] to re-seed from"
+            )));
+        };
+        let unavailable = |e: String| ReplicaError::Unavailable(format!("shard {shard}: re-seeding from the archive: {e}"));
+        let listing = crate::archive::restore::list(archive.store.as_ref(), &archive.layout, shard)
+            .await
+            .map_err(|e| unavailable(e.to_string()))?;
+        let from = *replica.follower.next_expected.borrow();
+        if listing.archived_seqno + 1 < leader_first || listing.chain.first().is_some_and(|s| s.first > from) {
+            return Err(unavailable(format!(
+                "it holds {}..={}, this replica needs {from}.. and the leader keeps {leader_first}..: no source covers \
+                 the gap",
+                listing.chain.first().map_or(0, |s| s.first),
+                listing.archived_seqno
+            )));
+        }
+        tracing::info!(shard, from, leader_first, archived = listing.archived_seqno, "re-seeding from the archive");
+        let mut in_flight = std::collections::VecDeque::new();
+        let mut applied_bytes = 0u64;
+        for segment in listing.chain.iter().filter(|s| s.last >= from) {
+            if segment.first >= leader_first {
+                break; // the leader streams the rest
+            }
+            let key = walship_objstore::ObjectKey::new(segment.key.clone()).map_err(|e| unavailable(e.to_string()))?;
+            let payload = archive
+                .store
+                .get(&key)
+                .await
+                .map_err(|e| unavailable(e.to_string()))?
+                .ok_or_else(|| unavailable(format!("{} was listed but is gone", segment.key)))?;
+            applied_bytes += payload.len() as u64;
+            let message = ShipSegmentRequest {
+                id: Some(WalSegmentId { region_id: self.region, shard_id: shard, seqno: segment.first }),
+                event_count: segment.last - segment.first + 1,
+                leader_last_seq: segment.last,
+                stream_baseline: 0,
+                epoch,
+                leader_node_id: leader,
+                commit_seqno: segment.last,
+                payload,
+            };
+            let (_, pending) = self.queue_inbound(&message, Source::Archive).await?;
+            in_flight.push_back(pending);
+            if in_flight.len() >= CATCHUP_PIPELINE {
+                self.settle_inbound(replica, in_flight.pop_front().flatten()).await?;
+            }
+        }
+        for pending in in_flight {
+            self.settle_inbound(replica, pending).await?;
+        }
+        tracing::info!(shard, bytes = applied_bytes, through = *replica.follower.next_expected.borrow() - 1, "re-seeded from the archive");
         Ok(())
     }
 

@@ -22,6 +22,9 @@ use crate::core::replica::Refusal;
 pub const EPOCH_METADATA_KEY: &str = "walship-epoch";
 /// Response metadata: a follower's durable frontier on a gap refusal.
 pub const APPLIED_METADATA_KEY: &str = "walship-applied-seqno";
+/// The oldest seqno a leader still holds, on a `NeedsReseed` refusal (the
+/// follower then re-seeds from the archive up to it).
+pub const RETAINED_METADATA_KEY: &str = "walship-first-retained-seqno";
 
 /// Why a replica refused or failed a request.
 #[derive(Debug, thiserror::Error)]
@@ -185,9 +188,10 @@ impl From<ReplicaError> for Status {
             ReplicaError::NewerRequester { seen, .. } => {
                 with_metadata(Status::failed_precondition(message), EPOCH_METADATA_KEY, seen)
             }
-            ReplicaError::NeedsReseed { .. } | ReplicaError::PastDurable { .. } | ReplicaError::NoSuchRecord { .. } => {
-                Status::out_of_range(message)
+            ReplicaError::NeedsReseed { first, .. } => {
+                with_metadata(Status::out_of_range(message), RETAINED_METADATA_KEY, first)
             }
+            ReplicaError::PastDurable { .. } | ReplicaError::NoSuchRecord { .. } => Status::out_of_range(message),
             ReplicaError::Apply { .. } => Status::failed_precondition(message),
             ReplicaError::Busy(_) | ReplicaError::Unavailable(_) | ReplicaError::Partitioned { .. } => {
                 Status::unavailable(message)

@@ -81,6 +81,8 @@ pub fn now_us() -> u64 {
 pub enum Source {
     Push,
     Stream,
+    /// Segments read from the object store (a re-seed).
+    Archive,
 }
 
 impl Source {
@@ -88,6 +90,7 @@ impl Source {
         match self {
             Source::Push => "push",
             Source::Stream => "stream",
+            Source::Archive => "archive",
         }
     }
 }
