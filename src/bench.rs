@@ -335,16 +335,18 @@ const CLUSTER_START_ATTEMPTS: usize = 3;
 /// a coordinator when `leadership` says so; each node lays out
 /// `spare_bytes` of spare WAL files. A start that fails (a port taken in
 /// the meantime) stops what it started and tries again on fresh ports.
+/// `tweak` adjusts the cluster's config before it is written.
 pub(crate) fn three_nodes(
     data: &Path,
     shards: u32,
     leadership: Leadership,
     spare_bytes: u64,
     tls: bool,
+    tweak: &dyn Fn(&mut walship_shipping::ClusterConfig),
 ) -> Result<Target> {
     let mut attempt = 1;
     loop {
-        match start_three_nodes(data, shards, leadership, spare_bytes, tls) {
+        match start_three_nodes(data, shards, leadership, spare_bytes, tls, tweak) {
             Ok(target) => return Ok(target),
             Err(error) if attempt < CLUSTER_START_ATTEMPTS => {
                 eprintln!("starting the three-node cluster failed ({error:#}); trying again on fresh ports");
@@ -356,7 +358,14 @@ pub(crate) fn three_nodes(
     }
 }
 
-fn start_three_nodes(data: &Path, shards: u32, leadership: Leadership, spare_bytes: u64, tls: bool) -> Result<Target> {
+fn start_three_nodes(
+    data: &Path,
+    shards: u32,
+    leadership: Leadership,
+    spare_bytes: u64,
+    tls: bool,
+    tweak: &dyn Fn(&mut walship_shipping::ClusterConfig),
+) -> Result<Target> {
     use walship_shipping::{ClusterConfig, NodeSpec};
     // Every listener stays bound until all ports are picked, so no two are
     // the same.
@@ -391,6 +400,7 @@ fn start_three_nodes(data: &Path, shards: u32, leadership: Leadership, spare_byt
         false => None,
     };
     config.tls = certificates.as_ref().map(|c| c.cluster_tls());
+    tweak(&mut config);
     let file = data.join("cluster.toml");
     config.save(&file).with_context(|| format!("writing {}", file.display()))?;
     // Every process started is in `target` at once, so an early return
@@ -439,9 +449,11 @@ async fn grpc_cell(
         BenchPath::Local => (single_node(&data, shards, args.wal_spare_bytes)?, Durability::Local),
         BenchPath::Quorum | BenchPath::QuorumTls => {
             let tls = path == BenchPath::QuorumTls;
-            (three_nodes(&data, shards, args.leadership, args.wal_spare_bytes, tls)?, Durability::Quorum)
+            (three_nodes(&data, shards, args.leadership, args.wal_spare_bytes, tls, &|_| {})?, Durability::Quorum)
         }
-        BenchPath::All => (three_nodes(&data, shards, args.leadership, args.wal_spare_bytes, false)?, Durability::All),
+        BenchPath::All => {
+            (three_nodes(&data, shards, args.leadership, args.wal_spare_bytes, false, &|_| {})?, Durability::All)
+        }
         BenchPath::Wal => bail!("the wal path runs in process"),
     };
     // A few HTTP/2 connections per leader, shared round-robin by the appenders.
