@@ -113,6 +113,8 @@ pub async fn run(args: BenchDataplaneArgs) -> Result<()> {
     let _ = std::fs::remove_dir_all(&data);
     std::fs::create_dir_all(&args.dir).with_context(|| format!("creating {}", args.dir.display()))?;
     eprintln!("measuring the raw disk under {} ...", args.dir.display());
+    // Other work on the machine shows here (the figures share its CPUs and disk).
+    let load_before = std::fs::read_to_string("/proc/loadavg").unwrap_or_default();
     let base = crate::bench::measure_baseline(&args.dir)?;
     eprintln!("starting three nodes (RF=3, one shard) and a coordinator under {} ...", data.display());
     // Retention keeps 1 GiB of frames per shard by default: the filled range
@@ -124,7 +126,10 @@ pub async fn run(args: BenchDataplaneArgs) -> Result<()> {
     };
     let target = crate::bench::three_nodes(&data, 1, Leadership::Coordinated, args.wal_spare_bytes, false, &keep_all)?;
     // `target` kills every process it started when dropped, also on error.
-    let result = measure(&args, &data, &target, &base).await;
+    let result = measure(&args, &data, &target, &base).await.map(|mut report| {
+        report["machine"]["loadavg_before"] = load_before.trim().into();
+        report
+    });
     drop(target);
     let _ = std::fs::remove_dir_all(&data);
     let report = result?;
@@ -301,6 +306,7 @@ fn machine(dir: &Path) -> Value {
         "cores": std::thread::available_parallelism().map_or(0, |n| n.get()),
         "mem_gib": mem_kib.map(|k| k as f64 / (1 << 20) as f64),
         "kernel": read("/proc/sys/kernel/osrelease").trim(),
+        "loadavg_after": read("/proc/loadavg").trim(),
         "dir": std::fs::canonicalize(dir).unwrap_or_else(|_| dir.to_path_buf()),
     })
 }
