@@ -3,10 +3,12 @@
 //! files measured in the same run, and live `QUORUM` append throughput
 //! while they run against the same cluster undisturbed.
 //!
-//! It starts three `walship node` processes (RF=3, one shard) and a
-//! `walship coord` on free loopback ports, as `walship bench` does, fills
-//! the shard with `QUORUM` appends of `--record-bytes` and waits until every
-//! replica holds it durably. Then, the page cache dropped before each one:
+//! It measures the raw disk's write rate first (`walship bench`'s
+//! yardstick), starts three `walship node` processes (RF=3, one shard, the
+//! whole log retained) and a `walship coord` on free loopback ports, as
+//! `walship bench` does, fills the shard with `QUORUM` appends of
+//! `--record-bytes` and waits until every replica holds it durably. Then,
+//! the page cache dropped before each one:
 //! * raw: every `*.raftlog` file of the leader's WAL read whole, in order,
 //!   with an 8 MiB buffer (file bytes ÷ wall time);
 //! * verify of the whole range on all three replicas, and export of it (read
@@ -14,7 +16,8 @@
 //!   *payload* bytes (records × record bytes, one replica's worth) ÷ wall
 //!   time from `POST /v1/tasks` to the job's report. All three replicas sit
 //!   on this one disk, so a verify reads three copies: its disk bandwidth is
-//!   three times the figure (printed too);
+//!   three times the figure (printed too); an export also writes its
+//!   file, so it is printed against raw read then raw write too;
 //! * `QUORUM` appends of `--appenders` closed-loop clients for `--seconds`
 //!   undisturbed, then as long again while verify and export of the filled
 //!   range run back to back (cache dropped before each), and the ratio.
