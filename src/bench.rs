@@ -123,27 +123,27 @@ pub struct BenchArgs {
 
 /// Who assigns the three-node paths' leaders.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
-pub enum Leadership {
+pub(crate) enum Leadership {
     Coordinated,
     Static,
 }
 
 /// The client API the gRPC paths append through.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
-pub enum Transport {
+pub(crate) enum Transport {
     Stream,
     Unary,
 }
 
 /// One connection to a leader, as the chosen transport uses it.
 #[derive(Clone)]
-enum Connection {
+pub(crate) enum Connection {
     Stream(Arc<AppendPipeline>),
     Unary(LogClient<Channel>),
 }
 
 impl Connection {
-    async fn open(leader: &str, transport: Transport, tls: Option<&ClientTlsConfig>) -> Result<Connection> {
+    pub(crate) async fn open(leader: &str, transport: Transport, tls: Option<&ClientTlsConfig>) -> Result<Connection> {
         let endpoint = match tls {
             Some(tls) => Endpoint::from_shared(format!("https://{leader}"))?.tls_config(tls.clone())?,
             None => Endpoint::from_shared(format!("http://{leader}"))?,
@@ -156,7 +156,7 @@ impl Connection {
         })
     }
 
-    async fn append(&self, request: AppendRequest) -> Result<(), tonic::Status> {
+    pub(crate) async fn append(&self, request: AppendRequest) -> Result<(), tonic::Status> {
         match self {
             Connection::Stream(pipeline) => pipeline.append(request).await.map(drop),
             Connection::Unary(client) => client.clone().append(request).await.map(drop),
@@ -220,7 +220,7 @@ fn cell(path: BenchPath, size: usize, shards: u32, appenders: usize, m: &Measure
     }
 }
 
-fn payload(size: usize) -> Bytes {
+pub(crate) fn payload(size: usize) -> Bytes {
     Bytes::from((0..size).map(|i| (i * 131 % 251) as u8).collect::<Vec<u8>>())
 }
 
@@ -260,13 +260,19 @@ async fn wal_cell(dir: &Path, size: usize, shards: u32, appenders: usize, args: 
 }
 
 /// `walship node` child processes, killed when dropped.
-struct Target {
+pub(crate) struct Target {
     /// gRPC address of shard i's leader at index i-1.
-    leaders: Vec<String>,
+    pub(crate) leaders: Vec<String>,
     children: Vec<std::process::Child>,
     /// How appenders connect when the cluster serves TLS.
-    client_tls: Option<ClientTlsConfig>,
+    pub(crate) client_tls: Option<ClientTlsConfig>,
+    /// The coordinator's admin URL (`http://host:port`), when one runs;
+    /// its bearer token is [`BENCH_ADMIN_TOKEN`].
+    pub(crate) coord_admin: Option<String>,
 }
+
+/// The admin token of the coordinator the three-node paths start.
+pub(crate) const BENCH_ADMIN_TOKEN: &str = "walship-bench";
 
 impl Drop for Target {
     fn drop(&mut self) {
@@ -317,7 +323,7 @@ fn single_node(data: &Path, shards: u32, spare_bytes: u64) -> Result<Target> {
         .chain([format!("1-{shards}"), "--wal-spare-bytes".into(), spare_bytes.to_string()])
         .collect();
     let (child, grpc) = spawn_listening("node", &args, data)?;
-    Ok(Target { leaders: vec![grpc; shards as usize], children: vec![child], client_tls: None })
+    Ok(Target { leaders: vec![grpc; shards as usize], children: vec![child], client_tls: None, coord_admin: None })
 }
 
 /// Attempts at starting a three-node cluster: its ports are picked before
@@ -329,10 +335,18 @@ const CLUSTER_START_ATTEMPTS: usize = 3;
 /// a coordinator when `leadership` says so; each node lays out
 /// `spare_bytes` of spare WAL files. A start that fails (a port taken in
 /// the meantime) stops what it started and tries again on fresh ports.
-fn three_nodes(data: &Path, shards: u32, leadership: Leadership, spare_bytes: u64, tls: bool) -> Result<Target> {
+/// `tweak` adjusts the cluster's config before it is written.
+pub(crate) fn three_nodes(
+    data: &Path,
+    shards: u32,
+    leadership: Leadership,
+    spare_bytes: u64,
+    tls: bool,
+    tweak: &dyn Fn(&mut walship_shipping::ClusterConfig),
+) -> Result<Target> {
     let mut attempt = 1;
     loop {
-        match start_three_nodes(data, shards, leadership, spare_bytes, tls) {
+        match start_three_nodes(data, shards, leadership, spare_bytes, tls, tweak) {
             Ok(target) => return Ok(target),
             Err(error) if attempt < CLUSTER_START_ATTEMPTS => {
                 eprintln!("starting the three-node cluster failed ({error:#}); trying again on fresh ports");
@@ -344,7 +358,14 @@ fn three_nodes(data: &Path, shards: u32, leadership: Leadership, spare_bytes: u6
     }
 }
 
-fn start_three_nodes(data: &Path, shards: u32, leadership: Leadership, spare_bytes: u64, tls: bool) -> Result<Target> {
+fn start_three_nodes(
+    data: &Path,
+    shards: u32,
+    leadership: Leadership,
+    spare_bytes: u64,
+    tls: bool,
+    tweak: &dyn Fn(&mut walship_shipping::ClusterConfig),
+) -> Result<Target> {
     use walship_shipping::{ClusterConfig, NodeSpec};
     // Every listener stays bound until all ports are picked, so no two are
     // the same.
@@ -361,11 +382,14 @@ fn start_three_nodes(data: &Path, shards: u32, leadership: Leadership, spare_byt
     }
     let mut config = ClusterConfig::replicated_everywhere(nodes, shards);
     config.cluster_id = "bench".into();
+    let mut coord_admin = None;
     if leadership == Leadership::Coordinated {
+        let admin_addr = port()?;
+        coord_admin = Some(format!("http://{admin_addr}"));
         config.coordinators = vec![walship_shipping::config::CoordinatorSpec {
             id: "bench".into(),
             grpc_addr: port()?.into(),
-            admin_addr: port()?.into(),
+            admin_addr: admin_addr.into(),
         }];
     }
     drop(listeners);
@@ -376,11 +400,12 @@ fn start_three_nodes(data: &Path, shards: u32, leadership: Leadership, spare_byt
         false => None,
     };
     config.tls = certificates.as_ref().map(|c| c.cluster_tls());
+    tweak(&mut config);
     let file = data.join("cluster.toml");
     config.save(&file).with_context(|| format!("writing {}", file.display()))?;
     // Every process started is in `target` at once, so an early return
     // stops it (Target's drop) instead of leaving it running.
-    let mut target = Target { leaders, children: Vec::new(), client_tls: None };
+    let mut target = Target { leaders, children: Vec::new(), client_tls: None, coord_admin };
     if let Some(c) = &certificates {
         let read = |p: &Path| std::fs::read(p).with_context(|| format!("reading {}", p.display()));
         target.client_tls = Some(
@@ -392,7 +417,7 @@ fn start_three_nodes(data: &Path, shards: u32, leadership: Leadership, spare_byt
     let children = &mut target.children;
     if leadership == Leadership::Coordinated {
         let args: Vec<String> =
-            ["--id", "bench", "--admin-token", "walship-bench", "--cluster"].iter().map(|s| s.to_string()).collect();
+            ["--id", "bench", "--admin-token", BENCH_ADMIN_TOKEN, "--cluster"].iter().map(|s| s.to_string()).collect();
         let args = [args, vec![file.display().to_string()]].concat();
         children.push(spawn_listening("coord", &args, &data.join("coord"))?.0);
     }
@@ -424,9 +449,11 @@ async fn grpc_cell(
         BenchPath::Local => (single_node(&data, shards, args.wal_spare_bytes)?, Durability::Local),
         BenchPath::Quorum | BenchPath::QuorumTls => {
             let tls = path == BenchPath::QuorumTls;
-            (three_nodes(&data, shards, args.leadership, args.wal_spare_bytes, tls)?, Durability::Quorum)
+            (three_nodes(&data, shards, args.leadership, args.wal_spare_bytes, tls, &|_| {})?, Durability::Quorum)
         }
-        BenchPath::All => (three_nodes(&data, shards, args.leadership, args.wal_spare_bytes, false)?, Durability::All),
+        BenchPath::All => {
+            (three_nodes(&data, shards, args.leadership, args.wal_spare_bytes, false, &|_| {})?, Durability::All)
+        }
         BenchPath::Wal => bail!("the wal path runs in process"),
     };
     // A few HTTP/2 connections per leader, shared round-robin by the appenders.

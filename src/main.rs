@@ -3,6 +3,7 @@
 
 mod archive;
 mod bench;
+mod bench_dataplane;
 mod bench_drills;
 mod client;
 mod client_config;
@@ -59,6 +60,8 @@ enum Command {
     Read(client::ReadArgs),
     /// Stream a shard's records from a seqno, following new appends.
     Tail(client::TailArgs),
+    /// Measure DataPlane verify and export throughput against the raw read of the same WAL files, and live appends beside them.
+    BenchDataplane(bench_dataplane::BenchDataplaneArgs),
     /// Run the failover drill N times and the catch-up drill on a fresh dev cluster; print the figures.
     BenchDrills(bench_drills::BenchDrillsArgs),
     /// Show the cluster as the coordinator sees it: shards, leaders, epochs, replicas, lag.
@@ -184,6 +187,7 @@ fn run() -> Result<()> {
             Command::Status(args) => status::run(args).await,
             Command::Failover(args) => failover::run(args).await,
             Command::BenchDrills(args) => bench_drills::run(args).await,
+            Command::BenchDataplane(args) => bench_dataplane::run(args).await,
             Command::Task(args) => task::run(args).await,
             Command::Verify(args) => task::verify(args).await,
             Command::Export(args) => task::export(args).await,

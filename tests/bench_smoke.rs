@@ -54,3 +54,53 @@ fn bench_prints_figures_and_ratios() {
         assert_eq!(cell["vs_plaintext"].as_f64().is_some(), cell["path"] == "rf3-quorum-tls", "{cell}");
     }
 }
+
+/// `walship bench-dataplane` on a 4 MiB shard with 1 s windows: every
+/// figure is printed and lands in the JSON, and the ratios are positive
+/// finite numbers. The page cache is left alone (`--keep-cache`): a test
+/// must not slow down everything else on the machine.
+#[test]
+fn bench_dataplane_prints_every_figure() {
+    let dir = tempfile::tempdir().unwrap();
+    let json = dir.path().join("out.json");
+    let output = Command::new(common::walship_bin())
+        .args(["bench-dataplane", "--mib", "4", "--appenders", "4", "--seconds", "1", "--keep-cache"])
+        .args(["--wal-spare-bytes", "0"])
+        .arg("--dir")
+        .arg(dir.path().join("data"))
+        .arg("--json")
+        .arg(&json)
+        .env("WALSHIP_LOG", "warn")
+        .output()
+        .unwrap();
+    let stdout = String::from_utf8_lossy(&output.stdout);
+    assert!(output.status.success(), "bench-dataplane failed: {}", String::from_utf8_lossy(&output.stderr));
+    for line in [
+        "raw sequential read:",
+        "verify: 4 MiB of payload on 3 replicas",
+        "export: 4 MiB of payload to a",
+        "QUORUM appends undisturbed:",
+        "QUORUM appends during verify+export:",
+    ] {
+        assert!(stdout.contains(line), "no {line:?} in:\n{stdout}");
+    }
+    let report: serde_json::Value = serde_json::from_slice(&std::fs::read(json).unwrap()).unwrap();
+    let positive = |v: &serde_json::Value| v.as_f64().is_some_and(|f| f.is_finite() && f > 0.0);
+    for figure in [
+        &report["raw_read"]["mib_per_s"],
+        &report["verify"]["payload_mib_per_s"],
+        &report["verify"]["ratio_to_raw"],
+        &report["export"]["payload_mib_per_s"],
+        &report["export"]["ratio_to_raw"],
+        &report["quorum_appends"]["undisturbed"]["records_per_s"],
+        &report["quorum_appends"]["during_verify_export"]["records_per_s"],
+        &report["quorum_appends"]["ratio"],
+    ] {
+        assert!(positive(figure), "not a positive finite figure: {figure} in {report}");
+    }
+    assert_eq!(report["shard"]["records"], 1024, "{report}");
+    assert!(report["export"]["arrow_file_bytes"].as_u64().unwrap() > 4 << 20, "{report}");
+    assert_eq!(report["page_cache_dropped"], false, "{report}");
+    // The cluster's data is removed at the end.
+    assert!(!dir.path().join("data").join("cluster").exists());
+}

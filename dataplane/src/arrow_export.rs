@@ -258,7 +258,25 @@ impl IpcFileWriter {
         check_schema(&batch.schema(), &schema())?;
         self.writer.write(batch)?;
         self.rows += batch.num_rows() as u64;
+        self.start_writeback();
         Ok(())
+    }
+
+    /// Starts writing the file's dirty pages to disk without waiting for
+    /// them, so they go out while later batches arrive: otherwise a whole
+    /// export sits in the page cache until `finish`'s fsync writes all of
+    /// it at once (measured: about 1 s of a 1 GiB export's 2.5 s). Only a
+    /// hint; `finish` still syncs everything.
+    fn start_writeback(&self) {
+        #[cfg(target_os = "linux")]
+        {
+            use std::os::fd::AsRawFd;
+            let fd = self.writer.get_ref().get_ref().as_raw_fd();
+            // SAFETY: sync_file_range(2) on an open descriptor this writer
+            // owns; offset 0 and length 0 mean the whole file. A failure
+            // only means no early write-back.
+            unsafe { libc::sync_file_range(fd, 0, 0, libc::SYNC_FILE_RANGE_WRITE) };
+        }
     }
 
     /// Appends every batch of an IPC stream payload (a `ResultBatch.payload`).
