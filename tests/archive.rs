@@ -243,3 +243,95 @@ async fn serve_restored(data: &Path, to: u64) -> Vec<walship_proto::log::Record>
     let _ = child.wait();
     records
 }
+
+/// A follower stopped while its leader compacted past it (retention keeps
+/// only what the archive already holds) comes back, re-seeds from the
+/// archive by itself, then streams the rest: byte-identical to the archive
+/// and to the leader, nothing acknowledged lost.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_follower_the_leader_compacted_past_reseeds_from_the_archive() {
+    let mut cluster = Cluster::launch(&ClusterSpec {
+        nodes: 3,
+        shards: 1,
+        coordinators: 1,
+        replication: "heartbeat_ms = 50\nleader_timeout_ms = 1000\nkeepalive_ms = 100\nretain_bytes = 16384\n\
+                      max_retain_bytes = 65536\nretention_interval_ms = 100",
+        cluster_toml: ARCHIVE.into(),
+        ..ClusterSpec::default()
+    });
+    let config = cluster.config_path.clone();
+    let leader = loop {
+        if let Some((leader, _)) = cluster.leader_of(1, 1).await {
+            break leader;
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    };
+    cluster.wait_node_leads(leader, 1, WAIT).await;
+    let follower = if leader == 3 { 2 } else { 3 };
+    let mut acked = append(&cluster, leader, 50, "early").await;
+    cluster.node(follower).kill9();
+    acked.extend(append(&cluster, leader, 600, "while-away").await);
+    assert_eq!(acked.len(), 650, "QUORUM appends go on with two of three");
+    let last = *acked.last().unwrap();
+    // The leader archived it all and compacted past where the follower stopped.
+    wait_until("the leader to archive and compact past the stopped follower", WAIT, || async {
+        let s = cluster.status(leader).await.unwrap_or_default();
+        s["shards"][0]["archive"]["archived_seqno"].as_u64() >= Some(last)
+            && s["shards"][0]["first_seqno"].as_u64() > Some(60)
+    })
+    .await;
+
+    cluster.restart(follower);
+    wait_until("the follower to catch up", WAIT, || async {
+        let s = cluster.status(follower).await.unwrap_or_default();
+        s["shards"][0]["durable_seqno"].as_u64() >= Some(last)
+    })
+    .await;
+    let metrics = reqwest_metrics(&cluster, follower).await;
+    let from_archive: f64 = metrics
+        .lines()
+        .find(|l| l.starts_with("walship_catchup_bytes_total{source=\"archive\"}"))
+        .and_then(|l| l.rsplit(' ').next()?.parse().ok())
+        .unwrap_or(0.0);
+    assert!(from_archive > 0.0, "the follower did not re-seed from the archive:\n{metrics}");
+    let follower_status = cluster.status(follower).await.unwrap();
+    assert_eq!(follower_status["shards"][0]["first_seqno"], 1, "{follower_status}");
+
+    // Byte-identical: the follower's log against a restore of the archive.
+    let restored = cluster.dir.path().join("restored-for-reseed");
+    let (ok, out, err) = walship(&[
+        "restore",
+        "--cluster",
+        path(&config),
+        "--shard",
+        "1",
+        "--to-seqno",
+        &last.to_string(),
+        "--into",
+        path(&restored),
+    ]);
+    assert!(ok, "{out}{err}");
+    let follower_dir = cluster.node(follower).data_dir.join("wal");
+    cluster.node(follower).kill9();
+    let theirs = frames(&follower_dir, last);
+    let archived = frames(&restored.join("wal"), last);
+    assert_eq!(theirs.len() as u64, last);
+    assert!(theirs == archived, "the re-seeded follower differs from the archive");
+    for seqno in &acked {
+        assert!(theirs.iter().any(|f| f.seqno() == *seqno), "acknowledged {seqno} missing on the follower");
+    }
+}
+
+/// The frames `1..=to` of shard 1 in the WAL at `dir` (read offline).
+fn frames(dir: &Path, to: u64) -> Vec<walship_wal::Frame> {
+    use walship_wal::store::LogStore;
+    let store = walship_wal::EngineStore::open(dir, &walship_wal::EngineStoreConfig::default()).unwrap();
+    let mut out = Vec::new();
+    let mut next = 1;
+    while next <= to {
+        let page = store.read(1, next, to, 8 << 20).unwrap();
+        next = page.last().unwrap().seqno() + 1;
+        out.extend(page);
+    }
+    out
+}

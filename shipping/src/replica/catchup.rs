@@ -153,7 +153,9 @@ impl ReplicationNode {
                     node.catch_up_once(&replica, leader, epoch).await
                 };
                 match attempt.await {
-                    Ok(()) => break,
+                    // Re-seeded from the archive: stream the rest now.
+                    Ok(Pulled::Reseeded) => backoff = Duration::from_millis(20),
+                    Ok(Pulled::Streamed) => break,
                     Err(error) => {
                         tracing::debug!(shard = replica.shard, %error, "catch-up attempt failed; retrying");
                         tokio::select! {
@@ -225,7 +227,7 @@ impl ReplicationNode {
         replica: &Arc<ShardReplica>,
         leader: NodeId,
         epoch: u64,
-    ) -> Result<(), ReplicaError> {
+    ) -> Result<Pulled, ReplicaError> {
         // Partition drill: no catch-up from a cut leader (each chunk is
         // checked again in `queue_checked`, ending a stream cut midway).
         self.check_partition(leader)?;
@@ -239,7 +241,8 @@ impl ReplicationNode {
                 // The leader no longer holds what comes next here: re-seed
                 // from the archive up to what it holds, then stream the rest.
                 if let Some(first) = super::error::metadata_u64(&status, super::error::RETAINED_METADATA_KEY) {
-                    return self.reseed_from_archive(replica, leader, epoch, first).await;
+                    self.reseed_from_archive(replica, leader, epoch, first).await?;
+                    return Ok(Pulled::Reseeded);
                 }
                 return Err(status.into());
             }
@@ -258,7 +261,7 @@ impl ReplicationNode {
         for pending in in_flight {
             self.settle_inbound(replica, pending).await?;
         }
-        Ok(())
+        Ok(Pulled::Streamed)
     }
 
     /// Re-seeds this follower from the object store: every archived
@@ -283,7 +286,8 @@ impl ReplicationNode {
                  [archive] to re-seed from"
             )));
         };
-        let unavailable = |e: String| ReplicaError::Unavailable(format!("shard {shard}: re-seeding from the archive: {e}"));
+        let unavailable =
+            |e: String| ReplicaError::Unavailable(format!("shard {shard}: re-seeding from the archive: {e}"));
         let listing = crate::archive::restore::list(archive.store.as_ref(), &archive.layout, shard)
             .await
             .map_err(|e| unavailable(e.to_string()))?;
@@ -330,7 +334,12 @@ impl ReplicationNode {
         for pending in in_flight {
             self.settle_inbound(replica, pending).await?;
         }
-        tracing::info!(shard, bytes = applied_bytes, through = *replica.follower.next_expected.borrow() - 1, "re-seeded from the archive");
+        tracing::info!(
+            shard,
+            bytes = applied_bytes,
+            through = *replica.follower.next_expected.borrow() - 1,
+            "re-seeded from the archive"
+        );
         Ok(())
     }
 
@@ -385,6 +394,15 @@ impl ReplicationNode {
             }
         }
     }
+}
+
+/// What one catch-up attempt did.
+enum Pulled {
+    /// Streamed from the leader to the end of the stream.
+    Streamed,
+    /// Re-seeded from the archive up to the leader's oldest record; the
+    /// rest is still to stream.
+    Reseeded,
 }
 
 /// How often the corruption registry is read into the replicas' rules.
