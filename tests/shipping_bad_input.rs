@@ -87,6 +87,7 @@ fn ship_of(segment: &Segment, commit_seqno: u64) -> ShipSegmentRequest {
         epoch: EPOCH,
         leader_node_id: LEADER,
         commit_seqno,
+        archived_seqno: 0,
     }
 }
 
@@ -776,6 +777,7 @@ async fn bad_shipping_requests_are_refused_precisely_and_change_nothing() {
         epoch: EPOCH,
         leader_node_id: LEADER,
         commit_seqno: d,
+        archived_seqno: 0,
     };
     let response = tokio::time::timeout(CALL_TIMEOUT, shipping_client(follower_channel.clone()).ship_segment(resend))
         .await

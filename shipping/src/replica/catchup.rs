@@ -125,6 +125,7 @@ impl ReplicationNode {
                     leader_node_id: node.me,
                     commit_seqno: commit,
                     payload: segment.encoded().clone(),
+                    archived_seqno: node.archive_status(replica.shard).map_or(0, |a| a.archived_seqno),
                 };
                 next = segment.last_seqno() + 1;
                 if tx.send(Ok(message)).await.is_err() {
@@ -324,6 +325,7 @@ impl ReplicationNode {
                 leader_node_id: leader,
                 commit_seqno: segment.last,
                 payload,
+                archived_seqno: listing.archived_seqno,
             };
             let (_, pending) = self.queue_inbound(&message, Source::Archive).await?;
             in_flight.push_back(pending);

@@ -177,6 +177,7 @@ impl ReplicationNode {
             }
         };
         follower.leader_commit.fetch_max(request.commit_seqno, Ordering::AcqRel);
+        follower.archived.fetch_max(request.archived_seqno, Ordering::AcqRel);
         follower.last_contact_us.store(now_us(), Ordering::Release);
         drop(guard);
         Ok((replica, pending))

@@ -38,7 +38,17 @@ impl ReplicationNode {
                         continue;
                     };
                     let average = c.bytes.checked_div(c.records).unwrap_or(0);
-                    crate::core::follower::compact_to(p.first_seqno, p.durable_seqno, average, r.retain_bytes)
+                    let to = crate::core::follower::compact_to(p.first_seqno, p.durable_seqno, average, r.retain_bytes);
+                    // While the cluster archives, nothing the archive lacks
+                    // (as the leader last said) is compacted here either: a
+                    // failover to this replica must find it.
+                    match self.archive.get() {
+                        Some(_) => {
+                            let archived = replica.follower.archived.load(std::sync::atomic::Ordering::Acquire);
+                            to.map(|to| to.min(archived + 1)).filter(|to| *to > p.first_seqno)
+                        }
+                        None => to,
+                    }
                 }
             };
             if let Some(to) = compact_to {

@@ -320,6 +320,7 @@ impl ReplicationNode {
             epoch: leader.epoch,
             leader_node_id: self.me,
             commit_seqno: commit.0,
+            archived_seqno: self.archive_status(replica.shard).map_or(0, |a| a.archived_seqno),
         };
         let stream = if cut {
             None

@@ -55,6 +55,9 @@ pub(crate) struct FollowerState {
     /// to it applied again are refetched bytes (0: none pending).
     pub(crate) refetch_through: AtomicU64,
     pub(crate) last_contact_us: AtomicU64,
+    /// The newest archived seqno a leader told us (retention keeps what
+    /// the archive lacks while the cluster archives).
+    pub(crate) archived: AtomicU64,
 }
 
 /// One shard's replica on this node.
@@ -100,6 +103,7 @@ impl ShardReplica {
                 catchup_running: AtomicBool::new(false),
                 refetch_through: AtomicU64::new(0),
                 last_contact_us: AtomicU64::new(0),
+                archived: AtomicU64::new(0),
             },
             transition: tokio::sync::Mutex::new(()),
         }
