@@ -53,6 +53,10 @@ pub enum BenchPath {
     /// `quorum` with TLS on every connection (mutual between members and
     /// from the appenders): its throughput ÷ `quorum`'s is TLS's cost.
     QuorumTls,
+    /// `quorum` with `[archive]` on (a directory store on the same disk):
+    /// its throughput ÷ `quorum`'s is what archiving costs live appends, and
+    /// the cell reports the archive's upload rate and its lag at the end.
+    QuorumArchive,
     All,
 }
 
@@ -63,6 +67,7 @@ impl BenchPath {
             BenchPath::Local => "local",
             BenchPath::Quorum => "rf3-quorum",
             BenchPath::QuorumTls => "rf3-quorum-tls",
+            BenchPath::QuorumArchive => "rf3-quorum-archive",
             BenchPath::All => "rf3-all",
         }
     }
@@ -72,6 +77,8 @@ impl BenchPath {
         match self {
             BenchPath::Wal | BenchPath::Local => 1.0,
             BenchPath::Quorum | BenchPath::QuorumTls | BenchPath::All => 3.0,
+            // The leader's archive writes a fourth copy to the same disk.
+            BenchPath::QuorumArchive => 4.0,
         }
     }
 }
@@ -186,6 +193,15 @@ struct Cell {
     /// A TLS cell's records/s ÷ the same cell without TLS, when measured.
     #[serde(skip_serializing_if = "Option::is_none")]
     vs_plaintext: Option<f64>,
+    /// An archiving cell's records/s ÷ the same cell without the archive.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    vs_unarchived: Option<f64>,
+    /// Archiving cells: segment MiB/s uploaded over the cell (warm-up
+    /// included), and the archive lag (seconds, worst shard) at its end.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    archive_mib_per_s: Option<f64>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    archive_lag_s: Option<f64>,
     /// p99 append latency ÷ raw 4 KiB fdatasync p99.
     p99_ratio: f64,
 }
@@ -201,7 +217,14 @@ pub fn measure_baseline(dir: &Path) -> Result<Baseline> {
     walship_wal::disk::measure(dir).with_context(|| format!("measuring the disk under {}", dir.display()))
 }
 
-fn cell(path: BenchPath, size: usize, shards: u32, appenders: usize, m: &Measured, base: &Baseline) -> Cell {
+fn cell(
+    path: BenchPath,
+    size: usize,
+    shards: u32,
+    appenders: usize,
+    (m, archive): (&Measured, Option<(f64, f64)>),
+    base: &Baseline,
+) -> Cell {
     let f = m.summary(size);
     Cell {
         path: path.name(),
@@ -216,6 +239,9 @@ fn cell(path: BenchPath, size: usize, shards: u32, appenders: usize, m: &Measure
         bandwidth_ratio: f.mib_per_s * path.copies() / base.seq_write_mib_s,
         vs_local: None,
         vs_plaintext: None,
+        vs_unarchived: None,
+        archive_mib_per_s: archive.map(|a| a.0),
+        archive_lag_s: archive.map(|a| a.1),
         p99_ratio: f.p99_us / base.fdatasync_4k_p99_us,
     }
 }
@@ -442,7 +468,7 @@ async fn grpc_cell(
     shards: u32,
     appenders: usize,
     args: &BenchArgs,
-) -> Result<Measured> {
+) -> Result<(Measured, Option<(f64, f64)>)> {
     let data = dir.join(format!("{}-{size}-{shards}-{appenders}", path.name()));
     let _ = std::fs::remove_dir_all(&data);
     let (target, durability) = match path {
@@ -453,6 +479,12 @@ async fn grpc_cell(
         }
         BenchPath::All => {
             (three_nodes(&data, shards, args.leadership, args.wal_spare_bytes, false, &|_| {})?, Durability::All)
+        }
+        BenchPath::QuorumArchive => {
+            let archive = |c: &mut walship_shipping::ClusterConfig| {
+                c.archive = Some(walship_shipping::config::ArchiveConfig::dir("archive".into()));
+            };
+            (three_nodes(&data, shards, args.leadership, args.wal_spare_bytes, false, &archive)?, Durability::Quorum)
         }
         BenchPath::Wal => bail!("the wal path runs in process"),
     };
@@ -503,9 +535,30 @@ async fn grpc_cell(
         },
     )
     .await;
+    let archive = match path {
+        BenchPath::QuorumArchive => Some(archive_figures(&data, args.warmup + args.duration).await?),
+        _ => None,
+    };
     drop(target);
     let _ = std::fs::remove_dir_all(&data);
-    result
+    Ok((result?, archive))
+}
+
+/// An archiving cell's upload rate (MiB/s over `seconds`) and its worst
+/// shard's archive lag now, from every node's `/v1/status`.
+async fn archive_figures(data: &Path, seconds: f64) -> Result<(f64, f64)> {
+    let config = walship_shipping::ClusterConfig::load(&data.join("cluster.toml"))?;
+    let (mut bytes, mut lag) = (0u64, 0f64);
+    for node in &config.nodes {
+        let base = format!("http://{}", node.admin_addr);
+        let (_, status) = crate::http::request("GET", &base, "/v1/status", None, None).await?;
+        for shard in status["shards"].as_array().into_iter().flatten() {
+            let archive = &shard["archive"];
+            bytes += archive["bytes_uploaded"].as_u64().unwrap_or(0);
+            lag = lag.max(archive["lag_seconds"].as_f64().unwrap_or(0.0));
+        }
+    }
+    Ok((bytes as f64 / (1 << 20) as f64 / seconds, lag))
 }
 
 fn print_table(base: &Baseline, cells: &[Cell]) {
@@ -516,14 +569,17 @@ fn print_table(base: &Baseline, cells: &[Cell]) {
     );
     println!();
     println!(
-        "| path | record B | shards | appenders | records/s | MiB/s | p50 µs | p99 µs | p999 µs | disk MiB/s ÷ disk limit | p99 ÷ fsync p99 | ÷ local | ÷ plaintext |"
+        "| path | record B | shards | appenders | records/s | MiB/s | p50 µs | p99 µs | p999 µs | disk MiB/s ÷ disk limit | p99 ÷ fsync p99 | ÷ local | ÷ plaintext | ÷ unarchived | archive MiB/s | archive lag s |"
     );
-    println!("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|");
+    println!("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|");
     for c in cells {
         let vs_local = c.vs_local.map_or("".to_string(), |r| format!("{r:.2}"));
         let vs_plaintext = c.vs_plaintext.map_or("".to_string(), |r| format!("{r:.2}"));
+        let vs_unarchived = c.vs_unarchived.map_or("".to_string(), |r| format!("{r:.2}"));
+        let archive_mib = c.archive_mib_per_s.map_or("".to_string(), |r| format!("{r:.1}"));
+        let archive_lag = c.archive_lag_s.map_or("".to_string(), |r| format!("{r:.1}"));
         println!(
-            "| {} | {} | {} | {} | {:.0} | {:.1} | {:.0} | {:.0} | {:.0} | {:.2} | {:.2} | {} | {} |",
+            "| {} | {} | {} | {} | {:.0} | {:.1} | {:.0} | {:.0} | {:.0} | {:.2} | {:.2} | {} | {} | {} | {} | {} |",
             c.path,
             c.record_bytes,
             c.shards,
@@ -536,7 +592,10 @@ fn print_table(base: &Baseline, cells: &[Cell]) {
             c.bandwidth_ratio,
             c.p99_ratio,
             vs_local,
-            vs_plaintext
+            vs_plaintext,
+            vs_unarchived,
+            archive_mib,
+            archive_lag
         );
     }
 }
@@ -568,11 +627,11 @@ pub async fn run(args: BenchArgs) -> Result<()> {
             for &size in &args.sizes {
                 for &appenders in &args.appenders {
                     bar.set_message(format!("{} {size} B, {shards} shard(s), {appenders} appenders", path.name()));
-                    let measured = match path {
-                        BenchPath::Wal => wal_cell(&args.dir, size, shards, appenders, &args).await?,
+                    let (measured, archive) = match path {
+                        BenchPath::Wal => (wal_cell(&args.dir, size, shards, appenders, &args).await?, None),
                         _ => grpc_cell(path, &args.dir, size, shards, appenders, &args).await?,
                     };
-                    let c = cell(path, size, shards, appenders, &measured, &base);
+                    let c = cell(path, size, shards, appenders, (&measured, archive), &base);
                     bar.println(format!(
                         "{:>10} {size:>6} B  {shards} shard(s)  {appenders:>3} appenders: {:>9.0} rec/s {:>7.1} MiB/s  p99 {:>6.0} µs",
                         c.path, c.records_per_s, c.mib_per_s, c.p99_us
@@ -597,6 +656,14 @@ pub async fn run(args: BenchArgs) -> Result<()> {
     for c in &mut cells {
         if c.path == "rf3-quorum-tls" {
             c.vs_plaintext = plain
+                .iter()
+                .find(|p| (p.record_bytes, p.shards, p.appenders) == (c.record_bytes, c.shards, c.appenders))
+                .map(|p| c.records_per_s / p.records_per_s);
+        }
+    }
+    for c in &mut cells {
+        if c.path == "rf3-quorum-archive" {
+            c.vs_unarchived = plain
                 .iter()
                 .find(|p| (p.record_bytes, p.shards, p.appenders) == (c.record_bytes, c.shards, c.appenders))
                 .map(|p| c.records_per_s / p.records_per_s);

@@ -276,10 +276,12 @@ pub struct ArchiveConfig {
     pub region: Option<String>,
     #[serde(default)]
     pub path_style: bool,
-    /// Seal a segment once this many bytes of committed records wait.
+    /// Seal a segment once this many bytes of committed records wait
+    /// (default 64 MiB).
     #[serde(default = "default_segment_bytes")]
     pub segment_bytes: u64,
-    /// ... or once the oldest waiting record is this old.
+    /// ... or once the oldest waiting record is this old (default 5 s: the
+    /// archive lags a quiet shard by at most about this plus an upload).
     #[serde(default = "default_segment_age_ms")]
     pub segment_age_ms: u64,
 }
@@ -297,7 +299,7 @@ fn default_segment_bytes() -> u64 {
 }
 
 fn default_segment_age_ms() -> u64 {
-    10_000
+    5_000
 }
 
 impl ArchiveConfig {
