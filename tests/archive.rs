@@ -339,3 +339,28 @@ fn frames(dir: &Path, to: u64) -> Vec<walship_wal::Frame> {
     }
     out
 }
+
+/// The "Trying it" walkthrough of ops/README.md's archive section runs as
+/// printed (with this build's `walship` first on PATH).
+#[test]
+fn the_archive_walkthrough_in_the_ops_readme_runs_as_printed() {
+    let readme = std::fs::read_to_string(concat!(env!("CARGO_MANIFEST_DIR"), "/ops/README.md")).unwrap();
+    let section = readme.find("### The archive").expect("the archive section");
+    let from = section + readme[section..].find("**Trying it.**").expect("the walkthrough");
+    let block = readme[from..].split("```sh\n").nth(1).unwrap().split("```").next().unwrap();
+    assert!(block.contains("walship restore") && block.contains("trap 'kill %1' EXIT"), "{block}");
+    let bin = common::walship_bin();
+    let path = format!("{}:{}", bin.parent().unwrap().display(), std::env::var("PATH").unwrap_or_default());
+    for dir in ["/tmp/walship-archive", "/tmp/walship-archive-restored"] {
+        let _ = std::fs::remove_dir_all(dir);
+    }
+    let output =
+        Command::new("bash").args(["-e", "-c", block]).env("PATH", path).env("WALSHIP_LOG", "warn").output().unwrap();
+    let stdout = String::from_utf8_lossy(&output.stdout);
+    assert!(output.status.success(), "the walkthrough failed:\n{stdout}\n{}", String::from_utf8_lossy(&output.stderr));
+    assert!(stdout.contains("segments intact"), "{stdout}");
+    assert!(stdout.contains("restored shard 1: 100 records"), "{stdout}");
+    for dir in ["/tmp/walship-archive", "/tmp/walship-archive-restored"] {
+        let _ = std::fs::remove_dir_all(dir);
+    }
+}
