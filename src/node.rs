@@ -295,6 +295,7 @@ pub async fn start_node(config: NodeConfig, cluster: Option<ClusterConfig>, dril
             layout: crate::archive::layout(archive)?,
             segment_bytes: archive.segment_bytes,
             segment_age: std::time::Duration::from_millis(archive.segment_age_ms),
+            scrub_interval: std::time::Duration::from_millis(archive.scrub_interval_ms),
             metrics: walship_shipping::replica::archive::ArchiveMetrics::new(&registry)?,
         });
     }

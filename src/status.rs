@@ -2,7 +2,9 @@
 //! table (like `patronictl list`) or JSON. Each replica's positions come
 //! from its own newest heartbeat (`pos age` says how old); a follower's lag
 //! is `live` while its leader hears from it, else `STALE`, counted from its
-//! last known position.
+//! last known position. `archived` is, on an archived shard's leader row,
+//! the newest seqno in the object store and the committed records not yet
+//! there.
 
 use anyhow::{Result, bail};
 use clap::Args;
@@ -53,6 +55,17 @@ fn lag_state(replica: &serde_json::Value) -> String {
     "live".into()
 }
 
+/// On the leader's row of an archived shard, its archived seqno and how
+/// many committed records wait (`300 (lag 0)`); `-` elsewhere.
+fn archived(shard: &serde_json::Value, replica: &serde_json::Value) -> String {
+    match shard["archived_seqno"].as_u64() {
+        Some(seqno) if replica["node_id"] == shard["leader"] => {
+            format!("{seqno} (lag {})", cell(&shard["archive_lag_records"]))
+        }
+        _ => "-".into(),
+    }
+}
+
 pub async fn run(args: StatusArgs) -> Result<()> {
     let admin = args.admin.resolve()?;
     let (code, cluster) = http::request("GET", &admin.url, "/v1/cluster", None, None).await?;
@@ -88,6 +101,7 @@ pub async fn run(args: StatusArgs) -> Result<()> {
         "last",
         "durable",
         "commit",
+        "archived",
         "pos age",
         "lag rec",
         "lag bytes",
@@ -112,6 +126,7 @@ pub async fn run(args: StatusArgs) -> Result<()> {
                 cell(&replica["last_seqno"]),
                 cell(&replica["durable_seqno"]),
                 cell(&replica["commit_seqno"]),
+                archived(shard, replica),
                 age(&replica["position_age_ms"]),
                 cell(&replica["lag_records"]),
                 cell(&replica["lag_bytes"]),

@@ -2,7 +2,9 @@
 //! records to the object store (here the directory store); across a leader
 //! crash the archive holds every committed record exactly once; `walship
 //! archive ls|verify` read it and `walship restore` rebuilds the shard from
-//! it alone, to a seqno or a time, into a data dir a node then serves.
+//! it alone, to a seqno or a time, into a data dir a node then serves. The
+//! leader's scrub finds a damaged or deleted segment and uploads it again
+//! from its WAL, or reports it unrepairable once its WAL no longer holds it.
 
 mod common;
 
@@ -186,6 +188,9 @@ fn bad_archive_settings_are_refused() {
         ("[archive]\nstore = \"dir\"\ndir = \"x\"\nprefix = \"../up\"\n", "prefix"),
         ("[archive]\nstore = \"dir\"\ndir = \"x\"\nsegment_bytes = 0\n", "segment_bytes"),
         ("[archive]\nstore = \"dir\"\ndir = \"x\"\nsurprise = 1\n", "surprise"),
+        ("[archive]\nstore = \"dir\"\ndir = \"x\"\nscrub_interval_ms = 999\n", "scrub_interval_ms 999 is outside"),
+        ("[archive]\nstore = \"dir\"\ndir = \"x\"\nscrub_interval_ms = 86400001\n", "scrub_interval_ms 86400001"),
+        ("[archive]\nstore = \"dir\"\ndir = \"x\"\nscrub_interval_ms = -1\n", "scrub_interval_ms"),
     ] {
         let config = dir.path().join("cluster.toml");
         std::fs::write(
@@ -294,8 +299,6 @@ async fn a_follower_the_leader_compacted_past_reseeds_from_the_archive() {
         .and_then(|l| l.rsplit(' ').next()?.parse().ok())
         .unwrap_or(0.0);
     assert!(from_archive > 0.0, "the follower did not re-seed from the archive:\n{metrics}");
-    let follower_status = cluster.status(follower).await.unwrap();
-    assert_eq!(follower_status["shards"][0]["first_seqno"], 1, "{follower_status}");
 
     // Byte-identical: the follower's log against a restore of the archive.
     let restored = cluster.dir.path().join("restored-for-reseed");
@@ -363,4 +366,201 @@ fn the_archive_walkthrough_in_the_ops_readme_runs_as_printed() {
     for dir in ["/tmp/walship-archive", "/tmp/walship-archive-restored"] {
         let _ = std::fs::remove_dir_all(dir);
     }
+}
+
+/// The archive's segment files on disk (the directory store), by name.
+fn segment_files(archive_dir: &Path) -> Vec<std::path::PathBuf> {
+    let mut files: Vec<_> = std::fs::read_dir(archive_dir.join("shards/1/segments"))
+        .unwrap()
+        .map(|e| e.unwrap().path())
+        .filter(|p| p.extension().is_some_and(|e| e == "wseg"))
+        .collect();
+    files.sort();
+    files
+}
+
+/// Flips one byte of the object's own bytes (past the directory store's
+/// 16-byte header) in place.
+fn flip_byte(file: &Path) -> Vec<u8> {
+    let mut bytes = std::fs::read(file).unwrap();
+    let at = 16 + (bytes.len() - 16) / 2;
+    bytes[at] ^= 0x5a;
+    std::fs::write(file, &bytes).unwrap();
+    bytes
+}
+
+/// `walship_archive_damaged_objects_total{outcome}` on node `id`.
+async fn damaged_count(cluster: &Cluster, id: u32, outcome: &str) -> u64 {
+    let metrics = reqwest_metrics(cluster, id).await;
+    let series = format!("walship_archive_damaged_objects_total{{outcome=\"{outcome}\"}} ");
+    metrics.lines().find_map(|l| l.strip_prefix(&series)).map_or(0, |v| v.trim().parse().unwrap())
+}
+
+const SCRUBBED: &str = "[archive]\nstore = \"dir\"\ndir = \"archive\"\nsegment_bytes = 8192\nsegment_age_ms = 100\n\
+                        scrub_interval_ms = 1000\n";
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_damaged_archived_segment_is_found_and_uploaded_again_from_the_leaders_wal() {
+    let mut cluster = Cluster::launch(&ClusterSpec {
+        nodes: 3,
+        shards: 1,
+        coordinators: 1,
+        replication: "heartbeat_ms = 50\nleader_timeout_ms = 1000\nkeepalive_ms = 100",
+        cluster_toml: SCRUBBED.into(),
+        ..ClusterSpec::default()
+    });
+    let config = cluster.config_path.clone();
+    let archive_dir = cluster.dir.path().join("archive");
+    let (leader, _) = loop {
+        if let Some(leader) = cluster.leader_of(1, 1).await {
+            break leader;
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    };
+    cluster.wait_node_leads(leader, 1, WAIT).await;
+    let acked = append(&cluster, leader, 300, "scrub").await;
+    assert_eq!(acked.len(), 300);
+    let last = *acked.last().unwrap();
+    wait_until("the leader to archive everything and scrub it once", WAIT, || async {
+        let a = archive_of(&cluster, leader).await;
+        a["archived_seqno"].as_u64() >= Some(last) && a["scrubs"].as_u64() >= Some(1)
+    })
+    .await;
+    let status = archive_of(&cluster, leader).await;
+    assert_eq!(
+        (status["damaged_repaired"].as_u64(), status["damaged_unrepairable"].as_array().map(Vec::len)),
+        (Some(0), Some(0)),
+        "an intact archive: {status}"
+    );
+    let (ok, out, err) = walship(&["archive", "verify", "--cluster", path(&config), "--shard", "1"]);
+    assert!(ok, "{out}{err}");
+    let files = segment_files(&archive_dir);
+    assert!(files.len() >= 4, "{files:?}");
+    let victim = files[files.len() - 2].clone();
+    let intact = std::fs::read(&victim).unwrap();
+
+    // Damage it right after a scrub pass ended (passes are 1 s apart), so
+    // that `verify` sees it before the next one repairs it; should the
+    // repair win the race anyway, damage it again.
+    let mut caught = None;
+    for _ in 0..5 {
+        let scrubs = archive_of(&cluster, leader).await["scrubs"].as_u64().unwrap();
+        wait_until("a scrub pass to end", WAIT, || async {
+            archive_of(&cluster, leader).await["scrubs"].as_u64() > Some(scrubs)
+        })
+        .await;
+        let damaged = flip_byte(&victim);
+        assert_ne!(damaged, intact);
+        let (ok, out, err) = walship(&["archive", "verify", "--cluster", path(&config), "--shard", "1"]);
+        if !ok {
+            caught = Some(err);
+            break;
+        }
+        assert!(out.contains("intact"), "{out}");
+    }
+    let err = caught.expect("`walship archive verify` never saw the damaged segment");
+    let name = victim.file_name().unwrap().to_str().unwrap();
+    assert!(err.contains("damaged") && err.contains(name), "verify names the damaged segment: {err}");
+
+    // The leader's scrub finds it and uploads it again from its WAL.
+    wait_until("the scrub to repair the damaged segment", WAIT, || async {
+        damaged_count(&cluster, leader, "repaired").await >= 1
+            && walship(&["archive", "verify", "--cluster", path(&config), "--shard", "1"]).0
+    })
+    .await;
+    assert_eq!(std::fs::read(&victim).unwrap(), intact, "the same bytes again, under the same key");
+    let status = archive_of(&cluster, leader).await;
+    assert!(status["damaged_repaired"].as_u64() >= Some(1), "{status}");
+    assert_eq!(status["damaged_unrepairable"], serde_json::json!([]), "{status}");
+    assert_eq!(damaged_count(&cluster, leader, "unrepairable").await, 0);
+    let (ok, out, err) = walship(&["archive", "verify", "--cluster", path(&config), "--shard", "1", "--json"]);
+    assert!(ok, "{out}{err}");
+    let verified: serde_json::Value = serde_json::from_str(&out).unwrap();
+    assert_eq!(
+        (verified["first_seqno"].as_u64(), verified["last_seqno"].as_u64()),
+        (Some(1), Some(last)),
+        "{verified}"
+    );
+
+    // A segment deleted: a gap before later segments, which the archive's
+    // run (and a restore) stops at; the scrub uploads the records again.
+    let gone = files[1].clone(); // neither the first (where the run starts) nor the victim
+    std::fs::remove_file(&gone).unwrap();
+    let verified_through = || {
+        let (ok, out, _) = walship(&["archive", "verify", "--cluster", path(&config), "--shard", "1", "--json"]);
+        if ok { serde_json::from_str::<serde_json::Value>(&out).unwrap()["last_seqno"].as_u64() } else { None }
+    };
+    assert!(verified_through() < Some(last), "the run stops at the gap");
+    wait_until("the scrub to fill the gap", WAIT, || async {
+        damaged_count(&cluster, leader, "repaired").await >= 2 && verified_through() == Some(last)
+    })
+    .await;
+    assert!(gone.exists(), "uploaded again under its own name");
+
+    // A restore equals what the cluster serves.
+    let restored = cluster.dir.path().join("restored");
+    let (ok, out, err) = walship(&["restore", "--cluster", path(&config), "--shard", "1", "--into", path(&restored)]);
+    assert!(ok, "{out}{err}");
+    let served = common::read_all(&cluster.nodes[leader as usize - 1].grpc, 1, last).await;
+    let restored = serve_restored(&restored, last).await;
+    assert_eq!((restored.len(), served.len()), (last as usize, last as usize));
+    for (a, b) in restored.iter().zip(&served) {
+        assert_eq!((a.seqno, &a.key, &a.payload, a.epoch), (b.seqno, &b.key, &b.payload, b.epoch), "seqno {}", b.seqno);
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_damaged_segment_the_leader_compacted_is_reported_unrepairable() {
+    // Retention keeps 64 KiB: once archived, the oldest records leave the
+    // leader's WAL, and with them the means to repair their segment.
+    let mut cluster = Cluster::launch(&ClusterSpec {
+        nodes: 3,
+        shards: 1,
+        coordinators: 1,
+        replication: "heartbeat_ms = 50\nleader_timeout_ms = 1000\nkeepalive_ms = 100\nretain_bytes = 65536\n\
+                      max_retain_bytes = 67108864\nretention_interval_ms = 100",
+        cluster_toml: SCRUBBED.into(),
+        ..ClusterSpec::default()
+    });
+    let config = cluster.config_path.clone();
+    let archive_dir = cluster.dir.path().join("archive");
+    let (leader, _) = loop {
+        if let Some(leader) = cluster.leader_of(1, 1).await {
+            break leader;
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    };
+    cluster.wait_node_leads(leader, 1, WAIT).await;
+    let acked = append(&cluster, leader, 600, "gone").await;
+    let last = *acked.last().unwrap();
+    let first_file = || segment_files(&archive_dir)[0].clone();
+    wait_until("everything archived and the first segment compacted on the leader", WAIT, || async {
+        let shard = cluster.status(leader).await.unwrap_or_default()["shards"][0].clone();
+        let name = first_file().file_name().unwrap().to_str().unwrap().to_string();
+        let first_last: u64 = name[21..41].parse().unwrap();
+        shard["archive"]["archived_seqno"].as_u64() >= Some(last) && shard["first_seqno"].as_u64() > Some(first_last)
+    })
+    .await;
+    let victim = first_file();
+    flip_byte(&victim);
+    let name = victim.file_name().unwrap().to_str().unwrap().to_string();
+    wait_until("the scrub to report the segment unrepairable", WAIT, || async {
+        let a = archive_of(&cluster, leader).await;
+        a["damaged_unrepairable"].as_array().is_some_and(|u| u.iter().any(|k| k.as_str().unwrap().contains(&name)))
+    })
+    .await;
+    let status = archive_of(&cluster, leader).await;
+    let why = status["damaged_unrepairable"][0].as_str().unwrap();
+    assert!(why.contains("PeerExchange") && why.contains("compacted"), "{status}");
+    assert_eq!(damaged_count(&cluster, leader, "unrepairable").await, 1, "counted once");
+    assert_eq!(damaged_count(&cluster, leader, "repaired").await, 0);
+    // Still damaged: verify says so; the count stays at one across passes.
+    let (ok, _, err) = walship(&["archive", "verify", "--cluster", path(&config), "--shard", "1"]);
+    assert!(!ok && err.contains(&name), "{err}");
+    let scrubs = archive_of(&cluster, leader).await["scrubs"].as_u64().unwrap();
+    wait_until("another scrub pass", WAIT, || async {
+        archive_of(&cluster, leader).await["scrubs"].as_u64() > Some(scrubs)
+    })
+    .await;
+    assert_eq!(damaged_count(&cluster, leader, "unrepairable").await, 1, "counted once");
 }

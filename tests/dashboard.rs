@@ -6,8 +6,9 @@
 //! chart is drawn from the coordinator's history on open, with a time axis
 //! and a legend of node names, beside the per-node panel and the results of
 //! a catch-up drill run from its button; a third, that the node panel flags
-//! a node below its disk reserve. Screenshots are saved under the test's
-//! output directory.
+//! a node below its disk reserve; a fourth, that the shard table shows an
+//! archived shard's archive position and lag on its leader's row.
+//! Screenshots are saved under the test's output directory.
 
 mod common;
 
@@ -209,4 +210,36 @@ async fn the_node_panel_flags_a_node_below_its_disk_reserve() {
     let row = page["tasks"][task.as_str()].as_array().unwrap_or_else(|| panic!("no row for {task}: {page}"));
     assert_eq!(row[1], "noop", "{page}");
     assert_eq!(row[2], "succeeded", "{page}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_shard_table_shows_the_archive_position() {
+    let mut cluster = Cluster::launch(&ClusterSpec {
+        coordinators: 1,
+        replication: "heartbeat_ms = 50\nleader_timeout_ms = 1000",
+        cluster_toml: "[archive]\nstore = \"dir\"\ndir = \"archive\"\nsegment_bytes = 8192\nsegment_age_ms = 100\n"
+            .into(),
+        ..ClusterSpec::default()
+    });
+    cluster.wait_node_leads(1, 1, Duration::from_secs(30)).await;
+    for _ in 0..20 {
+        append_one(&cluster.node(1).grpc.clone()).await;
+    }
+    common::wait_until("the coordinator to show all 20 records archived", Duration::from_secs(30), || {
+        let (_, s) = futures::executor::block_on(cluster.coord_get(1, "/v1/shards/1"));
+        let ok = s["leader"] == 1 && s["archived_seqno"] == 20 && s["archive_lag_records"] == 0;
+        async move { ok }
+    })
+    .await;
+    let url = format!("http://{}/", cluster.coordinator(1).admin);
+    let shot = Path::new(env!("CARGO_TARGET_TMPDIR")).join("dashboard-archive.png");
+    let page = browser_run("lag.mjs", vec!["inspect".into(), url, shot.display().to_string()]).await;
+    assert_eq!(page["errors"], serde_json::json!([]), "page errors: {page}");
+    // Columns: shard, leader, epoch, replica, role, alive, wal, last,
+    // durable, commit, archived, ...
+    let cells = |n: &str| -> Vec<String> {
+        page["shard_rows"][n].as_array().unwrap().iter().map(|c| c.as_str().unwrap().to_string()).collect()
+    };
+    assert_eq!(cells("1")[10], "20 (lag 0, 0 s)", "the leader's row: {page}");
+    assert_eq!(cells("2")[10], "-", "a follower's row: {page}");
 }

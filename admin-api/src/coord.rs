@@ -247,11 +247,21 @@ fn shard_view(
             }
         })
         .collect();
+    // The archive position: the recorded leader's own report as an
+    // archiving leader, else none.
+    let archive = record
+        .leader
+        .and_then(|leader| c.heartbeat_aged(leader, id))
+        .map(|(h, _)| h)
+        .filter(|h| h.is_leader && h.archiving);
     ShardView {
         shard_id: id,
         leader: record.leader,
         epoch: record.epoch,
         commit_floor: record.commit_floor,
+        archived_seqno: archive.as_ref().map(|h| h.archived_seqno),
+        archive_lag_records: archive.as_ref().map(|h| h.commit_seqno.saturating_sub(h.archived_seqno)),
+        archive_lag_seconds: archive.as_ref().map(|h| h.archive_lag_seconds),
         replicas,
         last_failover,
     }

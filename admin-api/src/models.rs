@@ -186,6 +186,19 @@ pub struct ShardView {
     pub leader: Option<u32>,
     pub epoch: u64,
     pub commit_floor: u64,
+    /// Newest seqno of the shard in the object store (`[archive]`), as its
+    /// leader's last heartbeat reports it; none when the shard is not
+    /// archived (no `[archive]`, or no leader reporting as one).
+    #[serde(default)]
+    pub archived_seqno: Option<u64>,
+    /// Committed records not yet archived: the leader's `commit_seqno` minus
+    /// `archived_seqno` (same heartbeat); none when not archived.
+    #[serde(default)]
+    pub archive_lag_records: Option<u64>,
+    /// Age of the oldest committed record not yet archived (0 when none
+    /// waits); none when not archived.
+    #[serde(default)]
+    pub archive_lag_seconds: Option<f64>,
     pub replicas: Vec<ReplicaView>,
     pub last_failover: Option<FailoverRecord>,
 }

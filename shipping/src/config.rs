@@ -254,6 +254,18 @@ pub struct ClusterConfig {
 /// path_style = false       # true for most self-hosted servers
 /// ```
 ///
+/// Both also take `segment_bytes` (seal a segment once this many bytes of
+/// committed records wait; default 64 MiB), `segment_age_ms` (... or once the
+/// oldest waiting record is this old; default 10 s) and `scrub_interval_ms`
+/// (default 600000, 10 min; 1000..=86400000): how often each shard's leader
+/// reads its archived segments back, one at a time, checking each whole
+/// (checksums, every record's crc, its name's shard and range); a damaged
+/// or missing one is uploaded again from the leader's WAL when it still
+/// holds those records, else reported as unrepairable (`/v1/status`,
+/// `walship_archive_damaged_objects_total`). A pass reads the whole
+/// archive of the shard: on a large archive in a metered store, choose a
+/// longer interval.
+///
 /// S3 credentials come from the standard AWS chain (`AWS_ACCESS_KEY_ID` /
 /// `AWS_SECRET_ACCESS_KEY`, a profile, an instance role), never from this
 /// file.
@@ -284,6 +296,10 @@ pub struct ArchiveConfig {
     /// archive lags a quiet shard by at most about this plus an upload).
     #[serde(default = "default_segment_age_ms")]
     pub segment_age_ms: u64,
+    /// How often the leader reads its archived segments back to find
+    /// damaged ones (see above).
+    #[serde(default = "default_scrub_interval_ms")]
+    pub scrub_interval_ms: u64,
 }
 
 /// Which object store `[archive]` names.
@@ -302,6 +318,10 @@ fn default_segment_age_ms() -> u64 {
     5_000
 }
 
+fn default_scrub_interval_ms() -> u64 {
+    600_000
+}
+
 impl ArchiveConfig {
     /// A directory store at `dir`.
     pub fn dir(dir: PathBuf) -> ArchiveConfig {
@@ -315,6 +335,7 @@ impl ArchiveConfig {
             path_style: false,
             segment_bytes: default_segment_bytes(),
             segment_age_ms: default_segment_age_ms(),
+            scrub_interval_ms: default_scrub_interval_ms(),
         }
     }
 
@@ -334,6 +355,12 @@ impl ArchiveConfig {
         }
         if !(10..=3_600_000).contains(&self.segment_age_ms) {
             return Err(format!("segment_age_ms {} is outside 10..=3600000", self.segment_age_ms));
+        }
+        if !(1_000..=86_400_000).contains(&self.scrub_interval_ms) {
+            return Err(format!(
+                "scrub_interval_ms {} is outside 1000..=86400000 (1 s to a day)",
+                self.scrub_interval_ms
+            ));
         }
         Ok(())
     }

@@ -40,6 +40,34 @@ pub async fn list(store: &dyn ObjectStore, layout: &ArchiveLayout, shard: u32) -
     Ok(Listing { chain, archived_seqno, unused })
 }
 
+/// Reads one listed segment of `shard` and checks it whole: its checksum
+/// in the store, its header and every record's crc32, contiguous seqnos,
+/// and the shard and range its name says. A segment that fails any check
+/// (or is gone) is [`RestoreError::Damaged`]; a store that cannot answer is
+/// [`RestoreError::Store`].
+pub async fn fetch_segment(store: &dyn ObjectStore, shard: u32, segment: &SegmentRef) -> Result<Segment, RestoreError> {
+    let key = walship_objstore::ObjectKey::new(segment.key.clone())?;
+    let damaged = |detail: String| RestoreError::Damaged { key: segment.key.clone(), detail };
+    let bytes = match store.get(&key).await {
+        Ok(Some(bytes)) => bytes,
+        Ok(None) => return Err(damaged("listed but gone".into())),
+        Err(StoreError::Corrupt { detail, .. }) => return Err(damaged(format!("fails its checksum: {detail}"))),
+        Err(e) => return Err(e.into()),
+    };
+    let decoded = Segment::decode(bytes).map_err(|e| damaged(e.to_string()))?;
+    if decoded.shard_id() != shard || decoded.first_seqno() != segment.first || decoded.last_seqno() != segment.last {
+        return Err(damaged(format!(
+            "holds shard {} seqnos {}..={}, its name says shard {shard} {}..={}",
+            decoded.shard_id(),
+            decoded.first_seqno(),
+            decoded.last_seqno(),
+            segment.first,
+            segment.last
+        )));
+    }
+    Ok(decoded)
+}
+
 /// Where to stop reading.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Until {
@@ -80,22 +108,8 @@ pub async fn read_back(
         {
             break;
         }
-        let key = walship_objstore::ObjectKey::new(segment.key.clone())?;
-        let damaged = |detail: String| RestoreError::Damaged { key: segment.key.clone(), detail };
-        let bytes = store.get(&key).await?.ok_or_else(|| damaged("listed but gone".into()))?;
-        done.bytes += bytes.len() as u64;
-        let decoded = Segment::decode(bytes).map_err(|e| damaged(e.to_string()))?;
-        if decoded.shard_id() != shard || decoded.first_seqno() != segment.first || decoded.last_seqno() != segment.last
-        {
-            return Err(damaged(format!(
-                "holds shard {} seqnos {}..={}, its name says shard {shard} {}..={}",
-                decoded.shard_id(),
-                decoded.first_seqno(),
-                decoded.last_seqno(),
-                segment.first,
-                segment.last
-            )));
-        }
+        let decoded = fetch_segment(store, shard, segment).await?;
+        done.bytes += decoded.encoded().len() as u64;
         let mut stop = false;
         let frames: Vec<Frame> = decoded
             .into_frames()

@@ -17,6 +17,16 @@
 //!   to 10 s; a refusal of our credentials waits 10 s between tries and is
 //!   shown as such); appends never wait for the archive. Archive lag
 //!   (records, seconds) is in the replica's status and in metrics.
+//! * **Scrubbing.** Every `scrub_interval` the leader reads its shard's
+//!   archived segments back, one at a time, and checks each whole
+//!   ([`crate::archive::restore::fetch_segment`]). A damaged one (fails its
+//!   checksum, does not decode, holds another range than its name says,
+//!   listed but gone), or a gap before later segments, is logged at ERROR
+//!   and uploaded again from the leader's WAL, to the same key, when the
+//!   WAL still holds those records; otherwise it is reported unrepairable
+//!   (fetching it from another replica needs the PeerExchange service,
+//!   not built yet). Counted in `walship_archive_damaged_objects_total`
+//!   and shown in the status.
 //! * **Retention.** While archiving is on, the leader compacts no record
 //!   that is not archived yet (see `retention.rs`): the local disk holds
 //!   what the store does not, until the disk-full reserve refuses appends.
@@ -42,6 +52,8 @@ pub struct Archive {
     pub segment_bytes: u64,
     /// ... or once the oldest waiting record is this old.
     pub segment_age: Duration,
+    /// How often the leader reads its archived segments back.
+    pub scrub_interval: Duration,
     pub metrics: ArchiveMetrics,
 }
 
@@ -52,6 +64,7 @@ pub struct ArchiveMetrics {
     lag_seconds: prometheus::GaugeVec,
     uploaded_bytes: IntCounterVec,
     upload_failures: IntCounterVec,
+    damaged_objects: IntCounterVec,
 }
 
 impl ArchiveMetrics {
@@ -82,12 +95,28 @@ impl ArchiveMetrics {
             ),
             &["reason"],
         )?;
+        let damaged_objects = IntCounterVec::new(
+            Opts::new(
+                "walship_archive_damaged_objects_total",
+                "Damaged or missing archived segment objects a scrub found, by outcome (repaired: uploaded again from \
+                 the leader's WAL; unrepairable: the WAL no longer holds the records)",
+            ),
+            &["outcome"],
+        )?;
         registry.register(Box::new(archived_seqno.clone()))?;
+        registry.register(Box::new(damaged_objects.clone()))?;
         registry.register(Box::new(lag_records.clone()))?;
         registry.register(Box::new(lag_seconds.clone()))?;
         registry.register(Box::new(uploaded_bytes.clone()))?;
         registry.register(Box::new(upload_failures.clone()))?;
-        Ok(ArchiveMetrics { archived_seqno, lag_records, lag_seconds, uploaded_bytes, upload_failures })
+        Ok(ArchiveMetrics {
+            archived_seqno,
+            lag_records,
+            lag_seconds,
+            uploaded_bytes,
+            upload_failures,
+            damaged_objects,
+        })
     }
 }
 
@@ -106,6 +135,26 @@ pub struct ArchiveStatus {
     pub error: Option<String>,
     /// What the store is (never a secret).
     pub store: String,
+    /// Scrub passes this leader completed over the shard's archive, and
+    /// when the last one ended (unix ms).
+    #[serde(default)]
+    pub scrubs: u64,
+    #[serde(default)]
+    pub last_scrub_unix_ms: Option<u64>,
+    /// Damaged or missing segment objects this leader found and uploaded
+    /// again from its WAL.
+    #[serde(default)]
+    pub damaged_repaired: u64,
+    /// Damaged or missing segment objects it could not repair (its WAL no
+    /// longer holds their records), as of its last scrub: `key: why`.
+    #[serde(default)]
+    pub damaged_unrepairable: Vec<String>,
+}
+
+/// What a scrub found wrong with one object, and what became of it.
+enum Damage {
+    Repaired,
+    Unrepairable(String),
 }
 
 fn reason(e: &StoreError) -> &'static str {
@@ -130,6 +179,7 @@ impl ReplicationNode {
         }
         for replica in self.replicas.values() {
             tokio::spawn(self.clone().run_archive(replica.clone(), archive.clone()));
+            tokio::spawn(self.clone().run_scrub(replica.clone(), archive.clone()));
         }
     }
 
@@ -269,6 +319,174 @@ impl ReplicationNode {
                 }
             }
         }
+    }
+
+    /// Every `scrub_interval` while this node leads the shard: one scrub pass.
+    async fn run_scrub(self: Arc<Self>, replica: Arc<ShardReplica>, archive: Arc<Archive>) {
+        let shard = replica.shard;
+        let start = tokio::time::Instant::now() + archive.scrub_interval;
+        let mut tick = tokio::time::interval_at(start, archive.scrub_interval);
+        tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+        // Unrepairable objects already counted (each once per process).
+        let mut counted = std::collections::BTreeSet::new();
+        loop {
+            tokio::select! {
+                _ = tick.tick() => {}
+                _ = self.shutdown.cancelled() => return,
+            }
+            if replica.leader_state().is_none() {
+                continue;
+            }
+            match self.scrub(&replica, &archive, &mut counted).await {
+                Ok(Some(unrepairable)) => {
+                    if let Some(status) = self.archive_status.lock().get_mut(&shard) {
+                        status.scrubs += 1;
+                        status.last_scrub_unix_ms = Some(now_ms());
+                        status.damaged_unrepairable = unrepairable;
+                    }
+                }
+                Ok(None) => {} // leadership moved on mid-pass
+                // The store did not answer: the uploader shows and counts that.
+                Err(e) => {
+                    tracing::warn!(shard, error = %e, next_in = ?archive.scrub_interval, "scrubbing the archive stopped");
+                }
+            }
+        }
+    }
+
+    /// One pass: reads every listed segment of the shard back, one at a
+    /// time, repairing what it can; then fills a gap before later segments.
+    /// Answers the unrepairable objects (`key: why`), or `None` when this
+    /// node stopped leading mid-pass.
+    async fn scrub(
+        &self,
+        replica: &ShardReplica,
+        archive: &Archive,
+        counted: &mut std::collections::BTreeSet<String>,
+    ) -> Result<Option<Vec<String>>, StoreError> {
+        use crate::archive::restore::{self, RestoreError};
+        let shard = replica.shard;
+        let listing = restore::list(archive.store.as_ref(), &archive.layout, shard).await?;
+        let mut all: Vec<SegmentRef> = listing.chain.iter().chain(&listing.unused).cloned().collect();
+        all.sort_by_key(|s| (s.first, s.last));
+        let mut unrepairable = Vec::new();
+        for segment in &all {
+            if self.shutdown.is_cancelled() || replica.leader_state().is_none() {
+                return Ok(None);
+            }
+            let detail = match restore::fetch_segment(archive.store.as_ref(), shard, segment).await {
+                Ok(_) => continue,
+                Err(RestoreError::Damaged { detail, .. }) => detail,
+                Err(RestoreError::Store(e)) => return Err(e),
+                Err(RestoreError::Sink(e)) => return Err(StoreError::Unavailable(e)),
+            };
+            tracing::error!(shard, key = %segment.key, detail, "an archived segment object is damaged");
+            let damage = self.reupload(replica, archive, segment.first, segment.last, Some(segment)).await?;
+            self.count_damage(archive, shard, &segment.key, damage, counted, &mut unrepairable);
+        }
+        // Segments past a gap: the records between are missing from the
+        // archive (an object deleted); uploaded again like a damaged one.
+        let end = listing.archived_seqno;
+        if let Some(next) = listing.unused.iter().map(|s| s.first).filter(|&f| f > end + 1).min()
+            && end > 0
+        {
+            let (first, last) = (end + 1, next - 1);
+            let name = format!("{}{first:020}-{last:020} (missing)", archive.layout.segments_prefix(shard));
+            tracing::error!(shard, first, last, "the archive misses records before later segments");
+            let damage = self.reupload(replica, archive, first, last, None).await?;
+            self.count_damage(archive, shard, &name, damage, counted, &mut unrepairable);
+        }
+        Ok(Some(unrepairable))
+    }
+
+    fn count_damage(
+        &self,
+        archive: &Archive,
+        shard: u32,
+        key: &str,
+        damage: Damage,
+        counted: &mut std::collections::BTreeSet<String>,
+        unrepairable: &mut Vec<String>,
+    ) {
+        match damage {
+            Damage::Repaired => {
+                archive.metrics.damaged_objects.with_label_values(&["repaired"]).inc();
+                if let Some(status) = self.archive_status.lock().get_mut(&shard) {
+                    status.damaged_repaired += 1;
+                }
+                tracing::warn!(shard, key, "uploaded the damaged archive object again from this leader's WAL");
+            }
+            Damage::Unrepairable(why) => {
+                if counted.insert(key.to_string()) {
+                    archive.metrics.damaged_objects.with_label_values(&["unrepairable"]).inc();
+                }
+                tracing::error!(shard, key, why, "cannot repair the damaged archive object");
+                unrepairable.push(format!("{key}: {why}"));
+            }
+        }
+    }
+
+    /// Uploads `first..=last` again from this leader's WAL: to `segment`'s
+    /// own key (its records must end in the epoch its name says), or for a
+    /// gap in pieces of at most `segment_bytes`, each under its own name.
+    async fn reupload(
+        &self,
+        replica: &ShardReplica,
+        archive: &Archive,
+        first: u64,
+        last: u64,
+        segment: Option<&SegmentRef>,
+    ) -> Result<Damage, StoreError> {
+        let shard = replica.shard;
+        let Some(leader) = replica.leader_state() else {
+            return Ok(Damage::Unrepairable("this node no longer leads the shard".into()));
+        };
+        let commit = leader.core.lock().commit().0;
+        if last > commit {
+            return Ok(Damage::Unrepairable(format!("it holds seqnos past this leader's commit ({commit})")));
+        }
+        let held = match self.wal.positions(shard) {
+            Ok(p) => p.first_seqno,
+            Err(e) => return Err(StoreError::Unavailable(e.to_string())),
+        };
+        if first < held {
+            return Ok(Damage::Unrepairable(format!(
+                "this leader's WAL starts at seqno {held} (older records compacted): fetching seqnos {first}..={last} \
+                 from another replica needs the PeerExchange service, not built yet"
+            )));
+        }
+        let max_bytes = if segment.is_some() { usize::MAX } else { archive.segment_bytes as usize };
+        let mut from = first;
+        while from <= last {
+            let frames = match self.wal.read(shard, from, last, max_bytes).await {
+                Ok(frames) => frames,
+                Err(e) => return Ok(Damage::Unrepairable(format!("reading seqnos {from}..={last} from the WAL: {e}"))),
+            };
+            let (Some(head), Some(tail)) = (frames.first(), frames.last()) else {
+                return Ok(Damage::Unrepairable(format!("the WAL returned no record at {from}")));
+            };
+            let (got_first, got_last, got_epoch) = (head.seqno(), tail.seqno(), tail.epoch());
+            let contiguous = frames.len() as u64 == got_last.saturating_sub(got_first) + 1;
+            if got_first != from || !contiguous || (segment.is_some() && got_last != last) {
+                return Ok(Damage::Unrepairable(format!(
+                    "the WAL returned seqnos {got_first}..={got_last} for {from}..={last}"
+                )));
+            }
+            let key = match segment {
+                Some(s) if s.epoch != got_epoch => {
+                    return Ok(Damage::Unrepairable(format!(
+                        "its name says epoch {}, this leader's record {last} has epoch {got_epoch}",
+                        s.epoch
+                    )));
+                }
+                Some(s) => walship_objstore::ObjectKey::new(s.key.clone())?,
+                None => archive.layout.segment_key(shard, from, got_last, got_epoch),
+            };
+            let encoded = Segment::encode(shard, frames).map_err(|e| StoreError::Unavailable(e.to_string()))?;
+            archive.store.put(&key, encoded.encoded().clone()).await?;
+            from = got_last + 1;
+        }
+        Ok(Damage::Repaired)
     }
 
     /// Awaits `call` (a slow or hung store: up to its operation timeout),

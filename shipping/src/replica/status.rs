@@ -257,6 +257,8 @@ impl ReplicationNode {
                     }
                     None => replica.readable(),
                 };
+                // Leader only: the archive status exists while it leads.
+                let archive = if view.role == Role::Leader { self.archive_status(replica.shard) } else { None };
                 requests.push(HeartbeatRequest {
                     shard_id: replica.shard,
                     region_id: self.region,
@@ -288,6 +290,9 @@ impl ReplicationNode {
                     },
                     follower_silent_ms,
                     uptime_ms: self.started.elapsed().as_millis() as u64,
+                    archiving: archive.is_some(),
+                    archived_seqno: archive.as_ref().map_or(0, |a| a.archived_seqno),
+                    archive_lag_seconds: archive.as_ref().map_or(0.0, |a| a.lag_seconds),
                 });
             }
             self.metrics.append_rate.set(node_rate);
