@@ -23,15 +23,25 @@ impl ReplicationNode {
             let compact_to = match replica.leader_state() {
                 Some(leader) => {
                     let plan = leader.core.lock().plan_retention(r.retain_bytes, r.max_retain_bytes);
-                    if !plan.reseed.is_empty() {
+                    // Nothing the archive lacks is compacted (see archive.rs).
+                    let planned = plan.compact_to.map(|s| s.0);
+                    let to = match (planned, self.archived_through(replica.shard)) {
+                        (Some(to), Some(archived)) => {
+                            let first = self.wal.positions(replica.shard).map_or(u64::MAX, |p| p.first_seqno);
+                            Some(to.min(archived + 1)).filter(|to| *to > first)
+                        }
+                        (to, _) => to,
+                    };
+                    // Followers are marked only when the planned compaction
+                    // happens as planned; one the archive holds back leaves
+                    // them records, and a follower that still falls behind
+                    // the leader's first seqno is marked by its next reply
+                    // (and re-seeds from the archive).
+                    if !plan.reseed.is_empty() && to == planned {
                         tracing::warn!(shard = replica.shard, followers = ?plan.reseed, "retention bound reached: followers need a re-seed");
                         leader.core.lock().mark_reseed(&plan.reseed);
                     }
-                    // Nothing the archive lacks is compacted (see archive.rs).
-                    match (plan.compact_to.map(|s| s.0), self.archived_through(replica.shard)) {
-                        (Some(to), Some(archived)) => Some(to.min(archived + 1)).filter(|to| *to > 1),
-                        (to, _) => to,
-                    }
+                    to
                 }
                 None => {
                     let (Ok(p), Ok(c)) = (self.wal.positions(replica.shard), self.wal.counters(replica.shard)) else {
