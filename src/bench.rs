@@ -369,10 +369,11 @@ pub(crate) fn three_nodes(
     spare_bytes: u64,
     tls: bool,
     tweak: &dyn Fn(&mut walship_shipping::ClusterConfig),
+    node_args: &[String],
 ) -> Result<Target> {
     let mut attempt = 1;
     loop {
-        match start_three_nodes(data, shards, leadership, spare_bytes, tls, tweak) {
+        match start_three_nodes(data, shards, leadership, spare_bytes, tls, tweak, node_args) {
             Ok(target) => return Ok(target),
             Err(error) if attempt < CLUSTER_START_ATTEMPTS => {
                 eprintln!("starting the three-node cluster failed ({error:#}); trying again on fresh ports");
@@ -391,6 +392,7 @@ fn start_three_nodes(
     spare_bytes: u64,
     tls: bool,
     tweak: &dyn Fn(&mut walship_shipping::ClusterConfig),
+    node_args: &[String],
 ) -> Result<Target> {
     use walship_shipping::{ClusterConfig, NodeSpec};
     // Every listener stays bound until all ports are picked, so no two are
@@ -448,14 +450,18 @@ fn start_three_nodes(
         children.push(spawn_listening("coord", &args, &data.join("coord"))?.0);
     }
     for id in 1..=3 {
-        let args = vec![
-            "--node-id".to_string(),
-            id.to_string(),
-            "--cluster".into(),
-            file.display().to_string(),
-            "--wal-spare-bytes".into(),
-            spare_bytes.to_string(),
-        ];
+        let args = [
+            vec![
+                "--node-id".to_string(),
+                id.to_string(),
+                "--cluster".into(),
+                file.display().to_string(),
+                "--wal-spare-bytes".into(),
+                spare_bytes.to_string(),
+            ],
+            node_args.to_vec(),
+        ]
+        .concat();
         children.push(spawn_listening("node", &args, &data.join(format!("node-{id}")))?.0);
     }
     Ok(target)
@@ -475,10 +481,10 @@ async fn grpc_cell(
         BenchPath::Local => (single_node(&data, shards, args.wal_spare_bytes)?, Durability::Local),
         BenchPath::Quorum | BenchPath::QuorumTls => {
             let tls = path == BenchPath::QuorumTls;
-            (three_nodes(&data, shards, args.leadership, args.wal_spare_bytes, tls, &|_| {})?, Durability::Quorum)
+            (three_nodes(&data, shards, args.leadership, args.wal_spare_bytes, tls, &|_| {}, &[])?, Durability::Quorum)
         }
         BenchPath::All => {
-            (three_nodes(&data, shards, args.leadership, args.wal_spare_bytes, false, &|_| {})?, Durability::All)
+            (three_nodes(&data, shards, args.leadership, args.wal_spare_bytes, false, &|_| {}, &[])?, Durability::All)
         }
         BenchPath::QuorumArchive => {
             let archive = |c: &mut walship_shipping::ClusterConfig| {

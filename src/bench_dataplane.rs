@@ -5,7 +5,8 @@
 //!
 //! It measures the raw disk's write rate first (`walship bench`'s
 //! yardstick), starts three `walship node` processes (RF=3, one shard, the
-//! whole log retained) and a `walship coord` on free loopback ports, as
+//! whole log retained, `--task-read-mib-per-s` as given: the nodes' default
+//! 64 MiB/s task read budget unless told otherwise) and a `walship coord` on free loopback ports, as
 //! `walship bench` does, fills the shard with `QUORUM` appends of
 //! `--record-bytes` and waits until every replica holds it durably. Then,
 //! the page cache dropped before each one:
@@ -62,6 +63,10 @@ pub struct BenchDataplaneArgs {
     /// Bytes of spare WAL files of zeros each node lays out before serving.
     #[arg(long, default_value_t = 512 << 20)]
     wal_spare_bytes: u64,
+    /// The nodes' DataPlane task read budget (`walship node
+    /// --task-read-mib-per-s`; 0 = unlimited).
+    #[arg(long, default_value_t = walship_dataplane::limiter::DEFAULT_TASK_READ_BYTES_PER_S >> 20)]
+    task_read_mib_per_s: u64,
     /// Leave the page cache alone (for smoke tests on shared machines; the
     /// figures then measure reads from memory, and the report says so).
     #[arg(long)]
@@ -119,7 +124,14 @@ pub async fn run(args: BenchDataplaneArgs) -> Result<()> {
     // Other work on the machine shows here (the figures share its CPUs and disk).
     let load_before = std::fs::read_to_string("/proc/loadavg").unwrap_or_default();
     let base = crate::bench::measure_baseline(&args.dir)?;
-    eprintln!("starting three nodes (RF=3, one shard) and a coordinator under {} ...", data.display());
+    eprintln!(
+        "starting three nodes (RF=3, one shard, task read budget {}) and a coordinator under {} ...",
+        match args.task_read_mib_per_s {
+            0 => "unlimited".to_string(),
+            mib => format!("{mib} MiB/s per node"),
+        },
+        data.display()
+    );
     // Retention keeps 1 GiB of frames per shard by default: the filled range
     // would lose its first records to it (more so while the live appends
     // run), so every replica keeps the whole log here.
@@ -127,7 +139,16 @@ pub async fn run(args: BenchDataplaneArgs) -> Result<()> {
         config.replication.retain_bytes = 1 << 50;
         config.replication.max_retain_bytes = 1 << 50;
     };
-    let target = crate::bench::three_nodes(&data, 1, Leadership::Coordinated, args.wal_spare_bytes, false, &keep_all)?;
+    let node_args = ["--task-read-mib-per-s".to_string(), args.task_read_mib_per_s.to_string()];
+    let target = crate::bench::three_nodes(
+        &data,
+        1,
+        Leadership::Coordinated,
+        args.wal_spare_bytes,
+        false,
+        &keep_all,
+        &node_args,
+    )?;
     // `target` kills every process it started when dropped, also on error.
     let result = measure(&args, &data, &target, &base).await.map(|mut report| {
         report["machine"]["loadavg_before"] = load_before.trim().into();
@@ -224,6 +245,7 @@ async fn measure(args: &BenchDataplaneArgs, data: &Path, target: &Target, base: 
         "settings": {
             "mib": args.mib, "record_bytes": args.record_bytes, "appenders": args.appenders,
             "seconds": args.seconds, "wal_spare_bytes": args.wal_spare_bytes,
+            "task_read_mib_per_s": args.task_read_mib_per_s,
         },
         "shard": {"records": bench.last, "payload_mib": payload_mib, "fill_seconds": fill_s, "leader": leader_id},
         "raw_disk": base,

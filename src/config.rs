@@ -30,6 +30,14 @@ pub struct NodeConfig {
     pub limits: LogLimits,
     #[serde(default)]
     pub wal: WalTuning,
+    /// MiB per second the node's DataPlane tasks (verify, export) may read
+    /// from its WAL, all together; 0 = unlimited. Default 64.
+    #[serde(default = "default_task_read_mib_per_s")]
+    pub task_read_mib_per_s: u64,
+}
+
+fn default_task_read_mib_per_s() -> u64 {
+    walship_dataplane::limiter::DEFAULT_TASK_READ_BYTES_PER_S >> 20
 }
 
 /// WAL tuning (see `walship_wal::WalConfig`).
@@ -184,6 +192,15 @@ mod tests {
         }
         config(1024).unwrap();
         config(16 << 20).unwrap();
+    }
+
+    #[test]
+    fn the_task_read_budget_defaults_to_64_mib_per_s() {
+        let config = |extra: &str| {
+            toml::from_str::<NodeConfig>(&format!("node_id = 1\ndata_dir = \"x\"\nshards = [1]\n{extra}")).unwrap()
+        };
+        assert_eq!(config("").task_read_mib_per_s, 64);
+        assert_eq!(config("task_read_mib_per_s = 0\n").task_read_mib_per_s, 0);
     }
 
     #[test]

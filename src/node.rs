@@ -82,6 +82,11 @@ pub struct NodeArgs {
     /// (`wal.min_free_bytes`, default 256 MiB; 0 turns the check off).
     #[arg(long)]
     wal_min_free_bytes: Option<u64>,
+    /// MiB per second this node's DataPlane tasks (verify, export) may
+    /// read from its WAL, all together (`task_read_mib_per_s`, default 64;
+    /// 0 = unlimited).
+    #[arg(long)]
+    task_read_mib_per_s: Option<u64>,
     /// Honour the coordinator's crash drills (the process aborts as if
     /// killed). For dev and test clusters only.
     #[arg(long)]
@@ -114,6 +119,7 @@ impl NodeArgs {
                 shards: Vec::new(),
                 limits: LogLimits::default(),
                 wal: WalTuning::default(),
+                task_read_mib_per_s: walship_dataplane::limiter::DEFAULT_TASK_READ_BYTES_PER_S >> 20,
             },
         };
         if let Some(id) = self.node_id {
@@ -157,6 +163,9 @@ impl NodeArgs {
         }
         if let Some(bytes) = self.wal_min_free_bytes {
             config.wal.min_free_bytes = bytes;
+        }
+        if let Some(mib) = self.task_read_mib_per_s {
+            config.task_read_mib_per_s = mib;
         }
         config.validate(cluster.is_some())?;
         let drills =
@@ -367,7 +376,10 @@ pub async fn start_node(config: NodeConfig, cluster: Option<ClusterConfig>, dril
                     .max_encoding_message_size(walship_dataplane::MAX_MESSAGE_BYTES),
             )
         });
-        let runners = walship_dataplane::kinds::runners(wal.clone());
+        let read_budget =
+            config.task_read_mib_per_s.checked_mul(1 << 20).context("task_read_mib_per_s is too large")?;
+        let read_budget = Arc::new(walship_dataplane::limiter::RateLimiter::new(read_budget));
+        let runners = walship_dataplane::kinds::runners(wal.clone(), read_budget);
         let worker = Worker::new(settings, dial, runners);
         tokio::spawn(worker.clone().run(shutdown.clone()));
         worker_status = Some(Arc::new(move || {

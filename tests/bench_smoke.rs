@@ -101,6 +101,8 @@ fn bench_dataplane_prints_every_figure() {
     assert_eq!(report["shard"]["records"], 1024, "{report}");
     assert!(report["export"]["arrow_file_bytes"].as_u64().unwrap() > 4 << 20, "{report}");
     assert_eq!(report["page_cache_dropped"], false, "{report}");
+    // The nodes ran with the default task read budget.
+    assert_eq!(report["settings"]["task_read_mib_per_s"], 64, "{report}");
     // The cluster's data is removed at the end.
     assert!(!dir.path().join("data").join("cluster").exists());
 }

@@ -12,6 +12,7 @@
 //! * [`bus`]: cancels broadcast between coordinators and the dead letters
 //!   (in process, or NATS and JetStream).
 //! * [`kinds`]: the task kinds; adding one is one file there.
+//! * [`limiter`]: the node's byte-rate budget for the WAL reads of its tasks.
 //! * [`arrow_export`]: records as Arrow record batches, IPC streams and files.
 //! * [`verify`]: per-chunk checksums of a seqno range and where replicas
 //!   first differ.
@@ -22,6 +23,7 @@ pub mod arrow_export;
 pub mod bus;
 pub mod coordinator;
 pub mod kinds;
+pub mod limiter;
 pub mod task;
 pub mod verify;
 pub mod worker;

@@ -2,7 +2,8 @@
 //! timestamp, key, payload; [`crate::arrow_export`]).
 //!
 //! * **On a node** ([`ExportRunner`]): reads `[from, to]` (capped at its
-//!   durable seqno) page by page and sends each page as one `ResultBatch`
+//!   durable seqno) page by page (each page's bytes taken from the node's
+//!   task read budget, [`crate::limiter`]) and sends each page as one `ResultBatch`
 //!   holding an Arrow IPC stream.
 //! * **On the coordinator** ([`run`]): one task on the shard's leader; its
 //!   batches are appended, in order, to an Arrow IPC *file*
@@ -20,6 +21,7 @@ use walship_wal::Wal;
 
 use crate::arrow_export::{IpcFileWriter, ipc_stream};
 use crate::coordinator::{Dispatcher, JobEvent};
+use crate::limiter::RateLimiter;
 use crate::task::{TaskSpec, TaskState};
 use crate::worker::{TaskContext, TaskOutcome, TaskRunner};
 
@@ -36,8 +38,12 @@ pub struct ExportBlob {
     pub to: u64,
 }
 
-/// Reads a range of this node's replica as Arrow batches.
-pub struct ExportRunner(pub Wal);
+/// Reads a range of this node's replica as Arrow batches, its reads paced
+/// by the node's task read budget.
+pub struct ExportRunner {
+    pub wal: Wal,
+    pub budget: Arc<RateLimiter>,
+}
 
 impl TaskRunner for ExportRunner {
     fn kind(&self) -> &'static str {
@@ -45,7 +51,7 @@ impl TaskRunner for ExportRunner {
     }
 
     fn run(&self, task: Arc<TaskContext>) -> Pin<Box<dyn Future<Output = TaskOutcome> + Send>> {
-        let wal = self.0.clone();
+        let (wal, budget) = (self.wal.clone(), self.budget.clone());
         Box::pin(async move {
             let blob: ExportBlob =
                 serde_json::from_slice(&task.blob).map_err(|e| format!("an export task's blob: {e}"))?;
@@ -65,6 +71,7 @@ impl TaskRunner for ExportRunner {
                 let frames = wal.read(blob.shard, next, to, PAGE_BYTES).await.map_err(|e| e.to_string())?;
                 let Some(last) = frames.last().map(|f| f.seqno()) else { break };
                 let bytes: usize = frames.iter().map(|f| f.len()).sum();
+                budget.acquire(bytes).await;
                 let payload = ipc_stream(&frames).map_err(|e| e.to_string())?;
                 task.send(frames.len() as i32, payload).await?;
                 task.advance(frames.len() as i64, bytes as i64);

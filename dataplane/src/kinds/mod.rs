@@ -7,9 +7,16 @@ pub mod verify;
 
 use std::sync::Arc;
 
+use crate::limiter::RateLimiter;
 use crate::worker::TaskRunner;
 
-/// Every kind a node runs, over its WAL.
-pub fn runners(wal: walship_wal::Wal) -> Vec<Arc<dyn TaskRunner>> {
-    vec![Arc::new(noop::NoopRunner), Arc::new(verify::VerifyRunner(wal.clone())), Arc::new(export::ExportRunner(wal))]
+/// Every kind a node runs, over its WAL. `read_budget` is shared by every
+/// task that reads the WAL (verify, export): each page's bytes are taken
+/// from it as the page is read, so the next read waits while it is spent.
+pub fn runners(wal: walship_wal::Wal, read_budget: Arc<RateLimiter>) -> Vec<Arc<dyn TaskRunner>> {
+    vec![
+        Arc::new(noop::NoopRunner),
+        Arc::new(verify::VerifyRunner { wal: wal.clone(), budget: read_budget.clone() }),
+        Arc::new(export::ExportRunner { wal, budget: read_budget }),
+    ]
 }

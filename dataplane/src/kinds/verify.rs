@@ -5,7 +5,8 @@
 //! * **On a node** ([`VerifyRunner`]): reads its *stored* records
 //!   ([`walship_wal::Wal::read_stored`], never the tail cache, so on-disk
 //!   damage counts) of `[from, to]`, capped at its own retained and durable
-//!   range, page by page, and answers the chunk sums
+//!   range, page by page (each page's bytes taken from the node's task
+//!   read budget, [`crate::limiter`]), and answers the chunk sums
 //!   (an Arrow IPC stream, [`crate::verify::encode_chunk_sums`]). A record it cannot read
 //!   (damage) is summed as a fixed "unreadable" record, so it shows as a
 //!   divergence at exactly that seqno instead of failing the task.
@@ -25,6 +26,7 @@ use serde::{Deserialize, Serialize};
 use walship_wal::{Frame, RecordFields, Wal};
 
 use crate::coordinator::{Dispatcher, JobEvent};
+use crate::limiter::RateLimiter;
 use crate::task::{TaskSpec, TaskState};
 use crate::verify::{ChunkSum, Summer, Verdict, decode_chunk_sums, encode_chunk_sums, first_divergence};
 use crate::worker::{TaskContext, TaskOutcome, TaskRunner};
@@ -47,8 +49,12 @@ pub struct VerifyBlob {
     pub chunk_records: u64,
 }
 
-/// Sums a range of this node's replica.
-pub struct VerifyRunner(pub Wal);
+/// Sums a range of this node's replica, its reads paced by the node's
+/// task read budget.
+pub struct VerifyRunner {
+    pub wal: Wal,
+    pub budget: Arc<RateLimiter>,
+}
 
 /// What a record that cannot be read is summed as: no real record has
 /// epoch `u64::MAX`, so it differs from every intact copy.
@@ -68,7 +74,7 @@ impl TaskRunner for VerifyRunner {
     }
 
     fn run(&self, task: Arc<TaskContext>) -> Pin<Box<dyn Future<Output = TaskOutcome> + Send>> {
-        let wal = self.0.clone();
+        let (wal, budget) = (self.wal.clone(), self.budget.clone());
         Box::pin(async move {
             let blob: VerifyBlob =
                 serde_json::from_slice(&task.blob).map_err(|e| format!("a verify task's blob: {e}"))?;
@@ -84,6 +90,7 @@ impl TaskRunner for VerifyRunner {
                     Ok(frames) if frames.is_empty() => break,
                     Ok(frames) => {
                         let bytes: usize = frames.iter().map(|f| f.len()).sum();
+                        budget.acquire(bytes).await;
                         for frame in &frames {
                             summer.push(frame).map_err(|e| e.to_string())?;
                         }
@@ -97,6 +104,7 @@ impl TaskRunner for VerifyRunner {
                             Ok(_) => break,
                             Err(_) => unreadable(next),
                         };
+                        budget.acquire(frame.len()).await;
                         summer.push(&frame).map_err(|e| e.to_string())?;
                         task.advance(1, frame.len() as i64);
                         next += 1;
