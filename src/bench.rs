@@ -490,7 +490,10 @@ async fn grpc_cell(
             let archive = |c: &mut walship_shipping::ClusterConfig| {
                 c.archive = Some(walship_shipping::config::ArchiveConfig::dir("archive".into()));
             };
-            (three_nodes(&data, shards, args.leadership, args.wal_spare_bytes, false, &archive)?, Durability::Quorum)
+            (
+                three_nodes(&data, shards, args.leadership, args.wal_spare_bytes, false, &archive, &[])?,
+                Durability::Quorum,
+            )
         }
         BenchPath::Wal => bail!("the wal path runs in process"),
     };

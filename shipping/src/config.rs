@@ -249,7 +249,7 @@ pub struct ClusterConfig {
 /// store = "s3"             # any S3-compatible service
 /// bucket = "walship-prod"
 /// prefix = "eu-1"          # optional key prefix
-/// endpoint = "https://s3.eu-central-1.amazonaws.com"   # optional
+/// endpoint = "https://10.0.0.20:9000"   # optional; omit for AWS itself
 /// region = "eu-central-1"
 /// path_style = false       # true for most self-hosted servers
 /// ```
