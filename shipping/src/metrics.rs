@@ -153,7 +153,7 @@ impl ReplicationMetrics {
                 IntCounterVec::new(
                     Opts::new(
                         "walship_catchup_bytes_total",
-                        "Segment bytes a follower applied, by source (push, stream)",
+                        "Segment bytes a follower applied, by source (push, stream, archive)",
                     ),
                     &["source"],
                 )?,
