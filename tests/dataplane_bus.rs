@@ -129,6 +129,14 @@ async fn cancels_and_dead_letters_travel_between_coordinators_over_nats() {
     let asked = Instant::now();
     let (code, answer) = cluster.coord_post(standby, &format!("/v1/tasks/{long}/cancel"), "{}", Some(TOKEN)).await;
     assert_eq!((code, answer["broadcast"].as_bool()), (202, Some(true)), "{answer}");
+    // The CLI says the same (exit 0, the broadcast named).
+    let admin = format!("http://{}", cluster.coordinator(standby).admin);
+    let out = std::process::Command::new(common::walship_bin())
+        .args(["task", "cancel", &long, "--admin", &admin, "--token", TOKEN])
+        .output()
+        .unwrap();
+    let printed = String::from_utf8_lossy(&out.stdout);
+    assert!(out.status.success() && printed.contains("broadcast"), "{printed}{}", String::from_utf8_lossy(&out.stderr));
     wait_task(&mut cluster, active, &long, "cancelled", |t| t["state"] == "cancelled").await;
     wait_until("the node to stop it", WAIT, || async { !running_on(&cluster, node).await.contains(&long) }).await;
     let took = asked.elapsed();
