@@ -302,7 +302,7 @@ pub async fn export(args: ExportArgs) -> Result<()> {
 and prints tasks/s and each one's dispatch-to-completion latency (p50, p99, max), measured by the coordinator.")]
 pub struct BenchTasksArgs {
     /// No-op tasks to dispatch.
-    #[arg(long, default_value_t = 10_000, value_parser = clap::value_parser!(u32).range(1..=100_000))]
+    #[arg(long, default_value_t = 10_000, value_parser = clap::value_parser!(u32).range(1..=10_000))]
     pub tasks: u32,
     #[command(flatten)]
     pub admin: AdminArgs,

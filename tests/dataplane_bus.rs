@@ -97,9 +97,23 @@ async fn the_nats_task_bus_passes_the_conformance_suite_and_is_shared() {
     let mut heard = second.cancels().await.unwrap();
     let mut elsewhere = other.cancels().await.unwrap();
     let notice = CancelNotice { task_id: "t-9".into(), reason: "test".into(), origin: "c1".into() };
-    first.publish_cancel(&notice).await.unwrap();
-    let got = tokio::time::timeout(Duration::from_secs(5), futures::StreamExt::next(&mut heard)).await;
-    assert_eq!(got.expect("in time"), Some(notice));
+    // Core NATS delivers to subscriptions the server already has; the
+    // second bus's, made on its own connection, may still be on its way:
+    // publish until it is heard (a cancel is idempotent).
+    let deadline = Instant::now() + Duration::from_secs(10);
+    let got = loop {
+        first.publish_cancel(&notice).await.unwrap();
+        match tokio::time::timeout(Duration::from_millis(500), futures::StreamExt::next(&mut heard)).await {
+            Ok(got) => break got,
+            Err(_) => assert!(Instant::now() < deadline, "the second bus never heard the cancel"),
+        }
+    };
+    assert_eq!(got, Some(notice.clone()));
+    // Drain repeats of it, if any were published before it was heard.
+    while let Ok(Some(n)) = tokio::time::timeout(Duration::from_millis(300), futures::StreamExt::next(&mut heard)).await
+    {
+        assert_eq!(n, notice);
+    }
     let leaked = tokio::time::timeout(Duration::from_millis(300), futures::StreamExt::next(&mut elsewhere)).await;
     assert!(leaked.is_err(), "another cluster heard the cancel: {leaked:?}");
     // Garbage on the cancel subject is ignored; the stream goes on.

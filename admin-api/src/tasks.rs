@@ -188,7 +188,7 @@ pub enum NewTask {
         /// Start this many such tasks at once, as one job (default 1; the
         /// dispatch benchmark uses thousands).
         #[serde(default, deserialize_with = "walship_shipping::control::lenient::opt_int")]
-        #[schema(minimum = 1, maximum = 100000)]
+        #[schema(minimum = 1, maximum = 10000)]
         count: Option<u32>,
         /// Milliseconds from now after which the task is failed (0 or absent:
         /// no deadline; at most a day).
@@ -313,8 +313,10 @@ pub async fn start(
         "fail": fail,
     });
     let count = count.unwrap_or(1);
-    if !(1..=100_000).contains(&count) {
-        return bad_request(format!("count {count} is outside 1..=100000"));
+    // At most as many as the coordinator keeps listed once finished, so
+    // every task a POST answers with can still be looked up right after.
+    if !(1..=10_000).contains(&count) {
+        return bad_request(format!("count {count} is outside 1..=10000"));
     }
     let dispatcher = &admin.dataplane;
     let query_id = dispatcher.new_id("q");
