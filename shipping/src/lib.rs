@@ -23,7 +23,6 @@ pub mod auth;
 pub mod config;
 pub mod control;
 pub mod core;
-pub mod limiter;
 pub mod log_service;
 pub mod metrics;
 pub mod peers;

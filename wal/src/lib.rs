@@ -27,6 +27,7 @@ pub mod disk;
 pub mod disk_space;
 pub mod engine_store;
 pub mod failpoints;
+pub mod limiter;
 pub mod mem_store;
 pub mod metrics;
 pub mod record;

@@ -68,9 +68,9 @@ use crate::NodeId;
 use crate::config::ClusterConfig;
 use crate::core::leader::LeaderSettings;
 pub use crate::core::replica::{ReplicaCore, Role, View};
-use crate::limiter::RateLimiter;
 use crate::metrics::ReplicationMetrics;
 use crate::peers::{PeerTransport, Peers};
+use walship_wal::limiter::RateLimiter;
 
 pub fn now_us() -> u64 {
     SystemTime::now().duration_since(UNIX_EPOCH).map(|d| d.as_micros() as u64).unwrap_or(0)
