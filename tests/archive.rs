@@ -66,13 +66,7 @@ async fn the_archive_holds_every_committed_record_once_across_a_leader_crash_and
     });
     let config = cluster.config_path.clone();
     let archive_dir = cluster.dir.path().join("archive");
-    let (first_leader, _) = loop {
-        if let Some(leader) = cluster.leader_of(1, 1).await {
-            break leader;
-        }
-        tokio::time::sleep(Duration::from_millis(100)).await;
-    };
-    cluster.wait_node_leads(first_leader, 1, WAIT).await;
+    let first_leader = cluster.wait_leader(1, None, WAIT).await;
     let mut acked = append(&cluster, first_leader, 300, "before").await;
     assert_eq!(acked.len(), 300);
     // The leader archives: its status shows the position, the store the files.
@@ -89,15 +83,7 @@ async fn the_archive_holds_every_committed_record_once_across_a_leader_crash_and
 
     // Crash the leader; the new one goes on from what the archive holds.
     cluster.node(first_leader).kill9();
-    let new_leader = loop {
-        if let Some((leader, _)) = cluster.leader_of(1, 1).await
-            && leader != first_leader
-        {
-            break leader;
-        }
-        tokio::time::sleep(Duration::from_millis(100)).await;
-    };
-    cluster.wait_node_leads(new_leader, 1, WAIT).await;
+    let new_leader = cluster.wait_leader(1, Some(first_leader), WAIT).await;
     acked.extend(append(&cluster, new_leader, 200, "after").await);
     let last = *acked.last().unwrap();
     wait_until("the new leader to archive everything committed", WAIT, || async {
@@ -265,13 +251,7 @@ async fn a_follower_the_leader_compacted_past_reseeds_from_the_archive() {
         ..ClusterSpec::default()
     });
     let config = cluster.config_path.clone();
-    let leader = loop {
-        if let Some((leader, _)) = cluster.leader_of(1, 1).await {
-            break leader;
-        }
-        tokio::time::sleep(Duration::from_millis(100)).await;
-    };
-    cluster.wait_node_leads(leader, 1, WAIT).await;
+    let leader = cluster.wait_leader(1, None, WAIT).await;
     let follower = if leader == 3 { 2 } else { 3 };
     let mut acked = append(&cluster, leader, 50, "early").await;
     cluster.node(follower).kill9();
@@ -411,13 +391,7 @@ async fn a_damaged_archived_segment_is_found_and_uploaded_again_from_the_leaders
     });
     let config = cluster.config_path.clone();
     let archive_dir = cluster.dir.path().join("archive");
-    let (leader, _) = loop {
-        if let Some(leader) = cluster.leader_of(1, 1).await {
-            break leader;
-        }
-        tokio::time::sleep(Duration::from_millis(100)).await;
-    };
-    cluster.wait_node_leads(leader, 1, WAIT).await;
+    let leader = cluster.wait_leader(1, None, WAIT).await;
     let acked = append(&cluster, leader, 300, "scrub").await;
     assert_eq!(acked.len(), 300);
     let last = *acked.last().unwrap();
@@ -524,13 +498,7 @@ async fn a_damaged_segment_the_leader_compacted_is_reported_unrepairable() {
     });
     let config = cluster.config_path.clone();
     let archive_dir = cluster.dir.path().join("archive");
-    let (leader, _) = loop {
-        if let Some(leader) = cluster.leader_of(1, 1).await {
-            break leader;
-        }
-        tokio::time::sleep(Duration::from_millis(100)).await;
-    };
-    cluster.wait_node_leads(leader, 1, WAIT).await;
+    let leader = cluster.wait_leader(1, None, WAIT).await;
     let acked = append(&cluster, leader, 600, "gone").await;
     let last = *acked.last().unwrap();
     let first_file = || segment_files(&archive_dir)[0].clone();

@@ -25,16 +25,7 @@ fn archive_toml(endpoint: &str) -> String {
 }
 
 async fn leader(cluster: &mut Cluster) -> u32 {
-    let deadline = Instant::now() + WAIT;
-    loop {
-        if let Some((leader, _)) = cluster.leader_of(1, 1).await
-            && cluster.status(leader).await.is_some_and(|s| s["shards"][0]["role"] == "leader")
-        {
-            return leader;
-        }
-        assert!(Instant::now() < deadline, "no leader");
-        tokio::time::sleep(Duration::from_millis(100)).await;
-    }
+    cluster.wait_leader(1, None, WAIT).await
 }
 
 async fn shard_status(cluster: &Cluster, id: u32) -> serde_json::Value {

@@ -30,13 +30,7 @@ fn launch(cluster_toml: &str) -> Cluster {
 /// The shard's leader once it leads; appends `n` records through it and
 /// answers it with the last acknowledged seqno.
 async fn append(cluster: &mut Cluster, n: usize) -> (u32, u64) {
-    let leader = loop {
-        if let Some((leader, _)) = cluster.leader_of(1, 1).await {
-            break leader;
-        }
-        tokio::time::sleep(Duration::from_millis(100)).await;
-    };
-    cluster.wait_node_leads(leader, 1, WAIT).await;
+    let leader = cluster.wait_leader(1, None, WAIT).await;
     let mut log = common::history::client(&cluster.nodes[leader as usize - 1].grpc).await.expect("leader reachable");
     let mut last = 0;
     for i in 0..n {

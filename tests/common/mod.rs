@@ -563,14 +563,31 @@ impl Cluster {
 
     /// Waits until node `id`'s own /v1/status says it leads `shard`.
     pub async fn wait_node_leads(&self, id: u32, shard: u32, timeout: Duration) {
-        wait_until(&format!("node {id} leading shard {shard}"), timeout, || async move {
-            self.status(id).await.is_some_and(|s| {
-                s["shards"]
-                    .as_array()
-                    .is_some_and(|a| a.iter().any(|e| e["shard_id"] == shard && e["role"] == "leader"))
-            })
+        wait_until(&format!("node {id} leading shard {shard}"), timeout, || self.leads(id, shard)).await;
+    }
+
+    /// Whether node `id` says it leads `shard` now.
+    pub async fn leads(&self, id: u32, shard: u32) -> bool {
+        self.status(id).await.is_some_and(|s| {
+            s["shards"].as_array().is_some_and(|a| a.iter().any(|e| e["shard_id"] == shard && e["role"] == "leader"))
         })
-        .await;
+    }
+
+    /// Waits until coordinator 1 records a leader of `shard` other than
+    /// `not` and that node leads it (the record is read again each time: it
+    /// moves across a failover); answers the leader.
+    pub async fn wait_leader(&mut self, shard: u32, not: Option<u32>, timeout: Duration) -> u32 {
+        let deadline = Instant::now() + timeout;
+        loop {
+            if let Some((leader, _)) = self.leader_of(1, shard).await
+                && Some(leader) != not
+                && self.leads(leader, shard).await
+            {
+                return leader;
+            }
+            assert!(Instant::now() < deadline, "no leader of shard {shard} (other than {not:?}) within {timeout:?}");
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
     }
 }
 
