@@ -238,17 +238,14 @@ impl ReplicationNode {
                 // An archive behind the local log's start (archiving turned
                 // on late, or a gap) restarts at the local start.
                 let from = (through + 1).max(positions.first_seqno);
-                self.set_archive_lag(&archive, shard, through, commit, from).await;
+                // The age of the oldest waiting record (0 when none waits).
+                let age = Duration::from_secs_f64(self.set_archive_lag(&archive, shard, through, commit, from).await);
                 if commit < from {
                     return Ok(());
                 }
                 let counters = self.wal.counters(shard).map_err(|e| StoreError::Unavailable(e.to_string()))?;
                 let average = counters.bytes.checked_div(counters.records).unwrap_or(0).max(1);
                 let waiting_bytes = (commit - from + 1).saturating_mul(average);
-                let oldest = self.wal.read(shard, from, from, usize::MAX).await.ok().and_then(|f| f.first().cloned());
-                let age = oldest.map_or(Duration::ZERO, |f| {
-                    Duration::from_micros((now_ms() * 1000).saturating_sub(f.timestamp_us()))
-                });
                 if waiting_bytes < archive.segment_bytes && age < archive.segment_age {
                     return Ok(());
                 }
@@ -513,7 +510,15 @@ impl ReplicationNode {
 
     /// Records the archive position and lag of a shard: `through` archived,
     /// `commit` committed, the oldest waiting record at `waiting_from`.
-    async fn set_archive_lag(&self, archive: &Archive, shard: u32, through: u64, commit: u64, waiting_from: u64) {
+    /// Answers the lag in seconds (the oldest waiting record's age).
+    async fn set_archive_lag(
+        &self,
+        archive: &Archive,
+        shard: u32,
+        through: u64,
+        commit: u64,
+        waiting_from: u64,
+    ) -> f64 {
         let lag_records = commit.saturating_sub(through);
         let lag_seconds = if lag_records == 0 || waiting_from > commit {
             0.0
@@ -535,5 +540,6 @@ impl ReplicationNode {
         status.lag_records = lag_records;
         status.lag_seconds = lag_seconds;
         status.store = archive.store.describe();
+        lag_seconds
     }
 }
