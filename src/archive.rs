@@ -172,19 +172,15 @@ pub async fn run_restore(args: RestoreArgs) -> Result<()> {
     std::fs::create_dir_all(&wal_dir).with_context(|| format!("creating {}", wal_dir.display()))?;
     let engine = walship_wal::EngineStore::open(&wal_dir, &walship_wal::EngineStoreConfig::default())
         .with_context(|| format!("opening a WAL in {}", wal_dir.display()))?;
-    engine.create_shard(args.shard)?;
     let mut written_crc = crc32fast::Hasher::new();
     let shard = args.shard;
+    let mut created = false;
     let read = restore::read_back(store.as_ref(), &layout(&config)?, shard, until, |frames| {
-        if let Some(first) = frames.first()
-            && first.seqno() != 1
-            && engine.bounds(shard).map(|b| b.last_seqno).unwrap_or(0) == 0
-        {
-            return Err(format!(
-                "the archive of shard {shard} starts at seqno {}: restoring a log that does not start at 1 is not \
-                 supported",
-                first.seqno()
-            ));
+        // The restored log starts where the archive does (past seqno 1 when
+        // archiving was turned on after older records were compacted).
+        if !created && let Some(first) = frames.first() {
+            engine.create_shard_at(shard, first.seqno()).map_err(|e| e.to_string())?;
+            created = true;
         }
         for f in &frames {
             written_crc.update(f.as_bytes());

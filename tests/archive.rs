@@ -161,6 +161,49 @@ async fn the_archive_holds_every_committed_record_once_across_a_leader_crash_and
     std::fs::write(&bare, std::fs::read_to_string(&config).unwrap().replace(ARCHIVE, "")).unwrap();
     let (ok, _, err) = walship(&["archive", "ls", "--cluster", path(&bare), "--shard", "1"]);
     assert!(!ok && err.contains("no [archive]"), "{err}");
+
+    // An archive that starts past seqno 1 (archiving turned on after the
+    // oldest records were compacted): a copy without its first segments
+    // restores from where it starts, and a node serves it from there.
+    let late = cluster.dir.path().join("late-archive");
+    copy_dir(&archive_dir, &late);
+    let segments = late.join("shards/1/segments");
+    let mut names: Vec<_> = std::fs::read_dir(&segments).unwrap().map(|e| e.unwrap().path()).collect();
+    names.sort();
+    let dropped = names.len() / 3;
+    for name in &names[..dropped] {
+        std::fs::remove_file(name).unwrap();
+    }
+    let late_config = cluster.dir.path().join("late.toml");
+    let late_toml = ARCHIVE.replace("dir = \"archive\"", &format!("dir = \"{}\"", late.display()));
+    std::fs::write(&late_config, std::fs::read_to_string(&config).unwrap().replace(ARCHIVE, &late_toml)).unwrap();
+    let (ok, out, err) = walship(&["archive", "verify", "--cluster", path(&late_config), "--shard", "1", "--json"]);
+    assert!(ok, "{out}{err}");
+    let start = serde_json::from_str::<serde_json::Value>(&out).unwrap()["first_seqno"].as_u64().unwrap();
+    assert!(start > 1, "the copy still starts at 1: {out}");
+    let restored = cluster.dir.path().join("restored-late");
+    let (ok, out, err) =
+        walship(&["restore", "--cluster", path(&late_config), "--shard", "1", "--into", path(&restored)]);
+    assert!(ok, "{out}{err}");
+    assert!(out.contains(&format!("(seqnos {start}..=")), "{out}");
+    let records = serve_restored_from(&restored, start, last).await;
+    assert_eq!(records.len() as u64, last - start + 1);
+    for (a, b) in records.iter().zip(&served[start as usize - 1..]) {
+        assert_eq!((a.seqno, &a.payload), (b.seqno, &b.payload), "seqno {}", b.seqno);
+    }
+}
+
+fn copy_dir(from: &Path, to: &Path) {
+    std::fs::create_dir_all(to).unwrap();
+    for entry in std::fs::read_dir(from).unwrap() {
+        let entry = entry.unwrap();
+        let target = to.join(entry.file_name());
+        if entry.file_type().unwrap().is_dir() {
+            copy_dir(&entry.path(), &target);
+        } else {
+            std::fs::copy(entry.path(), target).unwrap();
+        }
+    }
 }
 
 /// `[archive]` settings a node refuses to start with, each named.
@@ -205,6 +248,11 @@ fn chrono_rfc3339(us: u64) -> String {
 /// Starts a one-node static cluster on a restored data dir and reads the
 /// shard through `to`; stops it.
 async fn serve_restored(data: &Path, to: u64) -> Vec<walship_proto::log::Record> {
+    serve_restored_from(data, 1, to).await
+}
+
+/// Starts a one-node cluster over a restored data dir and reads `from..=to`.
+async fn serve_restored_from(data: &Path, from: u64, to: u64) -> Vec<walship_proto::log::Record> {
     let (grpc, admin) = (common::free_port(), common::free_port());
     let config = data.join("cluster.toml");
     std::fs::write(
@@ -229,7 +277,7 @@ async fn serve_restored(data: &Path, to: u64) -> Vec<walship_proto::log::Record>
         assert!(Instant::now() < deadline, "the restored node never served");
         tokio::time::sleep(Duration::from_millis(100)).await;
     }
-    let records = common::read_all(&grpc, 1, to).await;
+    let records = common::read_from(&grpc, 1, from, to).await;
     let _ = child.kill();
     let _ = child.wait();
     records

@@ -703,10 +703,15 @@ pub mod raw {
 
 /// Every record of `shard` on the node at `grpc`, `1..=to`.
 pub async fn read_all(grpc: &str, shard: u32, to: u64) -> Vec<walship_proto::log::Record> {
+    read_from(grpc, shard, 1, to).await
+}
+
+/// Every record of `shard` from `from` through `to`, read from `grpc`.
+pub async fn read_from(grpc: &str, shard: u32, from: u64, to: u64) -> Vec<walship_proto::log::Record> {
     let channel = Endpoint::from_shared(format!("http://{grpc}")).unwrap().connect().await.unwrap();
     let mut log = LogClient::new(channel).max_decoding_message_size(64 << 20);
     let mut out = Vec::new();
-    let mut from = 1;
+    let mut from = from;
     while from <= to {
         let request = walship_proto::log::ReadRequest {
             shard_id: shard,

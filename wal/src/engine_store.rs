@@ -748,6 +748,28 @@ impl EngineStore {
         self.rotations.clone()
     }
 
+    /// Registers a new, empty shard whose log starts at `first_seqno`
+    /// instead of 1: restoring an archive that starts there (archiving was
+    /// turned on after the shard's oldest records were compacted). Durable
+    /// on return. Refuses a shard that exists and `first_seqno` 0.
+    pub fn create_shard_at(&self, shard: ShardId, first_seqno: u64) -> StoreResult<()> {
+        let _writer = self.write_lock.lock();
+        if first_seqno == 0 {
+            return Err(StoreError::BadPosition { shard, what: "a log starts at seqno 1 or later, not 0".into() });
+        }
+        if self.shards.lock().contains_key(&shard) {
+            return Err(StoreError::BadPosition { shard, what: "the shard exists already".into() });
+        }
+        let mut batch = LogBatch::default();
+        put_u64(&mut batch, region(shard), FIRST_KEY, first_seqno)?;
+        self.write(&mut batch, true)?;
+        let last = first_seqno - 1;
+        let bounds = LogBounds { first_seqno, last_seqno: last, durable_seqno: last };
+        let state = ShardState { bounds, chunks: Chunks::empty(1), tail: Some(Vec::new()) };
+        self.shards.lock().insert(shard, state);
+        Ok(())
+    }
+
     /// Chunks of `shard` (for tests and the status of one shard).
     pub fn chunk_count(&self, shard: ShardId) -> StoreResult<usize> {
         self.shards.lock().get(&shard).map(|s| s.chunks.len()).ok_or(StoreError::UnknownShard(shard))

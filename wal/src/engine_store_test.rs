@@ -209,3 +209,25 @@ fn locate_names_the_file_of_an_entry_across_rotations() {
     assert_eq!(store.locate(1, 13), None);
     assert_eq!(store.locate(2, 1), None);
 }
+
+/// A shard created to start at seqno 100 (a restore of an archive that
+/// starts there) takes 100 first, refuses anything else, keeps its start
+/// across a reopen and reads back; creating it twice, or at 0, is refused.
+#[test]
+fn a_shard_can_start_past_seqno_one_and_keeps_its_start_across_a_reopen() {
+    let dir = tempfile::tempdir().unwrap();
+    let store = EngineStore::open(dir.path(), &Default::default()).unwrap();
+    assert!(store.create_shard_at(5, 0).is_err());
+    store.create_shard_at(5, 100).unwrap();
+    assert!(store.create_shard_at(5, 100).is_err(), "created twice");
+    assert_eq!(store.bounds(5).unwrap(), LogBounds { first_seqno: 100, last_seqno: 99, durable_seqno: 99 });
+    assert!(store.append(&[ShardAppend { shard: 5, frames: vec![frame(1)] }], true).is_err(), "seqno 1 taken");
+    append(&store, 5, 100, 110);
+    store.mark_clean_shutdown().unwrap();
+    drop(store);
+    let store = EngineStore::open(dir.path(), &Default::default()).unwrap();
+    assert_eq!(store.bounds(5).unwrap(), LogBounds { first_seqno: 100, last_seqno: 110, durable_seqno: 110 });
+    assert_eq!(seqnos(&store.read(5, 100, 110, usize::MAX).unwrap()), (100..=110).collect::<Vec<_>>());
+    append(&store, 5, 111, 111);
+    assert_eq!(store.bounds(5).unwrap().last_seqno, 111);
+}
