@@ -57,6 +57,9 @@ pub enum BenchPath {
     /// its throughput ÷ `quorum`'s is what archiving costs live appends, and
     /// the cell reports the archive's upload rate and its lag at the end.
     QuorumArchive,
+    /// `quorum-archive` with `archiver = "follower"`: a caught-up follower
+    /// uploads instead of the leader.
+    QuorumArchiveFollower,
     All,
 }
 
@@ -68,6 +71,7 @@ impl BenchPath {
             BenchPath::Quorum => "rf3-quorum",
             BenchPath::QuorumTls => "rf3-quorum-tls",
             BenchPath::QuorumArchive => "rf3-quorum-archive",
+            BenchPath::QuorumArchiveFollower => "rf3-quorum-archive-follower",
             BenchPath::All => "rf3-all",
         }
     }
@@ -78,7 +82,7 @@ impl BenchPath {
             BenchPath::Wal | BenchPath::Local => 1.0,
             BenchPath::Quorum | BenchPath::QuorumTls | BenchPath::All => 3.0,
             // The leader's archive writes a fourth copy to the same disk.
-            BenchPath::QuorumArchive => 4.0,
+            BenchPath::QuorumArchive | BenchPath::QuorumArchiveFollower => 4.0,
         }
     }
 }
@@ -486,9 +490,15 @@ async fn grpc_cell(
         BenchPath::All => {
             (three_nodes(&data, shards, args.leadership, args.wal_spare_bytes, false, &|_| {}, &[])?, Durability::All)
         }
-        BenchPath::QuorumArchive => {
-            let archive = |c: &mut walship_shipping::ClusterConfig| {
-                c.archive = Some(walship_shipping::config::ArchiveConfig::dir("archive".into()));
+        BenchPath::QuorumArchive | BenchPath::QuorumArchiveFollower => {
+            let archiver = match path {
+                BenchPath::QuorumArchiveFollower => walship_shipping::config::ArchiverChoice::Follower,
+                _ => walship_shipping::config::ArchiverChoice::Leader,
+            };
+            let archive = move |c: &mut walship_shipping::ClusterConfig| {
+                let mut archive = walship_shipping::config::ArchiveConfig::dir("archive".into());
+                archive.archiver = archiver;
+                c.archive = Some(archive);
             };
             (
                 three_nodes(&data, shards, args.leadership, args.wal_spare_bytes, false, &archive, &[])?,
@@ -545,7 +555,9 @@ async fn grpc_cell(
     )
     .await;
     let archive = match path {
-        BenchPath::QuorumArchive => Some(archive_figures(&data, args.warmup + args.duration).await?),
+        BenchPath::QuorumArchive | BenchPath::QuorumArchiveFollower => {
+            Some(archive_figures(&data, args.warmup + args.duration).await?)
+        }
         _ => None,
     };
     drop(target);
@@ -671,7 +683,7 @@ pub async fn run(args: BenchArgs) -> Result<()> {
         }
     }
     for c in &mut cells {
-        if c.path == "rf3-quorum-archive" {
+        if c.path.starts_with("rf3-quorum-archive") {
             c.vs_unarchived = plain
                 .iter()
                 .find(|p| (p.record_bytes, p.shards, p.appenders) == (c.record_bytes, c.shards, c.appenders))
