@@ -34,10 +34,50 @@ pub struct NodeConfig {
     /// from its WAL, all together; 0 = unlimited. Default 64.
     #[serde(default = "default_task_read_mib_per_s")]
     pub task_read_mib_per_s: u64,
+    /// Serving archived segments to peers (PeerExchange).
+    #[serde(default)]
+    pub peer_serve: PeerServe,
 }
 
 fn default_task_read_mib_per_s() -> u64 {
     walship_dataplane::limiter::DEFAULT_TASK_READ_BYTES_PER_S >> 20
+}
+
+/// `[peer_serve]`: how a node serves PeerExchange fetches.
+#[derive(Debug, Clone, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct PeerServe {
+    /// MiB per second over all fetches (0 = unlimited; default 64), so the
+    /// live append path keeps its throughput.
+    pub mib_per_s: u64,
+    /// Fetches streaming at once (default 16, 1..=1024).
+    pub concurrency: usize,
+    /// How long a fetch waits for a slot before RESOURCE_EXHAUSTED
+    /// (default 10000, at most 600000).
+    pub wait_ms: u64,
+}
+
+impl Default for PeerServe {
+    fn default() -> PeerServe {
+        PeerServe { mib_per_s: 64, concurrency: 16, wait_ms: 10_000 }
+    }
+}
+
+impl PeerServe {
+    pub fn settings(&self) -> anyhow::Result<walship_peer::server::ServeSettings> {
+        anyhow::ensure!(
+            (1..=1024).contains(&self.concurrency),
+            "peer_serve.concurrency {} is outside 1..=1024",
+            self.concurrency
+        );
+        anyhow::ensure!(self.wait_ms <= 600_000, "peer_serve.wait_ms {} is above 600000", self.wait_ms);
+        Ok(walship_peer::server::ServeSettings {
+            max_concurrent: self.concurrency,
+            queue_wait: std::time::Duration::from_millis(self.wait_ms),
+            bytes_per_s: self.mib_per_s.checked_mul(1 << 20).context("peer_serve.mib_per_s is too large")?,
+            chunk_bytes: walship_peer::server::MAX_CHUNK_BYTES,
+        })
+    }
 }
 
 /// WAL tuning (see `walship_wal::WalConfig`).

@@ -15,6 +15,7 @@ mod drill;
 mod failover;
 mod http;
 mod node;
+mod peer;
 mod status;
 mod task;
 mod tls;

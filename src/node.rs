@@ -16,6 +16,7 @@ use walship_admin_api::models::WorkerStatus;
 use walship_dataplane::worker::{Dial, Worker, WorkerSettings};
 use walship_proto::dataplane::data_plane_client::DataPlaneClient;
 use walship_proto::log::control_server::ControlServer;
+use walship_proto::dataplane::peer_exchange_server::PeerExchangeServer;
 use walship_proto::log::log_server::LogServer;
 use walship_proto::replication::wal_shipping_server::WalShippingServer;
 use walship_shipping::auth::{ClusterSecret, SECRET_ENV};
@@ -87,6 +88,17 @@ pub struct NodeArgs {
     /// 0 = unlimited).
     #[arg(long)]
     task_read_mib_per_s: Option<u64>,
+    /// MiB per second this node serves archived segments to peers at, all
+    /// fetches together (`peer_serve.mib_per_s`, default 64; 0 = unlimited).
+    #[arg(long)]
+    peer_serve_mib_per_s: Option<u64>,
+    /// PeerExchange fetches served at once (`peer_serve.concurrency`, default 16).
+    #[arg(long)]
+    peer_serve_concurrency: Option<usize>,
+    /// How long a fetch waits for a serving slot before RESOURCE_EXHAUSTED
+    /// (`peer_serve.wait_ms`, default 10000).
+    #[arg(long)]
+    peer_serve_wait_ms: Option<u64>,
     /// Honour the coordinator's crash drills (the process aborts as if
     /// killed). For dev and test clusters only.
     #[arg(long)]
@@ -120,6 +132,7 @@ impl NodeArgs {
                 limits: LogLimits::default(),
                 wal: WalTuning::default(),
                 task_read_mib_per_s: walship_dataplane::limiter::DEFAULT_TASK_READ_BYTES_PER_S >> 20,
+                peer_serve: Default::default(),
             },
         };
         if let Some(id) = self.node_id {
@@ -163,6 +176,15 @@ impl NodeArgs {
         }
         if let Some(bytes) = self.wal_min_free_bytes {
             config.wal.min_free_bytes = bytes;
+        }
+        if let Some(mib) = self.peer_serve_mib_per_s {
+            config.peer_serve.mib_per_s = mib;
+        }
+        if let Some(n) = self.peer_serve_concurrency {
+            config.peer_serve.concurrency = n;
+        }
+        if let Some(ms) = self.peer_serve_wait_ms {
+            config.peer_serve.wait_ms = ms;
         }
         if let Some(mib) = self.task_read_mib_per_s {
             config.task_read_mib_per_s = mib;
@@ -310,6 +332,19 @@ pub async fn start_node(config: NodeConfig, cluster: Option<ClusterConfig>, dril
             metrics: walship_shipping::replica::archive::ArchiveMetrics::new(&registry)?,
         });
     }
+    // PeerExchange: serve archived segments from this WAL to peers; fetch
+    // them from peers (before the object store) when a follower re-seeds.
+    let peer_transport = worker_transport.clone();
+    let dial: walship_peer::client::Dial = Box::new(move |addr: &str| {
+        addr.parse::<walship_shipping::config::Address>().ok().map(|a| peer_transport.token_channel(&a))
+    });
+    node.set_peer_tier(Arc::new(crate::peer::PeerSegments::new(config.node_id, &node.config, dial)));
+    let peer_exchange = walship_peer::server::PeerExchangeService::new(
+        Arc::new(crate::peer::WalSegments { node: node.clone(), layout: crate::peer::layout(&node.config)? }),
+        crate::peer::token_key(&node.config),
+        config.peer_serve.settings()?,
+        walship_peer::server::ServeMetrics::new(&registry)?,
+    );
     for shard in wal.shards() {
         let p = wal.positions(shard)?;
         tracing::info!(shard, first = p.first_seqno, last = p.last_seqno, durable = p.durable_seqno, "recovered");
@@ -323,6 +358,7 @@ pub async fn start_node(config: NodeConfig, cluster: Option<ClusterConfig>, dril
     health.set_serving::<LogServer<LogService>>().await;
     health.set_serving::<WalShippingServer<WalShippingService>>().await;
     health.set_serving::<ControlServer<ControlService>>().await;
+    health.set_serving::<PeerExchangeServer<walship_peer::server::PeerExchangeService>>().await;
     // Both reflection versions: older grpcurl and tools only speak v1alpha.
     let reflection = || {
         tonic_reflection::server::Builder::configure()
@@ -356,7 +392,8 @@ pub async fn start_node(config: NodeConfig, cluster: Option<ClusterConfig>, dril
         .add_service(reflection_v1alpha)
         .add_service(LogServer::new(log).max_decoding_message_size(max_message).max_encoding_message_size(max_message))
         .add_service(shipping)
-        .add_service(control);
+        .add_service(control)
+        .add_service(PeerExchangeServer::new(peer_exchange));
     let grpc =
         tokio::spawn(async move { crate::tls::serve_grpc(router, grpc_listener, tls.as_ref(), grpc_shutdown).await });
     let mut worker_status: Option<Arc<dyn Fn() -> WorkerStatus + Send + Sync>> = None;

@@ -1,8 +1,15 @@
-//! `PeerExchange` and the object-store tier.
+//! `PeerExchange`: a node streams a sealed segment of a shard it holds to a
+//! peer, guarded by a fetch token ([`token`]); the fetching side
+//! ([`client`]) checks every chunk and falls through to the next peer, then
+//! to the object store (the durable copy).
 //!
-//! Not built yet: a later issue adds here the `PeerExchange.FetchShuffle`
-//! server and client (a node streams a sealed segment file it holds locally,
-//! in chunks of at most 256 KiB, guarded by a coordinator-minted token and a
-//! concurrency cap) and the object store that holds the durable copy of
-//! archived segments (S3, and a local directory by default). The wire
-//! contract already lives in `walship-proto` (`dataplane.v1.PeerExchange`).
+//! In walship the "files" are the archive's segments: the serving node
+//! re-reads the records a segment key names from its own WAL and encodes
+//! them exactly as the archiver did, so a peer's copy and the object
+//! store's are the same bytes under the same key, and a node needs no
+//! second copy of its log on disk. Retention keeps a segment's records in
+//! the WAL at least until the archive holds them.
+
+pub mod client;
+pub mod server;
+pub mod token;

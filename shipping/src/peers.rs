@@ -60,6 +60,12 @@ impl PeerTransport {
 
     /// A lazily connected channel to the member at `addr`, its calls
     /// carrying the cluster's credentials.
+    /// A channel to `addr` with this transport's TLS but without the
+    /// cluster credentials: for PeerExchange, which fetch tokens guard.
+    pub fn token_channel(&self, addr: &Address) -> Channel {
+        endpoint(addr, self.tls.clone()).connect_lazy()
+    }
+
     pub fn channel(&self, addr: &Address) -> PeerChannel {
         InterceptedService::new(endpoint(addr, self.tls.clone()).connect_lazy(), self.credentials.clone())
     }

@@ -354,13 +354,21 @@ impl ReplicationNode {
             if segment.first >= until {
                 break; // the leader streams the rest
             }
-            let key = walship_objstore::ObjectKey::new(segment.key.clone()).map_err(|e| unavailable(e.to_string()))?;
-            let payload = archive
-                .store
-                .get(&key)
-                .await
-                .map_err(|e| unavailable(e.to_string()))?
-                .ok_or_else(|| unavailable(format!("{} was listed but is gone", segment.key)))?;
+            // Peers first (their WALs hold the same bytes), the store second.
+            let (payload, source) = match self.from_peers(replica, leader, segment).await {
+                Some(payload) => (payload, Source::Peer),
+                None => {
+                    let key = walship_objstore::ObjectKey::new(segment.key.clone())
+                        .map_err(|e| unavailable(e.to_string()))?;
+                    let payload = archive
+                        .store
+                        .get(&key)
+                        .await
+                        .map_err(|e| unavailable(e.to_string()))?
+                        .ok_or_else(|| unavailable(format!("{} was listed but is gone", segment.key)))?;
+                    (payload, Source::Archive)
+                }
+            };
             applied_bytes += payload.len() as u64;
             let message = ShipSegmentRequest {
                 id: Some(WalSegmentId { region_id: self.region, shard_id: shard, seqno: segment.first }),
@@ -374,7 +382,7 @@ impl ReplicationNode {
                 archived_seqno: listing.archived_seqno,
                 archiver_node_id: replica.follower.archiver.load(Ordering::Acquire),
             };
-            let (_, pending) = self.queue_inbound(&message, Source::Archive).await?;
+            let (_, pending) = self.queue_inbound(&message, source).await?;
             in_flight.push_back(pending);
             if in_flight.len() >= CATCHUP_PIPELINE {
                 self.settle_inbound(replica, in_flight.pop_front().flatten()).await?;
@@ -390,6 +398,38 @@ impl ReplicationNode {
             "re-seeded from the archive"
         );
         Ok(applied_bytes)
+    }
+
+    /// `segment` from the replicas other than this one and the leader (the
+    /// leader only when it is the only other one), through the peer tier,
+    /// checked whole against its key (shard, range); `None` when there is
+    /// no peer tier or no peer served it intact.
+    async fn from_peers(
+        &self,
+        replica: &ShardReplica,
+        leader: NodeId,
+        segment: &crate::archive::SegmentRef,
+    ) -> Option<bytes::Bytes> {
+        let tier = self.peer_tier()?;
+        let mut peers: Vec<NodeId> =
+            replica.replicas.iter().copied().filter(|&n| n != self.me && n != leader).collect();
+        if peers.is_empty() && leader != self.me {
+            peers.push(leader);
+        }
+        // Spread the load: each follower starts with another peer.
+        if !peers.is_empty() {
+            let start = (self.me as usize + replica.shard as usize) % peers.len();
+            peers.rotate_left(start);
+        }
+        let bytes = tier.fetch(replica.shard, segment, &peers).await?;
+        let decoded = Segment::decode(bytes.clone()).ok()?;
+        let intact = decoded.shard_id() == replica.shard
+            && decoded.first_seqno() == segment.first
+            && decoded.last_seqno() == segment.last;
+        if !intact {
+            tracing::warn!(shard = replica.shard, key = %segment.key, "a peer served another range; using the store");
+        }
+        intact.then_some(bytes)
     }
 
     /// Drops this follower's log after `keep_through` (a corrupt tail found

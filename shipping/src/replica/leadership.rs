@@ -140,6 +140,7 @@ impl ReplicationNode {
             applied_push_bytes: replica.follower.applied_bytes[Source::Push.index()].load(Ordering::Relaxed),
             applied_stream_bytes: replica.follower.applied_bytes[Source::Stream.index()].load(Ordering::Relaxed),
             applied_archive_bytes: replica.follower.applied_bytes[Source::Archive.index()].load(Ordering::Relaxed),
+            applied_peer_bytes: replica.follower.applied_bytes[Source::Peer.index()].load(Ordering::Relaxed),
         })
     }
 

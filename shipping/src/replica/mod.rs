@@ -52,6 +52,7 @@ mod retention;
 mod send;
 pub mod shard;
 mod status;
+pub mod peer_tier;
 mod wipe;
 
 use std::collections::BTreeMap;
@@ -84,6 +85,8 @@ pub enum Source {
     Stream,
     /// Segments read from the object store (a re-seed).
     Archive,
+    /// Archived segments fetched from a peer's WAL (PeerExchange).
+    Peer,
 }
 
 impl Source {
@@ -97,6 +100,7 @@ impl Source {
             Source::Push => "push",
             Source::Stream => "stream",
             Source::Archive => "archive",
+            Source::Peer => "peer",
         }
     }
 }
@@ -125,6 +129,9 @@ pub struct ReplicationNode {
     started: Instant,
     /// Where sealed segments go, once [`ReplicationNode::start_archiving`] ran.
     archive: std::sync::OnceLock<Arc<archive::Archive>>,
+    /// Fetching archived segments from peers (PeerExchange), tried before
+    /// the object store when this follower re-seeds.
+    peer_tier: std::sync::OnceLock<Arc<dyn peer_tier::PeerTier>>,
     /// Each archived shard's position and lag (shards this node leads).
     archive_status: Mutex<BTreeMap<ShardId, archive::ArchiveStatus>>,
 }
@@ -179,6 +186,7 @@ impl ReplicationNode {
             drill_partition: Default::default(),
             started: Instant::now(),
             archive: Default::default(),
+            peer_tier: Default::default(),
             archive_status: Default::default(),
         });
         if !node.config.coordinated() {

@@ -64,8 +64,8 @@ pub(crate) struct FollowerState {
     /// the archive lacks while the cluster archives).
     pub(crate) archived: AtomicU64,
     /// Segment bytes applied to this shard since start, by [`super::Source`]
-    /// (push, stream, archive): what a re-seed drill reports per source.
-    pub(crate) applied_bytes: [AtomicU64; 3],
+    /// (push, stream, archive, peer): what a re-seed drill reports per source.
+    pub(crate) applied_bytes: [AtomicU64; 4],
     /// The replica the leader said archives the shard (0: the leader).
     pub(crate) archiver: AtomicU32,
 }

@@ -58,10 +58,14 @@ pub struct ReseedDrillResult {
     pub bytes_archive: u64,
     pub bytes_stream: u64,
     pub bytes_push: u64,
+    /// Archived segments fetched from other replicas (PeerExchange).
+    #[serde(default)]
+    pub bytes_peer: u64,
     /// Wipe -> the follower durable at the leader's durable position at the wipe.
     pub seconds: f64,
-    /// Wipe -> its last segment from the object store.
+    /// Wipe -> its last sealed segment (from a peer or the object store).
     pub archive_seconds: f64,
+    /// Sealed-segment bytes (peers and object store) over `archive_seconds`.
     pub archive_mib_per_s: f64,
     /// All bytes applied over `seconds`.
     pub total_mib_per_s: f64,
@@ -222,12 +226,14 @@ impl Coordinator {
         let target = self.position_of(leader, shard).await.ok_or("leader position")?.durable_seqno;
         let during = Load::start(self, shard, clients, request.record_bytes, id, &fill_budget.split(spare));
         self.drills.progress(id, &format!("follower {follower} rebuilding {target} records"));
-        let mut last_archive = (start.applied_archive_bytes, Duration::ZERO);
+        // Sealed segments come from peers, then the object store.
+        let sealed = |p: &FenceResponse| p.applied_archive_bytes + p.applied_peer_bytes;
+        let mut last_archive = (sealed(&start), Duration::ZERO);
         let end: FenceResponse = loop {
             let p = self.position_of(follower, shard).await;
             if let Some(p) = &p {
-                if p.applied_archive_bytes > last_archive.0 {
-                    last_archive = (p.applied_archive_bytes, wiped_at.elapsed());
+                if sealed(p) > last_archive.0 {
+                    last_archive = (sealed(p), wiped_at.elapsed());
                 }
                 if p.durable_seqno >= target {
                     break *p;
@@ -249,6 +255,7 @@ impl Coordinator {
         let bytes_archive = end.applied_archive_bytes - start.applied_archive_bytes;
         let bytes_stream = end.applied_stream_bytes - start.applied_stream_bytes;
         let bytes_push = end.applied_push_bytes - start.applied_push_bytes;
+        let bytes_peer = end.applied_peer_bytes - start.applied_peer_bytes;
         let archive_seconds = last_archive.1.as_secs_f64();
         Ok(ReseedDrillResult {
             follower,
@@ -259,10 +266,11 @@ impl Coordinator {
             bytes_archive,
             bytes_stream,
             bytes_push,
+            bytes_peer,
             seconds,
             archive_seconds,
-            archive_mib_per_s: mib(bytes_archive, archive_seconds),
-            total_mib_per_s: mib(bytes_archive + bytes_stream + bytes_push, seconds),
+            archive_mib_per_s: mib(bytes_archive + bytes_peer, archive_seconds),
+            total_mib_per_s: mib(bytes_archive + bytes_stream + bytes_push + bytes_peer, seconds),
             append_rate_before: rate_before,
             append_rate_during: rate_during,
             acked: acks.len() as u64,

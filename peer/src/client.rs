@@ -1,0 +1,154 @@
+//! Fetching a sealed segment from a peer: one cached channel per peer, an
+//! idle timeout between chunks, every chunk's CRC32C checked as it arrives,
+//! and a fetch cut short resumed from its last good chunk (once per peer).
+//! The caller checks the whole segment (its header and every record's crc)
+//! and falls through to the next peer, then to the object store.
+
+use std::collections::HashMap;
+use std::time::Duration;
+
+use bytes::{Bytes, BytesMut};
+use parking_lot::Mutex;
+use tonic::transport::{Channel, Endpoint};
+use walship_proto::dataplane::FetchShuffleRequest;
+use walship_proto::dataplane::peer_exchange_client::PeerExchangeClient;
+
+use crate::server::MAX_CHUNK_BYTES;
+use crate::token::Token;
+
+/// Why a fetch from one peer failed (the caller tries the next source).
+#[derive(Debug, thiserror::Error)]
+pub enum FetchError {
+    #[error("peer {peer}: {status}")]
+    Refused { peer: String, status: tonic::Status },
+    #[error("peer {peer} sent nothing for {idle:?}")]
+    Idle { peer: String, idle: Duration },
+    #[error("peer {peer} sent a damaged chunk at byte {offset}")]
+    DamagedChunk { peer: String, offset: u64 },
+    #[error("peer {peer}: {detail}")]
+    Broken { peer: String, detail: String },
+}
+
+/// Makes a channel to a peer's gRPC address (TLS, secrets: the caller's).
+pub type Dial = Box<dyn Fn(&str) -> Option<Channel> + Send + Sync>;
+
+pub struct PeerFetcher {
+    dial: Dial,
+    channels: Mutex<HashMap<String, Channel>>,
+    /// The longest wait for the next chunk.
+    pub idle_timeout: Duration,
+}
+
+/// A plain channel (no TLS, no cluster secret) with keepalives; for tests
+/// and `insecure_no_auth` clusters.
+pub fn plain_dial() -> Dial {
+    Box::new(|addr: &str| {
+        let endpoint = Endpoint::from_shared(format!("http://{addr}")).ok()?;
+        Some(
+            endpoint
+                .connect_timeout(Duration::from_secs(2))
+                .http2_keep_alive_interval(Duration::from_secs(5))
+                .keep_alive_timeout(Duration::from_secs(5))
+                .connect_lazy(),
+        )
+    })
+}
+
+impl PeerFetcher {
+    pub fn new(dial: Dial) -> PeerFetcher {
+        PeerFetcher { dial, channels: Mutex::default(), idle_timeout: Duration::from_secs(15) }
+    }
+
+    fn channel(&self, peer: &str) -> Option<Channel> {
+        let mut channels = self.channels.lock();
+        if let Some(channel) = channels.get(peer) {
+            return Some(channel.clone());
+        }
+        let channel = (self.dial)(peer)?;
+        channels.insert(peer.to_string(), channel.clone());
+        Some(channel)
+    }
+
+    /// Fetches segment `key` of task `task` from `peer`, whole. A stream
+    /// that breaks after good chunks is resumed once from the last one.
+    pub async fn fetch(&self, peer: &str, task: &str, key: &str, token: &Token) -> Result<Bytes, FetchError> {
+        let channel = self
+            .channel(peer)
+            .ok_or_else(|| FetchError::Broken { peer: peer.into(), detail: "no address to dial".into() })?;
+        let mut client = PeerExchangeClient::new(channel).max_decoding_message_size(MAX_CHUNK_BYTES + 1024);
+        let mut got = BytesMut::new();
+        let mut resumed = false;
+        loop {
+            let request = FetchShuffleRequest {
+                query_id: task.into(),
+                key: key.into(),
+                token: token.as_str().into(),
+                offset: got.len() as u64,
+            };
+            let outcome = self.stream_into(&mut client, peer, request, &mut got).await;
+            match outcome {
+                Ok(()) => return Ok(got.freeze()),
+                // A break after progress, once: go on from the last good chunk.
+                Err(FetchError::Broken { .. } | FetchError::Idle { .. }) if !resumed && !got.is_empty() => {
+                    resumed = true;
+                    tracing::debug!(peer, key, at = got.len(), "resuming a peer fetch");
+                }
+                Err(e) => {
+                    // A dead peer's channel is dialled afresh next time.
+                    if matches!(e, FetchError::Broken { .. } | FetchError::Idle { .. }) {
+                        self.channels.lock().remove(peer);
+                    }
+                    return Err(e);
+                }
+            }
+        }
+    }
+
+    async fn stream_into(
+        &self,
+        client: &mut PeerExchangeClient<Channel>,
+        peer: &str,
+        request: FetchShuffleRequest,
+        got: &mut BytesMut,
+    ) -> Result<(), FetchError> {
+        let broken = |detail: String| FetchError::Broken { peer: peer.into(), detail };
+        let idle = || FetchError::Idle { peer: peer.into(), idle: self.idle_timeout };
+        let mut stream = match tokio::time::timeout(self.idle_timeout, client.fetch_shuffle(request)).await {
+            Err(_) => return Err(idle()),
+            Ok(Err(status)) if is_transport(&status) => return Err(broken(status.to_string())),
+            Ok(Err(status)) => return Err(FetchError::Refused { peer: peer.into(), status }),
+            Ok(Ok(response)) => response.into_inner(),
+        };
+        let mut total = None;
+        loop {
+            let chunk = match tokio::time::timeout(self.idle_timeout, stream.message()).await {
+                Err(_) => return Err(idle()),
+                Ok(Err(status)) if is_transport(&status) => return Err(broken(status.to_string())),
+                Ok(Err(status)) => return Err(FetchError::Refused { peer: peer.into(), status }),
+                Ok(Ok(None)) => break,
+                Ok(Ok(Some(chunk))) => chunk,
+            };
+            if chunk.crc32c != Some(crc32c::crc32c(&chunk.data)) || chunk.data.len() > MAX_CHUNK_BYTES {
+                return Err(FetchError::DamagedChunk { peer: peer.into(), offset: got.len() as u64 });
+            }
+            if *total.get_or_insert(chunk.total_bytes) != chunk.total_bytes
+                || got.len() as u64 + chunk.data.len() as u64 > chunk.total_bytes
+            {
+                return Err(broken(format!("chunks disagree on the size ({} bytes so far)", got.len())));
+            }
+            got.extend_from_slice(&chunk.data);
+        }
+        match total {
+            Some(t) if t != got.len() as u64 => Err(broken(format!("the stream ended at byte {} of {t}", got.len()))),
+            None if got.is_empty() => Err(broken("the stream ended before any chunk".into())),
+            _ => Ok(()),
+        }
+    }
+}
+
+/// A status that means the connection, not the server, failed.
+fn is_transport(status: &tonic::Status) -> bool {
+    matches!(status.code(), tonic::Code::Unavailable | tonic::Code::Unknown | tonic::Code::Cancelled)
+        && status.message().contains("transport")
+        || status.code() == tonic::Code::Unavailable && status.message().contains("connect")
+}
