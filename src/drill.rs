@@ -1,4 +1,4 @@
-//! `walship drill failover|catchup|corruption|partition`: start a drill on
+//! `walship drill failover|catchup|corruption|partition|reseed`: start a drill on
 //! the coordinator's admin API, show its progress, print a summary of its
 //! report (the report as JSON with `--json`). Warns first that the drill
 //! appends records into the live shard. Exits non-zero when the drill
@@ -109,6 +109,23 @@ pub enum DrillKind {
         #[arg(long, default_value_t = 8)]
         clients: usize,
     },
+    /// Dev and test clusters only (nodes started with --allow-crash-drills, an [archive] configured): append a volume, wait until the object store holds it, wipe one follower's copy of the shard and let it rebuild from the object store then the leader under QUORUM load; report bytes and MiB/s by source, live throughput during the rebuild, and records lost (must be 0) with every replica byte-identical.
+    Reseed {
+        #[arg(long)]
+        shard: u32,
+        /// Follower to wipe (default: the first follower).
+        #[arg(long)]
+        follower: Option<u32>,
+        /// MiB appended (and archived) before the wipe.
+        #[arg(long, default_value_t = 64)]
+        volume_mib: u64,
+        /// Record size in bytes.
+        #[arg(long, default_value_t = 4096)]
+        record_bytes: usize,
+        /// Concurrent appenders of the live load.
+        #[arg(long, default_value_t = 8)]
+        clients: usize,
+    },
 }
 
 /// Starts a drill and waits for its report; returns the report.
@@ -145,7 +162,8 @@ pub async fn run(args: DrillArgs) -> Result<()> {
         DrillKind::Failover { shard, .. }
         | DrillKind::Catchup { shard, .. }
         | DrillKind::Corruption { shard, .. }
-        | DrillKind::Partition { shard, .. } => *shard,
+        | DrillKind::Partition { shard, .. }
+        | DrillKind::Reseed { shard, .. } => *shard,
     };
     eprintln!(
         "note: this drill appends records into the live shard {shard}, and they stay in its log; the coordinator \
@@ -167,6 +185,11 @@ pub async fn run(args: DrillArgs) -> Result<()> {
             "/v1/drills/partition",
             serde_json::json!({"shard": shard, "between": between, "seconds": seconds, "trials": trials, "clients": clients}),
         ),
+        DrillKind::Reseed { shard, follower, volume_mib, record_bytes, clients } => (
+            "/v1/drills/reseed",
+            serde_json::json!({"shard": shard, "follower": follower, "volume_bytes": volume_mib << 20,
+                "record_bytes": record_bytes, "clients": clients}),
+        ),
     };
     let report = run_drill(&args.admin.resolve()?, path, body, args.json).await?;
     if args.json {
@@ -187,6 +210,10 @@ pub async fn run(args: DrillArgs) -> Result<()> {
         && (corruption["records_lost"].as_u64() != Some(0) || corruption["repaired"] != serde_json::Value::Bool(true))
     {
         bail!("the damaged replica did not repair itself, or records were lost");
+    }
+    let reseed = &report["reseed"];
+    if !reseed.is_null() && (reseed["lost"].as_u64() != Some(0) || reseed["divergent_replicas"].as_u64() != Some(0)) {
+        bail!("the re-seeded follower lost acknowledged records or differs from the leader");
     }
     let partition = &report["partition"];
     if !partition.is_null() {
@@ -271,6 +298,33 @@ pub fn summary(report: &serde_json::Value) -> String {
             mib(n(&corruption["bytes_refetched"])),
             n(&corruption["acked"]),
             n(&corruption["records_lost"])
+        );
+    }
+    let reseed = &report["reseed"];
+    if !reseed.is_null() {
+        out += &format!(
+            "  follower {} wiped ({} records) and rebuilt {} records in {:.2} s ({:.1} MiB/s overall)\n",
+            reseed["follower"],
+            n(&reseed["records_wiped"]),
+            n(&reseed["records"]),
+            f(&reseed["seconds"]),
+            f(&reseed["total_mib_per_s"])
+        );
+        out += &format!(
+            "  by source: archive {} in {:.2} s ({:.1} MiB/s), stream {}, push {}\n",
+            mib(n(&reseed["bytes_archive"])),
+            f(&reseed["archive_seconds"]),
+            f(&reseed["archive_mib_per_s"]),
+            mib(n(&reseed["bytes_stream"])),
+            mib(n(&reseed["bytes_push"]))
+        );
+        out += &format!(
+            "  appends: {:.0}/s before, {:.0}/s during the rebuild; {} acknowledged, {} lost, {} divergent replicas\n",
+            f(&reseed["append_rate_before"]),
+            f(&reseed["append_rate_during"]),
+            n(&reseed["acked"]),
+            n(&reseed["lost"]),
+            n(&reseed["divergent_replicas"])
         );
     }
     let partition = &report["partition"];

@@ -98,7 +98,13 @@ async fn only_json_objects_are_requests_and_refused_ones_change_nothing() {
         r#"{"allow_loss": false, "allow_loss": true}"#,
         r#"{"bogus": 1}"#,
     ];
-    for path in ["/v1/shards/1/failover", "/v1/drills/failover", "/v1/drills/catchup", "/v1/drills/corruption"] {
+    for path in [
+        "/v1/shards/1/failover",
+        "/v1/drills/failover",
+        "/v1/drills/catchup",
+        "/v1/drills/corruption",
+        "/v1/drills/reseed",
+    ] {
         for body in hostile {
             let (code, answer) = cluster.coord_post(1, path, body, Some(TOKEN)).await;
             assert_eq!(

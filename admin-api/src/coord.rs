@@ -18,6 +18,7 @@ use axum::{Json, Router};
 use prometheus::{Encoder, Registry, TextEncoder};
 use walship_shipping::control::drills::{
     CatchupDrillRequest, CorruptionDrillRequest, DrillReport, FailoverDrillRequest, PartitionDrillRequest,
+    ReseedDrillRequest,
 };
 use walship_shipping::control::{CoordError, Coordinator, FailoverOutcome, FailoverRequest};
 
@@ -65,6 +66,7 @@ pub fn coord_router(admin: Arc<CoordAdmin>) -> Router {
         .route("/v1/drills/catchup", post(catchup_drill))
         .route("/v1/drills/corruption", post(corruption_drill))
         .route("/v1/drills/partition", post(partition_drill))
+        .route("/v1/drills/reseed", post(reseed_drill))
         .route("/v1/tasks", get(crate::tasks::list).post(crate::tasks::start))
         .route("/v1/tasks/{id}", get(crate::tasks::show))
         .route("/v1/tasks/{id}/cancel", post(crate::tasks::cancel))
@@ -671,6 +673,24 @@ async fn catchup_drill(
     body: Result<ObjectJson<CatchupDrillRequest>, ApiError>,
 ) -> Response {
     start_drill(&admin, who, &headers, body, async |c, r| c.start_catchup_drill(r).await).await
+}
+
+/// Dev and test clusters only: a follower (its node started with
+/// `--allow-crash-drills`) drops its copy of the shard on purpose and
+/// rebuilds it from the object store, then the leader, under load.
+#[utoipa::path(post, path = "/v1/drills/reseed", tag = "drills", request_body = ReseedDrillRequest,
+    security(("bearer" = [])), responses((status = 202, description = "started", body = DrillStarted),
+        (status = 400, description = "malformed body, the leader named as the follower, or a shard whose leader does not archive", body = crate::models::ErrorBody), (status = 401, body = crate::models::ErrorBody), (status = 403, body = crate::models::ErrorBody),
+        (status = 404, description = "unknown shard", body = crate::models::ErrorBody), (status = 409, description = "the shard has no leader now (failover_in_progress), or the drill needs more than its headroom below replication.retain_bytes (drill_would_evict)", body = crate::models::ErrorBody), (status = 413, body = crate::models::ErrorBody),
+        (status = 415, description = "not application/json", body = crate::models::ErrorBody),
+        (status = 503, description = "not the active coordinator", body = crate::models::ErrorBody)))]
+async fn reseed_drill(
+    State(admin): State<Arc<CoordAdmin>>,
+    ConnectInfo(who): ConnectInfo<std::net::SocketAddr>,
+    headers: HeaderMap,
+    body: Result<ObjectJson<ReseedDrillRequest>, ApiError>,
+) -> Response {
+    start_drill(&admin, who, &headers, body, async |c, r| c.start_reseed_drill(r).await).await
 }
 
 /// Dev and test clusters only: the chosen node (started with

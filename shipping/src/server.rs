@@ -27,7 +27,7 @@ use walship_proto::log::control_server::Control;
 use walship_proto::log::{
     AssignRequest, AssignResponse, CrashRequest, CrashResponse, DamageRecordRequest, DamageRecordResponse,
     EpochEndRequest, EpochEndResponse, FenceRequest, FenceResponse, PartitionRequest, PartitionResponse, PauseRequest,
-    PauseResponse, PositionRequest,
+    PauseResponse, PositionRequest, WipeRequest, WipeResponse,
 };
 use walship_proto::replication::wal_shipping_server::WalShipping;
 use walship_proto::replication::{
@@ -196,6 +196,11 @@ impl Control for ControlService {
     ) -> Result<Response<DamageRecordResponse>, Status> {
         let r = request.into_inner();
         self.node.damage_record(r.shard_id, r.seqno).await.map(Response::new).map_err(Status::from)
+    }
+
+    async fn wipe(&self, request: Request<WipeRequest>) -> Result<Response<WipeResponse>, Status> {
+        let r = request.into_inner();
+        self.node.wipe(r.shard_id).await.map(Response::new).map_err(Status::from)
     }
 
     async fn partition(&self, request: Request<PartitionRequest>) -> Result<Response<PartitionResponse>, Status> {

@@ -55,8 +55,10 @@ use crate::control::coordinator::{CoordError, Coordinator, FailoverRequest, now_
 
 mod corruption;
 mod partition;
+mod reseed;
 pub use corruption::{CorruptionDrillRequest, CorruptionDrillResult};
 pub use partition::{PartitionDrillRequest, PartitionDrillResult, PartitionTrial, TimeSummary};
+pub use reseed::{ReseedDrillRequest, ReseedDrillResult};
 
 /// `POST /v1/drills/failover`.
 #[derive(Debug, Clone, Serialize, Deserialize, PartialEq, Eq, utoipa::ToSchema)]
@@ -146,7 +148,7 @@ pub struct CatchupDrillResult {
 #[derive(Debug, Clone, Serialize, Deserialize, PartialEq, utoipa::ToSchema)]
 pub struct DrillReport {
     pub id: String,
-    /// `failover`, `catchup`, `corruption` or `partition`.
+    /// `failover`, `catchup`, `corruption`, `partition` or `reseed`.
     pub kind: String,
     pub shard: u32,
     /// `running`, `done` or `failed`.
@@ -158,6 +160,8 @@ pub struct DrillReport {
     pub catchup: Option<CatchupDrillResult>,
     pub corruption: Option<CorruptionDrillResult>,
     pub partition: Option<PartitionDrillResult>,
+    #[serde(default)]
+    pub reseed: Option<ReseedDrillResult>,
     pub error: Option<String>,
     /// Bytes of records (frames) the drill appended to the shard, so far.
     #[serde(default)]
@@ -202,6 +206,7 @@ impl Drills {
                 catchup: None,
                 corruption: None,
                 partition: None,
+                reseed: None,
                 error: None,
                 bytes_written: 0,
                 retention_headroom_bytes: 0,
@@ -270,10 +275,16 @@ impl Budget {
 /// What a catch-up drill appends while the follower is paused: its records
 /// (volume over record size, as the drill counts them) as framed.
 fn catchup_fill_bytes(request: &CatchupDrillRequest) -> u64 {
-    let records = request.volume_bytes / request.record_bytes.max(1) as u64;
-    // A payload is at least its tag (~30 bytes); an eighth more for
-    // appends that time out unacknowledged.
-    let framed = records.max(1) * (request.record_bytes.max(64) as u64 + FRAME_OVERHEAD);
+    framed_bytes(request.volume_bytes, request.record_bytes)
+}
+
+/// What appending `volume_bytes` in records of `record_bytes` takes in the
+/// log (records as the drills count them, framed), with an eighth more for
+/// appends that time out unacknowledged.
+fn framed_bytes(volume_bytes: u64, record_bytes: usize) -> u64 {
+    let records = volume_bytes / record_bytes.max(1) as u64;
+    // A payload is at least its tag (~30 bytes).
+    let framed = records.max(1) * (record_bytes.max(64) as u64 + FRAME_OVERHEAD);
     framed + framed / 8
 }
 

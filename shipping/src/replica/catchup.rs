@@ -234,6 +234,23 @@ impl ReplicationNode {
         self.check_partition(leader)?;
         let mut client =
             self.peers.shipping(leader).ok_or_else(|| ReplicaError::Unavailable("leader address unknown".into()))?;
+        // An empty log (a replaced disk, a wiped or new replica) seeds from
+        // the archive first, sparing the leader: whatever the archive holds
+        // from where this log starts, then the leader streams the rest.
+        if self.archive.get().is_some() {
+            let p = self.wal.positions(replica.shard)?;
+            if p.last_seqno < p.first_seqno {
+                match self.reseed_from_archive(replica, leader, epoch, None).await {
+                    Ok(0) => {}
+                    Ok(_) => return Ok(Pulled::Reseeded),
+                    // The archive is a way to spare the leader, never a
+                    // condition for catching up.
+                    Err(error) => {
+                        tracing::warn!(shard = replica.shard, %error, "seeding from the archive failed; streaming from the leader");
+                    }
+                }
+            }
+        }
         let from = *replica.follower.next_expected.borrow();
         let request = StreamRequest { shard_id: replica.shard, from_seqno: from, epoch, follower_node_id: self.me };
         let mut stream = match client.stream_segments(request).await {
@@ -242,7 +259,7 @@ impl ReplicationNode {
                 // The leader no longer holds what comes next here: re-seed
                 // from the archive up to what it holds, then stream the rest.
                 if let Some(first) = super::error::metadata_u64(&status, super::error::RETAINED_METADATA_KEY) {
-                    self.reseed_from_archive(replica, leader, epoch, first).await?;
+                    self.reseed_from_archive(replica, leader, epoch, Some(first)).await?;
                     return Ok(Pulled::Reseeded);
                 }
                 return Err(status.into());
@@ -267,24 +284,27 @@ impl ReplicationNode {
 
     /// Re-seeds this follower from the object store: every archived
     /// segment from its next expected seqno until the leader's oldest
-    /// retained one (`leader_first`) is applied as a catch-up chunk would
-    /// be (each record's crc checked, overlaps skipped, in order, fsynced);
-    /// the caller's next catch-up streams the rest from the leader. Only
-    /// committed records are archived and a repaired follower's log is a
-    /// prefix of its leader's, so what is applied is exactly what the
-    /// leader holds. Bytes count as `walship_catchup_bytes_total{source="archive"}`.
+    /// retained one (`leader_first`; `None`: an empty log taking what the
+    /// archive holds, and nothing when the archive does not reach its start)
+    /// is applied as a catch-up chunk would be (each record's crc checked,
+    /// overlaps skipped, in order, fsynced); the caller's next catch-up
+    /// streams the rest from the leader. Only committed records are
+    /// archived and a repaired follower's log is a prefix of its leader's,
+    /// so what is applied is exactly what the leader holds. Answers the
+    /// bytes applied, counted as `walship_catchup_bytes_total{source="archive"}`.
     async fn reseed_from_archive(
         self: &Arc<Self>,
         replica: &Arc<ShardReplica>,
         leader: NodeId,
         epoch: u64,
-        leader_first: u64,
-    ) -> Result<(), ReplicaError> {
+        leader_first: Option<u64>,
+    ) -> Result<u64, ReplicaError> {
         let shard = replica.shard;
         let Some(archive) = self.archive.get().cloned() else {
             return Err(ReplicaError::Unavailable(format!(
-                "shard {shard}: the leader keeps records from seqno {leader_first} only and this node has no \
-                 [archive] to re-seed from"
+                "shard {shard}: the leader keeps records from seqno {} only and this node has no [archive] to \
+                 re-seed from",
+                leader_first.unwrap_or(0)
             )));
         };
         let unavailable =
@@ -293,6 +313,13 @@ impl ReplicationNode {
             .await
             .map_err(|e| unavailable(e.to_string()))?;
         let from = *replica.follower.next_expected.borrow();
+        let covers_start = listing.chain.first().is_some_and(|s| s.first <= from) && listing.archived_seqno >= from;
+        let Some(leader_first) = leader_first else {
+            if !covers_start {
+                return Ok(0); // nothing to gain: the leader streams it all
+            }
+            return self.apply_archived(replica, leader, epoch, &archive, &listing, u64::MAX).await;
+        };
         if listing.archived_seqno + 1 < leader_first || listing.chain.first().is_some_and(|s| s.first > from) {
             return Err(unavailable(format!(
                 "it holds {}..={}, this replica needs {from}.. and the leader keeps {leader_first}..: no source covers \
@@ -301,11 +328,29 @@ impl ReplicationNode {
                 listing.archived_seqno
             )));
         }
-        tracing::info!(shard, from, leader_first, archived = listing.archived_seqno, "re-seeding from the archive");
+        self.apply_archived(replica, leader, epoch, &archive, &listing, leader_first).await
+    }
+
+    /// Applies the archived segments of `listing` from this follower's next
+    /// expected seqno up to the first one starting at or past `until`.
+    async fn apply_archived(
+        self: &Arc<Self>,
+        replica: &Arc<ShardReplica>,
+        leader: NodeId,
+        epoch: u64,
+        archive: &super::archive::Archive,
+        listing: &crate::archive::restore::Listing,
+        until: u64,
+    ) -> Result<u64, ReplicaError> {
+        let shard = replica.shard;
+        let unavailable =
+            |e: String| ReplicaError::Unavailable(format!("shard {shard}: re-seeding from the archive: {e}"));
+        let from = *replica.follower.next_expected.borrow();
+        tracing::info!(shard, from, until, archived = listing.archived_seqno, "re-seeding from the archive");
         let mut in_flight = std::collections::VecDeque::new();
         let mut applied_bytes = 0u64;
         for segment in listing.chain.iter().filter(|s| s.last >= from) {
-            if segment.first >= leader_first {
+            if segment.first >= until {
                 break; // the leader streams the rest
             }
             let key = walship_objstore::ObjectKey::new(segment.key.clone()).map_err(|e| unavailable(e.to_string()))?;
@@ -342,7 +387,7 @@ impl ReplicationNode {
             through = *replica.follower.next_expected.borrow() - 1,
             "re-seeded from the archive"
         );
-        Ok(())
+        Ok(applied_bytes)
     }
 
     /// Drops this follower's log after `keep_through` (a corrupt tail found

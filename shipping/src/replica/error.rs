@@ -62,6 +62,10 @@ pub enum ReplicaError {
     /// The node's disk is below its free-space reserve.
     #[error("{0}")]
     NoSpace(String),
+    /// A drill asked a replica to act as a follower while it follows no
+    /// leader (none assigned yet, or a failover is under way).
+    #[error("shard {shard}: node {node} follows no leader now (none assigned, or a failover is under way)")]
+    NotFollowing { shard: ShardId, node: NodeId },
     #[error("crash drills are not enabled on this node (--allow-crash-drills)")]
     CrashDrillsDisabled,
     /// A partition drill cuts this node's replication traffic with `peer`.
@@ -126,6 +130,7 @@ impl ReplicaError {
             | ReplicaError::Busy(_)
             | ReplicaError::Unavailable(_)
             | ReplicaError::CrashDrillsDisabled
+            | ReplicaError::NotFollowing { .. }
             | ReplicaError::Partitioned { .. }
             | ReplicaError::Wal(_)
             | ReplicaError::Peer(_) => return None,
@@ -140,6 +145,7 @@ impl ReplicaError {
             | ReplicaError::Busy(_)
             | ReplicaError::Unavailable(_)
             | ReplicaError::Partitioned { .. }
+            | ReplicaError::NotFollowing { .. }
             | ReplicaError::NoSpace(_) => true,
             ReplicaError::Peer(status) => {
                 matches!(status.code(), tonic::Code::Unavailable | tonic::Code::DeadlineExceeded)
@@ -192,7 +198,7 @@ impl From<ReplicaError> for Status {
                 with_metadata(Status::out_of_range(message), RETAINED_METADATA_KEY, first)
             }
             ReplicaError::PastDurable { .. } | ReplicaError::NoSuchRecord { .. } => Status::out_of_range(message),
-            ReplicaError::Apply { .. } => Status::failed_precondition(message),
+            ReplicaError::Apply { .. } | ReplicaError::NotFollowing { .. } => Status::failed_precondition(message),
             ReplicaError::Busy(_) | ReplicaError::Unavailable(_) | ReplicaError::Partitioned { .. } => {
                 Status::unavailable(message)
             }

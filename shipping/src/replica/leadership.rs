@@ -10,6 +10,7 @@
 //! start after it.
 
 use std::sync::Arc;
+use std::sync::atomic::Ordering;
 use std::time::Duration;
 
 use parking_lot::Mutex;
@@ -18,7 +19,7 @@ use walship_proto::log::{AssignResponse, EpochEndRequest, FenceResponse};
 use walship_wal::ShardId;
 
 use super::shard::LeaderState;
-use super::{ReplicaError, ReplicationNode, ShardReplica, now_us};
+use super::{ReplicaError, ReplicationNode, ShardReplica, Source, now_us};
 use crate::NodeId;
 use crate::core::leader::{LeaderCore, LeaderStart};
 
@@ -136,6 +137,9 @@ impl ReplicationNode {
             disk_full: self.disk_full(),
             corrupt_from_seqno: self.corrupt_from(shard).unwrap_or(0),
             retained_bytes: self.retained_bytes(shard, &p),
+            applied_push_bytes: replica.follower.applied_bytes[Source::Push.index()].load(Ordering::Relaxed),
+            applied_stream_bytes: replica.follower.applied_bytes[Source::Stream.index()].load(Ordering::Relaxed),
+            applied_archive_bytes: replica.follower.applied_bytes[Source::Archive.index()].load(Ordering::Relaxed),
         })
     }
 

@@ -52,6 +52,7 @@ mod retention;
 mod send;
 pub mod shard;
 mod status;
+mod wipe;
 
 use std::collections::BTreeMap;
 use std::sync::Arc;
@@ -86,6 +87,11 @@ pub enum Source {
 }
 
 impl Source {
+    /// Its slot in [`shard::FollowerState::applied_bytes`].
+    pub(crate) fn index(self) -> usize {
+        self as usize
+    }
+
     fn as_str(self) -> &'static str {
         match self {
             Source::Push => "push",

@@ -167,6 +167,7 @@ impl ReplicationNode {
                 })?;
                 follower.next_expected.send_replace(last + 1);
                 self.metrics.received_bytes.with_label_values(&[source.as_str()]).inc_by(bytes as u64);
+                follower.applied_bytes[source.index()].fetch_add(bytes as u64, Ordering::Relaxed);
                 if refetch_through > 0 {
                     self.metrics.repair_refetched_bytes.inc_by(refetched as u64);
                     if last >= refetch_through {

@@ -58,6 +58,9 @@ pub(crate) struct FollowerState {
     /// The newest archived seqno a leader told us (retention keeps what
     /// the archive lacks while the cluster archives).
     pub(crate) archived: AtomicU64,
+    /// Segment bytes applied to this shard since start, by [`super::Source`]
+    /// (push, stream, archive): what a re-seed drill reports per source.
+    pub(crate) applied_bytes: [AtomicU64; 3],
 }
 
 /// One shard's replica on this node.
@@ -104,6 +107,7 @@ impl ShardReplica {
                 refetch_through: AtomicU64::new(0),
                 last_contact_us: AtomicU64::new(0),
                 archived: AtomicU64::new(0),
+                applied_bytes: Default::default(),
             },
             transition: tokio::sync::Mutex::new(()),
         }
