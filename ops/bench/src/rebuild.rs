@@ -11,7 +11,8 @@
 //!   under live load, wipes one follower's copy of it, and lets that
 //!   follower re-seed from the object store while the load goes on. Its
 //!   report gives the re-seed rate from the archive tier and overall
-//!   (archive and live stream), and the live append rate before and during.
+//!   (object store, catch-up stream from the leader and live pushes
+//!   together), and the live append rate before and during.
 //! * **PostgreSQL standby rebuild** ([`crate::pg::rebuild_standby`]): the
 //!   same number of bytes loaded into a primary, then `pg_basebackup -X
 //!   stream --checkpoint=fast` into a fresh directory, timed.
@@ -58,18 +59,35 @@ pub struct ReseedSpec {
     pub clients: usize,
 }
 
-/// The drill report's `reseed` object, as the coordinator gives it.
+/// The drill report's `reseed` object, as the coordinator gives it
+/// (`walship_shipping::control::ReseedDrillResult`; read here field by
+/// field, so a renamed field fails the run instead of reading as zero).
 #[derive(Debug, Clone, Default, Serialize, Deserialize)]
 pub struct Reseed {
+    /// The wiped follower and the leader it rebuilt from.
     pub follower: u32,
+    pub leader: u32,
+    /// Records the follower held when wiped.
+    pub records_wiped: u64,
+    /// Records it had to rebuild.
     pub records: u64,
+    pub archived_seqno_at_wipe: u64,
+    /// Segment bytes the follower applied during the rebuild, by source.
     pub bytes_archive: u64,
     pub bytes_stream: u64,
+    pub bytes_push: u64,
+    /// Wipe → the follower durable at the leader's position at the wipe.
     pub seconds: f64,
+    /// Wipe → its last segment from the object store.
+    pub archive_seconds: f64,
+    /// `bytes_archive` over `archive_seconds`.
     pub archive_mib_per_s: f64,
+    /// Every byte applied over `seconds`.
     pub total_mib_per_s: f64,
+    /// QUORUM appends/s before the drill and during the rebuild.
     pub append_rate_before: f64,
     pub append_rate_during: f64,
+    pub acked: u64,
     pub lost: u64,
     pub divergent_replicas: u64,
 }
@@ -101,7 +119,7 @@ pub async fn walship_reseed(spec: &ReseedSpec) -> Result<Reseed> {
 
 async fn drive(dev: &mut Server, log: &Path, token: &str, spec: &ReseedSpec) -> Result<Reseed> {
     let admin = coordinator_admin(dev, log).await?;
-    wait_healthy(dev, admin).await?;
+    wait_healthy(dev, admin, spec.shard).await?;
     let mut body = json!({
         "shard": spec.shard,
         "volume_bytes": spec.volume_bytes,
@@ -154,14 +172,15 @@ pub fn parse_coordinator_admin(text: &str) -> Option<SocketAddr> {
 }
 
 /// Waits until every shard has a leader and every replica is alive and
-/// assigned (`GET /v1/shards`), as the drills need.
-async fn wait_healthy(dev: &mut Server, admin: SocketAddr) -> Result<()> {
+/// assigned (`GET /v1/shards`), as the drills need, and the drilled shard's
+/// leader reports that it archives (the re-seed drill refuses it before).
+async fn wait_healthy(dev: &mut Server, admin: SocketAddr, shard: u32) -> Result<()> {
     let deadline = Instant::now() + DEV_READY_TIMEOUT;
     loop {
         let last = match http_request(admin, "GET", "/v1/shards", None, None).await {
             Ok((200, body)) => {
                 let shards: serde_json::Value = serde_json::from_str(&body).unwrap_or_default();
-                if healthy(&shards) {
+                if healthy(&shards, shard) {
                     return Ok(());
                 }
                 body
@@ -171,15 +190,18 @@ async fn wait_healthy(dev: &mut Server, admin: SocketAddr) -> Result<()> {
         };
         dev.check_running()?;
         if Instant::now() > deadline {
-            bail!("the dev cluster's shards did not all get a leader within {DEV_READY_TIMEOUT:?}; last: {last}");
+            bail!(
+                "the dev cluster's shards did not all get a leader and live replicas, with shard {shard} \
+                 archiving, within {DEV_READY_TIMEOUT:?}; last: {last}"
+            );
         }
         tokio::time::sleep(Duration::from_millis(100)).await;
     }
 }
 
-fn healthy(shards: &serde_json::Value) -> bool {
+fn healthy(shards: &serde_json::Value, drilled: u32) -> bool {
     shards.as_array().is_some_and(|shards| {
-        !shards.is_empty()
+        shards.iter().any(|s| s["shard_id"] == drilled && s["archived_seqno"].is_u64())
             && shards.iter().all(|s| {
                 s["leader"].is_u64()
                     && s["replicas"]
@@ -314,19 +336,20 @@ impl RebuildReport {
             let mib = |b: u64| b as f64 / (1 << 20) as f64;
             rows.push(row(
                 "walship re-seed, archive tier",
-                (w.archive_mib_per_s, "MiB/s", None),
+                (w.archive_mib_per_s, "MiB/s", Some(w.archive_seconds)),
                 disk_ratio(Some(RESEED_TARGET)),
-                format!("{:.1} MiB from the archive", mib(w.bytes_archive)),
+                format!("{:.1} MiB from the object store in {:.2} s", mib(w.bytes_archive), w.archive_seconds),
             ));
             rows.push(row(
                 "walship re-seed, overall",
                 (w.total_mib_per_s, "MiB/s", Some(w.seconds)),
                 disk_ratio(Some(RESEED_TARGET)),
                 format!(
-                    "{:.1} MiB ({:.1} archive + {:.1} stream) in {:.2} s",
-                    mib(w.bytes_archive + w.bytes_stream),
+                    "{:.1} MiB ({:.1} archive + {:.1} catch-up stream + {:.1} live push) in {:.2} s",
+                    mib(w.bytes_archive + w.bytes_stream + w.bytes_push),
                     mib(w.bytes_archive),
                     mib(w.bytes_stream),
+                    mib(w.bytes_push),
                     w.seconds
                 ),
             ));
@@ -402,8 +425,9 @@ impl RebuildReport {
         }
         if let Some(w) = &self.walship {
             md.push_str(&format!(
-                "- re-seed drill: follower {}, {} records, lost {}, divergent replicas {}\n",
-                w.follower, w.records, w.lost, w.divergent_replicas
+                "- re-seed drill: follower {} wiped ({} records) and rebuilt from leader {} and the archive \
+                 ({} records); {} acknowledged, lost {}, divergent replicas {}\n",
+                w.follower, w.records_wiped, w.leader, w.records, w.acked, w.lost, w.divergent_replicas
             ));
         }
         md.push_str(&format!("\nCommand: `{}`\n", s.command));
@@ -425,12 +449,21 @@ mod tests {
     }
 
     #[test]
-    fn health_needs_a_leader_and_live_replicas_everywhere() {
-        let good = json!([{"leader": 1, "replicas": [{"alive": true, "role": "leader"}, {"alive": true, "role": "follower"}]}]);
-        assert!(healthy(&good));
-        assert!(!healthy(&json!([{"leader": null, "replicas": []}])));
-        assert!(!healthy(&json!([{"leader": 1, "replicas": [{"alive": false, "role": "follower"}]}])));
-        assert!(!healthy(&json!([])));
+    fn health_needs_a_leader_and_live_replicas_everywhere_and_the_drilled_shard_archiving() {
+        let replicas = json!([{"alive": true, "role": "leader"}, {"alive": true, "role": "follower"}]);
+        let good = json!([
+            {"shard_id": 1, "leader": 1, "archived_seqno": 0, "replicas": replicas},
+            {"shard_id": 2, "leader": 2, "archived_seqno": null, "replicas": replicas},
+        ]);
+        assert!(healthy(&good, 1));
+        assert!(!healthy(&good, 2), "shard 2 does not archive yet");
+        assert!(!healthy(&good, 3), "no shard 3");
+        let no_leader = json!([{"shard_id": 1, "leader": null, "archived_seqno": 0, "replicas": replicas}]);
+        assert!(!healthy(&no_leader, 1));
+        let dead = json!([{"shard_id": 1, "leader": 1, "archived_seqno": 0,
+            "replicas": [{"alive": false, "role": "follower"}]}]);
+        assert!(!healthy(&dead, 1));
+        assert!(!healthy(&json!([]), 1));
     }
 
     #[test]
@@ -463,7 +496,7 @@ mod tests {
         let ratios: Vec<(f64, Option<bool>)> = report.rows.iter().map(|r| (r.ratio, r.meets_target)).collect();
         assert_eq!(ratios, [(0.75, Some(true)), (0.5, Some(false)), (0.25, None), (0.7, Some(false))]);
         let md = report.markdown();
-        assert!(md.contains("| walship re-seed, archive tier | 150.0 MiB/s |  | 0.75 |"), "{md}");
+        assert!(md.contains("| walship re-seed, archive tier | 150.0 MiB/s | 0.00 s | 0.75 |"), "{md}");
         assert!(md.contains("| PostgreSQL pg_basebackup | 50.0 MiB/s | 2.00 s | 0.25 |"), "{md}");
         assert!(md.contains("**missed**"), "{md}");
         assert!(report.damage().is_none());
