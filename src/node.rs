@@ -298,13 +298,15 @@ pub async fn start_node(config: NodeConfig, cluster: Option<ClusterConfig>, dril
     .map_err(|error| anyhow::anyhow!("starting replication: {error}"))?;
     if let Some(archive) = &node.config.archive {
         let store = crate::archive::open_store(archive).await?;
-        tracing::info!(store = %store.describe(), "archiving sealed segments of the shards this node leads");
+        tracing::info!(store = %store.describe(), "archiving sealed segments of the shards this node leads (or archives for their leader)");
         node.start_archiving(walship_shipping::replica::archive::Archive {
             store,
             layout: crate::archive::layout(archive)?,
             segment_bytes: archive.segment_bytes,
             segment_age: std::time::Duration::from_millis(archive.segment_age_ms),
             scrub_interval: std::time::Duration::from_millis(archive.scrub_interval_ms),
+            uploads: archive.uploads,
+            archiver: archive.archiver,
             metrics: walship_shipping::replica::archive::ArchiveMetrics::new(&registry)?,
         });
     }

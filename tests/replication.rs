@@ -537,6 +537,7 @@ async fn a_segment_sent_twice_is_answered_with_its_durable_end_both_times() {
         leader_node_id: 1,
         commit_seqno: 1,
         archived_seqno: 0,
+        archiver_node_id: 0,
     };
     let channel = tonic::transport::Endpoint::from_shared(format!("http://{}", cluster.node(2).grpc))
         .unwrap()

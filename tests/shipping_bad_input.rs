@@ -88,6 +88,7 @@ fn ship_of(segment: &Segment, commit_seqno: u64) -> ShipSegmentRequest {
         leader_node_id: LEADER,
         commit_seqno,
         archived_seqno: 0,
+        archiver_node_id: 0,
     }
 }
 
@@ -778,6 +779,7 @@ async fn bad_shipping_requests_are_refused_precisely_and_change_nothing() {
         leader_node_id: LEADER,
         commit_seqno: d,
         archived_seqno: 0,
+        archiver_node_id: 0,
     };
     let response = tokio::time::timeout(CALL_TIMEOUT, shipping_client(follower_channel.clone()).ship_segment(resend))
         .await

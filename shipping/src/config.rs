@@ -256,7 +256,15 @@ pub struct ClusterConfig {
 ///
 /// Both also take `segment_bytes` (seal a segment once this many bytes of
 /// committed records wait; default 64 MiB), `segment_age_ms` (... or once the
-/// oldest waiting record is this old; default 10 s) and `scrub_interval_ms`
+/// oldest waiting record is this old; default 5 s), `uploads` (segments of
+/// a shard uploading at once, default 4, 1..=32: a shard's archiving holds
+/// at most `uploads × segment_bytes` in memory; the archived seqno still
+/// only moves in order, over the segments all uploaded), `archiver`
+/// (`"leader"`, the default, or `"follower"`: the leader chooses a caught-up
+/// follower, the lowest node id among those it pushes to live, keeps it
+/// while it stays caught up, and archives itself while none is; the
+/// follower archives from its own WAL, sparing the leader's disk and
+/// network) and `scrub_interval_ms`
 /// (default 600000, 10 min; 1000..=86400000): how often each shard's leader
 /// reads its archived segments back, one at a time, checking each whole
 /// (checksums, every record's crc, its name's shard and range); a damaged
@@ -300,6 +308,25 @@ pub struct ArchiveConfig {
     /// damaged ones (see above).
     #[serde(default = "default_scrub_interval_ms")]
     pub scrub_interval_ms: u64,
+    /// Segments of one shard uploading at once (see above).
+    #[serde(default = "default_uploads")]
+    pub uploads: usize,
+    /// Which replica archives each shard (see above).
+    #[serde(default)]
+    pub archiver: ArchiverChoice,
+}
+
+/// Which replica of a shard archives it.
+#[derive(Debug, Clone, Copy, Default, Serialize, Deserialize, PartialEq, Eq)]
+#[serde(rename_all = "lowercase")]
+pub enum ArchiverChoice {
+    #[default]
+    Leader,
+    Follower,
+}
+
+fn default_uploads() -> usize {
+    4
 }
 
 /// Which object store `[archive]` names.
@@ -336,6 +363,8 @@ impl ArchiveConfig {
             segment_bytes: default_segment_bytes(),
             segment_age_ms: default_segment_age_ms(),
             scrub_interval_ms: default_scrub_interval_ms(),
+            uploads: default_uploads(),
+            archiver: ArchiverChoice::Leader,
         }
     }
 
@@ -355,6 +384,9 @@ impl ArchiveConfig {
         }
         if !(10..=3_600_000).contains(&self.segment_age_ms) {
             return Err(format!("segment_age_ms {} is outside 10..=3600000", self.segment_age_ms));
+        }
+        if !(1..=32).contains(&self.uploads) {
+            return Err(format!("uploads {} is outside 1..=32", self.uploads));
         }
         if !(1_000..=86_400_000).contains(&self.scrub_interval_ms) {
             return Err(format!(

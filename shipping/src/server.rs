@@ -56,8 +56,14 @@ type Answer = Pin<Box<dyn std::future::Future<Output = Result<ShipSegmentRespons
 /// Applies one pushed segment and answers as `ShipSegment` does.
 async fn answer_push(node: &Arc<ReplicationNode>, request: ShipSegmentRequest) -> Result<ShipSegmentResponse, Status> {
     let applied = node.apply_inbound(&request, Source::Push).await?;
-    let epoch = node.replica(request.id.unwrap_or_default().shard_id).map_or(0, |r| r.epoch_seen().max(request.epoch));
-    Ok(ShipSegmentResponse { accepted: true, applied_seqno: applied, epoch })
+    let shard = request.id.unwrap_or_default().shard_id;
+    let epoch = node.replica(shard).map_or(0, |r| r.epoch_seen().max(request.epoch));
+    // What this follower archived, when the leader chose it to.
+    let archived_seqno = match request.archiver_node_id == node.me {
+        true => node.archive_status(shard).map_or(0, |a| a.archived_seqno),
+        false => 0,
+    };
+    Ok(ShipSegmentResponse { accepted: true, applied_seqno: applied, epoch, archived_seqno })
 }
 type AnswerStream = Pin<Box<dyn Stream<Item = Result<ShipSegmentResponse, Status>> + Send>>;
 

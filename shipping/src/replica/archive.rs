@@ -8,14 +8,23 @@
 //!   the old leader uploaded without the new one seeing it only overlaps
 //!   records the new one uploads again, which are the same committed
 //!   records, and readers take each seqno once.
+//! * **Or a follower.** With `archiver = "follower"` the leader chooses a
+//!   caught-up follower (the lowest node id among those it pushes to live;
+//!   kept while it stays caught up; the leader itself while none is) and
+//!   names it in every shipment; that follower archives from its own WAL
+//!   what it holds durably of what is committed, and reports its archived
+//!   seqno in its answers, which the leader uses for retention and shows.
+//!   A change of archiver lists the archive again, like a failover.
 //! * **When.** A segment is sealed once `segment_bytes` of committed records
 //!   wait, or the oldest waiting record is `segment_age` old; then it is
-//!   read from the WAL (at most `segment_bytes`), encoded, uploaded with its
-//!   checksum, and `archived_seqno` moves to its last record. Uploads run
-//!   one at a time per shard, so `archived_seqno` only moves in order.
-//! * **Failures.** A failed upload is retried with backoff (200 ms doubling
-//!   to 10 s; a refusal of our credentials waits 10 s between tries and is
-//!   shown as such); appends never wait for the archive. Archive lag
+//!   read from the WAL (at most `segment_bytes`), encoded and uploaded with
+//!   its checksum. Up to `uploads` segments of a shard upload at once and
+//!   may end in any order; `archived_seqno` moves only over segments that
+//!   are all uploaded, in seqno order, so it never passes a hole.
+//! * **Failures.** A failed upload is retried, to the same key, with
+//!   backoff (200 ms doubling to 10 s; a refusal of our credentials waits
+//!   10 s between tries and is shown as such), and nothing new is sealed
+//!   meanwhile; appends never wait for the archive. Archive lag
 //!   (records, seconds) is in the replica's status and in metrics.
 //! * **Scrubbing.** Every `scrub_interval` the leader reads its shard's
 //!   archived segments back, one at a time, and checks each whole
@@ -31,18 +40,23 @@
 //!   that is not archived yet (see `retention.rs`): the local disk holds
 //!   what the store does not, until the disk-full reserve refuses appends.
 
+use std::collections::VecDeque;
 use std::sync::Arc;
+use std::sync::atomic::Ordering;
 use std::time::{Duration, Instant};
 
 use bytes::Bytes;
 use prometheus::{IntCounterVec, IntGaugeVec, Opts, Registry};
 use serde::{Deserialize, Serialize};
-use walship_objstore::{ObjectStore, StoreError};
+use walship_objstore::{ObjectKey, ObjectStore, StoreError};
 use walship_wal::Segment;
 
 use super::ReplicationNode;
-use super::shard::ShardReplica;
+use super::shard::{LeaderState, ShardReplica};
+use crate::NodeId;
 use crate::archive::{ArchiveLayout, Manifest, SegmentRef, chain};
+use crate::config::ArchiverChoice;
+use crate::core::leader::ShipMode;
 
 /// What a node archives to, and how.
 pub struct Archive {
@@ -52,8 +66,12 @@ pub struct Archive {
     pub segment_bytes: u64,
     /// ... or once the oldest waiting record is this old.
     pub segment_age: Duration,
-    /// How often the leader reads its archived segments back.
+    /// How often the archiving replica reads the archived segments back.
     pub scrub_interval: Duration,
+    /// Segments of one shard uploading at once.
+    pub uploads: usize,
+    /// Which replica archives each shard.
+    pub archiver: ArchiverChoice,
     pub metrics: ArchiveMetrics,
 }
 
@@ -149,6 +167,96 @@ pub struct ArchiveStatus {
     /// longer holds their records), as of its last scrub: `key: why`.
     #[serde(default)]
     pub damaged_unrepairable: Vec<String>,
+    /// The node archiving the shard: this one, or (on a leader with
+    /// `archiver = "follower"`) the follower it chose.
+    #[serde(default)]
+    pub archiver: u32,
+    /// Sealed through here (archived, or uploading).
+    #[serde(default)]
+    pub sealed_seqno: u64,
+    /// Segments uploading, or uploaded and waiting for an earlier one.
+    #[serde(default)]
+    pub uploads_in_flight: u64,
+}
+
+/// What a node does for one shard's archive (see [`ReplicationNode::duty`]).
+enum Duty {
+    /// Nothing: it neither leads the shard nor was chosen to archive it.
+    None,
+    /// Seal and upload the shard's committed records through `commit`.
+    /// `term` (epoch, leading) changes with the role or the epoch; the
+    /// archive is listed again then.
+    Archive { term: (u64, bool), commit: u64 },
+    /// Lead the shard while `follower` archives it: show its progress.
+    Watch { follower: NodeId, commit: u64 },
+}
+
+/// The follower a leader has archive the shard: the one it chose before
+/// while that one is still pushed to live (caught up), else the lowest
+/// node id among those that are; 0 (the leader itself) when none is.
+fn choose_archiver(leader: &LeaderState) -> NodeId {
+    let current = leader.archiver.load(Ordering::Acquire);
+    let core = leader.core.lock();
+    let live: std::collections::BTreeSet<NodeId> =
+        core.followers().filter(|(_, p)| p.mode == ShipMode::Push).map(|(id, _)| id).collect();
+    if live.contains(&current) { current } else { live.first().copied().unwrap_or(0) }
+}
+
+/// The segments of a shard this node is uploading.
+struct Uploads {
+    term: (u64, bool),
+    /// Archived without a gap through here: the store's listing, then this
+    /// node's uploads, in order.
+    archived: u64,
+    /// Sealed through here: every seqno up to it is archived or queued.
+    sealed: u64,
+    /// Sealed segments not archived yet, in seqno order (done ones wait for
+    /// those before them).
+    queue: VecDeque<Upload>,
+}
+
+impl Uploads {
+    /// Stops every upload under way (leadership moved, or shutdown); what
+    /// they would have uploaded is uploaded by whoever archives next.
+    fn abort(self) {
+        for upload in self.queue {
+            if let Some(task) = upload.task {
+                task.abort();
+            }
+        }
+    }
+}
+
+struct Upload {
+    first: u64,
+    last: u64,
+    key: ObjectKey,
+    bytes: Bytes,
+    /// Running, or ended and not looked at yet; none: failed, to retry.
+    task: Option<tokio::task::JoinHandle<Result<(), StoreError>>>,
+    done: bool,
+}
+
+impl Upload {
+    fn start(
+        &self,
+        store: &Arc<dyn ObjectStore>,
+        finished: &Arc<tokio::sync::Notify>,
+    ) -> tokio::task::JoinHandle<Result<(), StoreError>> {
+        let (store, key, bytes, finished) = (store.clone(), self.key.clone(), self.bytes.clone(), finished.clone());
+        tokio::spawn(async move {
+            let result = async {
+                #[cfg(feature = "testing")]
+                fail::fail_point!("archive::upload", |_| Err(StoreError::Unavailable(
+                    "injected by failpoint archive::upload".into()
+                )));
+                store.put(&key, bytes).await
+            }
+            .await;
+            finished.notify_one();
+            result
+        })
+    }
 }
 
 /// What a scrub found wrong with one object, and what became of it.
@@ -192,7 +300,44 @@ impl ReplicationNode {
     /// retention may compact through); `None` when archiving is off.
     pub(super) fn archived_through(&self, shard: u32) -> Option<u64> {
         self.archive.get()?;
-        Some(self.archive_status.lock().get(&shard).map_or(0, |s| s.archived_seqno))
+        let own = self.archive_status.lock().get(&shard).map_or(0, |s| s.archived_seqno);
+        // The store only grows: what an archiving follower reported holds.
+        let reported = self
+            .replica(shard)
+            .and_then(|r| r.leader_state())
+            .map_or(0, |l| l.archived_by_follower.load(Ordering::Acquire));
+        Some(own.max(reported))
+    }
+
+    /// What this node does for `replica`'s archive now. A leader with
+    /// `archiver = "follower"` chooses the follower here (sticky while it
+    /// stays caught up).
+    fn duty(&self, replica: &ShardReplica, archive: &Archive) -> Duty {
+        if let Some(leader) = replica.leader_state() {
+            let commit = leader.core.lock().commit().0;
+            let follower = match archive.archiver {
+                ArchiverChoice::Leader => 0,
+                ArchiverChoice::Follower => choose_archiver(&leader),
+            };
+            leader.archiver.store(follower, Ordering::Release);
+            return match follower {
+                0 => Duty::Archive { term: (leader.epoch, true), commit },
+                follower => Duty::Watch { follower, commit },
+            };
+        }
+        let Some((_, epoch)) = Self::following(replica) else { return Duty::None };
+        // Only once its log is known to be a prefix of this leader's (its
+        // tail repaired for the epoch) is every record up to the leader's
+        // commit position a committed one.
+        if replica.follower.archiver.load(Ordering::Acquire) != self.me
+            || !replica.rules.lock().is_repaired_for(crate::core::Epoch(epoch))
+        {
+            return Duty::None;
+        }
+        // A follower archives what it holds durably of what is committed.
+        let durable = self.wal.positions(replica.shard).map_or(0, |p| p.durable_seqno);
+        let commit = durable.min(replica.follower.leader_commit.load(Ordering::Acquire));
+        Duty::Archive { term: (epoch, false), commit }
     }
 
     async fn run_archive(self: Arc<Self>, replica: Arc<ShardReplica>, archive: Arc<Archive>) {
@@ -200,99 +345,167 @@ impl ReplicationNode {
         let label = shard.to_string();
         let mut tick = tokio::time::interval(Duration::from_millis(200));
         tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
-        // Known while this node leads; listed again after a leadership change.
-        let mut archived: Option<(u64, u64)> = None; // (archived seqno, leader epoch)
+        // An upload ending wakes the loop.
+        let finished = Arc::new(tokio::sync::Notify::new());
+        // Known while this node archives the shard; listed again whenever
+        // its role or the epoch changes.
+        let mut state: Option<Uploads> = None;
         let mut backoff = Duration::ZERO;
         let mut retry_at = Instant::now();
         loop {
             tokio::select! {
                 _ = tick.tick() => {}
-                _ = self.shutdown.cancelled() => return,
-            }
-            let Some(leader) = replica.leader_state() else {
-                archived = None;
-                self.archive_status.lock().remove(&shard);
-                continue;
-            };
-            let epoch = leader.epoch;
-            let commit = leader.core.lock().commit().0;
-            if Instant::now() < retry_at {
-                // Waiting to retry: the lag still shows what waits.
-                let known = self.archive_status.lock().get(&shard).map_or(0, |s| s.archived_seqno);
-                self.set_archive_lag(&archive, shard, known, commit, known + 1).await;
-                continue;
-            }
-            let outcome: Result<(), StoreError> = async {
-                let through = match archived {
-                    Some((seqno, e)) if e == epoch => seqno,
-                    _ => {
-                        let prefix = archive.layout.segments_prefix(shard);
-                        let listed = self.showing_lag(&archive, shard, commit, archive.store.list(&prefix)).await?;
-                        let segments = listed.iter().filter_map(|m| SegmentRef::parse(m.key.as_str(), m.size));
-                        let (_, end) = chain(segments.collect());
-                        archived = Some((end, epoch));
-                        end
+                _ = finished.notified() => {}
+                _ = self.shutdown.cancelled() => {
+                    if let Some(state) = state.take() {
+                        state.abort();
                     }
-                };
-                let positions = self.wal.positions(shard).map_err(|e| StoreError::Unavailable(e.to_string()))?;
-                // An archive behind the local log's start (archiving turned
-                // on late, or a gap) restarts at the local start.
-                let from = (through + 1).max(positions.first_seqno);
-                // The age of the oldest waiting record (0 when none waits).
-                let age = Duration::from_secs_f64(self.set_archive_lag(&archive, shard, through, commit, from).await);
-                if commit < from {
-                    return Ok(());
+                    return;
                 }
-                let counters = self.wal.counters(shard).map_err(|e| StoreError::Unavailable(e.to_string()))?;
-                let average = counters.bytes.checked_div(counters.records).unwrap_or(0).max(1);
-                let waiting_bytes = (commit - from + 1).saturating_mul(average);
-                if waiting_bytes < archive.segment_bytes && age < archive.segment_age {
-                    return Ok(());
+            }
+            let (term, commit) = match self.duty(&replica, &archive) {
+                Duty::None => {
+                    if let Some(state) = state.take() {
+                        state.abort();
+                    }
+                    self.archive_status.lock().remove(&shard);
+                    continue;
                 }
-                let frames = self
-                    .wal
-                    .read(shard, from, commit, archive.segment_bytes as usize)
-                    .await
-                    .map_err(|e| StoreError::Unavailable(format!("reading the WAL: {e}")))?;
-                let Some(last) = frames.last() else { return Ok(()) };
-                let (last_seqno, last_epoch) = (last.seqno(), last.epoch());
-                let segment = Segment::encode(shard, frames).map_err(|e| StoreError::Unavailable(e.to_string()))?;
-                let bytes: Bytes = segment.encoded().clone();
-                let size = bytes.len() as u64;
-                let key = archive.layout.segment_key(shard, from, last_seqno, last_epoch);
-                self.showing_lag(&archive, shard, commit, archive.store.put(&key, bytes)).await?;
-                archived = Some((last_seqno, epoch));
-                archive.metrics.uploaded_bytes.with_label_values(&[&label]).inc_by(size);
-                {
+                Duty::Watch { follower, commit } => {
+                    if let Some(state) = state.take() {
+                        state.abort();
+                    }
+                    let through = self.archived_through(shard).unwrap_or(0);
+                    self.set_archive_lag(&archive, shard, through, commit, through + 1).await;
+                    if let Some(status) = self.archive_status.lock().get_mut(&shard) {
+                        (status.archiver, status.sealed_seqno, status.uploads_in_flight) = (follower, through, 0);
+                        status.error = None;
+                    }
+                    continue;
+                }
+                Duty::Archive { term, commit } => (term, commit),
+            };
+            // Ok(true): the store answered (a listing, an upload done).
+            let outcome: Result<bool, StoreError> = async {
+                let mut answered = false;
+                if state.as_ref().is_none_or(|s| s.term != term) {
+                    if let Some(old) = state.take() {
+                        old.abort();
+                    }
+                    if Instant::now() < retry_at {
+                        return Ok(false);
+                    }
+                    let prefix = archive.layout.segments_prefix(shard);
+                    let listed = self.showing_lag(&archive, shard, commit, archive.store.list(&prefix)).await?;
+                    let segments = listed.iter().filter_map(|m| SegmentRef::parse(m.key.as_str(), m.size));
+                    let (_, end) = chain(segments.collect());
+                    state = Some(Uploads { term, archived: end, sealed: end, queue: VecDeque::new() });
+                    answered = true;
+                }
+                let uploads = state.as_mut().expect("listed above");
+                // Uploads that ended: a failure is retried after the backoff.
+                let mut failure = None;
+                for upload in &mut uploads.queue {
+                    if !upload.task.as_ref().is_some_and(|t| t.is_finished()) {
+                        continue;
+                    }
+                    match upload.task.take().expect("finished").await {
+                        Ok(Ok(())) => upload.done = true,
+                        Ok(Err(e)) => failure = Some(e),
+                        Err(e) => failure = Some(StoreError::Unavailable(format!("upload task: {e}"))),
+                    }
+                }
+                // The archived seqno moves over the uploaded segments, in order.
+                let mut advanced = false;
+                while uploads.queue.front().is_some_and(|u| u.done) {
+                    let upload = uploads.queue.pop_front().expect("checked");
+                    uploads.archived = upload.last;
+                    advanced = true;
+                    let size = upload.bytes.len() as u64;
+                    archive.metrics.uploaded_bytes.with_label_values(&[&label]).inc_by(size);
                     let mut all = self.archive_status.lock();
                     let status = all.entry(shard).or_default();
-                    status.archived_seqno = last_seqno;
                     status.segments_uploaded += 1;
                     status.bytes_uploaded += size;
-                    status.error = None;
+                    tracing::debug!(
+                        shard,
+                        first = upload.first,
+                        last = upload.last,
+                        bytes = size,
+                        "archived a segment"
+                    );
                 }
-                tracing::debug!(shard, first = from, last = last_seqno, bytes = size, "archived a segment");
-                let manifest = Manifest {
-                    shard,
-                    first_seqno: positions.first_seqno,
-                    archived_seqno: last_seqno,
-                    segments: 0,
-                    bytes: 0,
-                    written_by: self.me,
-                    written_unix_ms: now_ms(),
-                };
-                let manifest = serde_json::to_vec_pretty(&manifest).expect("plain data");
-                if let Err(e) = archive.store.put(&archive.layout.manifest_key(shard), manifest.into()).await {
-                    tracing::debug!(shard, error = %e, "writing the archive manifest (a summary only)");
+                if advanced {
+                    answered = true;
+                    self.write_manifest(&archive, shard, uploads.archived).await;
                 }
-                self.set_archive_lag(&archive, shard, last_seqno, commit, last_seqno + 1).await;
-                // More may wait: go again without waiting for the tick.
-                tick.reset_immediately();
-                Ok(())
+                if let Some(e) = failure {
+                    return Err(e);
+                }
+                if Instant::now() < retry_at {
+                    return Ok(answered);
+                }
+                // Failed uploads go again, in order.
+                for upload in uploads.queue.iter_mut().filter(|u| !u.done && u.task.is_none()) {
+                    upload.task = Some(upload.start(&archive.store, &finished));
+                }
+                // Seal more while there is room.
+                let positions = self.wal.positions(shard).map_err(|e| StoreError::Unavailable(e.to_string()))?;
+                let lag_age =
+                    self.set_archive_lag(&archive, shard, uploads.archived, commit, uploads.archived + 1).await;
+                while uploads.queue.len() < archive.uploads {
+                    // An archive behind the local log's start (archiving turned
+                    // on late, or a gap) restarts at the local start.
+                    let from = (uploads.sealed + 1).max(positions.first_seqno);
+                    if commit < from {
+                        break;
+                    }
+                    let age = match from == uploads.archived + 1 {
+                        true => lag_age,
+                        false => self.waiting_age(shard, from).await,
+                    };
+                    let counters = self.wal.counters(shard).map_err(|e| StoreError::Unavailable(e.to_string()))?;
+                    let average = counters.bytes.checked_div(counters.records).unwrap_or(0).max(1);
+                    let waiting_bytes = (commit - from + 1).saturating_mul(average);
+                    if waiting_bytes < archive.segment_bytes && age < archive.segment_age.as_secs_f64() {
+                        break;
+                    }
+                    let frames = self
+                        .wal
+                        .read(shard, from, commit, archive.segment_bytes as usize)
+                        .await
+                        .map_err(|e| StoreError::Unavailable(format!("reading the WAL: {e}")))?;
+                    let Some(last) = frames.last() else { break };
+                    let (last, epoch) = (last.seqno(), last.epoch());
+                    let segment = Segment::encode(shard, frames).map_err(|e| StoreError::Unavailable(e.to_string()))?;
+                    let mut upload = Upload {
+                        first: from,
+                        last,
+                        key: archive.layout.segment_key(shard, from, last, epoch),
+                        bytes: segment.encoded().clone(),
+                        task: None,
+                        done: false,
+                    };
+                    upload.task = Some(upload.start(&archive.store, &finished));
+                    uploads.queue.push_back(upload);
+                    uploads.sealed = last;
+                }
+                Ok(answered)
             }
             .await;
+            let (archived, sealed, in_flight) =
+                state.as_ref().map_or((0, 0, 0), |s| (s.archived, s.sealed, s.queue.len() as u64));
             match outcome {
-                Ok(()) => backoff = Duration::ZERO,
+                Ok(answered) => {
+                    self.set_archive_lag(&archive, shard, archived, commit, archived + 1).await;
+                    let mut all = self.archive_status.lock();
+                    let status = all.entry(shard).or_default();
+                    (status.archiver, status.sealed_seqno, status.uploads_in_flight) = (self.me, sealed, in_flight);
+                    if answered {
+                        backoff = Duration::ZERO;
+                        status.error = None;
+                    }
+                }
                 Err(e) => {
                     archive.metrics.upload_failures.with_label_values(&[reason(&e)]).inc();
                     backoff = match e {
@@ -301,11 +514,11 @@ impl ReplicationNode {
                     };
                     retry_at = Instant::now() + backoff;
                     let error = e.to_string();
-                    let known = self.archive_status.lock().get(&shard).map_or(0, |s| s.archived_seqno);
-                    self.set_archive_lag(&archive, shard, known, commit, known + 1).await;
+                    self.set_archive_lag(&archive, shard, archived, commit, archived + 1).await;
                     let changed = {
                         let mut all = self.archive_status.lock();
                         let status = all.entry(shard).or_default();
+                        (status.archiver, status.sealed_seqno, status.uploads_in_flight) = (self.me, sealed, in_flight);
                         let changed = status.error.as_deref() != Some(error.as_str());
                         status.error = Some(error.clone());
                         changed
@@ -315,6 +528,24 @@ impl ReplicationNode {
                     }
                 }
             }
+        }
+    }
+
+    /// Rewrites the shard's `manifest.json` (a summary for people and
+    /// tools; nothing depends on it, so a failure is only logged).
+    async fn write_manifest(&self, archive: &Archive, shard: u32, archived_seqno: u64) {
+        let manifest = Manifest {
+            shard,
+            first_seqno: self.wal.positions(shard).map_or(0, |p| p.first_seqno),
+            archived_seqno,
+            segments: 0,
+            bytes: 0,
+            written_by: self.me,
+            written_unix_ms: now_ms(),
+        };
+        let manifest = serde_json::to_vec_pretty(&manifest).expect("plain data");
+        if let Err(e) = archive.store.put(&archive.layout.manifest_key(shard), manifest.into()).await {
+            tracing::debug!(shard, error = %e, "writing the archive manifest (a summary only)");
         }
     }
 
@@ -331,7 +562,7 @@ impl ReplicationNode {
                 _ = tick.tick() => {}
                 _ = self.shutdown.cancelled() => return,
             }
-            if replica.leader_state().is_none() {
+            if !matches!(self.duty(&replica, &archive), Duty::Archive { .. }) {
                 continue;
             }
             match self.scrub(&replica, &archive, &mut counted).await {
@@ -368,7 +599,7 @@ impl ReplicationNode {
         all.sort_by_key(|s| (s.first, s.last));
         let mut unrepairable = Vec::new();
         for segment in &all {
-            if self.shutdown.is_cancelled() || replica.leader_state().is_none() {
+            if self.shutdown.is_cancelled() || !matches!(self.duty(replica, archive), Duty::Archive { .. }) {
                 return Ok(None);
             }
             let detail = match restore::fetch_segment(archive.store.as_ref(), shard, segment).await {
@@ -383,9 +614,13 @@ impl ReplicationNode {
         }
         // Segments past a gap: the records between are missing from the
         // archive (an object deleted); uploaded again like a damaged one.
+        // A gap at or past where this node's own uploads stand is theirs:
+        // uploads in flight end out of order, and a failed one is retried.
         let end = listing.archived_seqno;
+        let uploading_from = self.archive_status.lock().get(&shard).map_or(0, |s| s.archived_seqno);
         if let Some(next) = listing.unused.iter().map(|s| s.first).filter(|&f| f > end + 1).min()
             && end > 0
+            && end < uploading_from
         {
             let (first, last) = (end + 1, next - 1);
             let name = format!("{}{first:020}-{last:020} (missing)", archive.layout.segments_prefix(shard));
@@ -435,10 +670,9 @@ impl ReplicationNode {
         segment: Option<&SegmentRef>,
     ) -> Result<Damage, StoreError> {
         let shard = replica.shard;
-        let Some(leader) = replica.leader_state() else {
-            return Ok(Damage::Unrepairable("this node no longer leads the shard".into()));
+        let Duty::Archive { commit, .. } = self.duty(replica, archive) else {
+            return Ok(Damage::Unrepairable("this node no longer archives the shard".into()));
         };
-        let commit = leader.core.lock().commit().0;
         if last > commit {
             return Ok(Damage::Unrepairable(format!("it holds seqnos past this leader's commit ({commit})")));
         }
@@ -501,10 +735,24 @@ impl ReplicationNode {
                 done = &mut call => return done,
                 _ = tokio::time::sleep(Duration::from_secs(1)) => {
                     let known = self.archive_status.lock().get(&shard).map_or(0, |s| s.archived_seqno);
-                    let commit = self.replica(shard).and_then(|r| r.leader_state()).map_or(commit, |l| l.core.lock().commit().0);
+                    let commit = match self.replica(shard).map(|r| self.duty(r, archive)) {
+                        Some(Duty::Archive { commit, .. }) => commit,
+                        _ => commit,
+                    };
                     self.set_archive_lag(archive, shard, known, commit, known + 1).await;
                 }
             }
+        }
+    }
+
+    /// The age in seconds of record `seqno` of the shard (0 when it cannot
+    /// be read).
+    async fn waiting_age(&self, shard: u32, seqno: u64) -> f64 {
+        match self.wal.read(shard, seqno, seqno, usize::MAX).await {
+            Ok(frames) => {
+                frames.first().map_or(0.0, |f| (now_ms() * 1000).saturating_sub(f.timestamp_us()) as f64 / 1e6)
+            }
+            Err(_) => 0.0,
         }
     }
 
@@ -520,16 +768,8 @@ impl ReplicationNode {
         waiting_from: u64,
     ) -> f64 {
         let lag_records = commit.saturating_sub(through);
-        let lag_seconds = if lag_records == 0 || waiting_from > commit {
-            0.0
-        } else {
-            match self.wal.read(shard, waiting_from, waiting_from, usize::MAX).await {
-                Ok(frames) => {
-                    frames.first().map_or(0.0, |f| (now_ms() * 1000).saturating_sub(f.timestamp_us()) as f64 / 1e6)
-                }
-                Err(_) => 0.0,
-            }
-        };
+        let lag_seconds =
+            if lag_records == 0 || waiting_from > commit { 0.0 } else { self.waiting_age(shard, waiting_from).await };
         let label = shard.to_string();
         archive.metrics.archived_seqno.with_label_values(&[&label]).set(through as i64);
         archive.metrics.lag_records.with_label_values(&[&label]).set(lag_records as i64);

@@ -125,7 +125,8 @@ impl ReplicationNode {
                     leader_node_id: node.me,
                     commit_seqno: commit,
                     payload: segment.encoded().clone(),
-                    archived_seqno: node.archive_status(replica.shard).map_or(0, |a| a.archived_seqno),
+                    archived_seqno: node.archived_through(replica.shard).unwrap_or(0),
+                    archiver_node_id: leader.archiver.load(Ordering::Acquire),
                 };
                 next = segment.last_seqno() + 1;
                 if tx.send(Ok(message)).await.is_err() {
@@ -371,6 +372,7 @@ impl ReplicationNode {
                 commit_seqno: segment.last,
                 payload,
                 archived_seqno: listing.archived_seqno,
+                archiver_node_id: replica.follower.archiver.load(Ordering::Acquire),
             };
             let (_, pending) = self.queue_inbound(&message, Source::Archive).await?;
             in_flight.push_back(pending);

@@ -233,6 +233,8 @@ impl ReplicationNode {
             core: Mutex::new(core),
             ship_limit: watch::Sender::new(p.durable_seqno),
             stop: self.shutdown.child_token(),
+            archiver: std::sync::atomic::AtomicU32::new(0),
+            archived_by_follower: Arc::default(),
         });
         {
             let mut rules = replica.rules.lock();

@@ -179,6 +179,10 @@ impl ReplicationNode {
         };
         follower.leader_commit.fetch_max(request.commit_seqno, Ordering::AcqRel);
         follower.archived.fetch_max(request.archived_seqno, Ordering::AcqRel);
+        if source == Source::Push {
+            // The leader's live pushes and keepalives say who archives.
+            follower.archiver.store(request.archiver_node_id, Ordering::Release);
+        }
         follower.last_contact_us.store(now_us(), Ordering::Release);
         drop(guard);
         Ok((replica, pending))

@@ -320,8 +320,11 @@ impl ReplicationNode {
             epoch: leader.epoch,
             leader_node_id: self.me,
             commit_seqno: commit.0,
-            archived_seqno: self.archive_status(replica.shard).map_or(0, |a| a.archived_seqno),
+            archived_seqno: self.archived_through(replica.shard).unwrap_or(0),
+            archiver_node_id: leader.archiver.load(std::sync::atomic::Ordering::Acquire),
         };
+        let archived_by_follower = leader.archived_by_follower.clone();
+        let archiver = request.archiver_node_id;
         let stream = if cut {
             None
         } else {
@@ -351,7 +354,14 @@ impl ReplicationNode {
                 return ShipReply::Failed;
             }
             match outcome {
-                Ok(r) if r.accepted => ShipReply::Applied { applied: Seqno(r.applied_seqno) },
+                Ok(r) if r.accepted => {
+                    // The archiving follower's progress, for retention and
+                    // the status (the store only grows, so the newest holds).
+                    if archiver == follower && r.archived_seqno > 0 {
+                        archived_by_follower.fetch_max(r.archived_seqno, std::sync::atomic::Ordering::AcqRel);
+                    }
+                    ShipReply::Applied { applied: Seqno(r.applied_seqno) }
+                }
                 Ok(_) => ShipReply::Failed,
                 Err(status) => {
                     match (metadata_u64(&status, APPLIED_METADATA_KEY), metadata_u64(&status, EPOCH_METADATA_KEY)) {
@@ -405,7 +415,7 @@ mod ship_stream_tests {
             request: Request<ShipSegmentRequest>,
         ) -> Result<Response<ShipSegmentResponse>, Status> {
             let seqno = request.get_ref().id.unwrap_or_default().seqno;
-            Ok(Response::new(ShipSegmentResponse { accepted: true, applied_seqno: seqno, epoch: 1 }))
+            Ok(Response::new(ShipSegmentResponse { accepted: true, applied_seqno: seqno, epoch: 1, archived_seqno: 0 }))
         }
         type ShipSegmentsStream = Answers;
         async fn ship_segments(

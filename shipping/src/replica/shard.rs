@@ -13,7 +13,7 @@
 //!   persists the epoch and settles the WAL while holding it).
 
 use std::sync::Arc;
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, Ordering};
 use std::time::Duration;
 
 use parking_lot::Mutex;
@@ -40,6 +40,11 @@ pub(crate) struct LeaderState {
     pub(crate) ship_limit: watch::Sender<u64>,
     /// Stops this leadership's tasks.
     pub(crate) stop: CancellationToken,
+    /// The follower this leader chose to archive the shard (0: itself),
+    /// sent with every shipment (`archiver_node_id`).
+    pub(crate) archiver: AtomicU32,
+    /// The newest archived seqno a follower archiving the shard reported.
+    pub(crate) archived_by_follower: Arc<AtomicU64>,
 }
 
 /// What the follower side keeps between shipments.
@@ -61,6 +66,8 @@ pub(crate) struct FollowerState {
     /// Segment bytes applied to this shard since start, by [`super::Source`]
     /// (push, stream, archive): what a re-seed drill reports per source.
     pub(crate) applied_bytes: [AtomicU64; 3],
+    /// The replica the leader said archives the shard (0: the leader).
+    pub(crate) archiver: AtomicU32,
 }
 
 /// One shard's replica on this node.
@@ -108,6 +115,7 @@ impl ShardReplica {
                 last_contact_us: AtomicU64::new(0),
                 archived: AtomicU64::new(0),
                 applied_bytes: Default::default(),
+                archiver: AtomicU32::new(0),
             },
             transition: tokio::sync::Mutex::new(()),
         }
