@@ -360,10 +360,12 @@ impl RebuildReport {
                 (p.mib_per_s, "MiB/s", Some(p.seconds)),
                 disk_ratio(None),
                 format!(
-                    "{:.1} MiB data directory in {:.2} s ({:.1} MiB loaded)",
+                    "{:.1} MiB data directory (catalog and WAL included) in {:.2} s; {:.1} MiB of payload loaded, \
+                     {:.1} MiB/s of it",
                     p.backup_bytes as f64 / (1 << 20) as f64,
                     p.seconds,
-                    p.loaded_bytes as f64 / (1 << 20) as f64
+                    p.loaded_bytes as f64 / (1 << 20) as f64,
+                    p.loaded_bytes as f64 / (1 << 20) as f64 / p.seconds
                 ),
             ));
         }
