@@ -3,10 +3,13 @@
 //! synchronous standbys), child processes that never outlive the harness,
 //! the load drivers, and the reports.
 //!
-//! Two binaries use them: `walship-compare` (`src/main.rs`, walship against
-//! JetStream and PostgreSQL) and `walship-memory` (`src/bin/walship-memory.rs`,
+//! Three binaries use them: `walship-compare` (`src/main.rs`, walship against
+//! JetStream and PostgreSQL), `walship-memory` (`src/bin/walship-memory.rs`,
 //! a node's resident memory per retained record and single-record read
-//! latency; see [`memory`]). `ops/bench/README.md` describes both.
+//! latency; see [`memory`]) and `walship-rebuild`
+//! (`src/bin/walship-rebuild.rs`, re-seeding a replica from the archive
+//! against `pg_basebackup`; see [`rebuild`]). `ops/bench/README.md`
+//! describes them.
 
 pub mod chart;
 pub mod failover;
@@ -15,6 +18,7 @@ pub mod memory;
 pub mod nats;
 pub mod pg;
 pub mod proc;
+pub mod rebuild;
 pub mod report;
 pub mod system;
 pub mod walship;

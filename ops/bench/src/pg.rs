@@ -46,6 +46,15 @@
 //!   up to 256 clients, one connection each, since a PostgreSQL session
 //!   runs one statement at a time).
 //!
+//! # Rebuilding a standby ([`rebuild_standby`], `walship-rebuild`)
+//!
+//! A lone primary (the settings above, without the synchronous standbys)
+//! is loaded with random rows through one binary `COPY`, checkpointed, and
+//! cloned with `pg_basebackup -X stream --checkpoint=fast` into a fresh
+//! directory: the way a lost standby is rebuilt. The clone is timed from
+//! start to exit (`pg_basebackup` fsyncs it before exiting), and its size
+//! is the sum of the file sizes it wrote.
+//!
 //! # Running as root
 //!
 //! `initdb` refuses to run as root. When the harness is root (as in CI),
@@ -178,10 +187,19 @@ struct RunAs {
     home: PathBuf,
 }
 
-async fn start_cluster(dir: &Path, opts: &PgOptions) -> Result<PgCluster> {
+/// The binaries, the OS user they run as, and the (fresh, canonical) base
+/// directory every server and tool of one run works under.
+struct PgEnv {
+    bin: PathBuf,
+    run_as: Option<RunAs>,
+    dir: PathBuf,
+}
+
+/// Finds the binaries and the user, and wipes, creates and (as root) hands
+/// `dir` to that user.
+fn prepare(dir: &Path, opts: &PgOptions) -> Result<PgEnv> {
     let bin = find_bin_dir(opts)?;
     let run_as = run_as()?;
-
     if dir.exists() {
         std::fs::remove_dir_all(dir).with_context(|| format!("wiping {}", dir.display()))?;
     }
@@ -191,77 +209,201 @@ async fn start_cluster(dir: &Path, opts: &PgOptions) -> Result<PgCluster> {
         check_traversable(&dir, user)?;
         lchown(&dir, Some(user.uid), Some(user.gid)).with_context(|| format!("chown {}", dir.display()))?;
     }
+    Ok(PgEnv { bin, run_as, dir })
+}
 
-    // Primary.
-    let primary_dir = dir.join("primary");
-    let mut initdb = pg_command(&bin.join("initdb"), run_as.as_ref(), &dir);
-    initdb.arg("-D").arg(&primary_dir).args(["-U", "postgres", "--auth=trust", "-E", "UTF8", "--locale=C"]);
-    initdb.arg("--no-instructions");
-    run_tool(initdb, "initdb").await?;
+impl PgEnv {
+    /// `initdb`s `dir/primary`, configures it (the settings the module docs
+    /// describe, then `extra_conf`), and starts it on a free port.
+    async fn start_primary(&self, extra_conf: &str) -> Result<Node> {
+        let primary_dir = self.dir.join("primary");
+        let mut initdb = pg_command(&self.bin.join("initdb"), self.run_as.as_ref(), &self.dir);
+        initdb.arg("-D").arg(&primary_dir).args(["-U", "postgres", "--auth=trust", "-E", "UTF8", "--locale=C"]);
+        initdb.arg("--no-instructions");
+        run_tool(initdb, "initdb").await?;
 
-    let primary_port = free_port()?;
-    append_file(
-        &primary_dir.join("postgresql.conf"),
-        &format!(
-            "\n# walship-compare (ops/bench/src/pg.rs)\n\
-             listen_addresses = '127.0.0.1'\n\
-             port = {primary_port}\n\
-             unix_socket_directories = ''\n\
-             fsync = on\n\
-             synchronous_commit = on\n\
-             synchronous_standby_names = 'ANY 1 ({})'\n\
-             wal_level = replica\n\
-             max_wal_senders = 10\n\
-             max_replication_slots = 10\n\
-             max_connections = 300\n\
-             shared_buffers = 256MB\n\
-             # Large enough that no checkpoint (and no full-page-write burst after\n\
-             # one) lands inside a short measurement cell.\n\
-             max_wal_size = 8GB\n\
-             checkpoint_timeout = 30min\n",
+        let port = free_port()?;
+        append_file(
+            &primary_dir.join("postgresql.conf"),
+            &format!(
+                "\n# walship-compare (ops/bench/src/pg.rs)\n\
+                 listen_addresses = '127.0.0.1'\n\
+                 port = {port}\n\
+                 unix_socket_directories = ''\n\
+                 fsync = on\n\
+                 wal_level = replica\n\
+                 max_wal_senders = 10\n\
+                 max_replication_slots = 10\n\
+                 max_connections = 300\n\
+                 shared_buffers = 256MB\n\
+                 # Large enough that no checkpoint (and no full-page-write burst after\n\
+                 # one) lands inside a short measurement cell.\n\
+                 max_wal_size = 8GB\n\
+                 checkpoint_timeout = 30min\n\
+                 {extra_conf}"
+            ),
+        )?;
+        std::fs::write(
+            primary_dir.join("pg_hba.conf"),
+            "# walship-compare: loopback TCP only, no passwords.\n\
+             host all all 127.0.0.1/32 trust\n\
+             host replication all 127.0.0.1/32 trust\n",
+        )?;
+        start_node(&self.bin, self.run_as.as_ref(), &self.dir, "primary", port).await
+    }
+
+    /// `pg_basebackup -X stream --checkpoint=fast` (plus `extra_args`) of
+    /// the server on `port` into `dir/name`.
+    async fn basebackup(&self, port: u16, name: &str, extra_args: &[&str]) -> Result<PathBuf> {
+        let target = self.dir.join(name);
+        let mut basebackup = pg_command(&self.bin.join("pg_basebackup"), self.run_as.as_ref(), &self.dir);
+        basebackup
+            .args(["-h", "127.0.0.1", "-p", &port.to_string(), "-U", "postgres", "-D"])
+            .arg(&target)
+            .args(["-X", "stream", "--checkpoint=fast"])
+            .args(extra_args);
+        run_tool(basebackup, &format!("pg_basebackup for {name}")).await?;
+        Ok(target)
+    }
+}
+
+async fn start_cluster(dir: &Path, opts: &PgOptions) -> Result<PgCluster> {
+    let env = prepare(dir, opts)?;
+    let primary = env
+        .start_primary(&format!(
+            "synchronous_commit = on\nsynchronous_standby_names = 'ANY 1 ({})'\n",
             STANDBYS.join(", ")
-        ),
-    )?;
-    std::fs::write(
-        primary_dir.join("pg_hba.conf"),
-        "# walship-compare: loopback TCP only, no passwords.\n\
-         host all all 127.0.0.1/32 trust\n\
-         host replication all 127.0.0.1/32 trust\n",
-    )?;
-    let primary = start_node(&bin, run_as.as_ref(), &dir, "primary", primary_port).await?;
+        ))
+        .await?;
+    let primary_port = primary.port;
 
     // Standbys.
     let mut standbys = Vec::new();
     for name in STANDBYS {
-        let standby_dir = dir.join(name);
-        let mut basebackup = pg_command(&bin.join("pg_basebackup"), run_as.as_ref(), &dir);
-        basebackup
-            .args(["-h", "127.0.0.1", "-p", &primary_port.to_string(), "-U", "postgres", "-D"])
-            .arg(&standby_dir)
-            .args(["-X", "stream", "-R", "--checkpoint=fast"]);
-        run_tool(basebackup, &format!("pg_basebackup for {name}")).await?;
-
+        let standby_dir = env.basebackup(primary_port, name, &["-R"]).await?;
         let port = free_port()?;
         set_application_name(&standby_dir.join("postgresql.auto.conf"), name)?;
         append_file(
             &standby_dir.join("postgresql.conf"),
             &format!("\n# walship-compare: standby {name}\nport = {port}\nhot_standby = on\n"),
         )?;
-        standbys.push(start_node(&bin, run_as.as_ref(), &dir, name, port).await?);
+        standbys.push(start_node(&env.bin, env.run_as.as_ref(), &env.dir, name, port).await?);
     }
 
     let mut cluster = PgCluster { standbys, primary };
     let client = connect(primary_port).await.context("connecting to the primary")?;
     wait_for_quorum(&mut cluster, &client).await?;
+    create_log_table(&client).await?;
+    Ok(cluster)
+}
 
+/// What rebuilding a standby with `pg_basebackup` took ([`rebuild_standby`]).
+#[derive(Debug, Clone, Default, serde::Serialize, serde::Deserialize)]
+pub struct Basebackup {
+    /// Payload bytes loaded into the primary before the backup.
+    pub loaded_bytes: u64,
+    /// Rows of `record_bytes` each that carried them.
+    pub rows: u64,
+    /// `pg_total_relation_size('log')` after the load (heap and TOAST).
+    pub table_bytes: u64,
+    /// The data directory `pg_basebackup` produced: the sum of its
+    /// regular files' sizes.
+    pub backup_bytes: u64,
+    /// Wall time of `pg_basebackup`, from start to exit (it fsyncs the
+    /// new directory before exiting).
+    pub seconds: f64,
+    /// `backup_bytes` MiB ÷ `seconds`.
+    pub mib_per_s: f64,
+}
+
+/// Rebuilds a standby from scratch the way PostgreSQL does it: a primary
+/// under `dir` (fresh, no standbys, otherwise configured as in the module
+/// docs) is loaded with `bytes` of random payload in rows of
+/// `record_bytes` (table `log`, `storage external`, one binary `COPY`),
+/// checkpointed, and then `pg_basebackup -X stream --checkpoint=fast`
+/// copies it into a fresh directory, timed. Every server it started is
+/// stopped before it returns.
+pub async fn rebuild_standby(dir: &Path, opts: &PgOptions, bytes: u64, record_bytes: usize) -> Result<Basebackup> {
+    ensure!(bytes > 0 && record_bytes > 0, "nothing to load ({bytes} bytes in rows of {record_bytes})");
+    let env = prepare(dir, opts)?;
+    let mut primary = env.start_primary("").await?;
+    let measured = load_and_back_up(&env, primary.port, bytes, record_bytes).await;
+    let log = primary.log.clone();
+    let stopped = tokio::task::spawn_blocking(move || primary.server.stop()).await?;
+    let measured = measured.with_context(|| format!("primary log: {}", log.display()))?;
+    stopped.with_context(|| format!("stopping the primary (log: {})", log.display()))?;
+    Ok(measured)
+}
+
+async fn load_and_back_up(env: &PgEnv, port: u16, bytes: u64, record_bytes: usize) -> Result<Basebackup> {
+    use rand::RngCore;
+    use tokio_postgres::binary_copy::BinaryCopyInWriter;
+    use tokio_postgres::types::Type;
+
+    let client = connect(port).await.context("connecting to the primary")?;
+    create_log_table(&client).await?;
+    let rows = bytes.div_ceil(record_bytes as u64);
+    let sink = client.copy_in("copy log (payload) from stdin binary").await.context("starting copy into log")?;
+    let writer = BinaryCopyInWriter::new(sink, &[Type::BYTEA]);
+    futures::pin_mut!(writer);
+    let mut payload = vec![0u8; record_bytes];
+    let mut rng = rand::thread_rng();
+    for _ in 0..rows {
+        rng.fill_bytes(&mut payload);
+        writer.as_mut().write(&[&payload.as_slice()]).await.context("copying rows into log")?;
+    }
+    let copied = writer.finish().await.context("finishing copy into log")?;
+    ensure!(copied == rows, "copy into log stored {copied} of {rows} rows");
+    client.batch_execute("checkpoint").await.context("checkpoint")?;
+    let table_bytes: i64 =
+        client.query_one("select pg_total_relation_size('log')", &[]).await.context("measuring table log")?.get(0);
+    drop(client);
+
+    // SAFETY: sync(2) takes no arguments and cannot fail. The backup starts
+    // on a quiet disk, not behind the load's writeback.
+    tokio::task::spawn_blocking(|| unsafe { libc::sync() }).await?;
+    let started = Instant::now();
+    let target = env.basebackup(port, "standby", &[]).await?;
+    let seconds = started.elapsed().as_secs_f64();
+    let backup_bytes = tokio::task::spawn_blocking(move || tree_bytes(&target)).await??;
+    Ok(Basebackup {
+        loaded_bytes: rows * record_bytes as u64,
+        rows,
+        table_bytes: table_bytes as u64,
+        backup_bytes,
+        seconds,
+        mib_per_s: backup_bytes as f64 / (1 << 20) as f64 / seconds,
+    })
+}
+
+/// The sum of the sizes of the regular files under `dir` (symlinks are not
+/// followed), as `du --apparent-size` counts them.
+pub fn tree_bytes(dir: &Path) -> Result<u64> {
+    let mut total = 0;
+    let mut pending = vec![dir.to_path_buf()];
+    while let Some(at) = pending.pop() {
+        for entry in std::fs::read_dir(&at).with_context(|| format!("listing {}", at.display()))? {
+            let entry = entry?;
+            let meta = entry.metadata()?;
+            if meta.is_dir() {
+                pending.push(entry.path());
+            } else if meta.is_file() {
+                total += meta.len();
+            }
+        }
+    }
+    Ok(total)
+}
+
+/// The benchmark table (see the module docs: no index, `storage external`).
+async fn create_log_table(client: &Client) -> Result<()> {
     client
         .batch_execute(
             "create table log (id bigint generated always as identity, payload bytea not null);
              alter table log alter column payload set storage external;",
         )
         .await
-        .context("creating table log")?;
-    Ok(cluster)
+        .context("creating table log")
 }
 
 /// Rewrites the `primary_conninfo` that `pg_basebackup -R` wrote so the

@@ -326,15 +326,69 @@ impl Appender for FollowingAppender {
 
 /// A plain HTTP/1.1 GET; returns the body of a 200 answer.
 pub async fn http_get(addr: SocketAddr, path: &str) -> Result<String> {
-    let mut stream = tokio::net::TcpStream::connect(addr).await?;
-    stream.write_all(format!("GET {path} HTTP/1.1\r\nHost: {addr}\r\nConnection: close\r\n\r\n").as_bytes()).await?;
-    let mut response = String::new();
-    stream.read_to_string(&mut response).await?;
-    let (head, body) = response.split_once("\r\n\r\n").with_context(|| format!("no HTTP answer from {addr}"))?;
-    if !head.starts_with("HTTP/1.1 200") {
-        bail!("GET {path} from {addr}: {}", head.lines().next().unwrap_or(""));
+    let (status, body) = http_request(addr, "GET", path, None, None).await?;
+    if status != 200 {
+        bail!("GET {path} from {addr}: {status} {body}");
     }
-    Ok(body.to_string())
+    Ok(body)
+}
+
+/// One plain HTTP/1.1 request (a JSON `body`, a bearer `token`, both
+/// optional); returns the status and the body (de-chunked if chunked).
+pub async fn http_request(
+    addr: SocketAddr,
+    method: &str,
+    path: &str,
+    body: Option<&str>,
+    token: Option<&str>,
+) -> Result<(u16, String)> {
+    let mut stream = tokio::net::TcpStream::connect(addr).await.with_context(|| format!("connecting to {addr}"))?;
+    let body = body.unwrap_or("");
+    let auth = token.map_or(String::new(), |t| format!("Authorization: Bearer {t}\r\n"));
+    let head = format!(
+        "{method} {path} HTTP/1.1\r\nHost: {addr}\r\nConnection: close\r\nContent-Type: application/json\r\n\
+         {auth}Content-Length: {}\r\n\r\n",
+        body.len()
+    );
+    stream.write_all(head.as_bytes()).await?;
+    stream.write_all(body.as_bytes()).await?;
+    let mut response = Vec::new();
+    stream.read_to_end(&mut response).await?;
+    let split = response
+        .windows(4)
+        .position(|w| w == b"\r\n\r\n")
+        .with_context(|| format!("no HTTP answer from {addr} to {method} {path}"))?;
+    let head = String::from_utf8_lossy(&response[..split]).to_string();
+    let status: u16 = head
+        .split_whitespace()
+        .nth(1)
+        .and_then(|s| s.parse().ok())
+        .with_context(|| format!("malformed HTTP status from {addr}: {head}"))?;
+    let payload = &response[split + 4..];
+    let payload = if head.to_ascii_lowercase().contains("transfer-encoding: chunked") {
+        dechunk(payload)?
+    } else {
+        payload.to_vec()
+    };
+    Ok((status, String::from_utf8_lossy(&payload).into_owned()))
+}
+
+/// The payload of a `Transfer-Encoding: chunked` body.
+fn dechunk(mut raw: &[u8]) -> Result<Vec<u8>> {
+    let mut out = Vec::new();
+    loop {
+        let line_end = raw.windows(2).position(|w| w == b"\r\n").context("malformed chunked body")?;
+        let size_text = String::from_utf8_lossy(&raw[..line_end]);
+        let size = usize::from_str_radix(size_text.split(';').next().unwrap_or("").trim(), 16)
+            .with_context(|| format!("malformed chunk size {size_text:?}"))?;
+        raw = &raw[line_end + 2..];
+        if size == 0 {
+            return Ok(out);
+        }
+        let chunk = raw.get(..size).context("truncated chunked body")?;
+        out.extend_from_slice(chunk);
+        raw = raw.get(size + 2..).context("truncated chunked body")?;
+    }
 }
 
 /// The `walship` binary beside this one (`target/release/walship` when
@@ -344,4 +398,16 @@ pub fn default_binary() -> PathBuf {
         .ok()
         .and_then(|exe| exe.parent().map(|dir| dir.join("walship")))
         .unwrap_or_else(|| PathBuf::from("target/release/walship"))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::dechunk;
+
+    #[test]
+    fn dechunks_a_chunked_body() {
+        assert_eq!(dechunk(b"5\r\nhello\r\n7;x=1\r\n, world\r\n0\r\n\r\n").unwrap(), b"hello, world");
+        assert!(dechunk(b"9\r\nhello\r\n").is_err());
+        assert!(dechunk(b"zz\r\n").is_err());
+    }
 }
