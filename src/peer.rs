@@ -100,7 +100,9 @@ impl PeerTier for PeerSegments {
             let Some(addr) = self.addresses.get(peer) else { continue };
             match self.fetcher.fetch(addr, &task, &segment.key, &token).await {
                 Ok(bytes) => return Some(bytes),
-                Err(error) => tracing::debug!(shard, peer, key = %segment.key, %error, "peer fetch failed; next source"),
+                Err(error) => {
+                    tracing::debug!(shard, peer, key = %segment.key, %error, "peer fetch failed; next source")
+                }
             }
         }
         None

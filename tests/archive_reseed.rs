@@ -55,7 +55,7 @@ async fn applied_bytes(cluster: &Cluster, node: u32, source: &str) -> u64 {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_wiped_follower_rebuilds_from_the_archive_under_load_with_nothing_lost() {
+async fn a_wiped_follower_rebuilds_from_peers_and_the_archive_under_load_with_nothing_lost() {
     let mut cluster = Cluster::launch(&ClusterSpec {
         nodes: 3,
         shards: 1,
@@ -101,17 +101,25 @@ async fn a_wiped_follower_rebuilds_from_the_archive_under_load_with_nothing_lost
     assert_eq!(r["leader"], leader);
     assert!(r["records_wiped"].as_u64().unwrap() >= 1024, "it held the volume before the wipe: {r}");
     assert!(r["records"].as_u64().unwrap() >= 1024, "{r}");
-    // The archive held the volume at the wipe, so most bytes came from it.
-    let (archive, stream, push) =
-        (r["bytes_archive"].as_u64().unwrap(), r["bytes_stream"].as_u64().unwrap(), r["bytes_push"].as_u64().unwrap());
-    assert!(archive >= 4 << 20, "at least the volume from the archive: {r}");
-    assert!(archive > stream + push, "{r}");
+    // The archive held the volume at the wipe, so most bytes were sealed
+    // segments: fetched from the other follower (PeerExchange), which holds
+    // them all, before the object store.
+    let (archive, peer, stream, push) = (
+        r["bytes_archive"].as_u64().unwrap(),
+        r["bytes_peer"].as_u64().unwrap(),
+        r["bytes_stream"].as_u64().unwrap(),
+        r["bytes_push"].as_u64().unwrap(),
+    );
+    assert!(archive + peer >= 4 << 20, "at least the volume as sealed segments: {r}");
+    assert!(peer > 0, "the peer tier served nothing: {r}");
+    assert!(archive + peer > stream + push, "{r}");
     assert!(r["archive_mib_per_s"].as_f64().unwrap() > 0.0 && r["total_mib_per_s"].as_f64().unwrap() > 0.0, "{r}");
     assert!(r["append_rate_before"].as_f64().unwrap() > 0.0, "{r}");
     assert!(r["append_rate_during"].as_f64().is_some(), "{r}");
     assert!(r["acked"].as_u64().unwrap() >= 1024, "{r}");
     assert_eq!((r["lost"].as_u64(), r["divergent_replicas"].as_u64()), (Some(0), Some(0)), "{r}");
     assert!(applied_bytes(&cluster, follower, "archive").await >= archive, "the metric counts the archive's bytes");
+    assert!(applied_bytes(&cluster, follower, "peer").await >= peer, "the metric counts the peers' bytes");
 
     // Byte-identical: the follower serves what the leader serves.
     let last = cluster.status(leader).await.unwrap()["shards"][0]["commit_seqno"].as_u64().unwrap();

@@ -152,3 +152,138 @@ fn is_transport(status: &tonic::Status) -> bool {
         && status.message().contains("transport")
         || status.code() == tonic::Code::Unavailable && status.message().contains("connect")
 }
+
+#[cfg(test)]
+mod tests {
+    //! The client against an in-process PeerExchange server that misbehaves
+    //! on purpose (a damaged chunk, silence, a stream cut short).
+
+    use std::pin::Pin;
+    use std::sync::Arc;
+    use std::sync::atomic::{AtomicUsize, Ordering};
+
+    use tokio_stream::Stream;
+    use tonic::{Request, Response, Status};
+    use walship_proto::dataplane::peer_exchange_server::{PeerExchange, PeerExchangeServer};
+    use walship_proto::dataplane::{FetchShuffleRequest, ShuffleChunk};
+
+    use super::*;
+    use crate::token::{Grant, TokenKey};
+
+    #[derive(Clone, Copy)]
+    enum Behaviour {
+        /// The second chunk's crc32c does not match its data.
+        DamageSecondChunk,
+        /// One chunk, then nothing (the stream stays open).
+        GoSilent,
+        /// The first call ends after one chunk; later calls send the rest.
+        CutFirstCall,
+    }
+
+    struct Fake {
+        file: Bytes,
+        behaviour: Behaviour,
+        calls: Arc<AtomicUsize>,
+    }
+
+    fn chunk(file: &Bytes, from: usize, to: usize) -> ShuffleChunk {
+        let data = file.slice(from..to);
+        ShuffleChunk { crc32c: Some(crc32c::crc32c(&data)), total_bytes: file.len() as u64, data }
+    }
+
+    #[tonic::async_trait]
+    impl PeerExchange for Fake {
+        type FetchShuffleStream = Pin<Box<dyn Stream<Item = Result<ShuffleChunk, Status>> + Send>>;
+
+        async fn fetch_shuffle(
+            &self,
+            request: Request<FetchShuffleRequest>,
+        ) -> Result<Response<Self::FetchShuffleStream>, Status> {
+            let call = self.calls.fetch_add(1, Ordering::SeqCst);
+            let offset = request.into_inner().offset as usize;
+            let (file, behaviour) = (self.file.clone(), self.behaviour);
+            let (tx, rx) = tokio::sync::mpsc::channel(4);
+            tokio::spawn(async move {
+                let half = file.len() / 2;
+                match behaviour {
+                    Behaviour::DamageSecondChunk => {
+                        let _ = tx.send(Ok(chunk(&file, 0, half))).await;
+                        let mut bad = chunk(&file, half, file.len());
+                        bad.crc32c = bad.crc32c.map(|c| c ^ 1);
+                        let _ = tx.send(Ok(bad)).await;
+                    }
+                    Behaviour::GoSilent => {
+                        let _ = tx.send(Ok(chunk(&file, offset, (offset + 10).min(file.len())))).await;
+                        tokio::time::sleep(Duration::from_secs(3600)).await;
+                    }
+                    Behaviour::CutFirstCall if call == 0 => {
+                        let _ = tx.send(Ok(chunk(&file, 0, half))).await;
+                    }
+                    Behaviour::CutFirstCall => {
+                        let _ = tx.send(Ok(chunk(&file, offset, file.len()))).await;
+                    }
+                }
+            });
+            Ok(Response::new(Box::pin(tokio_stream::wrappers::ReceiverStream::new(rx))))
+        }
+    }
+
+    /// Serves `behaviour` on a free loopback port; answers its address and
+    /// the call counter.
+    async fn serve(behaviour: Behaviour) -> (String, Arc<AtomicUsize>, Bytes) {
+        let file = Bytes::from((0..100_000u32).map(|i| (i % 251) as u8).collect::<Vec<u8>>());
+        let calls = Arc::new(AtomicUsize::new(0));
+        let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        let addr = listener.local_addr().unwrap();
+        drop(listener);
+        let fake = Fake { file: file.clone(), behaviour, calls: calls.clone() };
+        tokio::spawn(tonic::transport::Server::builder().add_service(PeerExchangeServer::new(fake)).serve(addr));
+        tokio::time::sleep(Duration::from_millis(100)).await;
+        (addr.to_string(), calls, file)
+    }
+
+    fn token() -> Token {
+        TokenKey::derive(b"k").mint(&Grant { task: "t".into(), shard: 1, expires_unix_ms: u64::MAX })
+    }
+
+    #[tokio::test]
+    async fn a_damaged_chunk_is_caught_when_it_arrives() {
+        let (addr, _, _) = serve(Behaviour::DamageSecondChunk).await;
+        let fetcher = PeerFetcher::new(plain_dial());
+        let error = fetcher.fetch(&addr, "t", "k", &token()).await.unwrap_err();
+        assert!(matches!(error, FetchError::DamagedChunk { offset: 50_000, .. }), "{error}");
+    }
+
+    #[tokio::test]
+    async fn a_silent_peer_is_given_up_after_the_idle_timeout() {
+        let (addr, calls, _) = serve(Behaviour::GoSilent).await;
+        let mut fetcher = PeerFetcher::new(plain_dial());
+        fetcher.idle_timeout = Duration::from_millis(300);
+        let started = std::time::Instant::now();
+        let error = fetcher.fetch(&addr, "t", "k", &token()).await.unwrap_err();
+        assert!(matches!(error, FetchError::Idle { .. }), "{error}");
+        assert!(started.elapsed() < Duration::from_secs(5), "gave up after {:?}", started.elapsed());
+        assert_eq!(calls.load(Ordering::SeqCst), 2, "one resume after the first silence, then it gives up");
+    }
+
+    #[tokio::test]
+    async fn a_stream_cut_short_resumes_from_its_last_good_chunk() {
+        let (addr, calls, file) = serve(Behaviour::CutFirstCall).await;
+        let fetcher = PeerFetcher::new(plain_dial());
+        let got = fetcher.fetch(&addr, "t", "k", &token()).await.unwrap();
+        assert!(got == file, "the resumed fetch differs from the file");
+        assert_eq!(calls.load(Ordering::SeqCst), 2);
+    }
+
+    #[tokio::test]
+    async fn an_unreachable_peer_fails_fast() {
+        let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        let addr = listener.local_addr().unwrap().to_string();
+        drop(listener);
+        let fetcher = PeerFetcher::new(plain_dial());
+        let started = std::time::Instant::now();
+        let error = fetcher.fetch(&addr, "t", "k", &token()).await.unwrap_err();
+        assert!(matches!(error, FetchError::Broken { .. }), "{error}");
+        assert!(started.elapsed() < Duration::from_secs(5));
+    }
+}

@@ -91,8 +91,7 @@ impl ServeMetrics {
             ),
             &["result"],
         )?;
-        let bytes =
-            IntCounter::new("walship_peer_served_bytes_total", "Segment bytes this node streamed to peers")?;
+        let bytes = IntCounter::new("walship_peer_served_bytes_total", "Segment bytes this node streamed to peers")?;
         registry.register(Box::new(serves.clone()))?;
         registry.register(Box::new(bytes.clone()))?;
         Ok(ServeMetrics { serves, bytes })
@@ -162,9 +161,8 @@ impl PeerExchange for PeerExchangeService {
             .key
             .verify(&r.token, &r.query_id, now_unix_ms())
             .map_err(|e| self.refuse("denied", Status::permission_denied(e.to_string())))?;
-        let invalid = |why: String| {
-            self.refuse("invalid", Status::invalid_argument(format!("key {:?}: {why}", shown(&r.key))))
-        };
+        let invalid =
+            |why: String| self.refuse("invalid", Status::invalid_argument(format!("key {:?}: {why}", shown(&r.key))));
         let key = ObjectKey::new(r.key.clone()).map_err(|_| {
             invalid("not an object key (1 to 1024 bytes of '/'-separated letters, digits, '-', '_', '.', '=')".into())
         })?;

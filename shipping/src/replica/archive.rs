@@ -32,9 +32,9 @@
 //!   checksum, does not decode, holds another range than its name says,
 //!   listed but gone), or a gap before later segments, is logged at ERROR
 //!   and uploaded again from the leader's WAL, to the same key, when the
-//!   WAL still holds those records; otherwise it is reported unrepairable
-//!   (fetching it from another replica needs the PeerExchange service,
-//!   not built yet). Counted in `walship_archive_damaged_objects_total`
+//!   WAL still holds those records, else fetched from another replica's
+//!   WAL (PeerExchange, the same bytes) and uploaded; otherwise it is
+//!   reported unrepairable. Counted in `walship_archive_damaged_objects_total`
 //!   and shown in the status.
 //! * **Retention.** While archiving is on, the leader compacts no record
 //!   that is not archived yet (see `retention.rs`): the local disk holds
@@ -681,9 +681,23 @@ impl ReplicationNode {
             Err(e) => return Err(StoreError::Unavailable(e.to_string())),
         };
         if first < held {
+            // Another replica may still hold the records: fetch the segment
+            // from its WAL (PeerExchange), checked whole, and upload that.
+            if let (Some(s), Some(tier)) = (segment, self.peer_tier()) {
+                let peers: Vec<NodeId> = replica.replicas.iter().copied().filter(|&n| n != self.me).collect();
+                let intact = |bytes: &Bytes| {
+                    Segment::decode(bytes.clone()).is_ok_and(|d| {
+                        d.shard_id() == shard && d.first_seqno() == s.first && d.last_seqno() == s.last
+                    })
+                };
+                if let Some(bytes) = tier.fetch(shard, s, &peers).await.filter(intact) {
+                    archive.store.put(&ObjectKey::new(s.key.clone())?, bytes).await?;
+                    return Ok(Damage::Repaired);
+                }
+            }
             return Ok(Damage::Unrepairable(format!(
-                "this leader's WAL starts at seqno {held} (older records compacted): fetching seqnos {first}..={last} \
-                 from another replica needs the PeerExchange service, not built yet"
+                "this node's WAL starts at seqno {held} (older records compacted) and no other replica served \
+                 seqnos {first}..={last}"
             )));
         }
         let max_bytes = if segment.is_some() { usize::MAX } else { archive.segment_bytes as usize };

@@ -355,7 +355,7 @@ impl ReplicationNode {
                 break; // the leader streams the rest
             }
             // Peers first (their WALs hold the same bytes), the store second.
-            let (payload, source) = match self.from_peers(replica, leader, segment).await {
+            let (payload, source) = match self.fetch_from_peers(replica, leader, segment).await {
                 Some(payload) => (payload, Source::Peer),
                 None => {
                     let key = walship_objstore::ObjectKey::new(segment.key.clone())
@@ -404,7 +404,7 @@ impl ReplicationNode {
     /// leader only when it is the only other one), through the peer tier,
     /// checked whole against its key (shard, range); `None` when there is
     /// no peer tier or no peer served it intact.
-    async fn from_peers(
+    async fn fetch_from_peers(
         &self,
         replica: &ShardReplica,
         leader: NodeId,

@@ -47,12 +47,12 @@ mod damage;
 pub mod drill_partition;
 pub mod error;
 mod leadership;
+pub mod peer_tier;
 mod receive;
 mod retention;
 mod send;
 pub mod shard;
 mod status;
-pub mod peer_tier;
 mod wipe;
 
 use std::collections::BTreeMap;
