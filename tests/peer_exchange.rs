@@ -18,7 +18,8 @@ use walship_proto::dataplane::peer_exchange_client::PeerExchangeClient;
 use walship_proto::log::{AppendRecord, AppendRequest, Durability};
 
 /// Segments of up to 1 MiB, sealed by size (the age bound is long).
-const ARCHIVE: &str = "[archive]\nstore = \"dir\"\ndir = \"archive\"\nsegment_bytes = 1048576\nsegment_age_ms = 600000\n";
+const ARCHIVE: &str =
+    "[archive]\nstore = \"dir\"\ndir = \"archive\"\nsegment_bytes = 1048576\nsegment_age_ms = 600000\n";
 
 const TASK: &str = "rebuild-test";
 

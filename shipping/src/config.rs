@@ -124,7 +124,8 @@ pub struct ReplicationConfig {
     /// pull (StreamSegments catch-up).
     pub catchup_threshold_bytes: u64,
     /// Bytes per second one node serves to catch-up streams, all of them
-    /// together, so catch-up cannot starve live appends.
+    /// together, so catch-up cannot starve live appends; a follower's
+    /// re-seed from peers or the object store takes from the same budget.
     pub catchup_rate_bytes_per_s: u64,
     /// How long a follower holds an out-of-order segment waiting for the one
     /// before it (windowed ships can overtake each other) before calling it

@@ -686,9 +686,8 @@ impl ReplicationNode {
             if let (Some(s), Some(tier)) = (segment, self.peer_tier()) {
                 let peers: Vec<NodeId> = replica.replicas.iter().copied().filter(|&n| n != self.me).collect();
                 let intact = |bytes: &Bytes| {
-                    Segment::decode(bytes.clone()).is_ok_and(|d| {
-                        d.shard_id() == shard && d.first_seqno() == s.first && d.last_seqno() == s.last
-                    })
+                    Segment::decode(bytes.clone())
+                        .is_ok_and(|d| d.shard_id() == shard && d.first_seqno() == s.first && d.last_seqno() == s.last)
                 };
                 if let Some(bytes) = tier.fetch(shard, s, &peers).await.filter(intact) {
                     archive.store.put(&ObjectKey::new(s.key.clone())?, bytes).await?;

@@ -370,6 +370,10 @@ impl ReplicationNode {
                 }
             };
             applied_bytes += payload.len() as u64;
+            // A re-seed moves bulk like a catch-up stream: it takes from the
+            // same per-node budget (`catchup_rate_bytes_per_s`), so it
+            // cannot starve live appends of the disk.
+            self.catchup_budget.acquire(payload.len()).await;
             let message = ShipSegmentRequest {
                 id: Some(WalSegmentId { region_id: self.region, shard_id: shard, seqno: segment.first }),
                 event_count: segment.last - segment.first + 1,
