@@ -109,10 +109,14 @@ pub enum DrillKind {
         #[arg(long, default_value_t = 8)]
         clients: usize,
     },
-    /// Dev and test clusters only (nodes started with --allow-crash-drills, an [archive] configured): append a volume, wait until the object store holds it, wipe one follower's copy of the shard and let it rebuild from the object store then the leader under QUORUM load; report bytes and MiB/s by source, live throughput during the rebuild, and records lost (must be 0) with every replica byte-identical.
+    /// Dev and test clusters only (nodes started with --allow-crash-drills, an [archive] configured): append a volume, wait until the object store holds it, wipe one follower's copy of the shard and let it rebuild by tiers (peers, the object store, then the leader; --source picks one) under QUORUM load; report bytes and MiB/s by source, live throughput during the rebuild, and records lost (must be 0) with every replica byte-identical.
+    #[command(alias = "rebuild")]
     Reseed {
         #[arg(long)]
         shard: u32,
+        /// Where the follower takes sealed segments from: all (peers, then the object store), peer, archive, or stream (the leader only).
+        #[arg(long, default_value = "all")]
+        source: String,
         /// Follower to wipe (default: the first follower).
         #[arg(long)]
         follower: Option<u32>,
@@ -185,10 +189,10 @@ pub async fn run(args: DrillArgs) -> Result<()> {
             "/v1/drills/partition",
             serde_json::json!({"shard": shard, "between": between, "seconds": seconds, "trials": trials, "clients": clients}),
         ),
-        DrillKind::Reseed { shard, follower, volume_mib, record_bytes, clients } => (
+        DrillKind::Reseed { shard, source, follower, volume_mib, record_bytes, clients } => (
             "/v1/drills/reseed",
             serde_json::json!({"shard": shard, "follower": follower, "volume_bytes": volume_mib << 20,
-                "record_bytes": record_bytes, "clients": clients}),
+                "record_bytes": record_bytes, "clients": clients, "source": source}),
         ),
     };
     let report = run_drill(&args.admin.resolve()?, path, body, args.json).await?;
@@ -311,7 +315,9 @@ pub fn summary(report: &serde_json::Value) -> String {
             f(&reseed["total_mib_per_s"])
         );
         out += &format!(
-            "  by source: archive {} in {:.2} s ({:.1} MiB/s), stream {}, push {}\n",
+            "  by source ({}): peers {} and archive {} in {:.2} s ({:.1} MiB/s), stream {}, push {}\n",
+            reseed["source"].as_str().unwrap_or("all"),
+            mib(n(&reseed["bytes_peer"])),
             mib(n(&reseed["bytes_archive"])),
             f(&reseed["archive_seconds"]),
             f(&reseed["archive_mib_per_s"]),

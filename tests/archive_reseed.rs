@@ -131,6 +131,29 @@ async fn a_wiped_follower_rebuilds_from_peers_and_the_archive_under_load_with_no
     let ours = common::read_all(&cluster.nodes[follower as usize - 1].grpc, 1, last).await;
     assert_eq!(theirs.len() as u64, last);
     assert!(theirs == ours, "the rebuilt follower's records differ from the leader's");
+
+    // One tier at a time: the object store only, then the leader only.
+    let (code, refused) =
+        cluster.coord_post(1, "/v1/drills/reseed", r#"{"shard": 1, "source": "tape"}"#, Some(TOKEN)).await;
+    assert_eq!(code, 400, "{refused}");
+    for (source, sealed) in [("archive", true), ("stream", false)] {
+        let (ok, stdout, stderr) =
+            cli_reseed(&mut cluster, &["--shard", "1", "--volume-mib", "2", "--source", source]).await;
+        assert!(ok, "{stdout}\n{stderr}");
+        let report: serde_json::Value = serde_json::from_str(&stdout).unwrap();
+        let r = &report["reseed"];
+        eprintln!("re-seed from {source}: {r}");
+        assert_eq!(r["source"], source, "{r}");
+        assert_eq!(r["bytes_peer"], 0, "{source}: no peer was asked: {r}");
+        match sealed {
+            true => assert!(r["bytes_archive"].as_u64().unwrap() >= 2 << 20, "{r}"),
+            false => {
+                assert_eq!(r["bytes_archive"], 0, "{r}");
+                assert!(r["bytes_stream"].as_u64().unwrap() + r["bytes_push"].as_u64().unwrap() >= 2 << 20, "{r}");
+            }
+        }
+        assert_eq!((r["lost"].as_u64(), r["divergent_replicas"].as_u64()), (Some(0), Some(0)), "{r}");
+    }
 }
 
 /// `Control.Wipe` refuses, changing nothing: on a node without
@@ -154,7 +177,7 @@ async fn wipe_refuses_bad_input_and_changes_nothing() {
         };
         log.append(request).await.unwrap();
     }
-    let refused = control(&node.grpc).await.wipe(WipeRequest { shard_id: 1 }).await;
+    let refused = control(&node.grpc).await.wipe(WipeRequest { shard_id: 1, ..Default::default() }).await;
     common::assert_refused(
         "wipe without crash drills",
         refused,
@@ -180,10 +203,13 @@ async fn wipe_refuses_bad_input_and_changes_nothing() {
         };
         log.append(request).await.unwrap();
     }
-    let refused = control(&cluster.nodes[0].grpc).await.wipe(WipeRequest { shard_id: 1 }).await;
+    let refused = control(&cluster.nodes[0].grpc).await.wipe(WipeRequest { shard_id: 1, ..Default::default() }).await;
     common::assert_refused("wipe of the leader", refused, tonic::Code::FailedPrecondition, &["leader"], &[]);
-    let refused = control(&cluster.nodes[1].grpc).await.wipe(WipeRequest { shard_id: 7 }).await;
+    let refused = control(&cluster.nodes[1].grpc).await.wipe(WipeRequest { shard_id: 7, ..Default::default() }).await;
     common::assert_refused("wipe of a shard not hosted", refused, tonic::Code::NotFound, &["shard 7"], &[]);
+    let tape = WipeRequest { shard_id: 1, source: "tape".into() };
+    let refused = control(&cluster.nodes[1].grpc).await.wipe(tape).await;
+    common::assert_refused("wipe with an unknown source", refused, tonic::Code::InvalidArgument, &["tape"], &[]);
     for node in &cluster.nodes {
         // A follower serves what it knows is committed: the leader's next
         // message tells it the last record is.

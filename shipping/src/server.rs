@@ -206,7 +206,7 @@ impl Control for ControlService {
 
     async fn wipe(&self, request: Request<WipeRequest>) -> Result<Response<WipeResponse>, Status> {
         let r = request.into_inner();
-        self.node.wipe(r.shard_id).await.map(Response::new).map_err(Status::from)
+        self.node.wipe(r.shard_id, &r.source).await.map(Response::new).map_err(Status::from)
     }
 
     async fn partition(&self, request: Request<PartitionRequest>) -> Result<Response<PartitionResponse>, Status> {

@@ -15,6 +15,7 @@ use walship_proto::replication::{ShipSegmentRequest, StreamRequest, WalSegmentId
 use walship_wal::Segment;
 
 use super::shard::ShardReplica;
+use super::wipe::Tiers;
 use super::{ReplicaError, ReplicationNode, Source};
 use crate::NodeId;
 use crate::core::{Epoch, Seqno};
@@ -157,7 +158,11 @@ impl ReplicationNode {
                 match attempt.await {
                     // Re-seeded from the archive: stream the rest now.
                     Ok(Pulled::Reseeded) => backoff = Duration::from_millis(20),
-                    Ok(Pulled::Streamed) => break,
+                    Ok(Pulled::Streamed) => {
+                        // Caught up: a drill's choice of tiers ends with its rebuild.
+                        replica.follower.rebuild_tiers.store(Tiers::ALL.0, Ordering::Release);
+                        break;
+                    }
                     Err(error) => {
                         tracing::debug!(shard = replica.shard, %error, "catch-up attempt failed; retrying");
                         tokio::select! {
@@ -240,7 +245,8 @@ impl ReplicationNode {
         // from where this log starts, then the leader streams the rest.
         if self.archive.get().is_some() {
             let p = self.wal.positions(replica.shard)?;
-            if p.last_seqno < p.first_seqno {
+            let tiers = Tiers(replica.follower.rebuild_tiers.load(Ordering::Acquire));
+            if p.last_seqno < p.first_seqno && tiers != Tiers(0) {
                 match self.reseed_from_archive(replica, leader, epoch, None).await {
                     Ok(0) => {}
                     Ok(_) => return Ok(Pulled::Reseeded),
@@ -354,9 +360,18 @@ impl ReplicationNode {
             if segment.first >= until {
                 break; // the leader streams the rest
             }
-            // Peers first (their WALs hold the same bytes), the store second.
-            let (payload, source) = match self.fetch_from_peers(replica, leader, segment).await {
+            // Peers first (their WALs hold the same bytes), the store second
+            // (a drill may have chosen one of them).
+            let tiers = Tiers(replica.follower.rebuild_tiers.load(Ordering::Acquire));
+            let from_peer = match tiers.has(Tiers::PEER) {
+                true => self.fetch_from_peers(replica, leader, segment).await,
+                false => None,
+            };
+            let (payload, source) = match from_peer {
                 Some(payload) => (payload, Source::Peer),
+                None if !tiers.has(Tiers::ARCHIVE) => {
+                    return Err(unavailable(format!("no peer served {} (this rebuild takes peers only)", segment.key)));
+                }
                 None => {
                     let key = walship_objstore::ObjectKey::new(segment.key.clone())
                         .map_err(|e| unavailable(e.to_string()))?;

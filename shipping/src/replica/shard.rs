@@ -68,6 +68,9 @@ pub(crate) struct FollowerState {
     pub(crate) applied_bytes: [AtomicU64; 4],
     /// The replica the leader said archives the shard (0: the leader).
     pub(crate) archiver: AtomicU32,
+    /// The tiers the current rebuild may take sealed segments from
+    /// ([`super::wipe::Tiers`] bits; all outside a drill's rebuild).
+    pub(crate) rebuild_tiers: std::sync::atomic::AtomicU8,
 }
 
 /// One shard's replica on this node.
@@ -116,6 +119,7 @@ impl ShardReplica {
                 archived: AtomicU64::new(0),
                 applied_bytes: Default::default(),
                 archiver: AtomicU32::new(0),
+                rebuild_tiers: std::sync::atomic::AtomicU8::new(super::wipe::Tiers::ALL.0),
             },
             transition: tokio::sync::Mutex::new(()),
         }

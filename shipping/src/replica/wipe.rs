@@ -11,6 +11,7 @@
 //! the others hold everything committed.
 
 use std::sync::Arc;
+use std::sync::atomic::Ordering;
 
 use walship_proto::log::WipeResponse;
 use walship_wal::ShardId;
@@ -22,10 +23,15 @@ impl ReplicationNode {
     /// Drops this follower's records of `shard` and starts its rebuild.
     /// Refuses, changing nothing, unless crash drills are allowed, the
     /// shard is hosted and this replica follows a leader.
-    pub async fn wipe(self: &Arc<Self>, shard: ShardId) -> Result<WipeResponse, ReplicaError> {
+    pub async fn wipe(self: &Arc<Self>, shard: ShardId, source: &str) -> Result<WipeResponse, ReplicaError> {
         if !self.allow_crash_drills {
             return Err(ReplicaError::CrashDrillsDisabled);
         }
+        let tiers = Tiers::parse(source).ok_or_else(|| {
+            ReplicaError::BadRequest(format!(
+                "source {source:?} is not one of \"all\", \"peer\", \"archive\", \"stream\""
+            ))
+        })?;
         let replica = self.replica_or_not_found(shard).map_err(|e| self.counted(e))?;
         let transition = replica.transition.lock().await;
         if replica.leader_state().is_some() {
@@ -41,6 +47,7 @@ impl ReplicationNode {
             let before = self.wal.positions(shard)?;
             self.wal.truncate_suffix(shard, before.first_seqno - 1).await?;
             replica.follower.next_expected.send_replace(before.first_seqno);
+            replica.follower.rebuild_tiers.store(tiers.0, Ordering::Release);
             replica.readable.send_if_modified(|r| {
                 let lowered = (*r).min(before.first_seqno - 1);
                 std::mem::replace(r, lowered) != lowered
@@ -60,5 +67,30 @@ impl ReplicationNode {
             last_seqno: before.last_seqno,
             restart_seqno: before.first_seqno,
         })
+    }
+}
+
+/// The tiers a rebuild takes sealed segments from (the leader's stream
+/// always serves the rest).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) struct Tiers(pub(crate) u8);
+
+impl Tiers {
+    pub(crate) const PEER: u8 = 1;
+    pub(crate) const ARCHIVE: u8 = 2;
+    pub(crate) const ALL: Tiers = Tiers(Tiers::PEER | Tiers::ARCHIVE);
+
+    fn parse(source: &str) -> Option<Tiers> {
+        Some(Tiers(match source {
+            "" | "all" => Tiers::PEER | Tiers::ARCHIVE,
+            "peer" => Tiers::PEER,
+            "archive" => Tiers::ARCHIVE,
+            "stream" => 0,
+            _ => return None,
+        }))
+    }
+
+    pub(crate) fn has(self, tier: u8) -> bool {
+        self.0 & tier != 0
     }
 }

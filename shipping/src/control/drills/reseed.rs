@@ -41,10 +41,25 @@ pub struct ReseedDrillRequest {
     #[serde(default = "default_clients", deserialize_with = "crate::control::lenient::int")]
     #[schema(minimum = 1, maximum = 256)]
     pub clients: usize,
+    /// Where the follower takes sealed segments from, to measure one tier:
+    /// `all` (peers, then the object store; the default), `peer`, `archive`,
+    /// or `stream` (none: the leader streams everything).
+    #[serde(default = "default_source")]
+    pub source: String,
 }
+
+fn default_source() -> String {
+    "all".into()
+}
+
+const SOURCES: [&str; 4] = ["all", "peer", "archive", "stream"];
 
 #[derive(Debug, Clone, Serialize, Deserialize, PartialEq, utoipa::ToSchema)]
 pub struct ReseedDrillResult {
+    /// The tiers it was told to take sealed segments from (`all`, `peer`,
+    /// `archive`, `stream`).
+    #[serde(default)]
+    pub source: String,
     /// The wiped follower and the leader it rebuilt from.
     pub follower: NodeId,
     pub leader: NodeId,
@@ -98,6 +113,13 @@ impl Coordinator {
             return Err(CoordError::BadRequest(
                 "clients must be 1..=256, record_bytes 1..=1048576 and volume_bytes 1..=17179869184".into(),
             ));
+        }
+        if !SOURCES.contains(&request.source.as_str()) {
+            return Err(CoordError::BadRequest(format!(
+                "source {:?} is not one of {}",
+                request.source,
+                SOURCES.join(", ")
+            )));
         }
         let state = self.state().ok_or(CoordError::NotActive)?;
         let record = state.shards.get(&request.shard).ok_or(CoordError::UnknownShard(request.shard))?;
@@ -218,7 +240,7 @@ impl Coordinator {
         self.drills.progress(id, &format!("wiping follower {follower}'s copy of shard {shard}"));
         let mut control = self.peers.control(follower).ok_or("no follower client")?;
         let wiped = control
-            .wipe(WipeRequest { shard_id: shard })
+            .wipe(WipeRequest { shard_id: shard, source: request.source.clone() })
             .await
             .map_err(|s| format!("wiping node {follower}: {s}"))?
             .into_inner();
@@ -258,6 +280,7 @@ impl Coordinator {
         let bytes_peer = end.applied_peer_bytes - start.applied_peer_bytes;
         let archive_seconds = last_archive.1.as_secs_f64();
         Ok(ReseedDrillResult {
+            source: request.source.clone(),
             follower,
             leader,
             records_wiped: (wiped.last_seqno + 1).saturating_sub(wiped.first_seqno),
