@@ -190,9 +190,13 @@ async fn a_follower_archives_and_another_replica_takes_over_when_it_dies() {
     let theirs = archive_of(&cluster, archiver).await;
     assert!(theirs["segments_uploaded"].as_u64().unwrap() > 0, "{theirs}");
     assert_eq!(theirs["archiver"], archiver, "{theirs}");
-    // The coordinator shows the archive position the leader reports.
-    let (_, shard) = cluster.coord_get(1, "/v1/shards/1").await;
-    assert!(shard["archived_seqno"].as_u64() >= Some(last), "{shard}");
+    // The coordinator shows the archive position the leader reports (with
+    // the leader's next heartbeat).
+    wait_until("the coordinator to show the archived seqno", WAIT, || {
+        let (_, shard) = futures::executor::block_on(cluster.coord_get(1, "/v1/shards/1"));
+        async move { shard["archived_seqno"].as_u64() >= Some(last) }
+    })
+    .await;
 
     // The archiving follower dies: another replica archives from where the
     // store stands, with no hole.

@@ -75,7 +75,7 @@ async fn a_wiped_follower_rebuilds_from_peers_and_the_archive_under_load_with_no
     // holds no replica, an empty volume, no token.
     let body = format!(r#"{{"shard": 1, "follower": {leader}}}"#);
     let (code, refused) = cluster.coord_post(1, "/v1/drills/reseed", &body, Some(TOKEN)).await;
-    assert_eq!(code, 400, "{refused}");
+    assert_eq!((code, refused["error"]["code"].as_str()), (409, Some("is_leader")), "{refused}");
     assert!(refused["error"]["message"].as_str().unwrap().contains("wipes a follower"), "{refused}");
     let (code, refused) =
         cluster.coord_post(1, "/v1/drills/reseed", r#"{"shard": 1, "follower": 9}"#, Some(TOKEN)).await;
@@ -225,6 +225,6 @@ async fn wipe_refuses_bad_input_and_changes_nothing() {
     })
     .await;
     let (code, refused) = cluster.coord_post(1, "/v1/drills/reseed", r#"{"shard": 1}"#, Some(TOKEN)).await;
-    assert_eq!(code, 400, "{refused}");
+    assert_eq!((code, refused["error"]["code"].as_str()), (409, Some("not_archiving")), "{refused}");
     assert!(refused["error"]["message"].as_str().unwrap().contains("does not archive"), "{refused}");
 }

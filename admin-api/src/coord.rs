@@ -518,7 +518,10 @@ pub fn coord_error(e: CoordError) -> ApiError {
         // The named replica does not exist in this shard.
         CoordError::UnknownShard(_) | CoordError::NotAReplica { .. } => StatusCode::NOT_FOUND,
         CoordError::BadRequest(_) => StatusCode::BAD_REQUEST,
-        CoordError::WouldLose { .. } | CoordError::Busy(_) | CoordError::DrillWouldEvict { .. } => StatusCode::CONFLICT,
+        CoordError::WouldLose { .. }
+        | CoordError::Busy(_)
+        | CoordError::DrillWouldEvict { .. }
+        | CoordError::Conflict { .. } => StatusCode::CONFLICT,
     };
     let code = match &e {
         CoordError::NotActive => "not_active",
@@ -531,6 +534,7 @@ pub fn coord_error(e: CoordError) -> ApiError {
         CoordError::Kv(_) => "kv_unavailable",
         CoordError::BadRequest(_) => "bad_request",
         CoordError::DrillWouldEvict { .. } => "drill_would_evict",
+        CoordError::Conflict { code, .. } => code,
     };
     ApiError::new(status, code, e.to_string())
 }
@@ -680,8 +684,8 @@ async fn catchup_drill(
 /// rebuilds it from the object store, then the leader, under load.
 #[utoipa::path(post, path = "/v1/drills/reseed", tag = "drills", request_body = ReseedDrillRequest,
     security(("bearer" = [])), responses((status = 202, description = "started", body = DrillStarted),
-        (status = 400, description = "malformed body, the leader named as the follower, or a shard whose leader does not archive", body = crate::models::ErrorBody), (status = 401, body = crate::models::ErrorBody), (status = 403, body = crate::models::ErrorBody),
-        (status = 404, description = "unknown shard", body = crate::models::ErrorBody), (status = 409, description = "the shard has no leader now (failover_in_progress), or the drill needs more than its headroom below replication.retain_bytes (drill_would_evict)", body = crate::models::ErrorBody), (status = 413, body = crate::models::ErrorBody),
+        (status = 400, description = "malformed body", body = crate::models::ErrorBody), (status = 401, body = crate::models::ErrorBody), (status = 403, body = crate::models::ErrorBody),
+        (status = 404, description = "unknown shard", body = crate::models::ErrorBody), (status = 409, description = "the shard has no leader now (failover_in_progress), the drill needs more than its headroom below replication.retain_bytes (drill_would_evict), its leader does not archive (not_archiving), or the follower named leads it (is_leader)", body = crate::models::ErrorBody), (status = 413, body = crate::models::ErrorBody),
         (status = 415, description = "not application/json", body = crate::models::ErrorBody),
         (status = 503, description = "not the active coordinator", body = crate::models::ErrorBody)))]
 async fn reseed_drill(

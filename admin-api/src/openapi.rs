@@ -67,6 +67,7 @@ impl Modify for Bearer {
         walship_shipping::control::drills::PartitionDrillRequest, walship_shipping::control::drills::PartitionDrillResult,
         walship_shipping::control::drills::PartitionTrial, walship_shipping::control::drills::TimeSummary,
         walship_shipping::control::drills::ReseedDrillRequest, walship_shipping::control::drills::ReseedDrillResult,
+        walship_shipping::control::drills::ReseedSource,
         crate::tasks::TaskView, crate::tasks::TaskPage, crate::tasks::CancelBroadcast, crate::jobs::VerifySchedule, crate::jobs::ScheduledVerify, crate::tasks::NewTask, crate::tasks::TaskStarted, crate::tasks::JobView,
         walship_dataplane::kinds::verify::VerifyReport, walship_dataplane::kinds::export::ExportReport,
         walship_dataplane::task::TaskState, walship_dataplane::bus::DeadLetter,

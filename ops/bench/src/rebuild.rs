@@ -10,7 +10,7 @@
 //!   (`POST /v1/drills/reseed`): it appends `volume_bytes` into a shard
 //!   under live load, wipes one follower's copy of it, and lets that
 //!   follower re-seed from the object store while the load goes on. Its
-//!   report gives the re-seed rate from the archive tier and overall
+//!   report gives the re-seed rate from the sealed-segment tiers (peers, object store) and overall
 //!   (object store, catch-up stream from the leader and live pushes
 //!   together), and the live append rate before and during.
 //! * **PostgreSQL standby rebuild** ([`crate::pg::rebuild_standby`]): the
@@ -57,6 +57,9 @@ pub struct ReseedSpec {
     pub volume_bytes: u64,
     pub record_bytes: usize,
     pub clients: usize,
+    /// Which tier the follower takes sealed segments from (`all`, `peer`,
+    /// `archive`, `stream`; the drill's `source`).
+    pub source: String,
 }
 
 /// The drill report's `reseed` object, as the coordinator gives it
@@ -74,6 +77,10 @@ pub struct Reseed {
     pub archived_seqno_at_wipe: u64,
     /// Segment bytes the follower applied during the rebuild, by source.
     pub bytes_archive: u64,
+    /// Sealed segments fetched from other replicas (PeerExchange).
+    pub bytes_peer: u64,
+    /// The tier the drill was told to use.
+    pub source: String,
     pub bytes_stream: u64,
     pub bytes_push: u64,
     /// Wipe → the follower durable at the leader's position at the wipe.
@@ -125,6 +132,7 @@ async fn drive(dev: &mut Server, log: &Path, token: &str, spec: &ReseedSpec) -> 
         "volume_bytes": spec.volume_bytes,
         "record_bytes": spec.record_bytes,
         "clients": spec.clients,
+        "source": spec.source,
     });
     if let Some(follower) = spec.follower {
         body["follower"] = json!(follower);
@@ -335,18 +343,25 @@ impl RebuildReport {
         if let Some(w) = &walship {
             let mib = |b: u64| b as f64 / (1 << 20) as f64;
             rows.push(row(
-                "walship re-seed, archive tier",
+                "walship re-seed, sealed-segment tiers",
                 (w.archive_mib_per_s, "MiB/s", Some(w.archive_seconds)),
                 disk_ratio(Some(RESEED_TARGET)),
-                format!("{:.1} MiB from the object store in {:.2} s", mib(w.bytes_archive), w.archive_seconds),
+                format!(
+                    "{:.1} MiB from peers and {:.1} MiB from the object store in {:.2} s (source {})",
+                    mib(w.bytes_peer),
+                    mib(w.bytes_archive),
+                    w.archive_seconds,
+                    w.source
+                ),
             ));
             rows.push(row(
                 "walship re-seed, overall",
                 (w.total_mib_per_s, "MiB/s", Some(w.seconds)),
                 disk_ratio(Some(RESEED_TARGET)),
                 format!(
-                    "{:.1} MiB ({:.1} archive + {:.1} catch-up stream + {:.1} live push) in {:.2} s",
-                    mib(w.bytes_archive + w.bytes_stream + w.bytes_push),
+                    "{:.1} MiB ({:.1} peer + {:.1} archive + {:.1} catch-up stream + {:.1} live push) in {:.2} s",
+                    mib(w.bytes_peer + w.bytes_archive + w.bytes_stream + w.bytes_push),
+                    mib(w.bytes_peer),
                     mib(w.bytes_archive),
                     mib(w.bytes_stream),
                     mib(w.bytes_push),
@@ -498,7 +513,7 @@ mod tests {
         let ratios: Vec<(f64, Option<bool>)> = report.rows.iter().map(|r| (r.ratio, r.meets_target)).collect();
         assert_eq!(ratios, [(0.75, Some(true)), (0.5, Some(false)), (0.25, None), (0.7, Some(false))]);
         let md = report.markdown();
-        assert!(md.contains("| walship re-seed, archive tier | 150.0 MiB/s | 0.00 s | 0.75 |"), "{md}");
+        assert!(md.contains("| walship re-seed, sealed-segment tiers | 150.0 MiB/s | 0.00 s | 0.75 |"), "{md}");
         assert!(md.contains("| PostgreSQL pg_basebackup | 50.0 MiB/s | 2.00 s | 0.25 |"), "{md}");
         assert!(md.contains("**missed**"), "{md}");
         assert!(report.damage().is_none());

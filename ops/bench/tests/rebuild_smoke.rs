@@ -69,7 +69,9 @@ fn rebuild_smoke_run_measures_both_systems_and_leaves_nothing_running() {
     for field in ["archive_mib_per_s", "total_mib_per_s", "seconds", "append_rate_before", "append_rate_during"] {
         positive(w, field);
     }
-    assert!(w["bytes_archive"].as_u64().unwrap() > 0, "nothing re-seeded from the archive: {w}");
+    let sealed = w["bytes_archive"].as_u64().unwrap() + w["bytes_peer"].as_u64().unwrap();
+    assert!(sealed > 0, "nothing re-seeded from sealed segments (peers or the archive): {w}");
+    assert_eq!(w["source"], "all", "{w}");
     assert!(w["records"].as_u64().unwrap() > 0, "{w}");
     assert_eq!(w["lost"], 0, "{w}");
     assert_eq!(w["divergent_replicas"], 0, "{w}");
@@ -80,7 +82,7 @@ fn rebuild_smoke_run_measures_both_systems_and_leaves_nothing_running() {
     assert_eq!(
         figures,
         [
-            "walship re-seed, archive tier",
+            "walship re-seed, sealed-segment tiers",
             "walship re-seed, overall",
             "PostgreSQL pg_basebackup",
             "walship live appends during re-seed"

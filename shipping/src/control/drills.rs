@@ -58,7 +58,7 @@ mod partition;
 mod reseed;
 pub use corruption::{CorruptionDrillRequest, CorruptionDrillResult};
 pub use partition::{PartitionDrillRequest, PartitionDrillResult, PartitionTrial, TimeSummary};
-pub use reseed::{ReseedDrillRequest, ReseedDrillResult};
+pub use reseed::{ReseedDrillRequest, ReseedDrillResult, ReseedSource};
 
 /// `POST /v1/drills/failover`.
 #[derive(Debug, Clone, Serialize, Deserialize, PartialEq, Eq, utoipa::ToSchema)]

@@ -49,6 +49,10 @@ struct Args {
     /// The follower the drill wipes (default: the coordinator's choice).
     #[arg(long)]
     follower: Option<u32>,
+    /// Where the re-seeded follower takes sealed segments from: all (peers,
+    /// then the object store), peer, archive, or stream (the leader only).
+    #[arg(long, default_value = "all", value_parser = ["all", "peer", "archive", "stream"])]
+    source: String,
     /// Which systems to run (both by default).
     #[arg(long, value_enum, value_delimiter = ',', default_value = "walship,postgres")]
     systems: Vec<System>,
@@ -116,6 +120,7 @@ async fn run(mut args: Args) -> Result<()> {
             volume_bytes,
             record_bytes: args.record_bytes,
             clients: args.clients,
+            source: args.source.clone(),
         };
         eprintln!("walship: re-seed drill over {} MiB on shard {} ...", args.mib, args.shard);
         let r = rebuild::walship_reseed(&spec).await.context("walship re-seed")?;

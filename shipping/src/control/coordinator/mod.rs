@@ -68,6 +68,11 @@ pub enum CoordError {
          Drill a shard with room, or write less (a smaller volume)"
     )]
     DrillWouldEvict { shard: u32, needs: u64, retained: u64, retain_bytes: u64 },
+    /// The cluster is not in a state the request needs (a drill that
+    /// needs an archive on a shard whose leader does not archive, or a
+    /// follower that is the leader now); `code` names it.
+    #[error("{message}")]
+    Conflict { code: &'static str, message: String },
     #[error("KV: {0}")]
     Kv(#[from] KvError),
     #[error("{0}")]

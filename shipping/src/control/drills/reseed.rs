@@ -44,22 +44,40 @@ pub struct ReseedDrillRequest {
     /// Where the follower takes sealed segments from, to measure one tier:
     /// `all` (peers, then the object store; the default), `peer`, `archive`,
     /// or `stream` (none: the leader streams everything).
-    #[serde(default = "default_source")]
-    pub source: String,
+    #[serde(default)]
+    pub source: ReseedSource,
 }
 
-fn default_source() -> String {
-    "all".into()
+/// Where a re-seeding follower takes sealed segments from.
+#[derive(Debug, Clone, Copy, Default, Serialize, Deserialize, PartialEq, Eq, utoipa::ToSchema)]
+#[serde(rename_all = "lowercase")]
+pub enum ReseedSource {
+    /// Peers, then the object store (what a real rebuild does).
+    #[default]
+    All,
+    Peer,
+    Archive,
+    /// None: the leader streams everything.
+    Stream,
 }
 
-const SOURCES: [&str; 4] = ["all", "peer", "archive", "stream"];
+impl ReseedSource {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            ReseedSource::All => "all",
+            ReseedSource::Peer => "peer",
+            ReseedSource::Archive => "archive",
+            ReseedSource::Stream => "stream",
+        }
+    }
+}
 
 #[derive(Debug, Clone, Serialize, Deserialize, PartialEq, utoipa::ToSchema)]
 pub struct ReseedDrillResult {
     /// The tiers it was told to take sealed segments from (`all`, `peer`,
     /// `archive`, `stream`).
     #[serde(default)]
-    pub source: String,
+    pub source: ReseedSource,
     /// The wiped follower and the leader it rebuilt from.
     pub follower: NodeId,
     pub leader: NodeId,
@@ -114,13 +132,6 @@ impl Coordinator {
                 "clients must be 1..=256, record_bytes 1..=1048576 and volume_bytes 1..=17179869184".into(),
             ));
         }
-        if !SOURCES.contains(&request.source.as_str()) {
-            return Err(CoordError::BadRequest(format!(
-                "source {:?} is not one of {}",
-                request.source,
-                SOURCES.join(", ")
-            )));
-        }
         let state = self.state().ok_or(CoordError::NotActive)?;
         let record = state.shards.get(&request.shard).ok_or(CoordError::UnknownShard(request.shard))?;
         let leader = record.leader.ok_or(CoordError::Busy(request.shard))?;
@@ -129,10 +140,10 @@ impl Coordinator {
                 return Err(CoordError::NotAReplica { shard: request.shard, node: f });
             }
             Some(f) if f == leader => {
-                return Err(CoordError::BadRequest(format!(
-                    "node {f} leads shard {}: the re-seed drill wipes a follower",
-                    request.shard
-                )));
+                return Err(CoordError::Conflict {
+                    code: "is_leader",
+                    message: format!("node {f} leads shard {}: the re-seed drill wipes a follower", request.shard),
+                });
             }
             Some(f) => f,
             None => *record
@@ -142,11 +153,14 @@ impl Coordinator {
                 .ok_or(CoordError::NotAReplica { shard: request.shard, node: leader })?,
         };
         if self.archive_position(leader, request.shard).is_none() {
-            return Err(CoordError::BadRequest(format!(
-                "shard {}'s leader (node {leader}) does not archive: the re-seed drill rebuilds a follower from the \
-                 object store ([archive] in the nodes' config)",
-                request.shard
-            )));
+            return Err(CoordError::Conflict {
+                code: "not_archiving",
+                message: format!(
+                    "shard {}'s leader (node {leader}) does not archive: the re-seed drill rebuilds a follower from \
+                     the object store ([archive] in the cluster config)",
+                    request.shard
+                ),
+            });
         }
         let fill = super::framed_bytes(request.volume_bytes, request.record_bytes);
         let needs = fill.saturating_add(MIN_DRILL_HEADROOM);
@@ -240,7 +254,7 @@ impl Coordinator {
         self.drills.progress(id, &format!("wiping follower {follower}'s copy of shard {shard}"));
         let mut control = self.peers.control(follower).ok_or("no follower client")?;
         let wiped = control
-            .wipe(WipeRequest { shard_id: shard, source: request.source.clone() })
+            .wipe(WipeRequest { shard_id: shard, source: request.source.as_str().into() })
             .await
             .map_err(|s| format!("wiping node {follower}: {s}"))?
             .into_inner();
@@ -280,7 +294,7 @@ impl Coordinator {
         let bytes_peer = end.applied_peer_bytes - start.applied_peer_bytes;
         let archive_seconds = last_archive.1.as_secs_f64();
         Ok(ReseedDrillResult {
-            source: request.source.clone(),
+            source: request.source,
             follower,
             leader,
             records_wiped: (wiped.last_seqno + 1).saturating_sub(wiped.first_seqno),
