@@ -113,6 +113,10 @@ pub async fn walship_reseed(spec: &ReseedSpec) -> Result<Reseed> {
     command
         .args(["dev", "--base-port", "0", "--admin-token", &token, "--data-dir"])
         .arg(&data)
+        // Room for the volume on three replicas, the archive and the
+        // rebuilt copy, and the WAL files' preallocation: dev's default
+        // budget (2 GiB) would end a large drill in its disk-full rule.
+        .args(["--max-disk-mib", &(4096 + 8 * (spec.volume_bytes >> 20)).to_string()])
         .env("WALSHIP_LOG", "warn");
     // SIGTERM: dev stops its nodes and coordinator, then exits.
     let mut dev = Server::spawn("walship dev", command, &log, libc::SIGTERM)?;
