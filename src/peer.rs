@@ -14,7 +14,7 @@ use std::time::Duration;
 
 use bytes::Bytes;
 use walship_objstore::ObjectKey;
-use walship_peer::client::{Dial, PeerFetcher};
+use walship_peer::client::{Dial, FetchError, PeerFetcher};
 use walship_peer::server::SegmentSource;
 use walship_peer::token::{Grant, TokenKey};
 use walship_shipping::archive::{ArchiveLayout, SegmentRef};
@@ -78,12 +78,26 @@ pub struct PeerSegments {
     pub fetcher: PeerFetcher,
     pub key: TokenKey,
     pub addresses: BTreeMap<NodeId, String>,
+    /// Peers whose connection failed, skipped until then: a dead or cut
+    /// peer costs one failed fetch per [`SKIP_FAILED_PEER`], not one per
+    /// segment.
+    skip_until: std::sync::Mutex<BTreeMap<NodeId, std::time::Instant>>,
 }
+
+/// How long a peer whose connection failed is skipped.
+const SKIP_FAILED_PEER: Duration = Duration::from_secs(30);
 
 impl PeerSegments {
     pub fn new(me: NodeId, cluster: &ClusterConfig, dial: Dial) -> PeerSegments {
         let addresses = cluster.addresses().into_iter().map(|(id, addr)| (id, addr.to_string())).collect();
-        PeerSegments { me, fetcher: PeerFetcher::new(dial), key: token_key(cluster), addresses }
+        let fetcher = PeerFetcher::new(dial);
+        PeerSegments { me, fetcher, key: token_key(cluster), addresses, skip_until: Default::default() }
+    }
+}
+
+impl PeerSegments {
+    fn skipped(&self) -> std::sync::MutexGuard<'_, BTreeMap<NodeId, std::time::Instant>> {
+        self.skip_until.lock().unwrap_or_else(std::sync::PoisonError::into_inner)
     }
 }
 
@@ -98,10 +112,16 @@ impl PeerTier for PeerSegments {
         let token = self.key.mint(&Grant { task: task.clone(), shard, expires_unix_ms });
         for peer in peers {
             let Some(addr) = self.addresses.get(peer) else { continue };
+            if self.skipped().get(peer).is_some_and(|until| std::time::Instant::now() < *until) {
+                continue;
+            }
             match self.fetcher.fetch(addr, &task, &segment.key, &token).await {
                 Ok(bytes) => return Some(bytes),
                 Err(error) => {
-                    tracing::debug!(shard, peer, key = %segment.key, %error, "peer fetch failed; next source")
+                    if matches!(error, FetchError::Broken { .. } | FetchError::Idle { .. }) {
+                        self.skipped().insert(*peer, std::time::Instant::now() + SKIP_FAILED_PEER);
+                    }
+                    tracing::debug!(shard, peer, key = %segment.key, %error, "peer fetch failed; next source");
                 }
             }
         }

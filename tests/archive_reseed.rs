@@ -228,3 +228,52 @@ async fn wipe_refuses_bad_input_and_changes_nothing() {
     assert_eq!((code, refused["error"]["code"].as_str()), (409, Some("not_archiving")), "{refused}");
     assert!(refused["error"]["message"].as_str().unwrap().contains("does not archive"), "{refused}");
 }
+
+/// The replica serving a rebuilding follower's segments dies mid-fetch:
+/// the follower takes the rest from the object store and ends
+/// byte-identical to the leader, nothing acknowledged lost.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_serving_peer_dies_mid_rebuild_and_the_object_store_serves_the_rest() {
+    // Node 3 serves peers at 1 MiB/s, so a 4 MiB rebuild from it takes
+    // seconds: long enough to kill it halfway.
+    let slow = vec!["--peer-serve-mib-per-s".to_string(), "1".to_string()];
+    let mut cluster = Cluster::launch(&ClusterSpec {
+        nodes: 3,
+        shards: 1,
+        coordinators: 1,
+        replication: FAST,
+        cluster_toml: ARCHIVE.into(),
+        node_args: vec![(3, slow)],
+        ..ClusterSpec::default()
+    });
+    cluster.wait_node_leads(1, 1, Duration::from_secs(60)).await;
+    wait_until("the coordinator to record node 1 as leader and it to archive", Duration::from_secs(30), || {
+        let (_, shard) = futures::executor::block_on(cluster.coord_get(1, "/v1/shards/1"));
+        async move { shard["leader"] == 1 && shard["archived_seqno"].is_u64() }
+    })
+    .await;
+    let body = r#"{"shard": 1, "follower": 2, "volume_bytes": 4194304, "record_bytes": 4096, "clients": 2}"#;
+    let (code, started) = cluster.coord_post(1, "/v1/drills/reseed", body, Some(TOKEN)).await;
+    assert_eq!(code, 202, "{started}");
+    let report = started["report"].as_str().unwrap().to_string();
+    wait_until("follower 2 to take segments from node 3", Duration::from_secs(90), || async {
+        applied_bytes(&cluster, 2, "peer").await > 0
+    })
+    .await;
+    cluster.node(3).kill9();
+    let mut last = serde_json::Value::Null;
+    wait_until("the drill to finish", Duration::from_secs(120), || {
+        let (_, r) = futures::executor::block_on(cluster.coord_get(1, &report));
+        let done = r["state"] != "running";
+        last = r;
+        async move { done }
+    })
+    .await;
+    assert_eq!(last["state"], "done", "{last}");
+    let r = &last["reseed"];
+    eprintln!("re-seed with its peer killed: {r}");
+    assert!(r["bytes_peer"].as_u64().unwrap() > 0, "{r}");
+    assert!(r["bytes_archive"].as_u64().unwrap() > 0, "the object store served nothing after the peer died: {r}");
+    assert!(r["bytes_peer"].as_u64().unwrap() < 4 << 20, "the peer served it all before it died: {r}");
+    assert_eq!((r["lost"].as_u64(), r["divergent_replicas"].as_u64()), (Some(0), Some(0)), "{r}");
+}
