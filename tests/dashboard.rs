@@ -166,6 +166,37 @@ async fn dashboard_draws_the_lag_history_on_open_with_a_time_axis_nodes_and_catc
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_reseed_drill_runs_from_the_dashboard_and_its_table_shows_the_bytes_by_source() {
+    let mut cluster = Cluster::launch(&ClusterSpec {
+        coordinators: 1,
+        replication: "heartbeat_ms = 50\nleader_timeout_ms = 1000",
+        cluster_toml: "[archive]\nstore = \"dir\"\ndir = \"archive\"\nsegment_bytes = 262144\nsegment_age_ms = 100\n"
+            .into(),
+        ..ClusterSpec::default()
+    });
+    cluster.wait_node_leads(1, 1, Duration::from_secs(30)).await;
+    common::wait_until("the coordinator to see the leader archive", Duration::from_secs(30), || {
+        let (_, shard) = futures::executor::block_on(cluster.coord_get(1, "/v1/shards/1"));
+        async move { shard["leader"] == 1 && shard["archived_seqno"].is_u64() }
+    })
+    .await;
+    let url = format!("http://{}/", cluster.coordinator(1).admin);
+    let shot = Path::new(env!("CARGO_TARGET_TMPDIR")).join("dashboard-reseed.png");
+    let run =
+        browser_run("lag.mjs", vec!["reseed".into(), url, TOKEN.into(), "3".into(), shot.display().to_string()]).await;
+    assert_eq!(run["errors"], serde_json::json!([]), "page errors: {run}");
+    let report = &run["report"];
+    assert_eq!((report["state"].as_str(), report["reseed"]["follower"].as_u64()), (Some("done"), Some(3)), "{report}");
+    assert_eq!(report["reseed"]["lost"], 0, "{report}");
+    let drill = report["id"].as_str().unwrap();
+    // id, shard, state, follower, records, peers, archive, streamed, s, MiB/s, before, during, lost
+    let row: Vec<&str> = run["rows"][drill].as_array().unwrap().iter().map(|c| c.as_str().unwrap()).collect();
+    assert_eq!((row[2], row[3], row[12]), ("done", "3", "0"), "{row:?}");
+    assert_eq!(row[4], report["reseed"]["records"].to_string(), "{row:?}");
+    assert!(row[5].ends_with('B') && row[6].ends_with('B'), "bytes by source: {row:?}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_node_panel_flags_a_node_below_its_disk_reserve() {
     // Node 3 wants 1 PiB free: its disk is "full" from the start.
     let mut cluster = Cluster::launch(&ClusterSpec {

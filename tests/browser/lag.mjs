@@ -1,16 +1,19 @@
 // Opens the coordinator's dashboard in headless Chromium.
 // `catchup` mode runs a catch-up drill from the page's button (1 MiB, pausing
-// the given follower, answering the token prompt) and prints its report.
+// the given follower, answering the token prompt) and prints its report;
+// `reseed` mode does the same with the re-seed drill's button (1 MiB, wiping
+// the given follower) and also prints its row in the re-seed drills table.
 // `inspect` mode reports what an operator sees on the first render: the lag
 // chart (drawn from the coordinator's history, so not empty on open), its
 // time axis and legend, the per-node panel and the catch-up drills table.
 // Both save a screenshot.
-// Usage: node lag.mjs catchup <dashboard url> <token> <follower> <screenshot.png>
+// Usage: node lag.mjs catchup|reseed <dashboard url> <token> <follower> <screenshot.png>
 //        node lag.mjs inspect <dashboard url> <screenshot.png>
 import { chromium } from "playwright-core";
 
 const mode = process.argv[2];
-const [url, token, follower, shot] = mode === "catchup" ? process.argv.slice(3)
+const drill = mode === "catchup" || mode === "reseed";
+const [url, token, follower, shot] = drill ? process.argv.slice(3)
   : [process.argv[3], null, null, process.argv[4]];
 const browser = await chromium.launch({
   executablePath: process.env.WALSHIP_CHROMIUM || "/usr/bin/chromium",
@@ -23,19 +26,22 @@ try {
   page.on("pageerror", (e) => errors.push(String(e)));
   page.on("dialog", (d) => (d.type() === "prompt" ? d.accept(token) : d.accept()));
   await page.goto(url);
-  if (mode === "catchup") {
+  if (drill) {
     await page.waitForSelector(`#catchup-follower option[value="${follower}"]`, { state: "attached", timeout: 30000 });
     await page.fill("#catchup-mib", "1");
     await page.selectOption("#catchup-follower", follower);
-    await page.click("#catchup-btn");
+    await page.click(mode === "catchup" ? "#catchup-btn" : "#reseed-btn");
     await page.waitForFunction(() => {
       const t = document.querySelector("#action-output").textContent;
       return t.includes('"state": "done"') || t.includes('"state": "failed"') || t.includes("refused");
     }, null, { timeout: 90000 });
     const output = await page.textContent("#action-output");
-    await page.waitForSelector("#catchups tbody tr[data-drill]", { timeout: 10000 });
+    const table = mode === "catchup" ? "#catchups" : "#reseeds";
+    await page.waitForSelector(`${table} tbody tr[data-drill]`, { timeout: 10000 });
+    const rows = await page.evaluate((sel) => Object.fromEntries([...document.querySelectorAll(sel)].map(r =>
+      [r.dataset.drill, [...r.cells].map(c => c.textContent)])), `${table} tbody tr`);
     await page.screenshot({ path: shot, fullPage: true });
-    console.log(JSON.stringify({ errors, report: JSON.parse(output) }));
+    console.log(JSON.stringify({ errors, report: JSON.parse(output), rows }));
     process.exit(0);
   }
   // The first refresh has rendered (the summary is written last).
