@@ -182,13 +182,14 @@ pub async fn run_coord(args: CoordArgs) -> Result<()> {
         crate::tls::serve_admin(coord_router(admin), admin_listener, cluster_tls.as_ref(), admin_shutdown).await
     });
     let shown = if generated { token.as_str() } else { "(given)" };
+    let stop = crate::node::shutdown_signal()?;
     println!(
         "walship coord {} listening grpc={grpc_addr} admin={admin_addr} kv={} token={shown}",
         args.id,
         kv.describe()
     );
     tracing::info!(bus = %bus.describe(), "task bus");
-    crate::node::shutdown_signal().await;
+    stop.await;
     shutdown.cancel();
     grpc.await??;
     http.await??;

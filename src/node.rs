@@ -216,9 +216,9 @@ pub struct RunningNode {
 }
 
 impl RunningNode {
-    /// Waits for Ctrl-C or SIGTERM, then stops serving.
-    pub async fn run_until_signal(self) -> Result<()> {
-        shutdown_signal().await;
+    /// Waits for `stop` (see [`shutdown_signal`]), then stops serving.
+    pub async fn run_until(self, stop: impl std::future::Future<Output = ()>) -> Result<()> {
+        stop.await;
         tracing::info!("shutting down");
         self.shutdown.cancel();
         for server in self.servers {
@@ -230,12 +230,19 @@ impl RunningNode {
     }
 }
 
-pub async fn shutdown_signal() {
-    let mut term = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()).expect("SIGTERM handler");
-    tokio::select! {
-        _ = tokio::signal::ctrl_c() => {}
-        _ = term.recv() => {}
-    }
+/// Resolves at the first SIGTERM or SIGINT (Ctrl-C) delivered after this
+/// call: register it before announcing "listening", so a supervisor that
+/// stops the process right after that line is never missed.
+pub fn shutdown_signal() -> Result<impl std::future::Future<Output = ()>> {
+    use tokio::signal::unix::{SignalKind, signal};
+    let mut term = signal(SignalKind::terminate()).context("installing the SIGTERM handler")?;
+    let mut int = signal(SignalKind::interrupt()).context("installing the SIGINT handler")?;
+    Ok(async move {
+        tokio::select! {
+            _ = int.recv() => {}
+            _ = term.recv() => {}
+        }
+    })
 }
 
 /// Opens the WAL, starts replication and serving. Returns once both
@@ -457,8 +464,9 @@ pub async fn run_node(args: NodeArgs) -> Result<()> {
     // Test builds only (walship-wal's `testing` feature): storage faults to
     // inject, set before the WAL opens so a failpoint's count covers it too.
     walship_wal::failpoints::configure_from_env().map_err(anyhow::Error::msg)?;
+    let stop = shutdown_signal()?;
     let node = start_node(config, cluster, drills).await?;
     // One stable, parseable line for scripts and tests.
     println!("walship node {node_id} listening grpc={} admin={}", node.grpc_addr, node.admin_addr);
-    node.run_until_signal().await
+    node.run_until(stop).await
 }

@@ -594,6 +594,10 @@ impl ReplicationNode {
     ) -> Result<Option<Vec<String>>, StoreError> {
         use crate::archive::restore::{self, RestoreError};
         let shard = replica.shard;
+        // What this node had uploaded without a hole before listing: a gap
+        // below it is missing from the store; one at or past it may be
+        // uploads still in flight (they end out of order).
+        let uploaded_before = self.archive_status.lock().get(&shard).map_or(0, |s| s.archived_seqno);
         let listing = restore::list(archive.store.as_ref(), &archive.layout, shard).await?;
         let mut all: Vec<SegmentRef> = listing.chain.iter().chain(&listing.unused).cloned().collect();
         all.sort_by_key(|s| (s.first, s.last));
@@ -614,13 +618,12 @@ impl ReplicationNode {
         }
         // Segments past a gap: the records between are missing from the
         // archive (an object deleted); uploaded again like a damaged one.
-        // A gap at or past where this node's own uploads stand is theirs:
-        // uploads in flight end out of order, and a failed one is retried.
+        // Only a gap below what was uploaded before the listing: one past
+        // it belongs to uploads in flight (a failed one is retried).
         let end = listing.archived_seqno;
-        let uploading_from = self.archive_status.lock().get(&shard).map_or(0, |s| s.archived_seqno);
         if let Some(next) = listing.unused.iter().map(|s| s.first).filter(|&f| f > end + 1).min()
             && end > 0
-            && end < uploading_from
+            && end < uploaded_before
         {
             let (first, last) = (end + 1, next - 1);
             let name = format!("{}{first:020}-{last:020} (missing)", archive.layout.segments_prefix(shard));
