@@ -138,8 +138,18 @@ async fn a_peer_serves_archived_segments_from_its_wal_and_refuses_bad_fetches() 
     // second fetch waits 300 ms for the slot, then is refused.
     let node2 = cluster.nodes[1].grpc.clone();
     let (k, t) = (key.clone(), good.as_str().to_string());
+    let node2_admin = cluster.nodes[1].admin.clone();
+    let served = || async {
+        let (_, metrics) = common::http_get(&format!("{node2_admin}/metrics")).await;
+        let line = "walship_peer_serves_total{result=\"ok\"} ";
+        metrics.lines().find_map(|l| l.strip_prefix(line)).map_or(0, |v| v.trim().parse::<u64>().unwrap())
+    };
+    let before = served().await;
     let holder = tokio::spawn(async move { fetch(&node2, TASK, &k, &t, 0).await });
-    tokio::time::sleep(Duration::from_millis(200)).await;
+    wait_until("node 2 to take its one slot for the first fetch", Duration::from_secs(10), || async {
+        served().await > before
+    })
+    .await;
     let refused = fetch(&cluster.nodes[1].grpc, TASK, &key, good.as_str(), 0).await;
     common::assert_refused("a fetch past the cap", refused, tonic::Code::ResourceExhausted, &["slot"], &[]);
     let held = holder.await.unwrap().unwrap();

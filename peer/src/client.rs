@@ -238,7 +238,13 @@ mod tests {
         drop(listener);
         let fake = Fake { file: file.clone(), behaviour, calls: calls.clone() };
         tokio::spawn(tonic::transport::Server::builder().add_service(PeerExchangeServer::new(fake)).serve(addr));
-        tokio::time::sleep(Duration::from_millis(100)).await;
+        // Listening once a connection is accepted.
+        for _ in 0..200 {
+            if tokio::net::TcpStream::connect(addr).await.is_ok() {
+                break;
+            }
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
         (addr.to_string(), calls, file)
     }
 

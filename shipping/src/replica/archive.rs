@@ -58,6 +58,8 @@ use crate::archive::{ArchiveLayout, Manifest, SegmentRef, chain};
 use crate::config::ArchiverChoice;
 use crate::core::leader::ShipMode;
 
+mod scrub;
+
 /// What a node archives to, and how.
 pub struct Archive {
     pub store: Arc<dyn ObjectStore>,
@@ -259,12 +261,6 @@ impl Upload {
     }
 }
 
-/// What a scrub found wrong with one object, and what became of it.
-enum Damage {
-    Repaired,
-    Unrepairable(String),
-}
-
 fn reason(e: &StoreError) -> &'static str {
     match e {
         StoreError::Denied(_) => "denied",
@@ -325,19 +321,28 @@ impl ReplicationNode {
                 follower => Duty::Watch { follower, commit },
             };
         }
-        let Some((_, epoch)) = Self::following(replica) else { return Duty::None };
-        // Only once its log is known to be a prefix of this leader's (its
-        // tail repaired for the epoch) is every record up to the leader's
-        // commit position a committed one.
-        if replica.follower.archiver.load(Ordering::Acquire) != self.me
-            || !replica.rules.lock().is_repaired_for(crate::core::Epoch(epoch))
-        {
+        if replica.follower.archiver.load(Ordering::Acquire) != self.me {
             return Duty::None;
         }
         // A follower archives what it holds durably of what is committed.
+        match self.follower_committed(replica) {
+            Some((epoch, commit)) => Duty::Archive { term: (epoch, false), commit },
+            None => Duty::None,
+        }
+    }
+
+    /// A follower's epoch and the newest seqno it holds durably and knows
+    /// committed (its durable position capped by its leader's commit);
+    /// `None` while it follows no leader or its log is not yet repaired for
+    /// the epoch (before that its tail may diverge from the leader's, so a
+    /// record below the leader's commit may not be a committed one).
+    pub(super) fn follower_committed(&self, replica: &ShardReplica) -> Option<(u64, u64)> {
+        let (_, epoch) = Self::following(replica)?;
+        if !replica.rules.lock().is_repaired_for(crate::core::Epoch(epoch)) {
+            return None;
+        }
         let durable = self.wal.positions(replica.shard).map_or(0, |p| p.durable_seqno);
-        let commit = durable.min(replica.follower.leader_commit.load(Ordering::Acquire));
-        Duty::Archive { term: (epoch, false), commit }
+        Some((epoch, durable.min(replica.follower.leader_commit.load(Ordering::Acquire))))
     }
 
     async fn run_archive(self: Arc<Self>, replica: Arc<ShardReplica>, archive: Arc<Archive>) {
@@ -385,6 +390,9 @@ impl ReplicationNode {
                 }
                 Duty::Archive { term, commit } => (term, commit),
             };
+            // Whether this tick recorded the lag already (one WAL read of the
+            // oldest waiting record per tick, not two).
+            let mut lag_shown = false;
             // Ok(true): the store answered (a listing, an upload done).
             let outcome: Result<bool, StoreError> = async {
                 let mut answered = false;
@@ -453,6 +461,7 @@ impl ReplicationNode {
                 let positions = self.wal.positions(shard).map_err(|e| StoreError::Unavailable(e.to_string()))?;
                 let lag_age =
                     self.set_archive_lag(&archive, shard, uploads.archived, commit, uploads.archived + 1).await;
+                lag_shown = true;
                 while uploads.queue.len() < archive.uploads {
                     // An archive behind the local log's start (archiving turned
                     // on late, or a gap) restarts at the local start.
@@ -497,7 +506,9 @@ impl ReplicationNode {
                 state.as_ref().map_or((0, 0, 0), |s| (s.archived, s.sealed, s.queue.len() as u64));
             match outcome {
                 Ok(answered) => {
-                    self.set_archive_lag(&archive, shard, archived, commit, archived + 1).await;
+                    if !lag_shown {
+                        self.set_archive_lag(&archive, shard, archived, commit, archived + 1).await;
+                    }
                     let mut all = self.archive_status.lock();
                     let status = all.entry(shard).or_default();
                     (status.archiver, status.sealed_seqno, status.uploads_in_flight) = (self.me, sealed, in_flight);
@@ -514,7 +525,9 @@ impl ReplicationNode {
                     };
                     retry_at = Instant::now() + backoff;
                     let error = e.to_string();
-                    self.set_archive_lag(&archive, shard, archived, commit, archived + 1).await;
+                    if !lag_shown {
+                        self.set_archive_lag(&archive, shard, archived, commit, archived + 1).await;
+                    }
                     let changed = {
                         let mut all = self.archive_status.lock();
                         let status = all.entry(shard).or_default();
@@ -547,193 +560,6 @@ impl ReplicationNode {
         if let Err(e) = archive.store.put(&archive.layout.manifest_key(shard), manifest.into()).await {
             tracing::debug!(shard, error = %e, "writing the archive manifest (a summary only)");
         }
-    }
-
-    /// Every `scrub_interval` while this node leads the shard: one scrub pass.
-    async fn run_scrub(self: Arc<Self>, replica: Arc<ShardReplica>, archive: Arc<Archive>) {
-        let shard = replica.shard;
-        let start = tokio::time::Instant::now() + archive.scrub_interval;
-        let mut tick = tokio::time::interval_at(start, archive.scrub_interval);
-        tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
-        // Unrepairable objects already counted (each once per process).
-        let mut counted = std::collections::BTreeSet::new();
-        loop {
-            tokio::select! {
-                _ = tick.tick() => {}
-                _ = self.shutdown.cancelled() => return,
-            }
-            if !matches!(self.duty(&replica, &archive), Duty::Archive { .. }) {
-                continue;
-            }
-            match self.scrub(&replica, &archive, &mut counted).await {
-                Ok(Some(unrepairable)) => {
-                    if let Some(status) = self.archive_status.lock().get_mut(&shard) {
-                        status.scrubs += 1;
-                        status.last_scrub_unix_ms = Some(now_ms());
-                        status.damaged_unrepairable = unrepairable;
-                    }
-                }
-                Ok(None) => {} // leadership moved on mid-pass
-                // The store did not answer: the uploader shows and counts that.
-                Err(e) => {
-                    tracing::warn!(shard, error = %e, next_in = ?archive.scrub_interval, "scrubbing the archive stopped");
-                }
-            }
-        }
-    }
-
-    /// One pass: reads every listed segment of the shard back, one at a
-    /// time, repairing what it can; then fills a gap before later segments.
-    /// Answers the unrepairable objects (`key: why`), or `None` when this
-    /// node stopped leading mid-pass.
-    async fn scrub(
-        &self,
-        replica: &ShardReplica,
-        archive: &Archive,
-        counted: &mut std::collections::BTreeSet<String>,
-    ) -> Result<Option<Vec<String>>, StoreError> {
-        use crate::archive::restore::{self, RestoreError};
-        let shard = replica.shard;
-        // What this node had uploaded without a hole before listing: a gap
-        // below it is missing from the store; one at or past it may be
-        // uploads still in flight (they end out of order).
-        let uploaded_before = self.archive_status.lock().get(&shard).map_or(0, |s| s.archived_seqno);
-        let listing = restore::list(archive.store.as_ref(), &archive.layout, shard).await?;
-        let mut all: Vec<SegmentRef> = listing.chain.iter().chain(&listing.unused).cloned().collect();
-        all.sort_by_key(|s| (s.first, s.last));
-        let mut unrepairable = Vec::new();
-        for segment in &all {
-            if self.shutdown.is_cancelled() || !matches!(self.duty(replica, archive), Duty::Archive { .. }) {
-                return Ok(None);
-            }
-            let detail = match restore::fetch_segment(archive.store.as_ref(), shard, segment).await {
-                Ok(_) => continue,
-                Err(RestoreError::Damaged { detail, .. }) => detail,
-                Err(RestoreError::Store(e)) => return Err(e),
-                Err(RestoreError::Sink(e)) => return Err(StoreError::Unavailable(e)),
-            };
-            tracing::error!(shard, key = %segment.key, detail, "an archived segment object is damaged");
-            let damage = self.reupload(replica, archive, segment.first, segment.last, Some(segment)).await?;
-            self.count_damage(archive, shard, &segment.key, damage, counted, &mut unrepairable);
-        }
-        // Segments past a gap: the records between are missing from the
-        // archive (an object deleted); uploaded again like a damaged one.
-        // Only a gap below what was uploaded before the listing: one past
-        // it belongs to uploads in flight (a failed one is retried).
-        let end = listing.archived_seqno;
-        if let Some(next) = listing.unused.iter().map(|s| s.first).filter(|&f| f > end + 1).min()
-            && end > 0
-            && end < uploaded_before
-        {
-            let (first, last) = (end + 1, next - 1);
-            let name = format!("{}{first:020}-{last:020} (missing)", archive.layout.segments_prefix(shard));
-            tracing::error!(shard, first, last, "the archive misses records before later segments");
-            let damage = self.reupload(replica, archive, first, last, None).await?;
-            self.count_damage(archive, shard, &name, damage, counted, &mut unrepairable);
-        }
-        Ok(Some(unrepairable))
-    }
-
-    fn count_damage(
-        &self,
-        archive: &Archive,
-        shard: u32,
-        key: &str,
-        damage: Damage,
-        counted: &mut std::collections::BTreeSet<String>,
-        unrepairable: &mut Vec<String>,
-    ) {
-        match damage {
-            Damage::Repaired => {
-                archive.metrics.damaged_objects.with_label_values(&["repaired"]).inc();
-                if let Some(status) = self.archive_status.lock().get_mut(&shard) {
-                    status.damaged_repaired += 1;
-                }
-                tracing::warn!(shard, key, "uploaded the damaged archive object again from this leader's WAL");
-            }
-            Damage::Unrepairable(why) => {
-                if counted.insert(key.to_string()) {
-                    archive.metrics.damaged_objects.with_label_values(&["unrepairable"]).inc();
-                }
-                tracing::error!(shard, key, why, "cannot repair the damaged archive object");
-                unrepairable.push(format!("{key}: {why}"));
-            }
-        }
-    }
-
-    /// Uploads `first..=last` again from this leader's WAL: to `segment`'s
-    /// own key (its records must end in the epoch its name says), or for a
-    /// gap in pieces of at most `segment_bytes`, each under its own name.
-    async fn reupload(
-        &self,
-        replica: &ShardReplica,
-        archive: &Archive,
-        first: u64,
-        last: u64,
-        segment: Option<&SegmentRef>,
-    ) -> Result<Damage, StoreError> {
-        let shard = replica.shard;
-        let Duty::Archive { commit, .. } = self.duty(replica, archive) else {
-            return Ok(Damage::Unrepairable("this node no longer archives the shard".into()));
-        };
-        if last > commit {
-            return Ok(Damage::Unrepairable(format!("it holds seqnos past this leader's commit ({commit})")));
-        }
-        let held = match self.wal.positions(shard) {
-            Ok(p) => p.first_seqno,
-            Err(e) => return Err(StoreError::Unavailable(e.to_string())),
-        };
-        if first < held {
-            // Another replica may still hold the records: fetch the segment
-            // from its WAL (PeerExchange), checked whole, and upload that.
-            if let (Some(s), Some(tier)) = (segment, self.peer_tier()) {
-                let peers: Vec<NodeId> = replica.replicas.iter().copied().filter(|&n| n != self.me).collect();
-                let intact = |bytes: &Bytes| {
-                    Segment::decode(bytes.clone())
-                        .is_ok_and(|d| d.shard_id() == shard && d.first_seqno() == s.first && d.last_seqno() == s.last)
-                };
-                if let Some(bytes) = tier.fetch(shard, s, &peers).await.filter(intact) {
-                    archive.store.put(&ObjectKey::new(s.key.clone())?, bytes).await?;
-                    return Ok(Damage::Repaired);
-                }
-            }
-            return Ok(Damage::Unrepairable(format!(
-                "this node's WAL starts at seqno {held} (older records compacted) and no other replica served \
-                 seqnos {first}..={last}"
-            )));
-        }
-        let max_bytes = if segment.is_some() { usize::MAX } else { archive.segment_bytes as usize };
-        let mut from = first;
-        while from <= last {
-            let frames = match self.wal.read(shard, from, last, max_bytes).await {
-                Ok(frames) => frames,
-                Err(e) => return Ok(Damage::Unrepairable(format!("reading seqnos {from}..={last} from the WAL: {e}"))),
-            };
-            let (Some(head), Some(tail)) = (frames.first(), frames.last()) else {
-                return Ok(Damage::Unrepairable(format!("the WAL returned no record at {from}")));
-            };
-            let (got_first, got_last, got_epoch) = (head.seqno(), tail.seqno(), tail.epoch());
-            let contiguous = frames.len() as u64 == got_last.saturating_sub(got_first) + 1;
-            if got_first != from || !contiguous || (segment.is_some() && got_last != last) {
-                return Ok(Damage::Unrepairable(format!(
-                    "the WAL returned seqnos {got_first}..={got_last} for {from}..={last}"
-                )));
-            }
-            let key = match segment {
-                Some(s) if s.epoch != got_epoch => {
-                    return Ok(Damage::Unrepairable(format!(
-                        "its name says epoch {}, this leader's record {last} has epoch {got_epoch}",
-                        s.epoch
-                    )));
-                }
-                Some(s) => walship_objstore::ObjectKey::new(s.key.clone())?,
-                None => archive.layout.segment_key(shard, from, got_last, got_epoch),
-            };
-            let encoded = Segment::encode(shard, frames).map_err(|e| StoreError::Unavailable(e.to_string()))?;
-            archive.store.put(&key, encoded.encoded().clone()).await?;
-            from = got_last + 1;
-        }
-        Ok(Damage::Repaired)
     }
 
     /// Awaits `call` (a slow or hung store: up to its operation timeout),

@@ -7,7 +7,6 @@
 //! depend on it.
 
 use std::sync::Arc;
-use std::sync::atomic::Ordering;
 
 use bytes::Bytes;
 use walship_wal::Segment;
@@ -42,12 +41,7 @@ impl ReplicationNode {
         let Ok(p) = self.wal.positions(shard) else { return Ok(None) };
         let committed = match replica.leader_state() {
             Some(leader) => leader.core.lock().commit().0,
-            None => match Self::following(replica) {
-                Some((_, e)) if replica.rules.lock().is_repaired_for(crate::core::Epoch(e)) => {
-                    p.durable_seqno.min(replica.follower.leader_commit.load(Ordering::Acquire))
-                }
-                _ => 0,
-            },
+            None => self.follower_committed(replica).map_or(0, |(_, commit)| commit),
         };
         if first == 0 || first > last || first < p.first_seqno || last > p.durable_seqno.min(committed) {
             return Ok(None);
