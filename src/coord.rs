@@ -105,7 +105,14 @@ pub async fn run_coord(args: CoordArgs) -> Result<()> {
     let transport = PeerTransport::new(&config).context("the cluster's TLS files")?;
     let cluster_tls = config.tls.clone();
     let metrics = CoordinatorMetrics::new(&registry)?;
+    let token_key = crate::peer::token_key(&config);
     let coordinator = Coordinator::start(args.id.clone(), Arc::new(config), kv.clone(), metrics, transport);
+    coordinator.set_token_minter(Box::new(move |task, shard, ttl| {
+        let expires = std::time::SystemTime::now() + ttl;
+        let expires_unix_ms = expires.duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.as_millis() as u64);
+        let grant = walship_peer::token::Grant { task: task.to_string(), shard, expires_unix_ms };
+        token_key.mint(&grant).as_str().to_string()
+    }));
     if let Some(client) = nats {
         coordinator.publish_heartbeats(client);
     }

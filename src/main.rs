@@ -16,6 +16,7 @@ mod failover;
 mod http;
 mod node;
 mod peer;
+mod replica;
 mod status;
 mod task;
 mod tls;
@@ -71,6 +72,8 @@ enum Command {
     Failover(failover::FailoverArgs),
     /// Run a failover or catch-up drill on the live cluster through the coordinator.
     Drill(drill::DrillArgs),
+    /// Add, remove or replace a shard's replica under load through the coordinator.
+    Replica(replica::ReplicaArgs),
     /// Measure append throughput and latency against this machine's raw disk limits.
     Bench(bench::BenchArgs),
     /// List, show, cancel and re-drive the coordinator's DataPlane tasks.
@@ -160,6 +163,7 @@ fn run() -> Result<()> {
             | Command::Status(_)
             | Command::Failover(_)
             | Command::Drill(_)
+            | Command::Replica(_)
             | Command::BenchDrills(_)
             | Command::Task(_)
             | Command::Verify(_)
@@ -187,6 +191,7 @@ fn run() -> Result<()> {
             Command::Drill(args) => drill::run(args).await,
             Command::Status(args) => status::run(args).await,
             Command::Failover(args) => failover::run(args).await,
+            Command::Replica(args) => replica::run(args).await,
             Command::BenchDrills(args) => bench_drills::run(args).await,
             Command::BenchDataplane(args) => bench_dataplane::run(args).await,
             Command::Task(args) => task::run(args).await,

@@ -103,13 +103,23 @@ impl PeerSegments {
 
 #[tonic::async_trait]
 impl PeerTier for PeerSegments {
-    async fn fetch(&self, shard: u32, segment: &SegmentRef, peers: &[NodeId]) -> Option<Bytes> {
-        // The node mints its own token, as a member holding the key: its
-        // re-seed is its own task.
-        let task = format!("reseed-shard{shard}-node{}", self.me);
-        let expires = std::time::SystemTime::now() + RESEED_TOKEN_TTL;
-        let expires_unix_ms = expires.duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.as_millis() as u64);
-        let token = self.key.mint(&Grant { task: task.clone(), shard, expires_unix_ms });
+    async fn fetch(&self, shard: u32, segment: &SegmentRef, peers: &[NodeId], token: Option<&str>) -> Option<Bytes> {
+        // The coordinator's token for the task this fetch serves (adding
+        // this replica) while it holds for this shard; otherwise the node
+        // mints its own, as a member holding the key: a re-seed or repair
+        // it runs by itself is its own task.
+        let now = std::time::SystemTime::now();
+        let now_ms = now.duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.as_millis() as u64);
+        let coordinators = token.and_then(|t| {
+            let grant = self.key.open(t, now_ms).ok().filter(|g| g.shard == shard)?;
+            Some((grant.task, walship_peer::token::Token::from(t.to_string())))
+        });
+        let (task, token) = coordinators.unwrap_or_else(|| {
+            let task = format!("reseed-shard{shard}-node{}", self.me);
+            let expires_unix_ms = now_ms + RESEED_TOKEN_TTL.as_millis() as u64;
+            let token = self.key.mint(&Grant { task: task.clone(), shard, expires_unix_ms });
+            (task, token)
+        });
         for peer in peers {
             let Some(addr) = self.addresses.get(peer) else { continue };
             if self.skipped().get(peer).is_some_and(|until| std::time::Instant::now() < *until) {

@@ -59,6 +59,9 @@ pub fn coord_router(admin: Arc<CoordAdmin>) -> Router {
         .route("/v1/shards", get(shards))
         .route("/v1/shards/{id}", get(shard))
         .route("/v1/shards/{id}/failover", post(failover))
+        .route("/v1/shards/{id}/replicas", post(crate::replicas::start))
+        .route("/v1/replica-changes", get(crate::replicas::list))
+        .route("/v1/replica-changes/{id}", get(crate::replicas::show))
         .route("/v1/shards/{id}/lag-history", get(lag_history))
         .route("/v1/drills", get(drills))
         .route("/v1/drills/{id}", get(drill))
@@ -210,10 +213,19 @@ fn shard_view(
 ) -> ShardView {
     let c = &admin.coordinator;
     let timeout = c.config.replication.leader_timeout_ms;
+    let membership = |node: u32| {
+        let (new, old) = (record.replicas.contains(&node), record.joint.contains(&node));
+        match (new, old) {
+            _ if record.learners.contains(&node) => "learner",
+            (true, false) if !record.joint.is_empty() => "joining",
+            (false, true) => "leaving",
+            _ => "voter",
+        }
+    };
     let replicas = record
-        .replicas
-        .iter()
-        .map(|&node| {
+        .members()
+        .into_iter()
+        .map(|node| {
             let aged = c.heartbeat_aged(node, id);
             let hb = aged.as_ref().map(|(h, _)| h);
             let seen = c.last_seen_ms(node);
@@ -221,6 +233,7 @@ fn shard_view(
             let lag = shown_lag(admin, id, node, record.leader, alive, aged.as_ref());
             ReplicaView {
                 node_id: node,
+                membership: membership(node).into(),
                 role: match &hb {
                     // Its last report is stale: do not show an old role as current.
                     Some(_) if !alive => "down".into(),
@@ -265,6 +278,8 @@ fn shard_view(
         archive_lag_records: archive.as_ref().map(|h| h.commit_seqno.saturating_sub(h.archived_seqno)),
         archive_lag_seconds: archive.as_ref().map(|h| h.archive_lag_seconds),
         replicas,
+        learners: record.learners.clone(),
+        joint_replicas: record.joint.clone(),
         last_failover,
     }
 }
@@ -485,7 +500,7 @@ async fn shards(State(admin): State<Arc<CoordAdmin>>) -> Response {
     }
 }
 
-fn parse_shard(id: &str) -> Result<u32, ApiError> {
+pub(crate) fn parse_shard(id: &str) -> Result<u32, ApiError> {
     id.parse()
         .map_err(|_| ApiError::new(StatusCode::BAD_REQUEST, "bad_shard_id", format!("shard id {id:?} is not a number")))
 }

@@ -13,6 +13,7 @@ pub mod history;
 pub mod jobs;
 pub mod models;
 pub mod openapi;
+pub mod replicas;
 pub mod tasks;
 
 use std::sync::Arc;

@@ -199,7 +199,16 @@ pub struct ShardView {
     /// waits); none when not archived.
     #[serde(default)]
     pub archive_lag_seconds: Option<f64>,
+    /// Every node holding the shard: voters, then learners and, during a
+    /// replica change, the replicas leaving (see `membership`).
     pub replicas: Vec<ReplicaView>,
+    /// Replicas being added (shipped to, not counted yet).
+    #[serde(default)]
+    pub learners: Vec<u32>,
+    /// During a replica change's joint step: the voting set before it
+    /// (commits need a majority of both sets); empty otherwise.
+    #[serde(default)]
+    pub joint_replicas: Vec<u32>,
     pub last_failover: Option<FailoverRecord>,
 }
 
@@ -215,6 +224,11 @@ pub struct ShardView {
 #[derive(Debug, Clone, Serialize, Deserialize, PartialEq, utoipa::ToSchema)]
 pub struct ReplicaView {
     pub node_id: u32,
+    /// `voter`; `learner` (being added: receives records, counts for
+    /// nothing yet); during a change's joint step, `joining` (in the new
+    /// voting set only) or `leaving` (in the old one only).
+    #[serde(default)]
+    pub membership: String,
     /// `leader`, `follower`, `unassigned`, `down` (no heartbeat within the
     /// leader timeout) or `unknown` (never heard from).
     pub role: String,

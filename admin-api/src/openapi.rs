@@ -48,7 +48,7 @@ impl Modify for Bearer {
     paths(
         crate::coord::healthz, crate::coord::readyz, crate::coord::metrics, crate::coord::openapi,
         crate::coord::cluster, crate::coord::shards, crate::coord::shard, crate::coord::failover,
-        crate::coord::lag_history,
+        crate::coord::lag_history, crate::replicas::start, crate::replicas::list, crate::replicas::show,
         crate::coord::drills, crate::coord::drill, crate::coord::failover_drill, crate::coord::catchup_drill,
         crate::coord::corruption_drill, crate::coord::partition_drill, crate::coord::reseed_drill,
         crate::tasks::list, crate::tasks::show, crate::tasks::start, crate::tasks::cancel,
@@ -68,6 +68,8 @@ impl Modify for Bearer {
         walship_shipping::control::drills::PartitionTrial, walship_shipping::control::drills::TimeSummary,
         walship_shipping::control::drills::ReseedDrillRequest, walship_shipping::control::drills::ReseedDrillResult,
         walship_shipping::control::drills::ReseedSource,
+        walship_shipping::control::coordinator::ReplicaChangeRequest, walship_shipping::control::coordinator::ReplicaChange,
+        walship_shipping::control::coordinator::ReplicaAction,
         crate::tasks::TaskView, crate::tasks::TaskPage, crate::tasks::CancelBroadcast, crate::jobs::VerifySchedule, crate::jobs::ScheduledVerify, crate::tasks::NewTask, crate::tasks::TaskStarted, crate::tasks::JobView,
         walship_dataplane::kinds::verify::VerifyReport, walship_dataplane::kinds::export::ExportReport,
         walship_dataplane::task::TaskState, walship_dataplane::bus::DeadLetter,

@@ -149,6 +149,9 @@ pub struct ReplicationConfig {
     /// Coordinator: the active coordinator's lease; a standby takes over
     /// this long after the active one stops renewing.
     pub coordinator_lease_ms: u64,
+    /// Coordinator: the fewest voting replicas a shard may be left with by
+    /// `walship replica remove` (a replace never lowers the count).
+    pub min_replicas: usize,
 }
 
 impl Default for ReplicationConfig {
@@ -168,6 +171,7 @@ impl Default for ReplicationConfig {
             heartbeat_to: None,
             leader_timeout_ms: 200,
             coordinator_lease_ms: 2_000,
+            min_replicas: 3,
         }
     }
 }
@@ -602,6 +606,9 @@ impl ClusterConfig {
         let bad = |m: String| Err(ConfigError::Invalid(m));
         if let Some(archive) = &self.archive {
             archive.validate().map_err(|e| ConfigError::Invalid(format!("[archive]: {e}")))?;
+        }
+        if !(1..=64).contains(&self.replication.min_replicas) {
+            return bad(format!("[replication] min_replicas {} is outside 1..=64", self.replication.min_replicas));
         }
         let mut ids = BTreeSet::new();
         let mut addrs = BTreeSet::new();

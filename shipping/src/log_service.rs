@@ -207,7 +207,7 @@ impl LogService {
         LogService { wal: node.wal.clone(), node, limits, metrics }
     }
 
-    fn replica(&self, shard: ShardId) -> Result<&Arc<ShardReplica>, Status> {
+    fn replica(&self, shard: ShardId) -> Result<Arc<ShardReplica>, Status> {
         self.node.replica(shard).ok_or_else(|| Status::not_found(format!("shard {shard} is not hosted by this node")))
     }
 
@@ -218,7 +218,7 @@ impl LogService {
 
     /// The leader replica of `shard` and its epoch, or the not-leader
     /// refusal naming the leader when known.
-    fn leader_replica(&self, shard: ShardId) -> Result<(&Arc<ShardReplica>, u64), Status> {
+    fn leader_replica(&self, shard: ShardId) -> Result<(Arc<ShardReplica>, u64), Status> {
         let replica = self.replica(shard)?;
         let view = replica.view();
         match view.role {
@@ -241,7 +241,7 @@ impl LogService {
         }
     }
 
-    fn validate_append(&self, req: &AppendRequest) -> Result<(Durability, &Arc<ShardReplica>, u64), Status> {
+    fn validate_append(&self, req: &AppendRequest) -> Result<(Durability, Arc<ShardReplica>, u64), Status> {
         let durability = Durability::try_from(req.durability)
             .map_err(|_| Status::invalid_argument(format!("unknown durability {}", req.durability)))?;
         let (replica, epoch) = self.leader_replica(req.shard_id)?;
@@ -313,7 +313,9 @@ impl LogService {
         let reached = match durability {
             // With one replica the commit is the local fsync; waiting for it
             // to be published keeps read-your-write for every level.
-            Durability::Local if replica.replicas.len() == 1 => replica.wait_commit(appended.last_seqno).await,
+            Durability::Local if replica.members.lock().voters.len() == 1 => {
+                replica.wait_commit(appended.last_seqno).await
+            }
             Durability::Local => true,
             Durability::Quorum | Durability::Unspecified => replica.wait_commit(appended.last_seqno).await,
             Durability::All => replica.wait_all(appended.last_seqno).await,

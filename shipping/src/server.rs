@@ -34,7 +34,7 @@ use walship_proto::replication::{
     HeartbeatRequest, HeartbeatResponse, ShipSegmentRequest, ShipSegmentResponse, StreamRequest,
 };
 
-use crate::replica::{ReplicationNode, Source};
+use crate::replica::{Members, ReplicationNode, Source};
 
 /// The WalShipping service over a node's replication runtime.
 #[derive(Clone)]
@@ -155,6 +155,49 @@ impl ControlService {
     }
 }
 
+/// The longest fetch token an assignment may carry.
+const MAX_FETCH_TOKEN: usize = 1024;
+
+/// Who holds the shard per an assignment, checked: every node named is one
+/// of the cluster's, none twice, the leader a voter (of both sets while
+/// joint), learners outside the voting sets. None for an assignment that
+/// names no replica set (the set stays as it is). INVALID_ARGUMENT,
+/// changing nothing, otherwise.
+fn assigned_members(node: &ReplicationNode, r: &AssignRequest) -> Result<Option<Members>, Status> {
+    if r.fetch_token.len() > MAX_FETCH_TOKEN {
+        return Err(Status::invalid_argument(format!("fetch_token is longer than {MAX_FETCH_TOKEN} bytes")));
+    }
+    if r.replicas.is_empty() {
+        if !r.learners.is_empty() || !r.joint_replicas.is_empty() {
+            return Err(Status::invalid_argument("learners or joint_replicas without replicas"));
+        }
+        return Ok(None);
+    }
+    let mut seen = std::collections::BTreeSet::new();
+    for (name, list) in [("replicas", &r.replicas), ("learners", &r.learners), ("joint_replicas", &r.joint_replicas)] {
+        let mut distinct = std::collections::BTreeSet::new();
+        for &id in list {
+            if node.config.node(id).is_none() {
+                return Err(Status::invalid_argument(format!("{name}: node {id} is not in the cluster config")));
+            }
+            if !distinct.insert(id) {
+                return Err(Status::invalid_argument(format!("{name}: node {id} is named twice")));
+            }
+        }
+        if name == "learners" && distinct.iter().any(|id| seen.contains(id)) {
+            return Err(Status::invalid_argument("a learner is also a voter"));
+        }
+        seen.extend(distinct);
+    }
+    if r.learners.iter().any(|id| r.joint_replicas.contains(id)) {
+        return Err(Status::invalid_argument("a learner is also a voter"));
+    }
+    if !r.replicas.contains(&r.leader) || (!r.joint_replicas.is_empty() && !r.joint_replicas.contains(&r.leader)) {
+        return Err(Status::invalid_argument(format!("leader {} is not a voter of the replica set", r.leader)));
+    }
+    Ok(Some(Members { voters: r.replicas.clone(), learners: r.learners.clone(), joint: r.joint_replicas.clone() }))
+}
+
 fn positive_epoch(epoch: u64) -> Result<(), Status> {
     if epoch == 0 {
         return Err(Status::invalid_argument("epochs start at 1"));
@@ -173,7 +216,15 @@ impl Control for ControlService {
     async fn assign(&self, request: Request<AssignRequest>) -> Result<Response<AssignResponse>, Status> {
         let r = request.into_inner();
         positive_epoch(r.epoch)?;
-        self.node.assign(r.shard_id, r.epoch, r.leader, r.commit_seqno).await.map(Response::new).map_err(Status::from)
+        let members = assigned_members(&self.node, &r)?;
+        if !r.fetch_token.is_empty() {
+            self.node.set_fetch_token(r.shard_id, r.fetch_token);
+        }
+        self.node
+            .assign(r.shard_id, r.epoch, r.leader, r.commit_seqno, members)
+            .await
+            .map(Response::new)
+            .map_err(Status::from)
     }
 
     async fn position(&self, request: Request<PositionRequest>) -> Result<Response<FenceResponse>, Status> {

@@ -33,6 +33,33 @@ pub struct ShardRecord {
     pub replicas: Vec<NodeId>,
     /// A commit position known to be safe, handed to new leaders.
     pub commit_floor: u64,
+    /// Replicas being added: shipped to, never counted (no commit, no
+    /// failover) until a replica change makes them voters.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub learners: Vec<NodeId>,
+    /// While the voting set changes: the set before the change. A failover
+    /// then needs a majority of both sets and goes back to this one.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub joint: Vec<NodeId>,
+}
+
+impl ShardRecord {
+    /// Every node that holds or receives the shard: voters, the old set of
+    /// a change, learners. Fences and assignments go to all of them.
+    pub fn members(&self) -> Vec<NodeId> {
+        let mut all: Vec<NodeId> = self.replicas.iter().chain(&self.joint).chain(&self.learners).copied().collect();
+        all.sort_unstable();
+        all.dedup();
+        all
+    }
+
+    /// Nodes that vote in either set (failover candidates).
+    pub fn voters(&self) -> Vec<NodeId> {
+        let mut all: Vec<NodeId> = self.replicas.iter().chain(&self.joint).copied().collect();
+        all.sort_unstable();
+        all.dedup();
+        all
+    }
 }
 
 /// A completed failover.
@@ -74,6 +101,8 @@ impl ClusterState {
                             leader: Some(s.leader),
                             replicas: s.replicas.clone(),
                             commit_floor: 0,
+                            learners: Vec::new(),
+                            joint: Vec::new(),
                         },
                     )
                 })

@@ -35,6 +35,11 @@
 //!   a majority had answered it in this leadership, steps down (Raft's
 //!   CheckQuorum), even while it still reaches the coordinator. `LOCAL` is still not failover-safe: it is acknowledged
 //!   before any follower holds the record.
+//! * Membership ([`LeaderCore::set_members`]): *learners* are shipped to
+//!   like any follower but count for nothing — no commit, no `ALL`, no
+//!   lease. While the replica set changes (*joint*), a record is committed
+//!   only once a majority of the new set *and* a majority of the old set
+//!   hold it, so whichever set a failover then fences finds it.
 //! * A follower's `acked` only ever comes from its own reply (its durable
 //!   frontier); nothing the leader sends counts until the follower says so.
 //! * At most `window` requests are in flight per follower, and a follower
@@ -44,7 +49,7 @@
 //! * Replies from an older session are the shell's to drop; a reply that
 //!   reveals a newer epoch makes this leader deposed.
 
-use std::collections::{BTreeMap, VecDeque};
+use std::collections::{BTreeMap, BTreeSet, VecDeque};
 
 use serde::Serialize;
 
@@ -122,6 +127,20 @@ pub struct FollowerProgress {
     pub last_sent_us: Option<u64>,
     /// When the last reply came back (µs).
     pub last_reply_us: Option<u64>,
+}
+
+impl FollowerProgress {
+    /// A follower whose position is unknown: probed first, pushed from `next`.
+    fn probing(next: Seqno) -> FollowerProgress {
+        FollowerProgress {
+            acked: Seqno(0),
+            next,
+            in_flight: 0,
+            mode: ShipMode::Probe,
+            last_sent_us: None,
+            last_reply_us: None,
+        }
+    }
 }
 
 /// What the shell should send next to a follower.
@@ -214,20 +233,28 @@ pub struct LeaderCore {
     /// The durable position this leadership started at: records through it
     /// were durable before `started_us` (the ledger has no mark for them).
     start_durable: Seqno,
+    /// Followers that vote in no set ([`LeaderCore::set_members`]).
+    learners: BTreeSet<NodeId>,
+    /// Followers only in the old set of a change: they vote in it alone.
+    old_only: BTreeSet<NodeId>,
+    /// While the replica set changes: the followers of the voting set
+    /// before the change, and whether the leader was in it.
+    joint: Option<(BTreeSet<NodeId>, bool)>,
+}
+
+/// What [`LeaderCore::set_members`] changed: followers to start and stop
+/// shipping to.
+#[derive(Debug, Default, PartialEq, Eq)]
+pub struct MemberChange {
+    pub added: Vec<NodeId>,
+    pub removed: Vec<NodeId>,
 }
 
 impl LeaderCore {
     /// A leader starting at `start`, with the given followers (the leader
     /// itself excluded).
     pub fn new(start: LeaderStart, followers: &[NodeId], settings: LeaderSettings, now_us: u64) -> LeaderCore {
-        let progress = FollowerProgress {
-            acked: Seqno(0),
-            next: start.durable + 1,
-            in_flight: 0,
-            mode: ShipMode::Probe,
-            last_sent_us: None,
-            last_reply_us: None,
-        };
+        let progress = FollowerProgress::probing(start.durable + 1);
         let mut core = LeaderCore {
             epoch: start.epoch,
             epoch_start: start.epoch_start,
@@ -242,9 +269,74 @@ impl LeaderCore {
             avg_frame_bytes: 0,
             started_us: now_us,
             start_durable: start.durable,
+            learners: BTreeSet::new(),
+            old_only: BTreeSet::new(),
+            joint: None,
         };
         core.recompute_commit();
         core
+    }
+
+    /// Sets who this leader (`me`) ships to and who votes: `voters` (the
+    /// replica set, `me` among them), `learners` (shipped to, never
+    /// counted) and, while the set changes, `joint` (the set before the
+    /// change; empty otherwise). New followers start probing; followers in
+    /// none of the sets are dropped. The commit position never moves back:
+    /// a stricter rule only holds it until the new majority catches up.
+    pub fn set_members(
+        &mut self,
+        me: NodeId,
+        voters: &[NodeId],
+        learners: &[NodeId],
+        joint: &[NodeId],
+    ) -> MemberChange {
+        let wanted: BTreeSet<NodeId> =
+            voters.iter().chain(learners).chain(joint).copied().filter(|&n| n != me).collect();
+        let mut change = MemberChange::default();
+        self.followers.retain(|&n, _| {
+            let keep = wanted.contains(&n);
+            if !keep {
+                change.removed.push(n);
+            }
+            keep
+        });
+        for &n in &wanted {
+            if !self.followers.contains_key(&n) {
+                self.followers.insert(n, FollowerProgress::probing(self.durable + 1));
+                change.added.push(n);
+            }
+        }
+        self.learners = wanted.iter().copied().filter(|n| !voters.contains(n) && !joint.contains(n)).collect();
+        self.old_only = wanted.iter().copied().filter(|n| !voters.contains(n) && joint.contains(n)).collect();
+        self.joint =
+            (!joint.is_empty()).then(|| (joint.iter().copied().filter(|&n| n != me).collect(), joint.contains(&me)));
+        self.prune_ledger();
+        self.recompute_commit();
+        change
+    }
+
+    /// The followers that vote in the current replica set.
+    fn voters(&self) -> impl Iterator<Item = &FollowerProgress> + '_ {
+        self.followers.iter().filter(|(n, _)| !self.learners.contains(n) && !self.old_only.contains(n)).map(|(_, p)| p)
+    }
+
+    /// Whether `n` follows this leader without voting anywhere.
+    pub fn is_learner(&self, n: NodeId) -> bool {
+        self.learners.contains(&n)
+    }
+
+    /// The highest seqno durable on a majority of a set: `followers`'
+    /// positions, and the leader's own when it belongs to the set.
+    fn majority_position<'a>(&self, followers: impl Iterator<Item = &'a FollowerProgress>, leader: bool) -> Seqno {
+        let mut durable: Vec<Seqno> = followers.map(|p| p.acked).collect();
+        if leader {
+            durable.push(self.durable);
+        }
+        if durable.is_empty() {
+            return self.durable;
+        }
+        durable.sort_unstable_by(|a, b| b.cmp(a));
+        durable[durable.len() / 2]
     }
 
     pub fn epoch(&self) -> Epoch {
@@ -291,7 +383,11 @@ impl LeaderCore {
 
     /// The highest seqno durable on every replica.
     pub fn all_durable(&self) -> Seqno {
-        self.followers.values().map(|f| f.acked).fold(self.durable, Seqno::min)
+        self.followers
+            .iter()
+            .filter(|(n, _)| !self.learners.contains(n))
+            .map(|(_, f)| f.acked)
+            .fold(self.durable, Seqno::min)
     }
 
     pub fn progress(&self, follower: NodeId) -> Option<FollowerProgress> {
@@ -443,12 +539,12 @@ impl LeaderCore {
         let lease = self.settings.lease_us?;
         // Followers needed besides the leader: a majority of the replica
         // set minus the leader itself.
-        let replicas = self.followers.len() + 1;
+        let replicas = self.voters().count() + 1;
         let needed = replicas / 2;
         if needed == 0 {
             return None;
         }
-        let mut contacts: Vec<u64> = self.followers.values().filter_map(|p| p.last_reply_us).collect();
+        let mut contacts: Vec<u64> = self.voters().filter_map(|p| p.last_reply_us).collect();
         contacts.sort_unstable_by(|a, b| b.cmp(a));
         let majority = contacts.get(needed - 1).copied();
         let contact = majority.unwrap_or(0).max(self.started_us);
@@ -462,8 +558,8 @@ impl LeaderCore {
     /// never reached one is the coordinator's to replace, as its followers
     /// report they cannot hear it).
     pub fn had_majority(&self) -> bool {
-        let replicas = self.followers.len() + 1;
-        self.followers.values().filter(|p| p.last_reply_us.is_some()).count() >= replicas / 2
+        let replicas = self.voters().count() + 1;
+        self.voters().filter(|p| p.last_reply_us.is_some()).count() >= replicas / 2
     }
 
     /// Whether the lease holds at `now_us` (see [`LeaderCore::lease_until`]).
@@ -573,11 +669,12 @@ impl LeaderCore {
     }
 
     fn recompute_commit(&mut self) -> bool {
-        let mut durable: Vec<Seqno> = self.followers.values().map(|p| p.acked).collect();
-        durable.push(self.durable);
-        durable.sort_unstable_by(|a, b| b.cmp(a));
-        let majority = durable.len() / 2 + 1;
-        let quorum = durable[majority - 1].min(self.durable);
+        let mut quorum = self.majority_position(self.voters(), true);
+        if let Some((old, leader)) = &self.joint {
+            let old = self.followers.iter().filter(|(n, _)| old.contains(n)).map(|(_, p)| p);
+            quorum = quorum.min(self.majority_position(old, *leader));
+        }
+        let quorum = quorum.min(self.durable);
         if quorum > self.commit {
             self.commit = quorum;
             true

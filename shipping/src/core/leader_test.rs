@@ -461,3 +461,85 @@ fn commit_floor_never_passes_the_leaders_log() {
 fn retention_without_data_does_nothing() {
     assert_eq!(leader().plan_retention(0, 0), RetentionPlan::default());
 }
+
+/// Acknowledges `f` at `acked` (it must be probed already).
+fn ack(core: &mut LeaderCore, f: NodeId, acked: u64, now: u64) {
+    core.on_keepalive_sent(f, now);
+    core.on_reply(f, ShipReply::Applied { applied: Seqno(acked) }, now).unwrap();
+}
+
+#[test]
+fn a_learner_is_shipped_to_but_counts_for_no_commit_and_no_all() {
+    // Leader 1, voters 1,2,3, learner 4.
+    let mut core = leader();
+    let change = core.set_members(1, &[1, 2, 3], &[4], &[]);
+    assert_eq!(change, MemberChange { added: vec![4], removed: vec![] });
+    assert!(core.is_learner(4));
+    assert_eq!(core.poll_ship(4, 100), ShipDecision::Keepalive, "a learner is probed like any follower");
+    probe(&mut core, 2, 0, 0);
+    probe(&mut core, 3, 0, 0);
+    core.on_local_durable(Seqno(10), 10, 1_000, 200);
+    ack(&mut core, 4, 10, 300);
+    assert_eq!(core.commit(), 0, "the leader and a learner are no majority of 1,2,3");
+    ack(&mut core, 2, 10, 400);
+    assert_eq!(core.commit(), 10);
+    assert_eq!(core.all_durable(), 0, "ALL waits for voter 3, not for the learner");
+    ack(&mut core, 3, 10, 500);
+    assert_eq!(core.all_durable(), 10);
+}
+
+#[test]
+fn while_joint_a_record_commits_only_on_a_majority_of_both_sets() {
+    // Replace 3 by 4: old set 1,2,3, new set 1,2,4; leader 1.
+    let mut core = leader();
+    core.set_members(1, &[1, 2, 3], &[4], &[]);
+    for f in [2, 3, 4] {
+        probe(&mut core, f, 0, 0);
+    }
+    core.on_local_durable(Seqno(10), 10, 1_000, 100);
+    let change = core.set_members(1, &[1, 2, 4], &[], &[1, 2, 3]);
+    assert_eq!(change, MemberChange::default(), "every member is still shipped to");
+    // 1 and 3 hold 10: a majority of the old set, not of the new one.
+    ack(&mut core, 3, 10, 200);
+    assert_eq!(core.commit(), 0);
+    // 1 and 4: a majority of the new set; with 3, of the old one too.
+    ack(&mut core, 4, 10, 300);
+    assert_eq!(core.commit(), 10);
+    ack(&mut core, 2, 10, 350);
+    // Past the change: the new set alone, and 3 is dropped.
+    core.on_local_durable(Seqno(20), 20, 2_000, 400);
+    let change = core.set_members(1, &[1, 2, 4], &[], &[]);
+    assert_eq!(change, MemberChange { added: vec![], removed: vec![3] });
+    assert_eq!(core.progress(3), None);
+    ack(&mut core, 4, 20, 500);
+    assert_eq!(core.commit(), 20);
+    assert_eq!(core.all_durable(), 10, "ALL counts the new set: 2 lacks 11..=20");
+}
+
+#[test]
+fn a_joint_leader_needs_the_old_majority_even_when_the_new_one_is_fast() {
+    // Add 4 (and 5): old 1,2,3, new 1,2,3,4,5; followers 4 and 5 are fast.
+    let mut core = leader();
+    core.set_members(1, &[1, 2, 3, 4, 5], &[], &[1, 2, 3]);
+    for f in [2, 3, 4, 5] {
+        probe(&mut core, f, 0, 0);
+    }
+    core.on_local_durable(Seqno(7), 7, 700, 100);
+    ack(&mut core, 4, 7, 200);
+    ack(&mut core, 5, 7, 200);
+    assert_eq!(core.commit(), 0, "1,4,5 are a majority of the new set only");
+    ack(&mut core, 2, 7, 300);
+    assert_eq!(core.commit(), 7);
+}
+
+#[test]
+fn the_commit_position_never_moves_back_when_the_rule_gets_stricter() {
+    let mut core = leader();
+    probe(&mut core, 2, 0, 0);
+    probe(&mut core, 3, 0, 0);
+    core.on_local_durable(Seqno(5), 5, 500, 100);
+    ack(&mut core, 2, 5, 200);
+    assert_eq!(core.commit(), 5);
+    core.set_members(1, &[1, 2, 4], &[], &[1, 2, 3]);
+    assert_eq!(core.commit(), 5, "a stricter rule holds the commit, it never takes it back");
+}

@@ -184,6 +184,16 @@ impl ReplicaCore {
         self.view
     }
 
+    /// Takes the coordinator's replica set for `epoch` (the voters of both
+    /// sets while it changes), who may lead and ship to this replica. Only
+    /// from an epoch not older than the promised one: a stale assignment
+    /// changes nothing.
+    pub fn set_replicas(&mut self, epoch: Epoch, replicas: &[NodeId]) {
+        if epoch >= self.promised && !replicas.is_empty() {
+            self.replicas = replicas.to_vec();
+        }
+    }
+
     pub fn promised(&self) -> Epoch {
         self.promised
     }

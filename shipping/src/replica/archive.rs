@@ -278,10 +278,15 @@ impl ReplicationNode {
     /// Starts archiving every shard this node hosts (each while it leads).
     pub fn start_archiving(self: &Arc<Self>, archive: Archive) {
         let archive = Arc::new(archive);
-        if self.archive.set(archive.clone()).is_err() {
-            return;
+        {
+            // Under the map's lock: a replica created meanwhile either is in
+            // the map below or sees the archive set (`replica_or_create`).
+            let _hosted = self.replicas.write();
+            if self.archive.set(archive.clone()).is_err() {
+                return;
+            }
         }
-        for replica in self.replicas.values() {
+        for replica in self.replicas() {
             tokio::spawn(self.clone().run_archive(replica.clone(), archive.clone()));
             tokio::spawn(self.clone().run_scrub(replica.clone(), archive.clone()));
         }
@@ -345,7 +350,7 @@ impl ReplicationNode {
         Some((epoch, durable.min(replica.follower.leader_commit.load(Ordering::Acquire))))
     }
 
-    async fn run_archive(self: Arc<Self>, replica: Arc<ShardReplica>, archive: Arc<Archive>) {
+    pub(super) async fn run_archive(self: Arc<Self>, replica: Arc<ShardReplica>, archive: Arc<Archive>) {
         let shard = replica.shard;
         let label = shard.to_string();
         let mut tick = tokio::time::interval(Duration::from_millis(200));
@@ -577,7 +582,7 @@ impl ReplicationNode {
                 done = &mut call => return done,
                 _ = tokio::time::sleep(Duration::from_secs(1)) => {
                     let known = self.archive_status.lock().get(&shard).map_or(0, |s| s.archived_seqno);
-                    let commit = match self.replica(shard).map(|r| self.duty(r, archive)) {
+                    let commit = match self.replica(shard).map(|r| self.duty(&r, archive)) {
                         Some(Duty::Archive { commit, .. }) => commit,
                         _ => commit,
                     };

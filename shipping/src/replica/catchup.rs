@@ -430,8 +430,7 @@ impl ReplicationNode {
         segment: &crate::archive::SegmentRef,
     ) -> Option<bytes::Bytes> {
         let tier = self.peer_tier()?;
-        let mut peers: Vec<NodeId> =
-            replica.replicas.iter().copied().filter(|&n| n != self.me && n != leader).collect();
+        let mut peers: Vec<NodeId> = replica.members().others(self.me).into_iter().filter(|&n| n != leader).collect();
         if peers.is_empty() && leader != self.me {
             peers.push(leader);
         }
@@ -440,7 +439,7 @@ impl ReplicationNode {
             let start = (self.me as usize + replica.shard as usize) % peers.len();
             peers.rotate_left(start);
         }
-        let bytes = tier.fetch(replica.shard, segment, &peers).await?;
+        let bytes = tier.fetch(replica.shard, segment, &peers, self.fetch_token(replica.shard).as_deref()).await?;
         let decoded = Segment::decode(bytes.clone()).ok()?;
         let intact = decoded.shard_id() == replica.shard
             && decoded.first_seqno() == segment.first
@@ -488,7 +487,7 @@ impl ReplicationNode {
                 _ = tick.tick() => {}
                 _ = self.shutdown.cancelled() => return,
             }
-            for replica in self.replicas.values() {
+            for replica in self.replicas() {
                 let first_bad = self.wal.shard_corruption(replica.shard).iter().map(|r| r.first_bad_seqno).min();
                 let Some(first_bad) = first_bad else {
                     replica.rules.lock().corruption_repaired();
@@ -496,7 +495,7 @@ impl ReplicationNode {
                 };
                 let _transition = replica.transition.lock().await;
                 let commands = replica.rules.lock().corruption_found(Seqno(first_bad));
-                if let Err(error) = self.perform(replica, commands, 0).await {
+                if let Err(error) = self.perform(&replica, commands, 0).await {
                     tracing::warn!(shard = replica.shard, %error, "repairing a corrupt tail");
                 }
             }

@@ -18,7 +18,11 @@ use tokio::sync::watch;
 use walship_proto::log::{AssignResponse, EpochEndRequest, FenceResponse};
 use walship_wal::ShardId;
 
-use super::shard::LeaderState;
+use std::collections::BTreeMap;
+
+use tokio_util::sync::CancellationToken;
+
+use super::shard::{LeaderState, Members};
 use super::{ReplicaError, ReplicationNode, ShardReplica, Source, now_us};
 use crate::NodeId;
 use crate::core::leader::{LeaderCore, LeaderStart};
@@ -167,15 +171,20 @@ impl ReplicationNode {
 
     /// Makes this replica the leader of `epoch` (when `leader` is this node)
     /// or a follower of `leader` in it. Idempotent for the current epoch.
+    /// `members` (a coordinator's assignment; none from a static cluster's
+    /// config) is who holds the shard from this epoch on: a node it names
+    /// that does not host the shard creates it, and a leader of this epoch
+    /// takes a change of learners or of the voting set in place.
     pub fn assign(
         self: &Arc<Self>,
         shard: ShardId,
         epoch: u64,
         leader: NodeId,
         commit_floor: u64,
+        members: Option<Members>,
     ) -> impl std::future::Future<Output = Result<AssignResponse, ReplicaError>> + Send + 'static {
         let node = self.clone();
-        async move { node.assign_inner(shard, epoch, leader, commit_floor).await.map_err(|e| node.counted(e)) }
+        async move { node.assign_inner(shard, epoch, leader, commit_floor, members).await.map_err(|e| node.counted(e)) }
     }
 
     async fn assign_inner(
@@ -184,12 +193,24 @@ impl ReplicationNode {
         epoch: u64,
         leader: NodeId,
         commit_floor: u64,
+        members: Option<Members>,
     ) -> Result<AssignResponse, ReplicaError> {
-        let replica = self.replica_or_not_found(shard)?;
+        let replica = match &members {
+            Some(m) => {
+                let mut named = m.others(0);
+                named.push(leader);
+                self.replica_or_create(shard, &named)?
+            }
+            None => self.replica_or_not_found(shard)?,
+        };
         let transition = replica.transition.lock().await;
         let mut commands = self.sync_disk(&replica);
         let decided = {
             let mut rules = replica.rules.lock();
+            if let Some(m) = members.as_ref().filter(|_| Epoch(epoch) >= rules.promised()) {
+                rules.set_replicas(Epoch(epoch), &m.all_voters());
+                *replica.members.lock() = m.clone();
+            }
             let decided = rules.assign(Epoch(epoch), leader);
             replica.note_new_leader(decided.as_deref().unwrap_or_default());
             decided
@@ -199,10 +220,52 @@ impl ReplicationNode {
             tracing::info!(shard, epoch, leader, "following");
         }
         self.perform(&replica, commands, commit_floor).await?;
+        if let Some(state) = replica.leader_state().filter(|s| s.epoch == epoch && leader == self.me) {
+            self.apply_members(&replica, &state);
+        }
         drop(transition);
         let last = self.wal.positions(shard).map(|p| p.last_seqno).unwrap_or(0);
         let role = if leader == self.me { "leader" } else { "follower" };
         Ok(AssignResponse { epoch, role: role.into(), last_seqno: last })
+    }
+
+    /// A leader takes the replica set it was just assigned in its own
+    /// epoch: followers added start being shipped to (probed first), those
+    /// no longer in any set stop, and the commit rule follows the new
+    /// voters (both sets while joint).
+    fn apply_members(self: &Arc<Self>, replica: &Arc<ShardReplica>, state: &Arc<LeaderState>) {
+        let members = replica.members();
+        let change = {
+            let mut core = state.core.lock();
+            let change = core.set_members(self.me, &members.voters, &members.learners, &members.joint);
+            replica.publish_leader(&core, &self.metrics);
+            change
+        };
+        for follower in change.removed {
+            if let Some(stop) = state.shippers.lock().remove(&follower) {
+                stop.cancel();
+            }
+            tracing::info!(shard = replica.shard, follower, "no longer shipping: not a member any more");
+        }
+        for follower in change.added {
+            tracing::info!(
+                shard = replica.shard,
+                follower,
+                learner = members.learners.contains(&follower),
+                "shipping to a new member"
+            );
+            self.spawn_shipper(replica, state, follower);
+        }
+    }
+
+    /// Starts shipping to `follower` under its own stop token (a member
+    /// change stops one shipper without the others).
+    fn spawn_shipper(self: &Arc<Self>, replica: &Arc<ShardReplica>, state: &Arc<LeaderState>, follower: NodeId) {
+        let stop: CancellationToken = state.stop.child_token();
+        if let Some(previous) = state.shippers.lock().insert(follower, stop.clone()) {
+            previous.cancel();
+        }
+        tokio::spawn(self.clone().run_shipper(replica.clone(), state.clone(), follower, stop));
     }
 
     /// Installs a leadership of `epoch` and starts its tasks, unless a newer
@@ -218,7 +281,8 @@ impl ReplicationNode {
         let p = self.wal.positions(replica.shard)?;
         // The stream baseline: everything up to here predates this epoch.
         let (_, before) = self.wal.epoch_end(replica.shard, epoch - 1).await?;
-        let followers: Vec<NodeId> = replica.replicas.iter().copied().filter(|&r| r != self.me).collect();
+        let members = replica.members();
+        let followers = members.others(self.me);
         let start = LeaderStart {
             epoch: Epoch(epoch),
             first: Seqno(p.first_seqno),
@@ -228,7 +292,8 @@ impl ReplicationNode {
                 commit_floor.max(replica.follower.leader_commit.load(std::sync::atomic::Ordering::Acquire)),
             ),
         };
-        let core = LeaderCore::new(start, &followers, self.settings, now_us());
+        let mut core = LeaderCore::new(start, &followers, self.settings, now_us());
+        core.set_members(self.me, &members.voters, &members.learners, &members.joint);
         let state = Arc::new(LeaderState {
             epoch,
             core: Mutex::new(core),
@@ -236,6 +301,7 @@ impl ReplicationNode {
             stop: self.shutdown.child_token(),
             archiver: std::sync::atomic::AtomicU32::new(0),
             archived_by_follower: Arc::default(),
+            shippers: Mutex::new(BTreeMap::new()),
         });
         {
             let mut rules = replica.rules.lock();
@@ -252,7 +318,7 @@ impl ReplicationNode {
             tokio::spawn(self.clone().run_lease_watch(replica.clone(), state.clone()));
         }
         for follower in followers {
-            tokio::spawn(self.clone().run_shipper(replica.clone(), state.clone(), follower));
+            self.spawn_shipper(&replica, &state, follower);
         }
         tracing::info!(shard = replica.shard, epoch, stream_baseline = before, "leading");
         Ok(())

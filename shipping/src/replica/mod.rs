@@ -64,7 +64,7 @@ use tokio_util::sync::CancellationToken;
 use walship_wal::{ShardId, Wal};
 
 pub use self::error::{APPLIED_METADATA_KEY, EPOCH_METADATA_KEY, ReplicaError};
-pub use self::shard::ShardReplica;
+pub use self::shard::{Members, ShardReplica};
 pub use self::status::{CorruptRangeStatus, FollowerStatus, ReceivedHeartbeat, ReplicaStatus};
 use crate::NodeId;
 use crate::config::ClusterConfig;
@@ -113,7 +113,9 @@ pub struct ReplicationNode {
     pub wal: Wal,
     pub peers: Peers,
     pub metrics: ReplicationMetrics,
-    replicas: BTreeMap<ShardId, Arc<ShardReplica>>,
+    /// The shards this node hosts: those the cluster config gives it, and
+    /// those a coordinator assigned it since (replicas added at run time).
+    replicas: parking_lot::RwLock<BTreeMap<ShardId, Arc<ShardReplica>>>,
     catchup_budget: RateLimiter,
     settings: LeaderSettings,
     allow_crash_drills: bool,
@@ -134,6 +136,9 @@ pub struct ReplicationNode {
     peer_tier: std::sync::OnceLock<Arc<dyn peer_tier::PeerTier>>,
     /// Each archived shard's position and lag (shards this node leads).
     archive_status: Mutex<BTreeMap<ShardId, archive::ArchiveStatus>>,
+    /// PeerExchange fetch tokens a coordinator minted for this node's
+    /// tasks, by shard (see [`peer_tier::PeerTier::fetch`]).
+    fetch_tokens: Mutex<BTreeMap<ShardId, String>>,
 }
 
 impl ReplicationNode {
@@ -166,7 +171,10 @@ impl ReplicationNode {
             wal.create_shard(spec.id)?;
             let last = wal.positions(spec.id)?.last_seqno;
             let promised = wal.epoch(spec.id)?;
-            replicas.insert(spec.id, Arc::new(ShardReplica::new(spec, me, config.coordinated(), promised, last)));
+            replicas.insert(
+                spec.id,
+                Arc::new(ShardReplica::new(spec.id, &spec.replicas, me, config.coordinated(), promised, last)),
+            );
         }
         let node = Arc::new(ReplicationNode {
             me,
@@ -178,7 +186,7 @@ impl ReplicationNode {
             config,
             wal,
             metrics,
-            replicas,
+            replicas: parking_lot::RwLock::new(replicas),
             heartbeats: Mutex::new(BTreeMap::new()),
             disk_bytes,
             shutdown: CancellationToken::new(),
@@ -188,14 +196,15 @@ impl ReplicationNode {
             archive: Default::default(),
             peer_tier: Default::default(),
             archive_status: Default::default(),
+            fetch_tokens: Default::default(),
         });
         if !node.config.coordinated() {
             for spec in node.config.shards_of(me) {
-                node.assign(spec.id, spec.epoch, spec.leader, 0).await?;
+                node.assign(spec.id, spec.epoch, spec.leader, 0, None).await?;
             }
         }
-        for replica in node.replicas.values() {
-            tokio::spawn(node.clone().run_retention(replica.clone()));
+        for replica in node.replicas() {
+            tokio::spawn(node.clone().run_retention(replica));
         }
         tokio::spawn(node.clone().run_heartbeats());
         tokio::spawn(node.clone().run_metrics());
@@ -203,16 +212,54 @@ impl ReplicationNode {
         Ok(node)
     }
 
-    pub fn replica(&self, shard: ShardId) -> Option<&Arc<ShardReplica>> {
-        self.replicas.get(&shard)
+    pub fn replica(&self, shard: ShardId) -> Option<Arc<ShardReplica>> {
+        self.replicas.read().get(&shard).cloned()
     }
 
     fn replica_or_not_found(&self, shard: ShardId) -> Result<Arc<ShardReplica>, ReplicaError> {
-        self.replica(shard).cloned().ok_or(ReplicaError::UnknownShard { shard, node: self.me })
+        self.replica(shard).ok_or(ReplicaError::UnknownShard { shard, node: self.me })
     }
 
-    pub fn replicas(&self) -> impl Iterator<Item = &Arc<ShardReplica>> {
-        self.replicas.values()
+    /// Every replica this node hosts, in shard order (a snapshot).
+    pub fn replicas(&self) -> Vec<Arc<ShardReplica>> {
+        self.replicas.read().values().cloned().collect()
+    }
+
+    /// The replica of `shard`, created when a coordinator assigns this
+    /// node a shard it does not host yet (a replica being added, or one
+    /// added before this node restarted): its WAL shard is created (or
+    /// reopened, keeping what it holds and the epoch it promised) and its
+    /// retention starts. Only under a coordinator, and only for a node the
+    /// assignment names.
+    fn replica_or_create(
+        self: &Arc<Self>,
+        shard: ShardId,
+        members: &[NodeId],
+    ) -> Result<Arc<ShardReplica>, ReplicaError> {
+        if let Some(replica) = self.replica(shard) {
+            return Ok(replica);
+        }
+        if !self.config.coordinated() || !members.contains(&self.me) {
+            return Err(ReplicaError::UnknownShard { shard, node: self.me });
+        }
+        let mut replicas = self.replicas.write();
+        if let Some(replica) = replicas.get(&shard) {
+            return Ok(replica.clone());
+        }
+        self.wal.create_shard(shard)?;
+        let last = self.wal.positions(shard)?.last_seqno;
+        let promised = self.wal.epoch(shard)?;
+        let replica = Arc::new(ShardReplica::new(shard, &[], self.me, true, promised, last));
+        replicas.insert(shard, replica.clone());
+        let archive = self.archive.get().cloned();
+        drop(replicas);
+        tracing::info!(shard, promised, last, "hosting a shard the coordinator assigned this node");
+        tokio::spawn(self.clone().run_retention(replica.clone()));
+        if let Some(archive) = archive {
+            tokio::spawn(self.clone().run_archive(replica.clone(), archive.clone()));
+            tokio::spawn(self.clone().run_scrub(replica.clone(), archive));
+        }
+        Ok(replica)
     }
 
     /// `<node id>@<grpc address>` of a node, for not-leader hints.

@@ -16,13 +16,25 @@ use crate::NodeId;
 use crate::archive::SegmentRef;
 
 /// Fetches one archived segment of a shard from one of `peers` (in order),
-/// checked whole; `None` when none of them served it intact.
+/// checked whole; `None` when none of them served it intact. `token`: the
+/// fetch token a coordinator minted for the task this fetch serves, when
+/// it sent one (the tier signs its own otherwise, or once it expired).
 #[tonic::async_trait]
 pub trait PeerTier: Send + Sync + 'static {
-    async fn fetch(&self, shard: u32, segment: &SegmentRef, peers: &[NodeId]) -> Option<Bytes>;
+    async fn fetch(&self, shard: u32, segment: &SegmentRef, peers: &[NodeId], token: Option<&str>) -> Option<Bytes>;
 }
 
 impl ReplicationNode {
+    /// Keeps the fetch token a coordinator minted for this node's task on
+    /// `shard` (adding this replica), for its peer fetches.
+    pub fn set_fetch_token(&self, shard: u32, token: String) {
+        self.fetch_tokens.lock().insert(shard, token);
+    }
+
+    pub(super) fn fetch_token(&self, shard: u32) -> Option<String> {
+        self.fetch_tokens.lock().get(&shard).cloned()
+    }
+
     /// Installs the peer tier (once).
     pub fn set_peer_tier(&self, tier: Arc<dyn PeerTier>) {
         let _ = self.peer_tier.set(tier);
@@ -41,7 +53,7 @@ impl ReplicationNode {
         let Ok(p) = self.wal.positions(shard) else { return Ok(None) };
         let committed = match replica.leader_state() {
             Some(leader) => leader.core.lock().commit().0,
-            None => self.follower_committed(replica).map_or(0, |(_, commit)| commit),
+            None => self.follower_committed(&replica).map_or(0, |(_, commit)| commit),
         };
         if first == 0 || first > last || first < p.first_seqno || last > p.durable_seqno.min(committed) {
             return Ok(None);

@@ -208,6 +208,7 @@ impl ReplicationNode {
         replica: Arc<ShardReplica>,
         leader: Arc<LeaderState>,
         follower: NodeId,
+        stop: tokio_util::sync::CancellationToken,
     ) {
         let mut ship_limit = leader.ship_limit.subscribe();
         // Early shipping: with nothing in flight to this follower, each
@@ -276,7 +277,7 @@ impl ReplicationNode {
                 changed = ship_limit.changed() => if changed.is_err() { return },
                 open = changed_if_watched(written.as_mut()), if in_flight.is_empty() => if !open { return },
                 _ = tokio::time::sleep(keepalive) => {}
-                _ = leader.stop.cancelled() => return,
+                _ = stop.cancelled() => return,
             }
         }
     }

@@ -22,7 +22,6 @@ use tokio_util::sync::CancellationToken;
 use walship_wal::ShardId;
 
 use crate::NodeId;
-use crate::config::ShardSpec;
 use crate::core::Epoch;
 use crate::core::leader::LeaderCore;
 use crate::core::replica::{ReplicaCore, Role, View};
@@ -45,6 +44,8 @@ pub(crate) struct LeaderState {
     pub(crate) archiver: AtomicU32,
     /// The newest archived seqno a follower archiving the shard reported.
     pub(crate) archived_by_follower: Arc<AtomicU64>,
+    /// Each follower's shipper stops with its token (a child of `stop`).
+    pub(crate) shippers: Mutex<std::collections::BTreeMap<NodeId, CancellationToken>>,
 }
 
 /// What the follower side keeps between shipments.
@@ -73,10 +74,42 @@ pub(crate) struct FollowerState {
     pub(crate) rebuild_tiers: std::sync::atomic::AtomicU8,
 }
 
+/// Who holds a shard, as the coordinator last said (the cluster config
+/// until it speaks).
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct Members {
+    /// The voting replica set.
+    pub voters: Vec<NodeId>,
+    /// Replicas being added: shipped to, never counted.
+    pub learners: Vec<NodeId>,
+    /// While the set changes: the voting set before the change.
+    pub joint: Vec<NodeId>,
+}
+
+impl Members {
+    /// Every node holding the shard but `me`.
+    pub fn others(&self, me: NodeId) -> Vec<NodeId> {
+        let mut all: Vec<NodeId> =
+            self.voters.iter().chain(&self.learners).chain(&self.joint).copied().filter(|&n| n != me).collect();
+        all.sort_unstable();
+        all.dedup();
+        all
+    }
+
+    /// The voters of both sets (who may lead).
+    pub fn all_voters(&self) -> Vec<NodeId> {
+        let mut all: Vec<NodeId> = self.voters.iter().chain(&self.joint).copied().collect();
+        all.sort_unstable();
+        all.dedup();
+        all
+    }
+}
+
 /// One shard's replica on this node.
 pub struct ShardReplica {
     pub shard: ShardId,
-    pub replicas: Vec<NodeId>,
+    /// Who holds the shard; changed by assignments.
+    pub(crate) members: Mutex<Members>,
     /// The role and epoch rules; every decision about them is taken here.
     pub(crate) rules: Mutex<ReplicaCore>,
     /// What reads may return through: the commit position (leader) or
@@ -99,11 +132,18 @@ pub struct ShardReplica {
 impl ShardReplica {
     /// A replica that restarted having promised `promised` and whose log
     /// ends at `last_seqno`.
-    pub(crate) fn new(spec: &ShardSpec, me: NodeId, coordinated: bool, promised: u64, last_seqno: u64) -> Self {
+    pub(crate) fn new(
+        shard: ShardId,
+        replicas: &[NodeId],
+        me: NodeId,
+        coordinated: bool,
+        promised: u64,
+        last_seqno: u64,
+    ) -> Self {
         ShardReplica {
-            shard: spec.id,
-            replicas: spec.replicas.clone(),
-            rules: Mutex::new(ReplicaCore::new(me, spec.replicas.clone(), coordinated, Epoch(promised))),
+            shard,
+            members: Mutex::new(Members { voters: replicas.to_vec(), ..Members::default() }),
+            rules: Mutex::new(ReplicaCore::new(me, replicas.to_vec(), coordinated, Epoch(promised))),
             readable: watch::Sender::new(0),
             all_durable: watch::Sender::new(0),
             generation: watch::Sender::new(0),
@@ -127,6 +167,11 @@ impl ShardReplica {
 
     pub fn view(&self) -> View {
         self.rules.lock().view()
+    }
+
+    /// Who holds the shard, as last assigned.
+    pub fn members(&self) -> Members {
+        self.members.lock().clone()
     }
 
     /// Under a coordinator: whether this replica still waits for an epoch

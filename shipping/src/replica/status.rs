@@ -116,8 +116,8 @@ pub struct ReceivedHeartbeat {
 impl ReplicationNode {
     pub fn status(&self) -> Vec<ReplicaStatus> {
         let now = now_us();
-        self.replicas
-            .values()
+        self.replicas()
+            .iter()
             .map(|replica| {
                 let p = self.wal.positions(replica.shard).unwrap_or(walship_wal::Positions {
                     first_seqno: 0,
@@ -145,7 +145,7 @@ impl ReplicationNode {
                     epoch: view.epoch.0,
                     epoch_seen: replica.epoch_seen(),
                     leader: replica.leader_id(self.me),
-                    replicas: replica.replicas.clone(),
+                    replicas: replica.members().voters,
                     first_seqno: p.first_seqno,
                     last_seqno: self.last_written(replica.shard, &p),
                     durable_seqno: p.durable_seqno,
@@ -220,7 +220,7 @@ impl ReplicationNode {
             self.metrics.disk_bytes.set(disk as i64);
             let mut node_rate = 0.0;
             let mut requests = Vec::new();
-            for replica in self.replicas.values() {
+            for replica in self.replicas() {
                 let (Ok(p), Ok(c)) = (self.wal.positions(replica.shard), self.wal.counters(replica.shard)) else {
                     continue;
                 };
@@ -322,7 +322,7 @@ impl ReplicationNode {
                 _ = self.shutdown.cancelled() => return,
             }
             let now = now_us();
-            for replica in self.replicas.values() {
+            for replica in self.replicas() {
                 let Some(leader) = replica.leader_state() else { continue };
                 let core = leader.core.lock();
                 for (id, progress) in core.followers() {

@@ -36,8 +36,11 @@ use crate::control::kv::{Kv, KvError};
 use crate::control::state::{ClusterState, FailoverRecord, LeaseAction, STATE_KEY, ShardRecord, lease_action};
 use crate::peers::{PeerTransport, Peers};
 
+mod members;
 mod promote;
 mod reconcile;
+
+pub use members::{ReplicaAction, ReplicaChange, ReplicaChangeRequest, ReplicaChanges};
 
 pub fn now_ms() -> u64 {
     SystemTime::now().duration_since(UNIX_EPOCH).map(|d| d.as_millis() as u64).unwrap_or(0)
@@ -204,6 +207,14 @@ pub struct Coordinator {
     started: Instant,
     /// Shards whose "waiting for replicas to start" line was logged once.
     waiting_logged: Mutex<std::collections::BTreeSet<u32>>,
+    /// Fetch tokens minted for replica-change tasks, sent with every
+    /// assignment of that replica while the task runs.
+    pub(crate) fetch_tokens: Mutex<BTreeMap<(u32, NodeId), String>>,
+    /// Mints a PeerExchange fetch token for `(task, shard)` (installed by
+    /// the binary, which holds the token key; none: nodes sign their own).
+    token_minter: std::sync::OnceLock<Box<dyn Fn(&str, u32, Duration) -> String + Send + Sync>>,
+    /// Replica changes (`POST /v1/shards/{id}/replicas`), in memory.
+    pub changes: ReplicaChanges,
 }
 
 /// A failover that finds no majority of a shard's replicas is worth a WARN
@@ -280,6 +291,9 @@ impl Coordinator {
             retry_after: Mutex::new(BTreeMap::new()),
             started: Instant::now(),
             waiting_logged: Mutex::new(Default::default()),
+            fetch_tokens: Default::default(),
+            token_minter: Default::default(),
+            changes: Default::default(),
         });
         tokio::spawn(coordinator.clone().run_lease());
         tokio::spawn(coordinator.clone().run_reconcile());

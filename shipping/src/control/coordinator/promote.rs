@@ -12,7 +12,12 @@ use walship_proto::log::{EpochEndRequest, FenceRequest, FenceResponse, PositionR
 use super::*;
 
 impl Coordinator {
-    async fn positions(&self, shard: u32, replicas: &[NodeId], fence_epoch: Option<u64>) -> Vec<FenceResponse> {
+    pub(super) async fn positions(
+        &self,
+        shard: u32,
+        replicas: &[NodeId],
+        fence_epoch: Option<u64>,
+    ) -> Vec<FenceResponse> {
         let majority = replicas.len() / 2 + 1;
         let mut calls = FuturesUnordered::new();
         for &node in replicas {
@@ -61,7 +66,7 @@ impl Coordinator {
         answers
     }
 
-    async fn epoch_end(&self, node: NodeId, shard: u32, epoch: u64) -> Option<u64> {
+    pub(super) async fn epoch_end(&self, node: NodeId, shard: u32, epoch: u64) -> Option<u64> {
         let mut client = self.peers.control(node)?;
         let mut request = tonic::Request::new(EpochEndRequest { shard_id: shard, epoch });
         request.set_timeout(Duration::from_millis(500));
@@ -124,16 +129,21 @@ impl Coordinator {
             .get(&shard)
             .cloned()
             .ok_or(CoordError::UnknownShard(shard))?;
+        // While the replica set changes, a failover goes back to the set
+        // before the change (everything acknowledged is on a majority of it)
+        // and promotes only one of its members.
+        let voters = if record.joint.is_empty() { record.replicas.clone() } else { record.joint.clone() };
         if let Some(target) = request.target
-            && !record.replicas.contains(&target)
+            && !voters.contains(&target)
         {
             return Err(CoordError::NotAReplica { shard, node: target });
         }
         let unreachable = |answers: &[FenceResponse]| -> Vec<NodeId> {
-            record.replicas.iter().copied().filter(|r| !answers.iter().any(|a| a.node_id == *r)).collect()
+            record.voters().into_iter().filter(|r| !answers.iter().any(|a| a.node_id == *r)).collect()
         };
         if request.preview || (request.target.is_some() && !request.allow_loss) {
-            let answers = self.positions(shard, &record.replicas, None).await;
+            let answers = self.positions(shard, &record.voters(), None).await;
+            let answers: Vec<FenceResponse> = answers.into_iter().filter(|a| voters.contains(&a.node_id)).collect();
             let commit = answers.iter().map(|a| a.commit_seqno).fold(record.commit_floor, u64::max);
             let candidates = self.previews(shard, &answers, commit).await;
             if request.preview {
@@ -174,14 +184,19 @@ impl Coordinator {
                 Ok(r.epoch)
             })
             .await?;
-        // 2. Fence.
-        let answers = self.positions(shard, &record.replicas, Some(epoch)).await;
+        // 2. Fence every member (learners too: they follow no older epoch
+        // from now on). A majority of each voting set must answer.
+        let fenced = self.positions(shard, &record.members(), Some(epoch)).await;
         let outcome_label = |o: &str| self.metrics.failovers.with_label_values(&[reason, o]).inc();
-        let forced_without_majority = request.allow_loss && !answers.is_empty();
-        if !failover::is_majority(answers.len(), record.replicas.len()) && !forced_without_majority {
-            outcome_label("no_majority");
-            return Err(CoordError::NoMajority { shard, answered: answers.len(), replicas: record.replicas.len() });
+        let forced_without_majority = request.allow_loss && fenced.iter().any(|a| voters.contains(&a.node_id));
+        for set in [&record.replicas, &record.joint].into_iter().filter(|s| !s.is_empty()) {
+            let answered = fenced.iter().filter(|a| set.contains(&a.node_id)).count();
+            if !failover::is_majority(answered, set.len()) && !forced_without_majority {
+                outcome_label("no_majority");
+                return Err(CoordError::NoMajority { shard, answered, replicas: set.len() });
+            }
         }
+        let answers: Vec<FenceResponse> = fenced.into_iter().filter(|a| voters.contains(&a.node_id)).collect();
         // 3. Choose.
         let commit = answers.iter().map(|a| a.commit_seqno).fold(record.commit_floor, u64::max);
         let candidates = self.previews(shard, &answers, commit).await;
@@ -216,6 +231,10 @@ impl Coordinator {
                 }
                 r.leader = Some(chosen.node);
                 r.commit_floor = r.commit_floor.max(commit);
+                if !r.joint.is_empty() {
+                    tracing::warn!(shard, epoch, from = ?r.replicas, back_to = ?r.joint, "a failover during a replica change: back to the replica set before it");
+                    r.replicas = std::mem::take(&mut r.joint);
+                }
                 let updated = r.clone();
                 s.record_failover(FailoverRecord {
                     shard,
@@ -238,7 +257,7 @@ impl Coordinator {
             );
         }
         // 5. Followers repair and follow.
-        let followers: Vec<_> = record.replicas.iter().copied().filter(|&r| r != chosen.node).collect();
+        let followers: Vec<_> = record.members().into_iter().filter(|&r| r != chosen.node).collect();
         futures::future::join_all(followers.iter().map(|&f| self.assign(shard, &record, chosen.node, f))).await;
         outcome_label("ok");
         self.metrics.failover_seconds.observe(started.elapsed().as_secs_f64());

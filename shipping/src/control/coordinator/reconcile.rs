@@ -88,11 +88,18 @@ impl Coordinator {
                 continue;
             }
             let Some(leader) = record.leader else { continue };
-            for &replica in &record.replicas {
-                let Some(hb) = self.heartbeat(replica, shard) else { continue };
-                let in_line = hb.epoch == record.epoch
-                    && hb.is_leader == (replica == leader)
-                    && (replica == leader || hb.leader_node_id == leader);
+            for replica in record.members() {
+                // A member that reports nothing of the shard while it
+                // reports other shards does not host it yet (a replica
+                // being added, after a restart): the assignment creates it.
+                let in_line = match self.heartbeat(replica, shard) {
+                    Some(hb) => {
+                        hb.epoch == record.epoch
+                            && hb.is_leader == (replica == leader)
+                            && (replica == leader || hb.leader_node_id == leader)
+                    }
+                    None => !self.seen.lock().get(&replica).is_some_and(|n| n.at.elapsed() <= timeout),
+                };
                 if in_line {
                     continue;
                 }
@@ -195,23 +202,38 @@ impl Coordinator {
     }
 
     pub(super) async fn assign(&self, shard: u32, record: &ShardRecord, leader: NodeId, replica: NodeId) -> bool {
-        let Some(mut client) = self.peers.control(replica) else { return false };
+        self.assign_call(shard, record, leader, replica).await.is_some()
+    }
+
+    /// Assigns `record` to `replica`; its answer, or none if it refused or
+    /// did not answer.
+    pub(super) async fn assign_call(
+        &self,
+        shard: u32,
+        record: &ShardRecord,
+        leader: NodeId,
+        replica: NodeId,
+    ) -> Option<walship_proto::log::AssignResponse> {
+        let Some(mut client) = self.peers.control(replica) else { return None };
         let mut request = tonic::Request::new(AssignRequest {
             shard_id: shard,
             epoch: record.epoch,
             leader,
             replicas: record.replicas.clone(),
             commit_seqno: record.commit_floor,
+            learners: record.learners.clone(),
+            joint_replicas: record.joint.clone(),
+            fetch_token: self.fetch_tokens.lock().get(&(shard, replica)).cloned().unwrap_or_default(),
         });
         request.set_timeout(Duration::from_secs(2));
-        let ok = match client.assign(request).await {
-            Ok(_) => true,
+        let answer = match client.assign(request).await {
+            Ok(answer) => Some(answer.into_inner()),
             Err(status) => {
                 tracing::debug!(shard, replica, %status, "assign");
-                false
+                None
             }
         };
-        self.metrics.assigns.with_label_values(&[if ok { "ok" } else { "error" }]).inc();
-        ok
+        self.metrics.assigns.with_label_values(&[if answer.is_some() { "ok" } else { "error" }]).inc();
+        answer
     }
 }

@@ -23,7 +23,7 @@ enum Damage {
 
 impl ReplicationNode {
     /// Every `scrub_interval` while this node leads the shard: one scrub pass.
-    pub(super) async fn run_scrub(self: Arc<Self>, replica: Arc<ShardReplica>, archive: Arc<Archive>) {
+    pub(in crate::replica) async fn run_scrub(self: Arc<Self>, replica: Arc<ShardReplica>, archive: Arc<Archive>) {
         let shard = replica.shard;
         let start = tokio::time::Instant::now() + archive.scrub_interval;
         let mut tick = tokio::time::interval_at(start, archive.scrub_interval);
@@ -160,12 +160,12 @@ impl ReplicationNode {
             // Another replica may still hold the records: fetch the segment
             // from its WAL (PeerExchange), checked whole, and upload that.
             if let (Some(s), Some(tier)) = (segment, self.peer_tier()) {
-                let peers: Vec<NodeId> = replica.replicas.iter().copied().filter(|&n| n != self.me).collect();
+                let peers: Vec<NodeId> = replica.members().others(self.me);
                 let intact = |bytes: &Bytes| {
                     Segment::decode(bytes.clone())
                         .is_ok_and(|d| d.shard_id() == shard && d.first_seqno() == s.first && d.last_seqno() == s.last)
                 };
-                if let Some(bytes) = tier.fetch(shard, s, &peers).await.filter(intact) {
+                if let Some(bytes) = tier.fetch(shard, s, &peers, None).await.filter(intact) {
                     archive.store.put(&ObjectKey::new(s.key.clone())?, bytes).await?;
                     return Ok(Damage::Repaired);
                 }
