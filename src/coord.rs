@@ -71,6 +71,9 @@ pub struct CoordArgs {
 }
 
 pub async fn run_coord(args: CoordArgs) -> Result<()> {
+    // Test builds only: failpoints (`FAILPOINTS`), e.g. one holding a
+    // replica change's joint step open.
+    walship_wal::failpoints::configure_from_env().map_err(anyhow::Error::msg)?;
     let mut config = ClusterConfig::load(&args.cluster)?;
     args.own_certificate.apply(&mut config)?;
     let spec = config

@@ -294,6 +294,11 @@ pub struct ClusterSpec<'a> {
     /// Extra TOML at the end of the cluster config (tables such as
     /// `[archive]`).
     pub cluster_toml: String,
+    /// Replica sets of some shards (led by the first listed), instead of
+    /// every node.
+    pub shard_replicas: Vec<(u32, Vec<u32>)>,
+    /// Regions of some nodes, instead of node i in region i.
+    pub regions: Vec<(u32, u32)>,
 }
 
 impl Default for ClusterSpec<'_> {
@@ -312,6 +317,8 @@ impl Default for ClusterSpec<'_> {
             separate_users: false,
             coord_args: Vec::new(),
             cluster_toml: String::new(),
+            shard_replicas: Vec::new(),
+            regions: Vec::new(),
         }
     }
 }
@@ -377,17 +384,18 @@ impl Cluster {
         for id in 1..=nodes {
             let (g, a) = (free_port(), free_port());
             ports.push((g, a));
+            let region = spec.regions.iter().find(|(n, _)| *n == id).map_or(id, |(_, r)| *r);
             toml += &format!(
-                "[[nodes]]\nid = {id}\ngrpc_addr = \"{host}:{g}\"\nadmin_addr = \"{host}:{a}\"\nregion = {id}\n"
+                "[[nodes]]\nid = {id}\ngrpc_addr = \"{host}:{g}\"\nadmin_addr = \"{host}:{a}\"\nregion = {region}\n"
             );
         }
-        let replicas: Vec<String> = (1..=nodes).map(|n| n.to_string()).collect();
         for shard in 1..=shards {
-            toml += &format!(
-                "[[shards]]\nid = {shard}\nreplicas = [{}]\nleader = {}\n",
-                replicas.join(", "),
-                (shard - 1) % nodes + 1
-            );
+            let (replicas, leader) = match spec.shard_replicas.iter().find(|(s, _)| *s == shard) {
+                Some((_, set)) => (set.clone(), set[0]),
+                None => ((1..=nodes).collect(), (shard - 1) % nodes + 1),
+            };
+            let replicas: Vec<String> = replicas.iter().map(|n| n.to_string()).collect();
+            toml += &format!("[[shards]]\nid = {shard}\nreplicas = [{}]\nleader = {leader}\n", replicas.join(", "));
         }
         let heartbeat_to =
             if coordinators == 0 { format!("heartbeat_to = \"127.0.0.1:{}\"\n", ports[0].0) } else { String::new() };

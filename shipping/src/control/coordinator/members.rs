@@ -426,6 +426,14 @@ impl Coordinator {
         step("joint");
         let joint_started = Instant::now();
         let (epoch, old, new_voters, log_end) = self.enter_joint(shard, plan).await?;
+        // Tests hold the joint step open to fail the shard over inside it.
+        #[cfg(feature = "testing")]
+        if let Some(ms) = (|| {
+            fail::fail_point!("replica_change::joint", |ms| ms.and_then(|ms| ms.parse::<u64>().ok()));
+            None
+        })() {
+            tokio::time::sleep(Duration::from_millis(ms)).await;
+        }
         let formed = self.wait_new_majority(shard, epoch, &new_voters, log_end).await;
         self.changes.update(id, |c| c.joint_ms = joint_started.elapsed().as_millis() as u64);
         if let Err(e) = formed {
