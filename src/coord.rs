@@ -185,6 +185,7 @@ pub async fn run_coord(args: CoordArgs) -> Result<()> {
         verify_schedule: Default::default(),
         dataplane,
         exports_dir: args.data_dir.join("exports"),
+        catchups: Default::default(),
     });
     walship_admin_api::jobs::schedule_verify(admin.clone(), Duration::from_secs(args.verify_every_s));
     let admin_shutdown = shutdown.clone();

@@ -5,6 +5,7 @@ mod archive;
 mod bench;
 mod bench_dataplane;
 mod bench_drills;
+mod catchup;
 mod client;
 mod client_config;
 mod client_error;

@@ -425,7 +425,8 @@ pub async fn start_node(config: NodeConfig, cluster: Option<ClusterConfig>, dril
         let read_budget =
             config.task_read_mib_per_s.checked_mul(1 << 20).context("task_read_mib_per_s is too large")?;
         let read_budget = Arc::new(walship_dataplane::limiter::RateLimiter::new(read_budget));
-        let runners = walship_dataplane::kinds::runners(wal.clone(), read_budget);
+        let mut runners = walship_dataplane::kinds::runners(wal.clone(), read_budget);
+        runners.push(Arc::new(crate::catchup::CatchupRunner { node: node.clone() }));
         let worker = Worker::new(settings, dial, runners);
         tokio::spawn(worker.clone().run(shutdown.clone()));
         worker_status = Some(Arc::new(move || {

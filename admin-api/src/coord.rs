@@ -43,12 +43,15 @@ pub struct CoordAdmin {
     pub lag_history: LagHistory,
     /// Scheduled verifies (`walship coord --verify-every`).
     pub verify_schedule: crate::jobs::VerifyScheduleState,
+    /// Followers with a catch-up task running.
+    pub catchups: crate::catchup::Running,
 }
 
 /// The coordinator's admin router; also starts the lag sampler (ends with
 /// the coordinator's shutdown token).
 pub fn coord_router(admin: Arc<CoordAdmin>) -> Router {
     tokio::spawn(sample_lag(admin.clone()));
+    tokio::spawn(crate::catchup::watch(admin.clone()));
     Router::new()
         .route("/", get(dashboard))
         .route("/healthz", get(healthz))
@@ -205,7 +208,7 @@ fn shown_lag(
     }
 }
 
-fn shard_view(
+pub(crate) fn shard_view(
     admin: &CoordAdmin,
     id: u32,
     record: &walship_shipping::control::state::ShardRecord,

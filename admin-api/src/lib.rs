@@ -8,6 +8,7 @@
 //! status; unknown paths answer 404 in that shape.
 
 pub mod body;
+pub mod catchup;
 pub mod coord;
 pub mod history;
 pub mod jobs;

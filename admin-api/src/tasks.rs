@@ -218,6 +218,22 @@ pub enum NewTask {
         #[schema(minimum = 0, maximum = 86400000)]
         deadline_ms: Option<u64>,
     },
+    /// Follows `node`'s catch-up of `shard` up to what the leader has
+    /// committed now, handing it a fetch token for its peer fetches; the
+    /// result gives bytes by source and MiB/s (`GET /v1/jobs/{query_id}`).
+    /// The coordinator starts these itself for followers
+    /// `catchup_threshold_bytes` or more behind.
+    Catchup {
+        #[serde(deserialize_with = "walship_shipping::control::lenient::int")]
+        #[schema(value_type = i64, minimum = 0, maximum = 4294967295.0)]
+        shard: u32,
+        /// The follower (`node-N`).
+        #[schema(pattern = "^node-[0-9]+$")]
+        node: String,
+        #[serde(default, deserialize_with = "walship_shipping::control::lenient::opt_int")]
+        #[schema(minimum = 0, maximum = 86400000)]
+        deadline_ms: Option<u64>,
+    },
     /// Compares every replica of `shard` over `[from, to]` and reports the
     /// first seqno where one differs (`GET /v1/jobs/{query_id}`).
     Verify {
@@ -265,7 +281,8 @@ pub struct TaskStarted {
 #[utoipa::path(post, path = "/v1/tasks", tag = "tasks", request_body = NewTask, security(("bearer" = [])),
     responses((status = 202, body = TaskStarted), (status = 400, body = crate::models::ErrorBody),
         (status = 401, body = crate::models::ErrorBody), (status = 403, body = crate::models::ErrorBody),
-        (status = 404, description = "no such node", body = crate::models::ErrorBody),
+        (status = 404, description = "no such node, shard, or replica of it", body = crate::models::ErrorBody),
+        (status = 409, description = "catchup: the node leads the shard (is_leader), the shard has no leader (no_leader), or one runs already (catchup_running)", body = crate::models::ErrorBody),
         (status = 415, body = crate::models::ErrorBody), (status = 503, description = "not the active coordinator", body = crate::models::ErrorBody)))]
 pub async fn start(
     State(admin): State<Arc<CoordAdmin>>,
@@ -289,6 +306,26 @@ pub async fn start(
         }
         NewTask::Export { shard, node, from, to, deadline_ms } => {
             return start_export(&admin, shard, node, from, to, deadline_ms);
+        }
+        NewTask::Catchup { shard, node, deadline_ms } => {
+            let deadline = match deadline(deadline_ms) {
+                Ok(d) => d,
+                Err(response) => return *response,
+            };
+            let Some(id) = node.strip_prefix("node-").and_then(|n| n.parse::<u32>().ok()) else {
+                return ApiError::new(
+                    StatusCode::NOT_FOUND,
+                    "not_found",
+                    format!("{node} is not a node of this cluster"),
+                )
+                .into_response();
+            };
+            return match crate::catchup::launch(&admin, shard, id, deadline) {
+                Ok((query_id, task_id)) => {
+                    (StatusCode::ACCEPTED, Json(TaskStarted { query_id, task_ids: vec![task_id] })).into_response()
+                }
+                Err(e) => e.into_response(),
+            };
         }
         NewTask::Noop { node, sleep_ms, advance, fail, deadline_ms, count } => {
             (node, sleep_ms, advance, fail, deadline_ms, count)

@@ -47,7 +47,8 @@ use parking_lot::Mutex;
 use serde::{Deserialize, Serialize};
 use tokio::sync::Mutex as AsyncMutex;
 use walship_proto::log::{
-    AppendRecord, AppendRequest, CrashRequest, Durability, PauseRequest, PositionRequest, ReadRequest, Record,
+    AppendRecord, AppendRequest, CrashRequest, Durability, FenceResponse, PauseRequest, PositionRequest, ReadRequest,
+    Record,
 };
 
 use crate::NodeId;
@@ -143,6 +144,16 @@ pub struct CatchupDrillResult {
     /// Append throughput (records/s) before the pause and during catch-up.
     pub append_rate_before: f64,
     pub append_rate_during_catchup: f64,
+    /// Segment bytes the follower applied while catching up, by source:
+    /// live pushes, the leader's catch-up stream, the object store, peers.
+    #[serde(default)]
+    pub bytes_push: u64,
+    #[serde(default)]
+    pub bytes_stream: u64,
+    #[serde(default)]
+    pub bytes_archive: u64,
+    #[serde(default)]
+    pub bytes_peer: u64,
 }
 
 #[derive(Debug, Clone, Serialize, Deserialize, PartialEq, utoipa::ToSchema)]
@@ -703,22 +714,25 @@ impl Coordinator {
         let during =
             Load::start(self, shard, request.clients.max(1), request.record_bytes, id, &fill_budget.split(spare));
         let resumed = Instant::now();
+        // Bytes by source count from here (the follower applied nothing while paused).
+        let applied_before = self.position_of(follower, shard).await.ok_or("follower position")?;
         control
             .pause(PauseRequest { shard_id: shard, paused: false })
             .await
             .map_err(|s| format!("resuming node {follower}: {s}"))?;
-        loop {
+        let caught_up = loop {
             let p = self.position_of(follower, shard).await;
-            if p.is_some_and(|p| p.durable_seqno >= leader_pos.durable_seqno) {
-                break;
+            if let Some(p) = p.filter(|p| p.durable_seqno >= leader_pos.durable_seqno) {
+                break p;
             }
             if resumed.elapsed() > Duration::from_secs(120) {
                 during.stop().await;
                 return Err("the follower did not catch up within 120 s".into());
             }
             tokio::time::sleep(Duration::from_millis(5)).await;
-        }
+        };
         let seconds = resumed.elapsed().as_secs_f64();
+        let by = |f: fn(&FenceResponse) -> u64| f(&caught_up).saturating_sub(f(&applied_before));
         let rate_during = during.acked_count.load(Ordering::Relaxed) as f64 / seconds;
         during.stop().await;
         Ok(CatchupDrillResult {
@@ -729,6 +743,10 @@ impl Coordinator {
             catchup_mib_per_s: bytes_behind as f64 / (1 << 20) as f64 / seconds,
             append_rate_before: rate_before,
             append_rate_during_catchup: rate_during,
+            bytes_push: by(|p| p.applied_push_bytes),
+            bytes_stream: by(|p| p.applied_stream_bytes),
+            bytes_archive: by(|p| p.applied_archive_bytes),
+            bytes_peer: by(|p| p.applied_peer_bytes),
         })
     }
 }

@@ -205,6 +205,12 @@ impl Coordinator {
         let _ = self.token_minter.set(mint);
     }
 
+    /// A PeerExchange fetch token for `task` on `shard`, valid for `ttl`
+    /// (none when no minter was installed: nodes then sign their own).
+    pub fn mint_fetch_token(&self, task: &str, shard: u32, ttl: Duration) -> Option<String> {
+        self.token_minter.get().map(|mint| mint(task, shard, ttl))
+    }
+
     /// Starts a replica change; answers its report (state `running`).
     pub fn start_replica_change(
         self: &Arc<Self>,
