@@ -35,7 +35,7 @@ enum ReplicaCommand {
         #[arg(long)]
         node: u32,
     },
-    /// Replace a replica (a dead node's) with another node, in one change.
+    /// Replace a replica (a dead node's) with another node; without --shard, on every shard the node holds, one after another.
     Replace {
         #[command(flatten)]
         change: Change,
@@ -52,9 +52,9 @@ enum ReplicaCommand {
 struct Change {
     #[command(flatten)]
     admin: AdminArgs,
-    /// Shard whose replica set changes.
+    /// Shard whose replica set changes (required but for replace).
     #[arg(long)]
-    shard: u32,
+    shard: Option<u32>,
     /// Place a named node in a region another replica already covers.
     #[arg(long)]
     allow_same_region: bool,
@@ -76,6 +76,48 @@ pub async fn run(args: ReplicaArgs) -> Result<()> {
         ReplicaCommand::Replace { change, node, with } => ("replace", change, Some(node), with),
     };
     let admin = change.admin.resolve()?;
+    let shards = match (change.shard, action, node) {
+        (Some(shard), _, _) => vec![shard],
+        (None, "replace", Some(node)) => {
+            let (status, shards) = http::request("GET", &admin.url, "/v1/shards", None, None).await?;
+            if status != 200 {
+                bail!("listing shards ({status}): {}", shards["error"]["message"].as_str().unwrap_or_default());
+            }
+            let held: Vec<u32> = shards
+                .as_array()
+                .into_iter()
+                .flatten()
+                .filter(|s| {
+                    s["replicas"]
+                        .as_array()
+                        .into_iter()
+                        .flatten()
+                        .any(|r| r["node_id"] == node && r["membership"] == "voter")
+                })
+                .filter_map(|s| s["shard_id"].as_u64().map(|id| id as u32))
+                .collect();
+            if held.is_empty() {
+                bail!("node {node} holds no replica of any shard");
+            }
+            held
+        }
+        (None, _, _) => bail!("{action} needs --shard"),
+    };
+    for shard in shards {
+        change_one(&admin, &change, shard, action, node, with).await?;
+    }
+    Ok(())
+}
+
+/// One replica change of `shard`, waited for unless `--no-wait`.
+async fn change_one(
+    admin: &crate::drill::Admin,
+    change: &Change,
+    shard: u32,
+    action: &str,
+    node: Option<u32>,
+    with: Option<u32>,
+) -> Result<()> {
     let body = serde_json::json!({
         "action": action,
         "node": node,
@@ -83,7 +125,7 @@ pub async fn run(args: ReplicaArgs) -> Result<()> {
         "allow_same_region": change.allow_same_region,
         "catch_up_timeout_s": change.catch_up_timeout_s,
     });
-    let path = format!("/v1/shards/{}/replicas", change.shard);
+    let path = format!("/v1/shards/{}/replicas", shard);
     let (status, started) =
         http::request("POST", &admin.url, &path, Some(&body.to_string()), admin.token.as_deref()).await?;
     if status != 202 {
@@ -129,7 +171,7 @@ pub async fn run(args: ReplicaArgs) -> Result<()> {
         let mib = |k: &str| report[k].as_u64().unwrap_or(0) as f64 / (1 << 20) as f64;
         println!(
             "{id}: shard {} replicas {} -> {} {} in {} ms",
-            change.shard,
+            shard,
             report["from_replicas"],
             report["to_replicas"],
             report["state"].as_str().unwrap_or("?"),

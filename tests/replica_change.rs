@@ -306,8 +306,14 @@ async fn a_failover_in_the_joint_step_goes_back_to_the_old_set_and_a_dead_node_i
     // The dead leader is replaced in one command; placement picks node 5
     // (node 4 still holds its copy from the failed change: more shards).
     let before = count.load(Ordering::Relaxed);
+    // As the runbook runs it: no --shard, every shard the node held.
     let dead = leader.to_string();
-    let report = change(&mut cluster, &["replace", "--shard", "1", "--node", &dead]).await;
+    let (ok, stdout, stderr) = cli(&mut cluster, &["replace", "--node", &dead]).await;
+    assert!(ok, "{stdout}\n{stderr}");
+    let reports: Vec<serde_json::Value> =
+        serde_json::Deserializer::from_str(&stdout).into_iter().collect::<Result<_, _>>().unwrap();
+    assert!(reports.iter().all(|r| r["state"] == "done"), "{stdout}");
+    let report = reports.iter().find(|r| r["shard"] == 1).expect("shard 1 replaced");
     assert_eq!(report["adding"], 5, "{report}");
     assert!(count.load(Ordering::Relaxed) > before, "appends went on during the change");
     let mut kept: Vec<u32> = [1u32, 2, 3].into_iter().filter(|&n| n != leader).collect();

@@ -318,7 +318,7 @@ impl ReplicationNode {
             tokio::spawn(self.clone().run_lease_watch(replica.clone(), state.clone()));
         }
         for follower in followers {
-            self.spawn_shipper(&replica, &state, follower);
+            self.spawn_shipper(replica, &state, follower);
         }
         tracing::info!(shard = replica.shard, epoch, stream_baseline = before, "leading");
         Ok(())

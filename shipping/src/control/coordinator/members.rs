@@ -201,7 +201,7 @@ fn holds_through(a: &FenceResponse, leader: &FenceResponse, target: u64, leader_
 impl Coordinator {
     /// Installs what mints PeerExchange fetch tokens for replica changes:
     /// `(task id, shard, time to live)` to the token.
-    pub fn set_token_minter(&self, mint: Box<dyn Fn(&str, u32, Duration) -> String + Send + Sync>) {
+    pub fn set_token_minter(&self, mint: TokenMinter) {
         let _ = self.token_minter.set(mint);
     }
 
@@ -269,6 +269,8 @@ impl Coordinator {
                 me.fetch_tokens.lock().remove(&(shard, new));
             }
             me.changes.running.lock().remove(&shard);
+            let outcome = if result.is_ok() { "done" } else { "failed" };
+            me.metrics.replica_changes.with_label_values(&[request.action.as_str(), outcome]).inc();
             match &result {
                 Ok(()) => {
                     tracing::info!(id = %id, shard, took_ms = started.elapsed().as_millis() as u64, "replica change done")

@@ -151,6 +151,7 @@ pub struct CoordinatorMetrics {
     failovers: IntCounterVec,
     failover_seconds: Histogram,
     assigns: IntCounterVec,
+    replica_changes: IntCounterVec,
 }
 
 impl CoordinatorMetrics {
@@ -174,9 +175,17 @@ impl CoordinatorMetrics {
         registry.register(Box::new(lease_term.clone()))?;
         registry.register(Box::new(failovers.clone()))?;
         registry.register(Box::new(failover_seconds.clone()))?;
+        let replica_changes = IntCounterVec::new(
+            Opts::new(
+                "walship_replica_changes_total",
+                "Replica changes ended, by action (add, remove, replace) and outcome (done, failed)",
+            ),
+            &["action", "outcome"],
+        )?;
         registry.register(Box::new(assigns.clone()))?;
+        registry.register(Box::new(replica_changes.clone()))?;
         crate::metrics::UndecodableMessages::register(registry)?;
-        Ok(CoordinatorMetrics { active, lease_term, failovers, failover_seconds, assigns })
+        Ok(CoordinatorMetrics { active, lease_term, failovers, failover_seconds, assigns, replica_changes })
     }
 }
 
@@ -212,10 +221,13 @@ pub struct Coordinator {
     pub(crate) fetch_tokens: Mutex<BTreeMap<(u32, NodeId), String>>,
     /// Mints a PeerExchange fetch token for `(task, shard)` (installed by
     /// the binary, which holds the token key; none: nodes sign their own).
-    token_minter: std::sync::OnceLock<Box<dyn Fn(&str, u32, Duration) -> String + Send + Sync>>,
+    token_minter: std::sync::OnceLock<TokenMinter>,
     /// Replica changes (`POST /v1/shards/{id}/replicas`), in memory.
     pub changes: ReplicaChanges,
 }
+
+/// Mints a PeerExchange fetch token: `(task id, shard, time to live)`.
+pub type TokenMinter = Box<dyn Fn(&str, u32, Duration) -> String + Send + Sync>;
 
 /// A failover that finds no majority of a shard's replicas is worth a WARN
 /// when a replica this coordinator had heard from went silent, or once the

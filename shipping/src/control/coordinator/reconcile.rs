@@ -98,7 +98,7 @@ impl Coordinator {
                             && hb.is_leader == (replica == leader)
                             && (replica == leader || hb.leader_node_id == leader)
                     }
-                    None => !self.seen.lock().get(&replica).is_some_and(|n| n.at.elapsed() <= timeout),
+                    None => self.seen.lock().get(&replica).is_none_or(|n| n.at.elapsed() > timeout),
                 };
                 if in_line {
                     continue;
@@ -214,7 +214,7 @@ impl Coordinator {
         leader: NodeId,
         replica: NodeId,
     ) -> Option<walship_proto::log::AssignResponse> {
-        let Some(mut client) = self.peers.control(replica) else { return None };
+        let mut client = self.peers.control(replica)?;
         let mut request = tonic::Request::new(AssignRequest {
             shard_id: shard,
             epoch: record.epoch,
