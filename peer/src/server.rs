@@ -227,3 +227,147 @@ impl PeerExchange for PeerExchangeService {
         Ok(Response::new(Box::pin(tokio_stream::wrappers::ReceiverStream::new(rx))))
     }
 }
+
+#[cfg(test)]
+mod tests {
+    //! The server over a source whose segment vanishes (compacted) while a
+    //! fetch of it is under way.
+
+    use std::sync::atomic::{AtomicUsize, Ordering};
+
+    use tokio_stream::StreamExt;
+    use walship_proto::dataplane::peer_exchange_server::PeerExchangeServer;
+
+    use super::*;
+    use crate::client::{FetchError, PeerFetcher, plain_dial};
+    use crate::token::Grant;
+
+    const TASK: &str = "t";
+    const KEY: &str = "shards/1/segments/s.wseg";
+    const CHUNK: usize = 4096;
+
+    /// Holds one segment of shard 1 for the first `segment` call only: a
+    /// compaction drops it right after.
+    struct Vanishing {
+        file: Bytes,
+        calls: AtomicUsize,
+    }
+
+    #[tonic::async_trait]
+    impl SegmentSource for Vanishing {
+        fn shard_of(&self, _: &ObjectKey) -> Option<u32> {
+            Some(1)
+        }
+
+        async fn segment(&self, key: &ObjectKey) -> Result<Option<Bytes>, String> {
+            let first = self.calls.fetch_add(1, Ordering::SeqCst) == 0;
+            Ok((first && key.as_str() == KEY).then(|| self.file.clone()))
+        }
+    }
+
+    fn file() -> Bytes {
+        Bytes::from((0..10 * CHUNK as u32 + 123).map(|i| (i % 251) as u8).collect::<Vec<u8>>())
+    }
+
+    fn service(source: Arc<Vanishing>) -> (PeerExchangeService, ServeMetrics) {
+        let metrics = ServeMetrics::new(&Registry::new()).unwrap();
+        let settings = ServeSettings { bytes_per_s: 0, chunk_bytes: CHUNK, ..ServeSettings::default() };
+        (PeerExchangeService::new(source, TokenKey::derive(b"k"), settings, metrics.clone()), metrics)
+    }
+
+    fn token() -> crate::token::Token {
+        TokenKey::derive(b"k").mint(&Grant { task: TASK.into(), shard: 1, expires_unix_ms: u64::MAX })
+    }
+
+    fn request(offset: u64) -> Request<FetchShuffleRequest> {
+        Request::new(FetchShuffleRequest {
+            query_id: TASK.into(),
+            key: KEY.into(),
+            token: token().as_str().into(),
+            offset,
+        })
+    }
+
+    #[tokio::test]
+    async fn a_serve_under_way_keeps_its_bytes_and_a_later_fetch_is_not_found() {
+        let file = file();
+        let source = Arc::new(Vanishing { file: file.clone(), calls: AtomicUsize::new(0) });
+        let (service, metrics) = service(source.clone());
+        let mut stream = service.fetch_shuffle(request(0)).await.unwrap().into_inner();
+        let first = stream.next().await.unwrap().unwrap();
+        assert_eq!(first.data.len(), CHUNK);
+        // Compacted now: the fetch under way was answered from the bytes it
+        // read, so it ends whole, every chunk checked, never cut short.
+        let mut got = first.data.to_vec();
+        while let Some(chunk) = stream.next().await {
+            let chunk = chunk.expect("a chunk, not an error");
+            assert_eq!(chunk.crc32c, Some(crc32c::crc32c(&chunk.data)));
+            assert_eq!(chunk.total_bytes, file.len() as u64);
+            got.extend_from_slice(&chunk.data);
+        }
+        assert!(
+            got == file[..],
+            "the serve under way differs from the segment ({} of {} bytes)",
+            got.len(),
+            file.len()
+        );
+        // A resume from the last good chunk, and a fresh fetch: NOT_FOUND.
+        for offset in [CHUNK as u64, 0] {
+            let status = service.fetch_shuffle(request(offset)).await.err().expect("a refusal");
+            assert_eq!(status.code(), tonic::Code::NotFound, "{status}");
+            assert!(status.message().contains("does not hold"), "{status}");
+        }
+        assert_eq!(source.calls.load(Ordering::SeqCst), 3);
+        assert_eq!(metrics.serves.with_label_values(&["ok"]).get(), 1);
+        assert_eq!(metrics.serves.with_label_values(&["not_found"]).get(), 2);
+    }
+
+    /// The real service, but its first stream ends after one chunk (a
+    /// connection cut while the segment is compacted).
+    struct CutFirstStream {
+        inner: PeerExchangeService,
+        calls: Arc<AtomicUsize>,
+    }
+
+    #[tonic::async_trait]
+    impl PeerExchange for CutFirstStream {
+        type FetchShuffleStream = ChunkStream;
+
+        async fn fetch_shuffle(
+            &self,
+            request: Request<FetchShuffleRequest>,
+        ) -> Result<Response<Self::FetchShuffleStream>, Status> {
+            let call = self.calls.fetch_add(1, Ordering::SeqCst);
+            let stream = self.inner.fetch_shuffle(request).await?.into_inner();
+            Ok(Response::new(if call == 0 { Box::pin(stream.take(1)) } else { stream }))
+        }
+    }
+
+    #[tokio::test]
+    async fn a_fetch_whose_segment_vanishes_before_its_resume_fails_not_found() {
+        let file = file();
+        let source = Arc::new(Vanishing { file, calls: AtomicUsize::new(0) });
+        let (inner, metrics) = service(source.clone());
+        let calls = Arc::new(AtomicUsize::new(0));
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = listener.local_addr().unwrap();
+        let server = tokio::spawn(
+            tonic::transport::Server::builder()
+                .add_service(PeerExchangeServer::new(CutFirstStream { inner, calls: calls.clone() }))
+                .serve_with_incoming(tonic::transport::server::TcpIncoming::from(listener)),
+        );
+        let fetcher = PeerFetcher::new(plain_dial());
+        let error = fetcher.fetch(&addr.to_string(), TASK, KEY, &token()).await.unwrap_err();
+        // The cut stream is resumed from its last good chunk; the segment is
+        // gone by then: a failed fetch (the caller's next source), never the
+        // first chunk passed off as the segment.
+        match &error {
+            FetchError::Refused { status, .. } => assert_eq!(status.code(), tonic::Code::NotFound, "{error}"),
+            other => panic!("expected NOT_FOUND, got {other}"),
+        }
+        assert_eq!(calls.load(Ordering::SeqCst), 2, "one resume");
+        assert_eq!(source.calls.load(Ordering::SeqCst), 2);
+        assert_eq!(metrics.serves.with_label_values(&["not_found"]).get(), 1);
+        server.abort();
+    }
+}
