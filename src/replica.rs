@@ -118,13 +118,21 @@ async fn change_one(
     node: Option<u32>,
     with: Option<u32>,
 ) -> Result<()> {
-    let body = serde_json::json!({
-        "action": action,
-        "node": node,
-        "with": with,
-        "allow_same_region": change.allow_same_region,
-        "catch_up_timeout_s": change.catch_up_timeout_s,
-    });
+    let body = match action {
+        "remove" => serde_json::json!({ "action": action, "node": node }),
+        _ => {
+            let mut body = serde_json::json!({
+                "action": action,
+                "node": node,
+                "allow_same_region": change.allow_same_region,
+                "catch_up_timeout_s": change.catch_up_timeout_s,
+            });
+            if action == "replace" {
+                body["with"] = serde_json::json!(with);
+            }
+            body
+        }
+    };
     let path = format!("/v1/shards/{}/replicas", shard);
     let (status, started) =
         http::request("POST", &admin.url, &path, Some(&body.to_string()), admin.token.as_deref()).await?;

@@ -13,7 +13,7 @@ use crate::models::{
 
 struct Bearer;
 
-/// `NewTask`'s variants refuse unknown fields (serde's
+/// `NewTask`'s and `ReplicaChangeRequest`'s variants refuse unknown fields (serde's
 /// `deny_unknown_fields`); utoipa does not say so for an internally tagged
 /// enum's variants, so this closes them (`additionalProperties: false`).
 struct ClosedNewTask;
@@ -23,10 +23,13 @@ impl Modify for ClosedNewTask {
         use utoipa::openapi::RefOr;
         use utoipa::openapi::schema::{AdditionalProperties, Schema};
         let Some(components) = openapi.components.as_mut() else { return };
-        let Some(RefOr::T(Schema::OneOf(one_of))) = components.schemas.get_mut("NewTask") else { return };
-        for item in &mut one_of.items {
-            if let RefOr::T(Schema::Object(object)) = item {
-                object.additional_properties = Some(Box::new(AdditionalProperties::FreeForm(false)));
+        // Bodies chosen by a tag, each refusing unknown fields.
+        for tagged in ["NewTask", "ReplicaChangeRequest"] {
+            let Some(RefOr::T(Schema::OneOf(one_of))) = components.schemas.get_mut(tagged) else { continue };
+            for item in &mut one_of.items {
+                if let RefOr::T(Schema::Object(object)) = item {
+                    object.additional_properties = Some(Box::new(AdditionalProperties::FreeForm(false)));
+                }
             }
         }
     }

@@ -43,6 +43,20 @@ const UPBOX: usize = 64;
 /// Finished task ids remembered for de-duplication.
 const REMEMBER_FINISHED: usize = 4096;
 
+/// A task's counters now, as a `TaskProgress`.
+fn progress_of(task: &TaskContext, worker_id: &str) -> TaskProgress {
+    TaskProgress {
+        query_id: task.query_id.clone(),
+        stage_id: String::new(),
+        task_id: task.task_id.clone(),
+        attempt: task.attempt,
+        worker_id: worker_id.to_string(),
+        rows_processed: task.rows.load(Ordering::Relaxed),
+        bytes_processed: task.bytes.load(Ordering::Relaxed),
+        timestamp_unix_nano: unix_nanos(),
+    }
+}
+
 /// What a running task sees: its identity and parameters, where its output
 /// and progress go, and whether to stop.
 pub struct TaskContext {
@@ -320,6 +334,9 @@ where
                     memory.finished.pop_front();
                 }
             }
+            // Its last counters first, so a task shorter than the progress
+            // period still shows what it did.
+            let _ = up.send(envelope(Up::TaskProgress(progress_of(&context, &self.settings.worker_id)))).await;
             let _ = up.send(envelope(Up::ResultBatch(last))).await;
         });
     }
@@ -335,16 +352,7 @@ where
             }
             let running: Vec<Arc<TaskContext>> = self.memory.lock().running.values().cloned().collect();
             for task in running {
-                let progress = TaskProgress {
-                    query_id: task.query_id.clone(),
-                    stage_id: String::new(),
-                    task_id: task.task_id.clone(),
-                    attempt: task.attempt,
-                    worker_id: self.settings.worker_id.clone(),
-                    rows_processed: task.rows.load(Ordering::Relaxed),
-                    bytes_processed: task.bytes.load(Ordering::Relaxed),
-                    timestamp_unix_nano: unix_nanos(),
-                };
+                let progress = progress_of(&task, &self.settings.worker_id);
                 if up.send(envelope(Up::TaskProgress(progress))).await.is_err() {
                     return;
                 }
@@ -393,12 +401,33 @@ mod tests {
         }
     }
 
+    /// The next batch sent up (a task's last progress, sent just before
+    /// its terminal batch, skipped).
     async fn next_batch(up: &mut mpsc::Receiver<WorkerEnvelope>) -> ResultBatch {
-        let message = tokio::time::timeout(Duration::from_secs(10), up.recv()).await.expect("an answer in time");
-        match message.and_then(|m| m.msg) {
-            Some(Up::ResultBatch(batch)) => batch,
-            other => panic!("expected a ResultBatch, got {other:?}"),
+        loop {
+            let message = tokio::time::timeout(Duration::from_secs(10), up.recv()).await.expect("an answer in time");
+            match message.and_then(|m| m.msg) {
+                Some(Up::ResultBatch(batch)) => return batch,
+                Some(Up::TaskProgress(_)) => continue,
+                other => panic!("expected a ResultBatch, got {other:?}"),
+            }
         }
+    }
+
+    /// A task shorter than the progress period still reports its counters:
+    /// its last progress goes up right before its terminal batch.
+    #[tokio::test]
+    async fn a_finished_task_sends_its_last_counters_before_its_result() {
+        let worker = worker();
+        let stop = CancellationToken::new();
+        let (up, mut sent) = mpsc::channel(8);
+        let blob = br#"{"sleep_ms": 250}"#.to_vec();
+        worker.clone().start(TaskDispatch { task_blob: blob.into(), ..dispatch("noop") }, up, &stop);
+        let first = tokio::time::timeout(Duration::from_secs(10), sent.recv()).await.unwrap().and_then(|m| m.msg);
+        let Some(Up::TaskProgress(progress)) = first else { panic!("expected the last progress first, got {first:?}") };
+        assert_eq!((progress.task_id.as_str(), progress.rows_processed), ("t-1", 3), "one per step: 100, 100, 50 ms");
+        let batch = next_batch(&mut sent).await;
+        assert!(batch.terminal && batch.err.is_empty(), "{batch:?}");
     }
 
     /// A dispatch of a kind this node has no runner for (an unknown

@@ -195,7 +195,13 @@ fn assigned_members(node: &ReplicationNode, r: &AssignRequest) -> Result<Option<
     if !r.replicas.contains(&r.leader) || (!r.joint_replicas.is_empty() && !r.joint_replicas.contains(&r.leader)) {
         return Err(Status::invalid_argument(format!("leader {} is not a voter of the replica set", r.leader)));
     }
-    Ok(Some(Members { voters: r.replicas.clone(), learners: r.learners.clone(), joint: r.joint_replicas.clone() }))
+    Ok(Some(Members {
+        voters: r.replicas.clone(),
+        learners: r.learners.clone(),
+        joint: r.joint_replicas.clone(),
+        epoch: r.epoch,
+        version: r.members_version,
+    }))
 }
 
 fn positive_epoch(epoch: u64) -> Result<(), Status> {

@@ -41,6 +41,10 @@ pub struct ShardRecord {
     /// then needs a majority of both sets and goes back to this one.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub joint: Vec<NodeId>,
+    /// Raised by every change of `replicas`, `learners` or `joint` (sent
+    /// with assignments: nodes never go back to an older set).
+    #[serde(default)]
+    pub members_version: u64,
 }
 
 impl ShardRecord {
@@ -103,6 +107,7 @@ impl ClusterState {
                             commit_floor: 0,
                             learners: Vec::new(),
                             joint: Vec::new(),
+                            members_version: 0,
                         },
                     )
                 })

@@ -207,10 +207,13 @@ impl ReplicationNode {
         let mut commands = self.sync_disk(&replica);
         let decided = {
             let mut rules = replica.rules.lock();
-            if let Some(m) = members.as_ref().filter(|_| Epoch(epoch) >= rules.promised()) {
+            let mut current = replica.members.lock();
+            if let Some(m) = members.as_ref().filter(|m| Epoch(epoch) >= rules.promised() && m.not_older_than(&current))
+            {
                 rules.set_replicas(Epoch(epoch), &m.all_voters());
-                *replica.members.lock() = m.clone();
+                *current = m.clone();
             }
+            drop(current);
             let decided = rules.assign(Epoch(epoch), leader);
             replica.note_new_leader(decided.as_deref().unwrap_or_default());
             decided

@@ -84,6 +84,10 @@ pub struct Members {
     pub learners: Vec<NodeId>,
     /// While the set changes: the voting set before the change.
     pub joint: Vec<NodeId>,
+    /// The assignment these came with: its epoch and `members_version`
+    /// (an older one never replaces them).
+    pub epoch: u64,
+    pub version: u64,
 }
 
 impl Members {
@@ -94,6 +98,11 @@ impl Members {
         all.sort_unstable();
         all.dedup();
         all
+    }
+
+    /// Whether these sets are at least as new as `other`'s.
+    pub fn not_older_than(&self, other: &Members) -> bool {
+        (self.epoch, self.version) >= (other.epoch, other.version)
     }
 
     /// The voters of both sets (who may lead).

@@ -76,27 +76,71 @@ impl ReplicaAction {
     }
 }
 
-/// `POST /v1/shards/{id}/replicas`.
+/// `POST /v1/shards/{id}/replicas`, by `action`.
 #[derive(Debug, Clone, Serialize, Deserialize, PartialEq, Eq, utoipa::ToSchema)]
-#[serde(deny_unknown_fields)]
-pub struct ReplicaChangeRequest {
-    pub action: ReplicaAction,
-    /// `add`: the node to add (default: placement chooses a live node
-    /// outside the set, in a region the set does not cover when one is
-    /// free). `remove`, `replace`: the replica to take out (required).
-    #[serde(default, deserialize_with = "crate::control::lenient::opt_int")]
-    pub node: Option<NodeId>,
-    /// `replace`: the node taking its place (default: placement chooses).
-    #[serde(default, deserialize_with = "crate::control::lenient::opt_int")]
-    pub with: Option<NodeId>,
-    /// Accept a named node whose region another replica already covers
-    /// while a live node in an uncovered region exists.
-    #[serde(default)]
-    pub allow_same_region: bool,
-    /// How long the new replica may take to seed and catch up, in seconds.
-    #[serde(default = "default_catch_up_timeout", deserialize_with = "crate::control::lenient::int")]
-    #[schema(minimum = 1, maximum = 86400)]
-    pub catch_up_timeout_s: u64,
+#[serde(tag = "action", rename_all = "lowercase", deny_unknown_fields)]
+pub enum ReplicaChangeRequest {
+    /// One more voting replica.
+    Add {
+        /// The node to add (default: placement chooses a live node outside
+        /// the set, in a region the set does not cover when one is free).
+        #[serde(default, deserialize_with = "crate::control::lenient::opt_int")]
+        node: Option<NodeId>,
+        /// Accept a named node whose region another replica already covers
+        /// while a live node in an uncovered region exists.
+        #[serde(default)]
+        allow_same_region: bool,
+        /// How long the new replica may take to seed and catch up, in seconds.
+        #[serde(default = "default_catch_up_timeout", deserialize_with = "crate::control::lenient::int")]
+        #[schema(minimum = 1, maximum = 86400)]
+        catch_up_timeout_s: u64,
+    },
+    /// One voting replica fewer (never below `replication.min_replicas`).
+    Remove {
+        /// The replica to take out.
+        #[serde(deserialize_with = "crate::control::lenient::int")]
+        node: NodeId,
+    },
+    /// One voting replica for another.
+    Replace {
+        /// The replica to take out.
+        #[serde(deserialize_with = "crate::control::lenient::int")]
+        node: NodeId,
+        /// The node taking its place (default: placement chooses).
+        #[serde(default, deserialize_with = "crate::control::lenient::opt_int")]
+        with: Option<NodeId>,
+        #[serde(default)]
+        allow_same_region: bool,
+        #[serde(default = "default_catch_up_timeout", deserialize_with = "crate::control::lenient::int")]
+        #[schema(minimum = 1, maximum = 86400)]
+        catch_up_timeout_s: u64,
+    },
+}
+
+impl ReplicaChangeRequest {
+    pub fn action(&self) -> ReplicaAction {
+        match self {
+            ReplicaChangeRequest::Add { .. } => ReplicaAction::Add,
+            ReplicaChangeRequest::Remove { .. } => ReplicaAction::Remove,
+            ReplicaChangeRequest::Replace { .. } => ReplicaAction::Replace,
+        }
+    }
+
+    fn catch_up_timeout_s(&self) -> u64 {
+        match self {
+            ReplicaChangeRequest::Add { catch_up_timeout_s, .. }
+            | ReplicaChangeRequest::Replace { catch_up_timeout_s, .. } => *catch_up_timeout_s,
+            ReplicaChangeRequest::Remove { .. } => default_catch_up_timeout(),
+        }
+    }
+
+    fn allow_same_region(&self) -> bool {
+        match self {
+            ReplicaChangeRequest::Add { allow_same_region, .. }
+            | ReplicaChangeRequest::Replace { allow_same_region, .. } => *allow_same_region,
+            ReplicaChangeRequest::Remove { .. } => false,
+        }
+    }
 }
 
 /// A replica change, running or finished.
@@ -217,10 +261,11 @@ impl Coordinator {
         shard: u32,
         request: ReplicaChangeRequest,
     ) -> Result<ReplicaChange, CoordError> {
-        if !(1..=86_400).contains(&request.catch_up_timeout_s) {
+        let action = request.action();
+        if !(1..=86_400).contains(&request.catch_up_timeout_s()) {
             return Err(CoordError::BadRequest(format!(
                 "catch_up_timeout_s {} is outside 1..=86400",
-                request.catch_up_timeout_s
+                request.catch_up_timeout_s()
             )));
         }
         let record = self.state().ok_or(CoordError::NotActive)?.shards.get(&shard).cloned();
@@ -232,12 +277,11 @@ impl Coordinator {
         let mut to: Vec<NodeId> =
             record.replicas.iter().copied().filter(|&n| Some(n) != plan.removing).chain(plan.adding).collect();
         to.sort_unstable();
-        let id =
-            format!("replica-{}-{}", request.action.as_str(), self.changes.next.fetch_add(1, Ordering::Relaxed) + 1);
+        let id = format!("replica-{}-{}", action.as_str(), self.changes.next.fetch_add(1, Ordering::Relaxed) + 1);
         let change = ReplicaChange {
             id: id.clone(),
             shard,
-            action: request.action,
+            action,
             adding: plan.adding,
             removing: plan.removing,
             from_replicas: record.replicas.clone(),
@@ -260,7 +304,7 @@ impl Coordinator {
             took_ms: 0,
         };
         self.changes.insert(change.clone());
-        tracing::info!(id = %id, shard, action = request.action.as_str(), adding = ?plan.adding, removing = ?plan.removing, "replica change");
+        tracing::info!(id = %id, shard, action = action.as_str(), adding = ?plan.adding, removing = ?plan.removing, "replica change");
         let me = self.clone();
         tokio::spawn(async move {
             let started = Instant::now();
@@ -270,7 +314,7 @@ impl Coordinator {
             }
             me.changes.running.lock().remove(&shard);
             let outcome = if result.is_ok() { "done" } else { "failed" };
-            me.metrics.replica_changes.with_label_values(&[request.action.as_str(), outcome]).inc();
+            me.metrics.replica_changes.with_label_values(&[action.as_str(), outcome]).inc();
             match &result {
                 Ok(()) => {
                     tracing::info!(id = %id, shard, took_ms = started.elapsed().as_millis() as u64, "replica change done")
@@ -302,26 +346,17 @@ impl Coordinator {
             }
             Ok(n)
         };
-        let leaving = |n: Option<NodeId>| -> Result<NodeId, CoordError> {
-            let n =
-                known(n.ok_or_else(|| CoordError::BadRequest(format!("{} needs `node`", request.action.as_str())))?)?;
+        let leaving = |n: NodeId| -> Result<NodeId, CoordError> {
+            let n = known(n)?;
             if !record.replicas.contains(&n) {
                 return Err(conflict("not_a_replica", format!("node {n} holds no replica of shard {shard}")));
             }
             Ok(n)
         };
-        let (adding, removing) = match request.action {
-            ReplicaAction::Add => {
-                if request.with.is_some() {
-                    return Err(CoordError::BadRequest("`with` is for replace".into()));
-                }
-                (Some(request.node), None)
-            }
-            ReplicaAction::Remove => {
-                if request.with.is_some() {
-                    return Err(CoordError::BadRequest("`with` is for replace".into()));
-                }
-                let gone = leaving(request.node)?;
+        let (adding, removing) = match *request {
+            ReplicaChangeRequest::Add { node, .. } => (Some(node), None),
+            ReplicaChangeRequest::Remove { node } => {
+                let gone = leaving(node)?;
                 let min = self.config.replication.min_replicas;
                 if record.replicas.len() - 1 < min {
                     return Err(conflict(
@@ -334,7 +369,7 @@ impl Coordinator {
                 }
                 (None, Some(gone))
             }
-            ReplicaAction::Replace => (Some(request.with), Some(leaving(request.node)?)),
+            ReplicaChangeRequest::Replace { node, with, .. } => (Some(with), Some(leaving(node)?)),
         };
         let adding = match adding {
             None => None,
@@ -355,7 +390,7 @@ impl Coordinator {
                         }
                         let region = |m: NodeId| self.config.node(m).map(|s| s.region);
                         let covered: BTreeSet<_> = kept.iter().map(|&m| region(m)).collect();
-                        if !request.allow_same_region
+                        if !request.allow_same_region()
                             && covered.contains(&region(n))
                             && let Some(b) = best.filter(|&b| !covered.contains(&region(b)))
                         {
@@ -373,7 +408,7 @@ impl Coordinator {
                 })
             }
         };
-        Ok(Plan { adding, removing, catch_up_timeout: Duration::from_secs(request.catch_up_timeout_s) })
+        Ok(Plan { adding, removing, catch_up_timeout: Duration::from_secs(request.catch_up_timeout_s()) })
     }
 
     /// The best live node to add beside `kept`: outside the shard, heard
@@ -477,6 +512,7 @@ impl Coordinator {
                 return Err(conflict("change_in_progress", format!("shard {shard} changed meanwhile")));
             }
             r.learners.push(new);
+            r.members_version += 1;
             Ok(())
         })
         .await?;
@@ -541,6 +577,7 @@ impl Coordinator {
             .mutate(|s| {
                 let r = s.shards.get_mut(&shard).ok_or(CoordError::UnknownShard(shard))?;
                 r.learners.retain(|&n| n != new);
+                r.members_version += 1;
                 Ok(())
             })
             .await;
@@ -573,6 +610,7 @@ impl Coordinator {
                 let old = std::mem::replace(&mut r.replicas, new_voters.clone());
                 r.joint = old.clone();
                 r.learners.retain(|n| !new_voters.contains(n));
+                r.members_version += 1;
                 Ok((r.epoch, old, new_voters))
             })
             .await?;
@@ -649,6 +687,7 @@ impl Coordinator {
                     r.learners.clear();
                 }
                 r.replicas = voters.to_vec();
+                r.members_version += 1;
                 r.joint.clear();
                 Ok(true)
             })

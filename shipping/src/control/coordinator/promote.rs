@@ -234,6 +234,7 @@ impl Coordinator {
                 if !r.joint.is_empty() {
                     tracing::warn!(shard, epoch, from = ?r.replicas, back_to = ?r.joint, "a failover during a replica change: back to the replica set before it");
                     r.replicas = std::mem::take(&mut r.joint);
+                    r.members_version += 1;
                 }
                 let updated = r.clone();
                 s.record_failover(FailoverRecord {

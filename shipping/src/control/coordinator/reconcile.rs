@@ -224,6 +224,7 @@ impl Coordinator {
             learners: record.learners.clone(),
             joint_replicas: record.joint.clone(),
             fetch_token: self.fetch_tokens.lock().get(&(shard, replica)).cloned().unwrap_or_default(),
+            members_version: record.members_version,
         });
         request.set_timeout(Duration::from_secs(2));
         let answer = match client.assign(request).await {
