@@ -67,6 +67,18 @@ pub struct DevArgs {
     /// <data-dir>/tls, and the line to point the CLI at them is printed.
     #[arg(long)]
     tls: bool,
+    /// MiB per second each node serves sealed segments to its peers at
+    /// (PeerExchange, all fetches together), passed to every node as
+    /// `walship node --peer-serve-mib-per-s`; 0 = unlimited [default: the
+    /// node's, `peer_serve.mib_per_s` = 64].
+    #[arg(long)]
+    peer_serve_mib_per_s: Option<u64>,
+    /// WAL each replica keeps per shard, in MiB (`replication.retain_bytes`
+    /// in the cluster config dev writes; its hard bound `max_retain_bytes`,
+    /// 4 GiB, is raised to it when smaller). A re-seed drill needs its
+    /// volume's room below it. [default: 1024]
+    #[arg(long)]
+    retain_mib: Option<u64>,
 }
 
 /// `--max-disk-mib`'s default: 2 GiB for the whole dev cluster.
@@ -137,6 +149,11 @@ fn dev_cluster(args: &DevArgs) -> Result<ClusterConfig> {
     }
     let mut config = ClusterConfig::replicated_everywhere(nodes, args.shards);
     config.cluster_id = "walship-dev".into();
+    if let Some(mib) = args.retain_mib {
+        let bytes = mib.checked_mul(1 << 20).context("--retain-mib is too large")?;
+        config.replication.retain_bytes = bytes;
+        config.replication.max_retain_bytes = config.replication.max_retain_bytes.max(bytes);
+    }
     // Archives out of the box: a directory beside the nodes' data (the
     // path is relative to the cluster config written into the data dir).
     config.archive = Some(walship_shipping::config::ArchiveConfig::dir("archive".into()));
@@ -299,6 +316,9 @@ pub async fn run_dev(args: DevArgs) -> Result<()> {
         if let Some(reserve) = &reserve_arg {
             command.args(["--wal-min-free-bytes", reserve]);
         }
+        if let Some(mib) = args.peer_serve_mib_per_s {
+            command.args(["--peer-serve-mib-per-s", &mib.to_string()]);
+        }
         let mut child = command
             .arg("--cluster")
             .arg(&cluster_file)
@@ -445,6 +465,8 @@ mod tests {
             max_disk_mib: DEFAULT_MAX_DISK_MIB,
             no_restart: false,
             tls: false,
+            peer_serve_mib_per_s: None,
+            retain_mib: None,
         };
         let c = dev_cluster(&args).unwrap();
         assert_eq!(c.shards.iter().map(|s| s.leader).collect::<Vec<_>>(), vec![1, 2, 3, 1]);
@@ -453,5 +475,8 @@ mod tests {
         assert_eq!(c.nodes[1].admin_addr.port(), 7482);
         assert_eq!(c.coordinators[0].admin_addr.port(), 7480);
         assert!(c.coordinated());
+        assert_eq!(c.replication.retain_bytes, 1 << 30);
+        let c = dev_cluster(&DevArgs { retain_mib: Some(8192), ..args }).unwrap();
+        assert_eq!((c.replication.retain_bytes, c.replication.max_retain_bytes), (8 << 30, 8 << 30));
     }
 }

@@ -8,7 +8,8 @@
 //! a node's resident memory per retained record and single-record read
 //! latency; see [`memory`]) and `walship-rebuild`
 //! (`src/bin/walship-rebuild.rs`, re-seeding a replica from the archive
-//! against `pg_basebackup`; see [`rebuild`]). `ops/bench/README.md`
+//! against `pg_basebackup` and a JetStream replica's catch-up; see
+//! [`rebuild`] and [`nats_rebuild`]). `ops/bench/README.md`
 //! describes them.
 
 pub mod chart;
@@ -16,6 +17,7 @@ pub mod failover;
 pub mod load;
 pub mod memory;
 pub mod nats;
+pub mod nats_rebuild;
 pub mod pg;
 pub mod proc;
 pub mod rebuild;

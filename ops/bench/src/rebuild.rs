@@ -16,6 +16,11 @@
 //! * **PostgreSQL standby rebuild** ([`crate::pg::rebuild_standby`]): the
 //!   same number of bytes loaded into a primary, then `pg_basebackup -X
 //!   stream --checkpoint=fast` into a fresh directory, timed.
+//! * **NATS JetStream replica catch-up**
+//!   ([`crate::nats_rebuild::rebuild_replica`]): the same volume appended
+//!   into an R3 stream with the drill's load, then one non-leader server
+//!   killed, its store deleted and the server restarted, timed until its
+//!   replica has caught up, with a live load on the two others.
 //!
 //! Each system runs on a quiet disk (everything written before is flushed
 //! first) and its data is removed after it.
@@ -30,6 +35,7 @@ use serde::{Deserialize, Serialize};
 use serde_json::json;
 use walship_wal::disk::DiskBaseline;
 
+use crate::nats_rebuild::NatsCatchup;
 use crate::pg::Basebackup;
 use crate::proc::Server;
 use crate::walship::http_request;
@@ -60,6 +66,9 @@ pub struct ReseedSpec {
     /// Which tier the follower takes sealed segments from (`all`, `peer`,
     /// `archive`, `stream`; the drill's `source`).
     pub source: String,
+    /// `walship dev --peer-serve-mib-per-s` (0 = unlimited); `None` leaves
+    /// the nodes' default (64 MiB/s).
+    pub peer_serve_mib_per_s: Option<u64>,
 }
 
 /// The drill report's `reseed` object, as the coordinator gives it
@@ -117,7 +126,14 @@ pub async fn walship_reseed(spec: &ReseedSpec) -> Result<Reseed> {
         // rebuilt copy, and the WAL files' preallocation: dev's default
         // budget (2 GiB) would end a large drill in its disk-full rule.
         .args(["--max-disk-mib", &(4096 + 8 * (spec.volume_bytes >> 20)).to_string()])
+        // Retention with room for the drill's volume (and its framing)
+        // besides what the shard holds: at dev's default (1 GiB) the
+        // coordinator refuses a 1 GiB drill (`drill_would_evict`).
+        .args(["--retain-mib", &(1024 + 2 * (spec.volume_bytes >> 20)).to_string()])
         .env("WALSHIP_LOG", "warn");
+    if let Some(mib) = spec.peer_serve_mib_per_s {
+        command.args(["--peer-serve-mib-per-s", &mib.to_string()]);
+    }
     // SIGTERM: dev stops its nodes and coordinator, then exits.
     let mut dev = Server::spawn("walship dev", command, &log, libc::SIGTERM)?;
     let outcome = drive(&mut dev, &log, &token, spec).await;
@@ -275,6 +291,8 @@ pub struct RebuildReport {
     pub walship: Option<Reseed>,
     /// `None` when PostgreSQL was not run.
     pub postgres: Option<Basebackup>,
+    /// `None` when NATS JetStream was not run.
+    pub nats: Option<NatsCatchup>,
     pub rows: Vec<Row>,
 }
 
@@ -290,6 +308,11 @@ pub struct Settings {
     pub record_bytes: usize,
     pub drill_clients: usize,
     pub shard: u32,
+    /// The drill's `source` (the walship tier measured).
+    pub source: String,
+    /// The nodes' PeerExchange serve limit in MiB/s (0 = unlimited);
+    /// `None`: the node default, 64.
+    pub peer_serve_mib_per_s: Option<u64>,
 }
 
 /// One line of the comparison table.
@@ -340,6 +363,7 @@ impl RebuildReport {
         disk: DiskBaseline,
         walship: Option<Reseed>,
         postgres: Option<Basebackup>,
+        nats: Option<NatsCatchup>,
     ) -> RebuildReport {
         let raw = disk.seq_write_mib_s;
         let disk_ratio = |target| Against { over: raw, compared_with: "raw sequential write", target };
@@ -388,6 +412,28 @@ impl RebuildReport {
                 ),
             ));
         }
+        if let Some(n) = &nats {
+            rows.push(row(
+                "NATS JetStream replica catch-up",
+                (n.mib_per_s, "MiB/s", Some(n.seconds)),
+                disk_ratio(None),
+                format!(
+                    "{:.1} MiB of stream ({} messages) back on {} after its store ({:.1} MiB on disk) was deleted, in \
+                     {:.2} s from its restart (listening after {:.2} s, local copy complete after {:.2} s, current \
+                     at the leader {} after {:.2} s, lag {})",
+                    n.bytes as f64 / (1 << 20) as f64,
+                    n.messages,
+                    n.server,
+                    n.store_bytes_deleted as f64 / (1 << 20) as f64,
+                    n.seconds,
+                    n.startup_seconds,
+                    n.local_seconds,
+                    n.leader,
+                    n.seconds,
+                    n.lag_at_end
+                ),
+            ));
+        }
         if let Some(w) = &walship {
             rows.push(row(
                 "walship live appends during re-seed",
@@ -396,10 +442,23 @@ impl RebuildReport {
                 format!("{:.0} records/s before", w.append_rate_before),
             ));
         }
-        RebuildReport { settings, disk, walship, postgres, rows }
+        if let Some(n) = &nats {
+            rows.push(row(
+                "NATS live publishes during catch-up",
+                (n.append_rate_during, "records/s", None),
+                Against { over: n.append_rate_before, compared_with: "before the catch-up", target: None },
+                format!(
+                    "{:.0} records/s before, on the two servers that kept their store; {} publishes acknowledged",
+                    n.append_rate_before, n.acked
+                ),
+            ));
+        }
+        RebuildReport { settings, disk, walship, postgres, nats, rows }
     }
 
     /// Lost or divergent records the drill found (a failed run).
+    /// (JetStream's replica is checked by the run itself: it fails unless
+    /// the replica matches the leader.)
     pub fn damage(&self) -> Option<String> {
         let w = self.walship.as_ref()?;
         (w.lost > 0 || w.divergent_replicas > 0)
@@ -410,6 +469,12 @@ impl RebuildReport {
         let s = &self.settings;
         let mut md = String::new();
         md.push_str("## Re-seed from the archive vs pg_basebackup\n\n");
+        let peer_limit = match s.peer_serve_mib_per_s {
+            None => "default 64 MiB/s".to_string(),
+            Some(0) => "unlimited".to_string(),
+            Some(mib) => format!("{mib} MiB/s"),
+        };
+        md.push_str(&format!("walship tier `{}`, PeerExchange serve limit {peer_limit}.\n", s.source));
         md.push_str(&format!(
             "{:.0} MiB rebuilt per system ({} B records), {} cores, started {}.\n\
              Raw sequential write of the disk: **{:.0} MiB/s**; 4 KiB fdatasync p50 {:.0} µs, p99 {:.0} µs.\n\n",
@@ -443,6 +508,9 @@ impl RebuildReport {
         }
         if self.postgres.is_none() {
             md.push_str("- PostgreSQL was not run in this report.\n");
+        }
+        if self.nats.is_none() {
+            md.push_str("- NATS JetStream was not run in this report.\n");
         }
         if let Some(w) = &self.walship {
             md.push_str(&format!(
@@ -512,8 +580,10 @@ mod tests {
             record_bytes: 4096,
             drill_clients: 8,
             shard: 1,
+            source: "all".into(),
+            peer_serve_mib_per_s: None,
         };
-        let report = RebuildReport::new(settings, disk, Some(walship), Some(postgres));
+        let report = RebuildReport::new(settings.clone(), disk.clone(), Some(walship), Some(postgres), None);
         let ratios: Vec<(f64, Option<bool>)> = report.rows.iter().map(|r| (r.ratio, r.meets_target)).collect();
         assert_eq!(ratios, [(0.75, Some(true)), (0.5, Some(false)), (0.25, None), (0.7, Some(false))]);
         let md = report.markdown();
@@ -521,5 +591,25 @@ mod tests {
         assert!(md.contains("| PostgreSQL pg_basebackup | 50.0 MiB/s | 2.00 s | 0.25 |"), "{md}");
         assert!(md.contains("**missed**"), "{md}");
         assert!(report.damage().is_none());
+        assert!(md.contains("PeerExchange serve limit default 64 MiB/s"), "{md}");
+
+        let nats = NatsCatchup {
+            mib_per_s: 100.0,
+            seconds: 3.0,
+            append_rate_before: 1000.0,
+            append_rate_during: 900.0,
+            ..Default::default()
+        };
+        let settings = Settings { peer_serve_mib_per_s: Some(0), ..settings };
+        let report = RebuildReport::new(settings, disk, None, None, Some(nats));
+        let rows: Vec<(&str, f64, Option<bool>)> =
+            report.rows.iter().map(|r| (r.figure.as_str(), r.ratio, r.meets_target)).collect();
+        assert_eq!(
+            rows,
+            [("NATS JetStream replica catch-up", 0.5, None), ("NATS live publishes during catch-up", 0.9, None)]
+        );
+        let md = report.markdown();
+        assert!(md.contains("| NATS JetStream replica catch-up | 100.0 MiB/s | 3.00 s | 0.50 |"), "{md}");
+        assert!(md.contains("serve limit unlimited"), "{md}");
     }
 }

@@ -126,6 +126,33 @@ fn rebuild_smoke_run_of_postgres_alone() {
     assert!(!data.exists(), "the harness leaves no data behind");
 }
 
+/// NATS JetStream alone (`--systems nats`): a replica that lost its store
+/// comes back, with figures, and every nats-server is stopped.
+#[test]
+fn rebuild_smoke_run_of_nats_alone() {
+    let nats = std::env::var("WALSHIP_NATS_SERVER")
+        .unwrap_or_else(|_| concat!(env!("CARGO_MANIFEST_DIR"), "/../../.walship/tools/venv/bin/nats-server").into());
+    let work = work_dir();
+    let (data, out) = (work.path().join("data"), work.path().join("out"));
+    let run = rebuild(&["--smoke", "--systems", "nats", "--nats-server", &nats, "--name", "nats"], &data, &out);
+    let stderr = String::from_utf8_lossy(&run.stderr);
+    assert!(run.status.success(), "walship-rebuild --smoke --systems nats failed:\n{stderr}");
+    let report: serde_json::Value = serde_json::from_slice(&std::fs::read(out.join("nats.json")).unwrap()).unwrap();
+    assert!(report["walship"].is_null() && report["postgres"].is_null(), "{report}");
+    let n = &report["nats"];
+    for field in ["mib_per_s", "seconds", "append_rate_before", "append_rate_during"] {
+        positive(n, field);
+    }
+    assert!(n["messages"].as_u64().unwrap() >= 2048, "{n}");
+    assert!(n["bytes"].as_u64().unwrap() >= 8 << 20, "{n}");
+    assert_eq!(n["final_messages"], n["final_leader_messages"], "{n}");
+    assert_ne!(n["server"], n["leader"], "{n}");
+    let figures: Vec<&str> = report["rows"].as_array().unwrap().iter().map(|r| r["figure"].as_str().unwrap()).collect();
+    assert_eq!(figures, ["NATS JetStream replica catch-up", "NATS live publishes during catch-up"]);
+    assert!(processes_mentioning(&data.display().to_string()).is_empty());
+    assert!(!data.exists(), "the harness leaves no data behind");
+}
+
 #[test]
 fn bad_rebuild_arguments_are_refused_before_anything_starts() {
     for (args, needle) in [
