@@ -325,3 +325,48 @@ async fn a_failover_in_the_joint_step_goes_back_to_the_old_set_and_a_dead_node_i
     let checked = check_acked_on(&mut cluster, &kept, &acked).await;
     eprintln!("{checked} acknowledged records checked on nodes {kept:?}");
 }
+
+/// The lines of the replica block in ops/README.md ("Changing a shard's
+/// replicas"), comments dropped.
+fn readme_replica_commands() -> Vec<Vec<String>> {
+    let readme = std::fs::read_to_string(concat!(env!("CARGO_MANIFEST_DIR"), "/ops/README.md")).unwrap();
+    let section = &readme[readme.find("### Changing a shard's replicas").expect("the section")..];
+    let block = &section[section.find("```sh\n").unwrap() + 6..];
+    let block = &block[..block.find("```").unwrap()];
+    block
+        .lines()
+        .map(|l| l.split('#').next().unwrap().split_whitespace().map(str::to_string).collect::<Vec<_>>())
+        .filter(|words| !words.is_empty())
+        .collect()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_replica_commands_in_the_ops_readme_run_as_printed() {
+    let commands = readme_replica_commands();
+    assert_eq!(commands.len(), 5, "{commands:?}");
+    let mut cluster = Cluster::launch(&five_nodes());
+    cluster.wait_leader(1, None, Duration::from_secs(60)).await;
+    cluster.wait_leader(2, None, Duration::from_secs(60)).await;
+    let admin = format!("http://{}", cluster.coordinator(1).admin);
+    for words in commands {
+        assert_eq!(words[0], "walship", "{words:?}");
+        let admin = admin.clone();
+        let args = words[1..].to_vec();
+        let output = tokio::task::spawn_blocking(move || {
+            std::process::Command::new(common::walship_bin())
+                .args(&args)
+                .env("WALSHIP_ADMIN", admin)
+                .env("WALSHIP_TOKEN", TOKEN)
+                .output()
+                .unwrap()
+        })
+        .await
+        .unwrap();
+        let (out, err) = (String::from_utf8_lossy(&output.stdout), String::from_utf8_lossy(&output.stderr));
+        assert!(output.status.success(), "{words:?}:\n{out}\n{err}");
+        assert!(out.contains(" done in "), "{words:?}:\n{out}");
+        eprintln!("{}\n{out}", words.join(" "));
+    }
+    // add 5, remove 2, add 2, 3 -> 4, then 1 -> 3 (placement: region 3 is free).
+    assert_eq!(members(&mut cluster, 1).await, voters(&[2, 3, 4, 5]));
+}
