@@ -31,7 +31,7 @@ use walship_proto::log::{
 };
 use walship_proto::replication::wal_shipping_server::WalShipping;
 use walship_proto::replication::{
-    HeartbeatRequest, HeartbeatResponse, ShipSegmentRequest, ShipSegmentResponse, StreamRequest,
+    HeartbeatBatchRequest, HeartbeatRequest, HeartbeatResponse, ShipSegmentRequest, ShipSegmentResponse, StreamRequest,
 };
 
 use crate::replica::{Members, ReplicationNode, Source};
@@ -133,6 +133,18 @@ impl WalShipping for WalShippingService {
 
     async fn heartbeat(&self, request: Request<HeartbeatRequest>) -> Result<Response<HeartbeatResponse>, Status> {
         self.node.on_heartbeat(request.get_ref())?;
+        Ok(Response::new(HeartbeatResponse { acknowledged: true }))
+    }
+
+    async fn heartbeat_batch(
+        &self,
+        request: Request<HeartbeatBatchRequest>,
+    ) -> Result<Response<HeartbeatResponse>, Status> {
+        let batch = request.get_ref();
+        crate::control::coordinator::check_heartbeat_batch(batch, |n| self.node.config.node(n).is_some())?;
+        for s in &batch.shards {
+            self.node.on_heartbeat(s)?;
+        }
         Ok(Response::new(HeartbeatResponse { acknowledged: true }))
     }
 }

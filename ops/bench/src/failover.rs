@@ -176,8 +176,10 @@ mod tests {
         let mut cluster: Box<dyn Cluster> = Box::new(Fake { killed_at: Arc::default(), outage, fails_over: true });
         let trial = trial(&mut cluster, 4, 100).await.unwrap().unwrap();
         assert_eq!(trial.killed, "leader");
+        // At least the outage; the upper bound only catches a gross
+        // miscount (a loaded machine delays the first new ack by itself).
         assert!(
-            (300.0..400.0).contains(&trial.unavailable_ms),
+            (300.0..2_000.0).contains(&trial.unavailable_ms),
             "measured {} ms for a 300 ms outage",
             trial.unavailable_ms
         );

@@ -8,7 +8,7 @@ use futures::Stream;
 use tonic::{Request, Response, Status};
 use walship_proto::replication::wal_shipping_server::WalShipping;
 use walship_proto::replication::{
-    HeartbeatRequest, HeartbeatResponse, ShipSegmentRequest, ShipSegmentResponse, StreamRequest,
+    HeartbeatBatchRequest, HeartbeatRequest, HeartbeatResponse, ShipSegmentRequest, ShipSegmentResponse, StreamRequest,
 };
 
 use crate::control::Coordinator;
@@ -53,6 +53,14 @@ impl WalShipping for CoordinatorHeartbeats {
 
     async fn heartbeat(&self, request: Request<HeartbeatRequest>) -> Result<Response<HeartbeatResponse>, Status> {
         self.coordinator.on_heartbeat(request.get_ref())?;
+        Ok(Response::new(HeartbeatResponse { acknowledged: true }))
+    }
+
+    async fn heartbeat_batch(
+        &self,
+        request: Request<HeartbeatBatchRequest>,
+    ) -> Result<Response<HeartbeatResponse>, Status> {
+        self.coordinator.on_heartbeat_batch(request.get_ref())?;
         Ok(Response::new(HeartbeatResponse { acknowledged: true }))
     }
 }

@@ -432,6 +432,12 @@ mod ship_stream_tests {
         async fn heartbeat(&self, _: Request<HeartbeatRequest>) -> Result<Response<HeartbeatResponse>, Status> {
             Err(Status::unimplemented("not in this test"))
         }
+        async fn heartbeat_batch(
+            &self,
+            _: Request<walship_proto::replication::HeartbeatBatchRequest>,
+        ) -> Result<Response<HeartbeatResponse>, Status> {
+            Err(Status::unimplemented("not in this test"))
+        }
     }
 
     #[tokio::test]

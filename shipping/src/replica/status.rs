@@ -206,8 +206,9 @@ impl ReplicationNode {
             .iter()
             .map(|c| c.grpc_addr.clone())
             .chain(self.config.replication.heartbeat_to.map(crate::config::Address::from))
-            .map(|a| self.peers.transport().channel(&a))
+            .map(|a| HeartbeatTarget::new(self.peers.transport().channel(&a)))
             .collect();
+        let mut targets: Vec<HeartbeatTarget> = targets;
         let mut tick = tokio::time::interval(interval);
         tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
         let mut last_records: BTreeMap<ShardId, (u64, Instant)> = BTreeMap::new();
@@ -296,18 +297,12 @@ impl ReplicationNode {
                 });
             }
             self.metrics.append_rate.set(node_rate);
-            let mut sends = Vec::new();
-            for channel in &targets {
-                for request in &requests {
-                    let mut client =
-                        walship_proto::replication::wal_shipping_client::WalShippingClient::new(channel.clone());
-                    let mut request = tonic::Request::new(request.clone());
-                    request.set_timeout(interval.max(Duration::from_millis(200)));
-                    sends.push(async move { client.heartbeat(request).await.is_ok() });
+            let timeout = interval.max(Duration::from_millis(200));
+            let sends = targets.iter_mut().map(|t| t.send(self.me, &requests, timeout));
+            for outcomes in futures::future::join_all(sends).await {
+                for ok in outcomes {
+                    self.metrics.heartbeats_sent.with_label_values(&[if ok { "ok" } else { "error" }]).inc();
                 }
-            }
-            for ok in futures::future::join_all(sends).await {
-                self.metrics.heartbeats_sent.with_label_values(&[if ok { "ok" } else { "error" }]).inc();
             }
         }
     }
@@ -348,5 +343,138 @@ fn follower_status(id: NodeId, progress: &FollowerProgress, lag: &Lag, now: u64)
         lag_apply_seconds: lag.apply_seconds,
         last_reply_ms_ago: progress.last_reply_us.map(|t| now.saturating_sub(t) / 1_000),
         position_known: progress.last_reply_us.is_some(),
+    }
+}
+
+/// How often a node sends every shard's report (a `full` batch); between
+/// them, a batch holds only the shards whose report changed.
+const FULL_HEARTBEAT_EVERY: Duration = Duration::from_secs(2);
+
+/// Shards per heartbeat batch (a full report of more goes out as several
+/// batches, none of them `full`).
+const HEARTBEAT_BATCH: usize = 5_000;
+
+/// One place heartbeats go, and what it was last sent.
+struct HeartbeatTarget {
+    channel: crate::peers::PeerChannel,
+    /// Each shard's report as last sent (and acknowledged).
+    last: std::collections::HashMap<u32, HeartbeatRequest>,
+    last_full: Option<Instant>,
+    /// It does not know `HeartbeatBatch` (an older build): one `Heartbeat`
+    /// per shard, every tick.
+    legacy: bool,
+}
+
+impl HeartbeatTarget {
+    fn new(channel: crate::peers::PeerChannel) -> HeartbeatTarget {
+        HeartbeatTarget { channel, last: Default::default(), last_full: None, legacy: false }
+    }
+
+    /// Sends this tick's reports: the changed ones (all of them every
+    /// [`FULL_HEARTBEAT_EVERY`], or after a failed send), in batches; one
+    /// (possibly empty) batch at least, which keeps the node alive to the
+    /// receiver. Answers each call's success.
+    async fn send(&mut self, me: NodeId, reports: &[HeartbeatRequest], timeout: Duration) -> Vec<bool> {
+        use walship_proto::replication::HeartbeatBatchRequest;
+        use walship_proto::replication::wal_shipping_client::WalShippingClient;
+        let mut client = WalShippingClient::new(self.channel.clone());
+        if self.legacy {
+            let mut outcomes = Vec::new();
+            for report in reports {
+                let mut request = tonic::Request::new(report.clone());
+                request.set_timeout(timeout);
+                outcomes.push(client.heartbeat(request).await.is_ok());
+            }
+            return outcomes;
+        }
+        let full = self.last_full.is_none_or(|t| t.elapsed() >= FULL_HEARTBEAT_EVERY);
+        let changed: Vec<&HeartbeatRequest> =
+            reports.iter().filter(|r| full || self.last.get(&r.shard_id).is_none_or(|l| !same_report(l, r))).collect();
+        let chunks: Vec<&[&HeartbeatRequest]> =
+            if changed.is_empty() { vec![&[][..]] } else { changed.chunks(HEARTBEAT_BATCH).collect() };
+        let whole = chunks.len() == 1;
+        let mut outcomes = Vec::new();
+        for chunk in chunks {
+            let batch = HeartbeatBatchRequest {
+                node_id: me,
+                shards: chunk.iter().map(|&r| r.clone()).collect(),
+                full: full && whole,
+            };
+            let mut request = tonic::Request::new(batch);
+            request.set_timeout(timeout);
+            match client.heartbeat_batch(request).await {
+                Ok(_) => outcomes.push(true),
+                Err(status) if status.code() == tonic::Code::Unimplemented => {
+                    tracing::info!("the heartbeat receiver does not take batches (an older build): one call per shard");
+                    self.legacy = true;
+                    return outcomes;
+                }
+                Err(_) => outcomes.push(false),
+            }
+        }
+        if outcomes.iter().all(|&ok| ok) {
+            if full {
+                self.last.clear();
+                self.last_full = Some(Instant::now());
+            }
+            for r in changed {
+                self.last.insert(r.shard_id, r.clone());
+            }
+        } else {
+            // The receiver may have missed a change: tell it everything next.
+            self.last_full = None;
+        }
+        outcomes
+    }
+}
+
+/// Whether two reports of a shard say the same, leaving out what moves
+/// without anything happening to the shard: clocks, the node's disk
+/// figures, rates, and silences within a quarter second.
+fn same_report(a: &HeartbeatRequest, b: &HeartbeatRequest) -> bool {
+    fn comparable(r: &HeartbeatRequest) -> HeartbeatRequest {
+        let quarter = |ms: u64| ms / 250;
+        HeartbeatRequest {
+            last_heartbeat_ns: 0,
+            uptime_ms: 0,
+            disk_bytes: 0,
+            disk_free_bytes: 0,
+            signal_throughput_eps: 0.0,
+            replication_lag_seconds: Default::default(),
+            archive_lag_seconds: r.archive_lag_seconds.floor(),
+            leader_silent_ms: quarter(r.leader_silent_ms),
+            follower_silent_ms: r.follower_silent_ms.iter().map(|(&n, &ms)| (n, quarter(ms))).collect(),
+            ..r.clone()
+        }
+    }
+    comparable(a) == comparable(b)
+}
+
+#[cfg(test)]
+mod heartbeat_tests {
+    use super::*;
+
+    #[test]
+    fn a_report_changes_with_positions_and_roles_not_with_clocks() {
+        let base =
+            HeartbeatRequest { shard_id: 1, node_id: 2, durable_seqno: 10, leader_silent_ms: 40, ..Default::default() };
+        let ticked = HeartbeatRequest {
+            last_heartbeat_ns: 123,
+            uptime_ms: 999,
+            disk_bytes: 5,
+            disk_free_bytes: 6,
+            signal_throughput_eps: 1.5,
+            leader_silent_ms: 180,
+            ..base.clone()
+        };
+        assert!(same_report(&base, &ticked), "clocks and disk figures alone change nothing");
+        assert!(!same_report(&base, &HeartbeatRequest { durable_seqno: 11, ..base.clone() }));
+        assert!(!same_report(&base, &HeartbeatRequest { is_leader: true, ..base.clone() }));
+        assert!(!same_report(&base, &HeartbeatRequest { epoch: 3, ..base.clone() }));
+        assert!(!same_report(&base, &HeartbeatRequest { disk_full: true, ..base.clone() }));
+        assert!(
+            !same_report(&base, &HeartbeatRequest { leader_silent_ms: 900, ..base.clone() }),
+            "a leader going silent"
+        );
     }
 }

@@ -27,7 +27,7 @@ use prometheus::{Histogram, HistogramOpts, IntCounterVec, IntGauge, Opts, Regist
 use serde::{Deserialize, Serialize};
 use tokio_util::sync::CancellationToken;
 use walship_proto::log::FenceResponse;
-use walship_proto::replication::HeartbeatRequest;
+use walship_proto::replication::{HeartbeatBatchRequest, HeartbeatRequest};
 
 use crate::NodeId;
 use crate::config::ClusterConfig;
@@ -243,6 +243,33 @@ const NO_MAJORITY_BACKOFF: Duration = Duration::from_secs(1);
 /// promoted again, and retrying at once would only churn epochs.
 const DISK_FULL_BACKOFF: Duration = Duration::from_secs(2);
 
+/// The most heartbeats one batch may carry.
+pub const MAX_HEARTBEAT_BATCH: usize = 20_000;
+
+/// Checks a heartbeat batch whole: a known node (`known`), every entry its
+/// own, at most [`MAX_HEARTBEAT_BATCH`] of them.
+pub fn check_heartbeat_batch(
+    batch: &HeartbeatBatchRequest,
+    known: impl Fn(NodeId) -> bool,
+) -> Result<(), tonic::Status> {
+    if batch.node_id == 0 || !known(batch.node_id) {
+        return Err(tonic::Status::invalid_argument(format!("heartbeat batch from unknown node {}", batch.node_id)));
+    }
+    if batch.shards.len() > MAX_HEARTBEAT_BATCH {
+        return Err(tonic::Status::invalid_argument(format!(
+            "a heartbeat batch holds at most {MAX_HEARTBEAT_BATCH} shards, not {}",
+            batch.shards.len()
+        )));
+    }
+    if let Some(other) = batch.shards.iter().find(|s| s.node_id != batch.node_id) {
+        return Err(tonic::Status::invalid_argument(format!(
+            "node {}'s heartbeat batch holds a report of node {}",
+            batch.node_id, other.node_id
+        )));
+    }
+    Ok(())
+}
+
 /// A fence answer as a failover candidate.
 fn candidate(a: &FenceResponse) -> Candidate {
     Candidate {
@@ -356,6 +383,40 @@ impl Coordinator {
         node.at = Instant::now();
         node.shards.insert(request.shard_id, (request.clone(), node.at));
         drop(seen);
+        self.republish(request);
+        Ok(())
+    }
+
+    /// Records one node's batch of heartbeats: the shards in it as sent,
+    /// the node's other shards as unchanged as of now (and, for a `full`
+    /// batch, no longer hosted). Checked whole first: INVALID_ARGUMENT
+    /// applies nothing.
+    pub fn on_heartbeat_batch(&self, batch: &HeartbeatBatchRequest) -> Result<(), tonic::Status> {
+        check_heartbeat_batch(batch, |n| self.config.node(n).is_some())?;
+        let now = Instant::now();
+        {
+            let mut seen = self.seen.lock();
+            let node = seen.entry(batch.node_id).or_insert_with(|| NodeSeen { at: now, shards: BTreeMap::new() });
+            node.at = now;
+            if batch.full {
+                let hosted: std::collections::BTreeSet<u32> = batch.shards.iter().map(|s| s.shard_id).collect();
+                node.shards.retain(|id, _| hosted.contains(id));
+            }
+            for (_, at) in node.shards.values_mut() {
+                *at = now;
+            }
+            for s in &batch.shards {
+                node.shards.insert(s.shard_id, (s.clone(), now));
+            }
+        }
+        for s in &batch.shards {
+            self.republish(s);
+        }
+        Ok(())
+    }
+
+    /// In NATS mode, republishes a heartbeat (active coordinator only).
+    fn republish(&self, request: &HeartbeatRequest) {
         if let Some(sink) = self.heartbeat_sink.lock().as_ref()
             && self.is_active()
         {
@@ -379,7 +440,6 @@ impl Coordinator {
             let subject = format!("walship.heartbeats.{}.{}", request.node_id, request.shard_id);
             let _ = sink.try_send((subject, Bytes::from(serde_json::to_vec(&message).expect("serialisable"))));
         }
-        Ok(())
     }
 
     /// Milliseconds since a node's last heartbeat.

@@ -1,0 +1,83 @@
+#!/usr/bin/env bash
+# Idle cost of many shards: starts `walship dev --shards N` (3 nodes, RF=3,
+# nothing appended), times until every shard has a leader, then measures
+# each process's CPU (share of one core) and resident memory over an idle
+# window, and stops the cluster. One line of JSON per shard count.
+#
+#   ops/bench/scale.sh                                   # 10 and 1000 shards, 30 s idle each
+#   ops/bench/scale.sh --shards "10 100" --idle-s 5      # quicker
+#   ops/bench/scale.sh --walship /tmp/old/walship        # another build
+#
+# Uses target/release/walship when built, else target/debug/walship.
+set -euo pipefail
+cd "$(dirname "$0")/../.."
+
+counts="10 1000"
+idle_s=30
+walship=""
+while [ $# -gt 0 ]; do
+  case "$1" in
+    --shards) counts="$2"; shift 2 ;;
+    --idle-s) idle_s="$2"; shift 2 ;;
+    --walship) walship="$2"; shift 2 ;;
+    *) echo "unknown argument $1 (see the header of $0)" >&2; exit 2 ;;
+  esac
+done
+if [ -z "$walship" ]; then
+  walship=target/release/walship
+  [ -x "$walship" ] || walship=target/debug/walship
+fi
+[ -x "$walship" ] || { echo "no walship binary at $walship: cargo build --release" >&2; exit 1; }
+
+ticks=$(getconf CLK_TCK)
+cpu_ticks() { awk '{print $14 + $15}' "/proc/$1/stat" 2>/dev/null || echo 0; }
+rss_kib() { awk '/^VmRSS/ {print $2}' "/proc/$1/status" 2>/dev/null || echo 0; }
+
+for n in $counts; do
+  dir=$(mktemp -d)
+  log="$dir/dev.log"
+  start=$(date +%s.%N)
+  "$walship" dev --shards "$n" --data-dir "$dir/data" --base-port 0 >"$log" 2>&1 &
+  dev=$!
+  trap 'kill $dev 2>/dev/null; wait $dev 2>/dev/null; rm -rf "$dir"' EXIT
+  admin=""
+  for _ in $(seq 1 3000); do
+    admin=$(grep -o 'dashboard: http://[0-9.:]*/' "$log" | head -1 | sed 's/dashboard: //' || true)
+    [ -n "$admin" ] && break
+    kill -0 "$dev" 2>/dev/null || break
+    sleep 0.2
+  done
+  if [ -z "$admin" ] || ! kill -0 "$dev" 2>/dev/null; then
+    echo "{\"shards\": $n, \"error\": \"dev did not come up: $(tail -1 "$log" | tr -d '"')\"}"
+    kill "$dev" 2>/dev/null || true; wait "$dev" 2>/dev/null || true; rm -rf "$dir"; trap - EXIT
+    continue
+  fi
+  leaders_s=""
+  for _ in $(seq 1 3000); do
+    left=$(curl -sf "${admin}v1/cluster" | python3 -c 'import json,sys; print(json.load(sys.stdin)["shards_without_leader"])' 2>/dev/null || echo x)
+    if [ "$left" = "0" ]; then
+      leaders_s=$(awk "BEGIN {printf \"%.2f\", $(date +%s.%N) - $start}")
+      break
+    fi
+    sleep 0.1
+  done
+  [ -n "$leaders_s" ] || leaders_s=null
+  sleep 5 # let start-up work (assignments, first catch-ups) settle
+  pids="$dev $(pgrep -P "$dev" | tr '\n' ' ')"
+  declare -A before=()
+  for p in $pids; do before[$p]=$(cpu_ticks "$p"); done
+  sleep "$idle_s"
+  procs=""
+  for p in $pids; do
+    what=$(tr '\0' ' ' <"/proc/$p/cmdline" | awk '{for (i = 2; i <= NF; i++) if ($i == "node" || $i == "coord" || $i == "dev") {print $i; exit}}')
+    id=$(tr '\0' ' ' <"/proc/$p/cmdline" | grep -o -- '--node-id [0-9]*' | awk '{print $2}' || true)
+    cpu=$(awk "BEGIN {printf \"%.3f\", ($(cpu_ticks "$p") - ${before[$p]}) / $ticks / $idle_s}")
+    procs="$procs{\"process\": \"$what${id:+-$id}\", \"cpu_cores\": $cpu, \"rss_mib\": $(( $(rss_kib "$p") / 1024 ))},"
+  done
+  echo "{\"shards\": $n, \"seconds_to_all_leaders\": $leaders_s, \"idle_s\": $idle_s, \"processes\": [${procs%,}]}"
+  kill "$dev" 2>/dev/null || true
+  wait "$dev" 2>/dev/null || true
+  rm -rf "$dir"
+  trap - EXIT
+  unset before
+done

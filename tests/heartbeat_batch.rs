@@ -1,0 +1,70 @@
+//! Nodes report to the coordinator in one `HeartbeatBatch` per tick (the
+//! shards whose report changed, all of them every few seconds) instead of
+//! one `Heartbeat` per shard. Against real processes: the coordinator sees
+//! every replica of many shards alive with current positions, fails a
+//! shard over when its leader dies, and refuses a bad batch whole.
+
+mod common;
+
+use std::time::Duration;
+
+use common::{Cluster, wait_until};
+use tonic::Code;
+use walship_proto::replication::wal_shipping_client::WalShippingClient;
+use walship_proto::replication::{HeartbeatBatchRequest, HeartbeatRequest};
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn batched_heartbeats_keep_every_replica_current_and_a_bad_batch_changes_nothing() {
+    let mut cluster = Cluster::start_with(3, 24, 1, "heartbeat_ms = 50\nleader_timeout_ms = 1000", None);
+    for shard in 1..=24 {
+        cluster.wait_leader(shard, None, Duration::from_secs(60)).await;
+    }
+    // Every replica of every shard is reported alive, with a fresh position.
+    wait_until("every replica alive and in its leader's epoch", Duration::from_secs(30), || {
+        let (_, shards) = futures::executor::block_on(cluster.coord_get(1, "/v1/shards"));
+        let all = shards.as_array().is_some_and(|shards| {
+            shards.len() == 24
+                && shards.iter().all(|s| {
+                    s["replicas"].as_array().is_some_and(|r| {
+                        r.len() == 3
+                            && r.iter().all(|r| {
+                                r["alive"] == true
+                                    && r["epoch"] == s["epoch"]
+                                    && r["position_age_ms"].as_u64().is_some_and(|age| age < 1_000)
+                            })
+                    })
+                })
+        });
+        async move { all }
+    })
+    .await;
+
+    // Bad batches, each refused whole; the coordinator's view of node 2
+    // stays as node 2 reports it.
+    let coordinator = cluster.coordinator(1).grpc.clone();
+    let endpoint = tonic::transport::Endpoint::from_shared(format!("http://{coordinator}")).unwrap();
+    let mut client = WalShippingClient::new(common::as_member(endpoint.connect().await.unwrap()));
+    let forged =
+        |node: u32| HeartbeatRequest { node_id: node, shard_id: 1, epoch: 999, is_leader: true, ..Default::default() };
+    let bad = [
+        (HeartbeatBatchRequest { node_id: 9, shards: vec![], full: false }, "unknown node"),
+        (HeartbeatBatchRequest { node_id: 0, shards: vec![], full: false }, "unknown node"),
+        (HeartbeatBatchRequest { node_id: 1, shards: vec![forged(1), forged(2)], full: true }, "a report of node 2"),
+        (HeartbeatBatchRequest { node_id: 2, shards: vec![forged(2); 20_001], full: false }, "at most 20000"),
+    ];
+    for (batch, says) in bad {
+        let refused = client.heartbeat_batch(batch).await.expect_err("refused");
+        assert_eq!(refused.code(), Code::InvalidArgument, "{refused}");
+        assert!(refused.message().contains(says), "{refused}");
+    }
+    let (_, shard) = cluster.coord_get(1, "/v1/shards/1").await;
+    for r in shard["replicas"].as_array().unwrap() {
+        assert_eq!(r["epoch"], shard["epoch"], "a refused batch changed nothing: {shard}");
+    }
+
+    // A leader that dies is noticed through batches alone.
+    let leader = cluster.leader_of(1, 1).await.unwrap().0;
+    cluster.node(leader).kill9();
+    let next = cluster.wait_leader(1, Some(leader), Duration::from_secs(30)).await;
+    assert_ne!(next, leader);
+}
