@@ -186,7 +186,10 @@ impl ReplicationMetrics {
             heartbeats_sent: register(
                 registry,
                 IntCounterVec::new(
-                    Opts::new("walship_heartbeats_sent_total", "Heartbeat calls sent (batches), by outcome (ok, error)"),
+                    Opts::new(
+                        "walship_heartbeats_sent_total",
+                        "Heartbeat calls sent (batches), by outcome (ok, error)",
+                    ),
                     &["outcome"],
                 )?,
             )?,
