@@ -345,7 +345,7 @@ pub async fn start_node(config: NodeConfig, cluster: Option<ClusterConfig>, dril
     let dial: walship_peer::client::Dial = Box::new(move |addr: &str| {
         addr.parse::<walship_shipping::config::Address>().ok().map(|a| peer_transport.token_channel(&a))
     });
-    node.set_peer_tier(Arc::new(crate::peer::PeerSegments::new(config.node_id, &node.config, dial)));
+    node.set_peer_tier(Arc::new(crate::peer::PeerSegments::new(config.node_id, &node.config, dial, &registry)?));
     let peer_exchange = walship_peer::server::PeerExchangeService::new(
         Arc::new(crate::peer::WalSegments { node: node.clone(), layout: crate::peer::layout(&node.config)? }),
         crate::peer::token_key(&node.config),

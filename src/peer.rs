@@ -83,6 +83,8 @@ pub struct PeerSegments {
     /// peer costs one failed fetch per [`SKIP_FAILED_PEER`], not one per
     /// segment.
     skip_until: std::sync::Mutex<BTreeMap<NodeId, std::time::Instant>>,
+    /// `walship_peer_fetches_total{result}`.
+    fetches: prometheus::IntCounterVec,
 }
 
 /// Whether `bytes` is `segment` of `shard`, whole: it decodes (the header
@@ -97,14 +99,33 @@ fn intact(shard: u32, segment: &SegmentRef, bytes: &Bytes) -> bool {
     })
 }
 
+/// `walship_peer_fetches_total{result}`: this node's fetches from peers.
+fn fetch_counter() -> prometheus::IntCounterVec {
+    prometheus::IntCounterVec::new(
+        prometheus::Opts::new(
+            "walship_peer_fetches_total",
+            "PeerExchange fetches this node made, by result (ok, damaged, refused, idle, unreachable)",
+        ),
+        &["result"],
+    )
+    .expect("a valid metric")
+}
+
 /// How long a peer whose connection failed is skipped.
 const SKIP_FAILED_PEER: Duration = Duration::from_secs(30);
 
 impl PeerSegments {
-    pub fn new(me: NodeId, cluster: &ClusterConfig, dial: Dial) -> PeerSegments {
+    pub fn new(
+        me: NodeId,
+        cluster: &ClusterConfig,
+        dial: Dial,
+        registry: &prometheus::Registry,
+    ) -> prometheus::Result<PeerSegments> {
         let addresses = cluster.addresses().into_iter().map(|(id, addr)| (id, addr.to_string())).collect();
         let fetcher = PeerFetcher::new(dial);
-        PeerSegments { me, fetcher, key: token_key(cluster), addresses, skip_until: Default::default() }
+        let fetches = fetch_counter();
+        registry.register(Box::new(fetches.clone()))?;
+        Ok(PeerSegments { me, fetcher, key: token_key(cluster), addresses, skip_until: Default::default(), fetches })
     }
 }
 
@@ -138,8 +159,17 @@ impl PeerTier for PeerSegments {
             if self.skipped().get(peer).is_some_and(|until| std::time::Instant::now() < *until) {
                 continue;
             }
-            match self.fetcher.fetch(addr, &task, &segment.key, &token).await {
-                Ok(bytes) if intact(shard, segment, &bytes) => return Some(bytes),
+            let fetched = self.fetcher.fetch(addr, &task, &segment.key, &token).await;
+            let result = match &fetched {
+                Ok(bytes) if intact(shard, segment, bytes) => "ok",
+                Ok(_) | Err(FetchError::DamagedChunk { .. }) => "damaged",
+                Err(FetchError::Refused { .. }) => "refused",
+                Err(FetchError::Idle { .. }) => "idle",
+                Err(FetchError::Broken { .. }) => "unreachable",
+            };
+            self.fetches.with_label_values(&[result]).inc();
+            match fetched {
+                Ok(bytes) if result == "ok" => return Some(bytes),
                 // Every chunk arrived as sent, but what was sent is damaged
                 // (its WAL's copy, or another segment): the next peer.
                 Ok(_) => {
@@ -299,6 +329,7 @@ mod tests {
             key: key(),
             addresses: addresses.iter().map(|(id, addr)| (*id, addr.to_string())).collect(),
             skip_until: Default::default(),
+            fetches: fetch_counter(),
         }
     }
 
@@ -326,6 +357,8 @@ mod tests {
         assert_eq!(good_calls.load(Ordering::SeqCst), 1);
         // A damaged chunk is no dead connection: the peer is not skipped.
         assert!(!is_skipped(&tier, 1));
+        let counted = |result: &str| tier.fetches.with_label_values(&[result]).get();
+        assert_eq!((counted("damaged"), counted("ok"), counted("unreachable")), (1, 1, 0), "fetches by result");
     }
 
     #[tokio::test]
