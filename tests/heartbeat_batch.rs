@@ -2,7 +2,8 @@
 //! shards whose report changed, all of them every few seconds) instead of
 //! one `Heartbeat` per shard. Against real processes: the coordinator sees
 //! every replica of many shards alive with current positions, fails a
-//! shard over when its leader dies, and refuses a bad batch whole.
+//! shard over when its leader dies, and refuses a bad batch whole; the
+//! shard list filters (unhealthy, by node) and pages.
 
 mod common;
 
@@ -62,9 +63,32 @@ async fn batched_heartbeats_keep_every_replica_current_and_a_bad_batch_changes_n
         assert_eq!(r["epoch"], shard["epoch"], "a refused batch changed nothing: {shard}");
     }
 
-    // A leader that dies is noticed through batches alone.
+    // The shard list filters and pages.
+    let ids = |v: &serde_json::Value| -> Vec<u64> {
+        v.as_array().map(|a| a.iter().map(|s| s["shard_id"].as_u64().unwrap()).collect()).unwrap_or_default()
+    };
+    let (code, page) = cluster.coord_get(1, "/v1/shards?limit=5&offset=20").await;
+    assert_eq!((code, ids(&page)), (200, vec![21, 22, 23, 24]));
+    let (_, on_node) = cluster.coord_get(1, "/v1/shards?node=2&limit=3").await;
+    assert_eq!(ids(&on_node), vec![1, 2, 3]);
+    let (_, none) = cluster.coord_get(1, "/v1/shards?node=9").await;
+    assert_eq!(ids(&none), Vec::<u64>::new());
+    let (_, healthy) = cluster.coord_get(1, "/v1/shards?unhealthy=true").await;
+    assert_eq!(ids(&healthy), Vec::<u64>::new(), "nothing needs attention: {healthy}");
+    for bad in ["limit=0", "limit=10001", "bogus=1", "node=x", "unhealthy=maybe"] {
+        let (code, refused) = cluster.coord_get(1, &format!("/v1/shards?{bad}")).await;
+        assert_eq!((code, refused["error"]["code"].as_str()), (400, Some("bad_query")), "{bad}: {refused}");
+    }
+
+    // A leader that dies is noticed through batches alone; until the node
+    // comes back, every shard it holds needs attention.
     let leader = cluster.leader_of(1, 1).await.unwrap().0;
     cluster.node(leader).kill9();
     let next = cluster.wait_leader(1, Some(leader), Duration::from_secs(30)).await;
     assert_ne!(next, leader);
+    wait_until("every shard listed as needing attention", Duration::from_secs(30), || {
+        let (_, listed) = futures::executor::block_on(cluster.coord_get(1, "/v1/shards?unhealthy=true"));
+        async move { ids(&listed).len() == 24 }
+    })
+    .await;
 }

@@ -485,19 +485,72 @@ async fn cluster(State(admin): State<Arc<CoordAdmin>>) -> Response {
     Json(view).into_response()
 }
 
-#[utoipa::path(get, path = "/v1/shards", tag = "shards",
-    responses((status = 200, body = Vec<ShardView>), (status = 503, body = crate::models::ErrorBody)))]
-async fn shards(State(admin): State<Arc<CoordAdmin>>) -> Response {
+/// Filters and a page of `GET /v1/shards` (all optional: every shard).
+#[derive(Debug, serde::Deserialize, utoipa::IntoParams)]
+#[into_params(parameter_in = Query)]
+#[serde(deny_unknown_fields)]
+pub struct ShardQuery {
+    /// Only shards needing attention: no leader, or a member down, lagging
+    /// on a stale position, with a full disk or a known corrupt record.
+    unhealthy: Option<bool>,
+    /// Only shards this node holds (as voter, learner or leaving member).
+    #[param(value_type = Option<i64>, minimum = 0, maximum = 4294967295.0)]
+    node: Option<u32>,
+    /// Only shards with a follower at least this many records behind.
+    #[param(minimum = 0)]
+    min_lag_records: Option<i64>,
+    /// At most this many (1..=10000), in shard order, after `offset`; the
+    /// number matching before paging is in the `x-total-count` header.
+    #[param(minimum = 1, maximum = 10000)]
+    limit: Option<i64>,
+    #[param(minimum = 0)]
+    offset: Option<i64>,
+}
+
+fn unhealthy(view: &ShardView) -> bool {
+    view.leader.is_none()
+        || view.replicas.iter().any(|r| !r.alive || r.lag_stale || r.disk_full || r.corrupt_from_seqno.is_some())
+}
+
+#[utoipa::path(get, path = "/v1/shards", tag = "shards", params(ShardQuery),
+    responses((status = 200, body = Vec<ShardView>, headers(("x-total-count" = u64, description = "shards matching the filters, before limit and offset"))),
+        (status = 400, description = "bad query", body = crate::models::ErrorBody),
+        (status = 503, body = crate::models::ErrorBody)))]
+async fn shards(State(admin): State<Arc<CoordAdmin>>, query: Result<Query<ShardQuery>, QueryRejection>) -> Response {
+    let Query(query) = match query {
+        Ok(query) => query,
+        Err(rejection) => {
+            return ApiError::new(StatusCode::BAD_REQUEST, "bad_query", rejection.body_text()).into_response();
+        }
+    };
+    if query.limit.is_some_and(|l| !(1..=10_000).contains(&l)) {
+        return ApiError::new(StatusCode::BAD_REQUEST, "bad_query", "limit is 1..=10000").into_response();
+    }
+    if query.offset.is_some_and(|o| o < 0) || query.min_lag_records.is_some_and(|m| m < 0) {
+        return ApiError::new(StatusCode::BAD_REQUEST, "bad_query", "offset and min_lag_records are at least 0")
+            .into_response();
+    }
     match state(&admin).await {
         Ok(state) => {
             let views: Vec<ShardView> = state
                 .shards
                 .iter()
+                .filter(|(_, r)| query.node.is_none_or(|n| r.members().contains(&n)))
                 .map(|(&id, r)| {
                     shard_view(&admin, id, r, state.failovers.iter().rev().find(|f| f.shard == id).cloned())
                 })
+                .filter(|v| query.unhealthy.is_none_or(|want| unhealthy(v) == want))
+                .filter(|v| {
+                    query
+                        .min_lag_records
+                        .is_none_or(|min| v.replicas.iter().any(|r| r.lag_records.unwrap_or(0) >= min as u64))
+                })
                 .collect();
-            Json(views).into_response()
+            let total = views.len();
+            let offset = query.offset.unwrap_or(0).min(total as i64) as usize;
+            let limit = query.limit.map_or(total, |l| l as usize);
+            let page: Vec<ShardView> = views.into_iter().skip(offset).take(limit).collect();
+            ([("x-total-count", total.to_string())], Json(page)).into_response()
         }
         Err(e) => e.into_response(),
     }
