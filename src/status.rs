@@ -19,6 +19,18 @@ pub struct StatusArgs {
     /// Print the coordinator's JSON (cluster and shards) instead of a table.
     #[arg(long)]
     json: bool,
+    /// Only shards needing attention (no leader, a member down, a stale lag, a full disk, a corrupt record).
+    #[arg(long)]
+    unhealthy: bool,
+    /// Only shards this node holds.
+    #[arg(long)]
+    node: Option<u32>,
+    /// At most this many shards (1..=10000), in shard order, after --offset.
+    #[arg(long, value_parser = clap::value_parser!(u32).range(1..=10_000))]
+    limit: Option<u32>,
+    /// Shards skipped before --limit.
+    #[arg(long)]
+    offset: Option<u32>,
 }
 
 fn cell(v: &serde_json::Value) -> String {
@@ -72,7 +84,15 @@ pub async fn run(args: StatusArgs) -> Result<()> {
     if code != 200 {
         bail!("GET /v1/cluster: {code} {cluster}");
     }
-    let (code, shards) = http::request("GET", &admin.url, "/v1/shards", None, None).await?;
+    let mut query: Vec<String> = Vec::new();
+    if args.unhealthy {
+        query.push("unhealthy=true".into());
+    }
+    query.extend(args.node.map(|n| format!("node={n}")));
+    query.extend(args.limit.map(|n| format!("limit={n}")));
+    query.extend(args.offset.map(|n| format!("offset={n}")));
+    let path = if query.is_empty() { "/v1/shards".to_string() } else { format!("/v1/shards?{}", query.join("&")) };
+    let (code, shards) = http::request("GET", &admin.url, &path, None, None).await?;
     if code != 200 {
         bail!("GET /v1/shards: {code} {shards}");
     }

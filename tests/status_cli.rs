@@ -79,6 +79,20 @@ async fn status_shows_the_real_leaders() {
     let (code, api) = cluster.coord_get(1, "/v1/shards").await;
     assert_eq!(code, 200);
     assert_eq!(strip(v["shards"].clone()), strip(api));
+    // Filters and paging go to the coordinator.
+    let filtered = |args: &[&str]| {
+        let out = std::process::Command::new(common::walship_bin())
+            .args(["status", "--json", "--admin", &admin])
+            .args(args)
+            .output()
+            .unwrap();
+        assert!(out.status.success(), "{args:?}: {}", String::from_utf8_lossy(&out.stderr));
+        let v: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+        v["shards"].as_array().unwrap().iter().map(|s| s["shard_id"].as_u64().unwrap()).collect::<Vec<_>>()
+    };
+    assert_eq!(filtered(&["--limit", "1", "--offset", "1"]), vec![2]);
+    assert_eq!(filtered(&["--node", "3"]), vec![1, 2]);
+    assert_eq!(filtered(&["--unhealthy"]), Vec::<u64>::new(), "every shard is healthy");
     // A wrong address is a clear error, not a hang.
     let bad = std::process::Command::new(common::walship_bin())
         .args(["status", "--admin", "http://127.0.0.1:1"])
