@@ -370,3 +370,36 @@ async fn the_replica_commands_in_the_ops_readme_run_as_printed() {
     // add 5, remove 2, add 2, 3 -> 4, then 1 -> 3 (placement: region 3 is free).
     assert_eq!(members(&mut cluster, 1).await, voters(&[2, 3, 4, 5]));
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_change_left_unfinished_by_a_dead_coordinator_is_undone_by_the_next() {
+    // SAFETY: set before any thread of this test process reads the environment.
+    unsafe { std::env::set_var("FAILPOINTS", "replica_change::joint=return(5000)") };
+    let mut cluster = Cluster::launch(&five_nodes());
+    cluster.wait_leader(1, None, Duration::from_secs(60)).await;
+    let body = r#"{"action": "add", "node": 5}"#;
+    let (code, started) = cluster.coord_post(1, "/v1/shards/1/replicas", body, Some(TOKEN)).await;
+    assert_eq!(code, 202, "{started}");
+    wait_until("the change's joint step", Duration::from_secs(60), || {
+        let (_, view) = futures::executor::block_on(cluster.coord_get(1, "/v1/shards/1"));
+        async move { view["joint_replicas"] == serde_json::json!([1, 2, 3]) }
+    })
+    .await;
+    // The coordinator dies inside the joint step; the next one finds the
+    // record mid-change with no change running and undoes it.
+    cluster.restart_coordinator(1);
+    wait_until("the record back to the set before the change", Duration::from_secs(30), || {
+        let (_, view) = futures::executor::block_on(cluster.coord_get(1, "/v1/shards/1"));
+        async move { view["joint_replicas"] == serde_json::json!([]) && view["learners"] == serde_json::json!([]) }
+    })
+    .await;
+    assert_eq!(members(&mut cluster, 1).await, voters(&[1, 2, 3]));
+    // And a new change can run.
+    let (code, refused) =
+        cluster.coord_post(1, "/v1/shards/1/replicas", r#"{"action": "remove", "node": 9}"#, Some(TOKEN)).await;
+    assert_eq!(
+        (code, refused["error"]["code"].as_str()),
+        (409, Some("unknown_node")),
+        "not change_in_progress: {refused}"
+    );
+}

@@ -570,6 +570,42 @@ impl Coordinator {
         }
     }
 
+    /// A record left mid-change with no change running here (its
+    /// coordinator stopped or lost its lease during it) is undone: learners
+    /// dropped, a joint record back to the set before the change (safe:
+    /// everything acknowledged is on a majority of it). Called by
+    /// reconciliation; the shard counts as changing until it is done.
+    pub(super) fn undo_abandoned_change(self: &Arc<Self>, shard: u32, record: &ShardRecord) {
+        if record.learners.is_empty() && record.joint.is_empty() {
+            return;
+        }
+        if !self.changes.running.lock().insert(shard) {
+            return;
+        }
+        let (me, epoch) = (self.clone(), record.epoch);
+        tokio::spawn(async move {
+            let undone = me
+                .mutate(|s| {
+                    let r = s.shards.get_mut(&shard).ok_or(CoordError::UnknownShard(shard))?;
+                    if r.epoch != epoch || (r.learners.is_empty() && r.joint.is_empty()) {
+                        return Ok(false);
+                    }
+                    if !r.joint.is_empty() {
+                        r.replicas = std::mem::take(&mut r.joint);
+                    }
+                    r.learners.clear();
+                    r.members_version += 1;
+                    Ok(true)
+                })
+                .await;
+            if let Ok(true) = undone {
+                tracing::warn!(shard, epoch, "a replica change left unfinished (by a stopped coordinator) is undone");
+                let _ = me.assign_members(shard).await;
+            }
+            me.changes.running.lock().remove(&shard);
+        });
+    }
+
     /// Drops a learner after a failed change (best effort: a later
     /// change or failover assigns the record as it stands).
     async fn drop_learner(&self, shard: u32, new: NodeId) {

@@ -88,6 +88,7 @@ impl Coordinator {
                 continue;
             }
             let Some(leader) = record.leader else { continue };
+            self.undo_abandoned_change(shard, record);
             for replica in record.members() {
                 // A member that reports nothing of the shard while it
                 // reports other shards does not host it yet (a replica
