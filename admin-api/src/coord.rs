@@ -16,10 +16,6 @@ use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
 use axum::{Json, Router};
 use prometheus::{Encoder, Registry, TextEncoder};
-use walship_shipping::control::drills::{
-    CatchupDrillRequest, CorruptionDrillRequest, DrillReport, FailoverDrillRequest, PartitionDrillRequest,
-    ReseedDrillRequest,
-};
 use walship_shipping::control::{CoordError, Coordinator, FailoverOutcome, FailoverRequest};
 
 use crate::body::ObjectJson;
@@ -66,13 +62,13 @@ pub fn coord_router(admin: Arc<CoordAdmin>) -> Router {
         .route("/v1/replica-changes", get(crate::replicas::list))
         .route("/v1/replica-changes/{id}", get(crate::replicas::show))
         .route("/v1/shards/{id}/lag-history", get(lag_history))
-        .route("/v1/drills", get(drills))
-        .route("/v1/drills/{id}", get(drill))
-        .route("/v1/drills/failover", post(failover_drill))
-        .route("/v1/drills/catchup", post(catchup_drill))
-        .route("/v1/drills/corruption", post(corruption_drill))
-        .route("/v1/drills/partition", post(partition_drill))
-        .route("/v1/drills/reseed", post(reseed_drill))
+        .route("/v1/drills", get(crate::drills::drills))
+        .route("/v1/drills/{id}", get(crate::drills::drill))
+        .route("/v1/drills/failover", post(crate::drills::failover_drill))
+        .route("/v1/drills/catchup", post(crate::drills::catchup_drill))
+        .route("/v1/drills/corruption", post(crate::drills::corruption_drill))
+        .route("/v1/drills/partition", post(crate::drills::partition_drill))
+        .route("/v1/drills/reseed", post(crate::drills::reseed_drill))
         .route("/v1/tasks", get(crate::tasks::list).post(crate::tasks::start))
         .route("/v1/tasks/{id}", get(crate::tasks::show))
         .route("/v1/tasks/{id}/cancel", post(crate::tasks::cancel))
@@ -648,162 +644,6 @@ async fn failover(
     }
 }
 
-/// Drills the coordinator ran,
-/// oldest first, the newest `limit` (default 100, at most 1000).
-#[utoipa::path(get, path = "/v1/drills", tag = "drills",
-    params(("limit" = Option<u32>, Query, minimum = 1, maximum = 1000, description = "newest N (default 100)")),
-    responses((status = 200, body = Vec<DrillReport>), (status = 400, description = "bad query", body = crate::models::ErrorBody)))]
-async fn drills(State(admin): State<Arc<CoordAdmin>>, page: Result<Query<Page>, QueryRejection>) -> Response {
-    let Query(page) = match page {
-        Ok(page) => page,
-        Err(rejection) => {
-            return ApiError::new(StatusCode::BAD_REQUEST, "bad_query", rejection.body_text()).into_response();
-        }
-    };
-    let limit = match page.limit {
-        None => 100,
-        Some(n @ 1..=1000) => n as usize,
-        Some(n) => {
-            return ApiError::new(StatusCode::BAD_REQUEST, "bad_query", format!("limit {n} is outside 1..=1000"))
-                .into_response();
-        }
-    };
-    let all = admin.coordinator.drills.list();
-    let skip = all.len().saturating_sub(limit);
-    Json(all.into_iter().skip(skip).collect::<Vec<_>>()).into_response()
-}
-
-/// `?limit=` on list endpoints.
-#[derive(Debug, serde::Deserialize)]
-#[serde(deny_unknown_fields)]
-struct Page {
-    limit: Option<u64>,
-}
-
-#[utoipa::path(get, path = "/v1/drills/{id}", tag = "drills",
-    params(("id" = String, Path, description = "drill id")),
-    responses((status = 200, body = DrillReport), (status = 404, description = "unknown drill", body = crate::models::ErrorBody)))]
-async fn drill(State(admin): State<Arc<CoordAdmin>>, Path(id): Path<String>) -> Response {
-    match admin.coordinator.drills.get(&id) {
-        Some(report) => Json(report).into_response(),
-        None => ApiError::new(StatusCode::NOT_FOUND, "unknown_drill", format!("no drill {id:?}")).into_response(),
-    }
-}
-
-fn started(id: String) -> Response {
-    let report = format!("/v1/drills/{id}");
-    (StatusCode::ACCEPTED, Json(DrillStarted { id, report })).into_response()
-}
-
-/// Starts a drill after the token and body checks; 202 with its id.
-async fn start_drill<R: std::fmt::Debug, F: std::future::Future<Output = Result<String, CoordError>>>(
-    admin: &CoordAdmin,
-    who: std::net::SocketAddr,
-    headers: &HeaderMap,
-    body: Result<ObjectJson<R>, ApiError>,
-    start: impl FnOnce(Arc<Coordinator>, R) -> F,
-) -> Response {
-    if let Err(e) = authorize(headers, &admin.token) {
-        return e.into_response();
-    }
-    let ObjectJson(request) = match body {
-        Ok(body) => body,
-        Err(refused) => return refused.into_response(),
-    };
-    tracing::info!(%who, ?request, "admin: drill requested");
-    match start(admin.coordinator.clone(), request).await {
-        Ok(id) => {
-            crate::jobs::track_drill(admin, &id);
-            started(id)
-        }
-        Err(e) => coord_error(e).into_response(),
-    }
-}
-
-#[utoipa::path(post, path = "/v1/drills/failover", tag = "drills", request_body = FailoverDrillRequest,
-    security(("bearer" = [])), responses((status = 202, description = "started", body = DrillStarted),
-        (status = 400, description = "malformed body", body = crate::models::ErrorBody), (status = 401, body = crate::models::ErrorBody), (status = 403, body = crate::models::ErrorBody),
-        (status = 404, description = "unknown shard", body = crate::models::ErrorBody), (status = 409, description = "the shard has no leader now (failover_in_progress), or the drill needs more than its headroom below replication.retain_bytes (drill_would_evict)", body = crate::models::ErrorBody), (status = 413, body = crate::models::ErrorBody),
-        (status = 415, description = "not application/json", body = crate::models::ErrorBody),
-        (status = 503, description = "not the active coordinator", body = crate::models::ErrorBody)))]
-async fn failover_drill(
-    State(admin): State<Arc<CoordAdmin>>,
-    ConnectInfo(who): ConnectInfo<std::net::SocketAddr>,
-    headers: HeaderMap,
-    body: Result<ObjectJson<FailoverDrillRequest>, ApiError>,
-) -> Response {
-    start_drill(&admin, who, &headers, body, async |c, r| c.start_failover_drill(r).await).await
-}
-
-#[utoipa::path(post, path = "/v1/drills/catchup", tag = "drills", request_body = CatchupDrillRequest,
-    security(("bearer" = [])), responses((status = 202, description = "started", body = DrillStarted),
-        (status = 400, description = "malformed body", body = crate::models::ErrorBody), (status = 401, body = crate::models::ErrorBody), (status = 403, body = crate::models::ErrorBody),
-        (status = 404, description = "unknown shard", body = crate::models::ErrorBody), (status = 409, description = "the shard has no leader now (failover_in_progress), or the drill needs more than its headroom below replication.retain_bytes (drill_would_evict)", body = crate::models::ErrorBody), (status = 413, body = crate::models::ErrorBody),
-        (status = 415, description = "not application/json", body = crate::models::ErrorBody),
-        (status = 503, description = "not the active coordinator", body = crate::models::ErrorBody)))]
-async fn catchup_drill(
-    State(admin): State<Arc<CoordAdmin>>,
-    ConnectInfo(who): ConnectInfo<std::net::SocketAddr>,
-    headers: HeaderMap,
-    body: Result<ObjectJson<CatchupDrillRequest>, ApiError>,
-) -> Response {
-    start_drill(&admin, who, &headers, body, async |c, r| c.start_catchup_drill(r).await).await
-}
-
-/// Dev and test clusters only: a follower (its node started with
-/// `--allow-crash-drills`) drops its copy of the shard on purpose and
-/// rebuilds it from the object store, then the leader, under load.
-#[utoipa::path(post, path = "/v1/drills/reseed", tag = "drills", request_body = ReseedDrillRequest,
-    security(("bearer" = [])), responses((status = 202, description = "started", body = DrillStarted),
-        (status = 400, description = "malformed body", body = crate::models::ErrorBody), (status = 401, body = crate::models::ErrorBody), (status = 403, body = crate::models::ErrorBody),
-        (status = 404, description = "unknown shard", body = crate::models::ErrorBody), (status = 409, description = "the shard has no leader now (failover_in_progress), the drill needs more than its headroom below replication.retain_bytes (drill_would_evict), its leader does not archive (not_archiving), or the follower named leads it (is_leader)", body = crate::models::ErrorBody), (status = 413, body = crate::models::ErrorBody),
-        (status = 415, description = "not application/json", body = crate::models::ErrorBody),
-        (status = 503, description = "not the active coordinator", body = crate::models::ErrorBody)))]
-async fn reseed_drill(
-    State(admin): State<Arc<CoordAdmin>>,
-    ConnectInfo(who): ConnectInfo<std::net::SocketAddr>,
-    headers: HeaderMap,
-    body: Result<ObjectJson<ReseedDrillRequest>, ApiError>,
-) -> Response {
-    start_drill(&admin, who, &headers, body, async |c, r| c.start_reseed_drill(r).await).await
-}
-
-/// Dev and test clusters only: the chosen node (started with
-/// `--allow-crash-drills`) damages its stored copy of one record on purpose.
-#[utoipa::path(post, path = "/v1/drills/corruption", tag = "drills", request_body = CorruptionDrillRequest,
-    security(("bearer" = [])), responses((status = 202, description = "started", body = DrillStarted),
-        (status = 400, description = "malformed body, or the leader without allow_leader", body = crate::models::ErrorBody), (status = 401, body = crate::models::ErrorBody), (status = 403, body = crate::models::ErrorBody),
-        (status = 404, description = "unknown shard", body = crate::models::ErrorBody), (status = 409, description = "the shard has no leader now (failover_in_progress), or the drill needs more than its headroom below replication.retain_bytes (drill_would_evict)", body = crate::models::ErrorBody), (status = 413, body = crate::models::ErrorBody),
-        (status = 415, description = "not application/json", body = crate::models::ErrorBody),
-        (status = 503, description = "not the active coordinator", body = crate::models::ErrorBody)))]
-async fn corruption_drill(
-    State(admin): State<Arc<CoordAdmin>>,
-    ConnectInfo(who): ConnectInfo<std::net::SocketAddr>,
-    headers: HeaderMap,
-    body: Result<ObjectJson<CorruptionDrillRequest>, ApiError>,
-) -> Response {
-    start_drill(&admin, who, &headers, body, async |c, r| c.start_corruption_drill(r).await).await
-}
-
-/// Dev and test clusters only: the shard's leader is cut from its followers
-/// (or one follower from the leader), simulated at the replication layer by
-/// the nodes themselves (started with `--allow-crash-drills`), while every
-/// node still reaches the coordinator; `trials` times.
-#[utoipa::path(post, path = "/v1/drills/partition", tag = "drills", request_body = PartitionDrillRequest,
-    security(("bearer" = [])), responses((status = 202, description = "started", body = DrillStarted),
-        (status = 400, description = "malformed body, between not one of the supported shapes, trials, seconds or clients out of range, fewer than 3 replicas", body = crate::models::ErrorBody), (status = 401, body = crate::models::ErrorBody), (status = 403, body = crate::models::ErrorBody),
-        (status = 404, description = "unknown shard", body = crate::models::ErrorBody), (status = 409, description = "the shard has no leader now (failover_in_progress), or the drill needs more than its headroom below replication.retain_bytes (drill_would_evict)", body = crate::models::ErrorBody), (status = 413, body = crate::models::ErrorBody),
-        (status = 415, description = "not application/json", body = crate::models::ErrorBody),
-        (status = 503, description = "not the active coordinator", body = crate::models::ErrorBody)))]
-async fn partition_drill(
-    State(admin): State<Arc<CoordAdmin>>,
-    ConnectInfo(who): ConnectInfo<std::net::SocketAddr>,
-    headers: HeaderMap,
-    body: Result<ObjectJson<PartitionDrillRequest>, ApiError>,
-) -> Response {
-    start_drill(&admin, who, &headers, body, async |c, r| c.start_partition_drill(r).await).await
-}
-
 #[utoipa::path(get, path = "/healthz", tag = "health", responses((status = 200, description = "the process is up", body = String)))]
 async fn healthz() -> &'static str {
     "ok\n"
@@ -812,14 +652,6 @@ async fn healthz() -> &'static str {
 #[utoipa::path(get, path = "/openapi.json", tag = "health", responses((status = 200, description = "this document")))]
 async fn openapi() -> Response {
     Json(crate::openapi::coordinator()).into_response()
-}
-
-/// The answer to a drill request.
-#[derive(Debug, serde::Serialize, serde::Deserialize, utoipa::ToSchema)]
-pub struct DrillStarted {
-    pub id: String,
-    /// Where the report is.
-    pub report: String,
 }
 
 /// The dashboard: one self-contained page (no build step) that polls the

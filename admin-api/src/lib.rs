@@ -10,6 +10,7 @@
 pub mod body;
 pub mod catchup;
 pub mod coord;
+pub mod drills;
 pub mod history;
 pub mod jobs;
 pub mod models;

@@ -5,7 +5,7 @@
 use utoipa::openapi::security::{HttpAuthScheme, HttpBuilder, SecurityScheme};
 use utoipa::{Modify, OpenApi};
 
-use crate::coord::DrillStarted;
+use crate::drills::DrillStarted;
 use crate::models::{
     ClusterView, CoordinatorView, ErrorBody, ErrorDetail, LagHistoryView, LagSample, LagSeries, NodeStatus, NodeView,
     ReplicaView, ShardView,
@@ -52,8 +52,8 @@ impl Modify for Bearer {
         crate::coord::healthz, crate::coord::readyz, crate::coord::metrics, crate::coord::openapi,
         crate::coord::cluster, crate::coord::shards, crate::coord::shard, crate::coord::failover,
         crate::coord::lag_history, crate::replicas::start, crate::replicas::list, crate::replicas::show,
-        crate::coord::drills, crate::coord::drill, crate::coord::failover_drill, crate::coord::catchup_drill,
-        crate::coord::corruption_drill, crate::coord::partition_drill, crate::coord::reseed_drill,
+        crate::drills::drills, crate::drills::drill, crate::drills::failover_drill, crate::drills::catchup_drill,
+        crate::drills::corruption_drill, crate::drills::partition_drill, crate::drills::reseed_drill,
         crate::tasks::list, crate::tasks::show, crate::tasks::start, crate::tasks::cancel,
         crate::tasks::dead_letters, crate::tasks::redrive, crate::tasks::job, crate::tasks::export_file,
     ),
