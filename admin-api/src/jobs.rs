@@ -160,13 +160,48 @@ pub fn schedule_verify(admin: Arc<CoordAdmin>, every: Duration) {
 pub fn track_drill(admin: &CoordAdmin, id: &str) {
     let drills = admin.coordinator.clone();
     let Some(report) = drills.drills.get(id) else { return };
+    let (kind, shard, id) = (format!("drill-{}", report.kind), report.shard, id.to_string());
+    let poll = {
+        let id = id.clone();
+        move || {
+            let report = drills.drills.get(&id)?;
+            let ended = (report.state != "running").then(|| (report.state == "done", report.error.clone()));
+            let summary = match ended {
+                None => serde_json::json!({ "progress": report.progress }),
+                Some(_) => serde_json::to_value(&report).expect("plain data"),
+            };
+            Some(Tick { rows: 0, bytes: report.bytes_written as i64, summary, ended })
+        }
+    };
+    track_here(admin, &id, kind, shard, poll);
+}
+
+/// What a task the coordinator runs itself reports on one look.
+pub(crate) struct Tick {
+    pub rows: i64,
+    pub bytes: i64,
+    pub summary: serde_json::Value,
+    /// None while it runs; once it ended, whether it succeeded, and why not.
+    pub ended: Option<(bool, Option<String>)>,
+}
+
+/// Lists task `id` (kind `kind`, on `shard`), run by the coordinator
+/// itself, in the task table, and every 250 ms copies what `poll` reports
+/// into its row until it ends (or `poll` no longer knows it).
+pub(crate) fn track_here(
+    admin: &CoordAdmin,
+    id: &str,
+    kind: String,
+    shard: u32,
+    poll: impl Fn() -> Option<Tick> + Send + 'static,
+) {
     let dispatcher = admin.dataplane.clone();
     let spec = TaskSpec {
         task_id: id.to_string(),
         query_id: id.to_string(),
-        kind: format!("drill-{}", report.kind),
+        kind,
         target: None,
-        shard: Some(report.shard),
+        shard: Some(shard),
         blob: Vec::new(),
         deadline_unix_nano: 0,
     };
@@ -178,17 +213,13 @@ pub fn track_drill(admin: &CoordAdmin, id: &str) {
         let mut tick = tokio::time::interval(Duration::from_millis(250));
         loop {
             tick.tick().await;
-            let Some(report) = drills.drills.get(&id) else { return };
-            let summary = serde_json::to_value(&report).expect("plain data");
-            match report.state.as_str() {
-                "running" => {
-                    dispatcher.progress_here(&id, 0, report.bytes_written as i64);
-                    dispatcher.set_summary(&id, serde_json::json!({ "progress": report.progress }));
-                }
-                state => {
-                    dispatcher.progress_here(&id, 0, report.bytes_written as i64);
-                    let outcome = if state == "done" { TaskState::Succeeded } else { TaskState::Failed };
-                    dispatcher.finish_here(&id, outcome, report.error.clone(), summary);
+            let Some(now) = poll() else { return };
+            dispatcher.progress_here(&id, now.rows, now.bytes);
+            match now.ended {
+                None => dispatcher.set_summary(&id, now.summary),
+                Some((succeeded, error)) => {
+                    let outcome = if succeeded { TaskState::Succeeded } else { TaskState::Failed };
+                    dispatcher.finish_here(&id, outcome, error, now.summary);
                     return;
                 }
             }

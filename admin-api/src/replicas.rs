@@ -7,13 +7,11 @@
 //! replica's position, bytes by source and MiB/s.
 
 use std::sync::Arc;
-use std::time::Duration;
 
 use axum::Json;
 use axum::extract::{ConnectInfo, Path, State};
 use axum::http::{HeaderMap, StatusCode};
 use axum::response::{IntoResponse, Response};
-use walship_dataplane::task::{TaskSpec, TaskState};
 use walship_shipping::control::coordinator::{ReplicaChange, ReplicaChangeRequest};
 
 use crate::body::ObjectJson;
@@ -92,35 +90,16 @@ pub async fn show(State(admin): State<Arc<CoordAdmin>>, Path(id): Path<String>) 
 fn track(admin: &CoordAdmin, id: &str) {
     let coordinator = admin.coordinator.clone();
     let Some(change) = coordinator.changes.get(id) else { return };
-    let dispatcher = admin.dataplane.clone();
-    let spec = TaskSpec {
-        task_id: id.to_string(),
-        query_id: id.to_string(),
-        kind: format!("replica-{}", change.action.as_str()),
-        target: None,
-        shard: Some(change.shard),
-        blob: Vec::new(),
-        deadline_unix_nano: 0,
-    };
-    if !dispatcher.track_here(spec) {
-        return;
-    }
-    let id = id.to_string();
-    tokio::spawn(async move {
-        let mut tick = tokio::time::interval(Duration::from_millis(250));
-        loop {
-            tick.tick().await;
-            let Some(change) = coordinator.changes.get(&id) else { return };
-            let applied = change.bytes_peer + change.bytes_archive + change.bytes_stream + change.bytes_push;
-            dispatcher.progress_here(&id, change.learner_durable_seqno as i64, applied as i64);
-            let summary = serde_json::to_value(&change).expect("plain data");
-            if change.state == "running" {
-                dispatcher.set_summary(&id, summary);
-                continue;
-            }
-            let outcome = if change.state == "done" { TaskState::Succeeded } else { TaskState::Failed };
-            dispatcher.finish_here(&id, outcome, change.error.clone(), summary);
-            return;
-        }
+    let (kind, shard) = (format!("replica-{}", change.action.as_str()), change.shard);
+    let watched = id.to_string();
+    crate::jobs::track_here(admin, id, kind, shard, move || {
+        let change = coordinator.changes.get(&watched)?;
+        let applied = change.bytes_peer + change.bytes_archive + change.bytes_stream + change.bytes_push;
+        Some(crate::jobs::Tick {
+            rows: change.learner_durable_seqno as i64,
+            bytes: applied as i64,
+            summary: serde_json::to_value(&change).expect("plain data"),
+            ended: (change.state != "running").then(|| (change.state == "done", change.error.clone())),
+        })
     });
 }
