@@ -80,13 +80,13 @@ async fn a_follower_far_behind_catches_up_as_a_task_with_bytes_by_source() {
     assert_eq!(task["shard"], 1, "{task}");
     let id = task["task_id"].as_str().unwrap().to_string();
     let query = task["query_id"].as_str().unwrap().to_string();
-    let done = loop {
-        let (_, t) = cluster.coord_get(1, &format!("/v1/tasks/{id}")).await;
-        if t["state"] != "queued" && t["state"] != "running" {
-            break t;
-        }
-        tokio::time::sleep(Duration::from_millis(200)).await;
-    };
+    let path = format!("/v1/tasks/{id}");
+    wait_until("the catch-up task to end", Duration::from_secs(60), || {
+        let (_, t) = futures::executor::block_on(cluster.coord_get(1, &path));
+        async move { t["state"] != "queued" && t["state"] != "running" }
+    })
+    .await;
+    let (_, done) = cluster.coord_get(1, &path).await;
     assert_eq!(done["state"], "succeeded", "{done}");
     assert!(done["bytes"].as_i64().unwrap() > 0, "progress counted the bytes applied: {done}");
     let (code, job) = cluster.coord_get(1, &format!("/v1/jobs/{query}")).await;

@@ -286,13 +286,13 @@ async fn a_failover_in_the_joint_step_goes_back_to_the_old_set_and_a_dead_node_i
     assert!(members(&mut cluster, 1).await.contains(&(4, "joining".to_string())));
     let leader = cluster.leader_of(1, 1).await.unwrap().0;
     cluster.node(leader).kill9();
-    let report = loop {
-        let (_, report) = cluster.coord_get(1, &format!("/v1/replica-changes/{id}")).await;
-        if report["state"] != "running" {
-            break report;
-        }
-        tokio::time::sleep(Duration::from_millis(100)).await;
-    };
+    let path = format!("/v1/replica-changes/{id}");
+    wait_until("the change to end", Duration::from_secs(90), || {
+        let (_, report) = futures::executor::block_on(cluster.coord_get(1, &path));
+        async move { report["state"] != "running" }
+    })
+    .await;
+    let (_, report) = cluster.coord_get(1, &path).await;
     assert_eq!(report["state"], "failed", "{report}");
     assert!(report["error"].as_str().unwrap().contains("failed over"), "{report}");
     let new_leader = cluster.wait_leader(1, Some(leader), Duration::from_secs(30)).await;
