@@ -357,7 +357,8 @@ const HEARTBEAT_BATCH: usize = 5_000;
 /// One place heartbeats go, and what it was last sent.
 struct HeartbeatTarget {
     channel: crate::peers::PeerChannel,
-    /// Each shard's report as last sent (and acknowledged).
+    /// Each shard's report as last sent (and acknowledged), in its
+    /// [`comparable`] form.
     last: std::collections::HashMap<u32, HeartbeatRequest>,
     last_full: Option<Instant>,
     /// It does not know `HeartbeatBatch` (an older build): one `Heartbeat`
@@ -388,16 +389,19 @@ impl HeartbeatTarget {
             return outcomes;
         }
         let full = self.last_full.is_none_or(|t| t.elapsed() >= FULL_HEARTBEAT_EVERY);
-        let changed: Vec<&HeartbeatRequest> =
-            reports.iter().filter(|r| full || self.last.get(&r.shard_id).is_none_or(|l| !same_report(l, r))).collect();
-        let chunks: Vec<&[&HeartbeatRequest]> =
+        let changed: Vec<(&HeartbeatRequest, HeartbeatRequest)> = reports
+            .iter()
+            .map(|r| (r, comparable(r)))
+            .filter(|(r, c)| full || self.last.get(&r.shard_id) != Some(c))
+            .collect();
+        let chunks: Vec<&[(&HeartbeatRequest, HeartbeatRequest)]> =
             if changed.is_empty() { vec![&[][..]] } else { changed.chunks(HEARTBEAT_BATCH).collect() };
         let whole = chunks.len() == 1;
         let mut outcomes = Vec::new();
         for chunk in chunks {
             let batch = HeartbeatBatchRequest {
                 node_id: me,
-                shards: chunk.iter().map(|&r| r.clone()).collect(),
+                shards: chunk.iter().map(|(r, _)| (*r).clone()).collect(),
                 full: full && whole,
             };
             let mut request = tonic::Request::new(batch);
@@ -417,8 +421,8 @@ impl HeartbeatTarget {
                 self.last.clear();
                 self.last_full = Some(Instant::now());
             }
-            for r in changed {
-                self.last.insert(r.shard_id, r.clone());
+            for (r, c) in changed {
+                self.last.insert(r.shard_id, c);
             }
         } else {
             // The receiver may have missed a change: tell it everything next.
@@ -428,31 +432,32 @@ impl HeartbeatTarget {
     }
 }
 
-/// Whether two reports of a shard say the same, leaving out what moves
-/// without anything happening to the shard: clocks, the node's disk
-/// figures, rates, and silences within a quarter second.
-fn same_report(a: &HeartbeatRequest, b: &HeartbeatRequest) -> bool {
-    fn comparable(r: &HeartbeatRequest) -> HeartbeatRequest {
-        let quarter = |ms: u64| ms / 250;
-        HeartbeatRequest {
-            last_heartbeat_ns: 0,
-            uptime_ms: 0,
-            disk_bytes: 0,
-            disk_free_bytes: 0,
-            signal_throughput_eps: 0.0,
-            replication_lag_seconds: Default::default(),
-            archive_lag_seconds: r.archive_lag_seconds.floor(),
-            leader_silent_ms: quarter(r.leader_silent_ms),
-            follower_silent_ms: r.follower_silent_ms.iter().map(|(&n, &ms)| (n, quarter(ms))).collect(),
-            ..r.clone()
-        }
+/// A shard's report without what moves while nothing happens to the
+/// shard (clocks, the node's disk figures, rates; silences kept in quarter
+/// seconds): two reports say the same when these are equal.
+fn comparable(r: &HeartbeatRequest) -> HeartbeatRequest {
+    let quarter = |ms: u64| ms / 250;
+    HeartbeatRequest {
+        last_heartbeat_ns: 0,
+        uptime_ms: 0,
+        disk_bytes: 0,
+        disk_free_bytes: 0,
+        signal_throughput_eps: 0.0,
+        replication_lag_seconds: Default::default(),
+        archive_lag_seconds: r.archive_lag_seconds.floor(),
+        leader_silent_ms: quarter(r.leader_silent_ms),
+        follower_silent_ms: r.follower_silent_ms.iter().map(|(&n, &ms)| (n, quarter(ms))).collect(),
+        ..r.clone()
     }
-    comparable(a) == comparable(b)
 }
 
 #[cfg(test)]
 mod heartbeat_tests {
     use super::*;
+
+    fn same_report(a: &HeartbeatRequest, b: &HeartbeatRequest) -> bool {
+        comparable(a) == comparable(b)
+    }
 
     #[test]
     fn a_report_changes_with_positions_and_roles_not_with_clocks() {
