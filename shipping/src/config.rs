@@ -152,6 +152,11 @@ pub struct ReplicationConfig {
     /// Coordinator: the fewest voting replicas a shard may be left with by
     /// `walship replica remove` (a replace never lowers the count).
     pub min_replicas: usize,
+    /// Idle shards go quiet: a follower holding everything gets no
+    /// per-shard keepalives, one node-level keepalive per peer node stands
+    /// in for all of them (ops/README "Many shards"). Off: every shard
+    /// keeps its own keepalives (the behaviour before quiet shards).
+    pub quiesce: bool,
 }
 
 impl Default for ReplicationConfig {
@@ -172,6 +177,7 @@ impl Default for ReplicationConfig {
             leader_timeout_ms: 200,
             coordinator_lease_ms: 2_000,
             min_replicas: 3,
+            quiesce: true,
         }
     }
 }

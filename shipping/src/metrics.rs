@@ -33,6 +33,13 @@ pub struct ReplicationMetrics {
     pub heartbeats_sent: IntCounterVec,
     pub disk_bytes: IntGauge,
     pub append_rate: Gauge,
+    /// Leader side: `NodeKeepalive` calls, by outcome.
+    pub node_keepalives: IntCounterVec,
+    /// Follower side: quiet shards a `NodeKeepalive` named that this node
+    /// no longer follows at that epoch (the leader wakes them).
+    pub quiet_refused: IntCounter,
+    /// Leader side: (shard, follower) pairs quiet now.
+    pub quiet_pairs: IntGauge,
 }
 
 /// `walship_grpc_undecodable_messages_total`: the process-wide count kept by
@@ -191,6 +198,30 @@ impl ReplicationMetrics {
                         "Heartbeat calls sent (batches), by outcome (ok, error)",
                     ),
                     &["outcome"],
+                )?,
+            )?,
+            node_keepalives: register(
+                registry,
+                IntCounterVec::new(
+                    Opts::new(
+                        "walship_node_keepalives_total",
+                        "NodeKeepalive calls this node sent for its quiet shards, by outcome (ok, error)",
+                    ),
+                    &["outcome"],
+                )?,
+            )?,
+            quiet_refused: register(
+                registry,
+                IntCounter::new(
+                    "walship_quiet_refused_total",
+                    "Quiet shards a leader's NodeKeepalive named that this node no longer follows at that epoch",
+                )?,
+            )?,
+            quiet_pairs: register(
+                registry,
+                IntGauge::new(
+                    "walship_quiet_followers",
+                    "(shard, follower) pairs this node leads that are quiet: no per-shard keepalives",
                 )?,
             )?,
             disk_bytes: register(

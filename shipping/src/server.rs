@@ -147,6 +147,13 @@ impl WalShipping for WalShippingService {
         }
         Ok(Response::new(HeartbeatResponse { acknowledged: true }))
     }
+
+    async fn node_keepalive(
+        &self,
+        request: Request<walship_proto::replication::NodeKeepaliveRequest>,
+    ) -> Result<Response<walship_proto::replication::NodeKeepaliveResponse>, Status> {
+        self.node.on_node_keepalive(request.get_ref()).map(Response::new)
+    }
 }
 
 /// The `walship.v1.Control` service of a node: leadership changes from the

@@ -63,4 +63,11 @@ impl WalShipping for CoordinatorHeartbeats {
         self.coordinator.on_heartbeat_batch(request.get_ref())?;
         Ok(Response::new(HeartbeatResponse { acknowledged: true }))
     }
+
+    async fn node_keepalive(
+        &self,
+        _: Request<walship_proto::replication::NodeKeepaliveRequest>,
+    ) -> Result<Response<walship_proto::replication::NodeKeepaliveResponse>, Status> {
+        Err(not_a_node())
+    }
 }

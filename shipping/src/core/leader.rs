@@ -451,6 +451,14 @@ impl LeaderCore {
         }
     }
 
+    /// When (µs) `follower` is next due a keepalive or probe (now, if it
+    /// never had one): how long a shipper with nothing to send may sleep.
+    pub fn keepalive_due_at(&self, follower: NodeId) -> Option<u64> {
+        let p = self.followers.get(&follower)?;
+        let interval = if p.mode == ShipMode::Probe { self.settings.probe_us } else { self.settings.keepalive_us };
+        Some(p.last_sent_us.map_or(0, |t| t.saturating_add(interval)))
+    }
+
     /// The shell sent frames `[from, last]` to `follower`.
     pub fn on_sent(&mut self, follower: NodeId, from: Seqno, last: Seqno, now_us: u64) {
         if let Some(p) = self.followers.get_mut(&follower) {
@@ -528,6 +536,33 @@ impl LeaderCore {
         Ok(self.recompute_commit())
     }
 
+    /// Whether `follower` may go quiet: pushed to, nothing in flight, it
+    /// durably holds everything this leader has written, and it has been
+    /// told the current commit (`told_commit`, the commit carried by the
+    /// last request it answered). A quiet follower gets no per-shard
+    /// traffic; node-level keepalives stand in for it (see
+    /// `shipping/src/replica/quiet.rs`).
+    pub fn may_go_quiet(&self, follower: NodeId, told_commit: Seqno) -> bool {
+        self.followers.get(&follower).is_some_and(|p| {
+            p.mode == ShipMode::Push
+                && p.in_flight == 0
+                && p.acked == self.written
+                && p.acked == self.durable
+                && p.last_reply_us.is_some()
+                && told_commit >= self.commit
+        })
+    }
+
+    /// A node-level keepalive sent at `sent_us` was answered positively by
+    /// `follower` while this shard was quiet towards it: as a positive
+    /// shipment reply, it counts as contact from then (lease, silences).
+    /// Moves nothing else.
+    pub fn on_node_contact(&mut self, follower: NodeId, sent_us: u64) {
+        if let Some(p) = self.followers.get_mut(&follower) {
+            p.last_reply_us = Some(p.last_reply_us.map_or(sent_us, |last| last.max(sent_us)));
+        }
+    }
+
     /// Until when (µs) this leader may acknowledge appends: its last
     /// contact with a majority (counting itself; the time of each follower's
     /// last positive reply) or its own start, whichever is newer, plus the
@@ -549,6 +584,22 @@ impl LeaderCore {
         let majority = contacts.get(needed - 1).copied();
         let contact = majority.unwrap_or(0).max(self.started_us);
         Some(contact.saturating_add(lease))
+    }
+
+    /// Whether the followers in `quiet` alone are enough for the lease (as
+    /// many voters as [`LeaderCore::lease_until`] needs): while they stay
+    /// quiet, their node-level keepalives keep it, and the shell watches
+    /// those links instead of a per-shard timer. True without a lease.
+    pub fn lease_held_by(&self, quiet: impl Iterator<Item = NodeId>) -> bool {
+        if self.settings.lease_us.is_none() {
+            return true;
+        }
+        let replicas = self.voters().count() + 1;
+        let needed = replicas / 2;
+        let quiet_voters = quiet
+            .filter(|n| self.followers.contains_key(n) && !self.learners.contains(n) && !self.old_only.contains(n))
+            .count();
+        quiet_voters >= needed
     }
 
     /// Whether a majority of the replica set has answered this leadership

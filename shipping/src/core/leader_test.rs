@@ -543,3 +543,68 @@ fn the_commit_position_never_moves_back_when_the_rule_gets_stricter() {
     core.set_members(1, &[1, 2, 4], &[], &[1, 2, 3]);
     assert_eq!(core.commit(), 5, "a stricter rule holds the commit, it never takes it back");
 }
+
+#[test]
+fn a_follower_goes_quiet_only_when_it_holds_everything_and_knows_the_commit() {
+    let mut core = leader();
+    assert!(!core.may_go_quiet(2, Seqno(0)), "a probed follower's position is unknown");
+    probe(&mut core, 2, 0, 1_000);
+    probe(&mut core, 3, 0, 1_000);
+    assert!(core.may_go_quiet(2, Seqno(0)), "nothing written, it holds all");
+
+    core.on_local_written(Seqno(3));
+    assert!(!core.may_go_quiet(2, Seqno(0)), "written records it lacks");
+    core.on_local_durable(Seqno(3), 3, 300, 2_000);
+    assert_eq!(core.poll_ship(2, 2_000), ShipDecision::Send { from: Seqno(1), up_to: Seqno(3) });
+    core.on_sent(2, Seqno(1), Seqno(3), 2_000);
+    assert!(!core.may_go_quiet(2, Seqno(0)), "in flight");
+    core.on_reply(2, ShipReply::Applied { applied: Seqno(3) }, 2_000).unwrap();
+    assert_eq!(core.commit(), Seqno(3));
+    assert!(!core.may_go_quiet(2, Seqno(0)), "it was not told the commit yet");
+    assert!(core.may_go_quiet(2, Seqno(3)));
+    assert!(!core.may_go_quiet(3, Seqno(3)), "follower 3 lacks the records");
+
+    core.on_reply(2, ShipReply::Failed, 2_100).unwrap_or_default();
+    assert!(!core.may_go_quiet(2, Seqno(3)), "a failed call puts it back to probing");
+    assert!(!core.may_go_quiet(9, Seqno(3)), "not a follower");
+}
+
+#[test]
+fn a_node_keepalive_answer_counts_as_contact_for_the_lease_and_nothing_else() {
+    let settings = LeaderSettings { lease_us: Some(1_000), ..SETTINGS };
+    let mut core = LeaderCore::new(start(5, 0, 1, 0), &[2, 3], settings, 0);
+    probe(&mut core, 2, 0, 100);
+    assert_eq!(core.lease_until(), Some(1_100));
+    core.on_node_contact(2, 5_000);
+    assert_eq!(core.lease_until(), Some(6_000), "renewed from when the node keepalive was sent");
+    core.on_node_contact(2, 4_000);
+    assert_eq!(core.lease_until(), Some(6_000), "an older contact never moves the lease back");
+    let before = core.progress(2).unwrap();
+    assert_eq!((before.acked, before.mode, before.in_flight), (Seqno(0), ShipMode::Push, 0));
+    core.on_node_contact(9, 9_000);
+    assert_eq!(core.lease_until(), Some(6_000), "an unknown node is no contact");
+}
+
+#[test]
+fn a_keepalive_is_due_an_interval_after_the_last_request() {
+    let mut core = leader();
+    assert_eq!(core.keepalive_due_at(2), Some(0), "never sent: due now");
+    core.on_keepalive_sent(2, 5_000);
+    assert_eq!(core.keepalive_due_at(2), Some(5_000 + SETTINGS.probe_us));
+    core.on_reply(2, ShipReply::Applied { applied: Seqno(0) }, 5_000).unwrap();
+    assert_eq!(core.keepalive_due_at(2), Some(5_000 + SETTINGS.keepalive_us));
+    assert_eq!(core.keepalive_due_at(9), None);
+}
+
+#[test]
+fn quiet_followers_hold_the_lease_only_as_a_majority_of_voters() {
+    let settings = LeaderSettings { lease_us: Some(1_000), ..SETTINGS };
+    let core = LeaderCore::new(start(5, 0, 1, 0), &[2, 3], settings, 0);
+    assert!(core.lease_held_by([2].into_iter()), "one follower and the leader are a majority of three");
+    assert!(!core.lease_held_by(std::iter::empty()));
+    assert!(!core.lease_held_by([9].into_iter()), "not a follower");
+    let five = LeaderCore::new(start(5, 0, 1, 0), &[2, 3, 4, 5], settings, 0);
+    assert!(!five.lease_held_by([2].into_iter()), "five replicas need two followers");
+    assert!(five.lease_held_by([2, 4].into_iter()));
+    assert!(leader().lease_held_by(std::iter::empty()), "no lease, nothing to hold");
+}

@@ -352,6 +352,21 @@ impl ReplicaCore {
         Admission { commands, outcome }
     }
 
+    /// Whether a shipment from `from` in `epoch` would be admitted now
+    /// without changing anything: this replica follows `from` in exactly
+    /// that epoch, with nothing newer promised, its log reconciled with
+    /// that leader, not paused and its disk not full. What a quiet shard's
+    /// node-level keepalive checks in place of a per-shard keepalive
+    /// ([`ReplicaCore::inbound`] would admit it and change nothing).
+    pub fn follows(&self, epoch: Epoch, from: NodeId) -> bool {
+        self.view.role == Role::Follower { leader: from }
+            && self.view.epoch == epoch
+            && self.promised <= epoch
+            && self.is_repaired_for(epoch)
+            && !self.paused
+            && !self.disk_full
+    }
+
     /// A follower answered this leader with a newer epoch: it was deposed.
     pub fn deposed(&mut self, epoch: Epoch) -> Vec<Command> {
         if self.view.epoch >= epoch {

@@ -285,3 +285,37 @@ fn a_stale_quorum_loss_changes_nothing() {
     assert_eq!(following(3).quorum_lost(Epoch(3)), vec![], "not leading");
     assert_eq!(r.view().role, Role::Leader);
 }
+
+#[test]
+fn a_quiet_shard_is_followed_only_in_its_exact_epoch_from_its_leader_while_healthy() {
+    let r = following(4);
+    assert!(r.follows(Epoch(4), 2));
+    assert!(!r.follows(Epoch(3), 2), "an older epoch");
+    assert!(!r.follows(Epoch(5), 2), "a newer epoch it was not told of: the shard must ship to say it");
+    assert!(!r.follows(Epoch(4), 3), "another node");
+
+    let mut fenced = following(4);
+    fenced.fence(Epoch(6)).unwrap();
+    assert!(!fenced.follows(Epoch(4), 2), "fenced past the quiet epoch");
+
+    let mut reconciling = replica(0);
+    reconciling.assign(Epoch(4), 2).unwrap();
+    assert!(!reconciling.follows(Epoch(4), 2), "its log is not reconciled with that leader yet");
+
+    let mut paused = following(4);
+    paused.pause(true).unwrap();
+    assert!(!paused.follows(Epoch(4), 2), "paused");
+
+    let mut full = following(4);
+    full.disk(true);
+    assert!(!full.follows(Epoch(4), 2), "disk full");
+
+    assert!(!leading(4).follows(Epoch(4), 2), "a leader follows nobody");
+    assert!(!replica(4).follows(Epoch(4), 2), "unassigned");
+
+    // `follows` is a question: it changes nothing.
+    let before = following(4);
+    let _ = before.follows(Epoch(9), 3);
+    assert_eq!(before.view(), following(4).view());
+    assert_eq!(before.promised(), Epoch(4));
+}

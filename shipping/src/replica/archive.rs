@@ -274,6 +274,13 @@ fn now_ms() -> u64 {
     std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.as_millis() as u64)
 }
 
+/// How often an archiving shard with work waiting looks at it.
+const ARCHIVE_TICK: Duration = Duration::from_millis(200);
+
+/// How often an idle shard's archive loop looks anyway (it otherwise waits
+/// for its commit, role or lease to change).
+const ARCHIVE_IDLE_TICK: Duration = Duration::from_secs(10);
+
 impl ReplicationNode {
     /// Starts archiving every shard this node hosts (each while it leads).
     pub fn start_archiving(self: &Arc<Self>, archive: Archive) {
@@ -353,8 +360,14 @@ impl ReplicationNode {
     pub(super) async fn run_archive(self: Arc<Self>, replica: Arc<ShardReplica>, archive: Arc<Archive>) {
         let shard = replica.shard;
         let label = shard.to_string();
-        let mut tick = tokio::time::interval(Duration::from_millis(200));
-        tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+        // Nothing waiting (all committed archived, no upload in flight, or
+        // nothing to archive here): wait for the commit, the role or the
+        // lease to change instead of ticking, so an idle shard costs
+        // nothing; a slow tick still catches anything else.
+        let mut idle = false;
+        let mut readable = replica.readable.subscribe();
+        let mut generation = replica.generation.subscribe();
+        let mut lease = replica.lease_until.subscribe();
         // An upload ending wakes the loop.
         let finished = Arc::new(tokio::sync::Notify::new());
         // Known while this node archives the shard; listed again whenever
@@ -363,8 +376,12 @@ impl ReplicationNode {
         let mut backoff = Duration::ZERO;
         let mut retry_at = Instant::now();
         loop {
+            let period = if idle { ARCHIVE_IDLE_TICK } else { ARCHIVE_TICK };
             tokio::select! {
-                _ = tick.tick() => {}
+                _ = tokio::time::sleep(period) => {}
+                _ = readable.changed(), if idle => {}
+                _ = generation.changed(), if idle => {}
+                _ = lease.changed(), if idle => {}
                 _ = finished.notified() => {}
                 _ = self.shutdown.cancelled() => {
                     if let Some(state) = state.take() {
@@ -379,6 +396,7 @@ impl ReplicationNode {
                         state.abort();
                     }
                     self.archive_status.lock().remove(&shard);
+                    idle = true;
                     continue;
                 }
                 Duty::Watch { follower, commit } => {
@@ -386,6 +404,7 @@ impl ReplicationNode {
                         state.abort();
                     }
                     let through = self.archived_through(shard).unwrap_or(0);
+                    idle = through >= commit;
                     self.set_archive_lag(&archive, shard, through, commit, through + 1).await;
                     if let Some(status) = self.archive_status.lock().get_mut(&shard) {
                         (status.archiver, status.sealed_seqno, status.uploads_in_flight) = (follower, through, 0);
@@ -509,6 +528,7 @@ impl ReplicationNode {
             .await;
             let (archived, sealed, in_flight) =
                 state.as_ref().map_or((0, 0, 0), |s| (s.archived, s.sealed, s.queue.len() as u64));
+            idle = outcome.is_ok() && in_flight == 0 && archived >= commit;
             match outcome {
                 Ok(answered) => {
                     if !lag_shown {

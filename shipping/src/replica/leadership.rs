@@ -65,6 +65,9 @@ impl ReplicationNode {
         commands: Vec<Command>,
         commit_floor: u64,
     ) -> Result<(), ReplicaError> {
+        if !commands.is_empty() {
+            replica.unsettle();
+        }
         for command in commands {
             match command {
                 Command::PersistEpoch(epoch) => self.wal.set_epoch(replica.shard, epoch.0).await?,
@@ -305,6 +308,8 @@ impl ReplicationNode {
             archiver: std::sync::atomic::AtomicU32::new(0),
             archived_by_follower: Arc::default(),
             shippers: Mutex::new(BTreeMap::new()),
+            quiet: Mutex::new(BTreeMap::new()),
+            quiet_changed: tokio::sync::Notify::new(),
         });
         {
             let mut rules = replica.rules.lock();

@@ -24,6 +24,8 @@
 //! * `damage`: the corruption drill's hook, damaging one stored record;
 //! * [`drill_partition`]: the partition drill's hook, cutting replication
 //!   traffic with some peers for a while (simulated at this layer);
+//! * [`quiet`]: quiet shards: an idle shard's per-shard keepalives stop
+//!   and one node-level keepalive per peer node stands in for them;
 //! * `status`: status pages, heartbeats, per-follower gauges;
 //! * [`error`]: the one error type and its gRPC mapping.
 //!
@@ -48,6 +50,7 @@ pub mod drill_partition;
 pub mod error;
 mod leadership;
 pub mod peer_tier;
+pub mod quiet;
 mod receive;
 mod retention;
 mod send;
@@ -139,6 +142,10 @@ pub struct ReplicationNode {
     /// PeerExchange fetch tokens a coordinator minted for this node's
     /// tasks, by shard (see [`peer_tier::PeerTier::fetch`]).
     fetch_tokens: Mutex<BTreeMap<ShardId, String>>,
+    /// Leader side of quiet shards: one link per follower node.
+    quiet_links: quiet::QuietLinks,
+    /// Follower side of quiet shards: what each leader node said is quiet.
+    quiet_from: quiet::QuietFrom,
 }
 
 impl ReplicationNode {
@@ -197,6 +204,8 @@ impl ReplicationNode {
             peer_tier: Default::default(),
             archive_status: Default::default(),
             fetch_tokens: Default::default(),
+            quiet_links: Default::default(),
+            quiet_from: Default::default(),
         });
         if !node.config.coordinated() {
             for spec in node.config.shards_of(me) {

@@ -184,6 +184,7 @@ impl ReplicationNode {
             follower.archiver.store(request.archiver_node_id, Ordering::Release);
         }
         follower.last_contact_us.store(now_us(), Ordering::Release);
+        replica.unsettle();
         drop(guard);
         Ok((replica, pending))
     }

@@ -164,26 +164,33 @@ impl ReplicationNode {
     pub(super) async fn run_lease_watch(self: Arc<Self>, replica: Arc<ShardReplica>, leader: Arc<LeaderState>) {
         let mut lease = replica.lease_until.subscribe();
         loop {
+            // Quiet followers: their links' contact counts first.
+            self.fold_quiet(&replica, &leader);
             let until = *lease.borrow_and_update();
             let now = now_us();
             let lapsed = until != u64::MAX && now >= until;
-            let (holds, had_majority) = {
+            let (holds, had_majority, held_by_quiet) = {
                 let core = leader.core.lock();
-                (core.lease_holds(now), core.had_majority())
+                let quiet = leader.quiet.lock().keys().copied().collect::<Vec<_>>();
+                let held_by_quiet = !quiet.is_empty() && core.lease_held_by(quiet.into_iter());
+                (core.lease_holds(now), core.had_majority(), held_by_quiet)
             };
             if lapsed && !holds && had_majority {
                 break;
             }
             // Lapsed before any majority answered: wait for one (a renewal
-            // changes the lease) rather than step down at start.
-            let wait = if until == u64::MAX || lapsed {
+            // changes the lease) rather than step down at start. Held by
+            // quiet followers: their links keep it, and wake them (which
+            // wakes this watch) once they cannot; no per-shard timer.
+            let wait = if until == u64::MAX || lapsed || (holds && held_by_quiet) {
                 Duration::MAX
             } else {
                 Duration::from_micros(until.saturating_sub(now))
             };
             tokio::select! {
-                _ = tokio::time::sleep(wait.min(Duration::from_secs(3600))) => {}
+                _ = tokio::time::sleep(wait.min(Duration::from_secs(3600))), if wait != Duration::MAX => {}
                 changed = lease.changed() => if changed.is_err() { return },
+                _ = leader.quiet_changed.notified() => {}
                 _ = leader.stop.cancelled() => return,
             }
         }
@@ -217,12 +224,21 @@ impl ReplicationNode {
         // reply, so appends arriving one by one wake nothing.
         let mut written = if self.early_shipping() { self.wal.written_watch(replica.shard).ok() } else { None };
         let mut in_flight = FuturesUnordered::new();
-        let keepalive = Duration::from_micros(self.settings.probe_us.min(self.settings.keepalive_us));
         let batch_bytes = self.config.replication.ship_batch_bytes;
+        // The commit the follower was last told in a request it answered:
+        // a follower may go quiet only once it knows the commit.
+        let mut told_commit = Seqno(0);
+        // Quiet towards this follower: the link standing in for keepalives
+        // and the notify it wakes this shipper with.
+        let mut quiet: Option<(Arc<super::quiet::QuietLink>, Arc<tokio::sync::Notify>)> = None;
         loop {
             if let Some(written) = written.as_mut() {
                 let wrote = *written.borrow_and_update();
                 leader.core.lock().on_local_written(Seqno(wrote));
+            }
+            // Awake again: what the link proved counts as contact.
+            if let Some((link, _)) = quiet.take() {
+                self.leave_quiet(&replica, &leader, follower, &link);
             }
             // Issue everything the core allows right now.
             loop {
@@ -258,10 +274,28 @@ impl ReplicationNode {
                     ShipDecision::Idle => break,
                 }
             }
+            if in_flight.is_empty() && self.may_go_quiet(&replica, &leader, follower, told_commit) {
+                let link = self.quiet_links.link(&self, follower);
+                let commit = leader.core.lock().commit().0;
+                let wake = link.quiet(replica.shard, leader.epoch, commit);
+                leader.quiet.lock().insert(follower, link.clone());
+                self.metrics.quiet_pairs.inc();
+                // Its last report and gauges are taken once more, quiet.
+                replica.unsettle();
+                quiet = Some((link, wake));
+            }
+            // Nothing to send: sleep until the next keepalive is due (none
+            // while quiet: the link wakes this shipper if it must).
+            let due = leader.core.lock().keepalive_due_at(follower).unwrap_or(0);
+            let keepalive = Duration::from_micros(due.saturating_sub(now_us()).max(1_000));
+            let woken = quiet.as_ref().map(|(_, wake)| wake.clone());
             tokio::select! {
-                Some((sent, reply)) = in_flight.next(), if !in_flight.is_empty() => {
+                Some((sent, (reply, commit))) = in_flight.next(), if !in_flight.is_empty() => {
                     if matches!(reply, ShipReply::Failed) {
                         self.metrics.ship_errors.with_label_values(&[&follower.to_string()]).inc();
+                    }
+                    if matches!(reply, ShipReply::Applied { .. }) {
+                        told_commit = told_commit.max(commit);
                     }
                     let deposed = {
                         let mut core = leader.core.lock();
@@ -274,12 +308,61 @@ impl ReplicationNode {
                         return;
                     }
                 }
-                changed = ship_limit.changed() => if changed.is_err() { return },
-                open = changed_if_watched(written.as_mut()), if in_flight.is_empty() => if !open { return },
-                _ = tokio::time::sleep(keepalive) => {}
-                _ = stop.cancelled() => return,
+                changed = ship_limit.changed() => if changed.is_err() { break },
+                open = changed_if_watched(written.as_mut()), if in_flight.is_empty() => if !open { break },
+                _ = tokio::time::sleep(keepalive), if woken.is_none() => {}
+                _ = async { woken.as_ref().expect("quiet").notified().await }, if woken.is_some() => {}
+                _ = stop.cancelled() => break,
             }
         }
+        if let Some((link, _)) = quiet.take() {
+            self.leave_quiet(&replica, &leader, follower, &link);
+        }
+    }
+
+    /// Whether this shipper may go quiet towards `follower` (see
+    /// `super::quiet`): the core says the follower holds everything and
+    /// knows the commit, and no archive progress still has to travel.
+    fn may_go_quiet(&self, replica: &ShardReplica, leader: &LeaderState, follower: NodeId, told: Seqno) -> bool {
+        if !self.quiesce() {
+            return false;
+        }
+        let durable = {
+            let core = leader.core.lock();
+            if !core.may_go_quiet(follower, told) {
+                return false;
+            }
+            core.durable().0
+        };
+        // The archive's progress travels in per-shard traffic: the leader's
+        // to its followers (retention), an archiving follower's back.
+        let archived = self.archived_through(replica.shard);
+        if archived.is_some_and(|a| a < durable) {
+            return false;
+        }
+        let archiver = leader.archiver.load(std::sync::atomic::Ordering::Acquire);
+        archiver != follower || leader.archived_by_follower.load(std::sync::atomic::Ordering::Acquire) >= durable
+    }
+
+    /// `follower` is no longer quiet: credit what its link proved, and let
+    /// the lease watch judge by the core again.
+    fn leave_quiet(
+        &self,
+        replica: &ShardReplica,
+        leader: &LeaderState,
+        follower: NodeId,
+        link: &super::quiet::QuietLink,
+    ) {
+        let credit = link.wake(replica.shard);
+        leader.quiet.lock().remove(&follower);
+        replica.unsettle();
+        self.metrics.quiet_pairs.dec();
+        if let Some(sent) = credit {
+            let mut core = leader.core.lock();
+            core.on_node_contact(follower, sent);
+            replica.publish_leader(&core, &self.metrics);
+        }
+        leader.quiet_changed.notify_one();
     }
 
     /// One ShipSegment (or keepalive when `segment` is none) to `follower`.
@@ -289,7 +372,7 @@ impl ReplicationNode {
         leader: &LeaderState,
         follower: NodeId,
         segment: Option<Segment>,
-    ) -> impl std::future::Future<Output = ShipReply> + use<> {
+    ) -> impl std::future::Future<Output = (ShipReply, Seqno)> + use<> {
         let (durable, written, commit) = {
             let core = leader.core.lock();
             (core.durable(), core.written(), core.commit())
@@ -341,7 +424,7 @@ impl ReplicationNode {
             }
         };
         let timeout = Duration::from_millis(self.config.replication.ship_timeout_ms);
-        async move {
+        let reply = async move {
             let Some(stream) = stream else { return ShipReply::Failed };
             let call = async move {
                 let (reply, answer) = tokio::sync::oneshot::channel();
@@ -379,7 +462,8 @@ impl ReplicationNode {
                     }
                 }
             }
-        }
+        };
+        async move { (reply.await, commit) }
     }
 }
 
@@ -436,6 +520,12 @@ mod ship_stream_tests {
             &self,
             _: Request<walship_proto::replication::HeartbeatBatchRequest>,
         ) -> Result<Response<HeartbeatResponse>, Status> {
+            Err(Status::unimplemented("not in this test"))
+        }
+        async fn node_keepalive(
+            &self,
+            _: Request<walship_proto::replication::NodeKeepaliveRequest>,
+        ) -> Result<Response<walship_proto::replication::NodeKeepaliveResponse>, Status> {
             Err(Status::unimplemented("not in this test"))
         }
     }

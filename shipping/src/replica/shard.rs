@@ -46,6 +46,12 @@ pub(crate) struct LeaderState {
     pub(crate) archived_by_follower: Arc<AtomicU64>,
     /// Each follower's shipper stops with its token (a child of `stop`).
     pub(crate) shippers: Mutex<std::collections::BTreeMap<NodeId, CancellationToken>>,
+    /// Followers this shard is quiet towards, and the link standing in for
+    /// its keepalives to each (`super::quiet`).
+    pub(crate) quiet: Mutex<std::collections::BTreeMap<NodeId, Arc<super::quiet::QuietLink>>>,
+    /// Fires when a follower stops being quiet: the lease watch then
+    /// judges the lease by the core again.
+    pub(crate) quiet_changed: tokio::sync::Notify,
 }
 
 /// What the follower side keeps between shipments.
@@ -136,6 +142,12 @@ pub struct ShardReplica {
     pub(crate) follower: FollowerState,
     /// Serialises role changes.
     pub(crate) transition: tokio::sync::Mutex<()>,
+    /// Bumped by anything that may change this replica's heartbeat report
+    /// (a role change, a shipment, leaving quiet): see
+    /// [`ShardReplica::settled`].
+    activity: AtomicU64,
+    /// The `activity` at which a report found this replica quiet.
+    settled_at: AtomicU64,
 }
 
 impl ShardReplica {
@@ -157,6 +169,8 @@ impl ShardReplica {
             all_durable: watch::Sender::new(0),
             generation: watch::Sender::new(0),
             lease_until: watch::Sender::new(0),
+            activity: AtomicU64::new(1),
+            settled_at: AtomicU64::new(0),
             leader: Mutex::new(None),
             follower: FollowerState {
                 apply_lock: tokio::sync::Mutex::new(()),
@@ -306,9 +320,34 @@ impl ShardReplica {
         }
     }
 
+    /// Something that may change this replica's report happened: the next
+    /// heartbeat tick reports it.
+    pub(crate) fn unsettle(&self) {
+        self.activity.fetch_add(1, Ordering::AcqRel);
+    }
+
+    /// The activity count, read before a report is built.
+    pub(crate) fn activity(&self) -> u64 {
+        self.activity.load(Ordering::Acquire)
+    }
+
+    /// A report built after [`ShardReplica::activity`] read `at` found the
+    /// replica quiet (`quiet`), or not.
+    pub(crate) fn reported(&self, at: u64, quiet: bool) {
+        self.settled_at.store(if quiet { at } else { 0 }, Ordering::Release);
+    }
+
+    /// Quiet, and nothing happened since its last report said so: a
+    /// heartbeat tick between full reports leaves it out (its report is
+    /// unchanged).
+    pub(crate) fn settled(&self) -> bool {
+        self.settled_at.load(Ordering::Acquire) == self.activity.load(Ordering::Acquire)
+    }
+
     /// Stops leading, if it was: its tasks stop and appends waiting for a
     /// commit under it give up.
     pub(crate) fn stop_leading(&self) {
+        self.unsettle();
         if let Some(leader) = self.leader.lock().take() {
             leader.stop.cancel();
             self.lease_until.send_replace(0);

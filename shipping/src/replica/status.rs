@@ -221,7 +221,17 @@ impl ReplicationNode {
             self.metrics.disk_bytes.set(disk as i64);
             let mut node_rate = 0.0;
             let mut requests = Vec::new();
+            // Between full reports only shards that are not settled (quiet
+            // and unchanged since their last report) are looked at: an idle
+            // shard costs a tick nothing.
+            let full = targets.iter().any(HeartbeatTarget::wants_full);
+            self.unsettle_silent_leaders();
             for replica in self.replicas() {
+                if !full && replica.settled() {
+                    continue;
+                }
+                let activity = replica.activity();
+                let quiet = self.is_quiet(&replica);
                 let (Ok(p), Ok(c)) = (self.wal.positions(replica.shard), self.wal.counters(replica.shard)) else {
                     continue;
                 };
@@ -243,9 +253,12 @@ impl ReplicationNode {
                 let mut follower_silent_ms = std::collections::HashMap::new();
                 let commit = match replica.leader_state() {
                     Some(leader) => {
+                        let quiet = leader.quiet.lock().clone();
                         let core = leader.core.lock();
                         for (id, progress) in core.followers() {
-                            if let Some(heard) = progress.last_reply_us {
+                            // A quiet follower was last heard by its link.
+                            let link = quiet.get(&id).and_then(|l| l.credit(replica.shard));
+                            if let Some(heard) = progress.last_reply_us.max(link) {
                                 follower_silent_ms.insert(id, now_us().saturating_sub(heard) / 1_000);
                             }
                             if let Some(lag) = core.lag(id, now_us()) {
@@ -283,10 +296,7 @@ impl ReplicationNode {
                     disk_free_bytes: self.wal.disk_space().map_or(0, |d| d.free()),
                     corrupt_from_seqno: self.corrupt_from(replica.shard).unwrap_or(0),
                     leader_silent_ms: match view.role {
-                        Role::Follower { .. } => {
-                            let heard = replica.follower.last_contact_us.load(Ordering::Acquire);
-                            now_us().saturating_sub(heard) / 1_000
-                        }
+                        Role::Follower { .. } => now_us().saturating_sub(self.leader_heard_us(&replica)) / 1_000,
                         _ => 0,
                     },
                     follower_silent_ms,
@@ -295,10 +305,11 @@ impl ReplicationNode {
                     archived_seqno: archive.as_ref().map_or(0, |a| a.archived_seqno),
                     archive_lag_seconds: archive.as_ref().map_or(0.0, |a| a.lag_seconds),
                 });
+                replica.reported(activity, quiet);
             }
             self.metrics.append_rate.set(node_rate);
             let timeout = interval.max(Duration::from_millis(200));
-            let sends = targets.iter_mut().map(|t| t.send(self.me, &requests, timeout));
+            let sends = targets.iter_mut().map(|t| t.send(self.me, &requests, full, timeout));
             for outcomes in futures::future::join_all(sends).await {
                 for ok in outcomes {
                     self.metrics.heartbeats_sent.with_label_values(&[if ok { "ok" } else { "error" }]).inc();
@@ -311,6 +322,9 @@ impl ReplicationNode {
     /// caught-up follower shows zero lag rather than a stale figure.
     pub(super) async fn run_metrics(self: Arc<Self>) {
         let mut tick = tokio::time::interval(Duration::from_millis(250));
+        // A settled shard's gauges, once set after it settled, stay true
+        // (nothing moved): the activity at which each was last set.
+        let mut set_at: std::collections::HashMap<ShardId, u64> = Default::default();
         loop {
             tokio::select! {
                 _ = tick.tick() => {}
@@ -318,6 +332,11 @@ impl ReplicationNode {
             }
             let now = now_us();
             for replica in self.replicas() {
+                let activity = replica.activity();
+                if replica.settled() && set_at.get(&replica.shard) == Some(&activity) {
+                    continue;
+                }
+                set_at.insert(replica.shard, activity);
                 let Some(leader) = replica.leader_state() else { continue };
                 let core = leader.core.lock();
                 for (id, progress) in core.followers() {
@@ -371,11 +390,19 @@ impl HeartbeatTarget {
         HeartbeatTarget { channel, last: Default::default(), last_full: None, legacy: false }
     }
 
-    /// Sends this tick's reports: the changed ones (all of them every
-    /// [`FULL_HEARTBEAT_EVERY`], or after a failed send), in batches; one
-    /// (possibly empty) batch at least, which keeps the node alive to the
-    /// receiver. Answers each call's success.
-    async fn send(&mut self, me: NodeId, reports: &[HeartbeatRequest], timeout: Duration) -> Vec<bool> {
+    /// Whether its next call must carry every shard: a full report is due
+    /// (every [`FULL_HEARTBEAT_EVERY`], or after a failed send), or it
+    /// takes one `Heartbeat` per shard.
+    fn wants_full(&self) -> bool {
+        self.legacy || self.last_full.is_none_or(|t| t.elapsed() >= FULL_HEARTBEAT_EVERY)
+    }
+
+    /// Sends this tick's reports: the changed ones (all of them when
+    /// `full`), in batches; one (possibly empty) batch at least, which
+    /// keeps the node alive to the receiver. Answers each call's success.
+    /// `reports` holds every shard when `full`; otherwise the shards left
+    /// out are unchanged since this target last heard of them.
+    async fn send(&mut self, me: NodeId, reports: &[HeartbeatRequest], full: bool, timeout: Duration) -> Vec<bool> {
         use walship_proto::replication::HeartbeatBatchRequest;
         use walship_proto::replication::wal_shipping_client::WalShippingClient;
         let mut client = WalShippingClient::new(self.channel.clone());
@@ -388,7 +415,6 @@ impl HeartbeatTarget {
             }
             return outcomes;
         }
-        let full = self.last_full.is_none_or(|t| t.elapsed() >= FULL_HEARTBEAT_EVERY);
         let changed: Vec<(&HeartbeatRequest, HeartbeatRequest)> = reports
             .iter()
             .map(|r| (r, comparable(r)))

@@ -224,6 +224,8 @@ pub struct Coordinator {
     token_minter: std::sync::OnceLock<TokenMinter>,
     /// Replica changes (`POST /v1/shards/{id}/replicas`), in memory.
     pub changes: ReplicaChanges,
+    /// What the next reconcile round looks at (see `reconcile.rs`).
+    pub(crate) pending: Mutex<reconcile::Pending>,
 }
 
 /// Mints a PeerExchange fetch token: `(task id, shard, time to live)`.
@@ -328,6 +330,7 @@ impl Coordinator {
             drills: Default::default(),
             heartbeat_sink: Mutex::new(None),
             retry_after: Mutex::new(BTreeMap::new()),
+            pending: Mutex::default(),
             started: Instant::now(),
             waiting_logged: Mutex::new(Default::default()),
             fetch_tokens: Default::default(),
@@ -383,6 +386,7 @@ impl Coordinator {
         node.at = Instant::now();
         node.shards.insert(request.shard_id, (request.clone(), node.at));
         drop(seen);
+        self.pending.lock().shards.insert(request.shard_id);
         self.republish(request);
         Ok(())
     }
@@ -409,6 +413,7 @@ impl Coordinator {
                 node.shards.insert(s.shard_id, (s.clone(), now));
             }
         }
+        self.pending.lock().shards.extend(batch.shards.iter().map(|s| s.shard_id));
         for s in &batch.shards {
             self.republish(s);
         }

@@ -13,6 +13,45 @@ use walship_proto::log::AssignRequest;
 use super::*;
 use crate::control::liveness::{self, FollowerReport};
 
+/// What the next reconcile round looks at. A round looks at every shard
+/// when one is due: every [`FULL_ROUND_EVERY`], after the state changed
+/// (a new revision), in the first leader timeout after this coordinator
+/// became active, and while any node is silent (its shards' leaders may be
+/// lost). Between them it looks only at the shards a heartbeat reported a
+/// change of, and those a round left something under way for (a failover,
+/// an assignment not yet taken, a replica change): an idle cluster's rounds
+/// cost nothing per shard.
+#[derive(Default)]
+pub(crate) struct Pending {
+    pub(crate) shards: std::collections::BTreeSet<u32>,
+    last_full: Option<Instant>,
+    revision: u64,
+}
+
+/// A round that looks at every shard runs at least this often.
+const FULL_ROUND_EVERY: Duration = Duration::from_secs(1);
+
+impl Pending {
+    fn full_due(&self, revision: u64, since: Instant, node_silent: bool) -> bool {
+        node_silent
+            || revision != self.revision
+            || since.elapsed() < FULL_ROUND_EVERY * 2
+            || self.last_full.is_none_or(|t| t.elapsed() >= FULL_ROUND_EVERY)
+    }
+
+    /// The shards to look at: `None` for every shard (a full round).
+    fn take(&mut self, full: bool, revision: u64) -> Option<std::collections::BTreeSet<u32>> {
+        let shards = std::mem::take(&mut self.shards);
+        if full {
+            self.last_full = Some(Instant::now());
+            self.revision = revision;
+            None
+        } else {
+            Some(shards)
+        }
+    }
+}
+
 impl Coordinator {
     pub(super) async fn run_reconcile(self: Arc<Self>) {
         // Checked more often than heartbeats arrive, so a loss is noticed
@@ -29,16 +68,38 @@ impl Coordinator {
         }
     }
 
-    fn reconcile_round(self: &Arc<Self>) {
-        let (state, since) = {
-            let active = self.active.lock();
-            match active.as_ref().filter(|a| Instant::now() < a.lease_until) {
-                Some(a) => (a.state.clone(), a.since),
-                None => return,
-            }
+    /// Which shards this round looks at: all of them in a full round (see
+    /// [`Pending`]), otherwise the pending ones. Their records, and when
+    /// this coordinator became active.
+    fn round_records(&self) -> Option<(Vec<(u32, ShardRecord)>, Instant)> {
+        let active = self.active.lock();
+        let a = active.as_ref().filter(|a| Instant::now() < a.lease_until)?;
+        let mut pending = self.pending.lock();
+        let full = pending.full_due(a.revision, a.since, self.node_silent());
+        let shards = pending.take(full, a.revision);
+        let records = match shards {
+            None => a.state.shards.iter().map(|(&id, r)| (id, r.clone())).collect(),
+            Some(ids) => ids.into_iter().filter_map(|id| a.state.shards.get(&id).map(|r| (id, r.clone()))).collect(),
         };
+        Some((records, a.since))
+    }
+
+    /// Whether a node this coordinator heard from has missed two heartbeat
+    /// periods (or was never heard from): its shards' leaders may be lost,
+    /// so every round looks at every shard while it is so.
+    fn node_silent(&self) -> bool {
+        let missed = Duration::from_millis(2 * self.config.replication.heartbeat_ms);
+        let seen = self.seen.lock();
+        self.config.nodes.iter().any(|n| seen.get(&n.id).is_none_or(|s| s.at.elapsed() > missed))
+    }
+
+    fn reconcile_round(self: &Arc<Self>) {
+        let Some((records, since)) = self.round_records() else { return };
         let timeout = Duration::from_millis(self.config.replication.leader_timeout_ms);
-        for (&shard, record) in &state.shards {
+        // Shards to look at again next round: something is under way.
+        let mut again = Vec::new();
+        for (shard, record) in &records {
+            let (shard, record) = (*shard, record);
             let unhealthy = self.leader_unhealthy(shard, record, timeout);
             let reports = self.follower_reports(shard, record, timeout);
             let silence = self.config.replication.replication_timeout().as_millis() as u64;
@@ -65,6 +126,9 @@ impl Coordinator {
                     }
                 };
             let backing_off = self.retry_after.lock().get(&shard).is_some_and(|t| Instant::now() < *t);
+            if lost {
+                again.push(shard);
+            }
             if lost && !backing_off {
                 let me = self.clone();
                 if unhealthy.is_some() || unheard {
@@ -104,6 +168,7 @@ impl Coordinator {
                 if in_line {
                     continue;
                 }
+                again.push(shard);
                 let due = {
                     let mut assigned = self.assigned.lock();
                     let due = assigned.get(&(replica, shard)).is_none_or(|t| t.elapsed() > Duration::from_millis(200));
@@ -118,7 +183,11 @@ impl Coordinator {
                     tokio::spawn(async move { me.assign(shard, &record, leader, replica).await });
                 }
             }
+            if !record.joint.is_empty() || !record.learners.is_empty() {
+                again.push(shard);
+            }
         }
+        self.pending.lock().shards.extend(again);
     }
 
     /// Logs an automatic failover that found no majority: WARN once a

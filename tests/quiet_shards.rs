@@ -1,0 +1,220 @@
+//! Quiet shards (`shipping/src/replica/quiet.rs`), against real processes:
+//! an idle shard's followers go quiet (no per-shard keepalives; one
+//! `NodeKeepalive` per node pair stands in), the leader keeps its lease and
+//! nobody fails it over while it is idle, the first append wakes it and is
+//! acknowledged and readable on the followers, a dead leader's quiet shards
+//! fail over with nothing acknowledged lost, and a `NodeKeepalive` naming
+//! what a follower does not follow, or malformed, changes nothing.
+
+mod common;
+
+use std::time::Duration;
+
+use bytes::Bytes;
+use common::{Acked, Cluster, append_and_record, read_all, wait_until};
+use tonic::Code;
+use walship_proto::log::Durability;
+use walship_proto::replication::wal_shipping_client::WalShippingClient;
+use walship_proto::replication::{NodeKeepaliveRequest, QuietShard};
+
+const SHARDS: u32 = 12;
+
+/// The value of one series (`name{labels}` exactly as exposed) on a node.
+async fn metric(cluster: &mut Cluster, id: u32, series: &str) -> f64 {
+    let body = common::http_get(&format!("{}/metrics", cluster.node(id).admin)).await.1;
+    body.lines().find_map(|l| l.strip_prefix(series).and_then(|v| v.trim().parse().ok())).unwrap_or(0.0)
+}
+
+/// (shard, follower) pairs quiet over the nodes in `nodes`.
+async fn quiet_pairs(cluster: &mut Cluster, nodes: &[u32]) -> f64 {
+    let mut sum = 0.0;
+    for &id in nodes {
+        sum += metric(cluster, id, "walship_quiet_followers").await;
+    }
+    sum
+}
+
+async fn wait_all_quiet(cluster: &mut Cluster, nodes: &[u32], pairs: f64) {
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(30);
+    loop {
+        let now = quiet_pairs(cluster, nodes).await;
+        if now == pairs {
+            return;
+        }
+        assert!(tokio::time::Instant::now() < deadline, "{now} of {pairs} (shard, follower) pairs went quiet");
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+}
+
+/// How many records `shard` serves on the node at `grpc` (none: refused).
+async fn served(grpc: &str, shard: u32) -> Option<usize> {
+    let channel = tonic::transport::Endpoint::from_shared(format!("http://{grpc}")).ok()?.connect().await.ok()?;
+    let mut log = walship_proto::log::log_client::LogClient::new(channel);
+    let request = walship_proto::log::ReadRequest { shard_id: shard, from_seqno: 1, to_seqno: 1, ..Default::default() };
+    Some(log.read(request).await.ok()?.into_inner().records.len())
+}
+
+async fn epochs(cluster: &mut Cluster) -> Vec<(u32, u64)> {
+    let mut all = Vec::new();
+    for shard in 1..=SHARDS {
+        all.push(cluster.leader_of(1, shard).await.expect("a leader"));
+    }
+    all
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn idle_shards_go_quiet_keep_their_leaders_and_wake_on_the_first_append() {
+    let mut cluster = Cluster::start_with(3, SHARDS, 1, "leader_timeout_ms = 1000", None);
+    for shard in 1..=SHARDS {
+        cluster.wait_leader(shard, None, Duration::from_secs(60)).await;
+    }
+    wait_all_quiet(&mut cluster, &[1, 2, 3], f64::from(SHARDS * 2)).await;
+    let before = epochs(&mut cluster).await;
+    let links_before = metric(&mut cluster, 1, "walship_node_keepalives_total{outcome=\"ok\"}").await;
+
+    // Idle for several failure timeouts: the node links keep every lease
+    // and every follower's view of its leader; nothing fails over.
+    tokio::time::sleep(Duration::from_secs(3)).await;
+    assert_eq!(epochs(&mut cluster).await, before, "an idle quiet cluster changes no leader");
+    assert_eq!(quiet_pairs(&mut cluster, &[1, 2, 3]).await, f64::from(SHARDS * 2), "still quiet");
+    let links_after = metric(&mut cluster, 1, "walship_node_keepalives_total{outcome=\"ok\"}").await;
+    assert!(links_after > links_before + 5.0, "node keepalives ran: {links_before} -> {links_after}");
+
+    // The first append wakes the shard: LOCAL needs the lease the links
+    // kept, QUORUM a follower's fresh copy.
+    let acked = Acked::default();
+    for (shard, durability) in [(1, Durability::Local), (2, Durability::Quorum), (3, Durability::All)] {
+        let leader = cluster.leader_of(1, shard).await.unwrap().0;
+        let mut log = cluster.node(leader).client().await;
+        let payload = Bytes::from(format!("first after quiet {shard}"));
+        append_and_record(&mut log, shard, vec![payload], durability, Duration::from_secs(5), &acked)
+            .await
+            .unwrap_or_else(|e| panic!("shard {shard} at {durability:?}: {e}"));
+    }
+    // Every replica serves it (the followers learned the commit before the
+    // shard went quiet again), and the shards go quiet again.
+    for shard in 1..=3 {
+        for id in 1..=3 {
+            let grpc = cluster.node(id).grpc.clone();
+            wait_until(&format!("node {id} serves shard {shard}'s record"), Duration::from_secs(10), || {
+                let grpc = grpc.clone();
+                async move { served(&grpc, shard).await == Some(1) }
+            })
+            .await;
+        }
+    }
+    wait_all_quiet(&mut cluster, &[1, 2, 3], f64::from(SHARDS * 2)).await;
+    assert_eq!(epochs(&mut cluster).await, before);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_dead_leaders_quiet_shards_fail_over_and_lose_nothing_acknowledged() {
+    let mut cluster = Cluster::start_with(3, SHARDS, 1, "leader_timeout_ms = 1000", None);
+    for shard in 1..=SHARDS {
+        cluster.wait_leader(shard, None, Duration::from_secs(60)).await;
+    }
+    let acked = Acked::default();
+    for shard in 1..=SHARDS {
+        let leader = cluster.leader_of(1, shard).await.unwrap().0;
+        let mut log = cluster.node(leader).client().await;
+        let payloads = (0..5).map(|i| Bytes::from(format!("s{shard}-r{i}"))).collect();
+        append_and_record(&mut log, shard, payloads, Durability::Quorum, Duration::from_secs(5), &acked).await.unwrap();
+    }
+    wait_all_quiet(&mut cluster, &[1, 2, 3], f64::from(SHARDS * 2)).await;
+    let led_by_1: Vec<u32> = {
+        let mut led = Vec::new();
+        for shard in 1..=SHARDS {
+            if cluster.leader_of(1, shard).await.unwrap().0 == 1 {
+                led.push(shard);
+            }
+        }
+        led
+    };
+    assert!(!led_by_1.is_empty(), "node 1 leads some shards");
+    cluster.node(1).kill9();
+    for &shard in &led_by_1 {
+        cluster.wait_leader(shard, Some(1), Duration::from_secs(30)).await;
+    }
+    // Every acknowledged record reads back from the new leaders.
+    for shard in 1..=SHARDS {
+        let leader = cluster.leader_of(1, shard).await.unwrap().0;
+        let grpc = cluster.node(leader).grpc.clone();
+        let records = read_all(&grpc, shard, 5).await;
+        let payloads: Vec<String> = records.iter().map(|r| String::from_utf8_lossy(&r.payload).into_owned()).collect();
+        let expected: Vec<String> = (0..5).map(|i| format!("s{shard}-r{i}")).collect();
+        assert_eq!(payloads, expected, "shard {shard} after its leader died");
+    }
+    // Node 1 comes back as a follower everywhere; its shards go quiet again.
+    cluster.restart(1);
+    wait_all_quiet(&mut cluster, &[2, 3], f64::from(SHARDS * 2)).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_node_keepalive_for_what_the_follower_does_not_follow_or_malformed_changes_nothing() {
+    let mut cluster = Cluster::start_with(3, SHARDS, 1, "leader_timeout_ms = 1000", None);
+    for shard in 1..=SHARDS {
+        cluster.wait_leader(shard, None, Duration::from_secs(60)).await;
+    }
+    wait_all_quiet(&mut cluster, &[1, 2, 3], f64::from(SHARDS * 2)).await;
+    let before = epochs(&mut cluster).await;
+    // A shard node 1 leads, a shard node 2 (the receiver) leads itself.
+    let (led_by_1, epoch_1) =
+        before.iter().enumerate().find(|(_, (l, _))| *l == 1).map(|(i, (_, e))| (i as u32 + 1, *e)).unwrap();
+    let (led_by_2, epoch_2) =
+        before.iter().enumerate().find(|(_, (l, _))| *l == 2).map(|(i, (_, e))| (i as u32 + 1, *e)).unwrap();
+
+    let endpoint = tonic::transport::Endpoint::from_shared(format!("http://{}", cluster.node(2).grpc)).unwrap();
+    let mut client = WalShippingClient::new(common::as_member(endpoint.connect().await.unwrap()));
+    let quiet = |shard_id: u32, epoch: u64| QuietShard { shard_id, epoch, commit_seqno: 0 };
+
+    // Refused, and forgotten: a newer epoch than the follower follows, a
+    // shard it leads itself, a shard it does not host.
+    let answer = client
+        .node_keepalive(NodeKeepaliveRequest {
+            leader_node_id: 1,
+            quiet: vec![quiet(led_by_1, epoch_1 + 5), quiet(led_by_2, epoch_2), quiet(999, 1)],
+            woke: vec![],
+            full: false,
+        })
+        .await
+        .expect("answered")
+        .into_inner();
+    let mut refused = answer.refused.clone();
+    refused.sort_unstable();
+    let mut expected = vec![led_by_1, led_by_2, 999];
+    expected.sort_unstable();
+    assert_eq!(refused, expected, "{answer:?}");
+
+    // Malformed: INVALID_ARGUMENT, nothing applied.
+    let bad = [
+        (NodeKeepaliveRequest { leader_node_id: 9, ..Default::default() }, "not another node"),
+        (NodeKeepaliveRequest { leader_node_id: 2, ..Default::default() }, "not another node"),
+        (NodeKeepaliveRequest { leader_node_id: 1, quiet: vec![quiet(0, 1)], ..Default::default() }, "start at 1"),
+        (NodeKeepaliveRequest { leader_node_id: 1, quiet: vec![quiet(1, 0)], ..Default::default() }, "start at 1"),
+        (
+            NodeKeepaliveRequest { leader_node_id: 1, quiet: vec![quiet(1, 1), quiet(1, 2)], ..Default::default() },
+            "named twice",
+        ),
+        (NodeKeepaliveRequest { leader_node_id: 1, woke: vec![1; 100_001], ..Default::default() }, "at most"),
+    ];
+    for (request, says) in bad {
+        let status = client.node_keepalive(request).await.expect_err("refused");
+        assert_eq!(status.code(), Code::InvalidArgument, "{status}");
+        assert!(status.message().contains(says), "{says}: {status}");
+    }
+    // The coordinator is not a node.
+    let coordinator = cluster.coordinator(1).grpc.clone();
+    let endpoint = tonic::transport::Endpoint::from_shared(format!("http://{coordinator}")).unwrap();
+    let mut to_coordinator = WalShippingClient::new(common::as_member(endpoint.connect().await.unwrap()));
+    let refused = to_coordinator
+        .node_keepalive(NodeKeepaliveRequest { leader_node_id: 1, ..Default::default() })
+        .await
+        .expect_err("not a node");
+    assert_ne!(refused.code(), Code::Ok);
+
+    // Nothing moved: same leaders and epochs; node 1's real link heals the
+    // set it shares with node 2 and everything is quiet again.
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    assert_eq!(epochs(&mut cluster).await, before);
+    wait_all_quiet(&mut cluster, &[1, 2, 3], f64::from(SHARDS * 2)).await;
+}
