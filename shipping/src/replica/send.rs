@@ -105,6 +105,11 @@ async fn run_ship_stream(
     }
 }
 
+/// A follower's first probe after a failed call waits this long, doubling
+/// with every further failure up to [`PROBE_BACKOFF_MAX_US`].
+const PROBE_BACKOFF_FIRST_US: u64 = 25_000;
+const PROBE_BACKOFF_MAX_US: u64 = 1_000_000;
+
 /// Pushes in flight on one `ShipSegments` stream, at most; more wait.
 const SHIP_STREAM_DEPTH: usize = 256;
 
@@ -231,6 +236,8 @@ impl ReplicationNode {
         // Quiet towards this follower: the link standing in for keepalives
         // and the notify it wakes this shipper with.
         let mut quiet: Option<(Arc<super::quiet::QuietLink>, Arc<tokio::sync::Notify>)> = None;
+        // Calls failed in a row, and when the last one failed.
+        let (mut failures, mut last_failure_us) = (0u32, 0u64);
         loop {
             if let Some(written) = written.as_mut() {
                 let wrote = *written.borrow_and_update();
@@ -287,12 +294,22 @@ impl ReplicationNode {
             // Nothing to send: sleep until the next keepalive is due (none
             // while quiet: the link wakes this shipper if it must).
             let due = leader.core.lock().keepalive_due_at(follower).unwrap_or(0);
+            // A follower whose calls keep failing (its node is down) is
+            // probed less and less often, up to once a second: hundreds of
+            // shards probing a dead node every few milliseconds would take
+            // the CPU the live followers' answers need.
+            let backoff = PROBE_BACKOFF_FIRST_US.saturating_mul(1 << failures.min(16)).min(PROBE_BACKOFF_MAX_US);
+            let due = if failures > 0 { due.max(last_failure_us + backoff) } else { due };
             let keepalive = Duration::from_micros(due.saturating_sub(now_us()).max(1_000));
             let woken = quiet.as_ref().map(|(_, wake)| wake.clone());
             tokio::select! {
                 Some((sent, (reply, commit))) = in_flight.next(), if !in_flight.is_empty() => {
                     if matches!(reply, ShipReply::Failed) {
                         self.metrics.ship_errors.with_label_values(&[&follower.to_string()]).inc();
+                        failures += 1;
+                        last_failure_us = now_us();
+                    } else {
+                        failures = 0;
                     }
                     if matches!(reply, ShipReply::Applied { .. }) {
                         told_commit = told_commit.max(commit);

@@ -39,6 +39,7 @@ use crate::peers::{PeerTransport, Peers};
 mod members;
 mod promote;
 mod reconcile;
+mod write;
 
 pub use members::{ReplicaAction, ReplicaChange, ReplicaChangeRequest, ReplicaChanges};
 
@@ -152,6 +153,8 @@ pub struct CoordinatorMetrics {
     failover_seconds: Histogram,
     assigns: IntCounterVec,
     replica_changes: IntCounterVec,
+    /// Writes of the leadership state (each carries every change queued).
+    state_writes: prometheus::IntCounter,
 }
 
 impl CoordinatorMetrics {
@@ -184,8 +187,21 @@ impl CoordinatorMetrics {
         )?;
         registry.register(Box::new(assigns.clone()))?;
         registry.register(Box::new(replica_changes.clone()))?;
+        let state_writes = prometheus::IntCounter::new(
+            "walship_coordinator_state_writes_total",
+            "Compare-and-set writes of the leadership state (lease renewals included); each carries every change queued",
+        )?;
+        registry.register(Box::new(state_writes.clone()))?;
         crate::metrics::UndecodableMessages::register(registry)?;
-        Ok(CoordinatorMetrics { active, lease_term, failovers, failover_seconds, assigns, replica_changes })
+        Ok(CoordinatorMetrics {
+            active,
+            lease_term,
+            failovers,
+            failover_seconds,
+            assigns,
+            replica_changes,
+            state_writes,
+        })
     }
 }
 
@@ -205,6 +221,8 @@ pub struct Coordinator {
     /// state changes), so a compare-and-set conflict can only mean another
     /// coordinator wrote.
     write: tokio::sync::Mutex<()>,
+    /// Changes applied and waiting for the next batched write (`write.rs`).
+    queued: Mutex<write::Queued>,
     /// Drill reports (in memory; a coordinator restart forgets them).
     pub drills: crate::control::drills::Drills,
     /// In NATS mode, heartbeats are republished on `walship.heartbeats.<node>.<shard>`.
@@ -226,6 +244,11 @@ pub struct Coordinator {
     pub changes: ReplicaChanges,
     /// What the next reconcile round looks at (see `reconcile.rs`).
     pub(crate) pending: Mutex<reconcile::Pending>,
+    /// Shards whose automatic failover is queued or running.
+    failing_over: Mutex<std::collections::BTreeSet<u32>>,
+    /// Automatic failovers running at once (see
+    /// `reconcile::AUTOMATIC_FAILOVERS_AT_ONCE`).
+    failover_slots: tokio::sync::Semaphore,
 }
 
 /// Mints a PeerExchange fetch token: `(task id, shard, time to live)`.
@@ -327,10 +350,13 @@ impl Coordinator {
             shutdown: CancellationToken::new(),
             lease_ms,
             write: tokio::sync::Mutex::new(()),
+            queued: Mutex::default(),
             drills: Default::default(),
             heartbeat_sink: Mutex::new(None),
             retry_after: Mutex::new(BTreeMap::new()),
             pending: Mutex::default(),
+            failing_over: Mutex::default(),
+            failover_slots: tokio::sync::Semaphore::new(reconcile::AUTOMATIC_FAILOVERS_AT_ONCE),
             started: Instant::now(),
             waiting_logged: Mutex::new(Default::default()),
             fetch_tokens: Default::default(),
@@ -470,42 +496,6 @@ impl Coordinator {
         self.seen.lock().get(&node).map(|n| n.shards.values().map(|(hb, _)| hb.clone()).collect()).unwrap_or_default()
     }
 
-    fn encode(state: &ClusterState) -> Bytes {
-        Bytes::from(serde_json::to_vec(state).expect("state serialises"))
-    }
-
-    /// Applies `change` to the state with one compare-and-set. A conflict
-    /// means another coordinator wrote: this one stops being active.
-    async fn mutate<T>(
-        &self,
-        change: impl FnOnce(&mut ClusterState) -> Result<T, CoordError>,
-    ) -> Result<T, CoordError> {
-        let _write = self.write.lock().await;
-        let (mut state, revision) = {
-            let active = self.active.lock();
-            let a = active.as_ref().filter(|a| Instant::now() < a.lease_until).ok_or(CoordError::NotActive)?;
-            (a.state.clone(), a.revision)
-        };
-        let out = change(&mut state)?;
-        match self.kv.update(STATE_KEY, Self::encode(&state), revision).await {
-            Ok(new_revision) => {
-                if let Some(a) = self.active.lock().as_mut()
-                    && a.revision == revision
-                {
-                    a.state = state;
-                    a.revision = new_revision;
-                }
-                Ok(out)
-            }
-            Err(KvError::Conflict { .. }) => {
-                tracing::warn!(id = %self.id, "KV revision moved under this coordinator: stepping down");
-                self.step_down();
-                Err(CoordError::NotActive)
-            }
-            Err(e) => Err(e.into()),
-        }
-    }
-
     fn step_down(&self) {
         *self.active.lock() = None;
         self.metrics.active.set(0);
@@ -523,53 +513,6 @@ impl Coordinator {
                 tracing::warn!(id = %self.id, error = %e, "lease round");
             }
         }
-    }
-
-    async fn lease_round(&self) -> Result<(), CoordError> {
-        let _write = self.write.lock().await;
-        let now = now_ms();
-        let started = Instant::now();
-        let lease_for = Duration::from_millis(self.lease_ms);
-        let Some(entry) = self.kv.get(STATE_KEY).await? else {
-            let state = ClusterState::bootstrap(&self.config, &self.id, now, self.lease_ms);
-            match self.kv.create(STATE_KEY, Self::encode(&state)).await {
-                Ok(revision) => self.become_active(state, revision, started + lease_for),
-                Err(KvError::Exists(_)) => {}
-                Err(e) => return Err(e.into()),
-            }
-            return Ok(());
-        };
-        let mut state: ClusterState = serde_json::from_slice(&entry.value)
-            .map_err(|e| CoordError::Kv(KvError::Unavailable(format!("cluster state: {e}"))))?;
-        self.metrics.lease_term.set(state.lease.term as i64);
-        match lease_action(&state.lease, &self.id, now) {
-            LeaseAction::Standby => {
-                if self.active.lock().is_some() {
-                    tracing::warn!(id = %self.id, holder = %state.lease.holder, "another coordinator holds the lease");
-                }
-                self.step_down();
-            }
-            action => {
-                if action == LeaseAction::TakeOver {
-                    state.lease.term += 1;
-                    state.lease.holder = self.id.clone();
-                    tracing::info!(id = %self.id, term = state.lease.term, "taking over the coordinator lease");
-                }
-                state.lease.expires_unix_ms = now + self.lease_ms;
-                // Renewing against the revision just read: if we were active
-                // with an older revision, somebody else wrote in between.
-                let ours = self.active.lock().as_ref().map(|a| a.revision);
-                if action == LeaseAction::Renew && ours.is_some_and(|r| r != entry.revision) {
-                    tracing::warn!(id = %self.id, "state changed under an active lease: re-reading");
-                }
-                match self.kv.update(STATE_KEY, Self::encode(&state), entry.revision).await {
-                    Ok(revision) => self.become_active(state, revision, started + lease_for),
-                    Err(KvError::Conflict { .. }) => self.step_down(),
-                    Err(e) => return Err(e.into()),
-                }
-            }
-        }
-        Ok(())
     }
 
     fn become_active(&self, state: ClusterState, revision: u64, lease_until: Instant) {

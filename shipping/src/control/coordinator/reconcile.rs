@@ -28,6 +28,12 @@ pub(crate) struct Pending {
     revision: u64,
 }
 
+/// Automatic failovers run at once, the rest queued. Their record writes
+/// are batched (`write.rs`), so many at once share a few KV writes; the
+/// bound keeps the fences and assignments one dead node's shards need from
+/// flooding the surviving nodes all at once.
+pub(crate) const AUTOMATIC_FAILOVERS_AT_ONCE: usize = 64;
+
 /// A round that looks at every shard runs at least this often.
 const FULL_ROUND_EVERY: Duration = Duration::from_secs(1);
 
@@ -129,7 +135,7 @@ impl Coordinator {
             if lost {
                 again.push(shard);
             }
-            if lost && !backing_off {
+            if lost && !backing_off && self.failing_over.lock().insert(shard) {
                 let me = self.clone();
                 if unhealthy.is_some() || unheard {
                     self.retry_after.lock().insert(shard, Instant::now() + DISK_FULL_BACKOFF);
@@ -137,7 +143,11 @@ impl Coordinator {
                 let reason = unhealthy.or(unheard.then_some("leader_unreachable")).unwrap_or("automatic");
                 let replaced = record.leader;
                 tokio::spawn(async move {
-                    match me.failover_replacing(shard, FailoverRequest::default(), reason, replaced).await {
+                    let slot = me.failover_slots.acquire().await;
+                    let outcome = me.failover_replacing(shard, FailoverRequest::default(), reason, replaced).await;
+                    drop(slot);
+                    me.failing_over.lock().remove(&shard);
+                    match outcome {
                         Err(e @ CoordError::NoMajority { .. }) => {
                             me.retry_after.lock().insert(shard, Instant::now() + NO_MAJORITY_BACKOFF);
                             me.log_no_majority(shard, &e);

@@ -1,0 +1,139 @@
+//! A thousand shards on three nodes (RF=3) with a coordinator, real
+//! processes: every shard gets a leader, the idle cluster costs little CPU
+//! (quiet shards, batched heartbeats, a reconcile that looks only at what
+//! changed), and killing a node fails every shard it led over. The bounds
+//! are loose on purpose (debug build, shared CI machine): they catch a
+//! return to per-shard timers (which cost several times these figures at
+//! this count), not small regressions; `ops/bench/scale.sh` measures.
+
+mod common;
+
+use std::time::{Duration, Instant};
+
+use common::Cluster;
+
+const SHARDS: u32 = 1_000;
+
+/// CPU seconds (user + system) a process used so far.
+fn cpu_seconds(pid: u32) -> f64 {
+    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).unwrap_or_default();
+    // Fields after the command name (which may hold spaces) start after ')'.
+    let after = stat.rsplit_once(')').map_or("", |(_, rest)| rest);
+    let fields: Vec<&str> = after.split_whitespace().collect();
+    let ticks: f64 = fields.get(11).and_then(|u| u.parse().ok()).unwrap_or(0.0)
+        + fields.get(12).and_then(|s| s.parse().ok()).unwrap_or(0.0);
+    // SAFETY: sysconf has no preconditions.
+    ticks / unsafe { libc::sysconf(libc::_SC_CLK_TCK) } as f64
+}
+
+/// Each shard's recorded leader (0: none), and whether every replica of it
+/// is alive and reports the record's epoch (the shard settled).
+async fn shards(cluster: &mut Cluster) -> Vec<(u64, u64, bool)> {
+    // Empty while the coordinator is not serving yet.
+    let (_, shards) = cluster.coord_get(1, &format!("/v1/shards?limit={SHARDS}")).await;
+    shards
+        .as_array()
+        .map_or(&[][..], |a| a.as_slice())
+        .iter()
+        .map(|s| {
+            let settled = s["replicas"]
+                .as_array()
+                .is_some_and(|r| r.len() == 3 && r.iter().all(|r| r["alive"] == true && r["epoch"] == s["epoch"]));
+            (s["shard_id"].as_u64().unwrap(), s["leader"].as_u64().unwrap_or(0), settled)
+        })
+        .collect()
+}
+
+async fn leaders(cluster: &mut Cluster) -> Vec<(u64, u64)> {
+    shards(cluster).await.into_iter().map(|(s, l, _)| (s, l)).collect()
+}
+
+/// (shard, follower) pairs quiet on node `id`.
+async fn quiet(cluster: &mut Cluster, id: u32) -> f64 {
+    let body = common::http_get(&format!("{}/metrics", cluster.node(id).admin)).await.1;
+    body.lines()
+        .find_map(|l| l.strip_prefix("walship_quiet_followers ").and_then(|v| v.trim().parse().ok()))
+        .unwrap_or(0.0)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_thousand_shards_get_leaders_idle_cheaply_and_fail_over_together() {
+    let started = Instant::now();
+    let mut cluster = Cluster::start_with(3, SHARDS, 1, "leader_timeout_ms = 1000", None);
+    let deadline = Instant::now() + Duration::from_secs(240);
+    loop {
+        let all = shards(&mut cluster).await;
+        if all.len() == SHARDS as usize && all.iter().all(|(_, l, settled)| *l != 0 && *settled) {
+            break;
+        }
+        assert!(Instant::now() < deadline, "not every shard had a leader followed by every replica within 240 s");
+        tokio::time::sleep(Duration::from_millis(250)).await;
+    }
+    eprintln!("every one of {SHARDS} shards had a leader followed by every replica after {:?}", started.elapsed());
+    loop {
+        let mut pairs = 0.0;
+        for id in 1..=3 {
+            pairs += quiet(&mut cluster, id).await;
+        }
+        if pairs == f64::from(2 * SHARDS) {
+            break;
+        }
+        assert!(Instant::now() < deadline, "{pairs} of {} (shard, follower) pairs quiet", 2 * SHARDS);
+        tokio::time::sleep(Duration::from_millis(250)).await;
+    }
+    eprintln!("every follower quiet after {:?}", started.elapsed());
+
+    // Idle: measure each process over 5 s.
+    let mut pids: Vec<(String, u32)> = (1..=3).map(|id| (format!("node {id}"), cluster.node(id).child.id())).collect();
+    pids.push(("coordinator".into(), cluster.coordinator(1).child.id()));
+    let before: Vec<f64> = pids.iter().map(|(_, pid)| cpu_seconds(*pid)).collect();
+    let window = Duration::from_secs(5);
+    tokio::time::sleep(window).await;
+    for ((what, pid), before) in pids.iter().zip(before) {
+        let cores = (cpu_seconds(*pid) - before) / window.as_secs_f64();
+        eprintln!("{what}: {cores:.3} cores idle with {SHARDS} shards");
+        assert!(cores < 0.5, "{what} used {cores:.3} cores idle with {SHARDS} shards");
+    }
+
+    // Kill the node leading a third of the shards: each gets a new leader.
+    let led_by_1: Vec<u64> = leaders(&mut cluster).await.into_iter().filter(|(_, l)| *l == 1).map(|(s, _)| s).collect();
+    assert!(led_by_1.len() > 100, "node 1 leads about a third: {}", led_by_1.len());
+    cluster.node(1).kill9();
+    let killed = Instant::now();
+    loop {
+        let now = leaders(&mut cluster).await;
+        let stuck = now.iter().filter(|(s, l)| led_by_1.contains(s) && (*l == 1 || *l == 0)).count();
+        if stuck == 0 {
+            break;
+        }
+        assert!(killed.elapsed() < Duration::from_secs(60), "{stuck} shards still without a live leader after 60 s");
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    eprintln!("{} shards failed over in {:?}", led_by_1.len(), killed.elapsed());
+}
+
+/// The scale measurement ops/README.md ("Many shards") prints runs as
+/// printed and reports every shard led and each process's idle cost.
+#[test]
+fn the_scale_measurement_in_the_ops_readme_runs_as_printed() {
+    let root = env!("CARGO_MANIFEST_DIR");
+    let readme = std::fs::read_to_string(format!("{root}/ops/README.md")).unwrap();
+    let section = readme.split("### Many shards").nth(1).expect("a Many shards section");
+    let command = section
+        .split("```sh\n")
+        .nth(1)
+        .and_then(|block| block.split("```").next())
+        .expect("a sh block")
+        .trim()
+        .to_string();
+    assert!(command.starts_with("ops/bench/scale.sh"), "{command}");
+    let out = std::process::Command::new("bash").arg("-c").arg(&command).current_dir(root).output().unwrap();
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(out.status.success(), "{command}: {stdout}\n{}", String::from_utf8_lossy(&out.stderr));
+    let line: serde_json::Value = serde_json::from_str(stdout.lines().last().unwrap_or("")).expect("one JSON line");
+    assert_eq!(line["shards"], 10, "{line}");
+    assert!(line["seconds_to_all_leaders"].as_f64().is_some(), "every shard got a leader: {line}");
+    let processes = line["processes"].as_array().expect("processes");
+    assert!(processes.iter().any(|p| p["process"] == "coord"), "{line}");
+    assert!(processes.iter().all(|p| p["cpu_cores"].as_f64().is_some()), "{line}");
+}
