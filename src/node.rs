@@ -308,7 +308,8 @@ pub async fn start_node(config: NodeConfig, cluster: Option<ClusterConfig>, dril
         scrub_interval: Duration::from_secs(config.wal.scrub_interval_s),
         disk_space: Some(disk_space),
     };
-    let wal_metrics = WalMetrics::new(&registry)?;
+    let mut wal_metrics = WalMetrics::new(&registry)?;
+    wal_metrics.per_shard = cluster.replication.per_shard_metrics;
     let wal = {
         let store = store.clone();
         tokio::task::spawn_blocking(move || Wal::start(store, wal_config, wal_metrics)).await??

@@ -218,3 +218,40 @@ async fn a_node_keepalive_for_what_the_follower_does_not_follow_or_malformed_cha
     assert_eq!(epochs(&mut cluster).await, before);
     wait_all_quiet(&mut cluster, &[1, 2, 3], f64::from(SHARDS * 2)).await;
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn without_per_shard_metrics_a_scrape_has_one_series_per_follower() {
+    let mut cluster = Cluster::start_with(3, 6, 1, "per_shard_metrics = false", None);
+    for shard in 1..=6 {
+        cluster.wait_leader(shard, None, Duration::from_secs(60)).await;
+    }
+    let leader = cluster.leader_of(1, 1).await.unwrap().0;
+    let mut log = cluster.node(leader).client().await;
+    let acked = Acked::default();
+    append_and_record(&mut log, 1, vec![Bytes::from_static(b"x")], Durability::Quorum, Duration::from_secs(5), &acked)
+        .await
+        .unwrap();
+    let admin = cluster.node(leader).admin.clone();
+    let follower = (1..=3).find(|&n| n != leader).unwrap();
+    let series = format!("walship_replica_lag_records{{follower=\"{follower}\",shard=\"all\"}}");
+    wait_until("the aggregate follower series", Duration::from_secs(10), || {
+        let admin = admin.clone();
+        let series = series.clone();
+        async move { common::http_get(&format!("{admin}/metrics")).await.1.lines().any(|l| l.starts_with(&series)) }
+    })
+    .await;
+    let body = common::http_get(&format!("{admin}/metrics")).await.1;
+    let per_shard: Vec<&str> = body
+        .lines()
+        .filter(|l| !l.starts_with('#') && l.contains("shard=\"") && !l.contains("shard=\"all\""))
+        .collect();
+    assert!(per_shard.is_empty(), "no per-shard series: {per_shard:?}");
+    // The mode gauge counts shards: every shard this node leads, per follower.
+    let modes: f64 = body
+        .lines()
+        .filter(|l| l.starts_with("walship_replica_ship_mode{") && l.contains(&format!("follower=\"{follower}\"")))
+        .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
+        .sum();
+    let led = metric(&mut cluster, leader, "walship_quiet_followers").await;
+    assert!(modes >= 1.0 && modes <= 6.0, "shards counted by mode: {modes} (quiet pairs {led})");
+}

@@ -7,6 +7,11 @@
 #   ops/bench/scale.sh                                   # 10 and 1000 shards, 30 s idle each
 #   ops/bench/scale.sh --shards "10 100" --idle-s 5      # quicker
 #   ops/bench/scale.sh --walship /tmp/old/walship        # another build
+#   ops/bench/scale.sh --shards 1000 --kill              # then kill -9 node 1
+#
+# With --kill, after the idle window node 1 (leading about a third of the
+# shards) is killed with SIGKILL and every shard it led is timed until the
+# coordinator records a new leader: p50, p99 and max over those shards.
 #
 # Uses target/release/walship when built, else target/debug/walship.
 set -euo pipefail
@@ -15,11 +20,13 @@ cd "$(dirname "$0")/../.."
 counts="10 1000"
 idle_s=30
 walship=""
+kill_node=0
 while [ $# -gt 0 ]; do
   case "$1" in
     --shards) counts="$2"; shift 2 ;;
     --idle-s) idle_s="$2"; shift 2 ;;
     --walship) walship="$2"; shift 2 ;;
+    --kill) kill_node=1; shift ;;
     *) echo "unknown argument $1 (see the header of $0)" >&2; exit 2 ;;
   esac
 done
@@ -74,7 +81,39 @@ for n in $counts; do
     cpu=$(awk "BEGIN {printf \"%.3f\", ($(cpu_ticks "$p") - ${before[$p]}) / $ticks / $idle_s}")
     procs="$procs{\"process\": \"$what${id:+-$id}\", \"cpu_cores\": $cpu, \"rss_mib\": $(( $(rss_kib "$p") / 1024 ))},"
   done
-  echo "{\"shards\": $n, \"seconds_to_all_leaders\": $leaders_s, \"idle_s\": $idle_s, \"processes\": [${procs%,}]}"
+  failover=null
+  if [ "$kill_node" = 1 ]; then
+    node1=""
+    for p in $pids; do
+      tr '\0' ' ' <"/proc/$p/cmdline" | grep -q -- '--node-id 1 ' && node1=$p
+    done
+    failover=$(python3 - "$admin" "$n" "$node1" <<'PY'
+import json, os, signal, sys, time, urllib.request
+admin, n, pid = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
+def leaders():
+    with urllib.request.urlopen(f"{admin}v1/shards?limit={n}", timeout=5) as r:
+        return {s["shard_id"]: s.get("leader") for s in json.load(r)}
+led = [s for s, l in leaders().items() if l == 1]
+os.kill(pid, signal.SIGKILL)
+start, moved = time.monotonic(), {}
+while len(moved) < len(led) and time.monotonic() - start < 120:
+    try:
+        now = leaders()
+    except Exception:
+        time.sleep(0.05)
+        continue
+    t = time.monotonic() - start
+    for s in led:
+        if s not in moved and now.get(s) not in (None, 1):
+            moved[s] = t
+    time.sleep(0.05)
+took = sorted(moved.values())
+q = lambda f: round(took[min(len(took) - 1, int(f * len(took)))], 3) if took else None
+print(json.dumps({"shards_led": len(led), "failed_over": len(took), "p50_s": q(0.5), "p99_s": q(0.99), "max_s": took[-1] if took else None}))
+PY
+)
+  fi
+  echo "{\"shards\": $n, \"seconds_to_all_leaders\": $leaders_s, \"idle_s\": $idle_s, \"processes\": [${procs%,}], \"failover\": $failover}"
   kill "$dev" 2>/dev/null || true
   wait "$dev" 2>/dev/null || true
   rm -rf "$dir"

@@ -157,6 +157,10 @@ pub struct ReplicationConfig {
     /// in for all of them (ops/README "Many shards"). Off: every shard
     /// keeps its own keepalives (the behaviour before quiet shards).
     pub quiesce: bool,
+    /// Metrics with a `shard` label get one series per shard; false: one
+    /// per follower with `shard="all"` (worst lag, shards per mode), so a
+    /// scrape of a node with thousands of shards stays small.
+    pub per_shard_metrics: bool,
 }
 
 impl Default for ReplicationConfig {
@@ -178,6 +182,7 @@ impl Default for ReplicationConfig {
             coordinator_lease_ms: 2_000,
             min_replicas: 3,
             quiesce: true,
+            per_shard_metrics: true,
         }
     }
 }

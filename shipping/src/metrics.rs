@@ -33,6 +33,9 @@ pub struct ReplicationMetrics {
     pub heartbeats_sent: IntCounterVec,
     pub disk_bytes: IntGauge,
     pub append_rate: Gauge,
+    /// Per-shard series (`shard` = the shard id); false: one series per
+    /// follower with `shard="all"` (see [`ReplicationMetrics::set_followers_aggregate`]).
+    pub per_shard: bool,
     /// Leader side: `NodeKeepalive` calls, by outcome.
     pub node_keepalives: IntCounterVec,
     /// Follower side: quiet shards a `NodeKeepalive` named that this node
@@ -87,6 +90,7 @@ impl ReplicationMetrics {
     pub fn new(registry: &Registry) -> prometheus::Result<ReplicationMetrics> {
         let per_follower = |name: &str, help: &str| IntGaugeVec::new(Opts::new(name, help), &["shard", "follower"]);
         Ok(ReplicationMetrics {
+            per_shard: true,
             commit_seqno: register(
                 registry,
                 IntGaugeVec::new(
@@ -243,6 +247,9 @@ impl ReplicationMetrics {
     }
 
     pub fn set_commit(&self, shard: u32, commit: u64) {
+        if !self.per_shard {
+            return;
+        }
         self.commit_seqno.with_label_values(&[&shard.to_string()]).set(commit as i64);
     }
 
@@ -259,5 +266,48 @@ impl ReplicationMetrics {
             self.mode.with_label_values(&[&s, &f, mode.as_str()]).set(i64::from(mode == progress.mode));
         }
         self.in_flight.with_label_values(&[&s, &f]).set(progress.in_flight as i64);
+    }
+
+    /// Without per-shard series: per follower, over every shard this node
+    /// leads, the largest lag (records, bytes, seconds), the number of
+    /// shards in each ship mode, and the requests in flight, all with
+    /// `shard="all"`.
+    pub fn set_followers_aggregate(&self, followers: &std::collections::BTreeMap<NodeId, FollowerAggregate>) {
+        for (follower, a) in followers {
+            let f = follower.to_string();
+            self.lag_records.with_label_values(&["all", &f]).set(a.lag_records as i64);
+            self.lag_bytes.with_label_values(&["all", &f]).set(a.lag_bytes as i64);
+            for stage in ["write", "flush", "apply"] {
+                self.lag_seconds.with_label_values(&["all", &f, stage]).set(a.lag_seconds);
+            }
+            for (i, mode) in ShipMode::ALL.iter().enumerate() {
+                self.mode.with_label_values(&["all", &f, mode.as_str()]).set(a.modes[i] as i64);
+            }
+            self.in_flight.with_label_values(&["all", &f]).set(a.in_flight as i64);
+        }
+    }
+}
+
+/// One follower over every shard a node leads (see
+/// [`ReplicationMetrics::set_followers_aggregate`]).
+#[derive(Debug, Default, Clone, Copy)]
+pub struct FollowerAggregate {
+    pub lag_records: u64,
+    pub lag_bytes: u64,
+    pub lag_seconds: f64,
+    /// Shards per [`ShipMode::ALL`] entry.
+    pub modes: [u64; 4],
+    pub in_flight: usize,
+}
+
+impl FollowerAggregate {
+    pub fn add(&mut self, progress: &FollowerProgress, lag: &Lag) {
+        self.lag_records = self.lag_records.max(lag.records);
+        self.lag_bytes = self.lag_bytes.max(lag.bytes);
+        self.lag_seconds = self.lag_seconds.max(lag.flush_seconds);
+        if let Some(i) = ShipMode::ALL.iter().position(|m| *m == progress.mode) {
+            self.modes[i] += 1;
+        }
+        self.in_flight += progress.in_flight;
     }
 }

@@ -42,6 +42,10 @@ pub struct WalMetrics {
     pub scrubbed_bytes: IntCounter,
     /// Unix time of the end of the last full scrub pass (0: none yet).
     pub scrub_last_pass: IntGauge,
+    /// One series per shard for its positions; false (a node with
+    /// thousands of shards): positions are not exported, and a shard's
+    /// corrupt-records series appears only once it has corrupt records.
+    pub per_shard: bool,
 }
 
 /// Cached per-shard gauge handles (a label lookup per commit is avoidable).
@@ -136,6 +140,7 @@ impl WalMetrics {
             corruption_detected,
             scrubbed_bytes,
             scrub_last_pass,
+            per_shard: true,
         })
     }
 
@@ -145,6 +150,10 @@ impl WalMetrics {
     }
 
     pub(crate) fn shard(&self, shard: ShardId) -> ShardGauges {
+        if !self.per_shard {
+            let detached = || IntGauge::new("walship_shard_position", "not exported").expect("valid name");
+            return ShardGauges { first_seqno: detached(), last_seqno: detached(), durable_seqno: detached() };
+        }
         let label = shard.to_string();
         // Shown (0) from the shard's start; the corruption registry sets it.
         self.corrupt_records.with_label_values(&[&label]);

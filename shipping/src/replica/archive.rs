@@ -454,7 +454,8 @@ impl ReplicationNode {
                     uploads.archived = upload.last;
                     advanced = true;
                     let size = upload.bytes.len() as u64;
-                    archive.metrics.uploaded_bytes.with_label_values(&[&label]).inc_by(size);
+                    let label = if self.metrics.per_shard { label.as_str() } else { "all" };
+                    archive.metrics.uploaded_bytes.with_label_values(&[label]).inc_by(size);
                     let mut all = self.archive_status.lock();
                     let status = all.entry(shard).or_default();
                     status.segments_uploaded += 1;
@@ -637,10 +638,12 @@ impl ReplicationNode {
         let lag_records = commit.saturating_sub(through);
         let lag_seconds =
             if lag_records == 0 || waiting_from > commit { 0.0 } else { self.waiting_age(shard, waiting_from).await };
-        let label = shard.to_string();
-        archive.metrics.archived_seqno.with_label_values(&[&label]).set(through as i64);
-        archive.metrics.lag_records.with_label_values(&[&label]).set(lag_records as i64);
-        archive.metrics.lag_seconds.with_label_values(&[&label]).set(lag_seconds);
+        if self.metrics.per_shard {
+            let label = shard.to_string();
+            archive.metrics.archived_seqno.with_label_values(&[&label]).set(through as i64);
+            archive.metrics.lag_records.with_label_values(&[&label]).set(lag_records as i64);
+            archive.metrics.lag_seconds.with_label_values(&[&label]).set(lag_seconds);
+        }
         let mut all = self.archive_status.lock();
         let status = all.entry(shard).or_default();
         status.archived_seqno = through;

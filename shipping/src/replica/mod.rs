@@ -183,6 +183,8 @@ impl ReplicationNode {
                 Arc::new(ShardReplica::new(spec.id, &spec.replicas, me, config.coordinated(), promised, last)),
             );
         }
+        let mut metrics = metrics;
+        metrics.per_shard = r.per_shard_metrics;
         let node = Arc::new(ReplicationNode {
             me,
             region: node_spec.region,

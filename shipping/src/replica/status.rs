@@ -321,6 +321,9 @@ impl ReplicationNode {
     /// Refreshes the per-follower gauges often enough that an idle,
     /// caught-up follower shows zero lag rather than a stale figure.
     pub(super) async fn run_metrics(self: Arc<Self>) {
+        if !self.metrics.per_shard {
+            return self.run_metrics_aggregate().await;
+        }
         let mut tick = tokio::time::interval(Duration::from_millis(250));
         // A settled shard's gauges, once set after it settled, stay true
         // (nothing moved): the activity at which each was last set.
@@ -345,6 +348,31 @@ impl ReplicationNode {
                     }
                 }
             }
+        }
+    }
+
+    /// The follower gauges without per-shard series
+    /// (`[replication] per_shard_metrics = false`): once a second, each
+    /// follower's worst lag over every shard this node leads.
+    async fn run_metrics_aggregate(self: Arc<Self>) {
+        let mut tick = tokio::time::interval(Duration::from_secs(1));
+        loop {
+            tokio::select! {
+                _ = tick.tick() => {}
+                _ = self.shutdown.cancelled() => return,
+            }
+            let now = now_us();
+            let mut followers = BTreeMap::<NodeId, crate::metrics::FollowerAggregate>::new();
+            for replica in self.replicas() {
+                let Some(leader) = replica.leader_state() else { continue };
+                let core = leader.core.lock();
+                for (id, progress) in core.followers() {
+                    if let Some(lag) = core.lag(id, now) {
+                        followers.entry(id).or_default().add(&progress, &lag);
+                    }
+                }
+            }
+            self.metrics.set_followers_aggregate(&followers);
         }
     }
 }
