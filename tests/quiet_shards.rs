@@ -253,5 +253,5 @@ async fn without_per_shard_metrics_a_scrape_has_one_series_per_follower() {
         .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
         .sum();
     let led = metric(&mut cluster, leader, "walship_quiet_followers").await;
-    assert!(modes >= 1.0 && modes <= 6.0, "shards counted by mode: {modes} (quiet pairs {led})");
+    assert!((1.0..=6.0).contains(&modes), "shards counted by mode: {modes} (quiet pairs {led})");
 }
