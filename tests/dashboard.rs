@@ -274,3 +274,39 @@ async fn the_shard_table_shows_the_archive_position() {
     assert_eq!(cells("1")[10], "20 (lag 0, 0 s)", "the leader's row: {page}");
     assert_eq!(cells("2")[10], "-", "a follower's row: {page}");
 }
+
+/// A cluster with more shards than one page: the shard table draws one
+/// page of 50, pages on, and filters to the shards needing attention; the
+/// summary counts those.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn dashboard_pages_and_filters_the_shard_table() {
+    let mut cluster = Cluster::start_with(3, 120, 1, "leader_timeout_ms = 1000", None);
+    for shard in [1, 60, 120] {
+        cluster.wait_leader(shard, None, Duration::from_secs(60)).await;
+    }
+    // Every shard healthy first (all replicas alive, nothing lagging).
+    let admin = cluster.coordinator(1).admin.clone();
+    common::wait_until("no shard needs attention", Duration::from_secs(60), || {
+        let admin = admin.clone();
+        async move {
+            let (code, body) = common::http_get(&format!("{admin}/v1/shards?unhealthy=true")).await;
+            code == 200 && body.trim() == "[]"
+        }
+    })
+    .await;
+    let url = format!("http://{admin}/");
+    let result = browser_run("pages.mjs", vec![url]).await;
+    assert_eq!(result["errors"], serde_json::json!([]), "page errors: {result}");
+    let first = &result["first"];
+    assert_eq!(first["label"], "page 1 of 3 (120 shards)", "{result}");
+    assert_eq!(first["shards"], serde_json::json!((1..=50).collect::<Vec<u32>>()), "{result}");
+    assert!(
+        first["summary"].as_str().unwrap().contains("120 shards, 0 without leader, 0 needing attention"),
+        "{result}"
+    );
+    let second = &result["second"];
+    assert_eq!(second["shards"], serde_json::json!((51..=100).collect::<Vec<u32>>()), "{result}");
+    let attention = &result["attention"];
+    assert_eq!(attention["label"], "page 1 of 1 (0 shards needing attention)", "{result}");
+    assert_eq!(attention["shards"], serde_json::json!([]), "{result}");
+}
