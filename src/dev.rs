@@ -231,7 +231,12 @@ fn reserve_for_cap(dir: &std::path::Path, cap: u64) -> Result<Option<u64>> {
 /// Waits until the coordinator reports a leader for every shard that also
 /// reports itself leading; returns shard -> leader.
 async fn current_leaders(admin: &str, shards: u32) -> Result<std::collections::BTreeMap<u32, u32>> {
-    let deadline = std::time::Instant::now() + Duration::from_secs(60);
+    // A minute, and 20 ms more per shard (about 4 minutes at 10,000): the
+    // coordinator assigns every shard once at start.
+    let patience = Duration::from_secs(60) + Duration::from_millis(20) * shards;
+    // Each poll lists every shard: poll less often the more there are.
+    let poll = Duration::from_millis(100) + Duration::from_micros(50) * shards;
+    let deadline = std::time::Instant::now() + patience;
     loop {
         if let Ok((200, list)) = crate::http::request("GET", admin, "/v1/shards", None, None).await {
             let leaders: std::collections::BTreeMap<u32, u32> =
@@ -251,9 +256,9 @@ async fn current_leaders(admin: &str, shards: u32) -> Result<std::collections::B
             }
         }
         if std::time::Instant::now() > deadline {
-            bail!("the coordinator at {admin} reported no leader for every shard within 60 s");
+            bail!("the coordinator at {admin} reported no leader for every shard within {} s", patience.as_secs());
         }
-        tokio::time::sleep(Duration::from_millis(100)).await;
+        tokio::time::sleep(poll).await;
     }
 }
 

@@ -2,7 +2,10 @@
 //! follower's lag (as `GET /v1/shards` shows it), the last 15 minutes at
 //! most, so the dashboard draws a chart the moment it opens. Memory is
 //! bounded: [`MAX_SAMPLES`] per follower of each shard (under 64 KiB),
-//! series of replicas that left a shard's replica set dropped. It also keeps, for followers
+//! series of replicas that left a shard's replica set dropped. Consecutive
+//! samples of equal lag are kept as one run (an idle, caught-up follower
+//! costs one run, not 900 samples: 10,000 shards' followers fit in a few
+//! MiB), and read back as one sample a second. It also keeps, for followers
 //! whose lag is stale, when the leader accepted the oldest record each
 //! lacks (one entry per such follower), so their lag in seconds is the age
 //! of that record.
@@ -18,9 +21,44 @@ pub const SAMPLE_INTERVAL: Duration = Duration::from_secs(1);
 /// Samples kept per follower: 15 minutes at one a second.
 pub const MAX_SAMPLES: usize = 900;
 
+/// Consecutive samples of the same lag: the first as taken, `count` in
+/// all, the last taken at `last_at_unix_ms` (the ones between spread
+/// evenly between the two when read).
+struct Run {
+    first: LagSample,
+    count: usize,
+    last_at_unix_ms: u64,
+}
+
+impl Run {
+    fn same_lag(a: &LagSample, b: &LagSample) -> bool {
+        a.lag_records == b.lag_records
+            && a.lag_bytes == b.lag_bytes
+            && a.lag_seconds == b.lag_seconds
+            && a.stale == b.stale
+    }
+
+    /// The `k`th sample of the run.
+    fn sample(&self, k: usize) -> LagSample {
+        let span = self.last_at_unix_ms.saturating_sub(self.first.at_unix_ms);
+        let at = match self.count {
+            0 | 1 => self.first.at_unix_ms,
+            n => self.first.at_unix_ms + span * k as u64 / (n as u64 - 1),
+        };
+        LagSample { at_unix_ms: at, ..self.first.clone() }
+    }
+}
+
+/// One follower's samples, as runs.
+#[derive(Default)]
+struct Series {
+    runs: VecDeque<Run>,
+    samples: usize,
+}
+
 #[derive(Default)]
 pub struct LagHistory {
-    series: Mutex<BTreeMap<(u32, u32), VecDeque<LagSample>>>,
+    series: Mutex<BTreeMap<(u32, u32), Series>>,
     /// `(shard, seqno)` -> unix µs its leader accepted that record.
     written_us: Mutex<BTreeMap<(u32, u64), u64>>,
 }
@@ -31,9 +69,23 @@ impl LagHistory {
     pub fn record(&self, shard: u32, node: u32, sample: LagSample) {
         let mut series = self.series.lock().expect("lag history lock");
         let s = series.entry((shard, node)).or_default();
-        s.push_back(sample);
-        while s.len() > MAX_SAMPLES {
-            s.pop_front();
+        match s.runs.back_mut() {
+            Some(run) if Run::same_lag(&run.first, &sample) => {
+                run.count += 1;
+                run.last_at_unix_ms = sample.at_unix_ms;
+            }
+            _ => s.runs.push_back(Run { last_at_unix_ms: sample.at_unix_ms, first: sample, count: 1 }),
+        }
+        s.samples += 1;
+        while s.samples > MAX_SAMPLES {
+            let front = s.runs.front_mut().expect("samples are in runs");
+            if front.count == 1 {
+                s.runs.pop_front();
+            } else {
+                front.first.at_unix_ms = front.sample(1).at_unix_ms;
+                front.count -= 1;
+            }
+            s.samples -= 1;
         }
     }
 
@@ -49,7 +101,10 @@ impl LagHistory {
             .lock()
             .expect("lag history lock")
             .range((shard, 0)..=(shard, u32::MAX))
-            .map(|(&(_, node), s)| (node, s.iter().filter(|x| x.at_unix_ms >= since_unix_ms).cloned().collect()))
+            .map(|(&(_, node), s)| {
+                let samples = s.runs.iter().flat_map(|run| (0..run.count).map(|k| run.sample(k)));
+                (node, samples.filter(|x| x.at_unix_ms >= since_unix_ms).collect())
+            })
             .collect()
     }
 
@@ -65,7 +120,7 @@ impl LagHistory {
 
     /// Samples held, every series (for tests of the bound).
     pub fn len(&self) -> usize {
-        self.series.lock().expect("lag history lock").values().map(VecDeque::len).sum()
+        self.series.lock().expect("lag history lock").values().map(|s| s.samples).sum()
     }
 
     pub fn is_empty(&self) -> bool {
@@ -101,6 +156,32 @@ mod tests {
     #[test]
     fn a_follower_costs_at_most_64_kib() {
         assert!(std::mem::size_of::<LagSample>() * MAX_SAMPLES <= 64 << 10);
+    }
+
+    #[test]
+    fn equal_samples_are_one_run_and_read_back_one_a_second() {
+        let h = LagHistory::default();
+        let idle = |at| LagSample {
+            at_unix_ms: at,
+            lag_records: Some(0),
+            lag_bytes: Some(0),
+            lag_seconds: Some(0.0),
+            stale: false,
+        };
+        for k in 0..(2 * MAX_SAMPLES as u64) {
+            h.record(1, 2, idle(k * 1_000));
+        }
+        h.record(1, 2, sample(5_000_000));
+        assert_eq!(h.series.lock().unwrap()[&(1, 2)].runs.len(), 2, "one run of idle samples, one other");
+        assert_eq!(h.len(), MAX_SAMPLES);
+        let read = &h.of_shard(1, 0)[0].1;
+        assert_eq!(read.len(), MAX_SAMPLES);
+        // The newest idle samples, one a second, then the last one.
+        assert_eq!(read[0].at_unix_ms, (MAX_SAMPLES as u64 + 1) * 1_000);
+        assert_eq!(read[1].at_unix_ms - read[0].at_unix_ms, 1_000);
+        assert_eq!(read[MAX_SAMPLES - 2].at_unix_ms, (2 * MAX_SAMPLES as u64 - 1) * 1_000);
+        assert_eq!(read[MAX_SAMPLES - 1].at_unix_ms, 5_000_000);
+        assert_eq!(read[MAX_SAMPLES - 1].lag_records, Some(5_000_000));
     }
 
     #[test]

@@ -483,7 +483,7 @@ impl Coordinator {
         budget: &Arc<Budget>,
     ) -> Result<FailoverDrillResult, String> {
         let shard = request.shard;
-        let record = self.state().and_then(|s| s.shards.get(&shard).cloned()).ok_or("not active")?;
+        let record = self.shard_record(shard).map_err(|_| "not active")?;
         let (old_leader, old_epoch) = (record.leader.ok_or("no leader")?, record.epoch);
         self.drills.progress(id, "load running");
         let load = Load::start(self, shard, request.clients.max(1), 64, id, budget);
@@ -529,7 +529,7 @@ impl Coordinator {
         tokio::time::sleep(Duration::from_millis(request.phase_ms)).await;
         let acks = load.stop().await;
         let acks = acks.lock().await.clone();
-        let record = self.state().and_then(|s| s.shards.get(&shard).cloned()).ok_or("not active")?;
+        let record = self.shard_record(shard).map_err(|_| "not active")?;
         let new_leader = record.leader.ok_or("no leader after the drill")?;
         self.drills.progress(id, "verifying acknowledged records on every live replica");
         let (lost, divergent, checked) = self.verify(shard, new_leader, &record.replicas, &acks).await?;

@@ -146,6 +146,8 @@ pub struct ReplicationNode {
     quiet_links: quiet::QuietLinks,
     /// Follower side of quiet shards: what each leader node said is quiet.
     quiet_from: quiet::QuietFrom,
+    /// Per follower node: bumped when it answers again after failures.
+    peer_back: Mutex<BTreeMap<NodeId, tokio::sync::watch::Sender<u64>>>,
 }
 
 impl ReplicationNode {
@@ -208,6 +210,7 @@ impl ReplicationNode {
             fetch_tokens: Default::default(),
             quiet_links: Default::default(),
             quiet_from: Default::default(),
+            peer_back: Default::default(),
         });
         if !node.config.coordinated() {
             for spec in node.config.shards_of(me) {

@@ -105,8 +105,12 @@ async fn run_ship_stream(
     }
 }
 
-/// A follower's first probe after a failed call waits this long, doubling
-/// with every further failure up to [`PROBE_BACKOFF_MAX_US`].
+/// A follower whose calls failed this many times in a row is probed with
+/// a backoff: the next waits [`PROBE_BACKOFF_FIRST_US`], doubling with
+/// every further failure up to [`PROBE_BACKOFF_MAX_US`]. The first call
+/// that gets through (on any shard) ends every shard's backoff towards
+/// that node (`ReplicationNode::peer_back`).
+const PROBE_FAILURES_BEFORE_BACKOFF: u32 = 4;
 const PROBE_BACKOFF_FIRST_US: u64 = 25_000;
 const PROBE_BACKOFF_MAX_US: u64 = 1_000_000;
 
@@ -238,6 +242,7 @@ impl ReplicationNode {
         let mut quiet: Option<(Arc<super::quiet::QuietLink>, Arc<tokio::sync::Notify>)> = None;
         // Calls failed in a row, and when the last one failed.
         let (mut failures, mut last_failure_us) = (0u32, 0u64);
+        let mut peer_back = self.peer_back(follower).subscribe();
         loop {
             if let Some(written) = written.as_mut() {
                 let wrote = *written.borrow_and_update();
@@ -298,8 +303,11 @@ impl ReplicationNode {
             // probed less and less often, up to once a second: hundreds of
             // shards probing a dead node every few milliseconds would take
             // the CPU the live followers' answers need.
-            let backoff = PROBE_BACKOFF_FIRST_US.saturating_mul(1 << failures.min(16)).min(PROBE_BACKOFF_MAX_US);
-            let due = if failures > 0 { due.max(last_failure_us + backoff) } else { due };
+            let backing_off = failures > PROBE_FAILURES_BEFORE_BACKOFF;
+            let backoff = PROBE_BACKOFF_FIRST_US
+                .saturating_mul(1 << (failures - PROBE_FAILURES_BEFORE_BACKOFF.min(failures)).min(16))
+                .min(PROBE_BACKOFF_MAX_US);
+            let due = if backing_off { due.max(last_failure_us + backoff) } else { due };
             let keepalive = Duration::from_micros(due.saturating_sub(now_us()).max(1_000));
             let woken = quiet.as_ref().map(|(_, wake)| wake.clone());
             tokio::select! {
@@ -309,6 +317,10 @@ impl ReplicationNode {
                         failures += 1;
                         last_failure_us = now_us();
                     } else {
+                        if failures > PROBE_FAILURES_BEFORE_BACKOFF {
+                            // Back: every shard backing off from it probes now.
+                            self.peer_back(follower).send_modify(|g| *g += 1);
+                        }
                         failures = 0;
                     }
                     if matches!(reply, ShipReply::Applied { .. }) {
@@ -328,6 +340,7 @@ impl ReplicationNode {
                 changed = ship_limit.changed() => if changed.is_err() { break },
                 open = changed_if_watched(written.as_mut()), if in_flight.is_empty() => if !open { break },
                 _ = tokio::time::sleep(keepalive), if woken.is_none() => {}
+                _ = peer_back.changed(), if backing_off => failures = 0,
                 _ = async { woken.as_ref().expect("quiet").notified().await }, if woken.is_some() => {}
                 _ = stop.cancelled() => break,
             }
@@ -335,6 +348,12 @@ impl ReplicationNode {
         if let Some((link, _)) = quiet.take() {
             self.leave_quiet(&replica, &leader, follower, &link);
         }
+    }
+
+    /// Bumped when a call to `follower`'s node gets through after failing
+    /// calls: shippers backing off from it probe at once.
+    fn peer_back(&self, follower: NodeId) -> tokio::sync::watch::Sender<u64> {
+        self.peer_back.lock().entry(follower).or_insert_with(|| tokio::sync::watch::Sender::new(0)).clone()
     }
 
     /// Whether this shipper may go quiet towards `follower` (see

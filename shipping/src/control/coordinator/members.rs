@@ -268,8 +268,7 @@ impl Coordinator {
                 request.catch_up_timeout_s()
             )));
         }
-        let record = self.state().ok_or(CoordError::NotActive)?.shards.get(&shard).cloned();
-        let record = record.ok_or(CoordError::UnknownShard(shard))?;
+        let record = self.shard_record(shard)?;
         let plan = self.plan(shard, &record, &request)?;
         if !self.changes.running.lock().insert(shard) {
             return Err(conflict("change_in_progress", format!("a replica change of shard {shard} is running")));
@@ -432,10 +431,6 @@ impl Coordinator {
             })
             .min()
             .map(|(_, _, n)| n)
-    }
-
-    fn shard_record(&self, shard: u32) -> Result<ShardRecord, CoordError> {
-        self.state().ok_or(CoordError::NotActive)?.shards.get(&shard).cloned().ok_or(CoordError::UnknownShard(shard))
     }
 
     async fn drive_change(self: &Arc<Self>, id: &str, shard: u32, plan: &Plan) -> Result<(), CoordError> {

@@ -249,6 +249,10 @@ pub struct Coordinator {
     /// Automatic failovers running at once (see
     /// `reconcile::AUTOMATIC_FAILOVERS_AT_ONCE`).
     failover_slots: tokio::sync::Semaphore,
+    /// Replicas (node, shard) the reconcile loop is assigning now.
+    assigning: Mutex<std::collections::BTreeSet<(NodeId, u32)>>,
+    /// Reconcile assignments in flight at once (`reconcile::ASSIGNMENTS_AT_ONCE`).
+    assign_slots: tokio::sync::Semaphore,
 }
 
 /// Mints a PeerExchange fetch token: `(task id, shard, time to live)`.
@@ -357,6 +361,8 @@ impl Coordinator {
             pending: Mutex::default(),
             failing_over: Mutex::default(),
             failover_slots: tokio::sync::Semaphore::new(reconcile::AUTOMATIC_FAILOVERS_AT_ONCE),
+            assigning: Mutex::default(),
+            assign_slots: tokio::sync::Semaphore::new(reconcile::ASSIGNMENTS_AT_ONCE),
             started: Instant::now(),
             waiting_logged: Mutex::new(Default::default()),
             fetch_tokens: Default::default(),
@@ -388,8 +394,17 @@ impl Coordinator {
     }
 
     /// The state as this coordinator last wrote or read it, if active.
+    /// The whole leadership state (a copy: costly with many shards; see
+    /// [`Coordinator::shard_record`] for one).
     pub fn state(&self) -> Option<ClusterState> {
         self.active.lock().as_ref().map(|a| a.state.clone())
+    }
+
+    /// One shard's leadership record, as written.
+    pub fn shard_record(&self, shard: u32) -> Result<ShardRecord, CoordError> {
+        let active = self.active.lock();
+        let a = active.as_ref().ok_or(CoordError::NotActive)?;
+        a.state.shards.get(&shard).cloned().ok_or(CoordError::UnknownShard(shard))
     }
 
     pub fn is_active(&self) -> bool {
@@ -520,6 +535,10 @@ impl Coordinator {
         let since = active.as_ref().map_or_else(Instant::now, |a| a.since);
         if active.is_none() {
             tracing::info!(id = %self.id, term = state.lease.term, "active coordinator");
+            self.pending.lock().force_full();
+        } else if active.as_ref().is_some_and(|a| a.state.shards != state.shards) {
+            // The state moved under this lease (re-read): look at all of it.
+            self.pending.lock().force_full();
         }
         self.metrics.active.set(1);
         self.metrics.lease_term.set(state.lease.term as i64);

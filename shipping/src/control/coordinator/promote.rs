@@ -122,13 +122,7 @@ impl Coordinator {
         let _guard =
             if request.preview { lock.lock().await } else { lock.try_lock().map_err(|_| CoordError::Busy(shard))? };
         let started = Instant::now();
-        let record = self
-            .state()
-            .ok_or(CoordError::NotActive)?
-            .shards
-            .get(&shard)
-            .cloned()
-            .ok_or(CoordError::UnknownShard(shard))?;
+        let record = self.shard_record(shard)?;
         // While the replica set changes, a failover goes back to the set
         // before the change (everything acknowledged is on a majority of it)
         // and promotes only one of its members.

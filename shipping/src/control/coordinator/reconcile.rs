@@ -13,19 +13,22 @@ use walship_proto::log::AssignRequest;
 use super::*;
 use crate::control::liveness::{self, FollowerReport};
 
-/// What the next reconcile round looks at. A round looks at every shard
-/// when one is due: every [`FULL_ROUND_EVERY`], after the state changed
-/// (a new revision), in the first leader timeout after this coordinator
-/// became active, and while any node is silent (its shards' leaders may be
-/// lost). Between them it looks only at the shards a heartbeat reported a
-/// change of, and those a round left something under way for (a failover,
-/// an assignment not yet taken, a replica change): an idle cluster's rounds
-/// cost nothing per shard.
+/// What the next reconcile round looks at. A *full* round looks at every
+/// shard: the first round after this coordinator becomes active, then
+/// every [`FULL_ROUND_EVERY`] (or less often when a full round is costly:
+/// at most 5 % of the time goes to them), and, while a node misses its
+/// heartbeats (its shards' leaders may be lost), as often as keeps full
+/// rounds under a quarter of the time. Between them a round looks only at
+/// the shards a heartbeat reported a change of, those the leadership record
+/// changed for, and those a round left something under way for (a
+/// failover, an assignment not yet taken, a replica change): an idle
+/// cluster's rounds cost nothing per shard.
 #[derive(Default)]
 pub(crate) struct Pending {
     pub(crate) shards: std::collections::BTreeSet<u32>,
     last_full: Option<Instant>,
-    revision: u64,
+    /// How long the last full round took.
+    full_cost: Duration,
 }
 
 /// Automatic failovers run at once, the rest queued. Their record writes
@@ -34,29 +37,40 @@ pub(crate) struct Pending {
 /// flooding the surviving nodes all at once.
 pub(crate) const AUTOMATIC_FAILOVERS_AT_ONCE: usize = 64;
 
-/// A round that looks at every shard runs at least this often.
+/// Assignments the reconcile loop has in flight at once, the rest queued.
+pub(crate) const ASSIGNMENTS_AT_ONCE: usize = 128;
+
+/// A round that looks at every shard runs at least this often (unless it
+/// costs more than 5 % of the time).
 const FULL_ROUND_EVERY: Duration = Duration::from_secs(1);
 
 impl Pending {
-    fn full_due(&self, revision: u64, since: Instant, node_silent: bool) -> bool {
-        node_silent
-            || revision != self.revision
-            || since.elapsed() < FULL_ROUND_EVERY * 2
-            || self.last_full.is_none_or(|t| t.elapsed() >= FULL_ROUND_EVERY)
+    fn full_due(&self, node_silent: bool) -> bool {
+        let Some(last) = self.last_full else { return true };
+        let since = last.elapsed();
+        if node_silent { since >= self.full_cost * 4 } else { since >= FULL_ROUND_EVERY.max(self.full_cost * 20) }
+    }
+
+    /// The next round looks at every shard (a new active term).
+    pub(crate) fn force_full(&mut self) {
+        self.last_full = None;
     }
 
     /// The shards to look at: `None` for every shard (a full round).
-    fn take(&mut self, full: bool, revision: u64) -> Option<std::collections::BTreeSet<u32>> {
+    fn take(&mut self, full: bool) -> Option<std::collections::BTreeSet<u32>> {
         let shards = std::mem::take(&mut self.shards);
         if full {
             self.last_full = Some(Instant::now());
-            self.revision = revision;
             None
         } else {
             Some(shards)
         }
     }
 }
+
+/// One reconcile round's records, when this coordinator became active, and
+/// whether the round looks at every shard.
+type Round = (Vec<(u32, ShardRecord)>, Instant, bool);
 
 impl Coordinator {
     pub(super) async fn run_reconcile(self: Arc<Self>) {
@@ -75,19 +89,19 @@ impl Coordinator {
     }
 
     /// Which shards this round looks at: all of them in a full round (see
-    /// [`Pending`]), otherwise the pending ones. Their records, and when
-    /// this coordinator became active.
-    fn round_records(&self) -> Option<(Vec<(u32, ShardRecord)>, Instant)> {
+    /// [`Pending`]), otherwise the pending ones. Their records, when this
+    /// coordinator became active, and whether the round is a full one.
+    fn round_records(&self) -> Option<Round> {
         let active = self.active.lock();
         let a = active.as_ref().filter(|a| Instant::now() < a.lease_until)?;
         let mut pending = self.pending.lock();
-        let full = pending.full_due(a.revision, a.since, self.node_silent());
-        let shards = pending.take(full, a.revision);
+        let full = pending.full_due(self.node_silent());
+        let shards = pending.take(full);
         let records = match shards {
             None => a.state.shards.iter().map(|(&id, r)| (id, r.clone())).collect(),
             Some(ids) => ids.into_iter().filter_map(|id| a.state.shards.get(&id).map(|r| (id, r.clone()))).collect(),
         };
-        Some((records, a.since))
+        Some((records, a.since, full))
     }
 
     /// Whether a node this coordinator heard from has missed two heartbeat
@@ -100,7 +114,8 @@ impl Coordinator {
     }
 
     fn reconcile_round(self: &Arc<Self>) {
-        let Some((records, since)) = self.round_records() else { return };
+        let started = Instant::now();
+        let Some((records, since, full)) = self.round_records() else { return };
         let timeout = Duration::from_millis(self.config.replication.leader_timeout_ms);
         // Shards to look at again next round: something is under way.
         let mut again = Vec::new();
@@ -179,9 +194,14 @@ impl Coordinator {
                     continue;
                 }
                 again.push(shard);
+                // At most one assignment per replica in flight, at most
+                // ASSIGNMENTS_AT_ONCE in all (a coordinator starting on
+                // thousands of shards would otherwise open tens of
+                // thousands of calls at once), and none again within 200 ms.
                 let due = {
                     let mut assigned = self.assigned.lock();
-                    let due = assigned.get(&(replica, shard)).is_none_or(|t| t.elapsed() > Duration::from_millis(200));
+                    let due = assigned.get(&(replica, shard)).is_none_or(|t| t.elapsed() > Duration::from_millis(200))
+                        && self.assigning.lock().insert((replica, shard));
                     if due {
                         assigned.insert((replica, shard), Instant::now());
                     }
@@ -190,14 +210,29 @@ impl Coordinator {
                 if due {
                     let me = self.clone();
                     let record = record.clone();
-                    tokio::spawn(async move { me.assign(shard, &record, leader, replica).await });
+                    tokio::spawn(async move {
+                        let slot = me.assign_slots.acquire().await;
+                        // The record may have moved on while it queued.
+                        let current = me.shard_record(shard).ok();
+                        if current.as_ref() == Some(&record) {
+                            me.assign(shard, &record, leader, replica).await;
+                        }
+                        drop(slot);
+                        me.assigning.lock().remove(&(replica, shard));
+                        // Looked at again: assigned now, or still not in line.
+                        me.pending.lock().shards.insert(shard);
+                    });
                 }
             }
             if !record.joint.is_empty() || !record.learners.is_empty() {
                 again.push(shard);
             }
         }
-        self.pending.lock().shards.extend(again);
+        let mut pending = self.pending.lock();
+        pending.shards.extend(again);
+        if full {
+            pending.full_cost = started.elapsed();
+        }
     }
 
     /// Logs an automatic failover that found no majority: WARN once a

@@ -12,8 +12,8 @@
 //! whatever is queued along with it instead of waiting behind it.
 //!
 //! Rules kept here:
-//! * a change is applied to a copy: one that fails leaves the working copy
-//!   as it was, and its caller gets its error;
+//! * a change checks before it changes anything: one that fails leaves the
+//!   working copy as it was, and its caller gets its error;
 //! * a caller is answered `Ok` only once a write carrying its change
 //!   succeeded; a failed write fails every change it carried and every
 //!   change queued on top of them (they were decided on a state that was
@@ -94,33 +94,24 @@ impl Coordinator {
     }
 
     /// Applies `change` to the state and returns its output once a write
-    /// carrying it succeeded (see the module docs).
+    /// carrying it succeeded (see the module docs). A change checks first
+    /// and changes after: one that returns an error must have changed
+    /// nothing (it is applied to the working copy in place; copying the
+    /// whole state per change would cost O(shards) each).
     pub(super) async fn mutate<T>(
         &self,
         change: impl FnOnce(&mut ClusterState) -> Result<T, CoordError>,
     ) -> Result<T, CoordError> {
         let (seq, out) = {
             let mut queued = self.queued.lock();
-            let base = match queued.state.take() {
-                Some(state) => state,
-                None => {
-                    let active = self.active.lock();
-                    let a = active.as_ref().filter(|a| Instant::now() < a.lease_until).ok_or(CoordError::NotActive)?;
-                    a.state.clone()
-                }
-            };
-            let mut trial = base.clone();
-            match change(&mut trial) {
-                Ok(out) => {
-                    queued.state = Some(trial);
-                    queued.applied += 1;
-                    (queued.applied, out)
-                }
-                Err(e) => {
-                    queued.state = Some(base);
-                    return Err(e);
-                }
+            if queued.state.is_none() {
+                let active = self.active.lock();
+                let a = active.as_ref().filter(|a| Instant::now() < a.lease_until).ok_or(CoordError::NotActive)?;
+                queued.state = Some(a.state.clone());
             }
+            let out = change(queued.state.as_mut().expect("set above"))?;
+            queued.applied += 1;
+            (queued.applied, out)
         };
         let _write = self.write.lock().await;
         if let Some(outcome) = self.queued.lock().outcome(seq) {
@@ -155,6 +146,10 @@ impl Coordinator {
                 if let Some(a) = self.active.lock().as_mut()
                     && a.revision == revision
                 {
+                    // The next reconcile round looks at what changed.
+                    let changed =
+                        state.shards.iter().filter(|(id, r)| a.state.shards.get(id) != Some(r)).map(|(id, _)| *id);
+                    self.pending.lock().shards.extend(changed);
                     a.state = state;
                     a.revision = new_revision;
                 }
