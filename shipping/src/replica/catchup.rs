@@ -39,6 +39,7 @@ impl ReplicationNode {
     ) -> Result<tokio::sync::mpsc::Receiver<Result<ShipSegmentRequest, tonic::Status>>, ReplicaError> {
         // Partition drill: a cut follower's catch-up request is refused.
         self.check_partition(request.follower_node_id)?;
+        self.peer_alive(request.follower_node_id);
         let replica = self.replica_or_not_found(request.shard_id)?;
         let Some(leader) = replica.leader_state() else {
             let hint = replica.leader_id(self.me).map_or("unknown".to_string(), |l| self.describe(l));

@@ -214,6 +214,7 @@ impl ReplicationNode {
         if self.drill_partition.blocks(leader) {
             return Err(Status::unavailable(format!("partition drill: node {leader} is cut off")));
         }
+        self.peer_alive(leader);
         let mut refused = Vec::new();
         let mut from = self.quiet_from.from.lock();
         let f = from.entry(leader).or_default();

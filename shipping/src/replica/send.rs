@@ -109,7 +109,8 @@ async fn run_ship_stream(
 /// a backoff: the next waits [`PROBE_BACKOFF_FIRST_US`], doubling with
 /// every further failure up to [`PROBE_BACKOFF_MAX_US`]. The first call
 /// that gets through (on any shard) ends every shard's backoff towards
-/// that node (`ReplicationNode::peer_back`).
+/// that node, as does that node pulling a catch-up stream or sending a
+/// node keepalive here (`ReplicationNode::peer_back`).
 const PROBE_FAILURES_BEFORE_BACKOFF: u32 = 4;
 const PROBE_BACKOFF_FIRST_US: u64 = 25_000;
 const PROBE_BACKOFF_MAX_US: u64 = 1_000_000;
@@ -354,6 +355,14 @@ impl ReplicationNode {
     /// calls: shippers backing off from it probe at once.
     fn peer_back(&self, follower: NodeId) -> tokio::sync::watch::Sender<u64> {
         self.peer_back.lock().entry(follower).or_insert_with(|| tokio::sync::watch::Sender::new(0)).clone()
+    }
+
+    /// `node` showed it is up (it pulled a catch-up stream from this node,
+    /// or sent it a node keepalive): shippers backing off from it probe now.
+    pub(super) fn peer_alive(&self, node: NodeId) {
+        if node != self.me && self.config.node(node).is_some() {
+            self.peer_back(node).send_modify(|g| *g += 1);
+        }
     }
 
     /// Whether this shipper may go quiet towards `follower` (see
