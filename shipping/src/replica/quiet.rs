@@ -202,6 +202,12 @@ impl ReplicationNode {
         self.config.replication.quiesce
     }
 
+    /// How long a node link may go without a positive node keepalive (two
+    /// periods) before its quiet shards count as unheard, on both sides.
+    fn quiet_silence_us(&self) -> u64 {
+        2 * self.config.replication.keepalive().as_micros() as u64
+    }
+
     /// The follower side of `NodeKeepalive` (see the module docs).
     pub fn on_node_keepalive(&self, request: &NodeKeepaliveRequest) -> Result<NodeKeepaliveResponse, Status> {
         let leader = request.leader_node_id;
@@ -269,7 +275,7 @@ impl ReplicationNode {
         let view = replica.view();
         match view.role {
             crate::core::replica::Role::Follower { leader } => {
-                let silent_after = 2 * self.config.replication.keepalive().as_micros() as u64;
+                let silent_after = self.quiet_silence_us();
                 self.quiet_from
                     .contact(replica.shard, leader, view.epoch.0)
                     .is_some_and(|heard| now_us().saturating_sub(heard) <= silent_after)
@@ -282,7 +288,7 @@ impl ReplicationNode {
     /// shards quiet from it are reported again (their leader's silence
     /// grows). Per leader node, not per shard, while nothing is silent.
     pub(super) fn unsettle_silent_leaders(&self) {
-        let silent_after = 2 * self.config.replication.keepalive().as_micros() as u64;
+        let silent_after = self.quiet_silence_us();
         let now = now_us();
         let mut silent = Vec::new();
         for f in self.quiet_from.from.lock().values_mut() {
@@ -376,7 +382,7 @@ impl ReplicationNode {
             }
             // No positive answer for two periods (answers that keep
             // disagreeing on the set): the shards look after themselves.
-            let stale = now_us().saturating_sub(state.contact_sent_us) > 2 * period.as_micros() as u64;
+            let stale = now_us().saturating_sub(state.contact_sent_us) > self.quiet_silence_us();
             if stale && !state.shards.is_empty() && state.shards.values().all(|e| e.announced_us.is_some()) {
                 state.wake_all();
             }

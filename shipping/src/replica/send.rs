@@ -320,7 +320,7 @@ impl ReplicationNode {
                     } else {
                         if failures > PROBE_FAILURES_BEFORE_BACKOFF {
                             // Back: every shard backing off from it probes now.
-                            self.peer_back(follower).send_modify(|g| *g += 1);
+                            self.peer_alive(follower);
                         }
                         failures = 0;
                     }

@@ -200,7 +200,7 @@ impl ReplicationNode {
 
     pub(super) async fn run_heartbeats(self: Arc<Self>) {
         let interval = Duration::from_millis(self.config.replication.heartbeat_ms);
-        let targets: Vec<_> = self
+        let mut targets: Vec<HeartbeatTarget> = self
             .config
             .coordinators
             .iter()
@@ -208,7 +208,6 @@ impl ReplicationNode {
             .chain(self.config.replication.heartbeat_to.map(crate::config::Address::from))
             .map(|a| HeartbeatTarget::new(self.peers.transport().channel(&a)))
             .collect();
-        let mut targets: Vec<HeartbeatTarget> = targets;
         let mut tick = tokio::time::interval(interval);
         tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
         let mut last_records: BTreeMap<ShardId, (u64, Instant)> = BTreeMap::new();
@@ -340,13 +339,9 @@ impl ReplicationNode {
                     continue;
                 }
                 set_at.insert(replica.shard, activity);
-                let Some(leader) = replica.leader_state() else { continue };
-                let core = leader.core.lock();
-                for (id, progress) in core.followers() {
-                    if let Some(lag) = core.lag(id, now) {
-                        self.metrics.set_follower(replica.shard, id, &progress, &lag);
-                    }
-                }
+                each_follower_lag(&replica, now, |id, progress, lag| {
+                    self.metrics.set_follower(replica.shard, id, progress, lag)
+                });
             }
         }
     }
@@ -364,13 +359,9 @@ impl ReplicationNode {
             let now = now_us();
             let mut followers = BTreeMap::<NodeId, crate::metrics::FollowerAggregate>::new();
             for replica in self.replicas() {
-                let Some(leader) = replica.leader_state() else { continue };
-                let core = leader.core.lock();
-                for (id, progress) in core.followers() {
-                    if let Some(lag) = core.lag(id, now) {
-                        followers.entry(id).or_default().add(&progress, &lag);
-                    }
-                }
+                each_follower_lag(&replica, now, |id, progress, lag| {
+                    followers.entry(id).or_default().add(progress, lag)
+                });
             }
             self.metrics.set_followers_aggregate(&followers);
         }
@@ -390,6 +381,21 @@ fn follower_status(id: NodeId, progress: &FollowerProgress, lag: &Lag, now: u64)
         lag_apply_seconds: lag.apply_seconds,
         last_reply_ms_ago: progress.last_reply_us.map(|t| now.saturating_sub(t) / 1_000),
         position_known: progress.last_reply_us.is_some(),
+    }
+}
+
+/// Each follower's progress and lag at `now`, if `replica` leads.
+fn each_follower_lag(
+    replica: &super::ShardReplica,
+    now: u64,
+    mut f: impl FnMut(NodeId, &crate::core::leader::FollowerProgress, &crate::core::leader::Lag),
+) {
+    let Some(leader) = replica.leader_state() else { return };
+    let core = leader.core.lock();
+    for (id, progress) in core.followers() {
+        if let Some(lag) = core.lag(id, now) {
+            f(id, &progress, &lag);
+        }
     }
 }
 

@@ -393,8 +393,8 @@ impl Coordinator {
         self.kv.describe()
     }
 
-    /// The state as this coordinator last wrote or read it, if active.
-    /// The whole leadership state (a copy: costly with many shards; see
+    /// The state as this coordinator last wrote or read it, if active: a
+    /// copy of every shard's record, costly with many shards (see
     /// [`Coordinator::shard_record`] for one).
     pub fn state(&self) -> Option<ClusterState> {
         self.active.lock().as_ref().map(|a| a.state.clone())

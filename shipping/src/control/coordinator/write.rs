@@ -60,12 +60,19 @@ impl Failure {
 impl Queued {
     /// Settles every change applied so far.
     fn settle(&mut self, failure: Option<Failure>) {
-        if self.applied > self.settled {
-            self.outcomes.push_back((self.settled + 1, self.applied, failure.clone()));
+        self.settle_through(self.applied, failure);
+    }
+
+    /// Settles the changes through `upto` (a write carried them); those
+    /// applied after stay queued, on top. A failure drops the working copy,
+    /// so callers settle everything on one.
+    fn settle_through(&mut self, upto: u64, failure: Option<Failure>) {
+        if upto > self.settled {
+            self.outcomes.push_back((self.settled + 1, upto, failure.clone()));
             while self.outcomes.len() > OUTCOMES_KEPT {
                 self.outcomes.pop_front();
             }
-            self.settled = self.applied;
+            self.settled = upto;
         }
         if failure.is_some() {
             self.state = None;
@@ -125,21 +132,18 @@ impl Coordinator {
     /// Writes the working copy with everything queued. Call with the write
     /// lock held.
     async fn flush(&self) {
-        let (state, revision) = {
-            let queued = self.queued.lock();
+        // The copy written and the changes it carries, read together: a
+        // change applied after the copy was taken is not settled by it.
+        let (state, upto, revision) = {
+            let mut queued = self.queued.lock();
             let Some(state) = queued.state.clone() else { return };
-            let active = self.active.lock();
-            match active.as_ref().filter(|a| Instant::now() < a.lease_until) {
-                Some(a) => (state, a.revision),
-                None => {
-                    drop(active);
-                    drop(queued);
-                    self.queued.lock().settle(Some(Failure::NotActive));
-                    return;
-                }
-            }
+            let revision = self.active.lock().as_ref().filter(|a| Instant::now() < a.lease_until).map(|a| a.revision);
+            let Some(revision) = revision else {
+                queued.settle(Some(Failure::NotActive));
+                return;
+            };
+            (state, queued.applied, revision)
         };
-        let upto = self.queued.lock().applied;
         self.metrics.state_writes.inc();
         match self.kv.update(STATE_KEY, Self::encode(&state), revision).await {
             Ok(new_revision) => {
@@ -153,12 +157,7 @@ impl Coordinator {
                     a.state = state;
                     a.revision = new_revision;
                 }
-                let mut queued = self.queued.lock();
-                // Changes queued during the write stay queued, on top.
-                let applied = queued.applied;
-                queued.applied = upto;
-                queued.settle(None);
-                queued.applied = applied;
+                self.queued.lock().settle_through(upto, None);
             }
             Err(KvError::Conflict { .. }) => {
                 tracing::warn!(id = %self.id, "KV revision moved under this coordinator: stepping down");
@@ -226,10 +225,7 @@ impl Coordinator {
                     Ok(revision) => {
                         if let Some(upto) = upto {
                             let mut queued = self.queued.lock();
-                            let applied = queued.applied;
-                            queued.applied = upto;
-                            queued.settle(None);
-                            queued.applied = applied;
+                            queued.settle_through(upto, None);
                             // The working copy carries the renewed lease too.
                             if let Some(working) = queued.state.as_mut() {
                                 working.lease = state.lease.clone();
@@ -267,6 +263,15 @@ mod tests {
         assert!(matches!(q.outcome(4), Some(Err(CoordError::NotActive))));
         assert!(q.outcome(6).is_none());
         assert!(q.state.is_none(), "a failed batch drops the working copy");
+    }
+
+    #[test]
+    fn a_write_settles_only_what_it_carried() {
+        let mut q = Queued { applied: 5, ..Default::default() };
+        q.settle_through(3, None);
+        assert!(matches!(q.outcome(3), Some(Ok(()))));
+        assert!(q.outcome(4).is_none(), "applied after the write's copy: still queued");
+        assert_eq!(q.applied, 5);
     }
 
     #[test]
