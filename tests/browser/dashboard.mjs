@@ -3,14 +3,10 @@
 // failover drill with the page's button (answering the token prompt), waits
 // for the report, saves a screenshot, and prints the report as JSON.
 // Usage: node dashboard.mjs <dashboard url> <token> <shard> <leader> <screenshot.png>
-import { chromium } from "playwright-core";
+import { launch } from "./launch.mjs";
 
 const [url, token, shard, leader, shot] = process.argv.slice(2);
-const browser = await chromium.launch({
-  executablePath: process.env.WALSHIP_CHROMIUM || "/usr/bin/chromium",
-  args: ["--no-sandbox", "--disable-gpu", "--disable-background-networking", "--disable-quic",
-         "--no-first-run", "--disable-component-update", "--disable-sync"],
-});
+const browser = await launch();
 try {
   const page = await browser.newPage({ viewport: { width: 1400, height: 1200 } });
   const errors = [];

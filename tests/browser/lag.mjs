@@ -9,17 +9,13 @@
 // Both save a screenshot.
 // Usage: node lag.mjs catchup|reseed <dashboard url> <token> <follower> <screenshot.png>
 //        node lag.mjs inspect <dashboard url> <screenshot.png>
-import { chromium } from "playwright-core";
+import { launch } from "./launch.mjs";
 
 const mode = process.argv[2];
 const drill = mode === "catchup" || mode === "reseed";
 const [url, token, follower, shot] = drill ? process.argv.slice(3)
   : [process.argv[3], null, null, process.argv[4]];
-const browser = await chromium.launch({
-  executablePath: process.env.WALSHIP_CHROMIUM || "/usr/bin/chromium",
-  args: ["--no-sandbox", "--disable-gpu", "--disable-background-networking", "--disable-quic",
-         "--no-first-run", "--disable-component-update", "--disable-sync"],
-});
+const browser = await launch();
 try {
   const page = await browser.newPage({ viewport: { width: 1400, height: 1800 } });
   const errors = [];

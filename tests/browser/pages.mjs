@@ -3,14 +3,10 @@
 // first page, the next one, then only the shards needing attention.
 // Prints what each view showed as JSON.
 // Usage: node pages.mjs <dashboard url>
-import { chromium } from "playwright-core";
+import { launch } from "./launch.mjs";
 
 const [url] = process.argv.slice(2);
-const browser = await chromium.launch({
-  executablePath: process.env.WALSHIP_CHROMIUM || "/usr/bin/chromium",
-  args: ["--no-sandbox", "--disable-gpu", "--disable-background-networking", "--disable-quic",
-         "--no-first-run", "--disable-component-update", "--disable-sync"],
-});
+const browser = await launch();
 try {
   const page = await browser.newPage({ viewport: { width: 1400, height: 1200 } });
   const errors = [];
