@@ -101,15 +101,32 @@ use crate::record::Frame;
 use crate::recovery_log::RecoveryFinding;
 use crate::segment::Segment;
 use crate::store::{
-    LogBounds, LogStore, ShardAppend, ShardId, StartupDamage, StoreError, StoreResult, check_compact, check_continues,
-    check_range, check_truncate,
+    LogBounds, LogStore, ShardAppend, ShardId, SnapshotChanges, StartupDamage, StoreError, StoreResult, check_compact,
+    check_continues, check_range, check_truncate,
 };
 use crate::zero_fill::ZeroFilledFs;
+use bytes::Bytes;
 
 const FIRST_KEY: &[u8] = b"walship/first";
 const EPOCH_KEY: &[u8] = b"walship/epoch";
 const LOG_EPOCH_KEY: &[u8] = b"walship/log-epoch";
 const NEXT_CHUNK_KEY: &[u8] = b"walship/next-chunk";
+/// Producer snapshots: this prefix, then the seqno big-endian (so keys sort
+/// by seqno).
+const PRODUCERS_PREFIX: &[u8] = b"walship/producers/";
+
+fn producers_key(seqno: u64) -> Vec<u8> {
+    let mut key = PRODUCERS_PREFIX.to_vec();
+    key.extend_from_slice(&seqno.to_be_bytes());
+    key
+}
+
+/// The first key after every producer snapshot key.
+fn producers_end() -> Vec<u8> {
+    let mut end = PRODUCERS_PREFIX.to_vec();
+    *end.last_mut().expect("non-empty") += 1;
+    end
+}
 /// Present only between a graceful shutdown and the next open.
 pub const CLEAN_SHUTDOWN_FILE: &str = "walship-clean-shutdown";
 /// The newest log file's sequence number at the previous open.
@@ -614,6 +631,25 @@ impl EngineStore {
 
     /// Durably raises a per-shard counter kept under `key` to `value`; a
     /// lower value is ignored.
+    /// The shard's producer snapshots, ascending by seqno.
+    fn snapshot_keys(&self, shard: ShardId) -> StoreResult<Vec<(u64, Bytes)>> {
+        let mut found = Vec::new();
+        let mut bad = None;
+        self.engine
+            .scan_raw_messages(region(shard), Some(PRODUCERS_PREFIX), Some(&producers_end()), false, |key, value| {
+                match key[PRODUCERS_PREFIX.len().min(key.len())..].try_into() {
+                    Ok(seqno) => found.push((u64::from_be_bytes(seqno), Bytes::copy_from_slice(value))),
+                    Err(_) => bad = Some(key.to_vec()),
+                }
+                true
+            })
+            .map_err(io)?;
+        if let Some(key) = bad {
+            return Err(StoreError::Io(format!("shard {shard}: malformed producer snapshot key {key:?}")));
+        }
+        Ok(found)
+    }
+
     fn raise_u64(&self, shard: ShardId, key: &[u8], value: u64) -> StoreResult<()> {
         self.state(shard)?;
         let _guard = self.epoch_lock.lock();
@@ -866,7 +902,7 @@ impl LogStore for EngineStore {
         self.state(shard)
     }
 
-    fn append(&self, parts: &[ShardAppend], sync: bool) -> StoreResult<()> {
+    fn append_with_snapshots(&self, parts: &[ShardAppend], snapshots: &SnapshotChanges, sync: bool) -> StoreResult<()> {
         let _writer = self.write_lock.lock();
         // Validate everything first (all or nothing), then build one batch.
         let mut per_shard: BTreeMap<ShardId, Vec<&Frame>> = BTreeMap::new();
@@ -885,6 +921,12 @@ impl LogStore for EngineStore {
         for (shard, frames) in per_shard {
             plans.push(self.plan_append(shard, &frames, &mut batch)?);
         }
+        for (shard, seqno) in &snapshots.drop {
+            batch.delete(region(*shard), producers_key(*seqno));
+        }
+        for (shard, seqno, bytes) in &snapshots.put {
+            batch.put(region(*shard), producers_key(*seqno), bytes.to_vec()).map_err(io)?;
+        }
         if sync && batch.is_empty() {
             batch = Self::sync_marker();
         }
@@ -900,6 +942,11 @@ impl LogStore for EngineStore {
             }
         }
         Ok(())
+    }
+
+    fn producer_snapshots(&self, shard: ShardId) -> StoreResult<Vec<(u64, Bytes)>> {
+        self.state(shard)?;
+        self.snapshot_keys(shard)
     }
 
     fn read(&self, shard: ShardId, from: u64, to: u64, max_bytes: usize) -> StoreResult<Vec<Frame>> {
@@ -1037,6 +1084,11 @@ impl LogStore for EngineStore {
             }
             Plan { shard, write_from: cut, written: vec![tombstone], seal_old_tail: false, tail_after: None }
         };
+        for (seqno, _) in self.snapshot_keys(shard)? {
+            if seqno > keep_through {
+                batch.delete(group, producers_key(seqno));
+            }
+        }
         self.write(&mut batch, true)?;
         let mut shards = self.shards.lock();
         let state = shards.get_mut(&shard).expect("checked");
@@ -1061,6 +1113,11 @@ impl LogStore for EngineStore {
         };
         let mut batch = LogBatch::default();
         put_u64(&mut batch, group, FIRST_KEY, first_kept)?;
+        for (seqno, _) in self.snapshot_keys(shard)? {
+            if seqno + 1 < first_kept {
+                batch.delete(group, producers_key(seqno));
+            }
+        }
         if keep_from > first_index && first_index < next {
             batch.add_command(group, Command::Compact { index: keep_from });
             for index in first_index..keep_from {

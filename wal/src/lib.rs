@@ -12,6 +12,9 @@
 //!   what it costs in memory ([`LogStore::index_bytes`]).
 //! * [`disk_space`]: the free-space reserve (`wal.min_free_bytes`) appends
 //!   are refused below, before the WAL meets a real `ENOSPC`.
+//! * [`producers`]: producer sessions (exactly-once appends): the table of
+//!   what each producer wrote, rebuilt from the records' stamps, and its
+//!   snapshots kept beside the log.
 //! * [`wal`]: [`Wal`], the sequencer and group-commit persister shared by
 //!   every shard on the node, with per-shard positions and watches of the
 //!   written and durable seqnos.
@@ -30,6 +33,7 @@ pub mod failpoints;
 pub mod limiter;
 pub mod mem_store;
 pub mod metrics;
+pub mod producers;
 pub mod record;
 pub mod recovery_log;
 pub mod segment;
@@ -45,10 +49,11 @@ pub use disk_space::{DiskFull, DiskSpace};
 pub use engine_store::{DEFAULT_SPARE_BYTES, EngineStore, EngineStoreConfig};
 pub use mem_store::MemStore;
 pub use metrics::WalMetrics;
-pub use record::{CodecError, Frame, RecordFields};
+pub use producers::{ProducerLimits, ProducerRefusal};
+pub use record::{CodecError, Frame, ProducerStamp, RecordFields};
 pub use segment::{Segment, SegmentHeader};
-pub use store::{LogBounds, LogStore, ShardAppend, ShardId, StartupDamage, StoreError};
+pub use store::{LogBounds, LogStore, ShardAppend, ShardId, SnapshotChanges, StartupDamage, StoreError};
 pub use wal::{
-    Appended, DEFAULT_SCRUB_BYTES_PER_S, DEFAULT_SCRUB_INTERVAL, NewRecord, Positions, ShardCounters, Wal, WalConfig,
-    WalError,
+    AppendOptions, AppendOutcome, Appended, DEFAULT_PRODUCER_SNAPSHOT_BYTES, DEFAULT_SCRUB_BYTES_PER_S,
+    DEFAULT_SCRUB_INTERVAL, NewRecord, Positions, ProducerStats, ShardCounters, Wal, WalConfig, WalError,
 };

@@ -18,8 +18,8 @@ use parking_lot::Mutex;
 
 use crate::record::Frame;
 use crate::store::{
-    LogBounds, LogStore, ShardAppend, ShardId, StartupDamage, StoreError, StoreResult, check_compact, check_continues,
-    check_range, check_truncate,
+    LogBounds, LogStore, ShardAppend, ShardId, SnapshotChanges, StartupDamage, StoreError, StoreResult, check_compact,
+    check_continues, check_range, check_truncate,
 };
 
 #[derive(Debug)]
@@ -33,6 +33,8 @@ struct MemShard {
     /// Records through this seqno were verified by the last check (a clean
     /// shutdown or a crash's tail check).
     checked_through: u64,
+    /// Producer snapshots by seqno.
+    snapshots: BTreeMap<u64, Bytes>,
 }
 
 impl MemShard {
@@ -91,6 +93,7 @@ impl MemStore {
             let keep = (shard.durable_seqno + 1 - shard.first_seqno) as usize;
             shard.frames.truncate(keep);
             let last = shard.bounds().last_seqno;
+            shard.snapshots.retain(|seqno, _| *seqno <= last);
             if !clean {
                 let from = shard.checked_through.max(shard.first_seqno - 1) + 1;
                 let mut seqno = from;
@@ -142,6 +145,7 @@ impl LogStore for MemStore {
             durable_seqno: 0,
             frames: VecDeque::new(),
             checked_through: 0,
+            snapshots: BTreeMap::new(),
         });
         Ok(())
     }
@@ -155,7 +159,7 @@ impl LogStore for MemStore {
         Ok(shards.get(&shard).ok_or(StoreError::UnknownShard(shard))?.bounds())
     }
 
-    fn append(&self, batch: &[ShardAppend], sync: bool) -> StoreResult<()> {
+    fn append_with_snapshots(&self, batch: &[ShardAppend], snapshots: &SnapshotChanges, sync: bool) -> StoreResult<()> {
         let mut shards = self.shards.lock();
         // Validate every part before touching anything: all or nothing.
         let mut next: BTreeMap<ShardId, u64> = BTreeMap::new();
@@ -169,12 +173,28 @@ impl LogStore for MemStore {
             let s = shards.get_mut(&part.shard).expect("validated");
             s.frames.extend(part.frames.iter().map(|f| f.as_bytes().clone()));
         }
+        for (shard, seqno) in &snapshots.drop {
+            if let Some(s) = shards.get_mut(shard) {
+                s.snapshots.remove(seqno);
+            }
+        }
+        for (shard, seqno, bytes) in &snapshots.put {
+            if let Some(s) = shards.get_mut(shard) {
+                s.snapshots.insert(*seqno, bytes.clone());
+            }
+        }
         if sync {
             for s in shards.values_mut() {
                 s.durable_seqno = s.bounds().last_seqno;
             }
         }
         Ok(())
+    }
+
+    fn producer_snapshots(&self, shard: ShardId) -> StoreResult<Vec<(u64, Bytes)>> {
+        let shards = self.shards.lock();
+        let s = shards.get(&shard).ok_or(StoreError::UnknownShard(shard))?;
+        Ok(s.snapshots.iter().map(|(seqno, bytes)| (*seqno, bytes.clone())).collect())
     }
 
     fn read(&self, shard: ShardId, from: u64, to: u64, max_bytes: usize) -> StoreResult<Vec<Frame>> {
@@ -214,6 +234,7 @@ impl LogStore for MemStore {
         let keep = (keep_through + 1 - s.first_seqno) as usize;
         s.frames.truncate(keep);
         s.durable_seqno = s.durable_seqno.min(keep_through);
+        s.snapshots.retain(|seqno, _| *seqno <= keep_through);
         Ok(())
     }
 
@@ -226,6 +247,7 @@ impl LogStore for MemStore {
             s.frames.drain(..drop.min(s.frames.len()));
             s.first_seqno = first_kept;
         }
+        s.snapshots.retain(|seqno, _| *seqno + 1 >= first_kept);
         Ok(())
     }
 

@@ -46,6 +46,19 @@ pub struct WalMetrics {
     /// thousands of shards): positions are not exported, and a shard's
     /// corrupt-records series appears only once it has corrupt records.
     pub per_shard: bool,
+    /// Producer appends answered as duplicates (a retry of records already
+    /// written: nothing written again).
+    pub producer_duplicates: IntCounter,
+    /// Producer appends refused, by reason: fenced, unknown, gap,
+    /// forgotten, invalid, expected_last (a conditional append's mismatch),
+    /// unavailable (the table is being repaired).
+    pub producer_refusals: IntCounterVec,
+    /// Producers forgotten by a shard's table, by reason: expired (idle
+    /// past `producer_idle_expiry_s`) or evicted (past
+    /// `producer_max_per_shard`).
+    pub producers_forgotten: IntCounterVec,
+    /// Producer snapshots written beside the log.
+    pub producer_snapshots: IntCounter,
 }
 
 /// Cached per-shard gauge handles (a label lookup per commit is avoidable).
@@ -121,6 +134,37 @@ impl WalMetrics {
         for how in ["read", "scrub", "startup"] {
             corruption_detected.with_label_values(&[how]);
         }
+        let producer_duplicates = IntCounter::new(
+            "walship_producer_duplicates_total",
+            "Producer appends answered as duplicates of records already written (nothing written again)",
+        )?;
+        let producer_refusals = IntCounterVec::new(
+            Opts::new(
+                "walship_producer_refusals_total",
+                "Producer and conditional appends refused, by reason (fenced, unknown, gap, forgotten, invalid, \
+                 expected_last, unavailable)",
+            ),
+            &["reason"],
+        )?;
+        for reason in ["fenced", "unknown", "gap", "forgotten", "invalid", "expected_last", "unavailable"] {
+            producer_refusals.with_label_values(&[reason]);
+        }
+        let producers_forgotten = IntCounterVec::new(
+            Opts::new(
+                "walship_producers_forgotten_total",
+                "Producers a shard's table forgot, by reason: expired (idle too long) or evicted (too many producers)",
+            ),
+            &["reason"],
+        )?;
+        for reason in ["expired", "evicted"] {
+            producers_forgotten.with_label_values(&[reason]);
+        }
+        let producer_snapshots =
+            IntCounter::new("walship_producer_snapshots_total", "Producer-table snapshots written beside the log")?;
+        registry.register(Box::new(producer_duplicates.clone()))?;
+        registry.register(Box::new(producer_refusals.clone()))?;
+        registry.register(Box::new(producers_forgotten.clone()))?;
+        registry.register(Box::new(producer_snapshots.clone()))?;
         registry.register(Box::new(corrupt_records.clone()))?;
         registry.register(Box::new(corruption_detected.clone()))?;
         registry.register(Box::new(scrubbed_bytes.clone()))?;
@@ -141,6 +185,10 @@ impl WalMetrics {
             scrubbed_bytes,
             scrub_last_pass,
             per_shard: true,
+            producer_duplicates,
+            producer_refusals,
+            producers_forgotten,
+            producer_snapshots,
         })
     }
 

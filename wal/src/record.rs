@@ -15,9 +15,17 @@
 //!      8     8  seqno         } body
 //!     16     8  epoch         }
 //!     24     8  timestamp_us  }
-//!     32     4  key_len       }
-//!     36     *  key, then payload (the rest of the body)
+//!     32     4  key_len       }  low 28 bits; the high 4 are flags
+//!     36    24  producer      }  only with flag PRODUCED: id, epoch, sequence
+//!     36/60 *  key, then payload (the rest of the body)
 //! ```
+//!
+//! The flags live in the top bits of `key_len` (a key is far below 2^28
+//! bytes): frames written before producers existed have none set and keep
+//! their meaning. The one flag, `PRODUCED` (bit 31), says the record was
+//! written by a producer session and carries its [`ProducerStamp`]; the
+//! WAL rebuilds its producer table (`crate::producers`) from these stamps.
+//! Any other flag bit is refused.
 //!
 //! Invariant: a `Frame` value always holds exactly one complete frame whose
 //! checksum and lengths were verified (or which this module produced).
@@ -26,6 +34,14 @@ use bytes::{BufMut, Bytes, BytesMut};
 
 /// Bytes before the body: `body_len` and `crc32`.
 const PREFIX_LEN: usize = 8;
+/// Offset of the `key_len` field (and its flags).
+const KEY_LEN_AT: usize = 32;
+/// The low bits of the `key_len` field that hold the key's length.
+const KEY_LEN_MASK: u32 = (1 << 28) - 1;
+/// Flag: the record carries a producer stamp.
+const FLAG_PRODUCED: u32 = 1 << 31;
+/// Size of a producer stamp.
+const STAMP_LEN: usize = 24;
 /// Fixed part of the body: seqno, epoch, timestamp and key length.
 const FIXED_BODY_LEN: usize = 28;
 /// Size of a frame carrying an empty key and an empty payload.
@@ -46,6 +62,8 @@ pub enum CodecError {
     Checksum { stored: u32, computed: u32 },
     #[error("key length {key_len} exceeds the body's {available} bytes")]
     KeyLength { key_len: usize, available: usize },
+    #[error("unknown flags {0:#x} in the key length field")]
+    Flags(u32),
     #[error("{0} trailing bytes after the last frame")]
     Trailing(usize),
     #[error("bad segment header: {0}")]
@@ -66,6 +84,16 @@ pub struct RecordFields<'a> {
     pub payload: &'a [u8],
 }
 
+/// Who wrote a record in a producer session (see `crate::producers`): the
+/// producer's id and epoch, and the record's sequence number within that
+/// producer's writes to the shard.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub struct ProducerStamp {
+    pub id: u64,
+    pub epoch: u64,
+    pub sequence: u64,
+}
+
 /// One encoded, verified record.
 #[derive(Clone, PartialEq, Eq)]
 pub struct Frame(Bytes);
@@ -84,25 +112,46 @@ impl Frame {
     /// Encodes a record. Key and payload lengths are the caller's to bound
     /// (the node enforces its record limit before encoding).
     pub fn encode(fields: RecordFields<'_>) -> Frame {
-        let mut buf = BytesMut::with_capacity(Self::encoded_len(fields.key.len(), fields.payload.len()));
-        Self::encode_into(fields, &mut buf);
+        Self::encode_stamped(fields, None)
+    }
+
+    /// Encodes a record, with the producer stamp when it has one.
+    pub fn encode_stamped(fields: RecordFields<'_>, producer: Option<ProducerStamp>) -> Frame {
+        let stamp = if producer.is_some() { STAMP_LEN } else { 0 };
+        let mut buf = BytesMut::with_capacity(Self::encoded_len(fields.key.len(), fields.payload.len()) + stamp);
+        Self::encode_into(fields, producer, &mut buf);
         Frame(buf.freeze())
     }
 
-    /// Size of the frame for a key and payload of these lengths.
+    /// Size of the frame for a key and payload of these lengths (without a
+    /// producer stamp; [`Frame::STAMP_LEN`] more with one).
     pub fn encoded_len(key_len: usize, payload_len: usize) -> usize {
         FRAME_OVERHEAD + key_len + payload_len
     }
 
-    fn encode_into(fields: RecordFields<'_>, buf: &mut BytesMut) {
-        let body_len = FIXED_BODY_LEN + fields.key.len() + fields.payload.len();
+    /// Bytes a producer stamp adds to a frame.
+    pub const STAMP_LEN: usize = STAMP_LEN;
+
+    fn encode_into(fields: RecordFields<'_>, producer: Option<ProducerStamp>, buf: &mut BytesMut) {
+        assert!(
+            fields.key.len() <= KEY_LEN_MASK as usize,
+            "keys are bounded far below 2^28 bytes by the node's limits"
+        );
+        let stamp = if producer.is_some() { STAMP_LEN } else { 0 };
+        let body_len = FIXED_BODY_LEN + stamp + fields.key.len() + fields.payload.len();
         let start = buf.len();
         buf.put_u32_le(body_len as u32);
         buf.put_u32_le(0);
         buf.put_u64_le(fields.seqno);
         buf.put_u64_le(fields.epoch);
         buf.put_u64_le(fields.timestamp_us);
-        buf.put_u32_le(fields.key.len() as u32);
+        let flags = if producer.is_some() { FLAG_PRODUCED } else { 0 };
+        buf.put_u32_le(fields.key.len() as u32 | flags);
+        if let Some(p) = producer {
+            buf.put_u64_le(p.id);
+            buf.put_u64_le(p.epoch);
+            buf.put_u64_le(p.sequence);
+        }
         buf.put_slice(fields.key);
         buf.put_slice(fields.payload);
         let crc = crc32fast::hash(&buf[start + PREFIX_LEN..]);
@@ -146,9 +195,19 @@ impl Frame {
         if stored != computed {
             return Err(CodecError::Checksum { stored, computed });
         }
-        let key_len = u32::from_le_bytes(bytes[32..36].try_into().expect("4 bytes")) as usize;
-        if key_len > body_len - FIXED_BODY_LEN {
-            return Err(CodecError::KeyLength { key_len, available: body_len - FIXED_BODY_LEN });
+        let field = u32::from_le_bytes(bytes[KEY_LEN_AT..KEY_LEN_AT + 4].try_into().expect("4 bytes"));
+        let flags = field & !KEY_LEN_MASK;
+        if flags & !FLAG_PRODUCED != 0 {
+            return Err(CodecError::Flags(flags));
+        }
+        let key_len = (field & KEY_LEN_MASK) as usize;
+        let stamp = if flags & FLAG_PRODUCED != 0 { STAMP_LEN } else { 0 };
+        let available = body_len - FIXED_BODY_LEN;
+        if stamp > available {
+            return Err(CodecError::BadLength(body_len));
+        }
+        if key_len > available - stamp {
+            return Err(CodecError::KeyLength { key_len, available: available - stamp });
         }
         Ok((Frame(bytes.slice(..total)), bytes.slice(total..)))
     }
@@ -157,8 +216,26 @@ impl Frame {
         u64::from_le_bytes(self.0[at..at + 8].try_into().expect("8 bytes"))
     }
 
+    fn key_len_field(&self) -> u32 {
+        u32::from_le_bytes(self.0[KEY_LEN_AT..KEY_LEN_AT + 4].try_into().expect("4 bytes"))
+    }
+
     fn key_len(&self) -> usize {
-        u32::from_le_bytes(self.0[32..36].try_into().expect("4 bytes")) as usize
+        (self.key_len_field() & KEY_LEN_MASK) as usize
+    }
+
+    /// Where the key starts: after the producer stamp, if any.
+    fn key_at(&self) -> usize {
+        if self.key_len_field() & FLAG_PRODUCED != 0 { FRAME_OVERHEAD + STAMP_LEN } else { FRAME_OVERHEAD }
+    }
+
+    /// The producer session that wrote the record, if one did.
+    pub fn producer(&self) -> Option<ProducerStamp> {
+        (self.key_len_field() & FLAG_PRODUCED != 0).then(|| ProducerStamp {
+            id: self.u64_at(FRAME_OVERHEAD),
+            epoch: self.u64_at(FRAME_OVERHEAD + 8),
+            sequence: self.u64_at(FRAME_OVERHEAD + 16),
+        })
     }
 
     pub fn seqno(&self) -> u64 {
@@ -178,11 +255,12 @@ impl Frame {
     }
 
     pub fn key(&self) -> Bytes {
-        self.0.slice(FRAME_OVERHEAD..FRAME_OVERHEAD + self.key_len())
+        let at = self.key_at();
+        self.0.slice(at..at + self.key_len())
     }
 
     pub fn payload(&self) -> Bytes {
-        self.0.slice(FRAME_OVERHEAD + self.key_len()..)
+        self.0.slice(self.key_at() + self.key_len()..)
     }
 
     /// The encoded bytes, exactly as stored and shipped.
@@ -255,6 +333,49 @@ mod tests {
         fn garbage_never_panics(bytes in proptest::collection::vec(any::<u8>(), 0..256)) {
             let _ = Frame::parse(Bytes::from(bytes));
         }
+    }
+
+    proptest! {
+        #[test]
+        fn stamped_round_trip(seqno: u64, id: u64, epoch: u64, sequence: u64,
+                              key in proptest::collection::vec(any::<u8>(), 0..64),
+                              payload in proptest::collection::vec(any::<u8>(), 0..512)) {
+            let stamp = ProducerStamp { id, epoch, sequence };
+            let frame = Frame::encode_stamped(fields(seqno, &key, &payload), Some(stamp));
+            prop_assert_eq!(frame.len(), Frame::encoded_len(key.len(), payload.len()) + Frame::STAMP_LEN);
+            let parsed = Frame::parse(frame.as_bytes().clone()).unwrap();
+            prop_assert_eq!(parsed.producer(), Some(stamp));
+            prop_assert_eq!(parsed.seqno(), seqno);
+            prop_assert_eq!(&parsed.key()[..], &key[..]);
+            prop_assert_eq!(&parsed.payload()[..], &payload[..]);
+        }
+    }
+
+    /// Rewrites the key-length field and the checksum.
+    fn with_key_len_field(frame: &Frame, field: u32) -> Bytes {
+        let mut bytes = frame.as_bytes().to_vec();
+        bytes[KEY_LEN_AT..KEY_LEN_AT + 4].copy_from_slice(&field.to_le_bytes());
+        let crc = crc32fast::hash(&bytes[PREFIX_LEN..]);
+        bytes[4..8].copy_from_slice(&crc.to_le_bytes());
+        Bytes::from(bytes)
+    }
+
+    #[test]
+    fn an_unstamped_frame_has_no_producer() {
+        assert_eq!(Frame::encode(fields(1, b"k", b"v")).producer(), None);
+    }
+
+    #[test]
+    fn unknown_flags_are_refused() {
+        let frame = Frame::encode(fields(1, b"k", b"v"));
+        assert_eq!(Frame::parse(with_key_len_field(&frame, 1 | (1 << 29))), Err(CodecError::Flags(1 << 29)));
+    }
+
+    #[test]
+    fn a_stamp_flag_without_room_for_the_stamp_is_refused() {
+        let frame = Frame::encode(fields(1, b"", b"short"));
+        let body_len = frame.len() - PREFIX_LEN;
+        assert_eq!(Frame::parse(with_key_len_field(&frame, FLAG_PRODUCED)), Err(CodecError::BadLength(body_len)));
     }
 
     #[test]

@@ -29,6 +29,7 @@
 //! [`crate::MemStore`] (in-memory test double). Both pass the conformance
 //! suite in `conformance.rs`.
 
+use bytes::Bytes;
 use std::path::{Path, PathBuf};
 
 use crate::record::Frame;
@@ -58,6 +59,23 @@ impl LogBounds {
 pub struct ShardAppend {
     pub shard: ShardId,
     pub frames: Vec<Frame>,
+}
+
+/// Producer snapshots to store and drop with an append (see
+/// [`LogStore::append_with_snapshots`]).
+#[derive(Debug, Clone, Default)]
+pub struct SnapshotChanges {
+    /// `(shard, seqno, bytes)`: the snapshot after record `seqno`. A shard's
+    /// snapshot seqno must be among the records written (or already held).
+    pub put: Vec<(ShardId, u64, Bytes)>,
+    /// `(shard, seqno)` of snapshots to forget.
+    pub drop: Vec<(ShardId, u64)>,
+}
+
+impl SnapshotChanges {
+    pub fn is_empty(&self) -> bool {
+        self.put.is_empty() && self.drop.is_empty()
+    }
 }
 
 /// Why a store call was refused or failed.
@@ -137,20 +155,36 @@ pub trait LogStore: Send + Sync + 'static {
     /// validated before anything is written, and either all parts are written
     /// or none. With `sync`, everything written so far (on every shard) is
     /// durable on return.
-    fn append(&self, batch: &[ShardAppend], sync: bool) -> StoreResult<()>;
+    fn append(&self, batch: &[ShardAppend], sync: bool) -> StoreResult<()> {
+        self.append_with_snapshots(batch, &SnapshotChanges::default(), sync)
+    }
+
+    /// [`LogStore::append`], and in the same atomic write, the producer
+    /// snapshot changes (`crate::producers`): every put and drop of
+    /// `snapshots` lands with the frames or none does.
+    fn append_with_snapshots(&self, batch: &[ShardAppend], snapshots: &SnapshotChanges, sync: bool) -> StoreResult<()>;
+
+    /// The shard's producer snapshots kept beside its log, as
+    /// `(seqno, bytes)` ascending by seqno: each is the producer table after
+    /// the record at `seqno`. [`LogStore::truncate_suffix`] drops the ones
+    /// past what it keeps and [`LogStore::compact_prefix`] the ones before
+    /// `first_kept - 1`, in the same atomic write.
+    fn producer_snapshots(&self, shard: ShardId) -> StoreResult<Vec<(u64, Bytes)>>;
 
     /// Frames `[from, to]` (inclusive, within the retained, written log),
     /// stopping before the total size passes `max_bytes` but always returning
     /// at least one frame. Every frame's checksum is verified.
     fn read(&self, shard: ShardId, from: u64, to: u64, max_bytes: usize) -> StoreResult<Vec<Frame>>;
 
-    /// Removes every record after `keep_through` (divergence repair).
+    /// Removes every record after `keep_through` (divergence repair), and
+    /// every producer snapshot past it.
     /// `first_seqno - 1 <= keep_through`; a `keep_through >= last_seqno` is a
-    /// no-op. Durable on return.
+    /// no-op for the records. Durable on return.
     fn truncate_suffix(&self, shard: ShardId, keep_through: u64) -> StoreResult<()>;
 
-    /// Discards records before `first_kept` (retention). Only durable records
-    /// may be discarded: `first_kept <= durable_seqno + 1`. Durable on return.
+    /// Discards records before `first_kept` (retention), and every producer
+    /// snapshot before `first_kept - 1`. Only durable records may be
+    /// discarded: `first_kept <= durable_seqno + 1`. Durable on return.
     fn compact_prefix(&self, shard: ShardId, first_kept: u64) -> StoreResult<()>;
 
     /// Records the newest epoch this replica has promised to (it refuses

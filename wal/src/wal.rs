@@ -62,8 +62,9 @@ use tokio::sync::{oneshot, watch};
 use crate::corruption::{CorruptRange, Detection, Registry, ScrubReport};
 use crate::disk_space::{DiskFull, DiskSpace};
 use crate::metrics::{ShardGauges, WalMetrics};
-use crate::record::{Frame, RecordFields};
-use crate::store::{LogBounds, LogStore, ShardAppend, ShardId, StoreError};
+use crate::producers::{Decision, ProducerLimits, ProducerRefusal, ProducerTable};
+use crate::record::{Frame, ProducerStamp, RecordFields};
+use crate::store::{LogBounds, LogStore, ShardAppend, ShardId, SnapshotChanges, StoreError};
 
 /// A record as a client submits it; the WAL assigns seqno, epoch and time.
 #[derive(Debug, Clone, Default)]
@@ -77,6 +78,61 @@ pub struct NewRecord {
 pub struct Appended {
     pub first_seqno: u64,
     pub last_seqno: u64,
+}
+
+/// What an append is conditioned on (see [`Wal::append_with`]).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct AppendOptions {
+    /// Written as this producer session: `sequence` is the first record's
+    /// sequence, the others follow (see `crate::producers`).
+    pub producer: Option<ProducerStamp>,
+    /// Written only if the shard's newest seqno is exactly this.
+    pub expected_last: Option<u64>,
+}
+
+/// What [`Wal::append_with`] did.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct AppendOutcome {
+    pub appended: Appended,
+    /// Every record had been written before by the same producer; nothing
+    /// was written, `appended` holds the original seqnos (durable here).
+    pub duplicate: bool,
+}
+
+/// A shard's producer table and its snapshots (see `crate::producers`).
+struct ProducerState {
+    table: ProducerTable,
+    /// Seqnos of the snapshots the store holds, ascending.
+    snapshots: Vec<u64>,
+    /// Frame bytes applied since the newest snapshot.
+    since_snapshot: u64,
+    /// Why the table is not complete, if it is not (a corrupt record met
+    /// while rebuilding it): producer appends are refused until a
+    /// truncation rebuilds it.
+    damaged: Option<String>,
+}
+
+/// The default [`WalConfig::producer_snapshot_bytes`].
+pub const DEFAULT_PRODUCER_SNAPSHOT_BYTES: u64 = 16 << 20;
+/// Producer snapshots kept per shard; past it the second oldest goes (the
+/// oldest is where the table starts from after compaction).
+pub const PRODUCER_SNAPSHOTS_KEPT: usize = 16;
+
+impl ProducerState {
+    fn empty(at: u64) -> ProducerState {
+        ProducerState { table: ProducerTable::empty_at(at), snapshots: Vec::new(), since_snapshot: 0, damaged: None }
+    }
+}
+
+/// Producer-session figures of one shard (for status pages and metrics).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ProducerStats {
+    /// Producers remembered and alive now.
+    pub producers: usize,
+    /// Snapshots of the table kept beside the log.
+    pub snapshots: usize,
+    /// Why producer appends are refused, if they are.
+    pub damaged: Option<String>,
 }
 
 /// A shard replica's positions in this node's WAL.
@@ -112,6 +168,16 @@ pub enum WalError {
     /// Refused before anything was sequenced: the disk is below its reserve.
     #[error(transparent)]
     DiskFull(#[from] DiskFull),
+    /// A producer append refused by the producer rules; nothing written.
+    #[error("shard {shard}: {refusal}")]
+    Producer { shard: ShardId, refusal: ProducerRefusal },
+    /// A conditional append whose expected last seqno is not the shard's.
+    #[error("shard {shard}: the newest seqno is {last}, not the expected {expected}; nothing was written")]
+    ExpectedLast { shard: ShardId, expected: u64, last: u64 },
+    /// The shard's producer table is incomplete here (a corrupt record met
+    /// while rebuilding it); producer appends wait for its repair.
+    #[error("shard {shard}: producer sessions are unavailable on this replica until its log is repaired: {why}")]
+    ProducersUnavailable { shard: ShardId, why: String },
 }
 
 impl WalError {
@@ -169,6 +235,12 @@ pub struct WalConfig {
     /// The free-space reserve appends are checked against (`None`: never
     /// refused for space). See [`crate::disk_space`].
     pub disk_space: Option<Arc<DiskSpace>>,
+    /// How many producers each shard remembers, and for how long.
+    pub producers: ProducerLimits,
+    /// Frame bytes between a shard's producer snapshots (see
+    /// [`Wal::compact_prefix`]): a restart replays at most about this much
+    /// of a shard's log to rebuild its producer table.
+    pub producer_snapshot_bytes: u64,
 }
 
 /// Default [`WalConfig::scrub_bytes_per_s`] (`wal.scrub_bytes_per_s`).
@@ -189,6 +261,8 @@ impl Default for WalConfig {
             scrub_bytes_per_s: DEFAULT_SCRUB_BYTES_PER_S,
             scrub_interval: DEFAULT_SCRUB_INTERVAL,
             disk_space: None,
+            producers: ProducerLimits::default(),
+            producer_snapshot_bytes: DEFAULT_PRODUCER_SNAPSHOT_BYTES,
         }
     }
 }
@@ -287,6 +361,8 @@ struct ShardPositions {
     flushing: watch::Sender<u64>,
     durable: watch::Sender<u64>,
     gauges: ShardGauges,
+    /// Changed under the sequencer lock, with the frames it applies.
+    producers: parking_lot::Mutex<ProducerState>,
 }
 
 impl ShardPositions {
@@ -302,6 +378,7 @@ impl ShardPositions {
             flushing: watch::Sender::new(bounds.last_seqno),
             durable: watch::Sender::new(bounds.durable_seqno),
             gauges,
+            producers: parking_lot::Mutex::new(ProducerState::empty(bounds.last_seqno)),
         };
         positions.publish(bounds);
         positions
@@ -354,6 +431,7 @@ struct Shared {
     /// Dropped with the last handle: the scrubber thread sees it and stops.
     _scrubber_stop: flume::Sender<()>,
     disk: Option<Arc<DiskSpace>>,
+    producer_limits: ProducerLimits,
 }
 
 impl Shared {
@@ -378,7 +456,10 @@ impl Wal {
         let mut shards = HashMap::new();
         for shard in store.shards() {
             let bounds = store.bounds(shard)?;
-            shards.insert(shard, Arc::new(ShardPositions::new(bounds, metrics.shard(shard))));
+            let positions = ShardPositions::new(bounds, metrics.shard(shard));
+            *positions.producers.lock() =
+                rebuild_producers(store.as_ref(), &config.producers, shard, bounds.last_seqno)?;
+            shards.insert(shard, Arc::new(positions));
         }
         let staged = StagedBytes::new(config.max_batch_bytes, &metrics);
         let corruption = Registry::new(metrics.clone());
@@ -404,6 +485,7 @@ impl Wal {
             scrub_bytes_per_s: config.scrub_bytes_per_s,
             _scrubber_stop: scrubber_stop,
             disk: config.disk_space.clone(),
+            producer_limits: config.producers,
         });
         let (to_persister, staged) = flume::unbounded();
         let persister = Persister { shared: shared.clone(), rx: staged, config: config.clone() };
@@ -433,11 +515,13 @@ impl Wal {
         fatal_on_panic(|| format!("creating shard {shard}"), || store.create_shard(shard))
             .map_err(|e| fatal_if(&format!("creating shard {shard}"), e))?;
         let bounds = self.shared.store.bounds(shard)?;
-        self.shared
-            .shards
-            .write()
-            .entry(shard)
-            .or_insert_with(|| Arc::new(ShardPositions::new(bounds, self.shared.metrics.shard(shard))));
+        let producers =
+            rebuild_producers(self.shared.store.as_ref(), &self.shared.producer_limits, shard, bounds.last_seqno)?;
+        self.shared.shards.write().entry(shard).or_insert_with(|| {
+            let positions = ShardPositions::new(bounds, self.shared.metrics.shard(shard));
+            *positions.producers.lock() = producers;
+            Arc::new(positions)
+        });
         Ok(())
     }
 
@@ -560,14 +644,11 @@ impl Wal {
 
     /// Sequences one append under the sequencer lock (after waiting while
     /// too much is staged) and returns what answers once it is durable.
-    async fn sequence(
-        &self,
-        sequence: impl FnOnce(&mut Sequencer) -> Sequenced,
-    ) -> WalResult<oneshot::Receiver<WalResult<Appended>>> {
+    async fn sequence(&self, sequence: impl FnOnce(&mut Sequencer) -> SequenceResult) -> WalResult<Sequenced> {
         self.shared.staged.wait_below_limit().await;
         let mut sequencer = self.sequencer.lock().await;
         match sequence(&mut sequencer)? {
-            Some(durable) => Ok(durable),
+            Some(sequenced) => Ok(sequenced),
             // The injected fault: nothing is sequenced any more until the
             // process aborts.
             None => std::future::pending().await,
@@ -579,13 +660,74 @@ impl Wal {
     /// written even if this future is dropped, and their seqnos are then
     /// unknown to the caller.
     pub async fn append(&self, shard: ShardId, epoch: u64, records: Vec<NewRecord>) -> WalResult<Appended> {
+        Ok(self.append_with(shard, epoch, records, AppendOptions::default()).await?.appended)
+    }
+
+    /// [`Wal::append`] as a producer session and/or conditioned on the
+    /// shard's newest seqno (see [`AppendOptions`] and `crate::producers`).
+    /// The producer rules and the condition are checked under the
+    /// sequencer lock, so of two appends racing on them exactly one wins.
+    /// A duplicate answers once the original records are durable here.
+    pub async fn append_with(
+        &self,
+        shard: ShardId,
+        epoch: u64,
+        records: Vec<NewRecord>,
+        options: AppendOptions,
+    ) -> WalResult<AppendOutcome> {
         self.shared.shard(shard)?;
         if records.is_empty() {
             return Err(StoreError::EmptyAppend { shard }.into());
         }
         self.check_disk(records.iter().map(|r| (r.key.len() + r.payload.len()) as u64).sum())?;
-        let durable = self.sequence(|s| s.append(shard, epoch, &records)).await?;
-        durable.await.map_err(|_| WalError::Closed)?
+        let durable = self.sequence(|s| s.append(shard, epoch, &records, options)).await;
+        let refusal = |reason: &str| self.shared.metrics.producer_refusals.with_label_values(&[reason]).inc();
+        match &durable {
+            Err(WalError::Producer { refusal: r, .. }) => refusal(match r {
+                ProducerRefusal::Invalid(_) => "invalid",
+                ProducerRefusal::Fenced { .. } => "fenced",
+                ProducerRefusal::Unknown { .. } => "unknown",
+                ProducerRefusal::Gap { .. } => "gap",
+                ProducerRefusal::Forgotten { .. } => "forgotten",
+            }),
+            Err(WalError::ExpectedLast { .. }) => refusal("expected_last"),
+            Err(WalError::ProducersUnavailable { .. }) => refusal("unavailable"),
+            _ => {}
+        }
+        match durable? {
+            Sequenced::Staged(durable) => {
+                let appended = durable.await.map_err(|_| WalError::Closed)??;
+                Ok(AppendOutcome { appended, duplicate: false })
+            }
+            Sequenced::Duplicate(appended, durable) => {
+                self.shared.metrics.producer_duplicates.inc();
+                durable.await.map_err(|_| WalError::Closed)?;
+                Ok(AppendOutcome { appended, duplicate: true })
+            }
+            Sequenced::Prefixed(prefix_first, durable) => {
+                let appended = durable.await.map_err(|_| WalError::Closed)??;
+                Ok(AppendOutcome { appended: Appended { first_seqno: prefix_first, ..appended }, duplicate: false })
+            }
+        }
+    }
+
+    /// Producer-session figures of a shard, at log time `now_us`.
+    pub fn producer_stats(&self, shard: ShardId, now_us: u64) -> WalResult<ProducerStats> {
+        let p = self.shared.shard(shard)?;
+        let state = p.producers.lock();
+        Ok(ProducerStats {
+            producers: state.table.live(&self.shared.producer_limits, now_us),
+            snapshots: state.snapshots.len(),
+            damaged: state.damaged.clone(),
+        })
+    }
+
+    /// A producer's epoch, newest sequence and the seqno of that record, if
+    /// the shard remembers it (at log time `now_us`).
+    pub fn producer(&self, shard: ShardId, id: u64, now_us: u64) -> WalResult<Option<(u64, u64, u64)>> {
+        let p = self.shared.shard(shard)?;
+        let state = p.producers.lock();
+        Ok(state.table.producer(id, &self.shared.producer_limits, now_us))
     }
 
     /// Appends frames that already carry their seqnos (a follower applying
@@ -610,7 +752,9 @@ impl Wal {
             return Err(StoreError::EmptyAppend { shard }.into());
         }
         self.check_disk(frames.iter().map(|f| f.len() as u64).sum())?;
-        let durable = self.sequence(|s| s.append_frames(shard, frames)).await?;
+        let Sequenced::Staged(durable) = self.sequence(|s| s.append_frames(shard, frames)).await? else {
+            unreachable!("replicated frames are always staged");
+        };
         Ok(async move { durable.await.map_err(|_| WalError::Closed)? })
     }
 
@@ -629,6 +773,8 @@ impl Wal {
     /// Known damage after it leaves the corruption registry: truncating to
     /// `first_bad_seqno - 1` is how a corrupt range is repaired (then the
     /// replica's copy is appended).
+    /// The shard's producer table is rebuilt as of `keep_through` (from its
+    /// newest snapshot at or before it and the records after that).
     pub async fn truncate_suffix(&self, shard: ShardId, keep_through: u64) -> WalResult<()> {
         self.control(shard, move |shared| {
             if let Ok(p) = shared.shard(shard) {
@@ -636,23 +782,50 @@ impl Wal {
             }
             shared.store.truncate_suffix(shard, keep_through)?;
             shared.corruption.truncated(shard, keep_through);
+            if let Ok(p) = shared.shard(shard) {
+                let mut state = p.producers.lock();
+                let last = shared.store.bounds(shard)?.last_seqno;
+                if state.damaged.is_some() || state.table.applied_through() != last {
+                    *state = rebuild_producers(shared.store.as_ref(), &shared.producer_limits, shard, last)?;
+                }
+            }
             Ok(())
         })
         .await
     }
 
-    /// Discards durable records before `first_kept`, in order with appends.
-    /// Known damage before it leaves the corruption registry.
-    pub async fn compact_prefix(&self, shard: ShardId, first_kept: u64) -> WalResult<()> {
+    /// Discards durable records before `first_kept`, in order with appends,
+    /// and returns the shard's first seqno after it. Known damage before it
+    /// leaves the corruption registry.
+    ///
+    /// Once producers have written to the shard, compaction stops at its
+    /// newest producer snapshot at or before `first_kept - 1` (one is taken
+    /// every [`WalConfig::producer_snapshot_bytes`]): the table must be rebuildable
+    /// from a snapshot and the records after it, so a compaction may keep
+    /// up to that much more than asked.
+    pub async fn compact_prefix(&self, shard: ShardId, first_kept: u64) -> WalResult<u64> {
+        let first = std::sync::Arc::new(AtomicU64::new(0));
+        let answer = first.clone();
         self.control(shard, move |shared| {
-            shared.store.compact_prefix(shard, first_kept)?;
-            shared.corruption.compacted(shard, first_kept);
-            if let Ok(p) = shared.shard(shard) {
-                p.tail.lock().compact(first_kept);
-            }
+            let p = shared.shard(shard).map_err(|_| StoreError::UnknownShard(shard))?;
+            let mut state = p.producers.lock();
+            // The newest snapshot at or before `first_kept - 1`; none when
+            // every snapshot is newer (the records before the oldest hold no
+            // stamp) or there is none (no record holds one).
+            let to = match state.snapshots.iter().rev().find(|s| **s < first_kept) {
+                Some(snapshot) => first_kept.min(snapshot + 1),
+                None => first_kept,
+            };
+            shared.store.compact_prefix(shard, to)?;
+            state.snapshots.retain(|s| s + 1 >= to);
+            drop(state);
+            shared.corruption.compacted(shard, to);
+            p.tail.lock().compact(to);
+            first.store(shared.store.bounds(shard)?.first_seqno, Ordering::Release);
             Ok(())
         })
-        .await
+        .await?;
+        Ok(answer.load(Ordering::Acquire))
     }
 
     /// Every corrupt range known now, by shard then seqno.
@@ -820,6 +993,8 @@ enum Staged {
         shard: ShardId,
         frames: Vec<Frame>,
         waiter: Waiter,
+        /// Producer snapshots written with the frames.
+        snapshots: SnapshotChanges,
     },
     /// Answered once everything staged before it is durable.
     Barrier(oneshot::Sender<()>),
@@ -840,13 +1015,16 @@ struct Batch {
     records: usize,
     bytes: usize,
     barrier: Option<oneshot::Sender<()>>,
+    snapshots: SnapshotChanges,
 }
 
 impl Batch {
     /// Adds one staged item; per shard, frames follow the ones before.
     fn take(&mut self, staged: Staged) {
         match staged {
-            Staged::Frames { shard, frames, waiter } => {
+            Staged::Frames { shard, frames, waiter, snapshots } => {
+                self.snapshots.put.extend(snapshots.put);
+                self.snapshots.drop.extend(snapshots.drop);
                 self.records += frames.len();
                 self.bytes += frames.iter().map(Frame::len).sum::<usize>();
                 let index = *self.part_of.entry(shard).or_insert_with(|| {
@@ -976,13 +1154,86 @@ fn fatal_on_panic<T>(what: impl FnOnce() -> String, call: impl FnOnce() -> T) ->
     }
 }
 
+/// A shard's producer table as of `last` (its newest record), from its
+/// newest snapshot at or before it and the records after that: the start
+/// of the WAL and every truncation. A corrupt record on the way leaves the
+/// table marked damaged (producer appends are refused) until a truncation
+/// below the damage rebuilds it; the store's other errors are returned.
+fn rebuild_producers(
+    store: &dyn LogStore,
+    limits: &ProducerLimits,
+    shard: ShardId,
+    last: u64,
+) -> Result<ProducerState, StoreError> {
+    let bounds = store.bounds(shard)?;
+    let snapshots = store.producer_snapshots(shard)?;
+    let mut state = ProducerState::empty(bounds.first_seqno - 1);
+    state.snapshots = snapshots.iter().map(|(seqno, _)| *seqno).collect();
+    let start = snapshots.iter().rev().find(|(seqno, _)| *seqno <= last);
+    if let Some((seqno, bytes)) = start {
+        match ProducerTable::decode(bytes) {
+            Ok(table) if table.applied_through() == *seqno => state.table = table,
+            Ok(table) => {
+                state.damaged =
+                    Some(format!("its producer snapshot at seqno {seqno} says seqno {}", table.applied_through()));
+                return Ok(state);
+            }
+            Err(e) => {
+                state.damaged = Some(format!("its producer snapshot at seqno {seqno}: {e}"));
+                return Ok(state);
+            }
+        }
+    } else if !state.snapshots.is_empty() {
+        // Every snapshot is newer than `last`: no record up to it holds a
+        // stamp (see `Sequencer::apply_producers`).
+        state.table = ProducerTable::empty_at(bounds.first_seqno - 1);
+    }
+    let mut next = state.table.applied_through() + 1;
+    // Records before the first retained are compacted: the table starts
+    // where the log does when no snapshot says otherwise (no stamp there).
+    if next < bounds.first_seqno {
+        state.table = ProducerTable::empty_at(bounds.first_seqno - 1);
+        next = bounds.first_seqno;
+    }
+    while next <= last {
+        match store.read(shard, next, last, 4 << 20) {
+            Ok(frames) if !frames.is_empty() => {
+                for frame in &frames {
+                    state.table.apply(limits, frame);
+                    state.since_snapshot += frame.len() as u64;
+                }
+                next = state.table.applied_through() + 1;
+            }
+            Ok(_) => break,
+            Err(StoreError::Corrupt { first_seqno, .. }) => {
+                state.damaged = Some(format!("record {first_seqno} is corrupt; the table stops before it"));
+                return Ok(state);
+            }
+            Err(e) => return Err(e),
+        }
+    }
+    Ok(state)
+}
+
 fn now_us() -> u64 {
     SystemTime::now().duration_since(UNIX_EPOCH).map(|d| d.as_micros() as u64).unwrap_or(0)
 }
 
-/// What a sequenced append answers with once durable; `None` only for the
-/// injected fault, after which nothing is sequenced again.
-type Sequenced = WalResult<Option<oneshot::Receiver<WalResult<Appended>>>>;
+/// What a sequenced append answers with once durable.
+enum Sequenced {
+    /// Written: the seqnos, once durable.
+    Staged(oneshot::Receiver<WalResult<Appended>>),
+    /// A producer's duplicate: the original seqnos, answered once
+    /// everything staged before it is durable.
+    Duplicate(Appended, oneshot::Receiver<()>),
+    /// A batch whose prefix survived a failover: the rest is written and the
+    /// answer starts at the prefix's first seqno.
+    Prefixed(u64, oneshot::Receiver<WalResult<Appended>>),
+}
+
+/// `None` only for the injected fault, after which nothing is sequenced
+/// again.
+type SequenceResult = WalResult<Option<Sequenced>>;
 
 impl Sequencer {
     fn next_seqno(&mut self, shard: ShardId) -> Result<u64, StoreError> {
@@ -994,36 +1245,139 @@ impl Sequencer {
         Ok(next)
     }
 
-    /// Leader path: the records get the shard's next seqnos.
-    fn append(&mut self, shard: ShardId, epoch: u64, records: &[NewRecord]) -> Sequenced {
-        let promised = self.shared.shard(shard)?.min_epoch.load(Ordering::Acquire);
+    /// Leader path: the producer rules and the expected last seqno are
+    /// checked, then the records (those not written before) get the
+    /// shard's next seqnos.
+    fn append(&mut self, shard: ShardId, epoch: u64, records: &[NewRecord], options: AppendOptions) -> SequenceResult {
+        let positions = self.shared.shard(shard)?;
+        let promised = positions.min_epoch.load(Ordering::Acquire);
         if epoch < promised {
             return Err(WalError::StaleEpoch { shard, epoch, promised });
         }
         let first = self.next_seqno(shard)?;
         let now = now_us();
-        let frames: Vec<Frame> = records
+        let mut skip = 0;
+        let mut prefix_first = None;
+        if let Some(producer) = options.producer {
+            let state = positions.producers.lock();
+            if let Some(why) = &state.damaged {
+                return Err(WalError::ProducersUnavailable { shard, why: why.clone() });
+            }
+            if state.table.applied_through() + 1 != first {
+                return Err(WalError::ProducersUnavailable {
+                    shard,
+                    why: format!("its table is at seqno {}, the log at {}", state.table.applied_through(), first - 1),
+                });
+            }
+            let decision = state
+                .table
+                .check(&self.shared.producer_limits, producer.id, producer.epoch, producer.sequence, records.len(), now)
+                .map_err(|refusal| WalError::Producer { shard, refusal })?;
+            match decision {
+                Decision::Duplicate { first_seqno, last_seqno } => {
+                    let (done, durable) = oneshot::channel();
+                    // If the persister is gone the sender is dropped and the
+                    // appender hears `Closed`.
+                    let _ = self.to_persister.send(Staged::Barrier(done));
+                    return Ok(Some(Sequenced::Duplicate(Appended { first_seqno, last_seqno }, durable)));
+                }
+                Decision::Write { skip: s, prefix_first_seqno } => {
+                    skip = s;
+                    prefix_first = prefix_first_seqno;
+                }
+            }
+        }
+        if let Some(expected) = options.expected_last
+            && expected != first - 1
+        {
+            return Err(WalError::ExpectedLast { shard, expected, last: first - 1 });
+        }
+        let frames: Vec<Frame> = records[skip..]
             .iter()
             .enumerate()
             .map(|(i, r)| {
-                Frame::encode(RecordFields {
+                let fields = RecordFields {
                     seqno: first + i as u64,
                     epoch,
                     timestamp_us: now,
                     key: &r.key,
                     payload: &r.payload,
-                })
+                };
+                let stamp = options.producer.map(|p| ProducerStamp { sequence: p.sequence + (skip + i) as u64, ..p });
+                Frame::encode_stamped(fields, stamp)
             })
             .collect();
-        Ok(self.stage(shard, frames, true))
+        Ok(self.stage(shard, frames, true).map(|durable| match prefix_first {
+            Some(first) => Sequenced::Prefixed(first, durable),
+            None => Sequenced::Staged(durable),
+        }))
     }
 
     /// Follower path: the frames carry the leader's seqnos and must continue
     /// the shard's log exactly.
-    fn append_frames(&mut self, shard: ShardId, frames: Vec<Frame>) -> Sequenced {
+    fn append_frames(&mut self, shard: ShardId, frames: Vec<Frame>) -> SequenceResult {
         let next = self.next_seqno(shard)?;
         crate::store::check_continues(shard, next, &frames)?;
-        Ok(self.stage(shard, frames, false))
+        Ok(self.stage(shard, frames, false).map(Sequenced::Staged))
+    }
+
+    /// Applies staged frames to the shard's producer table and says which
+    /// snapshots to write with them: an empty one just before the first
+    /// stamped record a shard ever gets (so that a shard without snapshots
+    /// holds no stamped record), then one every
+    /// [`WalConfig::producer_snapshot_bytes`] of frames.
+    fn apply_producers(&self, shard: ShardId, frames: &[Frame]) -> SnapshotChanges {
+        let mut changes = SnapshotChanges::default();
+        let Ok(positions) = self.shared.shard(shard) else { return changes };
+        let limits = &self.shared.producer_limits;
+        let mut state = positions.producers.lock();
+        let first = frames.first().map_or(0, Frame::seqno);
+        if state.damaged.is_some() {
+            return changes;
+        }
+        if state.table.applied_through() + 1 != first {
+            state.damaged = Some(format!(
+                "records from seqno {first} arrived while its table was at seqno {}",
+                state.table.applied_through()
+            ));
+            return changes;
+        }
+        let stamped = frames.iter().position(|f| f.producer().is_some());
+        if let Some(at) = stamped
+            && state.snapshots.is_empty()
+        {
+            debug_assert!(state.table.is_empty(), "a shard without snapshots holds no stamped record");
+            let before = frames[at].seqno() - 1;
+            let mut empty = ProducerTable::empty_at(first - 1);
+            for frame in &frames[..at] {
+                empty.apply(limits, frame);
+            }
+            changes.put.push((shard, before, empty.encode(limits)));
+            state.snapshots.push(before);
+            state.since_snapshot = 0;
+        }
+        let forgot = state.table.forgot();
+        for frame in frames {
+            state.table.apply(limits, frame);
+            state.since_snapshot += frame.len() as u64;
+        }
+        let now = state.table.forgot();
+        let metrics = &self.shared.metrics;
+        metrics.producers_forgotten.with_label_values(&["expired"]).inc_by(now.expired - forgot.expired);
+        metrics.producers_forgotten.with_label_values(&["evicted"]).inc_by(now.evicted - forgot.evicted);
+        if !state.snapshots.is_empty() && state.since_snapshot >= self.config.producer_snapshot_bytes {
+            let last = state.table.applied_through();
+            if let Some(now_us) = frames.last().map(Frame::timestamp_us) {
+                state.table.sweep(limits, now_us);
+            }
+            changes.put.push((shard, last, state.table.encode(limits)));
+            state.snapshots.push(last);
+            state.since_snapshot = 0;
+            if state.snapshots.len() > PRODUCER_SNAPSHOTS_KEPT {
+                changes.drop.push((shard, state.snapshots.remove(1)));
+            }
+        }
+        changes
     }
 
     /// Publishes contiguous, validated frames as written and stages them.
@@ -1044,6 +1398,7 @@ impl Sequencer {
             self.leader_records += frames.len() as u64;
         }
         self.next.insert(shard, last + 1);
+        let snapshots = self.apply_producers(shard, &frames);
         // Counted as staged before anyone can see them written: whoever sees
         // `written` move also sees the bytes it stands for.
         self.shared.staged.add(frames.iter().map(Frame::len).sum());
@@ -1053,7 +1408,7 @@ impl Sequencer {
         let waiter = Waiter { reply, appended: Appended { first_seqno: first, last_seqno: last } };
         // If the persister is gone the waiter is dropped with the message,
         // and the appender hears `Closed`.
-        let _ = self.to_persister.send(Staged::Frames { shard, frames, waiter });
+        let _ = self.to_persister.send(Staged::Frames { shard, frames, waiter, snapshots });
         Some(durable)
     }
 
@@ -1160,13 +1515,14 @@ impl Persister {
             }
         }
         let started = Instant::now();
-        if let Err(e) = self.shared.store.append(&batch.parts, true) {
+        if let Err(e) = self.shared.store.append_with_snapshots(&batch.parts, &batch.snapshots, true) {
             // The sequencer validated every part and published them as
             // written; a store that refuses them leaves the log's state
             // unknown, as a failed write or fsync does.
             fatal("writing and syncing a group commit", &e);
         }
         let metrics = &self.shared.metrics;
+        metrics.producer_snapshots.inc_by(batch.snapshots.put.len() as u64);
         metrics.fsync_seconds.observe(started.elapsed().as_secs_f64());
         metrics.group_commit_records.observe(batch.records as f64);
         metrics.records_appended.inc_by(batch.records as u64);
@@ -1195,3 +1551,7 @@ impl Persister {
 #[cfg(test)]
 #[path = "wal_test.rs"]
 mod tests;
+
+#[cfg(test)]
+#[path = "wal_producers_test.rs"]
+mod producer_tests;

@@ -76,11 +76,19 @@ impl LogStore for GatedSync {
     fn bounds(&self, shard: ShardId) -> crate::store::StoreResult<LogBounds> {
         self.inner.bounds(shard)
     }
-    fn append(&self, batch: &[ShardAppend], sync: bool) -> crate::store::StoreResult<()> {
+    fn append_with_snapshots(
+        &self,
+        batch: &[ShardAppend],
+        snapshots: &crate::store::SnapshotChanges,
+        sync: bool,
+    ) -> crate::store::StoreResult<()> {
         if sync {
             self.gate.lock().recv().expect("the test holds the gate");
         }
-        self.inner.append(batch, sync)
+        self.inner.append_with_snapshots(batch, snapshots, sync)
+    }
+    fn producer_snapshots(&self, shard: ShardId) -> crate::store::StoreResult<Vec<(u64, bytes::Bytes)>> {
+        self.inner.producer_snapshots(shard)
     }
     fn read(&self, shard: ShardId, from: u64, to: u64, max_bytes: usize) -> crate::store::StoreResult<Vec<Frame>> {
         self.inner.read(shard, from, to, max_bytes)
