@@ -523,6 +523,7 @@ async fn grpc_cell(
             shard_id: shard as u32 + 1,
             records: vec![AppendRecord { key: Bytes::new(), payload: Bytes::from_static(b"ready") }],
             durability: durability as i32,
+            ..Default::default()
         };
         while let Err(status) = per[0].append(ready()).await {
             if std::time::Instant::now() > deadline {
@@ -547,6 +548,7 @@ async fn grpc_cell(
                     shard_id: shard as u32 + 1,
                     records: vec![AppendRecord { key: Bytes::new(), payload: body }],
                     durability: durability as i32,
+                    ..Default::default()
                 };
                 client.append(request).await.map_err(|s| anyhow::anyhow!("append: {s}"))?;
                 Ok(())

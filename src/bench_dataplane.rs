@@ -344,7 +344,7 @@ impl Bench<'_> {
     }
 
     fn request(&self, records: Vec<AppendRecord>) -> AppendRequest {
-        AppendRequest { shard_id: 1, records, durability: Durability::Quorum as i32 }
+        AppendRequest { shard_id: 1, records, durability: Durability::Quorum as i32, ..Default::default() }
     }
 
     /// Appends `records` records of `body` at QUORUM, 32 to a request from
@@ -371,7 +371,12 @@ impl Bench<'_> {
                     }
                     let n = 32.min(records - from);
                     let batch = (0..n).map(|_| AppendRecord { key: Bytes::new(), payload: body.clone() }).collect();
-                    let request = AppendRequest { shard_id: 1, records: batch, durability: Durability::Quorum as i32 };
+                    let request = AppendRequest {
+                        shard_id: 1,
+                        records: batch,
+                        durability: Durability::Quorum as i32,
+                        ..Default::default()
+                    };
                     leader.append(request).await.map_err(|s| anyhow::anyhow!("append: {s}"))?;
                 }
             }));
@@ -471,7 +476,8 @@ impl Bench<'_> {
             let (leader, body) = (leader.clone(), body.clone());
             async move {
                 let records = vec![AppendRecord { key: Bytes::new(), payload: body }];
-                let request = AppendRequest { shard_id: 1, records, durability: Durability::Quorum as i32 };
+                let request =
+                    AppendRequest { shard_id: 1, records, durability: Durability::Quorum as i32, ..Default::default() };
                 leader.append(request).await.map_err(|s| anyhow::anyhow!("append: {s}"))?;
                 Ok(())
             }

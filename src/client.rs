@@ -11,7 +11,7 @@
 //! ([`crate::client_error`]), with one exit code each.
 
 use std::io::BufRead;
-use std::time::{Duration, Instant};
+use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 use base64::Engine as _;
 use bytes::Bytes;
@@ -22,7 +22,7 @@ use tonic_health::pb::HealthCheckRequest;
 use tonic_health::pb::health_check_response::ServingStatus;
 use tonic_health::pb::health_client::HealthClient;
 use walship_proto::log::log_client::LogClient;
-use walship_proto::log::{AppendRecord, AppendRequest, Durability, ReadRequest, Record, TailRequest};
+use walship_proto::log::{AppendRecord, AppendRequest, Durability, Producer, ReadRequest, Record, TailRequest};
 
 use crate::client_error::{ClientError, EXIT_CODES, Failed, Kind, connect_error, status_error};
 
@@ -144,6 +144,27 @@ pub struct AppendArgs {
     /// record's index for generated ones).
     #[arg(long)]
     key: Option<String>,
+    /// Write only if the shard's newest seqno is exactly this (0: an empty
+    /// shard); each later batch then expects the previous one's last seqno.
+    /// A mismatch writes nothing and exits 13 (conflict), naming the
+    /// shard's newest seqno.
+    #[arg(long, value_name = "SEQNO")]
+    expect_last: Option<u64>,
+    /// Producer id (non-zero) the appends are written as. By default each
+    /// run is a new producer with a random id, so a retried batch (after a
+    /// timeout or a leader's death) is never written twice.
+    #[arg(long, value_name = "ID", value_parser = clap::value_parser!(u64).range(1..), conflicts_with = "no_producer")]
+    producer_id: Option<u64>,
+    /// Producer epoch (non-zero) with --producer-id: a run with a higher
+    /// epoch fences the runs with lower ones of the same id. Default: the
+    /// Unix time in microseconds, so each run of a stable id takes over.
+    #[arg(long, value_name = "EPOCH", requires = "producer_id", value_parser = clap::value_parser!(u64).range(1..))]
+    producer_epoch: Option<u64>,
+    /// Append without a producer: no deduplication, and a batch whose answer
+    /// is lost ends the run with exit code 3 (outcome unknown) instead of
+    /// being retried.
+    #[arg(long)]
+    no_producer: bool,
 }
 
 /// Where a read starts.
@@ -465,9 +486,25 @@ impl LeaderClient {
         self.servers.failures.clear();
         // Servers of the list that could not be reached in a row.
         let mut unreachable = 0usize;
+        // With a producer, an attempt whose outcome is unknown is retried
+        // (the leader answers a retry of written records with their seqnos);
+        // this is the last such attempt's error.
+        let retry_unknown = request.producer.is_some();
+        let mut unknown: Option<ClientError> = None;
         loop {
             let remaining = self.deadline.saturating_sub(started.elapsed());
             if remaining.is_zero() {
+                if let Some(error) = unknown {
+                    return Err(ClientError::new(
+                        Kind::OutcomeUnknown,
+                        error.server.as_deref(),
+                        format!(
+                            "an attempt reached a leader and got no answer, and no retry was answered within {:?} \
+                             (--deadline); the append may or may not have been written: {}",
+                            self.deadline, error.message
+                        ),
+                    ));
+                }
                 let last = self.servers.give_up("no leader accepted the append");
                 return Err(ClientError::new(
                     Kind::DeadlineExceeded,
@@ -494,6 +531,12 @@ impl LeaderClient {
                 Err(_) => {
                     unreachable += 1;
                     if unreachable >= self.servers.list.len() {
+                        if unknown.is_some() {
+                            // Sent before: keep trying until the deadline.
+                            unreachable = 0;
+                            tokio::time::sleep(Duration::from_millis(100)).await;
+                            continue;
+                        }
                         return Err(self.servers.give_up("no server could be reached; the append was not sent"));
                     }
                     continue;
@@ -505,14 +548,18 @@ impl LeaderClient {
             match tokio::time::timeout(attempt, client.append(call)).await {
                 Err(_) => {
                     self.servers.current = None;
-                    return Err(ClientError::new(
+                    let error = ClientError::new(
                         Kind::OutcomeUnknown,
                         Some(&server),
                         format!(
                             "the append was sent and no answer came within {attempt:?} (--request-timeout); it may \
                              or may not have been written"
                         ),
-                    ));
+                    );
+                    if !retry_unknown {
+                        return Err(error);
+                    }
+                    unknown = Some(error);
                 }
                 Ok(Ok(response)) => return Ok(response.into_inner()),
                 Ok(Err(status)) if not_applied(&status) => {
@@ -530,10 +577,33 @@ impl LeaderClient {
                         || (error.kind == Kind::Unavailable && status.code() == tonic::Code::Unavailable)
                         || (error.kind == Kind::NotWalship && status.code() != tonic::Code::Unimplemented)
                     {
-                        return Err(ClientError::new(
+                        let error = ClientError::new(
                             Kind::OutcomeUnknown,
                             Some(&server),
                             format!("the append may or may not have been written: {}", error.message),
+                        );
+                        if !retry_unknown {
+                            return Err(error);
+                        }
+                        unknown = Some(error);
+                        tokio::time::sleep(Duration::from_millis(50)).await;
+                        continue;
+                    }
+                    // A retry the shard no longer recognises (the producer
+                    // was forgotten): whether the first attempt landed is
+                    // unknown.
+                    let forgotten = [walship_proto::REFUSAL_PRODUCER_UNKNOWN, walship_proto::REFUSAL_PRODUCER_SEQUENCE];
+                    if let Some(first) = &unknown
+                        && walship_proto::refusal(&status).is_some_and(|r| forgotten.contains(&r))
+                    {
+                        return Err(ClientError::new(
+                            Kind::OutcomeUnknown,
+                            Some(&server),
+                            format!(
+                                "an attempt got no answer ({}) and the retry was refused ({}); the append may or may \
+                                 not have been written",
+                                first.message, error.message
+                            ),
                         ));
                     }
                     return Err(error);
@@ -567,15 +637,36 @@ async fn append_records(args: AppendArgs) -> Result<(), ClientError> {
     };
     let shard = args.server.shard;
     let as_json = args.server.json;
+    let mut producer = (!args.no_producer).then(|| Producer {
+        id: args.producer_id.unwrap_or_else(|| rand::Rng::gen_range(&mut rand::thread_rng(), 1..=u64::MAX)),
+        epoch: args.producer_epoch.unwrap_or_else(|| match args.producer_id {
+            Some(_) => SystemTime::now().duration_since(UNIX_EPOCH).map_or(1, |d| d.as_micros() as u64).max(1),
+            None => 1,
+        }),
+        sequence: 1,
+    });
+    let mut expect_last = args.expect_last;
     let mut send = async |records: Vec<AppendRecord>| -> Result<(), ClientError> {
         let count = records.len();
-        let request = AppendRequest { shard_id: shard, records, durability: Durability::from(args.durability) as i32 };
+        let request = AppendRequest {
+            shard_id: shard,
+            records,
+            durability: Durability::from(args.durability) as i32,
+            producer,
+            expected_last_seqno: expect_last,
+        };
+        if let Some(p) = &mut producer {
+            p.sequence += count as u64;
+        }
         match client.append(request).await {
             Ok(r) => {
+                if expect_last.is_some() {
+                    expect_last = Some(r.last_seqno);
+                }
                 if as_json {
                     println!(
                         "{}",
-                        json!({"shard": shard, "outcome": "acknowledged", "first_seqno": r.first_seqno, "last_seqno": r.last_seqno, "epoch": r.epoch})
+                        json!({"shard": shard, "outcome": "acknowledged", "first_seqno": r.first_seqno, "last_seqno": r.last_seqno, "epoch": r.epoch, "duplicate": r.duplicate})
                     );
                 } else {
                     println!("appended shard {shard} seqnos {}..={} (epoch {})", r.first_seqno, r.last_seqno, r.epoch);

@@ -21,6 +21,8 @@ Exit codes:
   11  unavailable: reachable but not serving it now (no leader, read-your-writes seqno not reached)
   12  TLS: the handshake failed (no or a refused client certificate, a server not signed by --ca,
       or a TLS port spoken to without --ca)
+  13  conflict: an append's --expect-last did not match the shard's newest seqno (the message
+      names it), or its producer was fenced by a newer epoch; nothing was written
 With several --server addresses the exit code is that of the last failure; the message names each.
 With --json an error is also printed as one JSON object on stderr:
   {\"error\": {\"kind\": \"connection_refused\", \"message\": \"...\", \"server\": \"127.0.0.1:7401\", \"exit_code\": 6}}";
@@ -41,6 +43,7 @@ pub enum Kind {
     Rejected,
     Unavailable,
     Tls,
+    Conflict,
 }
 
 impl Kind {
@@ -59,6 +62,7 @@ impl Kind {
             Kind::Rejected => "rejected",
             Kind::Unavailable => "unavailable",
             Kind::Tls => "tls",
+            Kind::Conflict => "conflict",
         }
     }
 
@@ -78,6 +82,7 @@ impl Kind {
             Kind::Rejected => "rejected",
             Kind::Unavailable => "unavailable",
             Kind::Tls => "TLS",
+            Kind::Conflict => "conflict",
         }
     }
 
@@ -95,6 +100,7 @@ impl Kind {
             Kind::Rejected => 10,
             Kind::Unavailable => 11,
             Kind::Tls => 12,
+            Kind::Conflict => 13,
         }
     }
 
@@ -293,7 +299,10 @@ pub fn status_error(server: &str, status: &tonic::Status) -> ClientError {
     }
     let detail = format!("{:?}: {}", status.code(), status.message());
     let lower = status.message().to_lowercase();
-    let kind = if lower.contains("message length too large") || lower.contains("the limit is") {
+    let conflict = [walship_proto::REFUSAL_EXPECTED_LAST, walship_proto::REFUSAL_PRODUCER_FENCED];
+    let kind = if walship_proto::refusal(status).is_some_and(|r| conflict.contains(&r)) {
+        Kind::Conflict
+    } else if lower.contains("message length too large") || lower.contains("the limit is") {
         Kind::TooLarge
     } else if not_grpc(status) {
         Kind::NotWalship

@@ -127,6 +127,12 @@ pub struct WalTuning {
     /// stops the process). 0 turns the check off. See
     /// `walship_wal::disk_space` and the full-disk runbook.
     pub min_free_bytes: u64,
+    /// Frame bytes between a shard's producer snapshots (once producers
+    /// write to it): a restart replays at most about this much of the
+    /// shard's log to rebuild its producer table, and compaction stops at
+    /// a snapshot, so up to this much more than `retain_bytes` may be
+    /// kept. 64 KiB ..= 1 GiB; default 16 MiB.
+    pub producer_snapshot_bytes: u64,
 }
 
 impl Default for WalTuning {
@@ -144,6 +150,7 @@ impl Default for WalTuning {
             scrub_bytes_per_s: wal.scrub_bytes_per_s,
             scrub_interval_s: wal.scrub_interval.as_secs(),
             min_free_bytes: walship_wal::disk_space::DEFAULT_MIN_FREE_BYTES,
+            producer_snapshot_bytes: wal.producer_snapshot_bytes,
         }
     }
 }
@@ -176,6 +183,9 @@ impl NodeConfig {
         }
         if !(1 << 10..=16 << 20).contains(&self.wal.chunk_bytes) {
             bail!("wal.chunk_bytes must be between 1024 and 16777216 (16 MiB), got {}", self.wal.chunk_bytes);
+        }
+        if !(64 << 10..=1 << 30).contains(&self.wal.producer_snapshot_bytes) {
+            bail!("wal.producer_snapshot_bytes must be within 64 KiB ..= 1 GiB");
         }
         if self.wal.scrub_bytes_per_s > 0 && self.wal.scrub_interval_s == 0 {
             bail!("wal.scrub_interval_s must be positive (or disable the scrubber with wal.scrub_bytes_per_s = 0)");

@@ -307,6 +307,8 @@ pub async fn start_node(config: NodeConfig, cluster: Option<ClusterConfig>, dril
         scrub_bytes_per_s: config.wal.scrub_bytes_per_s,
         scrub_interval: Duration::from_secs(config.wal.scrub_interval_s),
         disk_space: Some(disk_space),
+        producers: cluster.producers.limits(),
+        producer_snapshot_bytes: config.wal.producer_snapshot_bytes,
     };
     let mut wal_metrics = WalMetrics::new(&registry)?;
     wal_metrics.per_shard = cluster.replication.per_shard_metrics;

@@ -26,6 +26,7 @@ fn append(shard: u32, payload: &str, durability: Durability) -> AppendRequest {
         shard_id: shard,
         records: vec![AppendRecord { key: Bytes::new(), payload: Bytes::from(payload.to_string()) }],
         durability: durability as i32,
+        ..Default::default()
     }
 }
 
@@ -116,13 +117,15 @@ async fn refusals_are_answered_on_the_stream_and_change_nothing() {
 
     // Each refusal answers its own id, with the unary call's status, and the
     // stream stays up for the next request.
-    let empty = AppendRequest { shard_id: 1, records: vec![], durability: Durability::Quorum as i32 };
+    let empty =
+        AppendRequest { shard_id: 1, records: vec![], durability: Durability::Quorum as i32, ..Default::default() };
     let mut unknown_durability = append(1, "x", Durability::Quorum);
     unknown_durability.durability = 42;
     let oversized = AppendRequest {
         shard_id: 1,
         records: vec![AppendRecord { key: Bytes::new(), payload: Bytes::from(vec![0u8; (1 << 20) + 1]) }],
         durability: Durability::Quorum as i32,
+        ..Default::default()
     };
     // (request id, append, expected code, words and numbers of the message)
     type Refusal<'a> = (u64, Option<AppendRequest>, Code, &'a [&'a str], Vec<u64>);
@@ -259,6 +262,7 @@ async fn a_stream_stops_reading_past_its_in_flight_bytes() {
         shard_id: 1,
         records: vec![AppendRecord { key: Bytes::new(), payload: Bytes::from(vec![id as u8; 1 << 20]) }],
         durability: Durability::All as i32,
+        ..Default::default()
     };
     for id in 1..=64 {
         stream.send(id, Some(big(id))).await;

@@ -45,7 +45,12 @@ async fn append(cluster: &Cluster, id: u32, n: usize, tag: &str) -> Vec<u64> {
             key: format!("k{i}").into_bytes().into(),
             payload: format!("{tag}-{i}-").repeat(30).into_bytes().into(),
         };
-        let request = AppendRequest { shard_id: 1, records: vec![record], durability: Durability::Quorum as i32 };
+        let request = AppendRequest {
+            shard_id: 1,
+            records: vec![record],
+            durability: Durability::Quorum as i32,
+            ..Default::default()
+        };
         match log.append(request).await {
             Ok(r) => acked.push(r.into_inner().first_seqno),
             Err(_) => break,

@@ -64,8 +64,12 @@ async fn append(cluster: &Cluster, id: u32, clients: usize, n: usize, tag: &str)
                 for i in 0..n / clients {
                     let record =
                         AppendRecord { key: Default::default(), payload: format!("{tag}-{c}-{i}-").repeat(20).into() };
-                    let request =
-                        AppendRequest { shard_id: 1, records: vec![record], durability: Durability::Quorum as i32 };
+                    let request = AppendRequest {
+                        shard_id: 1,
+                        records: vec![record],
+                        durability: Durability::Quorum as i32,
+                        ..Default::default()
+                    };
                     if let Ok(r) = log.append(request).await {
                         acked.push(r.into_inner().first_seqno);
                     }

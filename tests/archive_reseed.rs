@@ -174,6 +174,7 @@ async fn wipe_refuses_bad_input_and_changes_nothing() {
             shard_id: 1,
             records: vec![record],
             durability: walship_proto::log::Durability::Local as i32,
+            ..Default::default()
         };
         log.append(request).await.unwrap();
     }
@@ -200,6 +201,7 @@ async fn wipe_refuses_bad_input_and_changes_nothing() {
             shard_id: 1,
             records: vec![record],
             durability: walship_proto::log::Durability::All as i32,
+            ..Default::default()
         };
         log.append(request).await.unwrap();
     }

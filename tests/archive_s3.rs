@@ -41,7 +41,12 @@ async fn append(cluster: &mut Cluster, n: usize) -> u64 {
     for i in 0..n {
         let record =
             AppendRecord { key: Default::default(), payload: format!("s3-{i}-").repeat(40).into_bytes().into() };
-        let request = AppendRequest { shard_id: 1, records: vec![record], durability: Durability::Quorum as i32 };
+        let request = AppendRequest {
+            shard_id: 1,
+            records: vec![record],
+            durability: Durability::Quorum as i32,
+            ..Default::default()
+        };
         if let Ok(r) = log.append(request).await {
             last = r.into_inner().first_seqno;
         }

@@ -36,7 +36,12 @@ async fn append(cluster: &mut Cluster, n: usize) -> (u32, u64) {
     for i in 0..n {
         let record =
             AppendRecord { key: Default::default(), payload: format!("st-{i}-").repeat(30).into_bytes().into() };
-        let request = AppendRequest { shard_id: 1, records: vec![record], durability: Durability::Quorum as i32 };
+        let request = AppendRequest {
+            shard_id: 1,
+            records: vec![record],
+            durability: Durability::Quorum as i32,
+            ..Default::default()
+        };
         last = log.append(request).await.unwrap().into_inner().first_seqno;
     }
     (leader, last)

@@ -81,7 +81,7 @@ fn record(key_len: usize, payload_len: usize) -> AppendRecord {
 }
 
 fn append(shard_id: u32, records: Vec<AppendRecord>) -> AppendRequest {
-    AppendRequest { shard_id, records, durability: Durability::Local as i32 }
+    AppendRequest { shard_id, records, durability: Durability::Local as i32, ..Default::default() }
 }
 
 /// `/v1/status` of the node, parsed.
@@ -305,14 +305,14 @@ async fn bad_requests_are_refused_precisely_and_change_nothing() {
         // 5. Unknown durability.
         Case {
             name: "append with durability 99",
-            call: Call::Append(AppendRequest { shard_id: 1, records: one(), durability: 99 }),
+            call: Call::Append(AppendRequest { shard_id: 1, records: one(), durability: 99, ..Default::default() }),
             code: Code::InvalidArgument,
             words: vec!["durability"],
             numbers: vec![99],
         },
         Case {
             name: "append with durability -1",
-            call: Call::Append(AppendRequest { shard_id: 1, records: one(), durability: -1 }),
+            call: Call::Append(AppendRequest { shard_id: 1, records: one(), durability: -1, ..Default::default() }),
             code: Code::InvalidArgument,
             words: vec!["durability"],
             numbers: vec![],

@@ -432,6 +432,7 @@ async fn tail_through(disrupt: fn(&mut Cluster)) {
             shard_id: 1,
             records: vec![AppendRecord { key: Default::default(), payload: format!("r{i}").into() }],
             durability: Durability::Quorum as i32,
+            ..Default::default()
         };
         let response = leader.append(request).await.expect("append").into_inner();
         assert_eq!(response.last_seqno, i);
@@ -641,6 +642,7 @@ async fn read_request_last_and_min_seqno_over_grpc() {
         shard_id: 1,
         records: (1..=5).map(|i| AppendRecord { key: Default::default(), payload: format!("p{i}").into() }).collect(),
         durability: Durability::Quorum as i32,
+        ..Default::default()
     };
     client.append(request).await.unwrap();
     let read = |r: ReadRequest| {

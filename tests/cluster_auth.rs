@@ -132,6 +132,7 @@ async fn cluster_rpcs_without_the_secret_are_refused_and_change_nothing() {
         shard_id: 1,
         records: vec![AppendRecord { key: b"k".to_vec().into(), payload: b"after the strangers".to_vec().into() }],
         durability: Durability::Quorum as i32,
+        ..Default::default()
     };
     let appended = log.append(request).await.expect("a client append needs no cluster secret").into_inner();
     assert!(appended.last_seqno >= 1);

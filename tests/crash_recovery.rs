@@ -61,6 +61,7 @@ fn start_load(
                         shard_id: shard,
                         records: records.clone(),
                         durability: Durability::Local as i32,
+                        ..Default::default()
                     };
                     match log.append(request).await {
                         Ok(r) => {
@@ -263,6 +264,7 @@ async fn a_node_starts_when_its_wal_file_cannot_be_zero_filled() {
                 payload: Bytes::from_static(payload.as_bytes()),
             }],
             durability: Durability::Local as i32,
+            ..Default::default()
         };
         node.client().await.append(request).await.unwrap().into_inner().first_seqno
     }

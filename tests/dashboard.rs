@@ -89,6 +89,7 @@ async fn append_one(grpc: &str) {
             payload: bytes::Bytes::from_static(b"x"),
         }],
         durability: walship_proto::log::Durability::Quorum as i32,
+        ..Default::default()
     };
     log.append(request).await.unwrap();
 }

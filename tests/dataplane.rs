@@ -314,7 +314,9 @@ async fn verify_finds_the_first_bad_seqno_of_a_damaged_replica() {
                 payload: format!("verify-{i}-{j}").repeat(40).into_bytes().into(),
             })
             .collect();
-        log.append(AppendRequest { shard_id: 1, records, durability: Durability::All as i32 }).await.unwrap();
+        log.append(AppendRequest { shard_id: 1, records, durability: Durability::All as i32, ..Default::default() })
+            .await
+            .unwrap();
     }
     let run = async |cluster: &mut Cluster, body: Value| -> Value {
         let body = body.to_string();
@@ -431,7 +433,9 @@ async fn a_scheduled_verify_finds_a_diverged_replica_by_itself() {
     let records = (0..100)
         .map(|i| AppendRecord { key: Default::default(), payload: format!("scrub-{i}").into_bytes().into() })
         .collect();
-    log.append(AppendRequest { shard_id: 1, records, durability: Durability::All as i32 }).await.unwrap();
+    log.append(AppendRequest { shard_id: 1, records, durability: Durability::All as i32, ..Default::default() })
+        .await
+        .unwrap();
     let last_verdict = async |cluster: &mut Cluster| -> Value {
         let (_, view) = cluster.coord_get(1, "/v1/cluster").await;
         assert_eq!(view["dataplane"]["verify_schedule"]["every_s"], 1, "{view}");
@@ -485,7 +489,9 @@ async fn export_round_trips_through_pyarrow() {
                 payload: (0..=(i * 10 + j) as u8).collect::<Vec<u8>>().into(),
             })
             .collect();
-        log.append(AppendRequest { shard_id: 1, records, durability: Durability::Quorum as i32 }).await.unwrap();
+        log.append(AppendRequest { shard_id: 1, records, durability: Durability::Quorum as i32, ..Default::default() })
+            .await
+            .unwrap();
     }
     let dir = tempfile::tempdir().unwrap();
     let out = dir.path().join("shard-1.arrow");

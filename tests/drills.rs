@@ -230,6 +230,7 @@ async fn damage_record_refuses_bad_input_and_changes_nothing() {
                 shard_id: 1,
                 records: vec![AppendRecord { key: bytes::Bytes::new(), payload }],
                 durability: Durability::Local as i32,
+                ..Default::default()
             };
             log.append(request).await.unwrap();
         }
@@ -501,6 +502,7 @@ async fn partition_rpc_refuses_bad_input_and_changes_nothing() {
             payload: bytes::Bytes::from_static(b"while cut from 2"),
         }],
         durability: Durability::Quorum as i32,
+        ..Default::default()
     };
     log.append(append).await.expect("a QUORUM append with one follower cut");
 

@@ -98,6 +98,7 @@ async fn stopped_old_leader_cannot_commit_and_its_tail_is_truncated() {
         shard_id: 1,
         records: vec![AppendRecord { key: Bytes::new(), payload: Bytes::from(text.to_string()) }],
         durability: Durability::Quorum as i32,
+        ..Default::default()
     };
     for i in 0..10 {
         let r = old.append(append(&format!("before-{i}"))).await.unwrap().into_inner();
@@ -179,6 +180,7 @@ async fn preview_and_forced_failover_report_the_exact_loss_and_need_the_token() 
         shard_id: 1,
         records: vec![AppendRecord { key: Bytes::new(), payload: Bytes::from(format!("r{i}")) }],
         durability: Durability::Quorum as i32,
+        ..Default::default()
     };
     for i in 1..=10 {
         leader.append(append(i)).await.unwrap();
@@ -288,6 +290,7 @@ async fn no_automatic_failover_without_a_majority_but_a_forced_one_works() {
         shard_id: 1,
         records: vec![AppendRecord { key: Bytes::new(), payload: Bytes::from(text.to_string()) }],
         durability: durability as i32,
+        ..Default::default()
     };
     for i in 0..5 {
         leader.append(append(&format!("r{i}"), Durability::All)).await.unwrap();

@@ -46,6 +46,7 @@ async fn append(log: &mut LogClient<tonic::transport::Channel>, shard: u32, payl
         shard_id: shard,
         records: vec![AppendRecord { key: Bytes::new(), payload: Bytes::from(payload.to_string()) }],
         durability: durability as i32,
+        ..Default::default()
     };
     log.append(request).await.unwrap_or_else(|s| panic!("append {payload}: {s}"));
 }
@@ -134,6 +135,7 @@ async fn a_leader_frozen_past_the_failure_timeout_acknowledges_nothing_once_resu
                 shard_id: 1,
                 records: vec![AppendRecord { key: Bytes::new(), payload: Bytes::from(format!("frozen-{i}")) }],
                 durability: durability as i32,
+                ..Default::default()
             };
             let mut request = tonic::Request::new(request);
             request.set_timeout(Duration::from_secs(10));
@@ -149,6 +151,7 @@ async fn a_leader_frozen_past_the_failure_timeout_acknowledges_nothing_once_resu
             shard_id: 1,
             records: vec![AppendRecord { key: Bytes::new(), payload: Bytes::from(format!("resumed-{i}")) }],
             durability: Durability::Local as i32,
+            ..Default::default()
         });
         request.set_timeout(Duration::from_secs(10));
         let outcome = log.append(request).await;

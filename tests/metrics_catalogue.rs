@@ -40,8 +40,14 @@ async fn catalogue_matches_what_nodes_expose() {
     cluster.wait_node_leads(1, 1, Duration::from_secs(20)).await;
     let mut client = cluster.node(1).client().await;
     let record = AppendRecord { key: Bytes::new(), payload: Bytes::from_static(b"x") };
-    client.append(AppendRequest { shard_id: 1, records: vec![record], durability: 0 }).await.unwrap();
-    client.append(AppendRequest { shard_id: 7, records: vec![], durability: 0 }).await.unwrap_err();
+    client
+        .append(AppendRequest { shard_id: 1, records: vec![record], durability: 0, ..Default::default() })
+        .await
+        .unwrap();
+    client
+        .append(AppendRequest { shard_id: 7, records: vec![], durability: 0, ..Default::default() })
+        .await
+        .unwrap_err();
     let catalogue = catalogue();
     let leader_admin = cluster.node(1).admin.clone();
     // Lag gauges appear within a few intervals.

@@ -222,8 +222,12 @@ fn local_appends(grpc: String, stop: Arc<AtomicBool>) -> tokio::task::JoinHandle
             let payload = format!("local-to-old-leader-{i}");
             i += 1;
             let records = vec![AppendRecord { key: Bytes::new(), payload: Bytes::from(payload.clone()) }];
-            let mut request =
-                tonic::Request::new(AppendRequest { shard_id: 1, records, durability: Durability::Local as i32 });
+            let mut request = tonic::Request::new(AppendRequest {
+                shard_id: 1,
+                records,
+                durability: Durability::Local as i32,
+                ..Default::default()
+            });
             request.set_timeout(Duration::from_millis(500));
             let sent_at = Instant::now();
             let acknowledged = log.append(request).await.ok().map(|r| {

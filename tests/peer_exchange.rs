@@ -70,6 +70,7 @@ async fn a_peer_serves_archived_segments_from_its_wal_and_refuses_bad_fetches() 
             shard_id: 1,
             records: vec![AppendRecord { key: Default::default(), payload: payload.into() }],
             durability: Durability::All as i32,
+            ..Default::default()
         };
         log.append(request).await.unwrap();
     }

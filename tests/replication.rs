@@ -26,6 +26,7 @@ fn one_record(payload: &'static [u8], durability: Durability) -> AppendRequest {
         shard_id: 1,
         records: vec![AppendRecord { key: Bytes::new(), payload: Bytes::from_static(payload) }],
         durability: durability as i32,
+        ..Default::default()
     }
 }
 
@@ -337,6 +338,7 @@ async fn all_waits_for_every_replica_and_local_waits_for_none() {
         shard_id: 1,
         records: vec![AppendRecord { key: Bytes::new(), payload: Bytes::from(text.to_string()) }],
         durability: durability as i32,
+        ..Default::default()
     };
     client.append(append(Durability::All, "all-up")).await.unwrap();
     cluster.node(3).kill9();
@@ -442,6 +444,7 @@ async fn retention_holds_for_a_lagging_follower_up_to_the_bound_then_marks_it_fo
             .map(|i| AppendRecord { key: Bytes::new(), payload: Bytes::from(format!("{i:0>100}")) })
             .collect(),
         durability: Durability::Quorum as i32,
+        ..Default::default()
     };
     leader.append(append(100)).await.unwrap();
     converge(&mut cluster, 1, 1).await;

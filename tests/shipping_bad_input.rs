@@ -270,7 +270,7 @@ async fn bad_shipping_requests_are_refused_precisely_and_change_nothing() {
         .map(|i| AppendRecord { key: Bytes::from(format!("key-{i}")), payload: Bytes::from(format!("payload-{i}")) })
         .collect();
     let r = leader_log
-        .append(AppendRequest { shard_id: SHARD, records, durability: Durability::Quorum as i32 })
+        .append(AppendRequest { shard_id: SHARD, records, durability: Durability::Quorum as i32, ..Default::default() })
         .await
         .expect("seed append")
         .into_inner();
@@ -838,7 +838,7 @@ async fn bad_shipping_requests_are_refused_precisely_and_change_nothing() {
         .map(|i| AppendRecord { key: Bytes::from(format!("after-{i}")), payload: Bytes::from(format!("after-{i}")) })
         .collect();
     let r = leader_log
-        .append(AppendRequest { shard_id: SHARD, records, durability: Durability::Quorum as i32 })
+        .append(AppendRequest { shard_id: SHARD, records, durability: Durability::Quorum as i32, ..Default::default() })
         .await
         .expect("append after the refusals")
         .into_inner();

@@ -162,6 +162,7 @@ async fn cluster_config_with_dns_names() {
             payload: bytes::Bytes::from_static(b"named"),
         }],
         durability: walship_proto::log::Durability::All as i32,
+        ..Default::default()
     };
     let r = log.append(request).await.unwrap().into_inner();
     assert_eq!(r.first_seqno, 1, "replicated to every replica by name");

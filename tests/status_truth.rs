@@ -37,6 +37,7 @@ async fn append_one(grpc: &str, i: u64) {
         shard_id: 1,
         records: vec![AppendRecord { key: Bytes::new(), payload: Bytes::from(format!("r{i}")) }],
         durability: Durability::Quorum as i32,
+        ..Default::default()
     };
     log.append(request).await.unwrap();
 }

@@ -58,7 +58,12 @@ async fn a_node_serves_and_extends_the_wal_of_the_release_before_chunks() {
     assert!(metrics.contains(&format!("walship_wal_index_chunks {chunks}")), "{metrics}");
 
     let records = (1001..=1100).map(|n| AppendRecord { key: Default::default(), payload: format!("line-{n}").into() });
-    let request = AppendRequest { shard_id: 1, records: records.collect(), durability: Durability::Local as i32 };
+    let request = AppendRequest {
+        shard_id: 1,
+        records: records.collect(),
+        durability: Durability::Local as i32,
+        ..Default::default()
+    };
     let appended = node.client().await.append(request).await.unwrap().into_inner();
     assert_eq!((appended.first_seqno, appended.last_seqno), (1001, 1100));
 

@@ -50,3 +50,29 @@ pub fn mark_outcome_unknown(status: &mut tonic::Status) {
 pub fn outcome_unknown(status: &tonic::Status) -> bool {
     status.metadata().get(OUTCOME_METADATA_KEY).is_some_and(|v| v == "unknown")
 }
+
+/// Name of the response metadata key that says why a producer or
+/// conditional append was refused (one of the `REFUSAL_*` values).
+pub const REFUSAL_METADATA_KEY: &str = "walship-refusal";
+/// A conditional append's expected last seqno was not the shard's.
+pub const REFUSAL_EXPECTED_LAST: &str = "expected-last";
+/// The producer's epoch is older than one the shard has seen.
+pub const REFUSAL_PRODUCER_FENCED: &str = "producer-fenced";
+/// The shard does not know the producer (or its new epoch) and the append
+/// does not start at sequence 1.
+pub const REFUSAL_PRODUCER_UNKNOWN: &str = "producer-unknown";
+/// The append's sequence leaves a gap after the producer's last.
+pub const REFUSAL_PRODUCER_SEQUENCE: &str = "producer-sequence";
+/// Name of the response metadata key that carries the shard's newest seqno
+/// on an `expected-last` refusal.
+pub const LAST_SEQNO_METADATA_KEY: &str = "walship-last-seqno";
+
+/// Why `status` refused a producer or conditional append, if it did.
+pub fn refusal(status: &tonic::Status) -> Option<&str> {
+    status.metadata().get(REFUSAL_METADATA_KEY).and_then(|v| v.to_str().ok())
+}
+
+/// The shard's newest seqno named by an `expected-last` refusal.
+pub fn refused_last_seqno(status: &tonic::Status) -> Option<u64> {
+    status.metadata().get(LAST_SEQNO_METADATA_KEY)?.to_str().ok()?.parse().ok()
+}

@@ -141,6 +141,12 @@ pub fn failure_status(failure: AppendFailure) -> Status {
     if failure.outcome_unknown {
         crate::mark_outcome_unknown(&mut status);
     }
+    if let (false, Ok(refusal)) = (failure.refusal.is_empty(), failure.refusal.parse()) {
+        status.metadata_mut().insert(crate::REFUSAL_METADATA_KEY, refusal);
+        if failure.refusal == crate::REFUSAL_EXPECTED_LAST {
+            status.metadata_mut().insert(crate::LAST_SEQNO_METADATA_KEY, failure.last_seqno.into());
+        }
+    }
     status
 }
 
@@ -153,5 +159,7 @@ pub fn append_failure(status: &Status) -> AppendFailure {
         message: status.message().to_string(),
         leader: leader.to_string(),
         outcome_unknown: crate::outcome_unknown(status),
+        refusal: crate::refusal(status).unwrap_or_default().to_string(),
+        last_seqno: crate::refused_last_seqno(status).unwrap_or(0),
     }
 }

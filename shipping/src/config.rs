@@ -251,6 +251,9 @@ pub struct ClusterConfig {
     /// The object store sealed segments are archived to; none: no archive.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub archive: Option<ArchiveConfig>,
+    /// How many producer sessions each shard remembers, and for how long.
+    #[serde(default)]
+    pub producers: crate::producer_config::ProducerConfig,
 }
 
 /// `[archive]`: where each shard's leader uploads sealed segments of its
@@ -584,6 +587,7 @@ impl ClusterConfig {
             insecure_no_auth: false,
             tls: None,
             archive: None,
+            producers: Default::default(),
         }
     }
 
@@ -610,6 +614,7 @@ impl ClusterConfig {
             insecure_no_auth: false,
             tls: None,
             archive: None,
+            producers: Default::default(),
         }
     }
 
@@ -618,6 +623,7 @@ impl ClusterConfig {
         if let Some(archive) = &self.archive {
             archive.validate().map_err(|e| ConfigError::Invalid(format!("[archive]: {e}")))?;
         }
+        self.producers.validate().map_err(|e| ConfigError::Invalid(format!("[producers]: {e}")))?;
         if !(1..=64).contains(&self.replication.min_replicas) {
             return bad(format!("[replication] min_replicas {} is outside 1..=64", self.replication.min_replicas));
         }
@@ -715,6 +721,7 @@ mod tests {
             insecure_no_auth: false,
             tls: None,
             archive: None,
+            producers: Default::default(),
         }
     }
 

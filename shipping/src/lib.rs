@@ -26,6 +26,7 @@ pub mod core;
 pub mod log_service;
 pub mod metrics;
 pub mod peers;
+pub mod producer_config;
 pub mod replica;
 pub mod server;
 

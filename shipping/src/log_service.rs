@@ -12,6 +12,13 @@
 //! | range before the oldest retained or past the newest committed record | `OUT_OF_RANGE` |
 //! | a read's `min_seqno` not committed here before the call's deadline (names the seqno committed) | `UNAVAILABLE` |
 //! | WAL writer stopped | `UNAVAILABLE` (retryable) |
+//! | producer id, epoch or sequence 0, or sequences past 2^64-1 | `INVALID_ARGUMENT` |
+//! | producer epoch older than the shard has seen (`walship-refusal: producer-fenced`) | `FAILED_PRECONDITION` |
+//! | producer unknown to the shard and not starting at sequence 1 (`producer-unknown`) | `FAILED_PRECONDITION` |
+//! | producer sequence leaving a gap (`producer-sequence`) | `OUT_OF_RANGE` |
+//! | retry of producer records older than its last five runs | `ALREADY_EXISTS` |
+//! | `expected_last_seqno` not the shard's newest (`expected-last`, `walship-last-seqno: N`) | `FAILED_PRECONDITION` |
+//! | producer table under repair on this replica | `UNAVAILABLE` (retryable; nothing written) |
 //! | a record in range is corrupt in this replica's copy (names shard, seqnos, file) | `DATA_LOSS` |
 //!
 //! Appends are acknowledged at the durability asked for: `LOCAL` once the
@@ -41,7 +48,9 @@ use walship_proto::log::{
     Record, TailRequest, TailResponse,
 };
 
-use walship_wal::{Frame, NewRecord, ShardId, StoreError, Wal, WalError};
+use walship_wal::{
+    AppendOptions, Frame, NewRecord, ProducerRefusal, ProducerStamp, ShardId, StoreError, Wal, WalError,
+};
 
 use crate::replica::{ReplicationNode, Role, ShardReplica};
 
@@ -145,6 +154,37 @@ fn wal_status(error: WalError) -> Status {
         WalError::StaleEpoch { shard, epoch, promised } => Status::unavailable(format!(
             "shard {shard}: leadership moved on (epoch {promised}) before this append in epoch {epoch} was written; it was not written"
         )),
+        ref e @ WalError::Producer { ref refusal, .. } => {
+            let refused = |code: tonic::Code, why: &'static str| {
+                let mut status = Status::new(code, e.to_string());
+                status.metadata_mut().insert(walship_proto::REFUSAL_METADATA_KEY, why.parse().expect("ascii"));
+                status
+            };
+            match refusal {
+                ProducerRefusal::Invalid(_) => Status::invalid_argument(e.to_string()),
+                ProducerRefusal::Fenced { .. } => {
+                    refused(tonic::Code::FailedPrecondition, walship_proto::REFUSAL_PRODUCER_FENCED)
+                }
+                ProducerRefusal::Unknown { .. } => {
+                    refused(tonic::Code::FailedPrecondition, walship_proto::REFUSAL_PRODUCER_UNKNOWN)
+                }
+                ProducerRefusal::Gap { .. } => {
+                    refused(tonic::Code::OutOfRange, walship_proto::REFUSAL_PRODUCER_SEQUENCE)
+                }
+                ProducerRefusal::Forgotten { .. } => Status::already_exists(e.to_string()),
+            }
+        }
+        ref e @ WalError::ExpectedLast { last, .. } => {
+            let mut status = Status::failed_precondition(e.to_string());
+            let metadata = status.metadata_mut();
+            metadata.insert(
+                walship_proto::REFUSAL_METADATA_KEY,
+                walship_proto::REFUSAL_EXPECTED_LAST.parse().expect("ascii"),
+            );
+            metadata.insert(walship_proto::LAST_SEQNO_METADATA_KEY, last.into());
+            status
+        }
+        e @ WalError::ProducersUnavailable { .. } => Status::unavailable(format!("{e}; it was not written")),
     }
 }
 
@@ -156,6 +196,11 @@ fn to_record(frame: &Frame) -> Record {
         key: frame.key(),
         payload: frame.payload(),
         crc32: frame.crc32(),
+        producer: frame.producer().map(|p| walship_proto::log::Producer {
+            id: p.id,
+            epoch: p.epoch,
+            sequence: p.sequence,
+        }),
     }
 }
 
@@ -272,6 +317,21 @@ impl LogService {
                 self.limits.max_batch_bytes
             )));
         }
+        if let Some(p) = &req.producer {
+            let bad = |what: &str| Err(Status::invalid_argument(format!("producer {what} must not be 0")));
+            match (p.id, p.epoch, p.sequence) {
+                (0, _, _) => return bad("id"),
+                (_, 0, _) => return bad("epoch"),
+                (_, _, 0) => return bad("sequence (sequences start at 1)"),
+                (_, _, s) if s.checked_add(req.records.len() as u64 - 1).is_none() => {
+                    return Err(Status::invalid_argument(format!(
+                        "producer sequence {s} with {} records runs past 2^64-1",
+                        req.records.len()
+                    )));
+                }
+                _ => {}
+            }
+        }
         Ok((durability, replica, epoch))
     }
 
@@ -308,8 +368,16 @@ impl LogService {
         let replica = replica.clone();
         self.metrics.append_batch_records.observe(req.records.len() as f64);
         let records = req.records.into_iter().map(|r| NewRecord { key: r.key, payload: r.payload }).collect();
-        let appended =
-            self.wal.append(req.shard_id, epoch, records).await.map_err(|e| self.reject(rpc, wal_status(e)))?;
+        let options = AppendOptions {
+            producer: req.producer.map(|p| ProducerStamp { id: p.id, epoch: p.epoch, sequence: p.sequence }),
+            expected_last: req.expected_last_seqno,
+        };
+        let outcome = self
+            .wal
+            .append_with(req.shard_id, epoch, records, options)
+            .await
+            .map_err(|e| self.reject(rpc, wal_status(e)))?;
+        let appended = outcome.appended;
         let reached = match durability {
             // With one replica the commit is the local fsync; waiting for it
             // to be published keeps read-your-write for every level.
@@ -349,7 +417,12 @@ impl LogService {
             .append_seconds
             .with_label_values(&[durability_name(durability)])
             .observe(started.elapsed().as_secs_f64());
-        Ok(AppendResponse { first_seqno: appended.first_seqno, last_seqno: appended.last_seqno, epoch })
+        Ok(AppendResponse {
+            first_seqno: appended.first_seqno,
+            last_seqno: appended.last_seqno,
+            epoch,
+            duplicate: outcome.duplicate,
+        })
     }
 
     /// Waits, up to `patience`, until this replica has committed `seqno`

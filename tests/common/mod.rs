@@ -789,7 +789,12 @@ pub async fn append_and_record(
 ) -> Result<(), tonic::Status> {
     use walship_proto::log::{AppendRecord, AppendRequest};
     let records = payloads.iter().map(|p| AppendRecord { key: bytes::Bytes::new(), payload: p.clone() }).collect();
-    let mut request = tonic::Request::new(AppendRequest { shard_id: shard, records, durability: durability as i32 });
+    let mut request = tonic::Request::new(AppendRequest {
+        shard_id: shard,
+        records,
+        durability: durability as i32,
+        ..Default::default()
+    });
     request.set_timeout(timeout);
     let response = log.append(request).await?.into_inner();
     let mut acked = acked.lock().await;

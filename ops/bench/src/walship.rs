@@ -272,6 +272,7 @@ fn request(payload: Bytes, durability: Durability) -> AppendRequest {
         shard_id: 1,
         records: vec![AppendRecord { key: Bytes::new(), payload }],
         durability: durability as i32,
+        ..Default::default()
     }
 }
 

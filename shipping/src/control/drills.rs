@@ -353,6 +353,7 @@ impl Load {
                             shard_id: shard,
                             records: vec![AppendRecord { key: Bytes::new(), payload: payload.clone() }],
                             durability: Durability::Quorum as i32,
+                            ..Default::default()
                         });
                         request.set_timeout(Duration::from_secs(2));
                         match log.append(request).await {

@@ -20,6 +20,9 @@ impl ReplicationNode {
                 _ = tick.tick() => {}
                 _ = self.shutdown.cancelled() => return,
             }
+            // Followers that need a re-seed when the leader compacts as
+            // planned.
+            let mut reseed = None;
             let compact_to = match replica.leader_state() {
                 Some(leader) => {
                     let plan = leader.core.lock().plan_retention(r.retain_bytes, r.max_retain_bytes);
@@ -33,13 +36,13 @@ impl ReplicationNode {
                         (to, _) => to,
                     };
                     // Followers are marked only when the planned compaction
-                    // happens as planned; one the archive holds back leaves
+                    // happens as planned; one the archive or a producer
+                    // snapshot (see `Wal::compact_prefix`) holds back leaves
                     // them records, and a follower that still falls behind
                     // the leader's first seqno is marked by its next reply
                     // (and re-seeds from the archive).
                     if !plan.reseed.is_empty() && to == planned {
-                        tracing::warn!(shard = replica.shard, followers = ?plan.reseed, "retention bound reached: followers need a re-seed");
-                        leader.core.lock().mark_reseed(&plan.reseed);
+                        reseed = planned.map(|planned| (leader, planned, plan.reseed));
                     }
                     to
                 }
@@ -63,11 +66,21 @@ impl ReplicationNode {
             };
             if let Some(to) = compact_to {
                 match self.wal.compact_prefix(replica.shard, to).await {
-                    Ok(()) => {
-                        if let Some(leader) = replica.leader_state() {
-                            leader.core.lock().on_compacted(crate::core::Seqno(to));
+                    Ok(first) => {
+                        if let Some((leader, planned, followers)) = reseed.take()
+                            && first == planned
+                        {
+                            tracing::warn!(
+                                shard = replica.shard,
+                                ?followers,
+                                "retention bound reached: followers need a re-seed"
+                            );
+                            leader.core.lock().mark_reseed(&followers);
                         }
-                        tracing::info!(shard = replica.shard, first_seqno = to, "compacted");
+                        if let Some(leader) = replica.leader_state() {
+                            leader.core.lock().on_compacted(crate::core::Seqno(first));
+                        }
+                        tracing::info!(shard = replica.shard, first_seqno = first, asked = to, "compacted");
                     }
                     Err(e) => tracing::warn!(shard = replica.shard, error = %e, "compaction"),
                 }

@@ -192,6 +192,7 @@ impl LocalProbe {
                     shard_id: shard,
                     records: vec![AppendRecord { key: Bytes::new(), payload }],
                     durability: Durability::Local as i32,
+                    ..Default::default()
                 });
                 request.set_timeout(Duration::from_secs(2));
                 let sent = Instant::now();
