@@ -109,6 +109,10 @@ pub struct NodeArgs {
     /// --allow-crash-drills.
     #[arg(long, hide = true, requires = "allow_crash_drills")]
     fault_unwritten_batch_after: Option<u64>,
+    /// Frame bytes between a shard's producer snapshots
+    /// (`wal.producer_snapshot_bytes`, default 16 MiB; 64 KiB ..= 1 GiB).
+    #[arg(long)]
+    wal_producer_snapshot_bytes: Option<u64>,
 }
 
 impl NodeArgs {
@@ -170,6 +174,9 @@ impl NodeArgs {
         }
         if let Some(rate) = self.wal_scrub_bytes_per_s {
             config.wal.scrub_bytes_per_s = rate;
+        }
+        if let Some(bytes) = self.wal_producer_snapshot_bytes {
+            config.wal.producer_snapshot_bytes = bytes;
         }
         if let Some(interval) = self.wal_scrub_interval_s {
             config.wal.scrub_interval_s = interval;
