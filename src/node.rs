@@ -323,6 +323,10 @@ pub async fn start_node(config: NodeConfig, cluster: Option<ClusterConfig>, dril
         let store = store.clone();
         tokio::task::spawn_blocking(move || Wal::start(store, wal_config, wal_metrics)).await??
     };
+    registry.register(Box::new(walship_wal::metrics::ProducersCollector::new(
+        wal.clone(),
+        cluster.replication.per_shard_metrics,
+    )?))?;
     let disk_bytes = Box::new(move || store.disk_bytes());
     let node = ReplicationNode::start(
         config.node_id,

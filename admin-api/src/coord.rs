@@ -258,6 +258,8 @@ pub(crate) fn shard_view(
                 lag_position_age_ms: lag.position_age_ms,
                 disk_full: hb.is_some_and(|h| h.disk_full),
                 corrupt_from_seqno: hb.map(|h| h.corrupt_from_seqno).filter(|&s| s > 0),
+                producers: hb.map_or(0, |h| h.producers),
+                producer_duplicates: hb.map_or(0, |h| h.producer_duplicates),
             }
         })
         .collect();

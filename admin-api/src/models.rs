@@ -278,6 +278,13 @@ pub struct ReplicaView {
     /// intact replica); none when intact.
     #[serde(default)]
     pub corrupt_from_seqno: Option<u64>,
+    /// Producer sessions (exactly-once appends) its table remembers, and
+    /// the appends it answered as duplicates since it started, as its last
+    /// heartbeat reports them.
+    #[serde(default)]
+    pub producers: u64,
+    #[serde(default)]
+    pub producer_duplicates: u64,
 }
 
 /// `GET /v1/shards/{id}/lag-history`: the coordinator's recent lag samples

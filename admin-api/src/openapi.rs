@@ -93,6 +93,7 @@ struct CoordinatorDoc;
         walship_shipping::replica::ReplicaStatus,
         walship_shipping::replica::FollowerStatus,
         walship_shipping::replica::CorruptRangeStatus,
+        walship_shipping::replica::ProducersStatus,
         walship_shipping::replica::ReceivedHeartbeat,
         crate::models::DiskStatus,
         crate::models::WalIndexStatus,

@@ -286,3 +286,71 @@ impl Collector for IndexCollector {
         self.bytes.collect().into_iter().chain(self.chunks.collect()).collect()
     }
 }
+
+/// Per-shard producer-session figures, read from the WAL at each scrape:
+/// `walship_producers{shard}` (producers remembered) and
+/// `walship_shard_producer_duplicates{shard}` (appends answered as
+/// duplicates since the process started). Only shards that have producers
+/// or have answered a duplicate get a series; with `per_shard` false, one
+/// `shard="all"` series sums them.
+pub struct ProducersCollector {
+    wal: crate::Wal,
+    per_shard: bool,
+    producers: IntGaugeVec,
+    duplicates: IntGaugeVec,
+}
+
+impl ProducersCollector {
+    pub fn new(wal: crate::Wal, per_shard: bool) -> prometheus::Result<ProducersCollector> {
+        Ok(ProducersCollector {
+            wal,
+            per_shard,
+            producers: IntGaugeVec::new(
+                Opts::new(
+                    "walship_producers",
+                    "Producer sessions (exactly-once appends) a shard's table remembers on this node",
+                ),
+                &["shard"],
+            )?,
+            duplicates: IntGaugeVec::new(
+                Opts::new(
+                    "walship_shard_producer_duplicates",
+                    "Appends this node answered as duplicates of records already written, per shard, since it started",
+                ),
+                &["shard"],
+            )?,
+        })
+    }
+}
+
+impl Collector for ProducersCollector {
+    fn desc(&self) -> Vec<&Desc> {
+        self.producers.desc().into_iter().chain(self.duplicates.desc()).collect()
+    }
+
+    fn collect(&self) -> Vec<MetricFamily> {
+        let now =
+            std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.as_micros() as u64);
+        self.producers.reset();
+        self.duplicates.reset();
+        let (mut producers, mut duplicates) = (0, 0);
+        for shard in self.wal.shards() {
+            let Ok(stats) = self.wal.producer_stats(shard, now) else { continue };
+            if stats.producers == 0 && stats.duplicates == 0 {
+                continue;
+            }
+            producers += stats.producers as i64;
+            duplicates += stats.duplicates as i64;
+            if self.per_shard {
+                let label = shard.to_string();
+                self.producers.with_label_values(&[&label]).set(stats.producers as i64);
+                self.duplicates.with_label_values(&[&label]).set(stats.duplicates as i64);
+            }
+        }
+        if !self.per_shard {
+            self.producers.with_label_values(&["all"]).set(producers);
+            self.duplicates.with_label_values(&["all"]).set(duplicates);
+        }
+        self.producers.collect().into_iter().chain(self.duplicates.collect()).collect()
+    }
+}

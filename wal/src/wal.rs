@@ -110,6 +110,8 @@ struct ProducerState {
     /// while rebuilding it): producer appends are refused until a
     /// truncation rebuilds it.
     damaged: Option<String>,
+    /// Appends answered as duplicates here since the process started.
+    duplicates: u64,
 }
 
 /// The default [`WalConfig::producer_snapshot_bytes`].
@@ -120,7 +122,13 @@ pub const PRODUCER_SNAPSHOTS_KEPT: usize = 16;
 
 impl ProducerState {
     fn empty(at: u64) -> ProducerState {
-        ProducerState { table: ProducerTable::empty_at(at), snapshots: Vec::new(), since_snapshot: 0, damaged: None }
+        ProducerState {
+            table: ProducerTable::empty_at(at),
+            snapshots: Vec::new(),
+            since_snapshot: 0,
+            damaged: None,
+            duplicates: 0,
+        }
     }
 }
 
@@ -133,6 +141,12 @@ pub struct ProducerStats {
     pub snapshots: usize,
     /// Why producer appends are refused, if they are.
     pub damaged: Option<String>,
+    /// Appends this replica answered as duplicates since it started.
+    pub duplicates: u64,
+    /// Producers forgotten since the table was last rebuilt (at start or
+    /// by a truncation): expired, then evicted.
+    pub expired: u64,
+    pub evicted: u64,
 }
 
 /// A shard replica's positions in this node's WAL.
@@ -719,6 +733,9 @@ impl Wal {
             producers: state.table.live(&self.shared.producer_limits, now_us),
             snapshots: state.snapshots.len(),
             damaged: state.damaged.clone(),
+            duplicates: state.duplicates,
+            expired: state.table.forgot().expired,
+            evicted: state.table.forgot().evicted,
         })
     }
 
@@ -786,7 +803,9 @@ impl Wal {
                 let mut state = p.producers.lock();
                 let last = shared.store.bounds(shard)?.last_seqno;
                 if state.damaged.is_some() || state.table.applied_through() != last {
+                    let duplicates = state.duplicates;
                     *state = rebuild_producers(shared.store.as_ref(), &shared.producer_limits, shard, last)?;
+                    state.duplicates = duplicates;
                 }
             }
             Ok(())
@@ -812,9 +831,46 @@ impl Wal {
             // The newest snapshot at or before `first_kept - 1`; none when
             // every snapshot is newer (the records before the oldest hold no
             // stamp) or there is none (no record holds one).
-            let to = match state.snapshots.iter().rev().find(|s| **s < first_kept) {
-                Some(snapshot) => first_kept.min(snapshot + 1),
+            let retained_from = shared.store.bounds(shard)?.first_seqno;
+            let to = match state.snapshots.iter().rev().find(|s| **s < first_kept).copied() {
                 None => first_kept,
+                // Compaction stops at it, keeping at most one snapshot
+                // interval more than asked.
+                Some(snapshot) if snapshot + 1 > retained_from => first_kept.min(snapshot + 1),
+                // Stopping there would compact nothing: the table as of
+                // `first_kept - 1` is built from it and the records after it
+                // (those about to go), and kept as a snapshot.
+                Some(snapshot) => {
+                    let limits = &shared.producer_limits;
+                    let stored = shared.store.producer_snapshots(shard)?;
+                    let bytes = stored.iter().find(|(s, _)| *s == snapshot).map(|(_, b)| b.clone());
+                    let table = match bytes.map(|b| ProducerTable::decode(&b)) {
+                        Some(Ok(table)) if table.applied_through() == snapshot => Some(table),
+                        // A damaged snapshot: everything after it is kept.
+                        _ => None,
+                    };
+                    let replayed = match table {
+                        Some(mut table) => replay(shared.store.as_ref(), limits, shard, &mut table, first_kept - 1)?
+                            .map(|_| table),
+                        None => Err(format!("the producer snapshot at seqno {snapshot} is damaged")),
+                    };
+                    match replayed {
+                        Ok(table) => {
+                            let put = vec![(shard, first_kept - 1, table.encode(limits))];
+                            shared.store.append_with_snapshots(&[], &SnapshotChanges { put, drop: Vec::new() }, true)?;
+                            shared.metrics.producer_snapshots.inc();
+                            let at = state.snapshots.partition_point(|s| *s < first_kept - 1);
+                            if state.snapshots.get(at) != Some(&(first_kept - 1)) {
+                                state.snapshots.insert(at, first_kept - 1);
+                            }
+                            first_kept
+                        }
+                        Err(why) => {
+                            tracing::warn!(shard, first_kept, %why, "compaction held back: the producer table cannot be rebuilt past the damage");
+                            snapshot + 1
+                        }
+                    }
+                }
             };
             shared.store.compact_prefix(shard, to)?;
             state.snapshots.retain(|s| s + 1 >= to);
@@ -1195,24 +1251,43 @@ fn rebuild_producers(
         state.table = ProducerTable::empty_at(bounds.first_seqno - 1);
         next = bounds.first_seqno;
     }
+    debug_assert!(next >= bounds.first_seqno);
+    match replay(store, limits, shard, &mut state.table, last)? {
+        Ok(bytes) => state.since_snapshot = bytes,
+        Err(damage) => state.damaged = Some(damage),
+    }
+    Ok(state)
+}
+
+/// Applies the shard's stored records after `table`'s through `last` to
+/// it, and answers their frame bytes; a corrupt record on the way stops it
+/// (the inner error says where), other store errors are returned.
+fn replay(
+    store: &dyn LogStore,
+    limits: &ProducerLimits,
+    shard: ShardId,
+    table: &mut ProducerTable,
+    last: u64,
+) -> Result<Result<u64, String>, StoreError> {
+    let mut bytes = 0;
+    let mut next = table.applied_through() + 1;
     while next <= last {
         match store.read(shard, next, last, 4 << 20) {
             Ok(frames) if !frames.is_empty() => {
                 for frame in &frames {
-                    state.table.apply(limits, frame);
-                    state.since_snapshot += frame.len() as u64;
+                    table.apply(limits, frame);
+                    bytes += frame.len() as u64;
                 }
-                next = state.table.applied_through() + 1;
+                next = table.applied_through() + 1;
             }
-            Ok(_) => break,
+            Ok(_) => return Ok(Err(format!("the log ends before seqno {next}"))),
             Err(StoreError::Corrupt { first_seqno, .. }) => {
-                state.damaged = Some(format!("record {first_seqno} is corrupt; the table stops before it"));
-                return Ok(state);
+                return Ok(Err(format!("record {first_seqno} is corrupt; the table stops before it")));
             }
             Err(e) => return Err(e),
         }
     }
-    Ok(state)
+    Ok(Ok(bytes))
 }
 
 fn now_us() -> u64 {
@@ -1259,7 +1334,7 @@ impl Sequencer {
         let mut skip = 0;
         let mut prefix_first = None;
         if let Some(producer) = options.producer {
-            let state = positions.producers.lock();
+            let mut state = positions.producers.lock();
             if let Some(why) = &state.damaged {
                 return Err(WalError::ProducersUnavailable { shard, why: why.clone() });
             }
@@ -1275,6 +1350,7 @@ impl Sequencer {
                 .map_err(|refusal| WalError::Producer { shard, refusal })?;
             match decision {
                 Decision::Duplicate { first_seqno, last_seqno } => {
+                    state.duplicates += 1;
                     let (done, durable) = oneshot::channel();
                     // If the persister is gone the sender is dropped and the
                     // appender hears `Closed`.

@@ -255,3 +255,36 @@ async fn a_corrupt_snapshot_refuses_producer_appends_and_nothing_else() {
     assert!(wal.producer_stats(1, now_us()).unwrap().damaged.is_some());
     wal.append(1, 1, records(1)).await.unwrap();
 }
+
+#[tokio::test]
+async fn a_small_log_compacts_exactly_by_rebuilding_the_table_where_it_cuts() {
+    // Snapshots every 16 MiB: this log only has the one before its first
+    // stamped record, so stopping at a snapshot would compact nothing.
+    let store = Arc::new(MemStore::new());
+    let wal = Wal::start(
+        store.clone(),
+        WalConfig { scrub_bytes_per_s: 0, ..WalConfig::default() },
+        WalMetrics::unregistered(),
+    )
+    .unwrap();
+    wal.create_shard(1).unwrap();
+    let batch = busy_log(&wal).await;
+    let cut = batch.last_seqno + 2;
+    assert_eq!(wal.compact_prefix(1, cut).await.unwrap(), cut, "compacted exactly where asked");
+    producer_7_is_remembered(&wal, batch).await;
+    for _ in 0..5 {
+        wal.append(1, 1, records(3)).await.unwrap();
+    }
+    let again = last(&wal) - 2;
+    assert_eq!(wal.compact_prefix(1, again).await.unwrap(), again);
+    drop(wal);
+    store.crash();
+    let wal = Wal::start(
+        store.clone(),
+        WalConfig { scrub_bytes_per_s: 0, ..WalConfig::default() },
+        WalMetrics::unregistered(),
+    )
+    .unwrap();
+    producer_7_is_remembered(&wal, batch).await;
+    assert_eq!(store.producer_snapshots(1).unwrap().len(), 1, "older snapshots go with the records they cover");
+}

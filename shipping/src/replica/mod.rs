@@ -68,7 +68,7 @@ use walship_wal::{ShardId, Wal};
 
 pub use self::error::{APPLIED_METADATA_KEY, EPOCH_METADATA_KEY, ReplicaError};
 pub use self::shard::{Members, ShardReplica};
-pub use self::status::{CorruptRangeStatus, FollowerStatus, ReceivedHeartbeat, ReplicaStatus};
+pub use self::status::{CorruptRangeStatus, FollowerStatus, ProducersStatus, ReceivedHeartbeat, ReplicaStatus};
 use crate::NodeId;
 use crate::config::ClusterConfig;
 use crate::core::leader::LeaderSettings;

@@ -72,6 +72,44 @@ pub struct ReplicaStatus {
     /// followers and without an object store).
     #[serde(default)]
     pub archive: Option<super::archive::ArchiveStatus>,
+    /// The shard's producer sessions as this replica's table holds them
+    /// (every replica builds the same table from the log).
+    #[serde(default)]
+    pub producers: ProducersStatus,
+}
+
+/// A replica's producer-session table (exactly-once appends).
+#[derive(Debug, Clone, Default, Serialize, Deserialize, PartialEq, utoipa::ToSchema)]
+pub struct ProducersStatus {
+    /// Producers remembered and not idle past `[producers] idle_expiry_s`.
+    pub count: u64,
+    /// Appends this replica answered as duplicates (retries of records
+    /// already written) since it started.
+    pub duplicates: u64,
+    /// Producers forgotten since the table was last rebuilt (start, or a
+    /// truncation): idle past the expiry, or evicted past
+    /// `[producers] max_per_shard`.
+    pub expired: u64,
+    pub evicted: u64,
+    /// Snapshots of the table kept beside the log.
+    pub snapshots: u64,
+    /// Why producer appends are refused here, if they are (the table met a
+    /// corrupt record; repaired with the log).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub unavailable: Option<String>,
+}
+
+impl ProducersStatus {
+    fn of(stats: walship_wal::ProducerStats) -> ProducersStatus {
+        ProducersStatus {
+            count: stats.producers as u64,
+            duplicates: stats.duplicates,
+            expired: stats.expired,
+            evicted: stats.evicted,
+            snapshots: stats.snapshots as u64,
+            unavailable: stats.damaged,
+        }
+    }
 }
 
 /// A corrupt range of one replica's log.
@@ -153,6 +191,7 @@ impl ReplicationNode {
                     followers,
                     corruption: self.wal.shard_corruption(replica.shard).iter().map(CorruptRangeStatus::of).collect(),
                     archive: self.archive_status(replica.shard),
+                    producers: self.wal.producer_stats(replica.shard, now).map(ProducersStatus::of).unwrap_or_default(),
                 }
             })
             .collect()
@@ -246,6 +285,7 @@ impl ReplicationNode {
                 node_rate += rate;
                 let view = replica.view();
                 let last_epoch = self.log_rank_epoch(replica.shard, &p).await.unwrap_or(0);
+                let producers = self.wal.producer_stats(replica.shard, positions_us).ok();
                 let mut lag_records = std::collections::HashMap::new();
                 let mut lag_bytes = std::collections::HashMap::new();
                 let mut lag_seconds = std::collections::HashMap::new();
@@ -303,6 +343,8 @@ impl ReplicationNode {
                     archiving: archive.is_some(),
                     archived_seqno: archive.as_ref().map_or(0, |a| a.archived_seqno),
                     archive_lag_seconds: archive.as_ref().map_or(0.0, |a| a.lag_seconds),
+                    producers: producers.as_ref().map_or(0, |p| p.producers as u64),
+                    producer_duplicates: producers.as_ref().map_or(0, |p| p.duplicates),
                 });
                 replica.reported(activity, quiet);
             }
