@@ -49,3 +49,27 @@ impl ProducerConfig {
         ProducerLimits { max_producers: self.max_per_shard, idle_expiry_us: self.idle_expiry_s * 1_000_000 }
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn defaults_are_valid_and_bounds_are_refused() {
+        ProducerConfig::default().validate().unwrap();
+        for (max, expiry) in [(0, 3600), (1_000_001, 3600), (10, 59), (10, 30 * 86_400 + 1)] {
+            let config = ProducerConfig { max_per_shard: max, idle_expiry_s: expiry };
+            assert!(config.validate().is_err(), "{config:?}");
+        }
+        let limits = ProducerConfig { max_per_shard: 5, idle_expiry_s: 60 }.limits();
+        assert_eq!((limits.max_producers, limits.idle_expiry_us), (5, 60_000_000));
+    }
+
+    #[test]
+    fn a_cluster_config_refuses_unknown_keys_and_bad_values() {
+        let parse = |table: &str| toml::from_str::<ProducerConfig>(table);
+        assert!(parse("max_per_shard = 5\nidle_expiry_s = 120").is_ok());
+        assert!(parse("max_producers = 5").is_err(), "unknown keys are refused");
+        assert!(parse("max_per_shard = -1").is_err());
+    }
+}
