@@ -463,3 +463,69 @@ async fn a_producer_restarted_with_a_new_epoch_fences_its_old_epochs_retries() {
     };
     assert_eq!(walship_proto::refusal(&refused), Some(walship_proto::REFUSAL_PRODUCER_FENCED));
 }
+
+/// `walship append` (a producer by default) through a frozen, then killed,
+/// leader: the batch sent to it gets no answer (an unknown outcome, which
+/// without a producer ends the run with exit 3) and is retried on the new
+/// leader; every line of the input is in the log exactly once and the run
+/// succeeds.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_cli_appends_every_line_once_through_a_frozen_leader() {
+    use std::io::{BufRead, Write};
+    let mut cluster = three_nodes("", Vec::new()).await;
+    let servers: Vec<String> = cluster.nodes.iter().map(|n| n.grpc.clone()).collect();
+    let mut child = std::process::Command::new(common::walship_bin())
+        .args(["append", "--json", "--shard", "1", "--batch", "4", "--deadline", "30s", "--request-timeout", "1s"])
+        .args(["--server", &servers.join(",")])
+        .env("WALSHIP_LOG", "warn")
+        .stdin(std::process::Stdio::piped())
+        .stdout(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    let lines: Vec<String> = (0..600).map(|i| format!("cli-line-{i}")).collect();
+    let mut stdin = child.stdin.take().unwrap();
+    let input = lines.clone();
+    let writer = std::thread::spawn(move || {
+        for line in input {
+            // Slowly enough that the kill lands mid-run.
+            writeln!(stdin, "{line}").unwrap();
+            std::thread::sleep(Duration::from_millis(2));
+        }
+    });
+    let stdout = child.stdout.take().unwrap();
+    let (acks_tx, acks) = std::sync::mpsc::channel();
+    let reader = std::thread::spawn(move || {
+        let mut answers = Vec::new();
+        for line in std::io::BufReader::new(stdout).lines() {
+            let line = line.unwrap();
+            let _ = acks_tx.send(());
+            answers.push(serde_json::from_str::<serde_json::Value>(&line).unwrap());
+        }
+        answers
+    });
+    for _ in 0..20 {
+        acks.recv_timeout(WAIT).expect("the CLI acknowledges batches");
+    }
+    let (leader, _) = cluster.leader_of(1, 1).await.unwrap();
+    // SAFETY: kill(2) on a child process this test spawned.
+    unsafe { libc::kill(cluster.node(leader).child.id() as i32, libc::SIGSTOP) };
+    wait_until("a new leader", WAIT, || {
+        let now = futures::executor::block_on(cluster.leader_of(1, 1));
+        async move { now.is_some_and(|(l, _)| l != leader) }
+    })
+    .await;
+    cluster.node(leader).kill9();
+    writer.join().unwrap();
+    let status = tokio::task::spawn_blocking(move || child.wait().unwrap()).await.unwrap();
+    let answers = reader.join().unwrap();
+    assert!(status.success(), "exit {status:?}; answers {answers:?}");
+    assert_eq!(answers.len(), 150, "one answer per batch of 4");
+    assert!(answers.iter().all(|a| a["outcome"] == "acknowledged"));
+    cluster.restart(leader);
+    let last = converge(&mut cluster, 1).await;
+    let records = read_all(&cluster.node(1).grpc.clone(), 1, last).await;
+    let written: Vec<String> = records.iter().map(|r| String::from_utf8_lossy(&r.payload).to_string()).collect();
+    assert_eq!(written, lines, "every line once, in order");
+    let duplicates = answers.iter().filter(|a| a["duplicate"] == true).count();
+    eprintln!("{duplicates} batches were answered as duplicates of an attempt whose answer was lost");
+}
