@@ -668,6 +668,12 @@ async fn append_records(args: AppendArgs) -> Result<(), ClientError> {
                         "{}",
                         json!({"shard": shard, "outcome": "acknowledged", "first_seqno": r.first_seqno, "last_seqno": r.last_seqno, "epoch": r.epoch, "duplicate": r.duplicate})
                     );
+                } else if r.duplicate {
+                    println!(
+                        "appended shard {shard} seqnos {}..={} (already written by an earlier attempt of this \
+                         producer; nothing written again)",
+                        r.first_seqno, r.last_seqno
+                    );
                 } else {
                     println!("appended shard {shard} seqnos {}..={} (epoch {})", r.first_seqno, r.last_seqno, r.epoch);
                 }

@@ -656,11 +656,17 @@ impl Wal {
         Ok(self.shared.shard(shard)?.durable.subscribe())
     }
 
-    /// Sequences one append under the sequencer lock (after waiting while
-    /// too much is staged) and returns what answers once it is durable.
+    /// Sequences one append under the sequencer lock (holding it while too
+    /// much is staged) and returns what answers once it is durable.
+    ///
+    /// Appends are sequenced in the order they first asked for the lock
+    /// (tokio's mutex is fair): the backpressure wait happens under it, so
+    /// an append that finds room never overtakes one that is waiting for
+    /// room. A caller that starts its appends in order (one `AppendStream`:
+    /// a producer pipelining its batches) gets them written in that order.
     async fn sequence(&self, sequence: impl FnOnce(&mut Sequencer) -> SequenceResult) -> WalResult<Sequenced> {
-        self.shared.staged.wait_below_limit().await;
         let mut sequencer = self.sequencer.lock().await;
+        self.shared.staged.wait_below_limit().await;
         match sequence(&mut sequencer)? {
             Some(sequenced) => Ok(sequenced),
             // The injected fault: nothing is sequenced any more until the
