@@ -1,0 +1,633 @@
+//! A producer: exactly-once, batched, pipelined appends per shard.
+//!
+//! [`Producer::send`] queues one record for a shard and returns a
+//! [`RecordAck`] that resolves once the record is acknowledged at the
+//! configured durability (or has failed). Behind it, one task per shard:
+//!
+//! * **Batching.** Records queue into the shard's open batch, which is sent
+//!   when it holds `batch_records` records or `batch_bytes` bytes, when
+//!   `linger` has passed since its first record, or at once when nothing of
+//!   the shard is in flight (a lone record never waits).
+//! * **Pipelining.** Up to `in_flight` batches per shard travel on one
+//!   `Log.AppendStream` to the shard's leader. The leader writes a stream's
+//!   appends in the order sent, so the batches' producer sequences arrive
+//!   in order.
+//! * **Exactly once.** The shard's batches carry a producer session (`id`,
+//!   `epoch`, a sequence per record). When a batch's outcome is unknown (the
+//!   stream broke, the leader died or lost its lease) or it reached a
+//!   non-leader, the task waits for the rest of the pipeline to settle,
+//!   finds the leader (following `walship-leader` hints, else trying the
+//!   servers in turn) and sends every unacknowledged batch again, in order,
+//!   with the same sequences: the shard answers those it holds with their
+//!   original seqnos. A batch refused for itself (too large, say) fails
+//!   alone; the batches after it, refused as sequence gaps, are renumbered
+//!   and sent again. A batch not acknowledged within `deadline` of its first
+//!   send fails as outcome unknown, with every batch sent after it; the
+//!   shard's session then moves to a new epoch.
+//! * **Bounded memory.** `send` waits while `buffer_bytes` of payload are
+//!   queued and unacknowledged.
+//!
+//! A client in another language gets the same by following these rules
+//! over the gRPC contract: one `AppendStream` per leader, a random producer
+//! id, sequences counted per shard, and a retry of the exact same batches
+//! (same sequences) after any failure that does not say "not written".
+
+use std::collections::{HashMap, VecDeque};
+use std::future::Future;
+use std::pin::Pin;
+use std::sync::Arc;
+use std::task::{Context, Poll};
+use std::time::{Duration, Instant};
+
+use bytes::Bytes;
+use futures::StreamExt;
+use futures::future::BoxFuture;
+use futures::stream::FuturesUnordered;
+use tokio::sync::{Mutex, OwnedSemaphorePermit, Semaphore, mpsc, oneshot};
+use tonic::transport::Channel;
+use tonic::{Code, Status};
+use walship_proto::log::log_client::LogClient;
+use walship_proto::log::{AppendRecord, AppendRequest, AppendResponse, Durability, Producer as Session};
+use walship_proto::pipeline::AppendPipeline;
+
+/// Opens a client to a node's gRPC address (the caller's TLS, timeouts and
+/// health checks); the error is shown to the user.
+pub type Connect = Arc<dyn Fn(String) -> BoxFuture<'static, Result<LogClient<Channel>, String>> + Send + Sync>;
+
+/// How a [`Producer`] batches, pipelines and retries.
+#[derive(Debug, Clone)]
+pub struct ProducerConfig {
+    pub durability: Durability,
+    /// How long a batch waits for more records while earlier batches of
+    /// its shard are in flight.
+    pub linger: Duration,
+    /// A batch is sent once it holds this many records ...
+    pub batch_records: usize,
+    /// ... or this many key + payload bytes.
+    pub batch_bytes: usize,
+    /// `send` waits while this many key + payload bytes are queued and not
+    /// yet acknowledged (every shard together).
+    pub buffer_bytes: usize,
+    /// Batches of one shard in flight at once.
+    pub in_flight: usize,
+    /// A batch not acknowledged this long after it was first sent fails as
+    /// outcome unknown (one never sent, as not written).
+    pub deadline: Duration,
+    /// One attempt's wait for its answer; past it the attempt's outcome is
+    /// unknown and the batch is sent again.
+    pub request_timeout: Duration,
+    /// The producer id (non-zero); random when `None`.
+    pub id: Option<u64>,
+    /// The producer epoch (non-zero); 1 when `None`.
+    pub epoch: Option<u64>,
+}
+
+impl Default for ProducerConfig {
+    fn default() -> Self {
+        ProducerConfig {
+            durability: Durability::Quorum,
+            linger: Duration::from_millis(1),
+            batch_records: 1_000,
+            batch_bytes: 1 << 20,
+            buffer_bytes: 64 << 20,
+            in_flight: 8,
+            deadline: Duration::from_secs(30),
+            request_timeout: Duration::from_secs(5),
+            id: None,
+            epoch: None,
+        }
+    }
+}
+
+/// Where an acknowledged record was written.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Acked {
+    pub shard: u32,
+    /// Its seqno; 0 in the rare case of a batch a failover cut in two (its
+    /// first part was written by a leader that then died, the rest by the
+    /// next): the batch's records are written, in order, but this one's
+    /// seqno is not known.
+    pub seqno: u64,
+    /// The epoch of the leader that acknowledged it.
+    pub epoch: u64,
+    /// An earlier attempt had written it (its answer was lost); nothing was
+    /// written again.
+    pub duplicate: bool,
+}
+
+/// Why a record was not acknowledged.
+#[derive(Debug, Clone, thiserror::Error)]
+pub enum ProduceError {
+    /// The server refused the record's batch; nothing was written.
+    #[error("refused: {}: {}", .0.code(), .0.message())]
+    Refused(Status),
+    /// No answer within the deadline: it may or may not be written.
+    #[error("outcome unknown: {0}")]
+    OutcomeUnknown(String),
+    /// Never sent: no leader could be reached within the deadline.
+    #[error("not written: {0}")]
+    NotWritten(String),
+    /// Written, but the shard no longer remembers where (a retry older than
+    /// the producer's last five batches).
+    #[error("written, seqno unknown: {0}")]
+    WrittenSeqnoUnknown(String),
+    /// The producer was shut down, or a newer epoch of it took over.
+    #[error("the producer is closed: {0}")]
+    Closed(String),
+}
+
+/// Resolves once the record is acknowledged or has failed.
+pub struct RecordAck(oneshot::Receiver<Result<Acked, ProduceError>>);
+
+impl Future for RecordAck {
+    type Output = Result<Acked, ProduceError>;
+
+    fn poll(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Self::Output> {
+        Pin::new(&mut self.0)
+            .poll(cx)
+            .map(|r| r.unwrap_or_else(|_| Err(ProduceError::Closed("the shard's task stopped".into()))))
+    }
+}
+
+struct Item {
+    key: Bytes,
+    payload: Bytes,
+    ack: oneshot::Sender<Result<Acked, ProduceError>>,
+    _permit: OwnedSemaphorePermit,
+}
+
+enum Message {
+    Record(Item),
+    Flush(oneshot::Sender<()>),
+}
+
+struct Shared {
+    servers: Vec<String>,
+    connect: Connect,
+    config: ProducerConfig,
+    id: u64,
+    buffer: Arc<Semaphore>,
+}
+
+/// Appends records to any shard exactly once; see the module docs. Cheap
+/// to share (`&self` everywhere).
+pub struct Producer {
+    shared: Arc<Shared>,
+    shards: Mutex<HashMap<u32, mpsc::UnboundedSender<Message>>>,
+}
+
+impl Producer {
+    /// A producer appending through `servers` (node gRPC addresses; the
+    /// leader of each shard is found among them).
+    pub fn new(servers: Vec<String>, connect: Connect, config: ProducerConfig) -> Producer {
+        let id = config
+            .id
+            .filter(|id| *id != 0)
+            .unwrap_or_else(|| rand::Rng::gen_range(&mut rand::thread_rng(), 1..=u64::MAX));
+        let buffer = Arc::new(Semaphore::new(config.buffer_bytes.max(1)));
+        Producer {
+            shared: Arc::new(Shared { servers, connect, config, id, buffer }),
+            shards: Mutex::new(HashMap::new()),
+        }
+    }
+
+    /// The producer id its batches carry.
+    pub fn id(&self) -> u64 {
+        self.shared.id
+    }
+
+    /// Queues a record for `shard`, waiting while the buffer is full.
+    pub async fn send(&self, shard: u32, key: Bytes, payload: Bytes) -> RecordAck {
+        let (ack, answer) = oneshot::channel();
+        let bytes = (key.len() + payload.len()).clamp(1, self.shared.config.buffer_bytes.max(1));
+        let permit = self.shared.buffer.clone().acquire_many_owned(bytes as u32).await.expect("never closed");
+        let item = Item { key, payload, ack, _permit: permit };
+        let mut shards = self.shards.lock().await;
+        let tx = shards.entry(shard).or_insert_with(|| {
+            let (tx, rx) = mpsc::unbounded_channel();
+            tokio::spawn(ShardTask::new(shard, self.shared.clone()).run(rx));
+            tx
+        });
+        if let Err(mpsc::error::SendError(Message::Record(item))) = tx.send(Message::Record(item)) {
+            let _ = item.ack.send(Err(ProduceError::Closed("the shard's task stopped".into())));
+        }
+        RecordAck(answer)
+    }
+
+    /// Sends every open batch now and waits until every record sent so far
+    /// is acknowledged or has failed.
+    pub async fn flush(&self) {
+        let waits: Vec<_> = {
+            let shards = self.shards.lock().await;
+            shards
+                .values()
+                .filter_map(|tx| {
+                    let (done, wait) = oneshot::channel();
+                    tx.send(Message::Flush(done)).ok().map(|()| wait)
+                })
+                .collect()
+        };
+        for wait in waits {
+            let _ = wait.await;
+        }
+    }
+}
+
+/// A batch of one shard, in the order its records were sent.
+struct Batch {
+    records: Vec<Item>,
+    /// Its first record's sequence; 0 until first sent.
+    sequence: u64,
+    /// The link generation it was last sent on (`None`: not sent on the
+    /// current link).
+    sent_on: Option<u64>,
+    first_sent: Option<Instant>,
+    queued: Instant,
+    attempts: u32,
+}
+
+impl Batch {
+    fn fail(self, error: ProduceError) {
+        for item in self.records {
+            let _ = item.ack.send(Err(error.clone()));
+        }
+    }
+}
+
+/// What the pipeline settling should do before sending again.
+#[derive(Default)]
+struct Repair {
+    /// Find the leader again.
+    reconnect: bool,
+    /// Give the unacknowledged batches new sequences from this one.
+    renumber_from: Option<u64>,
+    /// Start a new epoch and renumber every unacknowledged batch from 1.
+    new_epoch: bool,
+}
+
+type Answer = (u64, u64, Result<AppendResponse, Status>);
+
+struct ShardTask {
+    shard: u32,
+    shared: Arc<Shared>,
+    epoch: u64,
+    next_sequence: u64,
+    open: Vec<Item>,
+    open_bytes: usize,
+    open_since: Option<Instant>,
+    /// Unacknowledged batches, in sequence order.
+    queue: VecDeque<Batch>,
+    link: Option<Arc<AppendPipeline>>,
+    generation: u64,
+    hint: Option<String>,
+    next_server: usize,
+    in_flight: FuturesUnordered<BoxFuture<'static, Answer>>,
+    /// Set on a failure: nothing is sent until the pipeline has settled.
+    repair: Option<Repair>,
+    flushes: Vec<oneshot::Sender<()>>,
+    /// Set once a newer epoch of this producer fenced it.
+    fenced: Option<Status>,
+}
+
+impl ShardTask {
+    fn new(shard: u32, shared: Arc<Shared>) -> ShardTask {
+        let epoch = shared.config.epoch.filter(|e| *e != 0).unwrap_or(1);
+        ShardTask {
+            shard,
+            shared,
+            epoch,
+            next_sequence: 1,
+            open: Vec::new(),
+            open_bytes: 0,
+            open_since: None,
+            queue: VecDeque::new(),
+            link: None,
+            generation: 0,
+            hint: None,
+            next_server: 0,
+            in_flight: FuturesUnordered::new(),
+            repair: None,
+            flushes: Vec::new(),
+            fenced: None,
+        }
+    }
+
+    async fn run(mut self, mut rx: mpsc::UnboundedReceiver<Message>) {
+        let config = self.shared.config.clone();
+        let mut receiving = true;
+        let mut tick = tokio::time::interval(Duration::from_millis(20));
+        loop {
+            let linger_until = self.open_since.map(|t| t + config.linger);
+            tokio::select! {
+                message = rx.recv(), if receiving => match message {
+                    Some(Message::Record(item)) => self.take(item),
+                    Some(Message::Flush(done)) => {
+                        self.close_batch();
+                        self.flushes.push(done);
+                    }
+                    None => {
+                        receiving = false;
+                        self.close_batch();
+                    }
+                },
+                Some((generation, sequence, outcome)) = self.in_flight.next(), if !self.in_flight.is_empty() => {
+                    self.answered(generation, sequence, outcome);
+                }
+                _ = sleep_until(linger_until), if linger_until.is_some() => self.close_batch(),
+                _ = tick.tick() => self.check_deadlines(),
+            }
+            if self.in_flight.is_empty() && !self.open.is_empty() {
+                // Nothing in flight: a lone record never waits.
+                self.close_batch();
+            }
+            self.settle().await;
+            self.send_ready().await;
+            if self.queue.is_empty() && self.open.is_empty() {
+                for done in self.flushes.drain(..) {
+                    let _ = done.send(());
+                }
+                if !receiving {
+                    return;
+                }
+            }
+        }
+    }
+
+    fn take(&mut self, item: Item) {
+        if let Some(status) = &self.fenced {
+            let _ = item.ack.send(Err(ProduceError::Refused(status.clone())));
+            return;
+        }
+        self.open_bytes += item.key.len() + item.payload.len();
+        self.open.push(item);
+        self.open_since.get_or_insert_with(Instant::now);
+        let config = &self.shared.config;
+        if self.open.len() >= config.batch_records || self.open_bytes >= config.batch_bytes {
+            self.close_batch();
+        }
+    }
+
+    fn close_batch(&mut self) {
+        if self.open.is_empty() {
+            return;
+        }
+        let records = std::mem::take(&mut self.open);
+        self.open_bytes = 0;
+        self.open_since = None;
+        self.queue.push_back(Batch {
+            records,
+            sequence: 0,
+            sent_on: None,
+            first_sent: None,
+            queued: Instant::now(),
+            attempts: 0,
+        });
+    }
+
+    /// Once nothing is in flight, applies what the failures asked for.
+    async fn settle(&mut self) {
+        if !self.in_flight.is_empty() {
+            return;
+        }
+        let Some(repair) = self.repair.take() else { return };
+        if repair.new_epoch {
+            self.epoch += 1;
+            self.next_sequence = 1;
+            for batch in &mut self.queue {
+                batch.sequence = 0;
+            }
+        } else if let Some(from) = repair.renumber_from {
+            self.next_sequence = from;
+            for batch in self.queue.iter_mut().filter(|b| b.sequence >= from) {
+                batch.sequence = 0;
+            }
+        }
+        if repair.reconnect {
+            self.link = None;
+            // Do not spin on a server that just failed.
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+        self.generation += 1;
+        for batch in &mut self.queue {
+            batch.sent_on = None;
+        }
+    }
+
+    /// Sends the batches not yet sent on the current link, in order, while
+    /// fewer than `in_flight` are.
+    async fn send_ready(&mut self) {
+        if self.repair.is_some() || self.queue.iter().all(|b| b.sent_on == Some(self.generation)) {
+            return;
+        }
+        let Some(link) = self.link().await else { return };
+        let config = &self.shared.config;
+        let in_flight = self.queue.iter().filter(|b| b.sent_on == Some(self.generation)).count();
+        let mut room = config.in_flight.saturating_sub(in_flight);
+        for batch in self.queue.iter_mut().filter(|b| b.sent_on != Some(self.generation)) {
+            if room == 0 {
+                break;
+            }
+            room -= 1;
+            if batch.sequence == 0 {
+                batch.sequence = self.next_sequence;
+                self.next_sequence += batch.records.len() as u64;
+            }
+            batch.sent_on = Some(self.generation);
+            batch.first_sent.get_or_insert_with(Instant::now);
+            batch.attempts += 1;
+            let request = AppendRequest {
+                shard_id: self.shard,
+                records: batch
+                    .records
+                    .iter()
+                    .map(|r| AppendRecord { key: r.key.clone(), payload: r.payload.clone() })
+                    .collect(),
+                durability: config.durability as i32,
+                producer: Some(Session { id: self.shared.id, epoch: self.epoch, sequence: batch.sequence }),
+                expected_last_seqno: None,
+            };
+            let (generation, sequence, link) = (self.generation, batch.sequence, link.clone());
+            let timeout = config.request_timeout;
+            // Pushed in order and first polled in order: the requests enter
+            // the stream in sequence order.
+            self.in_flight.push(Box::pin(async move {
+                let answer = match tokio::time::timeout(timeout, link.append(request)).await {
+                    Ok(answer) => answer,
+                    Err(_) => {
+                        let mut status = Status::deadline_exceeded(format!("no answer within {timeout:?}"));
+                        walship_proto::mark_outcome_unknown(&mut status);
+                        Err(status)
+                    }
+                };
+                (generation, sequence, answer)
+            }));
+        }
+    }
+
+    /// The pipeline to the shard's leader, opening one if needed.
+    async fn link(&mut self) -> Option<Arc<AppendPipeline>> {
+        if let Some(link) = &self.link {
+            return Some(link.clone());
+        }
+        let servers = &self.shared.servers;
+        let target = self.hint.take().unwrap_or_else(|| {
+            self.next_server += 1;
+            servers[self.next_server % servers.len()].clone()
+        });
+        let client = match (self.shared.connect)(target.clone()).await {
+            Ok(client) => client,
+            Err(e) => {
+                tracing::debug!(shard = self.shard, server = %target, error = %e, "producer: cannot connect");
+                tokio::time::sleep(Duration::from_millis(50)).await;
+                return None;
+            }
+        };
+        match AppendPipeline::open(client).await {
+            Ok(pipeline) => {
+                let pipeline = Arc::new(pipeline);
+                self.link = Some(pipeline.clone());
+                Some(pipeline)
+            }
+            Err(status) => {
+                tracing::debug!(shard = self.shard, server = %target, %status, "producer: cannot open a stream");
+                tokio::time::sleep(Duration::from_millis(50)).await;
+                None
+            }
+        }
+    }
+
+    fn repair(&mut self) -> &mut Repair {
+        self.repair.get_or_insert_with(Repair::default)
+    }
+
+    fn answered(&mut self, generation: u64, sequence: u64, outcome: Result<AppendResponse, Status>) {
+        let Some(at) = self.queue.iter().position(|b| b.sent_on == Some(generation) && b.sequence == sequence) else {
+            return;
+        };
+        let status = match outcome {
+            Ok(response) => {
+                let batch = self.queue.remove(at).expect("found");
+                let n = batch.records.len() as u64;
+                let contiguous = response.last_seqno + 1 - response.first_seqno == n;
+                for (i, item) in batch.records.into_iter().enumerate() {
+                    let seqno = if contiguous { response.first_seqno + i as u64 } else { 0 };
+                    let acked =
+                        Acked { shard: self.shard, seqno, epoch: response.epoch, duplicate: response.duplicate };
+                    let _ = item.ack.send(Ok(acked));
+                }
+                return;
+            }
+            Err(status) => status,
+        };
+        let refusal = walship_proto::refusal(&status).map(str::to_string);
+        match (status.code(), refusal.as_deref()) {
+            (_, Some(walship_proto::REFUSAL_PRODUCER_FENCED)) => {
+                self.fenced = Some(status.clone());
+                for batch in self.queue.drain(..) {
+                    batch.fail(ProduceError::Refused(status.clone()));
+                }
+                for item in self.open.drain(..) {
+                    let _ = item.ack.send(Err(ProduceError::Refused(status.clone())));
+                }
+                self.open_bytes = 0;
+                self.open_since = None;
+            }
+            (_, Some(walship_proto::REFUSAL_PRODUCER_SEQUENCE | walship_proto::REFUSAL_PRODUCER_UNKNOWN)) => {
+                // Nothing written. After an earlier batch failed, its
+                // successors are gaps: they are renumbered or sent again
+                // once the pipeline settles. At the front, the shard does
+                // not know where this producer is (it forgot it): a new
+                // epoch starts; a batch sent before may have been written
+                // and forgotten, so its outcome is unknown.
+                let renumbering = self.repair.as_ref().is_some_and(|r| r.renumber_from.is_some());
+                self.repair();
+                if at == 0 && !renumbering {
+                    if self.queue[0].attempts > 1 {
+                        let batch = self.queue.remove(0).expect("front");
+                        batch.fail(ProduceError::OutcomeUnknown(format!(
+                            "a retry was refused because the shard no longer knows this producer: {}",
+                            status.message()
+                        )));
+                    }
+                    self.repair().new_epoch = true;
+                }
+            }
+            (Code::AlreadyExists, _) => {
+                let batch = self.queue.remove(at).expect("found");
+                batch.fail(ProduceError::WrittenSeqnoUnknown(status.message().to_string()));
+            }
+            (code, _) if transient(code, &status) => {
+                self.hint = status
+                    .metadata()
+                    .get(walship_proto::LEADER_METADATA_KEY)
+                    .and_then(|v| v.to_str().ok())
+                    .and_then(|v| v.split_once('@').map(|(_, addr)| addr.to_string()));
+                self.repair().reconnect = true;
+            }
+            _ => {
+                // Refused for itself: it alone fails; its successors (gaps
+                // now) take its sequences.
+                let batch = self.queue.remove(at).expect("found");
+                let from = batch.sequence;
+                batch.fail(ProduceError::Refused(status));
+                let repair = self.repair();
+                repair.renumber_from = Some(repair.renumber_from.map_or(from, |f| f.min(from)));
+            }
+        }
+    }
+
+    /// Fails a batch sent longer than `deadline` ago, with every batch sent
+    /// after it (their outcome is as unknown), and batches never sent whose
+    /// records waited that long; the session then starts a new epoch.
+    fn check_deadlines(&mut self) {
+        let deadline = self.shared.config.deadline;
+        // Never sent (no leader could be reached): not written.
+        while self.queue.front().is_some_and(|b| b.first_sent.is_none() && b.queued.elapsed() > deadline) {
+            let batch = self.queue.pop_front().expect("front");
+            batch
+                .fail(ProduceError::NotWritten(format!("no leader of the shard could be reached within {deadline:?}")));
+        }
+        let expired = |b: &Batch| b.first_sent.is_some_and(|t| t.elapsed() > deadline);
+        let Some(first) = self.queue.iter().position(expired) else { return };
+        let failed: Vec<Batch> = self.queue.drain(first..).collect();
+        let mut unsent = Vec::new();
+        for batch in failed {
+            if batch.first_sent.is_some() {
+                batch.fail(ProduceError::OutcomeUnknown(format!(
+                    "no leader acknowledged the batch within {deadline:?}; it may or may not have been written"
+                )));
+            } else {
+                unsent.push(batch);
+            }
+        }
+        self.queue.extend(unsent);
+        let repair = self.repair();
+        repair.new_epoch = true;
+        repair.reconnect = true;
+    }
+}
+
+/// Failures after which the batch is sent again (to the leader found
+/// anew): not-leader refusals, no leader yet, leadership or lease lost,
+/// unknown outcomes, a broken stream or connection, a full disk (the
+/// leadership moves).
+fn transient(code: Code, status: &Status) -> bool {
+    match code {
+        Code::FailedPrecondition => status.metadata().get(walship_proto::LEADER_METADATA_KEY).is_some(),
+        Code::Unavailable
+        | Code::Cancelled
+        | Code::DeadlineExceeded
+        | Code::Unknown
+        | Code::Internal
+        | Code::Aborted
+        | Code::ResourceExhausted => true,
+        _ => walship_proto::outcome_unknown(status),
+    }
+}
+
+async fn sleep_until(at: Option<Instant>) {
+    match at {
+        Some(at) => tokio::time::sleep_until(at.into()).await,
+        None => std::future::pending().await,
+    }
+}
