@@ -17,7 +17,9 @@ fn colour(system: &str) -> RGBColor {
     match system {
         "walship-quorum" => RGBColor(0x1f, 0x77, 0xb4),
         "walship-all" => RGBColor(0x17, 0xbe, 0xcf),
+        crate::report::WALSHIP_PRODUCER => RGBColor(0x94, 0x67, 0xbd),
         "jetstream-r3" => RGBColor(0x2c, 0xa0, 0x2c),
+        crate::report::JETSTREAM_DEDUPE => RGBColor(0xbc, 0xbd, 0x22),
         "postgres-sync" => RGBColor(0xd6, 0x27, 0x28),
         crate::report::BASELINE => RGBColor(0xff, 0x7f, 0x0e),
         _ => RGBColor(0x55, 0x55, 0x55),

@@ -29,7 +29,11 @@ use walship_compare::{chart, failover, load, nats, pg, walship};
 enum SystemKind {
     WalshipQuorum,
     WalshipAll,
+    /// `walship-quorum` with every client an exactly-once producer session.
+    WalshipQuorumProducer,
     Jetstream,
+    /// `jetstream` with a unique `Nats-Msg-Id` on every publish.
+    JetstreamDedupe,
     Postgres,
     /// `walship-quorum` from the `--walship-baseline` binary; not named in
     /// `--systems`: the flag puts it right after `walship-quorum`.
@@ -38,10 +42,12 @@ enum SystemKind {
 }
 
 impl SystemKind {
-    const ALL: [SystemKind; 5] = [
+    const ALL: [SystemKind; 7] = [
         SystemKind::WalshipQuorum,
         SystemKind::WalshipAll,
+        SystemKind::WalshipQuorumProducer,
         SystemKind::Jetstream,
+        SystemKind::JetstreamDedupe,
         SystemKind::Postgres,
         SystemKind::WalshipQuorumBaseline,
     ];
@@ -49,8 +55,11 @@ impl SystemKind {
     /// Its data directory under `--dir` (every walship system shares one).
     fn data_dir(self) -> &'static str {
         match self {
-            SystemKind::WalshipQuorum | SystemKind::WalshipAll | SystemKind::WalshipQuorumBaseline => "walship",
-            SystemKind::Jetstream => "nats",
+            SystemKind::WalshipQuorum
+            | SystemKind::WalshipAll
+            | SystemKind::WalshipQuorumProducer
+            | SystemKind::WalshipQuorumBaseline => "walship",
+            SystemKind::Jetstream | SystemKind::JetstreamDedupe => "nats",
             SystemKind::Postgres => "postgres",
         }
     }
@@ -60,7 +69,9 @@ impl SystemKind {
         match self {
             SystemKind::WalshipQuorum => "walship-quorum",
             SystemKind::WalshipAll => "walship-all",
+            SystemKind::WalshipQuorumProducer => report::WALSHIP_PRODUCER,
             SystemKind::Jetstream => "jetstream-r3",
+            SystemKind::JetstreamDedupe => report::JETSTREAM_DEDUPE,
             SystemKind::Postgres => "postgres-sync",
             SystemKind::WalshipQuorumBaseline => report::BASELINE,
         }
@@ -69,6 +80,12 @@ impl SystemKind {
     /// PostgreSQL promotes a standby only through external tooling.
     fn fails_over_by_itself(self) -> bool {
         self != SystemKind::Postgres
+    }
+
+    /// Variants that fail over as the system they vary (walship-all and the
+    /// deduplicating ones) are not killed separately.
+    fn killed_for_failover(self) -> bool {
+        !matches!(self, SystemKind::WalshipAll | SystemKind::WalshipQuorumProducer | SystemKind::JetstreamDedupe)
     }
 }
 
@@ -81,6 +98,9 @@ struct Args {
     /// Where compare.md, compare.json and compare.png are written.
     #[arg(long, default_value = "ops/bench/results")]
     out: PathBuf,
+    /// Systems, in the order they take turns. `walship-quorum-producer` and
+    /// `jetstream-dedupe` (the cost of deduplication beside `walship-quorum`
+    /// and `jetstream`) are not in the default, which they would lengthen by half.
     #[arg(long, value_enum, value_delimiter = ',', default_value = "walship-quorum,walship-all,jetstream,postgres")]
     systems: Vec<SystemKind>,
     /// Record payload sizes in bytes.
@@ -218,11 +238,18 @@ async fn start(kind: SystemKind, dir: &Path, args: &Args, phase: Phase) -> Resul
         SystemKind::WalshipAll => {
             walship::start(&data, &walship_bin, Durability::All, default_timeouts, node_flags).await
         }
+        SystemKind::WalshipQuorumProducer => {
+            let cluster =
+                walship::start_cluster(&data, &walship_bin, Durability::Quorum, default_timeouts, node_flags, |_| {})
+                    .await?;
+            Ok(Box::new(cluster.with_producers()))
+        }
         SystemKind::WalshipQuorumBaseline => {
             let baseline = args.walship_baseline.as_deref().context("walship-quorum-baseline without a binary")?;
             walship::start(&data, baseline, Durability::Quorum, default_timeouts, node_flags).await
         }
         SystemKind::Jetstream => nats::start(&data, &args.nats_server).await,
+        SystemKind::JetstreamDedupe => nats::start_with_msg_ids(&data, &args.nats_server).await,
         SystemKind::Postgres => pg::start(&data, &pg::PgOptions { bin_dir: args.pg_bin.clone() }).await,
     }
 }
@@ -244,8 +271,10 @@ async fn run_cell(
         None => load::closed(appenders, size, warmup, duration).await,
         Some(rate) => load::open(appenders, size, rate, warmup, duration).await,
     };
+    let verified = if measured.is_ok() { cluster.verify().await } else { Ok(()) };
     let stopped = cluster.stop().await;
     let measured = measured.with_context(|| format!("{name}, {size} B, {clients} clients"))?;
+    verified.with_context(|| format!("{name}, {size} B, {clients} clients: checking what was acknowledged"))?;
     stopped.with_context(|| format!("stopping {name}"))?;
     Ok((name, copies, measured))
 }
@@ -277,6 +306,7 @@ async fn run(mut args: Args) -> Result<()> {
         cells: Vec::new(),
         low_load: Vec::new(),
         failover: Vec::new(),
+        dedupe_cost: Vec::new(),
     };
     for &size in &args.sizes {
         for &clients in &args.clients {
@@ -295,6 +325,13 @@ async fn run(mut args: Args) -> Result<()> {
                     && let Some(r) = report.ratio("walship-quorum", &name, size, clients)
                 {
                     eprintln!("{:>15} {size:>6} B {clients:>4} clients: walship-quorum ÷ baseline {r:.3}×", "");
+                }
+                for (with, without) in report::DEDUPE_PAIRS {
+                    if (name == with || name == without)
+                        && let Some(r) = report.ratio(with, without, size, clients)
+                    {
+                        eprintln!("{:>15} {size:>6} B {clients:>4} clients: {with} ÷ {without} {r:.3}×", "");
+                    }
                 }
             }
         }
@@ -317,11 +354,12 @@ async fn run(mut args: Args) -> Result<()> {
         }
     }
     if args.failover_trials > 0 {
-        for &kind in args.systems.iter().filter(|&&k| k != SystemKind::WalshipAll) {
+        for &kind in args.systems.iter().filter(|k| k.killed_for_failover()) {
             report.failover.push(failover_row(kind, &args).await?);
         }
     }
     let _ = std::fs::remove_dir_all(&args.dir);
+    report.dedupe_cost = report.dedupe_costs();
     let markdown = report.markdown();
     std::fs::write(args.out.join("compare.md"), &markdown)?;
     std::fs::write(args.out.join("compare.json"), serde_json::to_string_pretty(&report)? + "\n")?;

@@ -20,6 +20,16 @@
 //! limits retention, no limits (no max bytes/messages/age), no compression,
 //! no message ids (so the duplicate window never does any work).
 //!
+//! `jetstream-dedupe` ([`start_with_msg_ids`]) is the same cluster and
+//! stream with JetStream's equivalent of walship's producer sessions: every
+//! publish carries a `Nats-Msg-Id` header, unique per message (the client's
+//! random 64-bit id in hex and its count of acknowledged publishes, as a
+//! walship producer's id and sequence), and the stream's duplicate window is
+//! left at its default (2 minutes, longer than a cell), so the stream leader
+//! checks and remembers every id. No id repeats, so nothing is dropped as a
+//! duplicate: each ack must say `duplicate: false`, and after the load the
+//! stream must hold exactly the acknowledged count ([`Cluster::verify`]).
+//!
 //! # What an ack means
 //!
 //! A JetStream publish ack from an R3 stream is sent by the stream leader once
@@ -64,13 +74,16 @@ use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
 use std::process::Command;
 use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
 use anyhow::{Context as _, Result, bail};
 use async_nats::jetstream;
+use async_nats::jetstream::message::PublishMessage;
 use async_nats::jetstream::stream::{Config, Info, RetentionPolicy, StorageType};
 use async_trait::async_trait;
 use bytes::Bytes;
+use rand::Rng;
 
 use crate::proc::{self, Server};
 use crate::system::{Appender, Cluster};
@@ -93,6 +106,12 @@ const STARTUP_TIMEOUT: Duration = Duration::from_secs(30);
 /// stream, and returns once it has a leader and two current replicas.
 pub async fn start(dir: &Path, nats_server: &Path) -> Result<Box<dyn Cluster>> {
     Ok(Box::new(NatsCluster::start(dir, nats_server).await?))
+}
+
+/// [`start`], for `jetstream-dedupe`: every publish of
+/// [`Cluster::appenders`] carries a unique `Nats-Msg-Id`.
+pub async fn start_with_msg_ids(dir: &Path, nats_server: &Path) -> Result<Box<dyn Cluster>> {
+    Ok(Box::new(NatsCluster::start(dir, nats_server).await?.with_msg_ids()))
 }
 
 /// Ports and paths of one server.
@@ -118,6 +137,9 @@ pub(crate) struct NatsCluster {
     pub(crate) nodes: Vec<Node>,
     /// Stopped (in order) by `stop` or on drop.
     pub(crate) servers: Vec<Server>,
+    /// `Some` for `jetstream-dedupe`: the appenders' publishes carry a
+    /// `Nats-Msg-Id`, and this counts their acks.
+    acked_with_ids: Option<Arc<AtomicU64>>,
 }
 
 impl NatsCluster {
@@ -135,7 +157,7 @@ impl NatsCluster {
         let (nodes, servers) = tokio::task::spawn_blocking(move || launch(&dir, &binary))
             .await
             .context("nats-server launcher panicked")??;
-        let cluster = NatsCluster { nodes, servers };
+        let cluster = NatsCluster { nodes, servers, acked_with_ids: None };
         cluster.create_stream().await.with_context(|| cluster.log_hint())?;
         Ok(cluster)
     }
@@ -195,6 +217,19 @@ impl NatsCluster {
 }
 
 impl NatsCluster {
+    /// Every publish of [`Cluster::appenders`] carries a unique
+    /// `Nats-Msg-Id`, and [`Cluster::verify`] checks the stream against
+    /// their acks.
+    fn with_msg_ids(mut self) -> NatsCluster {
+        self.acked_with_ids = Some(Arc::new(AtomicU64::new(0)));
+        self
+    }
+
+    /// One client on `js`, with message ids of its own for `jetstream-dedupe`.
+    fn appender(&self, js: &jetstream::Context) -> Arc<dyn Appender> {
+        Arc::new(NatsAppender { js: js.clone(), msg_ids: self.acked_with_ids.clone().map(MsgIds::new) })
+    }
+
     /// `clients` appenders over `min(clients, 8)` connections that go only
     /// to `servers` (indices into `nodes`), spread over them like
     /// [`Cluster::appenders`] spreads over all three.
@@ -203,9 +238,7 @@ impl NatsCluster {
             return Ok(Vec::new());
         }
         let contexts = self.connect_to(servers, clients.min(MAX_CONNECTIONS)).await?;
-        Ok((0..clients)
-            .map(|i| Arc::new(NatsAppender { js: contexts[i % contexts.len()].clone() }) as Arc<dyn Appender>)
-            .collect())
+        Ok((0..clients).map(|i| self.appender(&contexts[i % contexts.len()])).collect())
     }
 }
 
@@ -220,9 +253,19 @@ impl Cluster for NatsCluster {
             return Ok(Vec::new());
         }
         let contexts = self.connect(clients.min(MAX_CONNECTIONS)).await?;
-        Ok((0..clients)
-            .map(|i| Arc::new(NatsAppender { js: contexts[i % contexts.len()].clone() }) as Arc<dyn Appender>)
-            .collect())
+        Ok((0..clients).map(|i| self.appender(&contexts[i % contexts.len()])).collect())
+    }
+
+    async fn verify(&self) -> Result<()> {
+        let Some(acked) = &self.acked_with_ids else { return Ok(()) };
+        let client = connect(&self.nodes[0], "walship-compare-verify").await?;
+        let js = jetstream::ContextBuilder::new().timeout(ACK_TIMEOUT).build(client);
+        let stream = js.get_stream(STREAM).await.with_context(|| format!("stream {STREAM} info"))?;
+        let (stored, acked) = (stream.cached_info().state.messages, acked.load(Ordering::Relaxed));
+        if stored != acked {
+            bail!("stream {STREAM} holds {stored} messages, {acked} publishes with a Nats-Msg-Id were acknowledged");
+        }
+        Ok(())
     }
 
     async fn kill_leader(&mut self) -> Result<Option<String>> {
@@ -269,7 +312,9 @@ impl Cluster for NatsCluster {
             contexts.push(jetstream::ContextBuilder::new().timeout(crate::failover::ATTEMPT).build(client));
         }
         Ok((0..clients)
-            .map(|i| Arc::new(NatsAppender { js: contexts[i % contexts.len()].clone() }) as Arc<dyn Appender>)
+            .map(|i| {
+                Arc::new(NatsAppender { js: contexts[i % contexts.len()].clone(), msg_ids: None }) as Arc<dyn Appender>
+            })
             .collect())
     }
 
@@ -292,18 +337,56 @@ impl Cluster for NatsCluster {
 /// One client: publishes to the stream and waits for the ack.
 struct NatsAppender {
     js: jetstream::Context,
+    /// This client's message ids, for `jetstream-dedupe`.
+    msg_ids: Option<MsgIds>,
+}
+
+/// One client's `Nats-Msg-Id`s: `<id>-<n>`, its random id in hex and the
+/// count of its acknowledged publishes. The client has one publish in
+/// flight at a time, so `n` only moves once a publish is acknowledged; a
+/// retry after an error would send the same id again, as a real producer
+/// does.
+struct MsgIds {
+    client: u64,
+    next: AtomicU64,
+    /// Acks of every client of the cluster.
+    acked: Arc<AtomicU64>,
+}
+
+impl MsgIds {
+    fn new(acked: Arc<AtomicU64>) -> MsgIds {
+        MsgIds { client: rand::thread_rng().r#gen(), next: AtomicU64::new(1), acked }
+    }
 }
 
 #[async_trait]
 impl Appender for NatsAppender {
     async fn append(&self, payload: Bytes) -> Result<()> {
-        let ack = self.js.publish(SUBJECT, payload).await.context("publishing to JetStream")?;
-        let ack = ack.await.context("JetStream publish ack")?;
-        if ack.stream != STREAM {
-            bail!("JetStream acked into stream {:?}, expected {STREAM}", ack.stream);
+        let Some(ids) = &self.msg_ids else {
+            let ack = self.js.publish(SUBJECT, payload).await.context("publishing to JetStream")?;
+            check_ack(ack.await.context("JetStream publish ack")?)?;
+            return Ok(());
+        };
+        let n = ids.next.load(Ordering::Relaxed);
+        let id = format!("{:016x}-{n}", ids.client);
+        let publish = PublishMessage::build().payload(payload).message_id(&id);
+        let ack = self.js.send_publish(SUBJECT, publish).await.context("publishing to JetStream")?;
+        let ack = check_ack(ack.await.context("JetStream publish ack")?)?;
+        if ack.duplicate {
+            bail!("JetStream dropped message {id} as a duplicate (stream sequence {})", ack.sequence);
         }
+        ids.next.store(n + 1, Ordering::Relaxed);
+        ids.acked.fetch_add(1, Ordering::Relaxed);
         Ok(())
     }
+}
+
+/// The ack, if it is from the benchmark's stream.
+fn check_ack(ack: jetstream::publish::PublishAck) -> Result<jetstream::publish::PublishAck> {
+    if ack.stream != STREAM {
+        bail!("JetStream acked into stream {:?}, expected {STREAM}", ack.stream);
+    }
+    Ok(ack)
 }
 
 /// Connects to one server and stays with it (no failover to discovered
@@ -534,6 +617,39 @@ mod tests {
             let alive = unsafe { libc::kill(pid as i32, 0) } == 0;
             assert!(!alive, "nats-server {pid} still running after stop");
         }
+    }
+
+    #[tokio::test(flavor = "multi_thread")]
+    async fn msg_ids_are_unique_and_verify_counts_the_acks() {
+        let tmp = tempdir();
+        let cluster = NatsCluster::start(&tmp.path().join("nats"), &nats_server()).await.unwrap().with_msg_ids();
+        let appenders = cluster.appenders(8).await.unwrap();
+        // 25 rounds of one publish per client: each client has one publish
+        // in flight at a time, as in the load.
+        for round in 0..25u8 {
+            let appends = appenders.iter().map(|a| a.append(Bytes::from(vec![round; 100])));
+            futures::future::try_join_all(appends).await.unwrap();
+        }
+        cluster.verify().await.unwrap();
+
+        let client = connect(&cluster.nodes[0], "walship-compare-test").await.unwrap();
+        let js = jetstream::new(client);
+        let info = wait_stream_current(&js, Duration::from_secs(30)).await.unwrap();
+        assert_eq!(info.state.messages, 200);
+        assert_eq!(info.config.duplicate_window, Duration::from_secs(120), "the server's default window");
+        // The window is in force: an id seen before is dropped ...
+        let first = js.get_stream(STREAM).await.unwrap().get_raw_message(1).await.unwrap();
+        let id = first.headers.get(async_nats::header::NATS_MESSAGE_ID).unwrap().to_string();
+        let again = PublishMessage::build().payload(Bytes::from_static(b"again")).message_id(&id);
+        let ack = js.send_publish(SUBJECT, again).await.unwrap().await.unwrap();
+        assert!(ack.duplicate, "{id} was not dropped as a duplicate");
+        cluster.verify().await.unwrap();
+        // ... and a message stored beside the appenders is counted.
+        js.publish(SUBJECT, Bytes::from_static(b"extra")).await.unwrap().await.unwrap();
+        let err = format!("{:#}", cluster.verify().await.unwrap_err());
+        assert!(err.contains("holds 201 messages, 200 publishes"), "{err}");
+        drop((js, appenders));
+        Box::new(cluster).stop().await.unwrap();
     }
 
     #[tokio::test(flavor = "multi_thread")]

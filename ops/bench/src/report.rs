@@ -9,6 +9,17 @@ use walship_wal::disk::DiskBaseline;
 /// `walship-quorum` from the `--walship-baseline` binary.
 pub const BASELINE: &str = "walship-quorum-baseline";
 
+/// `walship-quorum` with every client an exactly-once producer session.
+pub const WALSHIP_PRODUCER: &str = "walship-quorum-producer";
+/// `jetstream-r3` with a unique `Nats-Msg-Id` on every publish.
+pub const JETSTREAM_DEDUPE: &str = "jetstream-dedupe";
+/// (deduplicating system, the system it varies): the cost of deduplication
+/// is the first's records/s ÷ the second's in the same cell.
+pub const DEDUPE_PAIRS: [(&str, &str); 2] = [(WALSHIP_PRODUCER, "walship-quorum"), (JETSTREAM_DEDUPE, "jetstream-r3")];
+/// The issue's target: producer sessions cost walship at most 5 % of its
+/// throughput.
+pub const PRODUCER_MAX_COST: f64 = 0.05;
+
 /// Latency quantiles kept for the CDF chart.
 const CDF_QUANTILES: &[f64] =
     &[0.0, 0.01, 0.05, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 0.95, 0.98, 0.99, 0.995, 0.999, 0.9999, 1.0];
@@ -84,6 +95,25 @@ pub struct Report {
     pub cells: Vec<Cell>,
     pub low_load: Vec<LowLoadCell>,
     pub failover: Vec<FailoverRow>,
+    /// [`Report::dedupe_costs`], filled in before the report is written
+    /// (absent when no deduplicating system ran beside its plain one).
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    pub dedupe_cost: Vec<DedupeCost>,
+}
+
+/// A deduplicating system against the system it varies, in one cell.
+#[derive(Debug, Clone, Serialize)]
+pub struct DedupeCost {
+    /// The deduplicating system (`walship-quorum-producer`, `jetstream-dedupe`).
+    pub system: String,
+    /// The system without deduplication (`walship-quorum`, `jetstream-r3`).
+    pub without: String,
+    pub record_bytes: usize,
+    pub clients: usize,
+    pub records_per_s: f64,
+    pub without_records_per_s: f64,
+    /// `records_per_s` ÷ `without_records_per_s`; 1 − this is the cost.
+    pub ratio: f64,
 }
 
 /// One system's leader kills (see `failover.rs`).
@@ -174,6 +204,101 @@ impl Report {
         Some(self.find(a, size, clients)?.records_per_s / self.find(b, size, clients)?.records_per_s)
     }
 
+    /// Every deduplicating system against the one it varies, per record
+    /// size and clients where both ran ([`DEDUPE_PAIRS`]).
+    pub fn dedupe_costs(&self) -> Vec<DedupeCost> {
+        let mut costs = Vec::new();
+        for (size, clients) in self.sizes_and_clients() {
+            for (with, without) in DEDUPE_PAIRS {
+                let (Some(a), Some(b)) = (self.find(with, size, clients), self.find(without, size, clients)) else {
+                    continue;
+                };
+                costs.push(DedupeCost {
+                    system: with.into(),
+                    without: without.into(),
+                    record_bytes: size,
+                    clients,
+                    records_per_s: a.records_per_s,
+                    without_records_per_s: b.records_per_s,
+                    ratio: a.records_per_s / b.records_per_s,
+                });
+            }
+        }
+        costs
+    }
+
+    /// The "Cost of deduplication" section, empty without a pair.
+    fn dedupe_markdown(&self, out: &mut String) {
+        let costs = self.dedupe_costs();
+        if costs.is_empty() {
+            return;
+        }
+        let pairs: Vec<(&str, &str)> =
+            DEDUPE_PAIRS.into_iter().filter(|(with, _)| costs.iter().any(|c| c.system == *with)).collect();
+        let both = pairs.len() == DEDUPE_PAIRS.len();
+        let _ = writeln!(out);
+        let _ = writeln!(
+            out,
+            "**Cost of deduplication** (closed loop, records/s; each deduplicating system ÷ the same system without, \
+             in the same run: `{WALSHIP_PRODUCER}` has every client append as its own producer session, \
+             `{JETSTREAM_DEDUPE}` puts a unique `Nats-Msg-Id` on every publish with the default 2 min duplicate window)"
+        );
+        let _ = writeln!(out);
+        let mut header = "| record B | clients |".to_string();
+        let mut rule = "|---:|---:|".to_string();
+        for (with, without) in &pairs {
+            let _ = write!(header, " {without} | {with} | {with} ÷ {without} |");
+            rule.push_str("---:|---:|---:|");
+        }
+        if both {
+            let _ = write!(header, " {WALSHIP_PRODUCER} ÷ {JETSTREAM_DEDUPE} |");
+            rule.push_str("---:|");
+        }
+        let _ = writeln!(out, "{header}\n{rule}");
+        let mut keys: Vec<(usize, usize)> = costs.iter().map(|c| (c.record_bytes, c.clients)).collect();
+        keys.dedup();
+        for (size, clients) in keys {
+            let mut row = format!("| {size} | {clients} |");
+            for (with, _) in &pairs {
+                let _ = match costs.iter().find(|c| c.system == *with && (c.record_bytes, c.clients) == (size, clients))
+                {
+                    Some(c) => {
+                        write!(row, " {:.0} | {:.0} | {:.3}× |", c.without_records_per_s, c.records_per_s, c.ratio)
+                    }
+                    None => write!(row, " – | – | – |"),
+                };
+            }
+            if both {
+                let _ = match self.ratio(WALSHIP_PRODUCER, JETSTREAM_DEDUPE, size, clients) {
+                    Some(r) => write!(row, " {r:.2}× |"),
+                    None => write!(row, " – |"),
+                };
+            }
+            let _ = writeln!(out, "{row}");
+        }
+        let _ = writeln!(out);
+        for c in costs.iter().filter(|c| c.system == WALSHIP_PRODUCER) {
+            let _ = writeln!(
+                out,
+                "- {} B, {} clients: walship producer sessions {} (target ≤ {:.0} % cost: {})",
+                c.record_bytes,
+                c.clients,
+                cost_text(c.ratio),
+                PRODUCER_MAX_COST * 100.0,
+                if 1.0 - c.ratio <= PRODUCER_MAX_COST { "met" } else { "NOT met" }
+            );
+        }
+        for c in costs.iter().filter(|c| c.system == JETSTREAM_DEDUPE) {
+            let _ = writeln!(
+                out,
+                "- {} B, {} clients: JetStream `Nats-Msg-Id` deduplication {}",
+                c.record_bytes,
+                c.clients,
+                cost_text(c.ratio)
+            );
+        }
+    }
+
     fn sizes_and_clients(&self) -> Vec<(usize, usize)> {
         let mut keys: Vec<(usize, usize)> = self.cells.iter().map(|c| (c.record_bytes, c.clients)).collect();
         keys.sort();
@@ -185,7 +310,11 @@ impl Report {
         let b = &self.baseline;
         let s = &self.settings;
         let systems = self.systems();
-        let peers: Vec<&String> = systems.iter().filter(|s| !s.starts_with("walship")).collect();
+        // The deduplicating variants are compared in their own table.
+        let peers: Vec<&String> = systems
+            .iter()
+            .filter(|s| !s.starts_with("walship") && !DEDUPE_PAIRS.iter().any(|(with, _)| with == s))
+            .collect();
         let mut out = String::new();
         let _ = writeln!(out, "Run {} on {} cores; `{}`.", s.started_utc, s.cores, s.command);
         let _ = writeln!(
@@ -254,6 +383,7 @@ impl Report {
             };
             let _ = writeln!(out, "{row}");
         }
+        self.dedupe_markdown(&mut out);
         let _ = writeln!(out);
         let _ = writeln!(out, "**Every cell**");
         let _ = writeln!(out);
@@ -380,6 +510,16 @@ impl Report {
     }
 }
 
+/// "cost 3.8 % of the throughput", or "measured 2.1 % faster (no cost
+/// measured)" for a ratio above 1 (the noise of a shared machine).
+fn cost_text(ratio: f64) -> String {
+    if ratio <= 1.0 {
+        format!("cost {:.1} % of the throughput", (1.0 - ratio) * 100.0)
+    } else {
+        format!("measured {:.1} % faster (no cost measured)", (ratio - 1.0) * 100.0)
+    }
+}
+
 /// The time now, as the reports print it (`2026-12-01 14:30 UTC`).
 pub fn utc_now() -> String {
     let out = std::process::Command::new("date").args(["-u", "+%Y-%m-%d %H:%M UTC"]).output();
@@ -451,6 +591,7 @@ mod tests {
                 },
                 FailoverRow { system: "postgres-sync".into(), trials_ms: Vec::new(), note: "none built in".into() },
             ],
+            dedupe_cost: Vec::new(),
         }
     }
 
@@ -534,6 +675,57 @@ mod tests {
         assert!(md.contains("| 100 | 64 | 30000 | 24000 | 10000 | 12000 | 3.00× | 2.50× | 1.250× | 0.100 |"), "{md}");
         assert!(md.contains("| 4096 | 64 | 9000 | – | – | 3000 | – | 3.00× | – |"), "{md}");
         assert_eq!(r.targets(), report().targets(), "the targets are walship-quorum's");
+    }
+
+    #[test]
+    fn deduplicating_systems_get_their_cost_table_and_json_and_nothing_changes_without_them() {
+        assert!(report().dedupe_costs().is_empty());
+        assert!(!report().markdown().contains("Cost of deduplication"));
+        assert!(!serde_json::to_string(&report()).unwrap().contains("dedupe_cost"));
+        let mut r = report();
+        r.cells.push(cell(WALSHIP_PRODUCER, 100, 64, 28_800.0));
+        r.cells.push(cell(JETSTREAM_DEDUPE, 100, 64, 9_000.0));
+        r.cells.push(cell(WALSHIP_PRODUCER, 4096, 64, 8_000.0));
+        r.dedupe_cost = r.dedupe_costs();
+        let costs = &r.dedupe_cost;
+        assert_eq!(costs.len(), 3, "{costs:?}");
+        assert_eq!((costs[0].system.as_str(), costs[0].without.as_str()), (WALSHIP_PRODUCER, "walship-quorum"));
+        assert!((costs[0].ratio - 0.96).abs() < 1e-9);
+        assert_eq!((costs[1].system.as_str(), costs[1].without.as_str()), (JETSTREAM_DEDUPE, "jetstream-r3"));
+        assert!((costs[1].ratio - 0.9).abs() < 1e-9);
+        assert_eq!((costs[2].record_bytes, costs[2].system.as_str()), (4096, WALSHIP_PRODUCER));
+        let json = serde_json::to_value(&r).unwrap();
+        assert_eq!(json["dedupe_cost"].as_array().unwrap().len(), 3);
+        assert_eq!(json["dedupe_cost"][1]["without_records_per_s"], 10_000.0);
+
+        let md = r.markdown();
+        assert!(
+            md.contains(
+                "| record B | clients | walship-quorum | walship-quorum-producer | \
+                 walship-quorum-producer ÷ walship-quorum | jetstream-r3 | jetstream-dedupe | \
+                 jetstream-dedupe ÷ jetstream-r3 | walship-quorum-producer ÷ jetstream-dedupe |"
+            ),
+            "{md}"
+        );
+        assert!(md.contains("| 100 | 64 | 30000 | 28800 | 0.960× | 10000 | 9000 | 0.900× | 3.20× |"), "{md}");
+        assert!(md.contains("| 4096 | 64 | 9000 | 8000 | 0.889× | – | – | – | – |"), "{md}");
+        let line =
+            "- 100 B, 64 clients: walship producer sessions cost 4.0 % of the throughput (target ≤ 5 % cost: met)";
+        assert!(md.contains(line), "{md}");
+        let line = "- 4096 B, 64 clients: walship producer sessions cost 11.1 % of the throughput \
+                    (target ≤ 5 % cost: NOT met)";
+        assert!(md.contains(line), "{md}");
+        let line = "- 100 B, 64 clients: JetStream `Nats-Msg-Id` deduplication cost 10.0 % of the throughput";
+        assert!(md.contains(line), "{md}");
+        // The main table compares walship-quorum with the plain peers only.
+        assert!(!md.contains("walship-quorum ÷ jetstream-dedupe"), "{md}");
+        assert!(md.contains("| 100 | 64 | 30000 | 10000 | 12000 | 28800 | 9000 | 3.00× | 2.50× | 0.100 |"), "{md}");
+        assert_eq!(r.targets(), report().targets());
+        r.cells.push(cell(WALSHIP_PRODUCER, 100, 1, 1_050.0));
+        r.cells.push(cell("walship-quorum", 100, 1, 1_000.0));
+        let line = "- 100 B, 1 clients: walship producer sessions measured 5.0 % faster (no cost measured) \
+                    (target ≤ 5 % cost: met)";
+        assert!(r.markdown().contains(line), "{}", r.markdown());
     }
 
     #[test]

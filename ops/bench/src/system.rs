@@ -35,6 +35,13 @@ pub trait Cluster: Send + Sync {
     /// Stops every process and waits for them to exit.
     async fn stop(self: Box<Self>) -> Result<()>;
 
+    /// After a cell's load, before `stop`: checks that the system holds
+    /// exactly what its appenders saw acknowledged, where a system variant
+    /// counts that (`jetstream-dedupe`); by default nothing is checked.
+    async fn verify(&self) -> Result<()> {
+        Ok(())
+    }
+
     /// Kills (SIGKILL) the process leading the log and names it; `None`
     /// when the system has no automatic failover to measure.
     async fn kill_leader(&mut self) -> Result<Option<String>> {

@@ -9,21 +9,26 @@
 //! production. Under a coordinator leaders ship each batch while their own
 //! fsync runs (`shipping/EARLY-SHIPPING.md`). Clients append through
 //! `Log.AppendStream`, walship's API for many appends in flight.
+//!
+//! [`WalshipCluster::with_producers`] makes every client an exactly-once
+//! producer session of its own (`walship-quorum-producer`): the same cluster,
+//! shard and connections, each append carrying `AppendRequest.producer`.
 
 use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
 use std::process::Command;
 use std::sync::Arc;
-use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::time::{Duration, Instant};
 
 use anyhow::{Context, Result, bail};
 use async_trait::async_trait;
 use bytes::Bytes;
+use rand::Rng;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tonic::transport::{Channel, Endpoint};
 use walship_proto::log::log_client::LogClient;
-use walship_proto::log::{AppendRecord, AppendRequest, Durability};
+use walship_proto::log::{AppendRecord, AppendRequest, Durability, Producer};
 use walship_proto::pipeline::AppendPipeline;
 use walship_shipping::config::CoordinatorSpec;
 use walship_shipping::{ClusterConfig, NodeSpec};
@@ -48,6 +53,9 @@ pub struct WalshipCluster {
     servers: Vec<Server>,
     /// The coordinator's process and admin address.
     coordinator: (Server, SocketAddr),
+    /// Every client of [`Cluster::appenders`] appends as its own producer
+    /// session ([`Self::with_producers`]).
+    producers: bool,
 }
 
 /// Leader loss timeout for throughput cells. The default (200 ms, kept for
@@ -139,7 +147,7 @@ pub async fn start_cluster(
         tokio::task::block_in_place(|| wait_for_port(*addr, Duration::from_secs(30), server))?;
     }
     let leader = config.shards[0].leader as usize - 1;
-    let cluster = WalshipCluster { durability, nodes, admins, leader, servers, coordinator };
+    let cluster = WalshipCluster { durability, nodes, admins, leader, servers, coordinator, producers: false };
     cluster.wait_ready().await?;
     Ok(cluster)
 }
@@ -151,6 +159,15 @@ pub async fn connect(addr: SocketAddr) -> Result<LogClient<Channel>> {
 }
 
 impl WalshipCluster {
+    /// Makes each client of [`Cluster::appenders`] a producer session of its
+    /// own (a random non-zero id, epoch 1, sequences from 1 up by the records
+    /// of each acknowledged append) on the same shard and connections as
+    /// without. Failover appenders stay plain.
+    pub fn with_producers(mut self) -> WalshipCluster {
+        self.producers = true;
+        self
+    }
+
     /// The node processes' PIDs, node i+1 at index i.
     pub fn node_pids(&self) -> Vec<u32> {
         self.servers.iter().map(Server::pid).collect()
@@ -238,7 +255,8 @@ impl Cluster for WalshipCluster {
         Ok((0..clients)
             .map(|i| {
                 let pipeline = pipelines[i % pipelines.len()].clone();
-                Arc::new(WalshipAppender { pipeline, durability: self.durability }) as Arc<dyn Appender>
+                let producer = self.producers.then(ProducerSession::new);
+                Arc::new(WalshipAppender { pipeline, durability: self.durability, producer }) as Arc<dyn Appender>
             })
             .collect())
     }
@@ -282,13 +300,49 @@ fn request(payload: Bytes, durability: Durability) -> AppendRequest {
 struct WalshipAppender {
     pipeline: Arc<AppendPipeline>,
     durability: Durability,
+    /// This client's producer session, for `walship-quorum-producer`.
+    producer: Option<ProducerSession>,
+}
+
+/// One client's producer session: epoch 1 and the sequence of its next
+/// record. The client has one append in flight at a time, so the sequence
+/// only moves once an append is acknowledged; a retry after an error would
+/// send the same sequence again, as a real producer does.
+struct ProducerSession {
+    id: u64,
+    next: AtomicU64,
+}
+
+impl ProducerSession {
+    fn new() -> ProducerSession {
+        ProducerSession { id: rand::thread_rng().gen_range(1..=u64::MAX), next: AtomicU64::new(1) }
+    }
 }
 
 #[async_trait]
 impl Appender for WalshipAppender {
     async fn append(&self, payload: Bytes) -> Result<()> {
-        let request = request(payload, self.durability);
-        self.pipeline.append(request).await.map_err(|s| anyhow::anyhow!("walship append: {s}"))?;
+        let mut request = request(payload, self.durability);
+        let Some(session) = &self.producer else {
+            self.pipeline.append(request).await.map_err(|s| anyhow::anyhow!("walship append: {s}"))?;
+            return Ok(());
+        };
+        let (sequence, records) = (session.next.load(Ordering::Relaxed), request.records.len() as u64);
+        request.producer = Some(Producer { id: session.id, epoch: 1, sequence });
+        let answer =
+            self.pipeline.append(request).await.map_err(|s| anyhow::anyhow!("walship producer append: {s}"))?;
+        // Every sequence is new: a duplicate answer would mean a record the
+        // benchmark counts was not written.
+        if answer.duplicate || answer.last_seqno.checked_sub(answer.first_seqno) != Some(records - 1) {
+            bail!(
+                "producer {:x} sequence {sequence}: answered seqnos {}..={} duplicate {} for {records} new records",
+                session.id,
+                answer.first_seqno,
+                answer.last_seqno,
+                answer.duplicate
+            );
+        }
+        session.next.store(sequence + records, Ordering::Relaxed);
         Ok(())
     }
 }

@@ -140,6 +140,65 @@ fn a_baseline_walship_runs_the_same_cells_and_gets_a_ratio() {
     assert!(!data.exists(), "the harness leaves no data behind");
 }
 
+/// The deduplicating systems beside the ones they vary: a cell each, its
+/// open-loop cell, and the cost table in compare.md and compare.json.
+#[test]
+fn deduplicating_systems_run_beside_the_plain_ones_and_get_their_cost() {
+    let root = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../target/tmp");
+    std::fs::create_dir_all(&root).unwrap();
+    let work = tempfile::tempdir_in(&root).unwrap();
+    let data = work.path().join("data");
+    let out = work.path().join("out");
+    let nats = std::env::var("WALSHIP_NATS_SERVER")
+        .unwrap_or_else(|_| concat!(env!("CARGO_MANIFEST_DIR"), "/../../.walship/tools/venv/bin/nats-server").into());
+    let run = Command::new(env!("CARGO_BIN_EXE_walship-compare"))
+        .args(["--smoke", "--systems", "walship-quorum,walship-quorum-producer,jetstream,jetstream-dedupe"])
+        .arg("--dir")
+        .arg(&data)
+        .arg("--out")
+        .arg(&out)
+        .arg("--walship")
+        .arg(walship_binary())
+        .arg("--nats-server")
+        .arg(&nats)
+        .output()
+        .unwrap();
+    let stderr = String::from_utf8_lossy(&run.stderr);
+    assert!(run.status.success(), "walship-compare --smoke with the deduplicating systems failed:\n{stderr}");
+
+    let report: serde_json::Value = serde_json::from_slice(&std::fs::read(out.join("compare.json")).unwrap()).unwrap();
+    let names = |key: &str| -> Vec<String> {
+        report[key].as_array().unwrap().iter().map(|c| c["system"].as_str().unwrap().to_string()).collect()
+    };
+    let systems = ["walship-quorum", "walship-quorum-producer", "jetstream-r3", "jetstream-dedupe"];
+    assert_eq!(names("cells"), systems);
+    assert_eq!(names("low_load"), systems);
+    for cell in report["cells"].as_array().unwrap() {
+        assert!(cell["records_per_s"].as_f64().unwrap() > 10.0, "{cell}");
+    }
+    // The variants fail over as the systems they vary: not killed again.
+    assert_eq!(names("failover"), ["walship-quorum", "jetstream-r3"]);
+    let costs = report["dedupe_cost"].as_array().unwrap();
+    assert_eq!(costs.len(), 2, "{costs:?}");
+    for (cost, (with, without)) in
+        costs.iter().zip([("walship-quorum-producer", "walship-quorum"), ("jetstream-dedupe", "jetstream-r3")])
+    {
+        assert_eq!((cost["system"].as_str().unwrap(), cost["without"].as_str().unwrap()), (with, without));
+        assert_eq!((cost["record_bytes"].as_u64(), cost["clients"].as_u64()), (Some(100), Some(4)));
+        let ratio = cost["ratio"].as_f64().unwrap();
+        let expected = cost["records_per_s"].as_f64().unwrap() / cost["without_records_per_s"].as_f64().unwrap();
+        assert!(ratio > 0.0 && (ratio - expected).abs() < 1e-9, "{cost}");
+    }
+    let markdown = std::fs::read_to_string(out.join("compare.md")).unwrap();
+    assert!(markdown.contains("**Cost of deduplication**"), "{markdown}");
+    assert!(markdown.contains("walship-quorum-producer ÷ walship-quorum"), "{markdown}");
+    assert!(markdown.contains("jetstream-dedupe ÷ jetstream-r3"), "{markdown}");
+    assert!(markdown.contains("- 100 B, 4 clients: walship producer sessions "), "{markdown}");
+    assert!(stderr.contains("walship-quorum-producer ÷ walship-quorum"), "{stderr}");
+    assert!(processes_mentioning(&data.display().to_string()).is_empty());
+    assert!(!data.exists(), "the harness leaves no data behind");
+}
+
 #[test]
 fn bad_arguments_are_refused_before_anything_starts() {
     for (args, needle) in [
