@@ -122,9 +122,11 @@ pub enum ProduceError {
     #[error("refused: {}: {}", .0.code(), .0.message())]
     Refused(Status),
     /// No answer within the deadline: it may or may not be written.
-    #[error("outcome unknown: {0}")]
-    OutcomeUnknown(String),
-    /// Never sent: no leader could be reached within the deadline.
+    /// `server` is the node last sent it, when known.
+    #[error("outcome unknown: {detail}")]
+    OutcomeUnknown { server: Option<String>, detail: String },
+    /// Not written: no leader took it within the deadline (every attempt
+    /// was certainly not applied).
     #[error("not written: {0}")]
     NotWritten(String),
     /// Written, but the shard no longer remembers where (a retry older than
@@ -158,6 +160,8 @@ struct Item {
 
 enum Message {
     Record(Item),
+    /// Records sent as one batch of their own (contiguous seqnos).
+    Batch(Vec<Item>),
     Flush(oneshot::Sender<()>),
 }
 
@@ -202,16 +206,44 @@ impl Producer {
         let bytes = (key.len() + payload.len()).clamp(1, self.shared.config.buffer_bytes.max(1));
         let permit = self.shared.buffer.clone().acquire_many_owned(bytes as u32).await.expect("never closed");
         let item = Item { key, payload, ack, _permit: permit };
+        self.dispatch(shard, Message::Record(item)).await;
+        RecordAck(answer)
+    }
+
+    /// Queues `records` for `shard` as one batch of their own, so that they
+    /// get contiguous seqnos (`batch_records` and `batch_bytes` do not split
+    /// it; the node's limits still apply), waiting while the buffer is full.
+    pub async fn send_batch(&self, shard: u32, records: Vec<(Bytes, Bytes)>) -> Vec<RecordAck> {
+        let mut items = Vec::with_capacity(records.len());
+        let mut acks = Vec::with_capacity(records.len());
+        for (key, payload) in records {
+            let (ack, answer) = oneshot::channel();
+            let bytes = (key.len() + payload.len()).clamp(1, self.shared.config.buffer_bytes.max(1));
+            let permit = self.shared.buffer.clone().acquire_many_owned(bytes as u32).await.expect("never closed");
+            items.push(Item { key, payload, ack, _permit: permit });
+            acks.push(RecordAck(answer));
+        }
+        self.dispatch(shard, Message::Batch(items)).await;
+        acks
+    }
+
+    async fn dispatch(&self, shard: u32, message: Message) {
         let mut shards = self.shards.lock().await;
         let tx = shards.entry(shard).or_insert_with(|| {
             let (tx, rx) = mpsc::unbounded_channel();
             tokio::spawn(ShardTask::new(shard, self.shared.clone()).run(rx));
             tx
         });
-        if let Err(mpsc::error::SendError(Message::Record(item))) = tx.send(Message::Record(item)) {
-            let _ = item.ack.send(Err(ProduceError::Closed("the shard's task stopped".into())));
+        if let Err(mpsc::error::SendError(message)) = tx.send(message) {
+            let items = match message {
+                Message::Record(item) => vec![item],
+                Message::Batch(items) => items,
+                Message::Flush(_) => Vec::new(),
+            };
+            for item in items {
+                let _ = item.ack.send(Err(ProduceError::Closed("the shard's task stopped".into())));
+            }
         }
-        RecordAck(answer)
     }
 
     /// Sends every open batch now and waits until every record sent so far
@@ -244,6 +276,10 @@ struct Batch {
     first_sent: Option<Instant>,
     queued: Instant,
     attempts: u32,
+    /// An attempt may have been applied (no answer, or an answer that does
+    /// not say "not written"); only such a batch can end as outcome
+    /// unknown, the others as not written.
+    maybe_written: bool,
 }
 
 impl Batch {
@@ -281,6 +317,8 @@ struct ShardTask {
     generation: u64,
     hint: Option<String>,
     next_server: usize,
+    /// The node the current (or last) pipeline goes to.
+    target: Option<String>,
     in_flight: FuturesUnordered<BoxFuture<'static, Answer>>,
     /// Set on a failure: nothing is sent until the pipeline has settled.
     repair: Option<Repair>,
@@ -305,6 +343,7 @@ impl ShardTask {
             generation: 0,
             hint: None,
             next_server: 0,
+            target: None,
             in_flight: FuturesUnordered::new(),
             repair: None,
             flushes: Vec::new(),
@@ -321,6 +360,19 @@ impl ShardTask {
             tokio::select! {
                 message = rx.recv(), if receiving => match message {
                     Some(Message::Record(item)) => self.take(item),
+                    Some(Message::Batch(items)) => {
+                        self.close_batch();
+                        for item in items {
+                            self.open_bytes += item.key.len() + item.payload.len();
+                            self.open.push(item);
+                        }
+                        self.close_batch();
+                        if let Some(status) = self.fenced.clone() {
+                            for batch in self.queue.drain(..) {
+                                batch.fail(ProduceError::Refused(status.clone()));
+                            }
+                        }
+                    }
                     Some(Message::Flush(done)) => {
                         self.close_batch();
                         self.flushes.push(done);
@@ -381,6 +433,7 @@ impl ShardTask {
             first_sent: None,
             queued: Instant::now(),
             attempts: 0,
+            maybe_written: false,
         });
     }
 
@@ -474,6 +527,7 @@ impl ShardTask {
             self.next_server += 1;
             servers[self.next_server % servers.len()].clone()
         });
+        self.target = Some(target.clone());
         let client = match (self.shared.connect)(target.clone()).await {
             Ok(client) => client,
             Err(e) => {
@@ -542,12 +596,15 @@ impl ShardTask {
                 let renumbering = self.repair.as_ref().is_some_and(|r| r.renumber_from.is_some());
                 self.repair();
                 if at == 0 && !renumbering {
-                    if self.queue[0].attempts > 1 {
+                    if self.queue[0].maybe_written {
                         let batch = self.queue.remove(0).expect("front");
-                        batch.fail(ProduceError::OutcomeUnknown(format!(
-                            "a retry was refused because the shard no longer knows this producer: {}",
-                            status.message()
-                        )));
+                        batch.fail(ProduceError::OutcomeUnknown {
+                            server: self.target.clone(),
+                            detail: format!(
+                                "a retry was refused because the shard no longer knows this producer: {}",
+                                status.message()
+                            ),
+                        });
                     }
                     self.repair().new_epoch = true;
                 }
@@ -557,6 +614,9 @@ impl ShardTask {
                 batch.fail(ProduceError::WrittenSeqnoUnknown(status.message().to_string()));
             }
             (code, _) if transient(code, &status) => {
+                if !not_applied(&status) {
+                    self.queue[at].maybe_written = true;
+                }
                 self.hint = status
                     .metadata()
                     .get(walship_proto::LEADER_METADATA_KEY)
@@ -576,34 +636,64 @@ impl ShardTask {
         }
     }
 
-    /// Fails a batch sent longer than `deadline` ago, with every batch sent
-    /// after it (their outcome is as unknown), and batches never sent whose
-    /// records waited that long; the session then starts a new epoch.
+    /// Fails the batches not acknowledged within `deadline` of being
+    /// queued: as outcome unknown when an attempt may have been applied
+    /// (with every later batch that may have been: their sequences follow
+    /// it), as not written otherwise. The batches kept are certainly not
+    /// written; the session moves to a new epoch and they are renumbered.
     fn check_deadlines(&mut self) {
         let deadline = self.shared.config.deadline;
-        // Never sent (no leader could be reached): not written.
-        while self.queue.front().is_some_and(|b| b.first_sent.is_none() && b.queued.elapsed() > deadline) {
-            let batch = self.queue.pop_front().expect("front");
-            batch
-                .fail(ProduceError::NotWritten(format!("no leader of the shard could be reached within {deadline:?}")));
+        if self.queue.front().is_none_or(|b| b.queued.elapsed() <= deadline) {
+            return;
         }
-        let expired = |b: &Batch| b.first_sent.is_some_and(|t| t.elapsed() > deadline);
-        let Some(first) = self.queue.iter().position(expired) else { return };
-        let failed: Vec<Batch> = self.queue.drain(first..).collect();
-        let mut unsent = Vec::new();
-        for batch in failed {
-            if batch.first_sent.is_some() {
-                batch.fail(ProduceError::OutcomeUnknown(format!(
-                    "no leader acknowledged the batch within {deadline:?}; it may or may not have been written"
+        let generation = self.generation;
+        let mut kept = VecDeque::new();
+        let mut expired_any = false;
+        for (i, mut batch) in std::mem::take(&mut self.queue).into_iter().enumerate() {
+            // An attempt still in flight may be applied.
+            batch.maybe_written |= batch.sent_on == Some(generation);
+            if batch.maybe_written {
+                batch.fail(ProduceError::OutcomeUnknown {
+                    server: self.target.clone(),
+                    detail: format!(
+                        "no leader acknowledged the batch within {deadline:?} of it being queued; it may or may not \
+                         have been written"
+                    ),
+                });
+                expired_any = true;
+            } else if i == 0 || batch.queued.elapsed() > deadline {
+                batch.fail(ProduceError::NotWritten(format!(
+                    "no leader of the shard took it within {deadline:?} (the last tried: {})",
+                    self.target.as_deref().unwrap_or("none")
                 )));
             } else {
-                unsent.push(batch);
+                kept.push_back(batch);
             }
         }
-        self.queue.extend(unsent);
+        self.queue = kept;
         let repair = self.repair();
-        repair.new_epoch = true;
         repair.reconnect = true;
+        repair.new_epoch |= expired_any;
+    }
+}
+
+/// Whether a failed attempt certainly was not applied: a not-leader
+/// refusal, no leader assigned, leadership moved before the write, or a
+/// stream that ended before the request went out.
+fn not_applied(status: &Status) -> bool {
+    if walship_proto::outcome_unknown(status) {
+        return false;
+    }
+    let m = status.message();
+    match status.code() {
+        Code::FailedPrecondition => status.metadata().get(walship_proto::LEADER_METADATA_KEY).is_some(),
+        Code::Unavailable => {
+            m.contains("no leader assigned")
+                || m.contains("it was not written")
+                || m.contains("the append stream is closed")
+                || m.contains("the append stream ended")
+        }
+        _ => false,
     }
 }
 
