@@ -11,7 +11,6 @@
 //! ([`crate::client_error`]), with one exit code each.
 
 use std::io::BufRead;
-use std::sync::Arc;
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 use base64::Engine as _;
@@ -646,10 +645,6 @@ async fn append_records(args: AppendArgs) -> Result<(), ClientError> {
         }),
         sequence: 1,
     });
-    if let (Some(p), None) = (&producer, args.expect_last) {
-        let servers = client.servers.list.clone();
-        return append_pipelined(&args, servers, p.id, p.epoch).await;
-    }
     let mut expect_last = args.expect_last;
     let mut send = async |records: Vec<AppendRecord>| -> Result<(), ClientError> {
         let count = records.len();
@@ -721,164 +716,6 @@ async fn append_records(args: AppendArgs) -> Result<(), ClientError> {
         send(pending).await?;
     }
     Ok(())
-}
-
-/// The records of `args` (generated or stdin lines), `--batch` at a time.
-fn input_batches(args: &AppendArgs) -> impl Iterator<Item = Result<Vec<(Bytes, Bytes)>, ClientError>> + '_ {
-    let key = args.key.as_ref().map(|k| Bytes::from(k.clone()));
-    let records: Box<dyn Iterator<Item = Result<(Bytes, Bytes), ClientError>>> = match args.count {
-        Some(count) => {
-            let size = args.size.unwrap_or(100);
-            let key = key.clone();
-            Box::new((0..count).map(move |i| {
-                let mut payload = vec![0u8; size];
-                rand::Rng::fill(&mut rand::thread_rng(), &mut payload[..]);
-                Ok((key.clone().unwrap_or_else(|| Bytes::from(i.to_string())), Bytes::from(payload)))
-            }))
-        }
-        None => Box::new(std::io::stdin().lines().map(move |line| {
-            let line = line.map_err(|e| ClientError::new(Kind::Other, None, format!("reading stdin: {e}")))?;
-            Ok((key.clone().unwrap_or_default(), Bytes::from(line)))
-        })),
-    };
-    let mut records = records.peekable();
-    std::iter::from_fn(move || {
-        records.peek()?;
-        let mut batch = Vec::new();
-        for record in records.by_ref() {
-            match record {
-                Ok(r) => batch.push(r),
-                Err(e) => return Some(Err(e)),
-            }
-            if batch.len() == args.batch {
-                break;
-            }
-        }
-        Some(Ok(batch))
-    })
-}
-
-/// Batches of one `append` run in flight at once on the producer path.
-const CLI_BATCHES_IN_FLIGHT: usize = 16;
-
-/// `append` as a pipelining producer (`walship_client::Producer`): each
-/// `--batch` records go as one batch (contiguous seqnos), up to
-/// [`CLI_BATCHES_IN_FLIGHT`] in flight, answered in input order; a batch
-/// whose outcome is unknown is sent again with the same sequences until
-/// `--deadline`. At the first failure no more input is sent; the batches in
-/// flight are still answered.
-async fn append_pipelined(args: &AppendArgs, servers: Vec<String>, id: u64, epoch: u64) -> Result<(), ClientError> {
-    use futures::StreamExt;
-    let options = args.server.options();
-    let connect: walship_client::Connect = Arc::new(move |server: String| {
-        Box::pin(async move { connect(&server, &options).await.map_err(|e| e.to_string()) })
-    });
-    let config = walship_client::ProducerConfig {
-        durability: Durability::from(args.durability),
-        batch_records: args.batch,
-        batch_bytes: usize::MAX,
-        in_flight: CLI_BATCHES_IN_FLIGHT,
-        deadline: args.server.deadline,
-        request_timeout: args.server.request_timeout,
-        id: Some(id),
-        epoch: Some(epoch),
-        ..walship_client::ProducerConfig::default()
-    };
-    let producer = walship_client::Producer::new(servers, connect, config);
-    let (shard, as_json) = (args.server.shard, args.server.json);
-    let mut pending = futures::stream::FuturesOrdered::new();
-    let mut first_error: Option<ClientError> = None;
-    // Prints a batch's answer; its failure, if it failed.
-    let report = |outcome: Vec<Result<walship_client::Acked, walship_client::ProduceError>>| -> Option<ClientError> {
-        let count = outcome.len();
-        match outcome.into_iter().collect::<Result<Vec<_>, _>>() {
-            Ok(acked) => {
-                let (first, last) = (acked[0], acked[acked.len() - 1]);
-                if as_json {
-                    println!(
-                        "{}",
-                        json!({"shard": shard, "outcome": "acknowledged", "first_seqno": first.seqno, "last_seqno": last.seqno, "epoch": first.epoch, "duplicate": first.duplicate})
-                    );
-                } else if first.duplicate {
-                    println!(
-                        "appended shard {shard} seqnos {}..={} (already written by an earlier attempt of this \
-                         producer; nothing written again)",
-                        first.seqno, last.seqno
-                    );
-                } else {
-                    println!("appended shard {shard} seqnos {}..={} (epoch {})", first.seqno, last.seqno, first.epoch);
-                }
-                None
-            }
-            Err(e) => {
-                let error = produce_error(e);
-                if as_json && error.kind == Kind::OutcomeUnknown {
-                    println!(
-                        "{}",
-                        json!({"shard": shard, "outcome": "unknown", "records": count, "detail": error.to_string()})
-                    );
-                }
-                Some(error)
-            }
-        }
-    };
-    for batch in input_batches(args) {
-        let batch = match batch {
-            Ok(batch) => batch,
-            Err(e) => {
-                first_error = Some(e);
-                break;
-            }
-        };
-        let acks = producer.send_batch(shard, batch).await;
-        pending.push_back(futures::future::join_all(acks));
-        while pending.len() >= CLI_BATCHES_IN_FLIGHT {
-            if let Some(error) = report(pending.next().await.expect("non-empty")) {
-                first_error.get_or_insert(error);
-            }
-        }
-        // Answers that are already in are printed as they come.
-        while let Some(Some(outcome)) = futures::FutureExt::now_or_never(pending.next()) {
-            if let Some(error) = report(outcome) {
-                first_error.get_or_insert(error);
-            }
-        }
-        if first_error.is_some() {
-            break;
-        }
-    }
-    while let Some(outcome) = pending.next().await {
-        if let Some(error) = report(outcome) {
-            first_error.get_or_insert(error);
-        }
-    }
-    match first_error {
-        Some(error) => Err(error),
-        None => Ok(()),
-    }
-}
-
-/// A producer failure as the client reports it.
-fn produce_error(error: walship_client::ProduceError) -> ClientError {
-    use walship_client::ProduceError;
-    match error {
-        ProduceError::Refused(status) => {
-            let mut e = status_error("", &status);
-            e.server = None;
-            e
-        }
-        ProduceError::OutcomeUnknown { server, detail } => ClientError::new(
-            Kind::OutcomeUnknown,
-            server.as_deref(),
-            format!("the append may or may not have been written: {detail}"),
-        ),
-        ProduceError::NotWritten(detail) => {
-            ClientError::new(Kind::DeadlineExceeded, None, format!("the append was not written: {detail}"))
-        }
-        e @ (ProduceError::WrittenSeqnoUnknown(_) | ProduceError::Closed(_)) => {
-            ClientError::new(Kind::Other, None, e.to_string())
-        }
-    }
 }
 
 fn print_record(shard: u32, record: &Record, as_json: bool) {

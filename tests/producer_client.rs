@@ -16,7 +16,11 @@ use walship_client::{Connect, Producer, ProducerConfig};
 
 fn connect() -> Connect {
     Arc::new(|server: String| {
-        Box::pin(async move { client(&server).await.ok_or_else(|| format!("cannot connect to {server}")) })
+        Box::pin(async move {
+            client(&server).await.ok_or_else(|| -> walship_client::ConnectError {
+                Arc::new(std::io::Error::other(format!("cannot connect to {server}")))
+            })
+        })
     })
 }
 

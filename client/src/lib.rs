@@ -14,4 +14,4 @@
 
 pub mod producer;
 
-pub use producer::{Acked, Connect, ProduceError, Producer, ProducerConfig, RecordAck};
+pub use producer::{Acked, Connect, ConnectError, ProduceError, Producer, ProducerConfig, RecordAck};

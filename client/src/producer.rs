@@ -50,9 +50,12 @@ use walship_proto::log::log_client::LogClient;
 use walship_proto::log::{AppendRecord, AppendRequest, AppendResponse, Durability, Producer as Session};
 use walship_proto::pipeline::AppendPipeline;
 
+/// Why a node could not be reached, as the caller's connector says it.
+pub type ConnectError = Arc<dyn std::error::Error + Send + Sync>;
+
 /// Opens a client to a node's gRPC address (the caller's TLS, timeouts and
-/// health checks); the error is shown to the user.
-pub type Connect = Arc<dyn Fn(String) -> BoxFuture<'static, Result<LogClient<Channel>, String>> + Send + Sync>;
+/// health checks).
+pub type Connect = Arc<dyn Fn(String) -> BoxFuture<'static, Result<LogClient<Channel>, ConnectError>> + Send + Sync>;
 
 /// How a [`Producer`] batches, pipelines and retries.
 #[derive(Debug, Clone)]
@@ -80,6 +83,10 @@ pub struct ProducerConfig {
     pub id: Option<u64>,
     /// The producer epoch (non-zero); 1 when `None`.
     pub epoch: Option<u64>,
+    /// A batch whose request would be larger than this is refused before it
+    /// is sent (`INVALID_ARGUMENT`): the node would refuse it anyway, and a
+    /// message past the transport's limit breaks the whole stream.
+    pub max_request_bytes: usize,
 }
 
 impl Default for ProducerConfig {
@@ -95,6 +102,7 @@ impl Default for ProducerConfig {
             request_timeout: Duration::from_secs(5),
             id: None,
             epoch: None,
+            max_request_bytes: 32 << 20,
         }
     }
 }
@@ -129,6 +137,10 @@ pub enum ProduceError {
     /// was certainly not applied).
     #[error("not written: {0}")]
     NotWritten(String),
+    /// Never sent: no server could be reached (every one failed in a row,
+    /// and no attempt may have been applied); the last failure.
+    #[error("no server could be reached; not written: {0}")]
+    Unreachable(ConnectError),
     /// Written, but the shard no longer remembers where (a retry older than
     /// the producer's last five batches).
     #[error("written, seqno unknown: {0}")]
@@ -319,6 +331,8 @@ struct ShardTask {
     next_server: usize,
     /// The node the current (or last) pipeline goes to.
     target: Option<String>,
+    /// Connections that failed in a row.
+    unreachable: usize,
     in_flight: FuturesUnordered<BoxFuture<'static, Answer>>,
     /// Set on a failure: nothing is sent until the pipeline has settled.
     repair: Option<Repair>,
@@ -344,6 +358,7 @@ impl ShardTask {
             hint: None,
             next_server: 0,
             target: None,
+            unreachable: 0,
             in_flight: FuturesUnordered::new(),
             repair: None,
             flushes: Vec::new(),
@@ -485,6 +500,21 @@ impl ShardTask {
                 batch.sequence = self.next_sequence;
                 self.next_sequence += batch.records.len() as u64;
             }
+            let size: usize = batch.records.iter().map(|r| r.key.len() + r.payload.len() + 16).sum();
+            if size > config.max_request_bytes {
+                // Answered as the node would (nothing written); its
+                // successors take its sequences.
+                let status = Status::invalid_argument(format!(
+                    "a batch of {} records is about {size} bytes; the producer's limit is {} bytes \
+                     (max_request_bytes); nothing was sent",
+                    batch.records.len(),
+                    config.max_request_bytes
+                ));
+                let (generation, sequence) = (self.generation, batch.sequence);
+                batch.sent_on = Some(generation);
+                self.in_flight.push(Box::pin(async move { (generation, sequence, Err(status)) }));
+                continue;
+            }
             batch.sent_on = Some(self.generation);
             batch.first_sent.get_or_insert_with(Instant::now);
             batch.attempts += 1;
@@ -524,14 +554,29 @@ impl ShardTask {
         }
         let servers = &self.shared.servers;
         let target = self.hint.take().unwrap_or_else(|| {
+            let server = servers[self.next_server % servers.len()].clone();
             self.next_server += 1;
-            servers[self.next_server % servers.len()].clone()
+            server
         });
         self.target = Some(target.clone());
         let client = match (self.shared.connect)(target.clone()).await {
-            Ok(client) => client,
+            Ok(client) => {
+                self.unreachable = 0;
+                client
+            }
             Err(e) => {
                 tracing::debug!(shard = self.shard, server = %target, error = %e, "producer: cannot connect");
+                self.unreachable += 1;
+                // Every server failed in a row and nothing may have been
+                // applied: the batches were never sent; waiting longer
+                // would not help.
+                if self.unreachable >= servers.len() && self.queue.iter().all(|b| !b.maybe_written) {
+                    self.unreachable = 0;
+                    for batch in self.queue.drain(..) {
+                        batch.fail(ProduceError::Unreachable(e.clone()));
+                    }
+                    return None;
+                }
                 tokio::time::sleep(Duration::from_millis(50)).await;
                 return None;
             }
