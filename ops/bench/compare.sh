@@ -2,7 +2,7 @@
 # walship vs NATS JetStream R3 vs PostgreSQL synchronous replication, in one
 # run on this machine's loopback and disk (see ops/bench/README.md).
 #
-#   ops/bench/compare.sh                 # the full matrix (about 17 minutes)
+#   ops/bench/compare.sh                 # the full matrix (about 21 minutes)
 #   ops/bench/compare.sh --smoke         # one quick cell per system
 #   ops/bench/compare.sh --sizes 100 --clients 64 --duration 5
 #

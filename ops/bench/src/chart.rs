@@ -16,6 +16,7 @@ const FONT: &str = "/usr/share/fonts/truetype/dejavu/DejaVuSans.ttf";
 fn colour(system: &str) -> RGBColor {
     match system {
         "walship-quorum" => RGBColor(0x1f, 0x77, 0xb4),
+        crate::report::WALSHIP_UNARY => RGBColor(0x8c, 0x56, 0x4b),
         "walship-all" => RGBColor(0x17, 0xbe, 0xcf),
         crate::report::WALSHIP_PRODUCER => RGBColor(0x94, 0x67, 0xbd),
         "jetstream-r3" => RGBColor(0x2c, 0xa0, 0x2c),

@@ -28,6 +28,8 @@ use walship_compare::{chart, failover, load, nats, pg, walship};
 #[derive(ValueEnum, Debug, Clone, Copy, PartialEq, Eq)]
 enum SystemKind {
     WalshipQuorum,
+    /// `walship-quorum` with every client calling the unary `Log.Append`.
+    WalshipUnary,
     WalshipAll,
     /// `walship-quorum` with every client an exactly-once producer session.
     WalshipQuorumProducer,
@@ -42,8 +44,9 @@ enum SystemKind {
 }
 
 impl SystemKind {
-    const ALL: [SystemKind; 7] = [
+    const ALL: [SystemKind; 8] = [
         SystemKind::WalshipQuorum,
+        SystemKind::WalshipUnary,
         SystemKind::WalshipAll,
         SystemKind::WalshipQuorumProducer,
         SystemKind::Jetstream,
@@ -56,6 +59,7 @@ impl SystemKind {
     fn data_dir(self) -> &'static str {
         match self {
             SystemKind::WalshipQuorum
+            | SystemKind::WalshipUnary
             | SystemKind::WalshipAll
             | SystemKind::WalshipQuorumProducer
             | SystemKind::WalshipQuorumBaseline => "walship",
@@ -68,6 +72,7 @@ impl SystemKind {
     fn report_name(self) -> &'static str {
         match self {
             SystemKind::WalshipQuorum => "walship-quorum",
+            SystemKind::WalshipUnary => report::WALSHIP_UNARY,
             SystemKind::WalshipAll => "walship-all",
             SystemKind::WalshipQuorumProducer => report::WALSHIP_PRODUCER,
             SystemKind::Jetstream => "jetstream-r3",
@@ -82,10 +87,16 @@ impl SystemKind {
         self != SystemKind::Postgres
     }
 
-    /// Variants that fail over as the system they vary (walship-all and the
-    /// deduplicating ones) are not killed separately.
+    /// Variants that fail over as the system they vary (walship-unary,
+    /// walship-all and the deduplicating ones) are not killed separately.
     fn killed_for_failover(self) -> bool {
-        !matches!(self, SystemKind::WalshipAll | SystemKind::WalshipQuorumProducer | SystemKind::JetstreamDedupe)
+        !matches!(
+            self,
+            SystemKind::WalshipUnary
+                | SystemKind::WalshipAll
+                | SystemKind::WalshipQuorumProducer
+                | SystemKind::JetstreamDedupe
+        )
     }
 }
 
@@ -98,10 +109,17 @@ struct Args {
     /// Where compare.md, compare.json and compare.png are written.
     #[arg(long, default_value = "ops/bench/results")]
     out: PathBuf,
-    /// Systems, in the order they take turns. `walship-quorum-producer` and
-    /// `jetstream-dedupe` (the cost of deduplication beside `walship-quorum`
-    /// and `jetstream`) are not in the default, which they would lengthen by half.
-    #[arg(long, value_enum, value_delimiter = ',', default_value = "walship-quorum,walship-all,jetstream,postgres")]
+    /// Systems, in the order they take turns. `walship-unary` is
+    /// `walship-quorum` through the unary `Log.Append`, one record per call.
+    /// `walship-quorum-producer` and `jetstream-dedupe` (the cost of
+    /// deduplication beside `walship-quorum` and `jetstream`) are not in the
+    /// default, which they would lengthen by half.
+    #[arg(
+        long,
+        value_enum,
+        value_delimiter = ',',
+        default_value = "walship-quorum,walship-unary,walship-all,jetstream,postgres"
+    )]
     systems: Vec<SystemKind>,
     /// Record payload sizes in bytes.
     #[arg(long, value_delimiter = ',', default_value = "100,4096,16384")]
@@ -234,6 +252,12 @@ async fn start(kind: SystemKind, dir: &Path, args: &Args, phase: Phase) -> Resul
     match kind {
         SystemKind::WalshipQuorum => {
             walship::start(&data, &walship_bin, Durability::Quorum, default_timeouts, node_flags).await
+        }
+        SystemKind::WalshipUnary => {
+            let cluster =
+                walship::start_cluster(&data, &walship_bin, Durability::Quorum, default_timeouts, node_flags, |_| {})
+                    .await?;
+            Ok(Box::new(cluster.with_unary()))
         }
         SystemKind::WalshipAll => {
             walship::start(&data, &walship_bin, Durability::All, default_timeouts, node_flags).await

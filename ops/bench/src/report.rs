@@ -9,6 +9,17 @@ use walship_wal::disk::DiskBaseline;
 /// `walship-quorum` from the `--walship-baseline` binary.
 pub const BASELINE: &str = "walship-quorum-baseline";
 
+/// `walship-quorum` with every client calling the unary `Log.Append`, one
+/// record per call.
+pub const WALSHIP_UNARY: &str = "walship-unary";
+/// Its targets ("Fast for every client"): at 64 clients at least this many
+/// times JetStream R3's and PostgreSQL's records/s; at one client (100 B) a
+/// p50 within this many raw 4 KiB fdatasync p50s and at least this many
+/// times PostgreSQL's records/s.
+pub const UNARY_MIN_RATIO_64: f64 = 2.5;
+pub const UNARY_MAX_P50_VS_FDATASYNC: f64 = 1.5;
+pub const UNARY_MIN_RATIO_1: f64 = 1.5;
+
 /// `walship-quorum` with every client an exactly-once producer session.
 pub const WALSHIP_PRODUCER: &str = "walship-quorum-producer";
 /// `jetstream-r3` with a unique `Nats-Msg-Id` on every publish.
@@ -349,6 +360,13 @@ impl Report {
             let _ = write!(header, " walship-quorum ÷ {peer} |");
             rule.push_str("---:|");
         }
+        let unary = systems.iter().any(|s| s == WALSHIP_UNARY);
+        if unary {
+            for peer in &peers {
+                let _ = write!(header, " {WALSHIP_UNARY} ÷ {peer} |");
+                rule.push_str("---:|");
+            }
+        }
         let baseline = systems.iter().any(|s| s == BASELINE);
         if baseline {
             let _ = write!(header, " walship-quorum ÷ {BASELINE} |");
@@ -370,6 +388,14 @@ impl Report {
                     Some(r) => write!(row, " {r:.2}× |"),
                     None => write!(row, " – |"),
                 };
+            }
+            if unary {
+                for peer in &peers {
+                    let _ = match self.ratio(WALSHIP_UNARY, peer, size, clients) {
+                        Some(r) => write!(row, " {r:.2}× |"),
+                        None => write!(row, " – |"),
+                    };
+                }
             }
             if baseline {
                 let _ = match self.ratio("walship-quorum", BASELINE, size, clients) {
@@ -475,7 +501,50 @@ impl Report {
         for target in self.targets() {
             let _ = writeln!(out, "- {target}");
         }
+        let unary = self.unary_targets();
+        if !unary.is_empty() {
+            let _ = writeln!(out);
+            let _ = writeln!(out, "**Unary targets** (`{WALSHIP_UNARY}`: one record per `Log.Append` call)");
+            let _ = writeln!(out);
+            for target in unary {
+                let _ = writeln!(out, "- {target}");
+            }
+        }
         out
+    }
+
+    /// `walship-unary`'s targets, each with its measured figure and verdict
+    /// (empty when it did not run).
+    pub fn unary_targets(&self) -> Vec<String> {
+        let mut lines = Vec::new();
+        let verdict = |met: bool| if met { "met" } else { "NOT met" };
+        for size in [100, 4096] {
+            for peer in ["jetstream-r3", "postgres-sync"] {
+                if let Some(r) = self.ratio(WALSHIP_UNARY, peer, size, 64) {
+                    lines.push(format!(
+                        "{size} B, 64 clients: {WALSHIP_UNARY} ÷ {peer} = {r:.3}× (target ≥ {UNARY_MIN_RATIO_64}×: {})",
+                        verdict(r >= UNARY_MIN_RATIO_64)
+                    ));
+                }
+            }
+        }
+        if let Some(c) = self.find(WALSHIP_UNARY, 100, 1) {
+            let fdatasync = self.baseline.fdatasync_4k_p50_us;
+            let r = c.p50_us / fdatasync;
+            lines.push(format!(
+                "100 B, 1 client: {WALSHIP_UNARY} p50 {:.0} µs = {r:.2}× the raw 4 KiB fdatasync p50 {fdatasync:.0} µs \
+                 (target ≤ {UNARY_MAX_P50_VS_FDATASYNC}×: {})",
+                c.p50_us,
+                verdict(r <= UNARY_MAX_P50_VS_FDATASYNC)
+            ));
+        }
+        if let Some(r) = self.ratio(WALSHIP_UNARY, "postgres-sync", 100, 1) {
+            lines.push(format!(
+                "100 B, 1 client: {WALSHIP_UNARY} ÷ postgres-sync = {r:.3}× (target ≥ {UNARY_MIN_RATIO_1}×: {})",
+                verdict(r >= UNARY_MIN_RATIO_1)
+            ));
+        }
+        lines
     }
 
     /// The issue's targets, each with its measured figure and verdict.
@@ -726,6 +795,47 @@ mod tests {
         let line = "- 100 B, 1 clients: walship producer sessions measured 5.0 % faster (no cost measured) \
                     (target ≤ 5 % cost: met)";
         assert!(r.markdown().contains(line), "{}", r.markdown());
+    }
+
+    #[test]
+    fn the_unary_system_gets_its_ratio_columns_and_targets_and_nothing_changes_without_it() {
+        assert!(report().unary_targets().is_empty());
+        assert!(!report().markdown().contains(WALSHIP_UNARY));
+        let mut r = report();
+        r.cells.insert(1, cell(WALSHIP_UNARY, 100, 64, 26_000.0));
+        r.cells.push(cell(WALSHIP_UNARY, 4096, 64, 7_000.0));
+        r.cells.push(cell(WALSHIP_UNARY, 100, 1, 2_000.0));
+        r.cells.push(cell("postgres-sync", 100, 1, 1_000.0));
+        let md = r.markdown();
+        assert!(
+            md.contains(
+                "| record B | clients | walship-quorum | walship-unary | jetstream-r3 | postgres-sync | \
+                 walship-quorum ÷ jetstream-r3 | walship-quorum ÷ postgres-sync | \
+                 walship-unary ÷ jetstream-r3 | walship-unary ÷ postgres-sync | walship-quorum ÷ disk limit |"
+            ),
+            "{md}"
+        );
+        assert!(
+            md.contains("| 100 | 64 | 30000 | 26000 | 10000 | 12000 | 3.00× | 2.50× | 2.60× | 2.17× | 0.100 |"),
+            "{md}"
+        );
+        assert!(md.contains("| 4096 | 64 | 9000 | 7000 | – | 3000 | – | 3.00× | – | 2.33× | 0.100 |"), "{md}");
+        assert!(md.contains("| walship-unary | 100 | 64 | 26000 |"), "{md}");
+        let targets = r.unary_targets();
+        assert_eq!(
+            targets,
+            [
+                "100 B, 64 clients: walship-unary ÷ jetstream-r3 = 2.600× (target ≥ 2.5×: met)",
+                "100 B, 64 clients: walship-unary ÷ postgres-sync = 2.167× (target ≥ 2.5×: NOT met)",
+                "4096 B, 64 clients: walship-unary ÷ postgres-sync = 2.333× (target ≥ 2.5×: NOT met)",
+                "100 B, 1 client: walship-unary p50 1000 µs = 10.00× the raw 4 KiB fdatasync p50 100 µs \
+                 (target ≤ 1.5×: NOT met)",
+                "100 B, 1 client: walship-unary ÷ postgres-sync = 2.000× (target ≥ 1.5×: met)",
+            ]
+        );
+        assert!(md.contains("**Unary targets**"), "{md}");
+        assert!(md.contains(&format!("- {}", targets[0])), "{md}");
+        assert_eq!(r.targets(), report().targets(), "the issue 6 targets stay walship-quorum's");
     }
 
     #[test]

@@ -10,6 +10,10 @@
 //! fsync runs (`shipping/EARLY-SHIPPING.md`). Clients append through
 //! `Log.AppendStream`, walship's API for many appends in flight.
 //!
+//! [`WalshipCluster::with_unary`] has every client call the plain unary
+//! `Log.Append` instead, one record per call (`walship-unary`): how most
+//! clients append; the same cluster, shard and connections.
+//!
 //! [`WalshipCluster::with_producers`] makes every client an exactly-once
 //! producer session of its own (`walship-quorum-producer`): the same cluster,
 //! shard and connections, each append carrying `AppendRequest.producer`.
@@ -56,6 +60,9 @@ pub struct WalshipCluster {
     /// Every client of [`Cluster::appenders`] appends as its own producer
     /// session ([`Self::with_producers`]).
     producers: bool,
+    /// Every client of [`Cluster::appenders`] calls the unary `Log.Append`
+    /// ([`Self::with_unary`]).
+    unary: bool,
 }
 
 /// Leader loss timeout for throughput cells. The default (200 ms, kept for
@@ -147,7 +154,8 @@ pub async fn start_cluster(
         tokio::task::block_in_place(|| wait_for_port(*addr, Duration::from_secs(30), server))?;
     }
     let leader = config.shards[0].leader as usize - 1;
-    let cluster = WalshipCluster { durability, nodes, admins, leader, servers, coordinator, producers: false };
+    let cluster =
+        WalshipCluster { durability, nodes, admins, leader, servers, coordinator, producers: false, unary: false };
     cluster.wait_ready().await?;
     Ok(cluster)
 }
@@ -165,6 +173,14 @@ impl WalshipCluster {
     /// without. Failover appenders stay plain.
     pub fn with_producers(mut self) -> WalshipCluster {
         self.producers = true;
+        self
+    }
+
+    /// Makes each client of [`Cluster::appenders`] call the unary
+    /// `Log.Append`, one record and one call outstanding at a time, over the
+    /// same connections as the pipelined clients (no `AppendStream`).
+    pub fn with_unary(mut self) -> WalshipCluster {
+        self.unary = true;
         self
     }
 
@@ -247,9 +263,20 @@ impl Cluster for WalshipCluster {
         // enough to start that it failed over before the first append.
         let leader = self.recorded_leader(self.coordinator.1).await?;
         let addr = *self.nodes.get(leader.wrapping_sub(1)).with_context(|| format!("no node {leader}"))?;
-        let mut pipelines = Vec::new();
+        let mut connections = Vec::new();
         for _ in 0..clients.clamp(1, MAX_CONNECTIONS) {
-            let client = connect(addr).await?;
+            connections.push(connect(addr).await?);
+        }
+        if self.unary {
+            return Ok((0..clients)
+                .map(|i| {
+                    let client = connections[i % connections.len()].clone();
+                    Arc::new(UnaryAppender { client, durability: self.durability }) as Arc<dyn Appender>
+                })
+                .collect());
+        }
+        let mut pipelines = Vec::new();
+        for client in connections {
             pipelines.push(Arc::new(AppendPipeline::open(client).await.context("opening an AppendStream")?));
         }
         Ok((0..clients)
@@ -343,6 +370,26 @@ impl Appender for WalshipAppender {
             );
         }
         session.next.store(sequence + records, Ordering::Relaxed);
+        Ok(())
+    }
+}
+
+/// One client of the leader calling the unary `Log.Append`, one record per
+/// call and one call at a time, on a connection shared with other clients
+/// (each call its own HTTP/2 stream).
+struct UnaryAppender {
+    client: LogClient<Channel>,
+    durability: Durability,
+}
+
+#[async_trait]
+impl Appender for UnaryAppender {
+    async fn append(&self, payload: Bytes) -> Result<()> {
+        let mut client = self.client.clone();
+        client
+            .append(request(payload, self.durability))
+            .await
+            .map_err(|s| anyhow::anyhow!("walship unary append: {s}"))?;
         Ok(())
     }
 }
