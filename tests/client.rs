@@ -5,69 +5,18 @@
 
 mod common;
 
-use std::process::{Command, Output, Stdio};
+use std::process::{Output, Stdio};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
+use common::cli::{CLI_TIMEOUT, describe, json_lines, run, walship};
 use common::{Cluster, NodeProcess, http_get, wait_until};
 use serde_json::Value;
 use tokio::io::{AsyncBufReadExt, AsyncWriteExt, BufReader};
 use walship_proto::log::{AppendRecord, AppendRequest, Durability};
 
-/// Upper bound on any one CLI invocation; every command here must end well
-/// before it by its own deadlines.
-const CLI_TIMEOUT: Duration = Duration::from_secs(60);
-
-fn walship(args: &[&str]) -> Command {
-    let mut command = Command::new(common::walship_bin());
-    command
-        .args(args)
-        .env("WALSHIP_LOG", "warn")
-        .env("WALSHIP_CLIENT_CONFIG", "/nonexistent/walship-client.toml")
-        .env_remove("WALSHIP_SERVER")
-        .env_remove("WALSHIP_CONNECT_TIMEOUT")
-        .env_remove("WALSHIP_REQUEST_TIMEOUT")
-        .env_remove("WALSHIP_DEADLINE")
-        .env_remove("WALSHIP_IDLE_TIMEOUT");
-    command
-}
-
-async fn run(command: Command, stdin: Option<&str>) -> Output {
-    let mut command = tokio::process::Command::from(command);
-    command
-        .stdin(if stdin.is_some() { Stdio::piped() } else { Stdio::null() })
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped())
-        .kill_on_drop(true);
-    let mut child = command.spawn().expect("spawn walship");
-    if let Some(input) = stdin {
-        let mut pipe = child.stdin.take().expect("piped stdin");
-        pipe.write_all(input.as_bytes()).await.expect("write stdin");
-    }
-    tokio::time::timeout(CLI_TIMEOUT, child.wait_with_output())
-        .await
-        .unwrap_or_else(|_| panic!("walship did not finish within {CLI_TIMEOUT:?}"))
-        .expect("wait for walship")
-}
-
-fn describe(output: &Output) -> String {
-    format!(
-        "exit {:?}\nstdout:\n{}\nstderr:\n{}",
-        output.status,
-        String::from_utf8_lossy(&output.stdout),
-        String::from_utf8_lossy(&output.stderr)
-    )
-}
-
 fn stderr(output: &Output) -> String {
     String::from_utf8_lossy(&output.stderr).into_owned()
-}
-
-fn json_lines(output: &Output) -> Vec<Value> {
-    String::from_utf8_lossy(&output.stdout)
-        .lines()
-        .map(|line| serde_json::from_str(line).unwrap_or_else(|e| panic!("not a JSON line ({e}): {line:?}")))
-        .collect()
 }
 
 /// Seqnos of a `--json` read or tail output.

@@ -12,11 +12,12 @@
 mod common;
 
 use std::collections::BTreeMap;
-use std::process::{Command, Output, Stdio};
+use std::process::Output;
 use std::sync::Arc;
 use std::time::Duration;
 
 use bytes::Bytes;
+use common::cli::{describe, json_lines, run, walship};
 use common::{Cluster, NodeProcess, assert_refused, http_get, numbers_in, read_all, wait_until};
 use serde_json::Value;
 use tokio::sync::mpsc;
@@ -947,53 +948,6 @@ async fn conditional_appends_let_exactly_one_racer_through() {
 // The CLI.
 // ---------------------------------------------------------------------------
 
-const CLI_TIMEOUT: Duration = Duration::from_secs(60);
-
-fn walship(args: &[&str]) -> Command {
-    let mut command = Command::new(common::walship_bin());
-    command
-        .args(args)
-        .env("WALSHIP_LOG", "warn")
-        .env("WALSHIP_CLIENT_CONFIG", "/nonexistent/walship-client.toml")
-        .env_remove("WALSHIP_SERVER")
-        .env_remove("WALSHIP_CONNECT_TIMEOUT")
-        .env_remove("WALSHIP_REQUEST_TIMEOUT")
-        .env_remove("WALSHIP_DEADLINE")
-        .env_remove("WALSHIP_IDLE_TIMEOUT");
-    command
-}
-
-async fn run(command: Command, stdin: &str) -> Output {
-    use tokio::io::AsyncWriteExt;
-    let mut command = tokio::process::Command::from(command);
-    command.stdin(Stdio::piped()).stdout(Stdio::piped()).stderr(Stdio::piped()).kill_on_drop(true);
-    let mut child = command.spawn().expect("spawn walship");
-    let mut pipe = child.stdin.take().expect("piped stdin");
-    // A usage error may exit before reading stdin.
-    let _ = pipe.write_all(stdin.as_bytes()).await;
-    drop(pipe);
-    tokio::time::timeout(CLI_TIMEOUT, child.wait_with_output())
-        .await
-        .unwrap_or_else(|_| panic!("walship did not finish within {CLI_TIMEOUT:?}"))
-        .expect("wait for walship")
-}
-
-fn describe(output: &Output) -> String {
-    format!(
-        "exit {:?}\nstdout:\n{}\nstderr:\n{}",
-        output.status,
-        String::from_utf8_lossy(&output.stdout),
-        String::from_utf8_lossy(&output.stderr)
-    )
-}
-
-fn json_lines(output: &Output) -> Vec<Value> {
-    String::from_utf8_lossy(&output.stdout)
-        .lines()
-        .map(|line| serde_json::from_str(line).unwrap_or_else(|e| panic!("not a JSON line ({e}): {line:?}")))
-        .collect()
-}
-
 async fn wait_healthy(node: &NodeProcess) {
     wait_until("admin /healthz answers 200", Duration::from_secs(20), || async {
         http_get(&format!("{}/healthz", node.admin)).await.0 == 200
@@ -1005,7 +959,7 @@ async fn wait_healthy(node: &NodeProcess) {
 async fn cli_append(server: &str, args: &[&str], stdin: &str) -> Output {
     let mut all = vec!["append", "--server", server, "--shard", "1", "--json"];
     all.extend_from_slice(args);
-    run(walship(&all), stdin).await
+    run(walship(&all), Some(stdin)).await
 }
 
 /// The acknowledged batches a successful `--json` append printed, as
@@ -1055,7 +1009,7 @@ async fn cli_expect_last_and_producer_flags() {
     assert_conflict(&wrong, server, 0);
     assert_eq!(last_seqno(&node).await, 0, "nothing written");
     // In text too: exit 13, "conflict", the newest seqno.
-    let text = run(walship(&["append", "--server", server, "--shard", "1", "--expect-last", "7"]), "x\n").await;
+    let text = run(walship(&["append", "--server", server, "--shard", "1", "--expect-last", "7"]), Some("x\n")).await;
     assert_eq!(text.status.code(), Some(13), "{}", describe(&text));
     let stderr = String::from_utf8_lossy(&text.stderr).replace(server, "");
     assert!(stderr.contains("conflict") && numbers_in(&stderr).contains(&0), "{}", describe(&text));

@@ -13,6 +13,7 @@ use tonic::transport::{Channel, Endpoint};
 use walship_proto::log::log_client::LogClient;
 use walship_shipping::auth::{ClusterCredentials, ClusterSecret};
 
+pub mod cli;
 pub mod dev;
 pub mod history;
 pub mod partition;
