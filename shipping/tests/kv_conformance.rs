@@ -19,7 +19,10 @@ use std::time::{Duration, Instant};
 use bytes::Bytes;
 use futures::StreamExt;
 use walship_shipping::control::coordinator::now_ms;
-use walship_shipping::control::state::{ClusterState, Lease, LeaseAction, STATE_KEY, lease_action};
+use walship_shipping::control::kv::KvSnapshot;
+use walship_shipping::control::state::{
+    ClusterState, FAILOVERS_KEY, LEASE_KEY, Lease, LeaseAction, Stored, lease_action, shard_key,
+};
 use walship_shipping::control::{FileKv, Kv, KvEntry, KvError, NatsKv};
 use walship_shipping::{ClusterConfig, NodeSpec};
 
@@ -222,10 +225,13 @@ async fn watch_two_updates(f: &Fixture) {
     assert_eq!((e4.value, e4.revision), (b("v4"), r4));
 }
 
-/// The coordinator lease on the KV, exactly as the coordinator does it: A
-/// bootstraps the state (lease "a", term 1, 300 ms); B stands by until it
-/// expires, then takes over with one CAS (term 2); A's renewal against the
-/// revision it held is `Conflict` and changes nothing.
+/// The coordinator lease on the KV, exactly as the coordinator does it
+/// (one key per shard, the lease its own key, every write a bucket-wide
+/// compare-and-set): A bootstraps the state (lease "a", term 1, 300 ms); B
+/// reads only the lease key and stands by until it expires, then reads
+/// everything and takes over with one write of the lease key (term 2); A's
+/// next write against the revision it held — a renewal, or a change of one
+/// shard's record, a key B never wrote — is `Conflict` and changes nothing.
 async fn lease_expiry_fences_the_old_holder(f: &Fixture) {
     let (a, b_kv) = (f.kv.as_ref(), f.other.as_ref());
     let node = NodeSpec {
@@ -235,59 +241,174 @@ async fn lease_expiry_fences_the_old_holder(f: &Fixture) {
         region: 0,
     };
     let config = ClusterConfig::single_node(node, &[1, 2]);
-    let encode = |s: &ClusterState| Bytes::from(serde_json::to_vec(s).unwrap());
-    let decode = |e: &KvEntry| serde_json::from_slice::<ClusterState>(&e.value).unwrap();
+    let decode = |snapshot: &KvSnapshot| match Stored::decode(&snapshot.entries).unwrap() {
+        Stored::Current(state) => state,
+        other => panic!("expected the per-key layout, read {other:?}"),
+    };
 
-    // A: the first coordinator bootstraps.
+    // A: the first coordinator bootstraps: every key in one write.
     let started = now_ms();
     let state_a = ClusterState::bootstrap(&config, "a", started, 300);
     let expires = state_a.lease.expires_unix_ms;
     assert_eq!(state_a.lease, Lease { holder: "a".into(), term: 1, expires_unix_ms: started + 300 });
-    let revision_a = a.create(STATE_KEY, encode(&state_a)).await.unwrap();
+    let empty = a.scan().await.unwrap();
+    assert_eq!(Stored::decode(&empty.entries).unwrap(), Stored::Empty);
+    let revision_a = a.write_batch(empty.revision, state_a.to_entries()).await.unwrap();
+    let keys: Vec<String> = state_a.to_entries().into_iter().map(|(k, _)| k).collect();
+    assert_eq!(keys, [shard_key(1), shard_key(2), FAILOVERS_KEY.to_string(), LEASE_KEY.to_string()]);
 
-    // B reads it: a live lease held by someone else.
-    let entry_b = b_kv.get(STATE_KEY).await.unwrap().expect("state written");
-    assert_eq!(entry_b.revision, revision_a);
-    let mut state_b = decode(&entry_b);
-    assert_eq!(state_b, state_a);
+    // B reads the lease key: a live lease held by someone else.
+    let lease_entry = b_kv.get(LEASE_KEY).await.unwrap().expect("lease written");
+    assert_eq!(lease_entry.revision, revision_a, "the lease is the batch's last key");
+    let lease: Lease = serde_json::from_slice(&lease_entry.value).unwrap();
     let now = now_ms();
     assert!(now < expires, "test setup took {} ms, longer than the 300 ms lease", now - started);
-    assert_eq!(lease_action(&state_b.lease, "b", now), LeaseAction::Standby);
-    assert_eq!(lease_action(&state_b.lease, "a", now), LeaseAction::Renew);
+    assert_eq!(lease_action(&lease, "b", now), LeaseAction::Standby);
+    assert_eq!(lease_action(&lease, "a", now), LeaseAction::Renew);
 
     // A stops renewing; the lease runs out.
     wait_until("A's lease expires", Duration::from_secs(5), || now_ms() >= expires).await;
     let now = now_ms();
-    assert!(now - started >= 300);
-    assert_eq!(lease_action(&state_b.lease, "b", now), LeaseAction::TakeOver);
+    assert_eq!(lease_action(&lease, "b", now), LeaseAction::TakeOver);
 
-    // B takes over with the next term, against the revision it read.
+    // B reads everything and takes over with the next term: one key.
+    let read = b_kv.scan().await.unwrap();
+    assert_eq!(read.revision, revision_a);
+    let mut state_b = decode(&read);
+    assert_eq!(state_b, state_a);
     state_b.lease = Lease { holder: "b".into(), term: state_b.lease.term + 1, expires_unix_ms: now + 10_000 };
-    let revision_b = b_kv.update(STATE_KEY, encode(&state_b), entry_b.revision).await.expect("B's takeover");
-    assert!(revision_b > revision_a);
+    let puts = state_b.changes_from(&state_a);
+    assert_eq!(puts.iter().map(|(k, _)| k.as_str()).collect::<Vec<_>>(), [LEASE_KEY], "only the lease changed");
+    let revision_b = b_kv.write_batch(read.revision, puts).await.expect("B's takeover");
+    assert_eq!(revision_b, revision_a + 1);
 
-    // A wakes up believing it still holds the lease and renews with its
-    // revision: fenced.
-    assert_eq!(lease_action(&state_a.lease, "a", now_ms()), LeaseAction::Renew);
+    // A wakes up believing it still holds the lease: a renewal, and a
+    // change of shard 2 (a key B did not touch), both against the revision
+    // A wrote: fenced.
     let mut renewal = state_a.clone();
     renewal.lease.expires_unix_ms = now_ms() + 300;
-    match a.update(STATE_KEY, encode(&renewal), revision_a).await {
-        Err(KvError::Conflict { key, expected }) => {
-            assert_eq!(key, STATE_KEY);
-            assert_eq!(expected, revision_a);
+    let mut failover = state_a.clone();
+    failover.shards.get_mut(&2).unwrap().epoch += 1;
+    for (what, next) in [("renewal", renewal), ("shard change", failover)] {
+        match a.write_batch(revision_a, next.changes_from(&state_a)).await {
+            Err(KvError::Conflict { expected, .. }) => assert_eq!(expected, revision_a),
+            other => panic!("A's {what} with its stale revision: expected Conflict, got {other:?}"),
         }
-        other => panic!("A's renewal with its stale revision: expected Conflict, got {other:?}"),
     }
-    // Nothing changed: the KV still names B, term 2.
+    // Nothing changed: the KV still names B, term 2, and shard 2 as it was.
     for client in [a, b_kv] {
-        let stored = client.get(STATE_KEY).await.unwrap().expect("state");
+        let stored = client.scan().await.unwrap();
         assert_eq!(stored.revision, revision_b);
         let state = decode(&stored);
         assert_eq!(state, state_b);
         assert_eq!((state.lease.holder.as_str(), state.lease.term), ("b", 2));
-        // And A, re-reading, stands by.
         assert_eq!(lease_action(&state.lease, "a", now_ms()), LeaseAction::Standby);
     }
+}
+
+/// scan of an empty bucket is empty at revision 0; a batch writes every key
+/// at consecutive revisions and returns the last; scan reads them all,
+/// sorted by key; a batch, a create or an update moves the bucket revision
+/// a stale batch is checked against.
+async fn scan_and_write_batch(f: &Fixture) {
+    let (kv, other) = (f.kv.as_ref(), f.other.as_ref());
+    assert_eq!(kv.scan().await.unwrap(), KvSnapshot { entries: Vec::new(), revision: 0 });
+    let puts = vec![("b".to_string(), b("2")), ("a".to_string(), b("1")), ("c".to_string(), b("3"))];
+    assert_eq!(kv.write_batch(0, puts).await.unwrap(), 3);
+    let expected = vec![
+        KvEntry { key: "a".into(), value: b("1"), revision: 2 },
+        KvEntry { key: "b".into(), value: b("2"), revision: 1 },
+        KvEntry { key: "c".into(), value: b("3"), revision: 3 },
+    ];
+    assert_eq!(other.scan().await.unwrap(), KvSnapshot { entries: expected.clone(), revision: 3 });
+    assert_eq!(other.get("a").await.unwrap(), Some(expected[0].clone()));
+
+    // Stale: nothing written.
+    for stale in [0, 2, 4, u64::MAX] {
+        match other.write_batch(stale, vec![("a".into(), b("x")), ("d".into(), b("x"))]).await {
+            Err(KvError::Conflict { expected, .. }) => assert_eq!(expected, stale),
+            got => panic!("batch at stale revision {stale}: expected Conflict, got {got:?}"),
+        }
+    }
+    assert_eq!(kv.scan().await.unwrap(), KvSnapshot { entries: expected, revision: 3 });
+
+    // A single-key write moves the bucket too.
+    let r = other.update("a", b("1b"), 2).await.unwrap();
+    assert_eq!(r, 4);
+    assert!(matches!(kv.write_batch(3, vec![("z".into(), b("z"))]).await, Err(KvError::Conflict { .. })));
+    let r = kv.create("d", b("4")).await.unwrap();
+    assert!(matches!(kv.write_batch(4, vec![("z".into(), b("z"))]).await, Err(KvError::Conflict { .. })));
+    assert_eq!(kv.write_batch(r, vec![("z".into(), b("z"))]).await.unwrap(), r + 1);
+    // An empty batch checks the revision and writes nothing.
+    assert_eq!(kv.write_batch(r + 1, Vec::new()).await.unwrap(), r + 1);
+    assert!(matches!(kv.write_batch(r, Vec::new()).await, Err(KvError::Conflict { .. })));
+    let snapshot = kv.scan().await.unwrap();
+    assert_eq!(snapshot.revision, r + 1);
+    assert_eq!(snapshot.entries.iter().map(|e| e.key.as_str()).collect::<Vec<_>>(), ["a", "b", "c", "d", "z"]);
+}
+
+/// Two clients read the same bucket revision and write batches of
+/// different keys at once: exactly one batch lands, whole; the loser's keys
+/// are absent.
+async fn write_batch_race(f: &Fixture) {
+    let mut revision = f.kv.write_batch(0, vec![("start".into(), b("s"))]).await.unwrap();
+    for round in 0..10 {
+        let barrier = Arc::new(tokio::sync::Barrier::new(2));
+        let writes: Vec<_> = [(f.kv.clone(), "one"), (f.other.clone(), "two")]
+            .into_iter()
+            .map(|(kv, who)| {
+                let barrier = barrier.clone();
+                tokio::spawn(async move {
+                    let puts = (0..5).map(|i| (format!("{who}-{round}-{i}"), Bytes::from(who))).collect();
+                    barrier.wait().await;
+                    (who, kv.write_batch(revision, puts).await)
+                })
+            })
+            .collect();
+        let mut winners = Vec::new();
+        for write in writes {
+            match write.await.unwrap() {
+                (who, Ok(after)) => winners.push((who, after)),
+                (_, Err(KvError::Conflict { expected, .. })) => assert_eq!(expected, revision),
+                (_, Err(e)) => panic!("round {round}: unexpected error {e:?}"),
+            }
+        }
+        assert_eq!(winners.len(), 1, "round {round}: winners {winners:?}");
+        let (winner, after) = winners[0];
+        assert_eq!(after, revision + 5);
+        let snapshot = f.kv.scan().await.unwrap();
+        assert_eq!(snapshot.revision, after);
+        let this_round: Vec<&KvEntry> =
+            snapshot.entries.iter().filter(|e| e.key.ends_with(&format!("-{round}-0"))).collect();
+        assert_eq!(this_round.len(), 1, "round {round}: {this_round:?}");
+        assert!(this_round[0].key.starts_with(winner));
+        revision = after;
+    }
+}
+
+/// A batch larger than one JetStream atomic batch (2,500 keys) lands whole
+/// at consecutive revisions, and a stale one of the same size writes
+/// nothing.
+async fn write_batch_larger_than_one_atomic_run(f: &Fixture) {
+    let value = |i: usize, round: &str| Bytes::from(format!("{round}-{i}"));
+    let puts = |round: &'static str| (0..2_500).map(move |i| (format!("shard.{i}"), value(i, round))).collect();
+    let revision = f.kv.write_batch(0, puts("first")).await.unwrap();
+    assert_eq!(revision, 2_500);
+    let snapshot = f.other.scan().await.unwrap();
+    assert_eq!(snapshot.revision, 2_500);
+    assert_eq!(snapshot.entries.len(), 2_500);
+    for entry in &snapshot.entries {
+        let i: usize = entry.key.strip_prefix("shard.").unwrap().parse().unwrap();
+        assert_eq!(entry.value, value(i, "first"));
+        assert!((1..=2_500).contains(&entry.revision));
+    }
+    assert!(matches!(f.other.write_batch(2_499, puts("stale")).await, Err(KvError::Conflict { .. })));
+    let after = f.kv.scan().await.unwrap();
+    assert_eq!(after, snapshot, "a stale batch wrote something");
+    // Rewriting all of it at the right revision works.
+    assert_eq!(f.other.write_batch(2_500, puts("second")).await.unwrap(), 5_000);
+    let snapshot = f.kv.scan().await.unwrap();
+    assert!(snapshot.entries.iter().all(|e| e.value.starts_with(b"second-")));
 }
 
 /// Two clients (two processes' view) read the same revision and both
@@ -359,6 +480,9 @@ conformance!(
     watch_two_updates,
     lease_expiry_fences_the_old_holder,
     cas_race_two_clients,
+    scan_and_write_batch,
+    write_batch_race,
+    write_batch_larger_than_one_atomic_run,
 );
 
 /// Two `FileKv`s on one dir are two processes' views: a write through one is

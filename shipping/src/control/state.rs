@@ -1,17 +1,50 @@
-//! What the coordinator keeps in the KV: one value (key [`STATE_KEY`]) with
-//! the coordinator lease, every shard's leadership record and the recent
-//! failovers. One key means every change — a lease renewal, an epoch raise,
-//! a new leader — is one compare-and-set on one revision, so a coordinator
-//! whose lease was taken over can change nothing: its revision is stale.
+//! What the coordinator keeps in the KV: the coordinator lease, every
+//! shard's leadership record and the recent failovers, one key each:
+//!
+//! | key | value |
+//! | --- | --- |
+//! | [`LEASE_KEY`] (`lease`) | [`Lease`] |
+//! | `shard.<id>` ([`shard_key`]) | [`ShardRecord`] |
+//! | [`FAILOVERS_KEY`] (`failovers`) | the last 100 [`FailoverRecord`]s |
+//!
+//! A change writes only the keys it changes ([`ClusterState::changes_from`]),
+//! so a failover of one shard writes one small record whatever the number of
+//! shards. Every write is a bucket-wide compare-and-set
+//! ([`crate::control::Kv::write_batch`]) on the revision this coordinator
+//! last wrote or read: a coordinator whose lease was taken over can change
+//! nothing, whichever key it writes, because the takeover moved the bucket.
+//!
+//! Before this layout the whole state was one JSON value under
+//! [`LEGACY_STATE_KEY`]; the first coordinator of this build to take the
+//! lease converts it ([`Stored::Legacy`]) and overwrites the old key with a
+//! marker an older coordinator cannot parse, so it stands down rather than
+//! act on a stale copy.
 
 use std::collections::{BTreeMap, VecDeque};
 
+use bytes::Bytes;
 use serde::{Deserialize, Serialize};
 
 use crate::NodeId;
 use crate::config::ClusterConfig;
+use crate::control::kv::KvEntry;
 
-pub const STATE_KEY: &str = "cluster-state";
+/// The coordinator lease.
+pub const LEASE_KEY: &str = "lease";
+/// The failover history.
+pub const FAILOVERS_KEY: &str = "failovers";
+/// Prefix of the per-shard records (`shard.<id>`).
+pub const SHARD_KEY_PREFIX: &str = "shard.";
+/// The single value of the layout before per-shard records.
+pub const LEGACY_STATE_KEY: &str = "cluster-state";
+/// What [`LEGACY_STATE_KEY`] holds once converted.
+pub const LEGACY_MARKER: &str =
+    r#"{"moved":"walship keeps its leadership state per key now (lease, shard.<id>, failovers)"}"#;
+
+/// The KV key of one shard's record.
+pub fn shard_key(shard: u32) -> String {
+    format!("{SHARD_KEY_PREFIX}{shard}")
+}
 /// Failover records kept.
 const FAILOVER_HISTORY: usize = 100;
 
@@ -116,11 +149,81 @@ impl ClusterState {
         }
     }
 
+    /// Every key of the state, shards first and the lease last (a write
+    /// split into several atomic runs then publishes the lease, which makes
+    /// the layout current, only once everything else is written).
+    pub fn to_entries(&self) -> Vec<(String, Bytes)> {
+        let mut out: Vec<(String, Bytes)> = self.shards.iter().map(|(id, r)| (shard_key(*id), json(r))).collect();
+        out.push((FAILOVERS_KEY.to_string(), json(&self.failovers)));
+        out.push((LEASE_KEY.to_string(), json(&self.lease)));
+        out
+    }
+
+    /// The keys to write to go from `written` to this state: changed and
+    /// new shard records, the history if it changed, the lease if it did.
+    pub fn changes_from(&self, written: &ClusterState) -> Vec<(String, Bytes)> {
+        let mut out: Vec<(String, Bytes)> = self
+            .shards
+            .iter()
+            .filter(|(id, r)| written.shards.get(id) != Some(r))
+            .map(|(id, r)| (shard_key(*id), json(r)))
+            .collect();
+        if self.failovers != written.failovers {
+            out.push((FAILOVERS_KEY.to_string(), json(&self.failovers)));
+        }
+        if self.lease != written.lease {
+            out.push((LEASE_KEY.to_string(), json(&self.lease)));
+        }
+        out
+    }
+
     pub fn record_failover(&mut self, record: FailoverRecord) {
         self.failovers.push_back(record);
         while self.failovers.len() > FAILOVER_HISTORY {
             self.failovers.pop_front();
         }
+    }
+}
+
+fn json<T: Serialize>(value: &T) -> Bytes {
+    Bytes::from(serde_json::to_vec(value).expect("the state serialises"))
+}
+
+/// What a scan of the KV holds.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Stored {
+    /// Nothing: a new cluster.
+    Empty,
+    /// Only the single value of the earlier layout (to convert).
+    Legacy(ClusterState),
+    /// The per-key layout.
+    Current(ClusterState),
+}
+
+impl Stored {
+    /// Reads the state out of a scan. A value that does not parse is an
+    /// error (naming its key), never skipped: acting on part of the state
+    /// could fail a shard over twice.
+    pub fn decode(entries: &[KvEntry]) -> Result<Stored, String> {
+        fn parse<T: serde::de::DeserializeOwned>(entry: &KvEntry) -> Result<T, String> {
+            serde_json::from_slice(&entry.value).map_err(|e| format!("KV key {}: {e}", entry.key))
+        }
+        let Some(lease) = entries.iter().find(|e| e.key == LEASE_KEY) else {
+            return match entries.iter().find(|e| e.key == LEGACY_STATE_KEY) {
+                Some(legacy) => Ok(Stored::Legacy(parse(legacy)?)),
+                None => Ok(Stored::Empty),
+            };
+        };
+        let mut state = ClusterState { lease: parse(lease)?, shards: BTreeMap::new(), failovers: VecDeque::new() };
+        for entry in entries {
+            if entry.key == FAILOVERS_KEY {
+                state.failovers = parse(entry)?;
+            } else if let Some(id) = entry.key.strip_prefix(SHARD_KEY_PREFIX) {
+                let id: u32 = id.parse().map_err(|_| format!("KV key {}: not a shard id", entry.key))?;
+                state.shards.insert(id, parse(entry)?);
+            }
+        }
+        Ok(Stored::Current(state))
     }
 }
 

@@ -13,9 +13,10 @@
 //! 5. assign the others as followers: they truncate any divergent tail
 //!    against it, then catch up.
 //!
-//! Every KV write is a compare-and-set on the revision this coordinator
-//! last read; a coordinator whose lease was taken over fails its next write
-//! and goes back to standby without having changed anything.
+//! Every KV write is a bucket-wide compare-and-set on the revision this
+//! coordinator last wrote or read; a coordinator whose lease was taken over
+//! fails its next write and goes back to standby without having changed
+//! anything.
 
 use std::collections::BTreeMap;
 use std::sync::Arc;
@@ -33,7 +34,7 @@ use crate::NodeId;
 use crate::config::ClusterConfig;
 use crate::control::failover::{self, Candidate};
 use crate::control::kv::{Kv, KvError};
-use crate::control::state::{ClusterState, FailoverRecord, LeaseAction, STATE_KEY, ShardRecord, lease_action};
+use crate::control::state::{ClusterState, FailoverRecord, LeaseAction, ShardRecord, Stored, lease_action};
 use crate::peers::{PeerTransport, Peers};
 
 mod members;
@@ -413,7 +414,11 @@ impl Coordinator {
 
     /// Reads the state from the KV (what a standby shows).
     pub async fn read_state(&self) -> Result<Option<ClusterState>, CoordError> {
-        Ok(self.kv.get(STATE_KEY).await?.and_then(|e| serde_json::from_slice(&e.value).ok()))
+        let snapshot = self.kv.scan().await?;
+        match Stored::decode(&snapshot.entries).map_err(|e| CoordError::Kv(KvError::Unavailable(e)))? {
+            Stored::Empty => Ok(None),
+            Stored::Legacy(state) | Stored::Current(state) => Ok(Some(state)),
+        }
     }
 
     /// Records a heartbeat.

@@ -1,11 +1,13 @@
-//! Writing the leadership state: every change, and every lease renewal, is
-//! one compare-and-set of the one state value on the revision this
-//! coordinator last wrote or read, so a coordinator whose lease was taken
-//! over changes nothing (its revision is stale).
+//! Writing the leadership state: every change, and every lease renewal,
+//! writes the keys it changes (see `control::state` for the layout) in one
+//! bucket-wide compare-and-set on the revision this coordinator last wrote
+//! or read, so a coordinator whose lease was taken over changes nothing
+//! (its revision is stale, whatever key it writes).
 //!
 //! Writes are *batched* (group commit): a change is applied at once to a
 //! working copy (the written state plus the changes queued since), then its
-//! caller waits for a write that carries it. Whoever holds the write lock
+//! caller waits for a write that carries it (the keys that differ between
+//! the working copy and the written state). Whoever holds the write lock
 //! writes the working copy with everything queued so far, so a hundred
 //! failovers at once (a node leading a hundred shards died) share a few KV
 //! writes instead of queueing a hundred, and the lease renewal writes
@@ -23,6 +25,7 @@
 use std::collections::VecDeque;
 
 use super::*;
+use crate::control::state::{LEASE_KEY, LEGACY_MARKER, LEGACY_STATE_KEY, Lease, Stored};
 
 /// Settled batches remembered for callers that have not looked yet.
 const OUTCOMES_KEPT: usize = 256;
@@ -96,10 +99,6 @@ impl Queued {
 }
 
 impl Coordinator {
-    pub(super) fn encode(state: &ClusterState) -> Bytes {
-        Bytes::from(serde_json::to_vec(state).expect("state serialises"))
-    }
-
     /// Applies `change` to the state and returns its output once a write
     /// carrying it succeeded (see the module docs). A change checks first
     /// and changes after: one that returns an error must have changed
@@ -129,23 +128,30 @@ impl Coordinator {
         outcome.map(|()| out)
     }
 
-    /// Writes the working copy with everything queued. Call with the write
-    /// lock held.
+    /// Writes the keys the working copy changed, with everything queued.
+    /// Call with the write lock held.
     async fn flush(&self) {
         // The copy written and the changes it carries, read together: a
         // change applied after the copy was taken is not settled by it.
-        let (state, upto, revision) = {
+        let (state, upto, revision, puts) = {
             let mut queued = self.queued.lock();
             let Some(state) = queued.state.clone() else { return };
-            let revision = self.active.lock().as_ref().filter(|a| Instant::now() < a.lease_until).map(|a| a.revision);
-            let Some(revision) = revision else {
+            let active = self.active.lock();
+            let Some(a) = active.as_ref().filter(|a| Instant::now() < a.lease_until) else {
+                drop(active);
                 queued.settle(Some(Failure::NotActive));
                 return;
             };
-            (state, queued.applied, revision)
+            let puts = state.changes_from(&a.state);
+            (state, queued.applied, a.revision, puts)
         };
+        if puts.is_empty() {
+            // Every change carried was a no-op: nothing to write.
+            self.queued.lock().settle_through(upto, None);
+            return;
+        }
         self.metrics.state_writes.inc();
-        match self.kv.update(STATE_KEY, Self::encode(&state), revision).await {
+        match self.kv.write_batch(revision, puts).await {
             Ok(new_revision) => {
                 if let Some(a) = self.active.lock().as_mut()
                     && a.revision == revision
@@ -168,83 +174,131 @@ impl Coordinator {
         }
     }
 
+    /// One round of the lease: the active coordinator renews it (with
+    /// whatever is queued); any other reads the lease key and, if the lease
+    /// is its own or has run out, reads the whole state and takes it.
     pub(super) async fn lease_round(&self) -> Result<(), CoordError> {
         let _write = self.write.lock().await;
+        if self.active.lock().is_some() {
+            return self.renew().await;
+        }
         let now = now_ms();
-        let started = Instant::now();
-        let lease_for = Duration::from_millis(self.lease_ms);
-        let Some(entry) = self.kv.get(STATE_KEY).await? else {
-            let state = ClusterState::bootstrap(&self.config, &self.id, now, self.lease_ms);
-            match self.kv.create(STATE_KEY, Self::encode(&state)).await {
-                Ok(revision) => self.become_active(state, revision, started + lease_for),
-                Err(KvError::Exists(_)) => {}
-                Err(e) => return Err(e.into()),
-            }
-            return Ok(());
-        };
-        let read: ClusterState = serde_json::from_slice(&entry.value)
-            .map_err(|e| CoordError::Kv(KvError::Unavailable(format!("cluster state: {e}"))))?;
-        self.metrics.lease_term.set(read.lease.term as i64);
-        let ours = self.active.lock().as_ref().map(|a| a.revision);
-        match lease_action(&read.lease, &self.id, now) {
-            LeaseAction::Standby => {
-                if self.active.lock().is_some() {
-                    tracing::warn!(id = %self.id, holder = %read.lease.holder, "another coordinator holds the lease");
-                }
-                self.step_down();
+        if let Some(entry) = self.kv.get(LEASE_KEY).await? {
+            let lease: Lease = serde_json::from_slice(&entry.value)
+                .map_err(|e| CoordError::Kv(KvError::Unavailable(format!("KV key {LEASE_KEY}: {e}"))))?;
+            self.metrics.lease_term.set(lease.term as i64);
+            if lease_action(&lease, &self.id, now) == LeaseAction::Standby {
                 self.queued.lock().settle(Some(Failure::NotActive));
-            }
-            action => {
-                // Renewing what this coordinator wrote last: the queued
-                // changes go with the renewal. Anything else (a takeover,
-                // or the state moved under an active lease) starts from
-                // what was read, and the queued changes fail.
-                let continuing = action == LeaseAction::Renew && ours == Some(entry.revision);
-                let (mut state, upto) = {
-                    let mut queued = self.queued.lock();
-                    match (continuing, queued.state.clone()) {
-                        (true, Some(state)) => (state, Some(queued.applied)),
-                        (true, None) => (read, None),
-                        (false, _) => {
-                            queued.settle(Some(Failure::NotActive));
-                            (read, None)
-                        }
-                    }
-                };
-                if action == LeaseAction::TakeOver {
-                    state.lease.term += 1;
-                    state.lease.holder = self.id.clone();
-                    tracing::info!(id = %self.id, term = state.lease.term, "taking over the coordinator lease");
-                }
-                if action == LeaseAction::Renew && ours.is_some_and(|r| r != entry.revision) {
-                    tracing::warn!(id = %self.id, "state changed under an active lease: re-reading");
-                }
-                state.lease.expires_unix_ms = now + self.lease_ms;
-                self.metrics.state_writes.inc();
-                match self.kv.update(STATE_KEY, Self::encode(&state), entry.revision).await {
-                    Ok(revision) => {
-                        if let Some(upto) = upto {
-                            let mut queued = self.queued.lock();
-                            queued.settle_through(upto, None);
-                            // The working copy carries the renewed lease too.
-                            if let Some(working) = queued.state.as_mut() {
-                                working.lease = state.lease.clone();
-                            }
-                        }
-                        self.become_active(state, revision, started + lease_for)
-                    }
-                    Err(KvError::Conflict { .. }) => {
-                        self.step_down();
-                        self.queued.lock().settle(Some(Failure::NotActive));
-                    }
-                    Err(e) => {
-                        self.queued.lock().settle(Some(Failure::Kv(e.to_string())));
-                        return Err(e.into());
-                    }
-                }
+                return Ok(());
             }
         }
-        Ok(())
+        self.take_lease().await
+    }
+
+    /// Renews the lease this coordinator holds, carrying the queued
+    /// changes, fenced on the revision it wrote last.
+    async fn renew(&self) -> Result<(), CoordError> {
+        let started = Instant::now();
+        let lease_until = started + Duration::from_millis(self.lease_ms);
+        let (state, upto, revision, puts) = {
+            let queued = self.queued.lock();
+            let active = self.active.lock();
+            let Some(a) = active.as_ref() else { return Ok(()) };
+            let (mut state, upto) = match &queued.state {
+                Some(working) => (working.clone(), Some(queued.applied)),
+                None => (a.state.clone(), None),
+            };
+            state.lease.expires_unix_ms = now_ms() + self.lease_ms;
+            let puts = state.changes_from(&a.state);
+            (state, upto, a.revision, puts)
+        };
+        self.metrics.state_writes.inc();
+        match self.kv.write_batch(revision, puts).await {
+            Ok(new_revision) => {
+                let mut queued = self.queued.lock();
+                if let Some(upto) = upto {
+                    queued.settle_through(upto, None);
+                }
+                // The working copy carries the renewed lease too.
+                if let Some(working) = queued.state.as_mut() {
+                    working.lease = state.lease.clone();
+                }
+                drop(queued);
+                self.become_active(state, new_revision, lease_until);
+                Ok(())
+            }
+            Err(KvError::Conflict { .. }) => {
+                tracing::warn!(id = %self.id, "the KV moved under this coordinator's lease: stepping down to re-read");
+                self.step_down();
+                self.queued.lock().settle(Some(Failure::NotActive));
+                Ok(())
+            }
+            Err(e) => {
+                self.queued.lock().settle(Some(Failure::Kv(e.to_string())));
+                Err(e.into())
+            }
+        }
+    }
+
+    /// Reads the whole state and takes the lease (renewing its own after a
+    /// step-down, taking over an expired one, or bootstrapping), or
+    /// converts the single-value layout of earlier builds.
+    async fn take_lease(&self) -> Result<(), CoordError> {
+        let started = Instant::now();
+        let lease_until = started + Duration::from_millis(self.lease_ms);
+        let now = now_ms();
+        let snapshot = self.kv.scan().await?;
+        let unreadable = |e: String| CoordError::Kv(KvError::Unavailable(e));
+        let (mut state, puts_all, converting) = match Stored::decode(&snapshot.entries).map_err(unreadable)? {
+            // A new cluster: the bootstrap lease is this coordinator's.
+            Stored::Empty => (ClusterState::bootstrap(&self.config, &self.id, now, self.lease_ms), true, false),
+            Stored::Legacy(state) => (state, true, true),
+            Stored::Current(state) => (state, false, false),
+        };
+        self.queued.lock().settle(Some(Failure::NotActive));
+        match lease_action(&state.lease, &self.id, now) {
+            LeaseAction::Standby => {
+                self.metrics.lease_term.set(state.lease.term as i64);
+                return Ok(());
+            }
+            LeaseAction::TakeOver => {
+                state.lease.term += 1;
+                state.lease.holder = self.id.clone();
+                tracing::info!(id = %self.id, term = state.lease.term, "taking over the coordinator lease");
+            }
+            _ => {}
+        }
+        state.lease.expires_unix_ms = now + self.lease_ms;
+        let puts = if puts_all {
+            let mut puts = state.to_entries();
+            if converting {
+                // With the lease, in the last atomic run: once the lease
+                // key exists the old value is never read again.
+                let lease = puts.pop().expect("the lease is last");
+                puts.push((LEGACY_STATE_KEY.to_string(), Bytes::from_static(LEGACY_MARKER.as_bytes())));
+                puts.push(lease);
+            }
+            puts
+        } else {
+            vec![(LEASE_KEY.to_string(), Bytes::from(serde_json::to_vec(&state.lease).expect("a lease serialises")))]
+        };
+        self.metrics.state_writes.inc();
+        match self.kv.write_batch(snapshot.revision, puts).await {
+            Ok(revision) => {
+                if converting {
+                    tracing::info!(
+                        id = %self.id,
+                        shards = state.shards.len(),
+                        "converted the leadership state from one value to one key per shard"
+                    );
+                }
+                self.become_active(state, revision, lease_until);
+                Ok(())
+            }
+            // Another coordinator wrote in between: read again next round.
+            Err(KvError::Conflict { .. }) => Ok(()),
+            Err(e) => Err(e.into()),
+        }
     }
 }
 
