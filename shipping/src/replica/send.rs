@@ -170,8 +170,18 @@ impl ReplicationNode {
 
     /// CheckQuorum: waits for this leadership's lease to run out without a
     /// majority answering in time (see `LeaderCore::lease_until`), then
-    /// steps down; ends with the leadership.
+    /// steps down once it has stayed out for one more lease; ends with the
+    /// leadership.
+    ///
+    /// Appends stop being acknowledged the moment the lease lapses (the
+    /// safety rule, kept by the append path); the step-down is liveness, and
+    /// waits a further lease so that a node that answers late for a moment
+    /// (thousands of shards starting on two cores) renews its shards'
+    /// leases instead of making them all step down and churn. A leader cut
+    /// off from its followers is replaced by the coordinator meanwhile (its
+    /// followers report it silent).
     pub(super) async fn run_lease_watch(self: Arc<Self>, replica: Arc<ShardReplica>, leader: Arc<LeaderState>) {
+        let grace = self.config.replication.replication_timeout().as_micros() as u64;
         let mut lease = replica.lease_until.subscribe();
         loop {
             // Quiet followers: their links' contact counts first.
@@ -179,23 +189,24 @@ impl ReplicationNode {
             let until = *lease.borrow_and_update();
             let now = now_us();
             let lapsed = until != u64::MAX && now >= until;
+            let step_down_at = until.saturating_add(grace);
             let (holds, had_majority, held_by_quiet) = {
                 let core = leader.core.lock();
                 let quiet = leader.quiet.lock().keys().copied().collect::<Vec<_>>();
                 let held_by_quiet = !quiet.is_empty() && core.lease_held_by(quiet.into_iter());
                 (core.lease_holds(now), core.had_majority(), held_by_quiet)
             };
-            if lapsed && !holds && had_majority {
+            if lapsed && now >= step_down_at && !holds && had_majority {
                 break;
             }
             // Lapsed before any majority answered: wait for one (a renewal
             // changes the lease) rather than step down at start. Held by
             // quiet followers: their links keep it, and wake them (which
             // wakes this watch) once they cannot; no per-shard timer.
-            let wait = if until == u64::MAX || lapsed || (holds && held_by_quiet) {
+            let wait = if until == u64::MAX || (lapsed && !had_majority) || (holds && held_by_quiet) {
                 Duration::MAX
             } else {
-                Duration::from_micros(until.saturating_sub(now))
+                Duration::from_micros(step_down_at.saturating_sub(now))
             };
             tokio::select! {
                 _ = tokio::time::sleep(wait.min(Duration::from_secs(3600))), if wait != Duration::MAX => {}
@@ -207,12 +218,12 @@ impl ReplicationNode {
         if leader.stop.is_cancelled() {
             return;
         }
-        let silent = self.config.replication.replication_timeout();
+        let silent = 2 * self.config.replication.replication_timeout();
         tracing::warn!(
             shard = replica.shard,
             epoch = leader.epoch,
             ?silent,
-            "stepping down: no majority of the replica set answered within the lease (CheckQuorum)"
+            "stepping down: no majority of the replica set answered within twice the lease (CheckQuorum)"
         );
         self.step_down_without_quorum(&replica, leader.epoch).await;
     }

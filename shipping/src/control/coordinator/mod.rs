@@ -134,8 +134,9 @@ pub struct FailoverOutcome {
 
 struct NodeSeen {
     at: Instant,
-    /// The newest heartbeat of each of its replicas, with when it arrived.
-    shards: BTreeMap<u32, (HeartbeatRequest, Instant)>,
+    /// The newest heartbeat of each of its replicas, with when it arrived
+    /// (shared: reconcile rounds look at every one of them).
+    shards: BTreeMap<u32, (Arc<HeartbeatRequest>, Instant)>,
 }
 
 struct Active {
@@ -430,7 +431,7 @@ impl Coordinator {
         let node =
             seen.entry(request.node_id).or_insert_with(|| NodeSeen { at: Instant::now(), shards: BTreeMap::new() });
         node.at = Instant::now();
-        node.shards.insert(request.shard_id, (request.clone(), node.at));
+        node.shards.insert(request.shard_id, (Arc::new(request.clone()), node.at));
         drop(seen);
         self.pending.lock().shards.insert(request.shard_id);
         self.republish(request);
@@ -456,7 +457,7 @@ impl Coordinator {
                 *at = now;
             }
             for s in &batch.shards {
-                node.shards.insert(s.shard_id, (s.clone(), now));
+                node.shards.insert(s.shard_id, (Arc::new(s.clone()), now));
             }
         }
         self.pending.lock().shards.extend(batch.shards.iter().map(|s| s.shard_id));
@@ -499,7 +500,7 @@ impl Coordinator {
     }
 
     /// The newest heartbeat of a replica.
-    pub fn heartbeat(&self, node: NodeId, shard: u32) -> Option<HeartbeatRequest> {
+    pub fn heartbeat(&self, node: NodeId, shard: u32) -> Option<Arc<HeartbeatRequest>> {
         self.seen.lock().get(&node).and_then(|n| n.shards.get(&shard).map(|(hb, _)| hb.clone()))
     }
 
@@ -508,12 +509,13 @@ impl Coordinator {
         self.seen
             .lock()
             .get(&node)
-            .and_then(|n| n.shards.get(&shard).map(|(hb, at)| (hb.clone(), at.elapsed().as_millis() as u64)))
+            .and_then(|n| n.shards.get(&shard).map(|(hb, at)| ((**hb).clone(), at.elapsed().as_millis() as u64)))
     }
 
     /// The newest heartbeat of every replica a node reported.
     pub fn heartbeats_of(&self, node: NodeId) -> Vec<HeartbeatRequest> {
-        self.seen.lock().get(&node).map(|n| n.shards.values().map(|(hb, _)| hb.clone()).collect()).unwrap_or_default()
+        let seen = self.seen.lock();
+        seen.get(&node).map(|n| n.shards.values().map(|(hb, _)| (**hb).clone()).collect()).unwrap_or_default()
     }
 
     fn step_down(&self) {
