@@ -2,14 +2,18 @@
 //! machine's raw disk limits measured in the same run.
 //!
 //! Paths measured over the same matrix (record sizes x concurrent appenders
-//! x shards), each appender issuing one single-record append at a time:
+//! x shards), each appender issuing one single-record append at a time;
+//! appender i writes shards i, i + appenders, i + 2 x appenders, ... in
+//! turn, so with more shards than appenders every shard is written (the
+//! appenders share a few connections per node):
 //! * `wal`: the node's WAL in process (group commit on raft-engine, no
 //!   network) — what the storage path can do;
 //! * `local`: one `walship node` child process over loopback gRPC at `local`
 //!   durability — what a client of a single node sees;
 //! * `quorum`, `all`: three `walship node` processes (RF=3, leaders spread
-//!   over the nodes, appenders sending to each shard's leader) at `quorum`
-//!   and `all` durability. All three replicas write to the same disk here,
+//!   over the nodes, appenders sending to each shard's leader, following
+//!   `walship-leader` hints when one moves) at `quorum` and `all`
+//!   durability. All three replicas write to the same disk here,
 //!   so the disk ratio counts three copies of every byte.
 //!
 //! The three-node paths run with a `walship coord` by default, as production
@@ -171,6 +175,61 @@ impl Connection {
         match self {
             Connection::Stream(pipeline) => pipeline.append(request).await.map(drop),
             Connection::Unary(client) => client.clone().append(request).await.map(drop),
+        }
+    }
+}
+
+/// The appenders' connections: a few per node, and which node leads each
+/// shard (from the config, then from `walship-leader` hints when a leader
+/// moves).
+pub(crate) struct Router {
+    /// gRPC address of each node, and its connections.
+    nodes: Vec<(String, Vec<Connection>)>,
+    /// Index into `nodes` of shard i's leader, at i-1.
+    leaders: Vec<std::sync::atomic::AtomicUsize>,
+}
+
+impl Router {
+    pub(crate) async fn open(target: &Target, appenders: usize, transport: Transport) -> Result<Router> {
+        let mut addresses: Vec<String> = target.leaders.clone();
+        addresses.sort();
+        addresses.dedup();
+        let per_node = appenders.div_ceil(addresses.len()).clamp(1, 4);
+        let mut nodes = Vec::new();
+        for address in addresses {
+            let mut connections = Vec::new();
+            for _ in 0..per_node {
+                connections.push(Connection::open(&address, transport, target.client_tls.as_ref()).await?);
+            }
+            nodes.push((address, connections));
+        }
+        let leaders = target
+            .leaders
+            .iter()
+            .map(|l| std::sync::atomic::AtomicUsize::new(nodes.iter().position(|(a, _)| a == l).expect("listed")))
+            .collect();
+        Ok(Router { nodes, leaders })
+    }
+
+    /// Sends `request` to its shard's leader, on one of that node's
+    /// connections (chosen by `appender`).
+    pub(crate) async fn append(&self, appender: usize, request: AppendRequest) -> Result<(), tonic::Status> {
+        let node = self.leaders[request.shard_id as usize - 1].load(std::sync::atomic::Ordering::Relaxed);
+        let connections = &self.nodes[node].1;
+        connections[appender % connections.len()].append(request).await
+    }
+
+    /// Follows the leader hint `status` carries (`<id>@<address>`) for
+    /// `shard`; whether there was one to follow.
+    pub(crate) fn followed(&self, shard: u32, status: &tonic::Status) -> bool {
+        let hint = status.metadata().get(walship_proto::LEADER_METADATA_KEY).and_then(|v| v.to_str().ok());
+        let Some(address) = hint.and_then(|h| h.split_once('@')).map(|(_, a)| a) else { return false };
+        match (self.nodes.iter().position(|(a, _)| a == address), self.leaders.get(shard as usize - 1)) {
+            (Some(node), Some(slot)) => {
+                slot.store(node, std::sync::atomic::Ordering::Relaxed);
+                true
+            }
+            _ => false,
         }
     }
 }
@@ -507,51 +566,58 @@ async fn grpc_cell(
         }
         BenchPath::Wal => bail!("the wal path runs in process"),
     };
-    // A few HTTP/2 connections per leader, shared round-robin by the appenders.
-    let mut clients: Vec<Vec<Connection>> = Vec::new();
-    for leader in &target.leaders {
-        let mut per = Vec::new();
-        for _ in 0..appenders.div_ceil(shards as usize).clamp(1, 4) {
-            per.push(Connection::open(leader, args.transport, target.client_tls.as_ref()).await?);
-        }
-        clients.push(per);
-    }
-    // Under a coordinator the leaders take their role a moment after start.
-    for (shard, per) in clients.iter().enumerate() {
-        let deadline = std::time::Instant::now() + Duration::from_secs(30);
+    let router = Arc::new(Router::open(&target, appenders, args.transport).await?);
+    // Under a coordinator the leaders take their role a moment after start
+    // (and may move while thousands of shards start): every shard must
+    // take an append, at its leader, before the clock starts.
+    for shard in 1..=shards {
+        let deadline = std::time::Instant::now() + Duration::from_secs(60);
         let ready = || AppendRequest {
-            shard_id: shard as u32 + 1,
+            shard_id: shard,
             records: vec![AppendRecord { key: Bytes::new(), payload: Bytes::from_static(b"ready") }],
             durability: durability as i32,
             ..Default::default()
         };
-        while let Err(status) = per[0].append(ready()).await {
+        while let Err(status) = router.append(0, ready()).await {
             if std::time::Instant::now() > deadline {
-                bail!("shard {} never accepted an append: {status}", shard + 1);
+                bail!("shard {shard} never accepted an append: {status}");
             }
-            tokio::time::sleep(Duration::from_millis(20)).await;
+            if !router.followed(shard, &status) {
+                tokio::time::sleep(Duration::from_millis(20)).await;
+            }
         }
     }
-    let clients = Arc::new(clients);
+    // Appender i writes shards i, i + appenders, i + 2 x appenders, ...
+    // (mod the shard count) in turn: with more shards than appenders every
+    // shard is written, and each append goes to its shard's leader.
+    let turns: Arc<Vec<std::sync::atomic::AtomicUsize>> =
+        Arc::new((0..appenders).map(|_| std::sync::atomic::AtomicUsize::new(0)).collect());
     let body = payload(size);
     let result = walship_loadgen::closed(
         appenders,
         Duration::from_secs_f64(args.warmup),
         Duration::from_secs_f64(args.duration),
         move |i| {
-            let shard = i % clients.len();
-            let per = &clients[shard];
-            let client = per[(i / clients.len()) % per.len()].clone();
-            let body = body.clone();
+            let turn = turns[i].fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+            let shard = ((i + turn * appenders) % shards as usize) as u32 + 1;
+            let (router, body) = (router.clone(), body.clone());
             async move {
-                let request = AppendRequest {
-                    shard_id: shard as u32 + 1,
-                    records: vec![AppendRecord { key: Bytes::new(), payload: body }],
+                let request = || AppendRequest {
+                    shard_id: shard,
+                    records: vec![AppendRecord { key: Bytes::new(), payload: body.clone() }],
                     durability: durability as i32,
                     ..Default::default()
                 };
-                client.append(request).await.map_err(|s| anyhow::anyhow!("append: {s}"))?;
-                Ok(())
+                // A leader that moved answers with a hint: the router
+                // follows it and the append goes again.
+                let mut attempts = 0;
+                loop {
+                    match router.append(i, request()).await {
+                        Ok(()) => return Ok(()),
+                        Err(status) if attempts < 3 && router.followed(shard, &status) => attempts += 1,
+                        Err(status) => return Err(anyhow::anyhow!("append to shard {shard}: {status}")),
+                    }
+                }
             }
         },
     )
