@@ -483,17 +483,28 @@ impl ReplicationNode {
     pub(super) async fn run_corruption_watch(self: Arc<Self>) {
         let mut tick = tokio::time::interval(CORRUPTION_POLL);
         tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+        // Shards found corrupt at the last look: each is told once it is
+        // repaired. Only the WAL's (short) list of damage is read per tick,
+        // never every shard.
+        let mut flagged: std::collections::BTreeSet<walship_wal::ShardId> = Default::default();
         loop {
             tokio::select! {
                 _ = tick.tick() => {}
                 _ = self.shutdown.cancelled() => return,
             }
-            for replica in self.replicas() {
-                let first_bad = self.wal.shard_corruption(replica.shard).iter().map(|r| r.first_bad_seqno).min();
-                let Some(first_bad) = first_bad else {
+            let mut damaged: std::collections::BTreeMap<walship_wal::ShardId, u64> = Default::default();
+            for range in self.wal.corruption() {
+                let first = damaged.entry(range.shard).or_insert(range.first_bad_seqno);
+                *first = (*first).min(range.first_bad_seqno);
+            }
+            for shard in flagged.iter().filter(|s| !damaged.contains_key(s)) {
+                if let Some(replica) = self.replica(*shard) {
                     replica.rules.lock().corruption_repaired();
-                    continue;
-                };
+                }
+            }
+            flagged = damaged.keys().copied().collect();
+            for (shard, first_bad) in damaged {
+                let Some(replica) = self.replica(shard) else { continue };
                 let _transition = replica.transition.lock().await;
                 let commands = replica.rules.lock().corruption_found(Seqno(first_bad));
                 if let Err(error) = self.perform(&replica, commands, 0).await {

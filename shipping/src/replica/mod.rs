@@ -119,6 +119,8 @@ pub struct ReplicationNode {
     /// The shards this node hosts: those the cluster config gives it, and
     /// those a coordinator assigned it since (replicas added at run time).
     replicas: parking_lot::RwLock<BTreeMap<ShardId, Arc<ShardReplica>>>,
+    /// Shards whose replicas changed, for the loops that skip settled ones.
+    touched: Arc<shard::Touched>,
     catchup_budget: RateLimiter,
     settings: LeaderSettings,
     allow_crash_drills: bool,
@@ -176,13 +178,22 @@ impl ReplicationNode {
             lease_us: config.coordinated().then_some(r.replication_timeout().as_micros() as u64),
         };
         let mut replicas = BTreeMap::new();
+        let touched = Arc::new(shard::Touched::default());
         for spec in config.shards_of(me) {
             wal.create_shard(spec.id)?;
             let last = wal.positions(spec.id)?.last_seqno;
             let promised = wal.epoch(spec.id)?;
             replicas.insert(
                 spec.id,
-                Arc::new(ShardReplica::new(spec.id, &spec.replicas, me, config.coordinated(), promised, last)),
+                Arc::new(ShardReplica::new(
+                    spec.id,
+                    &spec.replicas,
+                    me,
+                    config.coordinated(),
+                    promised,
+                    last,
+                    touched.clone(),
+                )),
             );
         }
         let mut metrics = metrics;
@@ -198,6 +209,7 @@ impl ReplicationNode {
             wal,
             metrics,
             replicas: parking_lot::RwLock::new(replicas),
+            touched,
             heartbeats: Mutex::new(BTreeMap::new()),
             disk_bytes,
             shutdown: CancellationToken::new(),
@@ -263,7 +275,7 @@ impl ReplicationNode {
         self.wal.create_shard(shard)?;
         let last = self.wal.positions(shard)?.last_seqno;
         let promised = self.wal.epoch(shard)?;
-        let replica = Arc::new(ShardReplica::new(shard, &[], self.me, true, promised, last));
+        let replica = Arc::new(ShardReplica::new(shard, &[], self.me, true, promised, last, self.touched.clone()));
         replicas.insert(shard, replica.clone());
         let archive = self.archive.get().cloned();
         drop(replicas);

@@ -244,13 +244,18 @@ impl ReplicationNode {
                 }
             }
         }
+        // Every quiet shard is checked on every call (a positive answer is
+        // lease contact, so it must not cover a shard fenced since), under
+        // one read of the replica map.
+        let replicas = self.replicas.read();
         f.shards.retain(|&shard, &mut epoch| {
-            let follows = self.replica(shard).is_some_and(|r| r.rules.lock().follows(Epoch(epoch), leader));
+            let follows = replicas.get(&shard).is_some_and(|r| r.rules.lock().follows(Epoch(epoch), leader));
             if !follows {
                 refused.push(shard);
             }
             follows
         });
+        drop(replicas);
         f.contact_us = now_us();
         f.silence_reported = false;
         let quiet_count = f.shards.len() as u64;

@@ -148,6 +148,35 @@ pub struct ShardReplica {
     activity: AtomicU64,
     /// The `activity` at which a report found this replica quiet.
     settled_at: AtomicU64,
+    /// Where [`ShardReplica::unsettle`] says so, for the node's loops.
+    touched: Arc<Touched>,
+}
+
+/// The shards whose activity moved since each of the node's periodic loops
+/// last looked (heartbeat reports, follower gauges), so that those loops
+/// visit only them and the replicas they found unsettled, never every
+/// shard: an idle shard costs a tick nothing.
+#[derive(Default)]
+pub(crate) struct Touched {
+    heartbeats: Mutex<std::collections::BTreeSet<ShardId>>,
+    gauges: Mutex<std::collections::BTreeSet<ShardId>>,
+}
+
+impl Touched {
+    fn mark(&self, shard: ShardId) {
+        self.heartbeats.lock().insert(shard);
+        self.gauges.lock().insert(shard);
+    }
+
+    /// The shards touched since the heartbeat loop last took them.
+    pub(crate) fn take_heartbeats(&self) -> std::collections::BTreeSet<ShardId> {
+        std::mem::take(&mut self.heartbeats.lock())
+    }
+
+    /// The shards touched since the gauge loop last took them.
+    pub(crate) fn take_gauges(&self) -> std::collections::BTreeSet<ShardId> {
+        std::mem::take(&mut self.gauges.lock())
+    }
 }
 
 impl ShardReplica {
@@ -160,7 +189,9 @@ impl ShardReplica {
         coordinated: bool,
         promised: u64,
         last_seqno: u64,
+        touched: Arc<Touched>,
     ) -> Self {
+        touched.mark(shard);
         ShardReplica {
             shard,
             members: Mutex::new(Members { voters: replicas.to_vec(), ..Members::default() }),
@@ -185,6 +216,7 @@ impl ShardReplica {
                 rebuild_tiers: std::sync::atomic::AtomicU8::new(super::wipe::Tiers::ALL.0),
             },
             transition: tokio::sync::Mutex::new(()),
+            touched,
         }
     }
 
@@ -324,6 +356,7 @@ impl ShardReplica {
     /// heartbeat tick reports it.
     pub(crate) fn unsettle(&self) {
         self.activity.fetch_add(1, Ordering::AcqRel);
+        self.touched.mark(self.shard);
     }
 
     /// The activity count, read before a report is built.

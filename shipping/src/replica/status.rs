@@ -250,6 +250,9 @@ impl ReplicationNode {
         let mut tick = tokio::time::interval(interval);
         tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
         let mut last_records: BTreeMap<ShardId, (u64, Instant)> = BTreeMap::new();
+        // Replicas not settled when last looked at: looked at again every
+        // tick, with those touched since (see `shard::Touched`).
+        let mut unsettled: std::collections::BTreeSet<ShardId> = Default::default();
         loop {
             tokio::select! {
                 _ = tick.tick() => {}
@@ -264,7 +267,12 @@ impl ReplicationNode {
             // shard costs a tick nothing.
             let full = targets.iter().any(HeartbeatTarget::wants_full);
             self.unsettle_silent_leaders();
-            for replica in self.replicas() {
+            unsettled.append(&mut self.touched.take_heartbeats());
+            let looked_at = match full {
+                true => self.replicas(),
+                false => unsettled.iter().filter_map(|&shard| self.replica(shard)).collect(),
+            };
+            for replica in looked_at.iter().cloned() {
                 if !full && replica.settled() {
                     continue;
                 }
@@ -348,6 +356,7 @@ impl ReplicationNode {
                 });
                 replica.reported(activity, quiet);
             }
+            unsettled = looked_at.iter().filter(|r| !r.settled()).map(|r| r.shard).collect();
             self.metrics.append_rate.set(node_rate);
             let timeout = interval.max(Duration::from_millis(200));
             let sends = targets.iter_mut().map(|t| t.send(self.me, &requests, full, timeout));
@@ -369,22 +378,28 @@ impl ReplicationNode {
         // A settled shard's gauges, once set after it settled, stay true
         // (nothing moved): the activity at which each was last set.
         let mut set_at: std::collections::HashMap<ShardId, u64> = Default::default();
+        // Replicas whose gauges may still move: those touched since the
+        // last tick and those not settled then (see `shard::Touched`).
+        let mut moving: std::collections::BTreeSet<ShardId> = Default::default();
         loop {
             tokio::select! {
                 _ = tick.tick() => {}
                 _ = self.shutdown.cancelled() => return,
             }
             let now = now_us();
-            for replica in self.replicas() {
+            moving.append(&mut self.touched.take_gauges());
+            moving.retain(|&shard| {
+                let Some(replica) = self.replica(shard) else { return false };
                 let activity = replica.activity();
-                if replica.settled() && set_at.get(&replica.shard) == Some(&activity) {
-                    continue;
+                if replica.settled() && set_at.get(&shard) == Some(&activity) {
+                    return false;
                 }
-                set_at.insert(replica.shard, activity);
+                set_at.insert(shard, activity);
                 each_follower_lag(&replica, now, |id, progress, lag| {
-                    self.metrics.set_follower(replica.shard, id, progress, lag)
+                    self.metrics.set_follower(shard, id, progress, lag)
                 });
-            }
+                true
+            });
         }
     }
 

@@ -134,6 +134,9 @@ pub struct FailoverOutcome {
 
 struct NodeSeen {
     at: Instant,
+    /// The last batch from the node: every shard it holds counts as
+    /// reported unchanged then (kept once per node, not per shard).
+    refreshed: Option<Instant>,
     /// The newest heartbeat of each of its replicas, with when it arrived
     /// (shared: reconcile rounds look at every one of them).
     shards: BTreeMap<u32, (Arc<HeartbeatRequest>, Instant)>,
@@ -428,8 +431,11 @@ impl Coordinator {
             return Err(tonic::Status::invalid_argument(format!("heartbeat from unknown node {}", request.node_id)));
         }
         let mut seen = self.seen.lock();
-        let node =
-            seen.entry(request.node_id).or_insert_with(|| NodeSeen { at: Instant::now(), shards: BTreeMap::new() });
+        let node = seen.entry(request.node_id).or_insert_with(|| NodeSeen {
+            at: Instant::now(),
+            refreshed: None,
+            shards: BTreeMap::new(),
+        });
         node.at = Instant::now();
         node.shards.insert(request.shard_id, (Arc::new(request.clone()), node.at));
         drop(seen);
@@ -447,14 +453,16 @@ impl Coordinator {
         let now = Instant::now();
         {
             let mut seen = self.seen.lock();
-            let node = seen.entry(batch.node_id).or_insert_with(|| NodeSeen { at: now, shards: BTreeMap::new() });
+            let node = seen.entry(batch.node_id).or_insert_with(|| NodeSeen {
+                at: now,
+                refreshed: None,
+                shards: BTreeMap::new(),
+            });
             node.at = now;
+            node.refreshed = Some(now);
             if batch.full {
                 let hosted: std::collections::BTreeSet<u32> = batch.shards.iter().map(|s| s.shard_id).collect();
                 node.shards.retain(|id, _| hosted.contains(id));
-            }
-            for (_, at) in node.shards.values_mut() {
-                *at = now;
             }
             for s in &batch.shards {
                 node.shards.insert(s.shard_id, (Arc::new(s.clone()), now));
@@ -506,10 +514,11 @@ impl Coordinator {
 
     /// The newest heartbeat of a replica, with milliseconds since it arrived.
     pub fn heartbeat_aged(&self, node: NodeId, shard: u32) -> Option<(HeartbeatRequest, u64)> {
-        self.seen
-            .lock()
-            .get(&node)
-            .and_then(|n| n.shards.get(&shard).map(|(hb, at)| ((**hb).clone(), at.elapsed().as_millis() as u64)))
+        self.seen.lock().get(&node).and_then(|n| {
+            let (hb, at) = n.shards.get(&shard)?;
+            let at = n.refreshed.map_or(*at, |r| r.max(*at));
+            Some(((**hb).clone(), at.elapsed().as_millis() as u64))
+        })
     }
 
     /// The newest heartbeat of every replica a node reported.
