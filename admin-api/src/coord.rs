@@ -163,7 +163,7 @@ fn shown_lag(
     node: u32,
     leader: Option<u32>,
     alive: bool,
-    mine: Option<&(walship_proto::replication::HeartbeatRequest, u64)>,
+    mine: Option<&(Arc<walship_proto::replication::HeartbeatRequest>, u64)>,
 ) -> ShownLag {
     let c = &admin.coordinator;
     let Some(leader) = leader.filter(|&l| l != node) else { return ShownLag::default() };

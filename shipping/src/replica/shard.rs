@@ -389,3 +389,27 @@ impl ShardReplica {
         }
     }
 }
+
+#[cfg(test)]
+mod touched_tests {
+    use super::*;
+
+    #[test]
+    fn a_new_or_unsettled_replica_is_touched_for_each_loop_once() {
+        let touched = Arc::new(Touched::default());
+        let a = ShardReplica::new(7, &[1, 2, 3], 1, true, 0, 0, touched.clone());
+        let _b = ShardReplica::new(9, &[1, 2, 3], 1, true, 0, 0, touched.clone());
+        assert_eq!(touched.take_heartbeats().into_iter().collect::<Vec<_>>(), [7, 9]);
+        assert!(touched.take_heartbeats().is_empty(), "taking empties it");
+        assert_eq!(touched.take_gauges().into_iter().collect::<Vec<_>>(), [7, 9], "each loop has its own set");
+
+        // Settled once reported quiet at its activity; touched again (and
+        // unsettled) by the next change.
+        a.reported(a.activity(), true);
+        assert!(a.settled());
+        a.unsettle();
+        assert!(!a.settled());
+        assert_eq!(touched.take_heartbeats().into_iter().collect::<Vec<_>>(), [7]);
+        assert_eq!(touched.take_gauges().into_iter().collect::<Vec<_>>(), [7]);
+    }
+}

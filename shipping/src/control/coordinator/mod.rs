@@ -513,11 +513,11 @@ impl Coordinator {
     }
 
     /// The newest heartbeat of a replica, with milliseconds since it arrived.
-    pub fn heartbeat_aged(&self, node: NodeId, shard: u32) -> Option<(HeartbeatRequest, u64)> {
+    pub fn heartbeat_aged(&self, node: NodeId, shard: u32) -> Option<(Arc<HeartbeatRequest>, u64)> {
         self.seen.lock().get(&node).and_then(|n| {
             let (hb, at) = n.shards.get(&shard)?;
             let at = n.refreshed.map_or(*at, |r| r.max(*at));
-            Some(((**hb).clone(), at.elapsed().as_millis() as u64))
+            Some((hb.clone(), at.elapsed().as_millis() as u64))
         })
     }
 
