@@ -180,7 +180,9 @@ impl Kv for NatsKv {
             .map_err(|e| unavailable(&e))?;
         let name = consumer.cached_info().name.clone();
         let pending = consumer.info().await.map_err(|e| unavailable(&e))?.num_pending;
-        let mut entries = Vec::with_capacity(pending as usize);
+        // By key: a write landing while the consumer reads is delivered
+        // too (after the key's older value); the newest of each key wins.
+        let mut newest: std::collections::BTreeMap<String, Option<KvEntry>> = Default::default();
         let read = async {
             if pending == 0 {
                 return Ok(());
@@ -195,10 +197,13 @@ impl Kv for NatsKv {
                     .as_ref()
                     .and_then(|h| h.get("KV-Operation"))
                     .is_some_and(|op| op.as_str() == "DEL" || op.as_str() == "PURGE");
-                if let Some(key) = message.subject.strip_prefix(self.store.prefix.as_str())
-                    && !deleted
-                {
-                    entries.push(KvEntry { key: key.to_string(), value: message.payload.clone(), revision: sequence });
+                if let Some(key) = message.subject.strip_prefix(self.store.prefix.as_str()) {
+                    let entry = (!deleted).then(|| KvEntry {
+                        key: key.to_string(),
+                        value: message.payload.clone(),
+                        revision: sequence,
+                    });
+                    newest.insert(key.to_string(), entry);
                 }
                 if !more {
                     return Ok(());
@@ -209,7 +214,7 @@ impl Kv for NatsKv {
         let outcome = tokio::time::timeout(SCAN_TIMEOUT, read).await;
         let _ = stream.delete_consumer(&name).await;
         outcome.map_err(|_| unavailable(&format!("scan took longer than {SCAN_TIMEOUT:?}")))??;
-        entries.sort_by(|a, b| a.key.cmp(&b.key));
+        let entries = newest.into_values().flatten().collect();
         Ok(KvSnapshot { entries, revision })
     }
 
