@@ -42,9 +42,10 @@ pub struct KvSnapshot {
     pub entries: Vec<KvEntry>,
     /// The bucket revision when read. A [`Kv::write_batch`] against it
     /// succeeds only if nothing was written since, so a write that
-    /// succeeds was decided on exactly these entries. (NATS may hand back
-    /// an entry newer than this revision, written while it read; a write
-    /// against the snapshot then fails.)
+    /// succeeds was decided on exactly these entries. (On NATS a scan
+    /// racing writes may hand back an entry newer than this revision, or
+    /// miss a key rewritten many times while it read; a write against the
+    /// snapshot then fails, and the caller reads again.)
     pub revision: u64,
 }
 
