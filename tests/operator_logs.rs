@@ -109,6 +109,12 @@ async fn a_coordinator_before_its_nodes_does_not_warn_no_majority_but_a_real_los
     let _ = node3.0.kill();
     let _ = (node2.0.wait(), node3.0.wait());
     wait_until("a WARN for the lost majority", WAIT, || async { !no_majority_lines(&log(), "WARN").is_empty() }).await;
+    // It says which replicas did not answer, and why.
+    let warned = no_majority_lines(&log(), "WARN");
+    assert!(
+        warned.iter().any(|l| l.contains("node 2: ") && l.contains("node 3: ")),
+        "the WARN does not name the silent replicas:\n{warned:#?}"
+    );
 }
 
 /// Runs `walship node` with `env`/`args` until its listening line; returns

@@ -419,15 +419,23 @@ impl Coordinator {
         let retain_bytes = self.config.replication.retain_bytes;
         let mut answered = 0;
         let mut retained = 0;
+        let mut silent = Vec::new();
         for &node in replicas {
             let position = tokio::time::timeout(Duration::from_secs(2), self.position_of(node, shard)).await;
             if let Ok(Some(p)) = position {
                 answered += 1;
                 retained = retained.max(p.retained_bytes);
+            } else {
+                silent.push(format!("node {node}: no position within 2 s"));
             }
         }
         if !crate::control::failover::is_majority(answered, replicas.len()) {
-            return Err(CoordError::NoMajority { shard, answered, replicas: replicas.len() });
+            return Err(CoordError::NoMajority {
+                shard,
+                answered,
+                replicas: replicas.len(),
+                silent: silent.join("; "),
+            });
         }
         let headroom = retain_bytes.saturating_sub(retained);
         if headroom < needs {

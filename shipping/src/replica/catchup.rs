@@ -180,8 +180,13 @@ impl ReplicationNode {
 
     /// Truncates whatever this follower's log holds past the point where it
     /// diverges from the leader of `epoch`: repeatedly, ask the leader where
-    /// our last record's epoch ends in its log, and cut to the lower of that
-    /// and where the same epoch ends in ours.
+    /// our last kept record's epoch ends in its log, and take the lower of
+    /// that and where the same epoch ends in ours. The cut is found first and
+    /// made once: a leader lost midway through the questions leaves the log
+    /// as it was, and the cut moves where the next record is expected with
+    /// it (a fence waits for everything expected before it to be durable,
+    /// so a stale expectation above a cut would hold every fence of this
+    /// replica until it timed out, and with it every failover needing it).
     async fn repair(&self, replica: &ShardReplica, leader: NodeId, epoch: u64) -> Result<(), ReplicaError> {
         // Partition drill: EpochEnd carries no caller id for the leader to
         // refuse, so it is blocked here, on the calling side.
@@ -189,19 +194,20 @@ impl ReplicationNode {
         let mut client =
             self.peers.control(leader).ok_or_else(|| ReplicaError::Unavailable("leader address unknown".into()))?;
         let _guard = replica.follower.apply_lock.lock().await;
+        let p = self.wal.positions(replica.shard)?;
+        let mut end = p.last_seqno;
         for _ in 0..64 {
-            let p = self.wal.positions(replica.shard)?;
-            if p.last_seqno < p.first_seqno {
+            if end < p.first_seqno {
                 break;
             }
-            let last_epoch = self.wal.epoch_at(replica.shard, p.last_seqno).await?;
+            let last_epoch = self.wal.epoch_at(replica.shard, end).await?;
             self.check_partition(leader)?;
             let mut request = tonic::Request::new(EpochEndRequest { shard_id: replica.shard, epoch: last_epoch });
             request.set_timeout(Duration::from_secs(2));
             let answer = client.epoch_end(request).await?.into_inner();
             let (_, ours) = self.wal.epoch_end(replica.shard, answer.epoch).await?;
-            let keep = answer.end_seqno.min(ours);
-            if keep >= p.last_seqno {
+            let keep = answer.end_seqno.min(ours).min(end);
+            if keep == end {
                 break;
             }
             if keep + 1 < p.first_seqno {
@@ -210,22 +216,25 @@ impl ReplicationNode {
                     replica.shard, p.first_seqno
                 )));
             }
+            end = keep;
+        }
+        if end < p.last_seqno {
             tracing::warn!(
                 shard = replica.shard,
                 epoch,
-                from = keep + 1,
+                from = end + 1,
                 to = p.last_seqno,
                 "truncating a divergent tail"
             );
-            self.wal.truncate_suffix(replica.shard, keep).await?;
+            self.wal.truncate_suffix(replica.shard, end).await?;
         }
         let last = self.wal.positions(replica.shard)?.last_seqno;
+        replica.follower.next_expected.send_replace(last + 1);
         // The log is now a prefix of this leader's: record it durably before
         // answering anything of this epoch, so every acknowledgement the
         // leader counts comes from a replica a failover ranks by this epoch
         // (what lets the leader commit older-epoch records by counting).
         self.wal.set_log_epoch(replica.shard, epoch).await?;
-        replica.follower.next_expected.send_replace(last + 1);
         replica.rules.lock().repaired(Epoch(epoch));
         Ok(())
     }

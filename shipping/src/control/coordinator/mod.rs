@@ -58,9 +58,9 @@ pub enum CoordError {
     #[error("node {node} holds no replica of shard {shard}")]
     NotAReplica { shard: u32, node: NodeId },
     #[error(
-        "only {answered} of {replicas} replicas of shard {shard} answered the fence: no majority, no automatic failover"
+        "only {answered} of {replicas} replicas of shard {shard} answered the fence ({silent}): no majority, no automatic failover"
     )]
-    NoMajority { shard: u32, answered: usize, replicas: usize },
+    NoMajority { shard: u32, answered: usize, replicas: usize, silent: String },
     #[error("promoting node {node} would lose acknowledged records {from}..={to}; pass allow_loss to force it")]
     WouldLose { node: NodeId, from: u64, to: u64 },
     #[error("node {0} did not answer; it cannot be promoted")]

@@ -18,6 +18,17 @@ impl Coordinator {
         replicas: &[NodeId],
         fence_epoch: Option<u64>,
     ) -> Vec<FenceResponse> {
+        self.positions_or_why(shard, replicas, fence_epoch).await.0
+    }
+
+    /// [`Coordinator::positions`], and for each replica that did not
+    /// answer, why (what a failover refused for want of a majority says).
+    pub(super) async fn positions_or_why(
+        &self,
+        shard: u32,
+        replicas: &[NodeId],
+        fence_epoch: Option<u64>,
+    ) -> (Vec<FenceResponse>, Vec<String>) {
         let majority = replicas.len() / 2 + 1;
         let mut calls = FuturesUnordered::new();
         for &node in replicas {
@@ -43,6 +54,7 @@ impl Coordinator {
         // only a short grace: a stopped or partitioned replica must not hold
         // the failover for the whole timeout.
         let mut answers = Vec::new();
+        let mut silent = Vec::new();
         let mut grace: Option<std::pin::Pin<Box<tokio::time::Sleep>>> = None;
         loop {
             let next = async {
@@ -59,11 +71,21 @@ impl Coordinator {
                         grace = Some(Box::pin(tokio::time::sleep(Duration::from_millis(30))));
                     }
                 }
-                Some((node, Err(status))) => tracing::debug!(shard, node, %status, "no position"),
+                Some((node, Err(status))) => {
+                    tracing::debug!(shard, node, %status, "no position");
+                    silent.push(format!("node {node}: {}", status.message()));
+                }
                 None => break,
             }
         }
-        answers
+        for &node in replicas {
+            if !answers.iter().any(|a| a.node_id == node)
+                && !silent.iter().any(|s| s.starts_with(&format!("node {node}:")))
+            {
+                silent.push(format!("node {node}: no answer in time"));
+            }
+        }
+        (answers, silent)
     }
 
     pub(super) async fn epoch_end(&self, node: NodeId, shard: u32, epoch: u64) -> Option<u64> {
@@ -180,14 +202,14 @@ impl Coordinator {
             .await?;
         // 2. Fence every member (learners too: they follow no older epoch
         // from now on). A majority of each voting set must answer.
-        let fenced = self.positions(shard, &record.members(), Some(epoch)).await;
+        let (fenced, silent) = self.positions_or_why(shard, &record.members(), Some(epoch)).await;
         let outcome_label = |o: &str| self.metrics.failovers.with_label_values(&[reason, o]).inc();
         let forced_without_majority = request.allow_loss && fenced.iter().any(|a| voters.contains(&a.node_id));
         for set in [&record.replicas, &record.joint].into_iter().filter(|s| !s.is_empty()) {
             let answered = fenced.iter().filter(|a| set.contains(&a.node_id)).count();
             if !failover::is_majority(answered, set.len()) && !forced_without_majority {
                 outcome_label("no_majority");
-                return Err(CoordError::NoMajority { shard, answered, replicas: set.len() });
+                return Err(CoordError::NoMajority { shard, answered, replicas: set.len(), silent: silent.join("; ") });
             }
         }
         let answers: Vec<FenceResponse> = fenced.into_iter().filter(|a| voters.contains(&a.node_id)).collect();
