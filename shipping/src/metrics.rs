@@ -246,26 +246,24 @@ impl ReplicationMetrics {
         ReplicationMetrics::new(&Registry::new()).expect("fresh registry")
     }
 
-    pub fn set_commit(&self, shard: u32, commit: u64) {
-        if !self.per_shard {
-            return;
-        }
-        self.commit_seqno.with_label_values(&[&shard.to_string()]).set(commit as i64);
+    /// The shard's commit gauge, for its replica to keep and set on every
+    /// commit without a label lookup; `None` without per-shard series.
+    pub fn commit_gauge(&self, shard: u32) -> Option<prometheus::IntGauge> {
+        self.per_shard.then(|| self.commit_seqno.with_label_values(&[&shard.to_string()]))
     }
 
-    pub fn set_follower(&self, shard: u32, follower: NodeId, progress: &FollowerProgress, lag: &Lag) {
+    /// The per-shard gauges of one (shard, follower) pair, looked up once
+    /// for the caller to keep: setting them is then no label lookups.
+    pub fn follower_gauges(&self, shard: u32, follower: NodeId) -> FollowerGauges {
         let (s, f) = (shard.to_string(), follower.to_string());
-        self.acked_seqno.with_label_values(&[&s, &f]).set(progress.acked.0 as i64);
-        self.lag_records.with_label_values(&[&s, &f]).set(lag.records as i64);
-        self.lag_bytes.with_label_values(&[&s, &f]).set(lag.bytes as i64);
-        for (stage, value) in [("write", lag.write_seconds), ("flush", lag.flush_seconds), ("apply", lag.apply_seconds)]
-        {
-            self.lag_seconds.with_label_values(&[&s, &f, stage]).set(value);
+        FollowerGauges {
+            acked: self.acked_seqno.with_label_values(&[&s, &f]),
+            lag_records: self.lag_records.with_label_values(&[&s, &f]),
+            lag_bytes: self.lag_bytes.with_label_values(&[&s, &f]),
+            lag_seconds: ["write", "flush", "apply"].map(|stage| self.lag_seconds.with_label_values(&[&s, &f, stage])),
+            modes: ShipMode::ALL.map(|mode| self.mode.with_label_values(&[&s, &f, mode.as_str()])),
+            in_flight: self.in_flight.with_label_values(&[&s, &f]),
         }
-        for mode in ShipMode::ALL {
-            self.mode.with_label_values(&[&s, &f, mode.as_str()]).set(i64::from(mode == progress.mode));
-        }
-        self.in_flight.with_label_values(&[&s, &f]).set(progress.in_flight as i64);
     }
 
     /// Without per-shard series: per follower, over every shard this node
@@ -285,6 +283,31 @@ impl ReplicationMetrics {
             }
             self.in_flight.with_label_values(&["all", &f]).set(a.in_flight as i64);
         }
+    }
+}
+
+/// The gauges of one (shard, follower) pair ([`ReplicationMetrics::follower_gauges`]).
+pub struct FollowerGauges {
+    acked: IntGauge,
+    lag_records: IntGauge,
+    lag_bytes: IntGauge,
+    lag_seconds: [Gauge; 3],
+    modes: [IntGauge; 4],
+    in_flight: IntGauge,
+}
+
+impl FollowerGauges {
+    pub fn set(&self, progress: &FollowerProgress, lag: &Lag) {
+        self.acked.set(progress.acked.0 as i64);
+        self.lag_records.set(lag.records as i64);
+        self.lag_bytes.set(lag.bytes as i64);
+        for (gauge, value) in self.lag_seconds.iter().zip([lag.write_seconds, lag.flush_seconds, lag.apply_seconds]) {
+            gauge.set(value);
+        }
+        for (gauge, mode) in self.modes.iter().zip(ShipMode::ALL) {
+            gauge.set(i64::from(mode == progress.mode));
+        }
+        self.in_flight.set(progress.in_flight as i64);
     }
 }
 

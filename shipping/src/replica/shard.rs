@@ -150,6 +150,10 @@ pub struct ShardReplica {
     settled_at: AtomicU64,
     /// Where [`ShardReplica::unsettle`] says so, for the node's loops.
     touched: Arc<Touched>,
+    /// `walship_commit_seqno` of this shard, looked up once (a label
+    /// lookup formats and hashes the shard id: per commit, at thousands of
+    /// shards, it showed in profiles).
+    commit_gauge: std::sync::OnceLock<Option<prometheus::IntGauge>>,
 }
 
 /// The shards whose activity moved since each of the node's periodic loops
@@ -217,6 +221,7 @@ impl ShardReplica {
             },
             transition: tokio::sync::Mutex::new(()),
             touched,
+            commit_gauge: std::sync::OnceLock::new(),
         }
     }
 
@@ -325,7 +330,9 @@ impl ShardReplica {
         self.all_durable.send_if_modified(|a| std::mem::replace(a, all) != all);
         let lease = core.lease_until().unwrap_or(u64::MAX);
         self.lease_until.send_if_modified(|l| std::mem::replace(l, lease) != lease);
-        metrics.set_commit(self.shard, commit);
+        if let Some(gauge) = self.commit_gauge.get_or_init(|| metrics.commit_gauge(self.shard)) {
+            gauge.set(commit as i64);
+        }
     }
 
     /// Publishes a follower's readable position after its WAL reached

@@ -381,6 +381,10 @@ impl ReplicationNode {
         // Replicas whose gauges may still move: those touched since the
         // last tick and those not settled then (see `shard::Touched`).
         let mut moving: std::collections::BTreeSet<ShardId> = Default::default();
+        // Each pair's gauges, looked up once (a lookup formats and hashes
+        // labels: for thousands of shards taking leaders at once it showed).
+        let mut gauges: std::collections::HashMap<(ShardId, NodeId), crate::metrics::FollowerGauges> =
+            Default::default();
         loop {
             tokio::select! {
                 _ = tick.tick() => {}
@@ -396,7 +400,10 @@ impl ReplicationNode {
                 }
                 set_at.insert(shard, activity);
                 each_follower_lag(&replica, now, |id, progress, lag| {
-                    self.metrics.set_follower(shard, id, progress, lag)
+                    gauges
+                        .entry((shard, id))
+                        .or_insert_with(|| self.metrics.follower_gauges(shard, id))
+                        .set(progress, lag)
                 });
                 true
             });
