@@ -14,8 +14,8 @@ use tonic::service::interceptor::InterceptedService;
 use tonic::transport::{Channel, Endpoint};
 use walship_proto::log::control_client::ControlClient;
 use walship_proto::log::{
-    AppendRecord, AppendRequest, AssignRequest, Durability, EpochEndRequest, FenceRequest, PauseRequest,
-    PositionRequest,
+    AppendRecord, AppendRequest, AssignManyRequest, AssignRequest, Durability, EpochEndRequest, FenceManyRequest,
+    FenceRequest, PauseRequest, PositionRequest,
 };
 use walship_proto::replication::wal_shipping_client::WalShippingClient;
 use walship_proto::replication::{HeartbeatRequest, ShipSegmentRequest, StreamRequest, WalSegmentId};
@@ -50,6 +50,22 @@ async fn assert_every_cluster_rpc_refused(grpc: &str, secret: Option<&'static st
             "Assign",
             control
                 .assign(AssignRequest { shard_id: 1, epoch: 1 << 62, leader: 2, ..Default::default() })
+                .await
+                .map(drop),
+        ),
+        (
+            "FenceMany",
+            control
+                .fence_many(FenceManyRequest { fences: vec![FenceRequest { shard_id: 1, epoch: 1 << 62 }] })
+                .await
+                .map(drop),
+        ),
+        (
+            "AssignMany",
+            control
+                .assign_many(AssignManyRequest {
+                    assigns: vec![AssignRequest { shard_id: 1, epoch: 1 << 62, leader: 2, ..Default::default() }],
+                })
                 .await
                 .map(drop),
         ),

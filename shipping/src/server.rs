@@ -25,8 +25,9 @@ use tokio_stream::wrappers::ReceiverStream;
 use tonic::{Request, Response, Status};
 use walship_proto::log::control_server::Control;
 use walship_proto::log::{
-    AssignRequest, AssignResponse, CrashRequest, CrashResponse, DamageRecordRequest, DamageRecordResponse,
-    EpochEndRequest, EpochEndResponse, FenceRequest, FenceResponse, PartitionRequest, PartitionResponse, PauseRequest,
+    AssignManyRequest, AssignManyResponse, AssignOutcome, AssignRequest, AssignResponse, CrashRequest, CrashResponse,
+    DamageRecordRequest, DamageRecordResponse, EpochEndRequest, EpochEndResponse, FenceManyRequest, FenceManyResponse,
+    FenceOutcome, FenceRequest, FenceResponse, ItemError, PartitionRequest, PartitionResponse, PauseRequest,
     PauseResponse, PositionRequest, WipeRequest, WipeResponse,
 };
 use walship_proto::replication::wal_shipping_server::WalShipping;
@@ -223,6 +224,28 @@ fn assigned_members(node: &ReplicationNode, r: &AssignRequest) -> Result<Option<
     }))
 }
 
+/// Items a FenceMany or AssignMany call may carry.
+pub const MAX_BATCH_ITEMS: usize = 4096;
+
+fn batch_size(items: usize, what: &str) -> Result<(), Status> {
+    if items == 0 {
+        return Err(Status::invalid_argument(format!("{what}: no item")));
+    }
+    if items > MAX_BATCH_ITEMS {
+        return Err(Status::invalid_argument(format!("{what}: {items} items; at most {MAX_BATCH_ITEMS} per call")));
+    }
+    Ok(())
+}
+
+/// An item's own check failing fails its whole batch, naming the item.
+fn in_item(what: &str, i: usize, status: Status) -> Status {
+    Status::invalid_argument(format!("{what}[{i}]: {}", status.message()))
+}
+
+fn item_error(status: Status) -> ItemError {
+    ItemError { code: status.code() as i32, message: status.message().to_string() }
+}
+
 fn positive_epoch(epoch: u64) -> Result<(), Status> {
     if epoch == 0 {
         return Err(Status::invalid_argument("epochs start at 1"));
@@ -250,6 +273,48 @@ impl Control for ControlService {
             .await
             .map(Response::new)
             .map_err(Status::from)
+    }
+
+    async fn fence_many(&self, request: Request<FenceManyRequest>) -> Result<Response<FenceManyResponse>, Status> {
+        let fences = request.into_inner().fences;
+        batch_size(fences.len(), "fences")?;
+        for (i, f) in fences.iter().enumerate() {
+            positive_epoch(f.epoch).map_err(|s| in_item("fences", i, s))?;
+        }
+        let answers = futures::future::join_all(fences.iter().map(|f| self.node.fence(f.shard_id, f.epoch))).await;
+        let outcomes = answers
+            .into_iter()
+            .map(|answer| match answer {
+                Ok(answer) => FenceOutcome { answer: Some(answer), error: None },
+                Err(e) => FenceOutcome { answer: None, error: Some(item_error(e.into())) },
+            })
+            .collect();
+        Ok(Response::new(FenceManyResponse { outcomes }))
+    }
+
+    async fn assign_many(&self, request: Request<AssignManyRequest>) -> Result<Response<AssignManyResponse>, Status> {
+        let assigns = request.into_inner().assigns;
+        batch_size(assigns.len(), "assigns")?;
+        let mut checked = Vec::with_capacity(assigns.len());
+        for (i, r) in assigns.iter().enumerate() {
+            positive_epoch(r.epoch).map_err(|s| in_item("assigns", i, s))?;
+            checked.push(assigned_members(&self.node, r).map_err(|s| in_item("assigns", i, s))?);
+        }
+        let calls = assigns.into_iter().zip(checked).map(|(r, members)| {
+            if !r.fetch_token.is_empty() {
+                self.node.set_fetch_token(r.shard_id, r.fetch_token);
+            }
+            self.node.assign(r.shard_id, r.epoch, r.leader, r.commit_seqno, members)
+        });
+        let answers = futures::future::join_all(calls.collect::<Vec<_>>()).await;
+        let outcomes = answers
+            .into_iter()
+            .map(|answer| match answer {
+                Ok(answer) => AssignOutcome { answer: Some(answer), error: None },
+                Err(e) => AssignOutcome { answer: None, error: Some(item_error(e.into())) },
+            })
+            .collect();
+        Ok(Response::new(AssignManyResponse { outcomes }))
     }
 
     async fn position(&self, request: Request<PositionRequest>) -> Result<Response<FenceResponse>, Status> {

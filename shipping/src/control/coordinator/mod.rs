@@ -37,6 +37,7 @@ use crate::control::kv::{Kv, KvError};
 use crate::control::state::{ClusterState, FailoverRecord, LeaseAction, ShardRecord, Stored, lease_action};
 use crate::peers::{PeerTransport, Peers};
 
+mod batch;
 mod members;
 mod promote;
 mod reconcile;
@@ -254,6 +255,9 @@ pub struct Coordinator {
     /// Automatic failovers running at once (see
     /// `reconcile::AUTOMATIC_FAILOVERS_AT_ONCE`).
     failover_slots: tokio::sync::Semaphore,
+    /// Fence and Assign calls, coalesced per node (`batch.rs`).
+    fences: batch::Lanes<walship_proto::log::FenceRequest>,
+    assigns: batch::Lanes<walship_proto::log::AssignRequest>,
     /// Replicas (node, shard) the reconcile loop is assigning now.
     assigning: Mutex<std::collections::BTreeSet<(NodeId, u32)>>,
     /// Reconcile assignments in flight at once (`reconcile::ASSIGNMENTS_AT_ONCE`).
@@ -371,6 +375,8 @@ impl Coordinator {
             started: Instant::now(),
             waiting_logged: Mutex::new(Default::default()),
             fetch_tokens: Default::default(),
+            fences: Default::default(),
+            assigns: Default::default(),
             token_minter: Default::default(),
             changes: Default::default(),
         });

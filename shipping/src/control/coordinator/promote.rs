@@ -36,18 +36,23 @@ impl Coordinator {
             calls.push(async move {
                 let timeout = Duration::from_millis(500);
                 let result = match fence_epoch {
+                    // Fences go in batches per node (many shards failing
+                    // over at once), each bounded by the same deadline.
                     Some(epoch) => {
-                        let mut r = tonic::Request::new(FenceRequest { shard_id: shard, epoch });
-                        r.set_timeout(timeout);
-                        client.fence(r).await
+                        let fence = self.fences.call(&self.peers, node, FenceRequest { shard_id: shard, epoch });
+                        match tokio::time::timeout(timeout, fence).await {
+                            Ok(Some(result)) => result,
+                            Ok(None) => Err(tonic::Status::unavailable("no address for this node")),
+                            Err(_) => Err(tonic::Status::deadline_exceeded("no answer within 500 ms")),
+                        }
                     }
                     None => {
                         let mut r = tonic::Request::new(PositionRequest { shard_id: shard });
                         r.set_timeout(timeout);
-                        client.position(r).await
+                        client.position(r).await.map(|r| r.into_inner())
                     }
                 };
-                (node, result.map(|r| r.into_inner()))
+                (node, result)
             });
         }
         // Wait for everyone, but once a majority answered give stragglers

@@ -329,8 +329,7 @@ impl Coordinator {
         leader: NodeId,
         replica: NodeId,
     ) -> Option<walship_proto::log::AssignResponse> {
-        let mut client = self.peers.control(replica)?;
-        let mut request = tonic::Request::new(AssignRequest {
+        let request = AssignRequest {
             shard_id: shard,
             epoch: record.epoch,
             leader,
@@ -340,10 +339,10 @@ impl Coordinator {
             joint_replicas: record.joint.clone(),
             fetch_token: self.fetch_tokens.lock().get(&(shard, replica)).cloned().unwrap_or_default(),
             members_version: record.members_version,
-        });
-        request.set_timeout(Duration::from_secs(2));
-        let answer = match client.assign(request).await {
-            Ok(answer) => Some(answer.into_inner()),
+        };
+        // In a batch with whatever else goes to this node meanwhile.
+        let answer = match self.assigns.call(&self.peers, replica, request).await? {
+            Ok(answer) => Some(answer),
             Err(status) => {
                 tracing::debug!(shard, replica, %status, "assign");
                 None

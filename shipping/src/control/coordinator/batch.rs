@@ -1,0 +1,229 @@
+//! The coordinator's Fence and Assign calls, coalesced per node: while a
+//! call to a node is in flight, the calls made meanwhile queue, and go
+//! together as one FenceMany / AssignMany the moment it returns (group
+//! commit, for RPCs). A lone call goes at once, alone: batching adds no
+//! wait, and a node losing many shards' leaders at once costs each other
+//! node a handful of calls instead of one per shard.
+//!
+//! Nothing about a call changes but its transport: each item is done by the
+//! node exactly as the single call would be, and its caller gets the answer
+//! or the error the single call would have given. A node that does not know
+//! the batch calls (an older build) gets single calls from then on.
+
+use std::collections::HashMap;
+use std::sync::Arc;
+use std::time::Duration;
+
+use parking_lot::Mutex;
+use tokio::sync::oneshot;
+use tonic::{Code, Status};
+use walship_proto::log::control_client::ControlClient;
+use walship_proto::log::{
+    AssignManyRequest, AssignRequest, AssignResponse, FenceManyRequest, FenceRequest, FenceResponse, ItemError,
+};
+
+use crate::NodeId;
+use crate::peers::{PeerChannel, Peers};
+use crate::server::MAX_BATCH_ITEMS;
+
+/// How long one batch call may take before every item in it fails as timed
+/// out (a caller's own deadline may be shorter: it then stops waiting).
+const BATCH_TIMEOUT: Duration = Duration::from_secs(2);
+
+/// One kind of call that can go alone or in a batch.
+pub(super) trait Batched: Send + 'static {
+    type Answer: Send + 'static;
+    const NAME: &'static str;
+    fn one(client: ControlClient<PeerChannel>, item: Self)
+    -> impl Future<Output = Result<Self::Answer, Status>> + Send;
+    fn many(
+        client: ControlClient<PeerChannel>,
+        items: Vec<Self>,
+    ) -> impl Future<Output = Result<Vec<Result<Self::Answer, Status>>, Status>> + Send
+    where
+        Self: Sized;
+}
+
+fn timed<T>(message: T) -> tonic::Request<T> {
+    let mut request = tonic::Request::new(message);
+    request.set_timeout(BATCH_TIMEOUT);
+    request
+}
+
+fn item_status(error: Option<ItemError>) -> Status {
+    match error {
+        Some(e) => Status::new(Code::from(e.code), e.message),
+        None => Status::internal("the node answered an item with neither an answer nor an error"),
+    }
+}
+
+/// A batch answer must have exactly one outcome per item, in order.
+fn one_per_item<T>(outcomes: Vec<T>, items: usize, name: &str) -> Result<Vec<T>, Status> {
+    if outcomes.len() != items {
+        return Err(Status::internal(format!("{name}: {} outcomes for {items} items", outcomes.len())));
+    }
+    Ok(outcomes)
+}
+
+impl Batched for FenceRequest {
+    type Answer = FenceResponse;
+    const NAME: &'static str = "FenceMany";
+
+    async fn one(mut client: ControlClient<PeerChannel>, item: Self) -> Result<FenceResponse, Status> {
+        client.fence(timed(item)).await.map(tonic::Response::into_inner)
+    }
+
+    async fn many(
+        mut client: ControlClient<PeerChannel>,
+        items: Vec<Self>,
+    ) -> Result<Vec<Result<FenceResponse, Status>>, Status> {
+        let n = items.len();
+        let outcomes = client.fence_many(timed(FenceManyRequest { fences: items })).await?.into_inner().outcomes;
+        Ok(one_per_item(outcomes, n, Self::NAME)?
+            .into_iter()
+            .map(|o| o.answer.ok_or_else(|| item_status(o.error)))
+            .collect())
+    }
+}
+
+impl Batched for AssignRequest {
+    type Answer = AssignResponse;
+    const NAME: &'static str = "AssignMany";
+
+    async fn one(mut client: ControlClient<PeerChannel>, item: Self) -> Result<AssignResponse, Status> {
+        client.assign(timed(item)).await.map(tonic::Response::into_inner)
+    }
+
+    async fn many(
+        mut client: ControlClient<PeerChannel>,
+        items: Vec<Self>,
+    ) -> Result<Vec<Result<AssignResponse, Status>>, Status> {
+        let n = items.len();
+        let outcomes = client.assign_many(timed(AssignManyRequest { assigns: items })).await?.into_inner().outcomes;
+        Ok(one_per_item(outcomes, n, Self::NAME)?
+            .into_iter()
+            .map(|o| o.answer.ok_or_else(|| item_status(o.error)))
+            .collect())
+    }
+}
+
+type Waiting<Q> = Vec<(Q, oneshot::Sender<Result<<Q as Batched>::Answer, Status>>)>;
+
+/// The calls of one kind to one node.
+struct Lane<Q: Batched> {
+    client: ControlClient<PeerChannel>,
+    state: Mutex<LaneState<Q>>,
+}
+
+struct LaneState<Q: Batched> {
+    waiting: Waiting<Q>,
+    /// A sender task is draining `waiting`.
+    sending: bool,
+    /// The node answered a batch call UNIMPLEMENTED: single calls only.
+    singles: bool,
+}
+
+impl<Q: Batched> Lane<Q> {
+    /// Sends whatever waits, batch after batch, until nothing does.
+    async fn drain(self: Arc<Self>) {
+        loop {
+            let (batch, singles) = {
+                let mut state = self.state.lock();
+                if state.waiting.is_empty() {
+                    state.sending = false;
+                    return;
+                }
+                // A caller that stopped waiting (its deadline passed) has
+                // its item dropped unsent, as its own call would have been.
+                state.waiting.retain(|(_, reply)| !reply.is_closed());
+                if state.waiting.is_empty() {
+                    state.sending = false;
+                    return;
+                }
+                let take = state.waiting.len().min(MAX_BATCH_ITEMS);
+                let batch: Waiting<Q> = state.waiting.drain(..take).collect();
+                (batch, state.singles)
+            };
+            if singles || batch.len() == 1 {
+                self.send_singly(batch).await;
+                continue;
+            }
+            let (items, replies): (Vec<Q>, Vec<_>) = batch.into_iter().unzip();
+            match Q::many(self.client.clone(), items).await {
+                Ok(answers) => {
+                    for (reply, answer) in replies.into_iter().zip(answers) {
+                        let _ = reply.send(answer);
+                    }
+                }
+                Err(status) if status.code() == Code::Unimplemented => {
+                    // An older node: its items were not looked at. Say so
+                    // once, and from now on call it one item at a time; the
+                    // callers see a failed call (they retry, as after any).
+                    tracing::info!(call = Q::NAME, "a node does not know batched calls: calling it one by one");
+                    self.state.lock().singles = true;
+                    for reply in replies {
+                        let _ = reply.send(Err(status.clone()));
+                    }
+                }
+                Err(status) => {
+                    for reply in replies {
+                        let _ = reply.send(Err(status.clone()));
+                    }
+                }
+            }
+        }
+    }
+
+    async fn send_singly(&self, batch: Waiting<Q>) {
+        let calls = batch.into_iter().map(|(item, reply)| {
+            let client = self.client.clone();
+            async move {
+                let _ = reply.send(Q::one(client, item).await);
+            }
+        });
+        futures::future::join_all(calls).await;
+    }
+}
+
+/// Every node's lanes for one kind of call.
+pub(super) struct Lanes<Q: Batched> {
+    lanes: Mutex<HashMap<NodeId, Arc<Lane<Q>>>>,
+}
+
+impl<Q: Batched> Default for Lanes<Q> {
+    fn default() -> Self {
+        Lanes { lanes: Mutex::default() }
+    }
+}
+
+impl<Q: Batched> Lanes<Q> {
+    /// Calls `node` with `item`, in a batch with whatever else is being
+    /// sent to it meanwhile. `None` for a node the coordinator has no
+    /// address for.
+    pub(super) async fn call(&self, peers: &Peers, node: NodeId, item: Q) -> Option<Result<Q::Answer, Status>> {
+        let lane = {
+            let mut lanes = self.lanes.lock();
+            match lanes.get(&node) {
+                Some(lane) => lane.clone(),
+                None => {
+                    let lane = Arc::new(Lane {
+                        client: peers.control(node)?,
+                        state: Mutex::new(LaneState { waiting: Vec::new(), sending: false, singles: false }),
+                    });
+                    lanes.insert(node, lane.clone());
+                    lane
+                }
+            }
+        };
+        let (tx, rx) = oneshot::channel();
+        let start = {
+            let mut state = lane.state.lock();
+            state.waiting.push((item, tx));
+            !std::mem::replace(&mut state.sending, true)
+        };
+        if start {
+            tokio::spawn(lane.drain());
+        }
+        Some(rx.await.unwrap_or_else(|_| Err(Status::cancelled("the coordinator is shutting down"))))
+    }
+}
