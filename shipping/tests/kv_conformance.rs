@@ -288,7 +288,7 @@ async fn lease_expiry_fences_the_old_holder(f: &Fixture) {
     let mut renewal = state_a.clone();
     renewal.lease.expires_unix_ms = now_ms() + 300;
     let mut failover = state_a.clone();
-    failover.shards.get_mut(&2).unwrap().epoch += 1;
+    failover.shard_mut(2).unwrap().epoch += 1;
     for (what, next) in [("renewal", renewal), ("shard change", failover)] {
         match a.write_batch(revision_a, next.changes_from(&state_a)).await {
             Err(KvError::Conflict { expected, .. }) => assert_eq!(expected, revision_a),

@@ -21,6 +21,7 @@
 //! act on a stale copy.
 
 use std::collections::{BTreeMap, VecDeque};
+use std::sync::Arc;
 
 use bytes::Bytes;
 use serde::{Deserialize, Serialize};
@@ -118,7 +119,11 @@ pub struct FailoverRecord {
 #[derive(Debug, Clone, Serialize, Deserialize, PartialEq, Eq)]
 pub struct ClusterState {
     pub lease: Lease,
-    pub shards: BTreeMap<u32, ShardRecord>,
+    /// Shared, copied on write ([`ClusterState::shard_mut`]): copying the
+    /// state (each round of writes does) shares every record, and a record
+    /// still shared with the copy last written is known unchanged without
+    /// comparing it.
+    pub shards: BTreeMap<u32, Arc<ShardRecord>>,
     pub failovers: VecDeque<FailoverRecord>,
 }
 
@@ -133,7 +138,7 @@ impl ClusterState {
                 .map(|s| {
                     (
                         s.id,
-                        ShardRecord {
+                        Arc::new(ShardRecord {
                             epoch: s.epoch,
                             leader: Some(s.leader),
                             replicas: s.replicas.clone(),
@@ -141,7 +146,7 @@ impl ClusterState {
                             learners: Vec::new(),
                             joint: Vec::new(),
                             members_version: 0,
-                        },
+                        }),
                     )
                 })
                 .collect(),
@@ -161,11 +166,16 @@ impl ClusterState {
 
     /// The keys to write to go from `written` to this state: changed and
     /// new shard records, the history if it changed, the lease if it did.
+    /// A shard's record to change (copied first if shared).
+    pub fn shard_mut(&mut self, shard: u32) -> Option<&mut ShardRecord> {
+        self.shards.get_mut(&shard).map(Arc::make_mut)
+    }
+
     pub fn changes_from(&self, written: &ClusterState) -> Vec<(String, Bytes)> {
         let mut out: Vec<(String, Bytes)> = self
             .shards
             .iter()
-            .filter(|(id, r)| written.shards.get(id) != Some(r))
+            .filter(|(id, r)| written.shards.get(id).is_none_or(|w| !Arc::ptr_eq(w, r) && w != *r))
             .map(|(id, r)| (shard_key(*id), json(r)))
             .collect();
         if self.failovers != written.failovers {
@@ -281,5 +291,37 @@ mod tests {
         }
         assert_eq!(state.failovers.len(), 100);
         assert_eq!(state.failovers.front().unwrap().epoch, 50);
+    }
+
+    fn record(epoch: u64) -> Arc<ShardRecord> {
+        Arc::new(ShardRecord {
+            epoch,
+            leader: Some(1),
+            replicas: vec![1, 2, 3],
+            commit_floor: 0,
+            learners: Vec::new(),
+            joint: Vec::new(),
+            members_version: 0,
+        })
+    }
+
+    #[test]
+    fn changes_are_the_records_changed_since_the_copy_written() {
+        let written = ClusterState {
+            lease: Lease { holder: "a".into(), term: 1, expires_unix_ms: 0 },
+            shards: (1..=1000).map(|id| (id, record(1))).collect(),
+            failovers: VecDeque::new(),
+        };
+        let mut next = written.clone();
+        assert!(next.changes_from(&written).is_empty(), "a copy shares every record: nothing to write");
+        next.shard_mut(7).unwrap().epoch = 2;
+        // A record replaced by an equal one is no change either.
+        next.shards.insert(9, record(1));
+        // A record the written copy does not have is one.
+        next.shards.insert(2000, record(1));
+        let keys: Vec<String> = next.changes_from(&written).into_iter().map(|(k, _)| k).collect();
+        assert_eq!(keys, vec![shard_key(7), shard_key(2000)]);
+        assert_eq!(written.shards[&7].epoch, 1, "a change copies a shared record, never writes through it");
+        assert!(Arc::ptr_eq(&next.shards[&8], &written.shards[&8]));
     }
 }

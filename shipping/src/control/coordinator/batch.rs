@@ -1,9 +1,11 @@
-//! The coordinator's Fence and Assign calls, coalesced per node: while a
-//! call to a node is in flight, the calls made meanwhile queue, and go
-//! together as one FenceMany / AssignMany the moment it returns (group
-//! commit, for RPCs). A lone call goes at once, alone: batching adds no
-//! wait, and a node losing many shards' leaders at once costs each other
-//! node a handful of calls instead of one per shard.
+//! The coordinator's Fence and Assign calls, coalesced per node: up to
+//! [`IN_FLIGHT`] calls to a node go at once; calls made while that many are
+//! in flight queue, and go together as one FenceMany / AssignMany the moment
+//! one returns (group commit, for RPCs). A lone call goes at once, alone:
+//! batching adds no wait, and a node losing many shards' leaders at once
+//! costs each other node a handful of calls instead of one per shard. More
+//! than one in flight keeps a slow batch (thousands of fences, each an
+//! epoch made durable) from holding every call behind it past its deadline.
 //!
 //! Nothing about a call changes but its transport: each item is done by the
 //! node exactly as the single call would be, and its caller gets the answer
@@ -29,6 +31,9 @@ use crate::server::MAX_BATCH_ITEMS;
 /// How long one batch call may take before every item in it fails as timed
 /// out (a caller's own deadline may be shorter: it then stops waiting).
 const BATCH_TIMEOUT: Duration = Duration::from_secs(2);
+
+/// Calls of one kind to one node in flight at once.
+const IN_FLIGHT: usize = 4;
 
 /// One kind of call that can go alone or in a batch.
 pub(super) trait Batched: Send + 'static {
@@ -117,8 +122,8 @@ struct Lane<Q: Batched> {
 
 struct LaneState<Q: Batched> {
     waiting: Waiting<Q>,
-    /// A sender task is draining `waiting`.
-    sending: bool,
+    /// Sender tasks draining `waiting` (at most [`IN_FLIGHT`]).
+    sending: usize,
     /// The node answered a batch call UNIMPLEMENTED: single calls only.
     singles: bool,
 }
@@ -130,14 +135,14 @@ impl<Q: Batched> Lane<Q> {
             let (batch, singles) = {
                 let mut state = self.state.lock();
                 if state.waiting.is_empty() {
-                    state.sending = false;
+                    state.sending -= 1;
                     return;
                 }
                 // A caller that stopped waiting (its deadline passed) has
                 // its item dropped unsent, as its own call would have been.
                 state.waiting.retain(|(_, reply)| !reply.is_closed());
                 if state.waiting.is_empty() {
-                    state.sending = false;
+                    state.sending -= 1;
                     return;
                 }
                 let take = state.waiting.len().min(MAX_BATCH_ITEMS);
@@ -208,7 +213,7 @@ impl<Q: Batched> Lanes<Q> {
                 None => {
                     let lane = Arc::new(Lane {
                         client: peers.control(node)?,
-                        state: Mutex::new(LaneState { waiting: Vec::new(), sending: false, singles: false }),
+                        state: Mutex::new(LaneState { waiting: Vec::new(), sending: 0, singles: false }),
                     });
                     lanes.insert(node, lane.clone());
                     lane
@@ -219,7 +224,11 @@ impl<Q: Batched> Lanes<Q> {
         let start = {
             let mut state = lane.state.lock();
             state.waiting.push((item, tx));
-            !std::mem::replace(&mut state.sending, true)
+            let start = state.sending < IN_FLIGHT;
+            if start {
+                state.sending += 1;
+            }
+            start
         };
         if start {
             tokio::spawn(lane.drain());

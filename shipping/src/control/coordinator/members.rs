@@ -502,7 +502,7 @@ impl Coordinator {
             self.fetch_tokens.lock().insert((shard, new), token);
         }
         self.mutate(|s| {
-            let r = s.shards.get_mut(&shard).ok_or(CoordError::UnknownShard(shard))?;
+            let r = s.shard_mut(shard).ok_or(CoordError::UnknownShard(shard))?;
             if !r.joint.is_empty() || r.members().contains(&new) {
                 return Err(conflict("change_in_progress", format!("shard {shard} changed meanwhile")));
             }
@@ -581,7 +581,7 @@ impl Coordinator {
         tokio::spawn(async move {
             let undone = me
                 .mutate(|s| {
-                    let r = s.shards.get_mut(&shard).ok_or(CoordError::UnknownShard(shard))?;
+                    let r = s.shard_mut(shard).ok_or(CoordError::UnknownShard(shard))?;
                     if r.epoch != epoch || (r.learners.is_empty() && r.joint.is_empty()) {
                         return Ok(false);
                     }
@@ -606,7 +606,7 @@ impl Coordinator {
     async fn drop_learner(&self, shard: u32, new: NodeId) {
         let dropped = self
             .mutate(|s| {
-                let r = s.shards.get_mut(&shard).ok_or(CoordError::UnknownShard(shard))?;
+                let r = s.shard_mut(shard).ok_or(CoordError::UnknownShard(shard))?;
                 r.learners.retain(|&n| n != new);
                 r.members_version += 1;
                 Ok(())
@@ -623,7 +623,7 @@ impl Coordinator {
     async fn enter_joint(&self, shard: u32, plan: &Plan) -> Result<(u64, Vec<NodeId>, Vec<NodeId>, u64), CoordError> {
         let (epoch, old, new_voters) = self
             .mutate(|s| {
-                let r = s.shards.get_mut(&shard).ok_or(CoordError::UnknownShard(shard))?;
+                let r = s.shard_mut(shard).ok_or(CoordError::UnknownShard(shard))?;
                 let leader = r.leader.ok_or_else(|| conflict("failover_in_progress", format!("shard {shard} has no leader now")))?;
                 if Some(leader) == plan.removing {
                     return Err(conflict(
@@ -708,7 +708,7 @@ impl Coordinator {
     async fn leave_joint(&self, shard: u32, epoch: u64, voters: &[NodeId], forward: bool) -> bool {
         let left = self
             .mutate(|s| {
-                let r = s.shards.get_mut(&shard).ok_or(CoordError::UnknownShard(shard))?;
+                let r = s.shard_mut(shard).ok_or(CoordError::UnknownShard(shard))?;
                 if r.epoch != epoch || r.joint.is_empty() {
                     return Ok(false);
                 }

@@ -412,7 +412,7 @@ impl Coordinator {
     }
 
     /// One shard's leadership record, as written.
-    pub fn shard_record(&self, shard: u32) -> Result<ShardRecord, CoordError> {
+    pub fn shard_record(&self, shard: u32) -> Result<Arc<ShardRecord>, CoordError> {
         let active = self.active.lock();
         let a = active.as_ref().ok_or(CoordError::NotActive)?;
         a.state.shards.get(&shard).cloned().ok_or(CoordError::UnknownShard(shard))

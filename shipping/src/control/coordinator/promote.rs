@@ -199,7 +199,7 @@ impl Coordinator {
         // 1. Raise the epoch (no leader while choosing).
         let epoch = self
             .mutate(|s| {
-                let r = s.shards.get_mut(&shard).ok_or(CoordError::UnknownShard(shard))?;
+                let r = s.shard_mut(shard).ok_or(CoordError::UnknownShard(shard))?;
                 r.epoch += 1;
                 r.leader = None;
                 Ok(r.epoch)
@@ -246,7 +246,7 @@ impl Coordinator {
         let reason_recorded = if request.allow_loss && chosen.would_lose.is_some() { "forced" } else { reason };
         let record = self
             .mutate(|s| {
-                let r = s.shards.get_mut(&shard).ok_or(CoordError::UnknownShard(shard))?;
+                let r = s.shard_mut(shard).ok_or(CoordError::UnknownShard(shard))?;
                 if r.epoch != epoch {
                     return Err(CoordError::Busy(shard));
                 }

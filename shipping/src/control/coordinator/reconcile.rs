@@ -70,7 +70,7 @@ impl Pending {
 
 /// One reconcile round's records, when this coordinator became active, and
 /// whether the round looks at every shard.
-type Round = (Vec<(u32, ShardRecord)>, Instant, bool);
+type Round = (Vec<(u32, Arc<ShardRecord>)>, Instant, bool);
 
 impl Coordinator {
     pub(super) async fn run_reconcile(self: Arc<Self>) {
