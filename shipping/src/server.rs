@@ -242,8 +242,22 @@ fn in_item(what: &str, i: usize, status: Status) -> Status {
     Status::invalid_argument(format!("{what}[{i}]: {}", status.message()))
 }
 
-fn item_error(status: Status) -> ItemError {
-    ItemError { code: status.code() as i32, message: status.message().to_string() }
+/// Each item's answer, or the error its own call would have returned, as a
+/// batch's outcomes (`make` builds one from the two halves).
+fn outcomes<A, O>(
+    answers: Vec<Result<A, crate::replica::ReplicaError>>,
+    make: impl Fn(Option<A>, Option<ItemError>) -> O,
+) -> Vec<O> {
+    answers
+        .into_iter()
+        .map(|answer| match answer {
+            Ok(answer) => make(Some(answer), None),
+            Err(e) => {
+                let status = Status::from(e);
+                make(None, Some(ItemError { code: status.code() as i32, message: status.message().to_string() }))
+            }
+        })
+        .collect()
 }
 
 fn positive_epoch(epoch: u64) -> Result<(), Status> {
@@ -282,13 +296,7 @@ impl Control for ControlService {
             positive_epoch(f.epoch).map_err(|s| in_item("fences", i, s))?;
         }
         let answers = futures::future::join_all(fences.iter().map(|f| self.node.fence(f.shard_id, f.epoch))).await;
-        let outcomes = answers
-            .into_iter()
-            .map(|answer| match answer {
-                Ok(answer) => FenceOutcome { answer: Some(answer), error: None },
-                Err(e) => FenceOutcome { answer: None, error: Some(item_error(e.into())) },
-            })
-            .collect();
+        let outcomes = outcomes(answers, |answer, error| FenceOutcome { answer, error });
         Ok(Response::new(FenceManyResponse { outcomes }))
     }
 
@@ -307,13 +315,7 @@ impl Control for ControlService {
             self.node.assign(r.shard_id, r.epoch, r.leader, r.commit_seqno, members)
         });
         let answers = futures::future::join_all(calls.collect::<Vec<_>>()).await;
-        let outcomes = answers
-            .into_iter()
-            .map(|answer| match answer {
-                Ok(answer) => AssignOutcome { answer: Some(answer), error: None },
-                Err(e) => AssignOutcome { answer: None, error: Some(item_error(e.into())) },
-            })
-            .collect();
+        let outcomes = outcomes(answers, |answer, error| AssignOutcome { answer, error });
         Ok(Response::new(AssignManyResponse { outcomes }))
     }
 

@@ -55,19 +55,26 @@ fn timed<T>(message: T) -> tonic::Request<T> {
     request
 }
 
-fn item_status(error: Option<ItemError>) -> Status {
-    match error {
-        Some(e) => Status::new(Code::from(e.code), e.message),
-        None => Status::internal("the node answered an item with neither an answer nor an error"),
-    }
-}
-
-/// A batch answer must have exactly one outcome per item, in order.
-fn one_per_item<T>(outcomes: Vec<T>, items: usize, name: &str) -> Result<Vec<T>, Status> {
+/// A batch call's outcomes as each item's own result: exactly one outcome
+/// per item, in order, each an answer or an error (`split` takes an
+/// outcome apart).
+fn per_item<O, A>(
+    outcomes: Vec<O>,
+    items: usize,
+    name: &str,
+    split: impl Fn(O) -> (Option<A>, Option<ItemError>),
+) -> Result<Vec<Result<A, Status>>, Status> {
     if outcomes.len() != items {
         return Err(Status::internal(format!("{name}: {} outcomes for {items} items", outcomes.len())));
     }
-    Ok(outcomes)
+    Ok(outcomes
+        .into_iter()
+        .map(|outcome| match split(outcome) {
+            (Some(answer), _) => Ok(answer),
+            (None, Some(e)) => Err(Status::new(Code::from(e.code), e.message)),
+            (None, None) => Err(Status::internal("the node answered an item with neither an answer nor an error")),
+        })
+        .collect())
 }
 
 impl Batched for FenceRequest {
@@ -84,10 +91,7 @@ impl Batched for FenceRequest {
     ) -> Result<Vec<Result<FenceResponse, Status>>, Status> {
         let n = items.len();
         let outcomes = client.fence_many(timed(FenceManyRequest { fences: items })).await?.into_inner().outcomes;
-        Ok(one_per_item(outcomes, n, Self::NAME)?
-            .into_iter()
-            .map(|o| o.answer.ok_or_else(|| item_status(o.error)))
-            .collect())
+        per_item(outcomes, n, Self::NAME, |o| (o.answer, o.error))
     }
 }
 
@@ -105,10 +109,7 @@ impl Batched for AssignRequest {
     ) -> Result<Vec<Result<AssignResponse, Status>>, Status> {
         let n = items.len();
         let outcomes = client.assign_many(timed(AssignManyRequest { assigns: items })).await?.into_inner().outcomes;
-        Ok(one_per_item(outcomes, n, Self::NAME)?
-            .into_iter()
-            .map(|o| o.answer.ok_or_else(|| item_status(o.error)))
-            .collect())
+        per_item(outcomes, n, Self::NAME, |o| (o.answer, o.error))
     }
 }
 
@@ -134,10 +135,6 @@ impl<Q: Batched> Lane<Q> {
         loop {
             let (batch, singles) = {
                 let mut state = self.state.lock();
-                if state.waiting.is_empty() {
-                    state.sending -= 1;
-                    return;
-                }
                 // A caller that stopped waiting (its deadline passed) has
                 // its item dropped unsent, as its own call would have been.
                 state.waiting.retain(|(_, reply)| !reply.is_closed());

@@ -78,19 +78,21 @@ impl Coordinator {
                 }
                 Some((node, Err(status))) => {
                     tracing::debug!(shard, node, %status, "no position");
-                    silent.push(format!("node {node}: {}", status.message()));
+                    silent.push((node, status.message().to_string()));
                 }
                 None => break,
             }
         }
-        for &node in replicas {
-            if !answers.iter().any(|a| a.node_id == node)
-                && !silent.iter().any(|s| s.starts_with(&format!("node {node}:")))
-            {
-                silent.push(format!("node {node}: no answer in time"));
-            }
-        }
-        (answers, silent)
+        // Replicas neither answered nor failed: no address, or cut by the grace.
+        let why = replicas
+            .iter()
+            .filter(|&&node| !answers.iter().any(|a: &FenceResponse| a.node_id == node))
+            .map(|&node| match silent.iter().find(|(n, _)| *n == node) {
+                Some((_, reason)) => format!("node {node}: {reason}"),
+                None => format!("node {node}: no answer in time"),
+            })
+            .collect();
+        (answers, why)
     }
 
     pub(super) async fn epoch_end(&self, node: NodeId, shard: u32, epoch: u64) -> Option<u64> {
