@@ -82,13 +82,11 @@ async fn fake_server(banner: Option<&'static [u8]>) -> String {
 }
 
 fn sigstop(node: &NodeProcess) {
-    // SAFETY: kill(2) on a child process this test spawned.
-    assert_eq!(unsafe { libc::kill(node.child.id() as i32, libc::SIGSTOP) }, 0);
+    common::process_signal::send(node.child.id(), libc::SIGSTOP);
 }
 
 fn sigcont(node: &NodeProcess) {
-    // SAFETY: kill(2) on a child process this test spawned.
-    assert_eq!(unsafe { libc::kill(node.child.id() as i32, libc::SIGCONT) }, 0);
+    common::process_signal::send(node.child.id(), libc::SIGCONT);
 }
 
 /// Every client command names each connection failure for what it is,

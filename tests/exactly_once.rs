@@ -507,8 +507,7 @@ async fn the_cli_appends_every_line_once_through_a_frozen_leader() {
         acks.recv_timeout(WAIT).expect("the CLI acknowledges batches");
     }
     let (leader, _) = cluster.leader_of(1, 1).await.unwrap();
-    // SAFETY: kill(2) on a child process this test spawned.
-    unsafe { libc::kill(cluster.node(leader).child.id() as i32, libc::SIGSTOP) };
+    cluster.signal(leader, libc::SIGSTOP);
     wait_until("a new leader", WAIT, || {
         let now = futures::executor::block_on(cluster.leader_of(1, 1));
         async move { now.is_some_and(|(l, _)| l != leader) }

@@ -17,6 +17,9 @@ pub mod cli;
 pub mod dev;
 pub mod history;
 pub mod partition;
+#[allow(clippy::duplicate_mod)]
+#[path = "../../objstore/tests/support/signal.rs"]
+pub mod process_signal;
 
 /// Path of the `walship` binary under test.
 pub fn walship_bin() -> PathBuf {
@@ -248,9 +251,9 @@ impl CoordProcess {
         let _ = self.child.wait();
     }
 
+    /// Sends `signal`; a SIGSTOP returns once every thread is stopped.
     pub fn signal(&mut self, signal: i32) {
-        // SAFETY: kill(2) on a child process this test spawned.
-        assert_eq!(unsafe { libc::kill(self.child.id() as i32, signal) }, 0);
+        process_signal::send(self.child.id(), signal);
     }
 }
 
@@ -556,11 +559,10 @@ impl Cluster {
         self.nodes[id as usize - 1] = node;
     }
 
-    /// Sends a signal (SIGSTOP/SIGCONT) to a node.
+    /// Sends a signal (SIGSTOP/SIGCONT) to a node; a SIGSTOP returns once
+    /// every thread of the node is stopped.
     pub fn signal(&mut self, id: u32, signal: i32) {
-        let pid = self.node(id).child.id() as i32;
-        // SAFETY: kill(2) on a child process this test spawned.
-        assert_eq!(unsafe { libc::kill(pid, signal) }, 0);
+        process_signal::send(self.node(id).child.id(), signal);
     }
 
     /// `GET /v1/status` of a node, as JSON.

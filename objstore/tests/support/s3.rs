@@ -20,6 +20,11 @@ use std::time::{Duration, Instant};
 
 use walship_objstore::{S3Credentials, S3Settings};
 
+// Also loaded by `tests/common` in tests that use both.
+#[allow(clippy::duplicate_mod)]
+#[path = "signal.rs"]
+mod signal;
+
 pub const ACCESS_KEY: &str = "walship-test";
 pub const SECRET_KEY: &str = "walship-test-secret";
 
@@ -124,11 +129,10 @@ impl S3sFs {
         }
     }
 
-    /// Sends `signal` (e.g. `libc::SIGSTOP`, `libc::SIGCONT`) to the server.
+    /// Sends `signal` (e.g. `libc::SIGSTOP`, `libc::SIGCONT`) to the
+    /// server; a SIGSTOP returns once every server thread is stopped.
     pub fn signal(&self, signal: i32) {
-        let pid = self.pid() as libc::pid_t;
-        // SAFETY: kill(2) on our own child's PID.
-        assert_eq!(unsafe { libc::kill(pid, signal) }, 0, "kill({pid}, {signal})");
+        signal::send(self.pid(), signal);
     }
 }
 
