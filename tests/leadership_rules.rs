@@ -5,7 +5,12 @@
 //!   (SIGTERM, or SIGKILL) and starts again, the last acknowledged record
 //!   reads back within a second of the new leader taking its role;
 //! * a leader frozen past the failure timeout and then resumed acknowledges
-//!   nothing, at any durability (its lease lapsed; a new leader exists).
+//!   nothing, at any durability (its lease lapsed; a new leader exists);
+//! * a record acknowledged by the leader and one follower survives a crash
+//!   of the whole cluster that the follower stays down through: the
+//!   commit every process knew is gone, so the record counts as
+//!   acknowledged because it may be on a majority, and the follower that
+//!   lacks it is not promoted over the old leader that holds it.
 
 mod common;
 
@@ -106,6 +111,52 @@ async fn after_a_whole_cluster_sigterm_the_last_acknowledged_record_reads_back_w
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn after_a_whole_cluster_sigkill_the_last_acknowledged_record_reads_back_without_a_new_append() {
     whole_cluster_restart(libc::SIGKILL).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_record_on_the_leader_and_a_follower_that_stays_down_survives_a_whole_cluster_crash() {
+    let mut cluster = Cluster::start_with(3, 1, 1, FAST, None);
+    let (leader, _) = wait_new_leader(&mut cluster, 1, None).await;
+    let mut log = cluster.node(leader).client().await;
+    append(&mut log, 1, "everyone", Durability::All).await;
+    let followers: Vec<u32> = (1..=3).filter(|&id| id != leader).collect();
+    let (behind, holder) = (followers[0], followers[1]);
+    // `behind` misses the next record; the leader and `holder` acknowledge it.
+    cluster.signal(behind, libc::SIGSTOP);
+    let request = AppendRequest {
+        shard_id: 1,
+        records: vec![AppendRecord { key: Bytes::new(), payload: Bytes::from_static(b"on-two") }],
+        durability: Durability::Quorum as i32,
+        ..Default::default()
+    };
+    let seqno = log.append(request).await.expect("a quorum append with one follower frozen").into_inner().last_seqno;
+    // The whole cluster crashes; `holder` stays down, so only the leader's
+    // copy of `seqno` answers the fences, and no process remembers that it
+    // was committed.
+    for id in 1..=3 {
+        cluster.node(id).kill9();
+    }
+    cluster.restart(behind);
+    cluster.restart(leader);
+    let (new, _) = wait_new_leader(&mut cluster, 1, None).await;
+    let mut log = cluster.node(new).client().await;
+    let read = ReadRequest { shard_id: 1, from_seqno: seqno, to_seqno: seqno, max_bytes: 0, ..Default::default() };
+    let deadline = Instant::now() + Duration::from_secs(10);
+    let records = loop {
+        match log.read(read).await {
+            Ok(answer) => break answer.into_inner().records,
+            Err(status) if Instant::now() > deadline => {
+                panic!(
+                    "seqno {seqno}, acknowledged by nodes {leader} and {holder}, not readable from node {new} \
+                     (was node {behind}, which lacks it, promoted?): {status}"
+                )
+            }
+            Err(_) => tokio::time::sleep(Duration::from_millis(20)).await,
+        }
+    };
+    assert_eq!(records.len(), 1);
+    assert_eq!(records[0].payload, Bytes::from_static(b"on-two"), "seqno {seqno} from node {new}");
+    assert_ne!(new, behind, "the replica without seqno {seqno} was promoted");
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -15,7 +15,9 @@
 //! healthy one wins ([`best`]), and when the most up-to-date replica is
 //! unhealthy, the most up-to-date healthy one that holds every acknowledged
 //! record is promoted instead ([`promote`]); it loses at most records no
-//! client was told were written. When none can, the unhealthy one leads: a
+//! client was told were written. Which records may have been acknowledged
+//! is judged from where the logs end, not only from the commit positions
+//! replicas know ([`maybe_acknowledged_through`]). When none can, the unhealthy one leads: a
 //! corrupt leader serves everything below the damage and refuses the
 //! damaged seqnos with `DATA_LOSS`.
 
@@ -86,10 +88,38 @@ pub fn loss(candidate: &Candidate, best: &Candidate, best_end_of_candidate_epoch
     (agree_through < best.last_seqno).then_some((agree_through + 1, best.last_seqno))
 }
 
-/// The part of a loss range that was acknowledged (at or below `commit`).
-pub fn acknowledged(range: Option<(u64, u64)>, commit: u64) -> Option<(u64, u64)> {
+/// The part of a loss range that may have been acknowledged (at or below
+/// `through`, from [`maybe_acknowledged_through`]).
+pub fn acknowledged(range: Option<(u64, u64)>, through: u64) -> Option<(u64, u64)> {
     let (from, to) = range?;
-    (from <= commit).then_some((from, to.min(commit)))
+    (from <= through).then_some((from, to.min(through)))
+}
+
+/// The highest seqno that may have been acknowledged, given where the logs
+/// of the voters that answered end (`answered_last`, one per voter), how
+/// many voters there are, and the highest commit anyone knew (`commit`).
+///
+/// A commit position is only a lower bound: a leader acknowledges a record
+/// once a majority holds it, and the others may never hear of it (the
+/// leader dies first, or every process restarts and forgets it). So a
+/// record counts as possibly acknowledged whenever it may be on a majority:
+/// the voters that answered and hold it, plus every voter that did not
+/// answer (it may hold anything). A voter counts as holding everything up to
+/// its last seqno, whatever its epochs say, which can only overcount.
+/// Records above the result are on no majority in any case, so no client
+/// was told they were written at `quorum` or `all`.
+pub fn maybe_acknowledged_through(answered_last: &[u64], voters: usize, commit: u64) -> u64 {
+    let silent = voters.saturating_sub(answered_last.len());
+    let majority = voters / 2 + 1;
+    if silent >= majority {
+        return u64::MAX;
+    }
+    let mut last = answered_last.to_vec();
+    last.sort_unstable_by(|a, b| b.cmp(a));
+    // The `needed`-th longest answered log: every seqno up to it is held by
+    // `needed` answering voters, which with the silent ones make a majority.
+    let needed = majority - silent;
+    last.get(needed - 1).map_or(commit, |&through| through.max(commit))
 }
 
 /// Whether `responders` out of `replicas` is a majority.
@@ -192,6 +222,32 @@ mod tests {
         // Older epoch but fully a prefix.
         assert_eq!(loss(&c(3, 1, 50), &top, 60), Some((51, 100)));
         assert_eq!(loss(&top, &top, 100), None);
+    }
+
+    #[test]
+    fn a_record_on_a_possible_majority_counts_as_acknowledged_whatever_the_known_commit() {
+        // Every process restarted and forgot its commit (0). Node 2 holds 5,
+        // node 1 holds 4, node 3 did not answer: 5 may be on nodes 2 and 3.
+        assert_eq!(maybe_acknowledged_through(&[4, 5], 3, 0), 5);
+        // All three answered and only node 2 holds 5: 5 is on no majority.
+        assert_eq!(maybe_acknowledged_through(&[4, 5, 4], 3, 0), 4);
+        assert_eq!(maybe_acknowledged_through(&[4, 5, 3], 3, 0), 4);
+        // A known commit is never lowered.
+        assert_eq!(maybe_acknowledged_through(&[4, 5, 3], 3, 5), 5);
+        // Five voters, two silent: one answering holder makes a majority.
+        assert_eq!(maybe_acknowledged_through(&[9, 7, 2], 5, 0), 9);
+        // No majority answered (a forced failover): anything may be.
+        assert_eq!(maybe_acknowledged_through(&[9], 3, 0), u64::MAX);
+        assert_eq!(maybe_acknowledged_through(&[], 1, 0), u64::MAX);
+        // The scenario the rule exists for: the replaced leader holds the
+        // only copy the answers show of 5, a silent replica may hold
+        // another, so the shorter follower would lose an acknowledged
+        // record and the replaced leader leads again.
+        let through = maybe_acknowledged_through(&[4, 5], 3, 0);
+        let old = Candidate { replaced: true, ..c(2, 1, 5) };
+        let follower = c(1, 1, 4);
+        let loses = |x: &Candidate| acknowledged(loss(x, &old, 5), through).is_some();
+        assert_eq!(promote(&[follower, old], loses).unwrap().node, 2);
     }
 
     #[test]

@@ -110,7 +110,9 @@ pub struct CandidatePreview {
     /// Seqnos promoting it would discard (none if it is the most up to date).
     #[schema(value_type = Option<Vec<u64>>)]
     pub would_lose: Option<(u64, u64)>,
-    /// The part of `would_lose` that was acknowledged (committed).
+    /// The part of `would_lose` that may have been acknowledged: at or below
+    /// the highest commit known, or held by enough replicas that, with those
+    /// that did not answer, it may be on a majority.
     #[schema(value_type = Option<Vec<u64>>)]
     pub would_lose_acknowledged: Option<(u64, u64)>,
     pub is_best: bool,

@@ -102,9 +102,20 @@ impl Coordinator {
         client.epoch_end(request).await.ok().map(|r| r.into_inner().end_seqno)
     }
 
-    /// Candidates and what each would lose, from live positions.
-    async fn previews(&self, shard: u32, answers: &[FenceResponse], commit: u64) -> Vec<CandidatePreview> {
+    /// Candidates and what each would lose, from live positions of the
+    /// `voters` that answered (`answers`); `commit` is the highest commit
+    /// known. A loss counts as acknowledged up to
+    /// [`failover::maybe_acknowledged_through`], not only up to `commit`.
+    async fn previews(
+        &self,
+        shard: u32,
+        answers: &[FenceResponse],
+        voters: usize,
+        commit: u64,
+    ) -> Vec<CandidatePreview> {
         let candidates: Vec<Candidate> = answers.iter().map(candidate).collect();
+        let answered_last: Vec<u64> = answers.iter().map(|a| a.last_seqno).collect();
+        let acknowledged_through = failover::maybe_acknowledged_through(&answered_last, voters, commit);
         let Some(best) = failover::best(&candidates) else { return Vec::new() };
         let mut out = Vec::new();
         for c in &candidates {
@@ -119,7 +130,7 @@ impl Coordinator {
                 last_epoch: c.last_epoch,
                 last_seqno: c.last_seqno,
                 would_lose,
-                would_lose_acknowledged: failover::acknowledged(would_lose, commit),
+                would_lose_acknowledged: failover::acknowledged(would_lose, acknowledged_through),
                 is_best: c.node == best.node,
             });
         }
@@ -168,7 +179,7 @@ impl Coordinator {
             let answers = self.positions(shard, &record.voters(), None).await;
             let answers: Vec<FenceResponse> = answers.into_iter().filter(|a| voters.contains(&a.node_id)).collect();
             let commit = answers.iter().map(|a| a.commit_seqno).fold(record.commit_floor, u64::max);
-            let candidates = self.previews(shard, &answers, commit).await;
+            let candidates = self.previews(shard, &answers, voters.len(), commit).await;
             if request.preview {
                 return Ok(FailoverOutcome {
                     shard,
@@ -222,7 +233,7 @@ impl Coordinator {
         let answers: Vec<FenceResponse> = fenced.into_iter().filter(|a| voters.contains(&a.node_id)).collect();
         // 3. Choose.
         let commit = answers.iter().map(|a| a.commit_seqno).fold(record.commit_floor, u64::max);
-        let candidates = self.previews(shard, &answers, commit).await;
+        let candidates = self.previews(shard, &answers, voters.len(), commit).await;
         let chosen = match request.target {
             Some(target) => candidates.iter().find(|c| c.node == target).ok_or(CoordError::Unreachable(target))?,
             None => {
