@@ -119,8 +119,17 @@ def own(f):
                    for l in r.read().decode().splitlines() if l.startswith("walship_failover_seconds_bucket")]
     total = buckets[-1][1] if buckets else 0
     return next((le for le, c in buckets if total and c >= f * total), None)
+# The mean time of each step of a failover (walship_failover_step_seconds).
+def steps():
+    with urllib.request.urlopen(f"{admin}metrics", timeout=5) as r:
+        lines = r.read().decode().splitlines()
+    def by_step(suffix):
+        return {l.split('step="')[1].split('"')[0]: float(l.split()[-1])
+                for l in lines if l.startswith(f"walship_failover_step_seconds_{suffix}{{")}
+    sums, counts = by_step("sum"), by_step("count")
+    return {step: round(sums[step] / counts[step], 4) for step in sums if counts.get(step)}
 print(json.dumps({"shards_led": len(led), "failed_over": len(took), "p50_s": q(0.5), "p99_s": q(0.99), "max_s": took[-1] if took else None,
-                  "own_p50_s_at_most": own(0.5), "own_p99_s_at_most": own(0.99)}))
+                  "own_p50_s_at_most": own(0.5), "own_p99_s_at_most": own(0.99), "step_mean_s": steps()}))
 PY
 )
   fi

@@ -24,7 +24,7 @@ use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 use bytes::Bytes;
 use parking_lot::Mutex;
-use prometheus::{Histogram, HistogramOpts, IntCounterVec, IntGauge, Opts, Registry};
+use prometheus::{Histogram, HistogramOpts, HistogramVec, IntCounterVec, IntGauge, Opts, Registry};
 use serde::{Deserialize, Serialize};
 use tokio_util::sync::CancellationToken;
 use walship_proto::log::FenceResponse;
@@ -159,6 +159,9 @@ pub struct CoordinatorMetrics {
     lease_term: IntGauge,
     failovers: IntCounterVec,
     failover_seconds: Histogram,
+    /// Each step of a failover (`raise`, `fence`, `choose`, `record`,
+    /// `assign`), so a slow failover says where its time went.
+    failover_step_seconds: HistogramVec,
     assigns: IntCounterVec,
     replica_changes: IntCounterVec,
     /// Writes of the leadership state (each carries every change queued).
@@ -178,6 +181,15 @@ impl CoordinatorMetrics {
             HistogramOpts::new("walship_failover_seconds", "Time from starting a failover to the new leader assigned")
                 .buckets(prometheus::exponential_buckets(0.001, 2.0, 14)?),
         )?;
+        let failover_step_seconds = HistogramVec::new(
+            HistogramOpts::new(
+                "walship_failover_step_seconds",
+                "Time each step of a successful failover took: raise (the epoch in the KV), fence, choose, record (the leader in the KV), assign (leader and followers)",
+            )
+            .buckets(prometheus::exponential_buckets(0.0005, 2.0, 14)?),
+            &["step"],
+        )?;
+        registry.register(Box::new(failover_step_seconds.clone()))?;
         let assigns = IntCounterVec::new(
             Opts::new("walship_assignments_total", "Assign calls sent to replicas, by outcome"),
             &["outcome"],
@@ -206,6 +218,7 @@ impl CoordinatorMetrics {
             lease_term,
             failovers,
             failover_seconds,
+            failover_step_seconds,
             assigns,
             replica_changes,
             state_writes,

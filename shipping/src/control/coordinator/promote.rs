@@ -122,7 +122,14 @@ impl Coordinator {
             let would_lose = if c.node == best.node {
                 None
             } else {
-                let end = self.epoch_end(best.node, shard, c.last_epoch).await.unwrap_or(0);
+                // Two logs of the same log epoch are prefixes of that
+                // epoch's leader's log, so they agree as far as the shorter
+                // goes: no need to ask where the epoch ends.
+                let end = if c.last_epoch == best.last_epoch {
+                    best.last_seqno
+                } else {
+                    self.epoch_end(best.node, shard, c.last_epoch).await.unwrap_or(0)
+                };
                 failover::loss(c, &best, end)
             };
             out.push(CandidatePreview {
@@ -209,6 +216,7 @@ impl Coordinator {
         }
 
         let previous_leader = record.leader;
+        let mut steps = Steps::new();
         // 1. Raise the epoch (no leader while choosing).
         let epoch = self
             .mutate(|s| {
@@ -218,6 +226,7 @@ impl Coordinator {
                 Ok(r.epoch)
             })
             .await?;
+        steps.done("raise");
         // 2. Fence every member (learners too: they follow no older epoch
         // from now on). A majority of each voting set must answer.
         let (fenced, silent) = self.positions_or_why(shard, &record.members(), Some(epoch)).await;
@@ -230,6 +239,7 @@ impl Coordinator {
                 return Err(CoordError::NoMajority { shard, answered, replicas: set.len(), silent: silent.join("; ") });
             }
         }
+        steps.done("fence");
         let answers: Vec<FenceResponse> = fenced.into_iter().filter(|a| voters.contains(&a.node_id)).collect();
         // 3. Choose.
         let commit = answers.iter().map(|a| a.commit_seqno).fold(record.commit_floor, u64::max);
@@ -254,6 +264,7 @@ impl Coordinator {
             outcome_label("refused");
             return Err(CoordError::WouldLose { node: chosen.node, from, to });
         }
+        steps.done("choose");
         // 4. Record and promote.
         let took_ms = started.elapsed().as_millis() as u64;
         let reason_recorded = if request.allow_loss && chosen.would_lose.is_some() { "forced" } else { reason };
@@ -284,6 +295,7 @@ impl Coordinator {
                 Ok(updated)
             })
             .await?;
+        steps.done("record");
         if !self.assign(shard, &record, chosen.node, chosen.node).await {
             tracing::warn!(
                 shard,
@@ -294,8 +306,12 @@ impl Coordinator {
         // 5. Followers repair and follow.
         let followers: Vec<_> = record.members().into_iter().filter(|&r| r != chosen.node).collect();
         futures::future::join_all(followers.iter().map(|&f| self.assign(shard, &record, chosen.node, f))).await;
+        steps.done("assign");
         outcome_label("ok");
         self.metrics.failover_seconds.observe(started.elapsed().as_secs_f64());
+        for (step, took) in steps.took {
+            self.metrics.failover_step_seconds.with_label_values(&[step]).observe(took.as_secs_f64());
+        }
         Ok(FailoverOutcome {
             shard,
             preview: false,
@@ -308,5 +324,24 @@ impl Coordinator {
             candidates,
             commit_seqno: commit,
         })
+    }
+}
+
+/// How long each step of one failover took.
+struct Steps {
+    last: Instant,
+    took: Vec<(&'static str, Duration)>,
+}
+
+impl Steps {
+    fn new() -> Steps {
+        Steps { last: Instant::now(), took: Vec::with_capacity(5) }
+    }
+
+    /// The step `name` ended now.
+    fn done(&mut self, name: &'static str) {
+        let now = Instant::now();
+        self.took.push((name, now - self.last));
+        self.last = now;
     }
 }
