@@ -152,18 +152,23 @@ impl Coordinator {
         request: FailoverRequest,
         reason: &str,
     ) -> Result<FailoverOutcome, CoordError> {
-        self.failover_replacing(shard, request, reason, None).await
+        self.failover_replacing(shard, request, reason, None, None).await
     }
 
     /// [`Coordinator::failover`], avoiding `replaced` (the leader an
     /// automatic failover replaces) when another replica holds every
-    /// acknowledged record.
+    /// acknowledged record. `slot` (an automatic failover's place among
+    /// those running at once) is given back once the new leader is
+    /// recorded: the assignments that follow go through the per-node
+    /// batches, which bound them by themselves, and need not hold up the
+    /// next failover.
     pub(super) async fn failover_replacing(
         &self,
         shard: u32,
         request: FailoverRequest,
         reason: &str,
         replaced: Option<NodeId>,
+        slot: Option<tokio::sync::SemaphorePermit<'_>>,
     ) -> Result<FailoverOutcome, CoordError> {
         let lock = self.shard_locks.get(&shard).ok_or(CoordError::UnknownShard(shard))?;
         let _guard =
@@ -296,16 +301,20 @@ impl Coordinator {
             })
             .await?;
         steps.done("record");
-        if !self.assign(shard, &record, chosen.node, chosen.node).await {
+        drop(slot);
+        // 5. Assign the leader, and the followers to repair and follow, all
+        // at once: a follower that asks before the leader took its role is
+        // told so and asks again a few ms later.
+        let members = record.members();
+        let taken =
+            futures::future::join_all(members.iter().map(|&r| self.assign(shard, &record, chosen.node, r))).await;
+        if members.iter().zip(taken).any(|(&r, taken)| r == chosen.node && !taken) {
             tracing::warn!(
                 shard,
                 leader = chosen.node,
                 "the new leader did not take the assignment yet; reconciliation retries"
             );
         }
-        // 5. Followers repair and follow.
-        let followers: Vec<_> = record.members().into_iter().filter(|&r| r != chosen.node).collect();
-        futures::future::join_all(followers.iter().map(|&f| self.assign(shard, &record, chosen.node, f))).await;
         steps.done("assign");
         outcome_label("ok");
         self.metrics.failover_seconds.observe(started.elapsed().as_secs_f64());

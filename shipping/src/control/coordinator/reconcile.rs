@@ -33,8 +33,9 @@ pub(crate) struct Pending {
 
 /// Automatic failovers run at once, the rest queued. Their record writes
 /// are batched (`write.rs`), so many at once share a few KV writes; the
-/// bound keeps the fences and assignments one dead node's shards need from
-/// flooding the surviving nodes all at once.
+/// bound keeps the fences one dead node's shards need from flooding the
+/// surviving nodes all at once. A failover holds its place until its new
+/// leader is recorded; its assignments then go on without it.
 pub(crate) const AUTOMATIC_FAILOVERS_AT_ONCE: usize = 64;
 
 /// Assignments the reconcile loop has in flight at once, the rest queued.
@@ -158,9 +159,9 @@ impl Coordinator {
                 let reason = unhealthy.or(unheard.then_some("leader_unreachable")).unwrap_or("automatic");
                 let replaced = record.leader;
                 tokio::spawn(async move {
-                    let slot = me.failover_slots.acquire().await;
-                    let outcome = me.failover_replacing(shard, FailoverRequest::default(), reason, replaced).await;
-                    drop(slot);
+                    let slot = me.failover_slots.acquire().await.ok();
+                    let outcome =
+                        me.failover_replacing(shard, FailoverRequest::default(), reason, replaced, slot).await;
                     me.failing_over.lock().remove(&shard);
                     match outcome {
                         Err(e @ CoordError::NoMajority { .. }) => {
