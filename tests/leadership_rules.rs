@@ -46,14 +46,20 @@ async fn wait_new_leader(cluster: &mut Cluster, shard: u32, not: Option<u32>) ->
     }
 }
 
-async fn append(log: &mut LogClient<tonic::transport::Channel>, shard: u32, payload: &str, durability: Durability) {
+/// Appends one record; its seqno.
+async fn append(
+    log: &mut LogClient<tonic::transport::Channel>,
+    shard: u32,
+    payload: &str,
+    durability: Durability,
+) -> u64 {
     let request = AppendRequest {
         shard_id: shard,
         records: vec![AppendRecord { key: Bytes::new(), payload: Bytes::from(payload.to_string()) }],
         durability: durability as i32,
         ..Default::default()
     };
-    log.append(request).await.unwrap_or_else(|s| panic!("append {payload}: {s}"));
+    log.append(request).await.unwrap_or_else(|s| panic!("append {payload}: {s}")).into_inner().last_seqno
 }
 
 /// Appends QUORUM records to both shards, stops every node with `signal`,
@@ -123,13 +129,7 @@ async fn a_record_on_the_leader_and_a_follower_that_stays_down_survives_a_whole_
     let (behind, holder) = (followers[0], followers[1]);
     // `behind` misses the next record; the leader and `holder` acknowledge it.
     cluster.signal(behind, libc::SIGSTOP);
-    let request = AppendRequest {
-        shard_id: 1,
-        records: vec![AppendRecord { key: Bytes::new(), payload: Bytes::from_static(b"on-two") }],
-        durability: Durability::Quorum as i32,
-        ..Default::default()
-    };
-    let seqno = log.append(request).await.expect("a quorum append with one follower frozen").into_inner().last_seqno;
+    let seqno = append(&mut log, 1, "on-two", Durability::Quorum).await;
     // The whole cluster crashes; `holder` stays down, so only the leader's
     // copy of `seqno` answers the fences, and no process remembers that it
     // was committed.
@@ -141,19 +141,16 @@ async fn a_record_on_the_leader_and_a_follower_that_stays_down_survives_a_whole_
     let (new, _) = wait_new_leader(&mut cluster, 1, None).await;
     let mut log = cluster.node(new).client().await;
     let read = ReadRequest { shard_id: 1, from_seqno: seqno, to_seqno: seqno, max_bytes: 0, ..Default::default() };
-    let deadline = Instant::now() + Duration::from_secs(10);
-    let records = loop {
-        match log.read(read).await {
-            Ok(answer) => break answer.into_inner().records,
-            Err(status) if Instant::now() > deadline => {
-                panic!(
-                    "seqno {seqno}, acknowledged by nodes {leader} and {holder}, not readable from node {new} \
-                     (was node {behind}, which lacks it, promoted?): {status}"
-                )
-            }
-            Err(_) => tokio::time::sleep(Duration::from_millis(20)).await,
-        }
-    };
+    let readable = format!(
+        "seqno {seqno}, acknowledged by nodes {leader} and {holder}, readable from node {new} \
+         (if never: was node {behind}, which lacks it, promoted?)"
+    );
+    wait_until(&readable, Duration::from_secs(10), || {
+        let mut log = log.clone();
+        async move { log.read(read).await.is_ok() }
+    })
+    .await;
+    let records = log.read(read).await.unwrap_or_else(|s| panic!("{readable}: {s}")).into_inner().records;
     assert_eq!(records.len(), 1);
     assert_eq!(records[0].payload, Bytes::from_static(b"on-two"), "seqno {seqno} from node {new}");
     assert_ne!(new, behind, "the replica without seqno {seqno} was promoted");

@@ -15,11 +15,11 @@
 //! healthy one wins ([`best`]), and when the most up-to-date replica is
 //! unhealthy, the most up-to-date healthy one that holds every acknowledged
 //! record is promoted instead ([`promote`]); it loses at most records no
-//! client was told were written. Which records may have been acknowledged
-//! is judged from where the logs end, not only from the commit positions
-//! replicas know ([`maybe_acknowledged_through`]). When none can, the unhealthy one leads: a
+//! client was told were written. When none can, the unhealthy one leads: a
 //! corrupt leader serves everything below the damage and refuses the
-//! damaged seqnos with `DATA_LOSS`.
+//! damaged seqnos with `DATA_LOSS`. Which records may have been
+//! acknowledged is judged from where the logs end, not only from the commit
+//! positions replicas know ([`maybe_acknowledged_through`]).
 
 use serde::{Deserialize, Serialize};
 
