@@ -8,7 +8,7 @@
 use bytes::Bytes;
 
 use crate::record::{Frame, RecordFields};
-use crate::store::{LogBounds, LogStore, ShardAppend, StoreError};
+use crate::store::{Counter, LogBounds, LogStore, Raise, ShardAppend, StoreError};
 
 pub(crate) trait Harness {
     fn store(&self) -> &dyn LogStore;
@@ -247,6 +247,42 @@ pub(crate) fn log_epoch_survives_and_never_moves_back(h: &mut dyn Harness) {
     assert!(matches!(h.store().log_epoch(9), Err(StoreError::UnknownShard(9))));
 }
 
+/// `raise_many`: each raise as its single call would do it, one outcome per
+/// raise in order, an unknown shard refused alone, durable on return.
+pub(crate) fn raise_many_is_each_raise_in_one_write(h: &mut dyn Harness) {
+    for shard in [1, 2, 3] {
+        h.store().create_shard(shard).unwrap();
+    }
+    h.store().set_epoch(2, 7).unwrap();
+    let raise = |shard, counter, value| Raise { shard, counter, value };
+    let outcomes = h.store().raise_many(&[
+        raise(1, Counter::Epoch, 3),
+        raise(9, Counter::Epoch, 5),
+        raise(2, Counter::Epoch, 4),
+        raise(1, Counter::LogEpoch, 2),
+        raise(3, Counter::Epoch, 6),
+        raise(3, Counter::Epoch, 8),
+        raise(3, Counter::Epoch, 5),
+    ]);
+    assert_eq!(outcomes.len(), 7, "one outcome per raise");
+    assert!(matches!(outcomes[1], Err(StoreError::UnknownShard(9))), "{:?}", outcomes[1]);
+    for i in [0, 2, 3, 4, 5, 6] {
+        assert!(outcomes[i].is_ok(), "raise {i}: {:?}", outcomes[i]);
+    }
+    let check = |h: &dyn Harness| {
+        assert_eq!(h.store().epoch(1).unwrap(), 3);
+        assert_eq!(h.store().log_epoch(1).unwrap(), 2, "a log-epoch raise moves the log epoch only");
+        assert_eq!(h.store().epoch(2).unwrap(), 7, "a lower epoch is ignored");
+        assert_eq!(h.store().log_epoch(2).unwrap(), 0);
+        assert_eq!(h.store().epoch(3).unwrap(), 8, "the highest of one shard's raises wins, whatever the order");
+        assert!(matches!(h.store().epoch(9), Err(StoreError::UnknownShard(9))), "an unknown shard stays unknown");
+    };
+    check(h);
+    h.restart();
+    check(h);
+    assert!(h.store().raise_many(&[]).is_empty(), "no raise, no outcome");
+}
+
 /// Batch sizes the position cases append in: single records, small and
 /// large batches, so a store that stores runs of records (the raft-engine
 /// store's chunks, small in the `engine_small_chunks` suite) has records at
@@ -403,6 +439,10 @@ macro_rules! conformance_suite {
         #[test]
         fn log_epoch_survives_and_never_moves_back() {
             crate::conformance::log_epoch_survives_and_never_moves_back(&mut $harness);
+        }
+        #[test]
+        fn raise_many_is_each_raise_in_one_write() {
+            crate::conformance::raise_many_is_each_raise_in_one_write(&mut $harness);
         }
         #[test]
         fn reads_at_every_position() {

@@ -101,8 +101,8 @@ use crate::record::Frame;
 use crate::recovery_log::RecoveryFinding;
 use crate::segment::Segment;
 use crate::store::{
-    LogBounds, LogStore, ShardAppend, ShardId, SnapshotChanges, StartupDamage, StoreError, StoreResult, check_compact,
-    check_continues, check_range, check_truncate,
+    Counter, LogBounds, LogStore, Raise, ShardAppend, ShardId, SnapshotChanges, StartupDamage, StoreError, StoreResult,
+    check_compact, check_continues, check_range, check_truncate,
 };
 use crate::zero_fill::ZeroFilledFs;
 use bytes::Bytes;
@@ -1175,6 +1175,50 @@ impl LogStore for EngineStore {
 
     fn set_log_epoch(&self, shard: ShardId, epoch: u64) -> StoreResult<()> {
         self.raise_u64(shard, LOG_EPOCH_KEY, epoch)
+    }
+
+    fn raise_many(&self, raises: &[Raise]) -> Vec<StoreResult<()>> {
+        let mut outcomes: Vec<StoreResult<()>> = raises.iter().map(|r| self.state(r.shard).map(|_| ())).collect();
+        let hosted = || raises.iter().zip(&outcomes).filter(|(_, o)| o.is_ok()).map(|(r, _)| r);
+        // The stripes of every shard raised, each taken once and in order
+        // (no deadlock with another batch): no single raise of these shards
+        // can come between the check against the stored value and the write.
+        let stripes: std::collections::BTreeSet<usize> =
+            hosted().map(|r| r.shard as usize % EPOCH_LOCK_STRIPES).collect();
+        let _guards: Vec<_> = stripes.into_iter().map(|i| self.epoch_locks[i].lock()).collect();
+        let mut highest: BTreeMap<(ShardId, Counter), u64> = BTreeMap::new();
+        for r in hosted() {
+            let value = highest.entry((r.shard, r.counter)).or_default();
+            *value = (*value).max(r.value);
+        }
+        let mut batch = LogBatch::default();
+        let mut written = Ok(());
+        for ((shard, counter), value) in highest {
+            let key = match counter {
+                Counter::Epoch => EPOCH_KEY,
+                Counter::LogEpoch => LOG_EPOCH_KEY,
+            };
+            if get_u64(&self.engine, region(shard), key).is_some_and(|current| current >= value) {
+                continue;
+            }
+            if let Err(e) = put_u64(&mut batch, region(shard), key, value) {
+                written = Err(e);
+                break;
+            }
+        }
+        if written.is_ok() && !batch.is_empty() {
+            written = self.write(&mut batch, true);
+        }
+        if let Err(e) = written {
+            let message = match e {
+                StoreError::Io(message) => message,
+                other => other.to_string(),
+            };
+            for outcome in outcomes.iter_mut().filter(|o| o.is_ok()) {
+                *outcome = Err(StoreError::Io(message.clone()));
+            }
+        }
+        outcomes
     }
 
     fn log_epoch(&self, shard: ShardId) -> StoreResult<u64> {

@@ -34,6 +34,7 @@ pub mod limiter;
 pub mod mem_store;
 pub mod metrics;
 pub mod producers;
+mod raises;
 pub mod record;
 pub mod recovery_log;
 pub mod segment;
@@ -52,7 +53,9 @@ pub use metrics::WalMetrics;
 pub use producers::{ProducerLimits, ProducerRefusal};
 pub use record::{CodecError, Frame, ProducerStamp, RecordFields};
 pub use segment::{Segment, SegmentHeader};
-pub use store::{LogBounds, LogStore, ShardAppend, ShardId, SnapshotChanges, StartupDamage, StoreError};
+pub use store::{
+    Counter, LogBounds, LogStore, Raise, ShardAppend, ShardId, SnapshotChanges, StartupDamage, StoreError,
+};
 pub use wal::{
     AppendOptions, AppendOutcome, Appended, DEFAULT_PRODUCER_SNAPSHOT_BYTES, DEFAULT_SCRUB_BYTES_PER_S,
     DEFAULT_SCRUB_INTERVAL, NewRecord, Positions, ProducerStats, ShardCounters, Wal, WalConfig, WalError,

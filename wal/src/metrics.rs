@@ -59,6 +59,11 @@ pub struct WalMetrics {
     pub producers_forgotten: IntCounterVec,
     /// Producer snapshots written beside the log.
     pub producer_snapshots: IntCounter,
+    /// Epoch and log-epoch raises made durable (fences, assignments).
+    pub epoch_raises: IntCounter,
+    /// Durable writes (one fsync each) that carried them: raises made at
+    /// once share one.
+    pub epoch_writes: IntCounter,
 }
 
 /// Cached per-shard gauge handles (a label lookup per commit is avoidable).
@@ -161,6 +166,16 @@ impl WalMetrics {
         }
         let producer_snapshots =
             IntCounter::new("walship_producer_snapshots_total", "Producer-table snapshots written beside the log")?;
+        let epoch_raises = IntCounter::new(
+            "walship_wal_epoch_raises_total",
+            "Epoch and log-epoch raises made durable (fences and assignments)",
+        )?;
+        let epoch_writes = IntCounter::new(
+            "walship_wal_epoch_writes_total",
+            "Writes (one fsync each, none when nothing is raised) of epoch raises: raises made at once share one",
+        )?;
+        registry.register(Box::new(epoch_raises.clone()))?;
+        registry.register(Box::new(epoch_writes.clone()))?;
         registry.register(Box::new(producer_duplicates.clone()))?;
         registry.register(Box::new(producer_refusals.clone()))?;
         registry.register(Box::new(producers_forgotten.clone()))?;
@@ -189,6 +204,8 @@ impl WalMetrics {
             producer_refusals,
             producers_forgotten,
             producer_snapshots,
+            epoch_raises,
+            epoch_writes,
         })
     }
 

@@ -78,6 +78,23 @@ impl SnapshotChanges {
     }
 }
 
+/// A per-shard counter that only moves up (see [`LogStore::raise_many`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash)]
+pub enum Counter {
+    /// The newest epoch promised to ([`LogStore::set_epoch`]).
+    Epoch,
+    /// The log epoch ([`LogStore::set_log_epoch`]).
+    LogEpoch,
+}
+
+/// One raise of a [`Counter`] to `value` in [`LogStore::raise_many`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Raise {
+    pub shard: ShardId,
+    pub counter: Counter,
+    pub value: u64,
+}
+
 /// Why a store call was refused or failed.
 #[derive(Debug, thiserror::Error)]
 pub enum StoreError {
@@ -205,6 +222,23 @@ pub trait LogStore: Send + Sync + 'static {
     /// The log epoch last recorded with [`LogStore::set_log_epoch`] (0 if
     /// none).
     fn log_epoch(&self, shard: ShardId) -> StoreResult<u64>;
+
+    /// Raises several shards' epochs and log epochs with one durable write
+    /// (one fsync for all): each raise as [`LogStore::set_epoch`] or
+    /// [`LogStore::set_log_epoch`] would do it (a lower value is ignored).
+    /// Returns one outcome per raise, in order: a raise naming a shard not
+    /// hosted here fails alone with [`StoreError::UnknownShard`]; a failed
+    /// write fails every other raise (fatal, as for the single calls).
+    /// Every raise that succeeded is durable on return.
+    fn raise_many(&self, raises: &[Raise]) -> Vec<StoreResult<()>> {
+        raises
+            .iter()
+            .map(|r| match r.counter {
+                Counter::Epoch => self.set_epoch(r.shard, r.value),
+                Counter::LogEpoch => self.set_log_epoch(r.shard, r.value),
+            })
+            .collect()
+    }
 
     /// The file holding the record at `seqno`, for reports of damage; `None`
     /// when the store keeps no files or cannot tell. May read the store's

@@ -63,8 +63,9 @@ use crate::corruption::{CorruptRange, Detection, Registry, ScrubReport};
 use crate::disk_space::{DiskFull, DiskSpace};
 use crate::metrics::{ShardGauges, WalMetrics};
 use crate::producers::{Decision, ProducerLimits, ProducerRefusal, ProducerTable};
+use crate::raises::Raises;
 use crate::record::{Frame, ProducerStamp, RecordFields};
-use crate::store::{LogBounds, LogStore, ShardAppend, ShardId, SnapshotChanges, StoreError};
+use crate::store::{Counter, LogBounds, LogStore, Raise, ShardAppend, ShardId, SnapshotChanges, StoreError};
 
 /// A record as a client submits it; the WAL assigns seqno, epoch and time.
 #[derive(Debug, Clone, Default)]
@@ -446,6 +447,7 @@ struct Shared {
     _scrubber_stop: flume::Sender<()>,
     disk: Option<Arc<DiskSpace>>,
     producer_limits: ProducerLimits,
+    raises: Arc<Raises>,
 }
 
 impl Shared {
@@ -500,6 +502,7 @@ impl Wal {
             _scrubber_stop: scrubber_stop,
             disk: config.disk_space.clone(),
             producer_limits: config.producers,
+            raises: Arc::default(),
         });
         let (to_persister, staged) = flume::unbounded();
         let persister = Persister { shared: shared.clone(), rx: staged, config: config.clone() };
@@ -559,13 +562,18 @@ impl Wal {
     /// refuses leader appends in older epochs from now on.
     pub async fn set_epoch(&self, shard: ShardId, epoch: u64) -> WalResult<()> {
         self.shared.shard(shard)?.min_epoch.fetch_max(epoch, Ordering::AcqRel);
-        let store = self.shared.store.clone();
-        let what = move || format!("recording epoch {epoch} of shard {shard}");
-        tokio::task::spawn_blocking(move || fatal_on_panic(what, || store.set_epoch(shard, epoch)))
-            .await
-            .map_err(|_| WalError::Closed)?
-            .map_err(|e| fatal_if(&what(), e))?;
-        Ok(())
+        self.raise(Raise { shard, counter: Counter::Epoch, value: epoch }).await
+    }
+
+    /// Makes `raise` durable; raises made at once share one write and one
+    /// fsync (`raises.rs`).
+    async fn raise(&self, raise: Raise) -> WalResult<()> {
+        let shared = &self.shared;
+        match shared.raises.raise(&shared.store, &shared.metrics, raise).await {
+            Ok(()) => Ok(()),
+            Err(None) => Err(WalError::Closed),
+            Err(Some(e)) => Err(fatal_if(&format!("recording {raise:?}"), e).into()),
+        }
     }
 
     /// The newest epoch this replica promised to (0 if never).
@@ -579,11 +587,7 @@ impl Wal {
     /// [`LogStore::set_log_epoch`]); a lower value is ignored.
     pub async fn set_log_epoch(&self, shard: ShardId, epoch: u64) -> WalResult<()> {
         self.shared.shard(shard)?;
-        let store = self.shared.store.clone();
-        tokio::task::spawn_blocking(move || store.set_log_epoch(shard, epoch))
-            .await
-            .map_err(|_| WalError::Closed)??;
-        Ok(())
+        self.raise(Raise { shard, counter: Counter::LogEpoch, value: epoch }).await
     }
 
     /// The shard's log epoch (0 if never recorded).
@@ -1200,7 +1204,7 @@ fn fatal_if(what: &str, error: StoreError) -> StoreError {
 /// panics: raft-engine panics on a failed fsync, and an unwound thread would
 /// leave the node running on a WAL that can no longer write. `what` names
 /// the call for the log, built only when it panics.
-fn fatal_on_panic<T>(what: impl FnOnce() -> String, call: impl FnOnce() -> T) -> T {
+pub(crate) fn fatal_on_panic<T>(what: impl FnOnce() -> String, call: impl FnOnce() -> T) -> T {
     // Unwind safety is moot: nothing observes the state after a panic, the
     // process ends.
     match std::panic::catch_unwind(std::panic::AssertUnwindSafe(call)) {

@@ -32,10 +32,15 @@ pub(crate) struct Pending {
 }
 
 /// Automatic failovers run at once, the rest queued. Their record writes
-/// are batched (`write.rs`), so many at once share a few KV writes; the
-/// bound keeps the fences one dead node's shards need from flooding the
-/// surviving nodes all at once. A failover holds its place until its new
-/// leader is recorded; its assignments then go on without it.
+/// are batched (`write.rs`), their fences and assignments reach each node
+/// as a few FenceMany / AssignMany calls (`batch.rs`), and a node makes the
+/// epochs raised meanwhile durable with one fsync (the WAL's group commit
+/// of epoch raises). The bound keeps the fences one dead node's shards need
+/// from flooding the surviving nodes: on two cores at 10,000 shards, 256
+/// or 1,024 at once starve the nodes past the fence deadline, and failovers
+/// refused for want of a majority back off and start over (slower start-up
+/// and failover than 64; ops/bench/RESULTS.md). A failover holds its place
+/// until its new leader is recorded; its assignments then go on without it.
 pub(crate) const AUTOMATIC_FAILOVERS_AT_ONCE: usize = 64;
 
 /// Assignments the reconcile loop has in flight at once, the rest queued.
