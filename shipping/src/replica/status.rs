@@ -354,7 +354,15 @@ impl ReplicationNode {
                     producers: producers.as_ref().map_or(0, |p| p.producers as u64),
                     producer_duplicates: producers.as_ref().map_or(0, |p| p.duplicates),
                 });
-                replica.reported(activity, quiet);
+                // An unassigned replica (fenced, new, restarted: no leader
+                // to hear, nothing shipped to it) reports nothing that time
+                // changes: like a quiet one, it is reported again when
+                // something happens to it (a fence or an assignment
+                // unsettles it) or in the next full report. At start-up a
+                // node's thousands of leaderless shards would otherwise be
+                // reported every tick until each gets a leader.
+                let unassigned = view.role == Role::Unassigned;
+                replica.reported(activity, quiet || unassigned);
             }
             unsettled = looked_at.iter().filter(|r| !r.settled()).map(|r| r.shard).collect();
             self.metrics.append_rate.set(node_rate);
