@@ -309,7 +309,12 @@ impl ReplicationNode {
                 quiet = Some((link, wake));
             }
             // Nothing to send: sleep until the next keepalive is due (none
-            // while quiet: the link wakes this shipper if it must).
+            // while quiet: the link wakes this shipper if it must, and none
+            // while a call is in flight: no keepalive goes before it
+            // returns, and its return wakes this shipper. A timer then
+            // would fire every millisecond once the keepalive is overdue,
+            // for as long as a slow or partitioned follower takes to
+            // answer or time out: thousands of shards spinning at once).
             let due = leader.core.lock().keepalive_due_at(follower).unwrap_or(0);
             // A follower whose calls keep failing (its node is down) is
             // probed less and less often, up to once a second: hundreds of
@@ -351,7 +356,7 @@ impl ReplicationNode {
                 }
                 changed = ship_limit.changed() => if changed.is_err() { break },
                 open = changed_if_watched(written.as_mut()), if in_flight.is_empty() => if !open { break },
-                _ = tokio::time::sleep(keepalive), if woken.is_none() => {}
+                _ = tokio::time::sleep(keepalive), if woken.is_none() && in_flight.is_empty() => {}
                 _ = peer_back.changed(), if backing_off => failures = 0,
                 _ = async { woken.as_ref().expect("quiet").notified().await }, if woken.is_some() => {}
                 _ = stop.cancelled() => break,
