@@ -321,6 +321,10 @@ impl ReplicationNode {
             *replica.leader.lock() = Some(state.clone());
             rules.started_leading(Epoch(epoch));
         }
+        // The view became Leader after the assignment unsettled the replica:
+        // a heartbeat may have reported it unassigned, and so settled, in
+        // between.
+        replica.unsettle();
         tokio::spawn(self.clone().run_leader_driver(replica.clone(), state.clone()));
         if self.settings.lease_us.is_some() {
             tokio::spawn(self.clone().run_lease_watch(replica.clone(), state.clone()));
