@@ -11,7 +11,9 @@
 #
 # With --kill, after the idle window node 1 (leading about a third of the
 # shards) is killed with SIGKILL and every shard it led is timed until the
-# coordinator records a new leader: p50, p99 and max over those shards.
+# coordinator records a leader in a newer epoch (another node, or node 1
+# itself once `walship dev` restarted it): p50, p99 and max over those
+# shards.
 #
 # Uses target/release/walship when built, else target/debug/walship.
 set -euo pipefail
@@ -92,9 +94,12 @@ import json, os, signal, sys, time, urllib.request
 admin, n, pid = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
 def leaders():
     with urllib.request.urlopen(f"{admin}v1/shards?limit={n}", timeout=5) as r:
-        return {s["shard_id"]: s.get("leader") for s in json.load(r)}
-led = [s for s, l in leaders().items() if l == 1]
+        return {s["shard_id"]: (s.get("leader"), s.get("epoch")) for s in json.load(r)}
+before = leaders()
+led = [s for s, (l, _) in before.items() if l == 1]
 os.kill(pid, signal.SIGKILL)
+# A shard has a leader again once one is recorded in a newer epoch: another
+# node, or node 1 itself once `walship dev` has restarted it (after 1 s).
 start, moved = time.monotonic(), {}
 while len(moved) < len(led) and time.monotonic() - start < 120:
     try:
@@ -104,7 +109,8 @@ while len(moved) < len(led) and time.monotonic() - start < 120:
         continue
     t = time.monotonic() - start
     for s in led:
-        if s not in moved and now.get(s) not in (None, 1):
+        leader, epoch = now.get(s, (None, None))
+        if s not in moved and leader is not None and (epoch or 0) > (before[s][1] or 0):
             moved[s] = t
     time.sleep(0.05)
 took = sorted(moved.values())
