@@ -165,6 +165,12 @@ pub struct AppendArgs {
     /// being retried.
     #[arg(long)]
     no_producer: bool,
+    /// With a producer (and without --expect-last): how many batches may be
+    /// on the way to the leader at once, pipelined over one AppendStream.
+    /// Each batch is still acknowledged and printed in input order; 1 sends
+    /// the next only once the previous is acknowledged.
+    #[arg(long, default_value_t = 8)]
+    in_flight: usize,
 }
 
 /// Where a read starts.
@@ -613,6 +619,16 @@ impl LeaderClient {
     }
 }
 
+/// The producer epoch of a run: `--producer-epoch`; with only
+/// `--producer-id`, the Unix time in microseconds (each run of a stable id
+/// takes over); 1 for a random id.
+fn producer_epoch(args: &AppendArgs) -> u64 {
+    args.producer_epoch.unwrap_or_else(|| match args.producer_id {
+        Some(_) => SystemTime::now().duration_since(UNIX_EPOCH).map_or(1, |d| d.as_micros() as u64).max(1),
+        None => 1,
+    })
+}
+
 /// Runs a client command, attaching how its error should be printed.
 async fn run<F>(json: bool, command: F) -> anyhow::Result<()>
 where
@@ -629,6 +645,25 @@ async fn append_records(args: AppendArgs) -> Result<(), ClientError> {
     if args.batch == 0 {
         return Err(ClientError::usage("--batch must be at least 1"));
     }
+    if args.in_flight == 0 {
+        return Err(ClientError::usage("--in-flight must be at least 1"));
+    }
+    let mut groups = groups(&args);
+    if !args.no_producer && args.expect_last.is_none() {
+        let settings = crate::client_pipeline::Settings {
+            servers: args.server.servers()?,
+            options: args.server.options(),
+            shard: args.server.shard,
+            durability: Durability::from(args.durability),
+            json: args.server.json,
+            in_flight: args.in_flight,
+            request_timeout: args.server.request_timeout,
+            deadline: args.server.deadline,
+            producer_id: args.producer_id,
+            producer_epoch: Some(producer_epoch(&args)),
+        };
+        return crate::client_pipeline::append(settings, groups).await;
+    }
     let options = args.server.options();
     let mut client = LeaderClient {
         servers: Servers::new(args.server.servers()?, options),
@@ -639,10 +674,7 @@ async fn append_records(args: AppendArgs) -> Result<(), ClientError> {
     let as_json = args.server.json;
     let mut producer = (!args.no_producer).then(|| Producer {
         id: args.producer_id.unwrap_or_else(|| rand::Rng::gen_range(&mut rand::thread_rng(), 1..=u64::MAX)),
-        epoch: args.producer_epoch.unwrap_or_else(|| match args.producer_id {
-            Some(_) => SystemTime::now().duration_since(UNIX_EPOCH).map_or(1, |d| d.as_micros() as u64).max(1),
-            None => 1,
-        }),
+        epoch: producer_epoch(&args),
         sequence: 1,
     });
     let mut expect_last = args.expect_last;
@@ -690,32 +722,48 @@ async fn append_records(args: AppendArgs) -> Result<(), ClientError> {
             }
         }
     };
-    let key = args.key.as_ref().map(|k| Bytes::from(k.clone()));
-    let mut pending = Vec::with_capacity(args.batch.min(100_000));
-    if let Some(count) = args.count {
-        let size = args.size.unwrap_or(100);
-        for i in 0..count {
-            let mut payload = vec![0u8; size];
-            rand::Rng::fill(&mut rand::thread_rng(), &mut payload[..]);
-            let key = key.clone().unwrap_or_else(|| Bytes::from(i.to_string()));
-            pending.push(AppendRecord { key, payload: Bytes::from(payload) });
-            if pending.len() == args.batch {
-                send(std::mem::take(&mut pending)).await?;
-            }
-        }
-    } else {
-        for line in std::io::stdin().lock().lines() {
-            let line = line.map_err(|e| ClientError::new(Kind::Other, None, format!("reading stdin: {e}")))?;
-            pending.push(AppendRecord { key: key.clone().unwrap_or_default(), payload: Bytes::from(line) });
-            if pending.len() == args.batch {
-                send(std::mem::take(&mut pending)).await?;
-            }
-        }
-    }
-    if !pending.is_empty() {
-        send(pending).await?;
+    while let Some(group) = groups.recv().await {
+        send(group?).await?;
     }
     Ok(())
+}
+
+/// The records to append in groups of `--batch`: stdin's lines, or
+/// `--count` generated ones. Read on a thread of their own, a couple of
+/// groups ahead of the appends, so a pipelined run sends while it reads; a
+/// run that ends early leaves the thread blocked on stdin, which the
+/// process's exit ends.
+fn groups(args: &AppendArgs) -> tokio::sync::mpsc::Receiver<Result<Vec<AppendRecord>, ClientError>> {
+    let (tx, rx) = tokio::sync::mpsc::channel(2);
+    let (batch, count, size) = (args.batch, args.count, args.size.unwrap_or(100));
+    let key = args.key.as_ref().map(|k| Bytes::from(k.clone()));
+    std::thread::spawn(move || {
+        let mut pending = Vec::with_capacity(batch.min(100_000));
+        // Whether the appends still want records.
+        let mut push = |record: AppendRecord| -> bool {
+            pending.push(record);
+            pending.len() < batch || tx.blocking_send(Ok(std::mem::take(&mut pending))).is_ok()
+        };
+        let wanted = match count {
+            Some(count) => (0..count).all(|i| {
+                let mut payload = vec![0u8; size];
+                rand::Rng::fill(&mut rand::thread_rng(), &mut payload[..]);
+                let key = key.clone().unwrap_or_else(|| Bytes::from(i.to_string()));
+                push(AppendRecord { key, payload: Bytes::from(payload) })
+            }),
+            None => std::io::stdin().lock().lines().all(|line| match line {
+                Ok(line) => push(AppendRecord { key: key.clone().unwrap_or_default(), payload: Bytes::from(line) }),
+                Err(e) => {
+                    let _ = tx.blocking_send(Err(ClientError::new(Kind::Other, None, format!("reading stdin: {e}"))));
+                    false
+                }
+            }),
+        };
+        if wanted && !pending.is_empty() {
+            let _ = tx.blocking_send(Ok(pending));
+        }
+    });
+    rx
 }
 
 fn print_record(shard: u32, record: &Record, as_json: bool) {

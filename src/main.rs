@@ -9,6 +9,7 @@ mod catchup;
 mod client;
 mod client_config;
 mod client_error;
+mod client_pipeline;
 mod config;
 mod coord;
 mod dev;

@@ -149,19 +149,26 @@ async fn too_large_and_refused_requests_name_the_limit_and_change_nothing() {
     let node = NodeProcess::start(1, dir.path(), "1-3", &[]);
     wait_healthy(&node).await;
     let server = node.grpc.as_str();
-    // ~36 MB: over the node's max_batch_bytes (32 MiB) but within its
-    // message limit; 40 MB: over the message limit; 70 MB: over the
-    // client's own 64 MiB, never sent.
-    for (count, limit) in [("36", "max_batch_bytes"), ("40", "the limit is"), ("70", "client's limit")] {
-        let output = run(
-            walship(&[
-                "append", "--server", server, "--shard", "2", "--count", count, "--size", "1000000", "--batch", count,
-            ]),
-            None,
-        )
-        .await;
+    // One unary call each (--no-producer): ~36 MB is over the node's
+    // max_batch_bytes (32 MiB) but within its message limit; 40 MB is over
+    // the message limit; 70 MB is over the client's own 64 MiB, never sent.
+    // With a producer (the default), a request over 32 MiB is never put on
+    // its stream (one over the node's message limit would break it).
+    let cases = [
+        ("36", true, "max_batch_bytes"),
+        ("40", true, "the limit is"),
+        ("70", true, "client's limit"),
+        ("36", false, "at most 33554432 bytes in one request of a producer's stream"),
+    ];
+    for (count, unary, limit) in cases {
+        let mut args = vec!["append", "--server", server, "--shard", "2", "--count", count, "--size", "1000000"];
+        args.extend(["--batch", count]);
+        if unary {
+            args.push("--no-producer");
+        }
+        let output = run(walship(&args), None).await;
         assert_failed(&output, 9, "too large");
-        assert!(stderr(&output).contains(limit), "{count} MB names {limit:?}: {}", describe(&output));
+        assert!(stderr(&output).contains(limit), "{count} MB (unary {unary}) names {limit:?}: {}", describe(&output));
     }
     let json = run(
         walship(&["append", "--server", server, "--shard", "2", "--count", "2", "--size", "2000000", "--json"]),
