@@ -267,6 +267,15 @@ struct Cell {
     archive_lag_s: Option<f64>,
     /// p99 append latency ÷ raw 4 KiB fdatasync p99.
     p99_ratio: f64,
+    /// CPU time per acknowledged record over the measured window, in µs:
+    /// every server process of the cell together (nodes and coordinator),
+    /// and the load generator (this process). The machine has no hardware
+    /// counters to give instructions; CPU time is their stand-in, and the
+    /// pair says where a path's cost sits. gRPC cells only.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    server_cpu_us_per_record: Option<f64>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    client_cpu_us_per_record: Option<f64>,
 }
 
 #[derive(Debug, Serialize)]
@@ -280,15 +289,28 @@ pub fn measure_baseline(dir: &Path) -> Result<Baseline> {
     walship_wal::disk::measure(dir).with_context(|| format!("measuring the disk under {}", dir.display()))
 }
 
+/// What a cell measured besides the latencies: the archive's figures
+/// (upload MiB/s, lag s) and the CPU seconds spent over the measured window
+/// (servers, load generator).
+#[derive(Default)]
+struct Extra {
+    archive: Option<(f64, f64)>,
+    cpu_s: Option<(f64, f64)>,
+}
+
 fn cell(
     path: BenchPath,
     size: usize,
     shards: u32,
     appenders: usize,
-    (m, archive): (&Measured, Option<(f64, f64)>),
+    (m, extra): (&Measured, Extra),
     base: &Baseline,
+    duration_s: f64,
 ) -> Cell {
     let f = m.summary(size);
+    let records = f.records_per_s * duration_s;
+    let per_record = |cpu_s: f64| (records > 0.0).then(|| cpu_s * 1e6 / records);
+    let archive = extra.archive;
     Cell {
         path: path.name(),
         record_bytes: size,
@@ -306,7 +328,37 @@ fn cell(
         archive_mib_per_s: archive.map(|a| a.0),
         archive_lag_s: archive.map(|a| a.1),
         p99_ratio: f.p99_us / base.fdatasync_4k_p99_us,
+        server_cpu_us_per_record: extra.cpu_s.and_then(|(server, _)| per_record(server)),
+        client_cpu_us_per_record: extra.cpu_s.and_then(|(_, client)| per_record(client)),
     }
+}
+
+/// CPU seconds (user + system, every thread) process `pid` has used, from
+/// `/proc/<pid>/stat`.
+fn cpu_seconds(pid: u32) -> Option<f64> {
+    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
+    // Fields after the command name, which is in parentheses and may hold
+    // spaces: state is the first, utime and stime the 12th and 13th.
+    let fields: Vec<&str> = stat.rsplit_once(')')?.1.split_whitespace().collect();
+    let ticks: f64 = fields.get(11)?.parse::<f64>().ok()? + fields.get(12)?.parse::<f64>().ok()?;
+    // SAFETY: sysconf only reads a configuration value.
+    let per_second = unsafe { libc::sysconf(libc::_SC_CLK_TCK) } as f64;
+    (per_second > 0.0).then(|| ticks / per_second)
+}
+
+/// CPU seconds the `servers` together and this process used between
+/// `warmup` and `warmup + duration` from now: the load generator's
+/// measured window.
+async fn cpu_over_window(servers: Vec<u32>, warmup: Duration, duration: Duration) -> Option<(f64, f64)> {
+    let sample = || -> Option<(f64, f64)> {
+        let servers = servers.iter().map(|&pid| cpu_seconds(pid)).sum::<Option<f64>>()?;
+        Some((servers, cpu_seconds(std::process::id())?))
+    };
+    tokio::time::sleep(warmup).await;
+    let before = sample()?;
+    tokio::time::sleep(duration).await;
+    let after = sample()?;
+    Some((after.0 - before.0, after.1 - before.1))
 }
 
 pub(crate) fn payload(size: usize) -> Bytes {
@@ -537,7 +589,7 @@ async fn grpc_cell(
     shards: u32,
     appenders: usize,
     args: &BenchArgs,
-) -> Result<(Measured, Option<(f64, f64)>)> {
+) -> Result<(Measured, Extra)> {
     let data = dir.join(format!("{}-{size}-{shards}-{appenders}", path.name()));
     let _ = std::fs::remove_dir_all(&data);
     let (target, durability) = match path {
@@ -593,6 +645,8 @@ async fn grpc_cell(
     let turns: Arc<Vec<std::sync::atomic::AtomicUsize>> =
         Arc::new((0..appenders).map(|_| std::sync::atomic::AtomicUsize::new(0)).collect());
     let body = payload(size);
+    let (warmup, duration) = (Duration::from_secs_f64(args.warmup), Duration::from_secs_f64(args.duration));
+    let cpu = tokio::spawn(cpu_over_window(target.children.iter().map(|c| c.id()).collect(), warmup, duration));
     let result = walship_loadgen::closed(
         appenders,
         Duration::from_secs_f64(args.warmup),
@@ -622,6 +676,7 @@ async fn grpc_cell(
         },
     )
     .await;
+    let cpu_s = cpu.await.ok().flatten();
     let archive = match path {
         BenchPath::QuorumArchive | BenchPath::QuorumArchiveFollower => {
             Some(archive_figures(&data, args.warmup + args.duration).await?)
@@ -630,7 +685,7 @@ async fn grpc_cell(
     };
     drop(target);
     let _ = std::fs::remove_dir_all(&data);
-    Ok((result?, archive))
+    Ok((result?, Extra { archive, cpu_s }))
 }
 
 /// An archiving cell's upload rate (MiB/s over `seconds`) and its worst
@@ -653,22 +708,30 @@ async fn archive_figures(data: &Path, seconds: f64) -> Result<(f64, f64)> {
 fn print_table(base: &Baseline, cells: &[Cell]) {
     println!();
     println!(
-        "raw disk: 4 KiB write+fdatasync p50 {:.0} µs, p99 {:.0} µs, p999 {:.0} µs; sequential write {:.0} MiB/s",
-        base.fdatasync_4k_p50_us, base.fdatasync_4k_p99_us, base.fdatasync_4k_p999_us, base.seq_write_mib_s
+        "raw disk: 4 KiB write+fdatasync p50 {:.0} µs, p99 {:.0} µs, p999 {:.0} µs (three writers at once: p50 {:.0} \
+         µs, p99 {:.0} µs); sequential write {:.0} MiB/s",
+        base.fdatasync_4k_p50_us,
+        base.fdatasync_4k_p99_us,
+        base.fdatasync_4k_p999_us,
+        base.fdatasync_4k_three_p50_us,
+        base.fdatasync_4k_three_p99_us,
+        base.seq_write_mib_s
     );
     println!();
     println!(
-        "| path | record B | shards | appenders | records/s | MiB/s | p50 µs | p99 µs | p999 µs | disk MiB/s ÷ disk limit | p99 ÷ fsync p99 | ÷ local | ÷ plaintext | ÷ unarchived | archive MiB/s | archive lag s |"
+        "| path | record B | shards | appenders | records/s | MiB/s | p50 µs | p99 µs | p999 µs | disk MiB/s ÷ disk limit | p99 ÷ fsync p99 | ÷ local | ÷ plaintext | ÷ unarchived | archive MiB/s | archive lag s | server CPU µs/rec | client CPU µs/rec |"
     );
-    println!("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|");
+    println!("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|");
     for c in cells {
         let vs_local = c.vs_local.map_or("".to_string(), |r| format!("{r:.2}"));
         let vs_plaintext = c.vs_plaintext.map_or("".to_string(), |r| format!("{r:.2}"));
         let vs_unarchived = c.vs_unarchived.map_or("".to_string(), |r| format!("{r:.2}"));
         let archive_mib = c.archive_mib_per_s.map_or("".to_string(), |r| format!("{r:.1}"));
         let archive_lag = c.archive_lag_s.map_or("".to_string(), |r| format!("{r:.1}"));
+        let server_cpu = c.server_cpu_us_per_record.map_or("".to_string(), |r| format!("{r:.1}"));
+        let client_cpu = c.client_cpu_us_per_record.map_or("".to_string(), |r| format!("{r:.1}"));
         println!(
-            "| {} | {} | {} | {} | {:.0} | {:.1} | {:.0} | {:.0} | {:.0} | {:.2} | {:.2} | {} | {} | {} | {} | {} |",
+            "| {} | {} | {} | {} | {:.0} | {:.1} | {:.0} | {:.0} | {:.0} | {:.2} | {:.2} | {} | {} | {} | {} | {} | {} | {} |",
             c.path,
             c.record_bytes,
             c.shards,
@@ -684,7 +747,9 @@ fn print_table(base: &Baseline, cells: &[Cell]) {
             vs_plaintext,
             vs_unarchived,
             archive_mib,
-            archive_lag
+            archive_lag,
+            server_cpu,
+            client_cpu
         );
     }
 }
@@ -716,11 +781,13 @@ pub async fn run(args: BenchArgs) -> Result<()> {
             for &size in &args.sizes {
                 for &appenders in &args.appenders {
                     bar.set_message(format!("{} {size} B, {shards} shard(s), {appenders} appenders", path.name()));
-                    let (measured, archive) = match path {
-                        BenchPath::Wal => (wal_cell(&args.dir, size, shards, appenders, &args).await?, None),
+                    let (measured, extra) = match path {
+                        BenchPath::Wal => {
+                            (wal_cell(&args.dir, size, shards, appenders, &args).await?, Extra::default())
+                        }
                         _ => grpc_cell(path, &args.dir, size, shards, appenders, &args).await?,
                     };
-                    let c = cell(path, size, shards, appenders, (&measured, archive), &base);
+                    let c = cell(path, size, shards, appenders, (&measured, extra), &base, args.duration);
                     bar.println(format!(
                         "{:>10} {size:>6} B  {shards} shard(s)  {appenders:>3} appenders: {:>9.0} rec/s {:>7.1} MiB/s  p99 {:>6.0} µs",
                         c.path, c.records_per_s, c.mib_per_s, c.p99_us

@@ -52,6 +52,12 @@ fn bench_prints_figures_and_ratios() {
         assert_eq!(cell["vs_local"].as_f64().is_some(), replicated, "{cell}");
         // TLS's cost: the TLS cell against the same cell in plaintext.
         assert_eq!(cell["vs_plaintext"].as_f64().is_some(), cell["path"] == "rf3-quorum-tls", "{cell}");
+        // CPU per record, servers and load generator, for the gRPC paths
+        // (the wal path has no server process).
+        let over_grpc = cell["path"] != "wal";
+        for side in ["server_cpu_us_per_record", "client_cpu_us_per_record"] {
+            assert_eq!(cell[side].as_f64().is_some_and(|us| us > 0.0), over_grpc, "{side} of {cell}");
+        }
     }
 }
 

@@ -562,6 +562,8 @@ mod tests {
             fdatasync_4k_p99_us: 200.0,
             fdatasync_4k_p999_us: 300.0,
             seq_write_mib_s: 200.0,
+            fdatasync_4k_three_p50_us: 250.0,
+            fdatasync_4k_three_p99_us: 600.0,
         };
         let walship = Reseed {
             archive_mib_per_s: 150.0,
