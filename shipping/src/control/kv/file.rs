@@ -114,6 +114,11 @@ pub struct FileKv {
     dir: PathBuf,
     /// What this instance read of the log so far (under the flock).
     loaded: Arc<Mutex<Loaded>>,
+    /// Set once this instance found no `kv.json` to convert (or converted
+    /// it): the check is one failed open per operation otherwise. A `kv.json`
+    /// written later by an older build is not looked for again; the
+    /// upgrade notes have older coordinators stopped first.
+    legacy_checked: Arc<std::sync::atomic::AtomicBool>,
 }
 
 struct Flock(std::fs::File);
@@ -167,7 +172,7 @@ fn sync_dir(dir: &Path) -> Result<(), KvError> {
 impl FileKv {
     pub fn open(dir: &Path) -> Result<FileKv, KvError> {
         std::fs::create_dir_all(dir).map_err(|e| KvError::Unavailable(format!("{}: {e}", dir.display())))?;
-        Ok(FileKv { dir: dir.to_path_buf(), loaded: Arc::default() })
+        Ok(FileKv { dir: dir.to_path_buf(), loaded: Arc::default(), legacy_checked: Arc::default() })
     }
 
     fn lock(&self) -> Result<Flock, KvError> {
@@ -187,7 +192,11 @@ impl FileKv {
 
     /// Brings `loaded` up to the log's end. Call with the flock held.
     fn refresh(&self, loaded: &mut Loaded) -> Result<(), KvError> {
-        self.convert_legacy()?;
+        use std::sync::atomic::Ordering;
+        if !self.legacy_checked.load(Ordering::Acquire) {
+            self.convert_legacy()?;
+            self.legacy_checked.store(true, Ordering::Release);
+        }
         let mut file = match std::fs::File::open(self.dir.join(LOG)) {
             Ok(file) => file,
             Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
