@@ -20,12 +20,12 @@
 //!   unacknowledged behind the first failure.
 
 use std::sync::Arc;
-use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Duration;
 
 use futures::future::BoxFuture;
 use serde_json::json;
 use tokio::sync::mpsc;
+use tokio_util::sync::CancellationToken;
 use walship_client::{Acked, Connect, ConnectError, ProduceError, Producer, ProducerConfig, RecordAck};
 use walship_proto::log::{AppendRecord, AppendRequest, Durability};
 
@@ -84,14 +84,21 @@ pub(crate) async fn append(
             ..ProducerConfig::default()
         },
     );
-    let failed = Arc::new(AtomicBool::new(false));
+    // Cancelled by the printer at the first failure: no more input is read
+    // or sent (even while waiting for the next line of an interactive stdin).
+    let failed = CancellationToken::new();
     let (to_printer, pending) = mpsc::channel(settings.in_flight.max(1) * 2);
     let printer = tokio::spawn(print_in_order(pending, settings.shard, settings.json, failed.clone(), tried));
     let mut refused = None;
-    while let Some(group) = groups.recv().await {
-        if failed.load(Ordering::Acquire) {
-            break;
-        }
+    loop {
+        let group = tokio::select! {
+            biased;
+            _ = failed.cancelled() => break,
+            group = groups.recv() => match group {
+                Some(group) => group,
+                None => break,
+            },
+        };
         let records = match group.and_then(|records| fits(settings.shard, records)) {
             Ok(records) => records,
             Err(error) => {
@@ -160,7 +167,7 @@ async fn print_in_order(
     mut pending: mpsc::Receiver<(usize, Vec<RecordAck>)>,
     shard: u32,
     json: bool,
-    failed: Arc<AtomicBool>,
+    failed: CancellationToken,
     tried: Arc<std::sync::Mutex<Tried>>,
 ) -> Result<(), ClientError> {
     let mut first: Option<ClientError> = None;
@@ -183,7 +190,7 @@ async fn print_in_order(
                         json!({"shard": shard, "outcome": "unknown", "records": count, "detail": error.to_string()})
                     );
                 }
-                failed.store(true, Ordering::Release);
+                failed.cancel();
                 match first {
                     None => first = Some(error),
                     Some(_) => unacknowledged_after += count,
