@@ -11,10 +11,9 @@ mod common;
 use common::assert_refused;
 
 use std::collections::HashMap;
-use std::time::Duration;
 
 use bytes::Bytes;
-use common::{NodeProcess, http_get, wait_until};
+use common::{NodeProcess, http_get};
 use serde_json::Value;
 use tonic::Code;
 use tonic::transport::{Channel, Endpoint};
@@ -179,13 +178,6 @@ async fn connect(node: &NodeProcess) -> Channel {
     Endpoint::from_shared(format!("http://{}", node.grpc)).unwrap().connect().await.unwrap()
 }
 
-async fn wait_healthy(node: &NodeProcess) {
-    wait_until("admin /healthz answers 200", Duration::from_secs(10), || async {
-        http_get(&format!("{}/healthz", node.admin)).await.0 == 200
-    })
-    .await;
-}
-
 // ---------------------------------------------------------------------------
 // Tests.
 // ---------------------------------------------------------------------------
@@ -194,7 +186,7 @@ async fn wait_healthy(node: &NodeProcess) {
 async fn bad_requests_are_refused_precisely_and_change_nothing() {
     let dir = tempfile::tempdir().unwrap();
     let node = NodeProcess::start(1, dir.path(), "1-3", &[]);
-    wait_healthy(&node).await;
+    node.wait_healthy().await;
     let mut client = node.client().await;
 
     // Seed: shard 1 holds 5 records, shard 2 holds 3, shard 3 is empty.
@@ -515,7 +507,7 @@ async fn bad_requests_are_refused_precisely_and_change_nothing() {
 async fn max_record_bytes_flag_sets_the_limit() {
     let dir = tempfile::tempdir().unwrap();
     let node = NodeProcess::start(2, dir.path(), "1-3", &["--max-record-bytes", "100"]);
-    wait_healthy(&node).await;
+    node.wait_healthy().await;
     let mut client = node.client().await;
 
     // Exactly the limit is accepted, key empty.

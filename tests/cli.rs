@@ -7,7 +7,7 @@ use std::process::{Command, Output, Stdio};
 use std::time::Duration;
 
 use base64::Engine as _;
-use common::{NodeProcess, http_get, wait_until};
+use common::{NodeProcess, http_get};
 use serde_json::Value;
 use tokio::io::{AsyncBufReadExt, BufReader};
 
@@ -64,13 +64,6 @@ fn start_node(dir: &tempfile::TempDir) -> NodeProcess {
     NodeProcess::start(1, dir.path(), "1-3", &[])
 }
 
-async fn wait_healthy(node: &NodeProcess) {
-    wait_until("admin /healthz answers 200", Duration::from_secs(10), || async {
-        http_get(&format!("{}/healthz", node.admin)).await.0 == 200
-    })
-    .await;
-}
-
 fn assert_record(line: &Value, shard: u64, seqno: u64, payload: &str) {
     assert_eq!(line["shard"].as_u64(), Some(shard), "shard of {line}");
     assert_eq!(line["seqno"].as_u64(), Some(seqno), "seqno of {line}");
@@ -91,7 +84,7 @@ fn assert_record(line: &Value, shard: u64, seqno: u64, payload: &str) {
 async fn append_stdin_lines_then_read_and_tail_them() {
     let dir = tempfile::tempdir().unwrap();
     let node = start_node(&dir);
-    wait_healthy(&node).await;
+    node.wait_healthy().await;
     let server = node.grpc.as_str();
 
     let append = run(
@@ -156,7 +149,7 @@ async fn append_stdin_lines_then_read_and_tail_them() {
 async fn append_generated_records_in_batches() {
     let dir = tempfile::tempdir().unwrap();
     let node = start_node(&dir);
-    wait_healthy(&node).await;
+    node.wait_healthy().await;
     let server = node.grpc.as_str();
 
     let append = run(
@@ -216,7 +209,7 @@ async fn append_generated_records_in_batches() {
 async fn pipelined_batches_are_reported_in_input_order() {
     let dir = tempfile::tempdir().unwrap();
     let node = start_node(&dir);
-    wait_healthy(&node).await;
+    node.wait_healthy().await;
     let server = node.grpc.as_str();
     let input: String = (0..2_000).map(|i| format!("line-{i}\n")).collect();
     let append = run(
@@ -252,7 +245,7 @@ async fn pipelined_batches_are_reported_in_input_order() {
 async fn a_refused_batch_mid_pipeline_leaves_nothing_unreported() {
     let dir = tempfile::tempdir().unwrap();
     let node = start_node(&dir);
-    wait_healthy(&node).await;
+    node.wait_healthy().await;
     let server = node.grpc.as_str();
     let big = "x".repeat(2_000_000);
     let mut input: Vec<String> = (0..300).map(|i| format!("line-{i}")).collect();
@@ -284,7 +277,7 @@ async fn a_refused_batch_mid_pipeline_leaves_nothing_unreported() {
 async fn client_commands_fail_on_an_unknown_shard() {
     let dir = tempfile::tempdir().unwrap();
     let node = start_node(&dir);
-    wait_healthy(&node).await;
+    node.wait_healthy().await;
     let server = node.grpc.as_str();
 
     let read = run(walship(&["read", "--server", server, "--shard", "9", "--from", "1", "--json"]), None).await;
@@ -320,7 +313,7 @@ async fn client_output_into_a_closed_pipe_ends_quietly() {
 
     let dir = tempfile::tempdir().unwrap();
     let node = start_node(&dir);
-    wait_healthy(&node).await;
+    node.wait_healthy().await;
     let server = node.grpc.as_str();
     let append = run(
         walship(&["append", "--server", server, "--count", "3000", "--size", "200", "--batch", "1000", "--shard", "1"]),

@@ -47,13 +47,6 @@ fn assert_json_error(output: &Output, code: i32, kind: &str, server: Option<&str
     error
 }
 
-async fn wait_healthy(node: &NodeProcess) {
-    wait_until("admin /healthz answers 200", Duration::from_secs(20), || async {
-        http_get(&format!("{}/healthz", node.admin)).await.0 == 200
-    })
-    .await;
-}
-
 /// A shard's durable seqno from a node's admin status.
 async fn durable(node: &NodeProcess, shard: u64) -> u64 {
     let (code, body) = http_get(&format!("{}/v1/status", node.admin)).await;
@@ -96,7 +89,7 @@ fn sigcont(node: &NodeProcess) {
 async fn each_connection_failure_is_named_with_its_exit_code() {
     let dir = tempfile::tempdir().unwrap();
     let node = NodeProcess::start(1, dir.path(), "1-3", &[]);
-    wait_healthy(&node).await;
+    node.wait_healthy().await;
     let refused = format!("127.0.0.1:{}", common::free_port());
     let junk = fake_server(Some(b"SSH-2.0-OpenSSH_9.6\r\nSSH-2.0-OpenSSH_9.6\r\n")).await;
     let silent = fake_server(None).await;
@@ -147,7 +140,7 @@ async fn each_connection_failure_is_named_with_its_exit_code() {
 async fn too_large_and_refused_requests_name_the_limit_and_change_nothing() {
     let dir = tempfile::tempdir().unwrap();
     let node = NodeProcess::start(1, dir.path(), "1-3", &[]);
-    wait_healthy(&node).await;
+    node.wait_healthy().await;
     let server = node.grpc.as_str();
     // One unary call each (--no-producer): ~36 MB is over the node's
     // max_batch_bytes (32 MiB) but within its message limit; 40 MB is over
@@ -195,7 +188,7 @@ async fn too_large_and_refused_requests_name_the_limit_and_change_nothing() {
 async fn read_and_tail_of_a_frozen_node_end_at_their_deadline() {
     let dir = tempfile::tempdir().unwrap();
     let node = NodeProcess::start(1, dir.path(), "1-3", &[]);
-    wait_healthy(&node).await;
+    node.wait_healthy().await;
     let server = node.grpc.as_str();
     let first = run(walship(&["append", "--server", server, "--shard", "1"]), Some("one\n")).await;
     assert!(first.status.success(), "{}", describe(&first));
@@ -423,7 +416,7 @@ async fn tail_resumes_on_another_replica_when_its_node_freezes() {
 async fn read_options_select_what_is_printed() {
     let dir = tempfile::tempdir().unwrap();
     let node = NodeProcess::start(1, dir.path(), "1-3", &[]);
-    wait_healthy(&node).await;
+    node.wait_healthy().await;
     let server = node.grpc.as_str();
     let a = run(walship(&["append", "--server", server, "--shard", "1", "--key", "a"]), Some("a1\na2\na3\n")).await;
     assert!(a.status.success(), "{}", describe(&a));
@@ -557,7 +550,7 @@ async fn status_field(node: &NodeProcess, shard: u64, field: &str) -> u64 {
 async fn read_starts_at_the_oldest_retained_record() {
     let cluster = Cluster::start(1, 1, "retain_bytes = 20000\nretention_interval_ms = 100");
     let node = &cluster.nodes[0];
-    wait_healthy(node).await;
+    node.wait_healthy().await;
     let append = run(
         walship(&[
             "append", "--server", &node.grpc, "--shard", "1", "--count", "800", "--size", "100", "--batch", "100",
@@ -590,7 +583,7 @@ async fn read_request_last_and_min_seqno_over_grpc() {
     use walship_proto::log::ReadRequest;
     let dir = tempfile::tempdir().unwrap();
     let node = NodeProcess::start(1, dir.path(), "1-3", &[]);
-    wait_healthy(&node).await;
+    node.wait_healthy().await;
     let mut client = node.client().await;
     let request = AppendRequest {
         shard_id: 1,

@@ -598,7 +598,7 @@ async fn retries_answer_their_original_seqnos_and_are_stored_once() {
 async fn a_new_epoch_fences_the_old_one_from_its_first_write_and_across_restarts() {
     let dir = tempfile::tempdir().unwrap();
     let mut node = NodeProcess::start(1, dir.path(), "1", &[]);
-    wait_healthy(&node).await;
+    node.wait_healthy().await;
     let mut client = node.client().await;
     let e1 = |sequence| Some(producer(21, 1, sequence));
     let e2 = |sequence| Some(producer(21, 2, sequence));
@@ -647,7 +647,7 @@ async fn a_new_epoch_fences_the_old_one_from_its_first_write_and_across_restarts
 
     // The table is rebuilt from the log: the same answers after a crash.
     node.restart();
-    wait_healthy(&node).await;
+    node.wait_healthy().await;
     let mut client = node.client().await;
     wait_until("the restarted node to lead shard 1", WAIT, || async {
         let mut c = client.clone();
@@ -785,7 +785,7 @@ async fn a_producer_pipelining_on_one_stream_is_written_in_the_order_sent() {
     let data = dir.path().join("data");
     std::fs::write(&config, format!("node_id = 1\ndata_dir = {data:?}\n[wal]\nmax_batch_bytes = 65536\n")).unwrap();
     let node = NodeProcess::start(1, &data, "1", &["--config", config.to_str().unwrap()]);
-    wait_healthy(&node).await;
+    node.wait_healthy().await;
     let mut client = node.client().await;
     for round in 0..2u64 {
         let id = 60 + round;
@@ -948,13 +948,6 @@ async fn conditional_appends_let_exactly_one_racer_through() {
 // The CLI.
 // ---------------------------------------------------------------------------
 
-async fn wait_healthy(node: &NodeProcess) {
-    wait_until("admin /healthz answers 200", Duration::from_secs(20), || async {
-        http_get(&format!("{}/healthz", node.admin)).await.0 == 200
-    })
-    .await;
-}
-
 /// `walship append` to shard 1 of `server` with `args`, JSON output.
 async fn cli_append(server: &str, args: &[&str], stdin: &str) -> Output {
     let mut all = vec!["append", "--server", server, "--shard", "1", "--json"];
@@ -1001,7 +994,7 @@ fn assert_usage(output: &Output, flag: &str) {
 async fn cli_expect_last_and_producer_flags() {
     let dir = tempfile::tempdir().unwrap();
     let node = NodeProcess::start(1, dir.path(), "1", &[]);
-    wait_healthy(&node).await;
+    node.wait_healthy().await;
     let server = node.grpc.as_str();
 
     // --expect-last on an empty shard: a wrong value is a conflict naming 0.

@@ -81,6 +81,14 @@ pub fn spawn_listening_logged(
 }
 
 impl NodeProcess {
+    /// Waits (up to 20 s) until the node's admin `/healthz` answers 200.
+    pub async fn wait_healthy(&self) {
+        wait_until("admin /healthz answers 200", Duration::from_secs(20), || async {
+            http_get(&format!("{}/healthz", self.admin)).await.0 == 200
+        })
+        .await;
+    }
+
     /// Starts a node hosting `shards` (e.g. "1-4") with its WAL under
     /// `data_dir`, on free ports, and waits for its "listening" line.
     pub fn start(node_id: u32, data_dir: &Path, shards: &str, extra: &[&str]) -> NodeProcess {
