@@ -72,16 +72,22 @@ struct Loaded {
     live_bytes: u64,
 }
 
+/// The bytes a key holding a value of `value_len` bytes takes in a
+/// compacted log: its base64 value, the key, and about 48 bytes of JSON
+/// around them. Only an estimate, which decides when to compact.
+fn live_size(key: &str, value_len: usize) -> u64 {
+    (key.len() + value_len.div_ceil(3) * 4 + 48) as u64
+}
+
 impl Loaded {
     fn apply(&mut self, record: LogRecord) -> Result<(), String> {
         for put in record.puts {
             let value = base64::engine::general_purpose::STANDARD
                 .decode(&put.value_b64)
                 .map_err(|e| format!("key {}: {e}", put.key))?;
-            let size = (put.key.len() + put.value_b64.len() + 48) as u64;
+            let size = live_size(&put.key, value.len());
             if let Some((old, _)) = self.entries.insert(put.key.clone(), (Bytes::from(value), put.revision)) {
-                let old_size = (put.key.len() + old.len() * 4 / 3 + 48) as u64;
-                self.live_bytes = self.live_bytes.saturating_sub(old_size);
+                self.live_bytes = self.live_bytes.saturating_sub(live_size(&put.key, old.len()));
             }
             self.live_bytes += size;
         }
