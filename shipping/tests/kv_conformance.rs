@@ -347,34 +347,49 @@ async fn scan_and_write_batch(f: &Fixture) {
     assert_eq!(snapshot.entries.iter().map(|e| e.key.as_str()).collect::<Vec<_>>(), ["a", "b", "c", "d", "z"]);
 }
 
+/// Runs `write` on both clients at once (`f.kv` as "one", `f.other` as
+/// "two"), each fenced on `revision`: exactly one must succeed and the
+/// other must be refused as a conflict at `revision`. The winner's name and
+/// the revision its write returned.
+async fn race<W, Fut>(f: &Fixture, round: usize, revision: u64, write: W) -> (&'static str, u64)
+where
+    W: Fn(Arc<dyn Kv>, &'static str) -> Fut,
+    Fut: std::future::Future<Output = Result<u64, KvError>> + Send + 'static,
+{
+    let barrier = Arc::new(tokio::sync::Barrier::new(2));
+    let writes: Vec<_> = [(f.kv.clone(), "one"), (f.other.clone(), "two")]
+        .into_iter()
+        .map(|(kv, who)| {
+            let (barrier, attempt) = (barrier.clone(), write(kv, who));
+            tokio::spawn(async move {
+                barrier.wait().await;
+                (who, attempt.await)
+            })
+        })
+        .collect();
+    let mut winners = Vec::new();
+    for write in writes {
+        match write.await.unwrap() {
+            (who, Ok(after)) => winners.push((who, after)),
+            (_, Err(KvError::Conflict { expected, .. })) => assert_eq!(expected, revision),
+            (_, Err(e)) => panic!("round {round}: unexpected error {e:?}"),
+        }
+    }
+    assert_eq!(winners.len(), 1, "round {round}: winners {winners:?}");
+    winners[0]
+}
+
 /// Two clients read the same bucket revision and write batches of
 /// different keys at once: exactly one batch lands, whole; the loser's keys
 /// are absent.
 async fn write_batch_race(f: &Fixture) {
     let mut revision = f.kv.write_batch(0, vec![("start".into(), b("s"))]).await.unwrap();
     for round in 0..10 {
-        let barrier = Arc::new(tokio::sync::Barrier::new(2));
-        let writes: Vec<_> = [(f.kv.clone(), "one"), (f.other.clone(), "two")]
-            .into_iter()
-            .map(|(kv, who)| {
-                let barrier = barrier.clone();
-                tokio::spawn(async move {
-                    let puts = (0..5).map(|i| (format!("{who}-{round}-{i}"), Bytes::from(who))).collect();
-                    barrier.wait().await;
-                    (who, kv.write_batch(revision, puts).await)
-                })
-            })
-            .collect();
-        let mut winners = Vec::new();
-        for write in writes {
-            match write.await.unwrap() {
-                (who, Ok(after)) => winners.push((who, after)),
-                (_, Err(KvError::Conflict { expected, .. })) => assert_eq!(expected, revision),
-                (_, Err(e)) => panic!("round {round}: unexpected error {e:?}"),
-            }
-        }
-        assert_eq!(winners.len(), 1, "round {round}: winners {winners:?}");
-        let (winner, after) = winners[0];
+        let (winner, after) = race(f, round, revision, move |kv, who| async move {
+            let puts = (0..5).map(|i| (format!("{who}-{round}-{i}"), Bytes::from(who))).collect();
+            kv.write_batch(revision, puts).await
+        })
+        .await;
         assert_eq!(after, revision + 5);
         let snapshot = f.kv.scan().await.unwrap();
         assert_eq!(snapshot.revision, after);
@@ -419,29 +434,13 @@ async fn cas_race_two_clients(f: &Fixture) {
         let (seen_1, seen_2) = (f.kv.get("k").await.unwrap().unwrap(), f.other.get("k").await.unwrap().unwrap());
         assert_eq!(seen_1.revision, revision);
         assert_eq!(seen_2.revision, revision);
-        let barrier = Arc::new(tokio::sync::Barrier::new(2));
-        let writes: Vec<_> = [(f.kv.clone(), format!("one-{round}")), (f.other.clone(), format!("two-{round}"))]
-            .into_iter()
-            .map(|(kv, value)| {
-                let barrier = barrier.clone();
-                tokio::spawn(async move {
-                    barrier.wait().await;
-                    (value.clone(), kv.update("k", Bytes::from(value), revision).await)
-                })
-            })
-            .collect();
-        let mut winners = Vec::new();
-        for write in writes {
-            match write.await.unwrap() {
-                (value, Ok(new_revision)) => winners.push((value, new_revision)),
-                (_, Err(KvError::Conflict { expected, .. })) => assert_eq!(expected, revision),
-                (_, Err(e)) => panic!("round {round}: unexpected error {e:?}"),
-            }
-        }
-        assert_eq!(winners.len(), 1, "round {round}: winners {winners:?}");
-        let (value, new_revision) = winners.pop().unwrap();
+        let (winner, new_revision) = race(f, round, revision, move |kv, who| async move {
+            kv.update("k", Bytes::from(format!("{who}-{round}")), revision).await
+        })
+        .await;
         assert!(new_revision > revision);
-        assert_eq!(value_of(f.kv.as_ref(), "k").await, Some((Bytes::from(value), new_revision)));
+        let value = Bytes::from(format!("{winner}-{round}"));
+        assert_eq!(value_of(f.kv.as_ref(), "k").await, Some((value, new_revision)));
         revision = new_revision;
     }
 }
