@@ -36,6 +36,7 @@ use std::io::{BufRead, BufReader, Write};
 use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
 use std::sync::Arc;
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::Duration;
 
 use anyhow::{Context, Result, bail};
@@ -186,7 +187,7 @@ pub(crate) struct Router {
     /// gRPC address of each node, and its connections.
     nodes: Vec<(String, Vec<Connection>)>,
     /// Index into `nodes` of shard i's leader, at i-1.
-    leaders: Vec<std::sync::atomic::AtomicUsize>,
+    leaders: Vec<AtomicUsize>,
 }
 
 impl Router {
@@ -206,7 +207,7 @@ impl Router {
         let leaders = target
             .leaders
             .iter()
-            .map(|l| std::sync::atomic::AtomicUsize::new(nodes.iter().position(|(a, _)| a == l).expect("listed")))
+            .map(|l| AtomicUsize::new(nodes.iter().position(|(a, _)| a == l).expect("listed")))
             .collect();
         Ok(Router { nodes, leaders })
     }
@@ -214,7 +215,7 @@ impl Router {
     /// Sends `request` to its shard's leader, on one of that node's
     /// connections (chosen by `appender`).
     pub(crate) async fn append(&self, appender: usize, request: AppendRequest) -> Result<(), tonic::Status> {
-        let node = self.leaders[request.shard_id as usize - 1].load(std::sync::atomic::Ordering::Relaxed);
+        let node = self.leaders[request.shard_id as usize - 1].load(Ordering::Relaxed);
         let connections = &self.nodes[node].1;
         connections[appender % connections.len()].append(request).await
     }
@@ -226,7 +227,7 @@ impl Router {
         let Some(address) = hint.and_then(|h| h.split_once('@')).map(|(_, a)| a) else { return false };
         match (self.nodes.iter().position(|(a, _)| a == address), self.leaders.get(shard as usize - 1)) {
             (Some(node), Some(slot)) => {
-                slot.store(node, std::sync::atomic::Ordering::Relaxed);
+                slot.store(node, Ordering::Relaxed);
                 true
             }
             _ => false,
@@ -642,8 +643,7 @@ async fn grpc_cell(
     // Appender i writes shards i, i + appenders, i + 2 x appenders, ...
     // (mod the shard count) in turn: with more shards than appenders every
     // shard is written, and each append goes to its shard's leader.
-    let turns: Arc<Vec<std::sync::atomic::AtomicUsize>> =
-        Arc::new((0..appenders).map(|_| std::sync::atomic::AtomicUsize::new(0)).collect());
+    let turns: Arc<Vec<AtomicUsize>> = Arc::new((0..appenders).map(|_| AtomicUsize::new(0)).collect());
     let body = payload(size);
     let (warmup, duration) = (Duration::from_secs_f64(args.warmup), Duration::from_secs_f64(args.duration));
     let cpu = tokio::spawn(cpu_over_window(target.children.iter().map(|c| c.id()).collect(), warmup, duration));
@@ -652,7 +652,7 @@ async fn grpc_cell(
         Duration::from_secs_f64(args.warmup),
         Duration::from_secs_f64(args.duration),
         move |i| {
-            let turn = turns[i].fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+            let turn = turns[i].fetch_add(1, Ordering::Relaxed);
             let shard = ((i + turn * appenders) % shards as usize) as u32 + 1;
             let (router, body) = (router.clone(), body.clone());
             async move {
