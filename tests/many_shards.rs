@@ -45,6 +45,19 @@ async fn shards(cluster: &mut Cluster) -> Vec<(u64, u64, bool)> {
         .collect()
 }
 
+/// Polls until all `count` shards have a leader followed by every replica
+/// (see [`shards`]); panics naming `what` past `deadline`.
+async fn wait_settled(cluster: &mut Cluster, count: usize, deadline: Instant, what: &str) {
+    loop {
+        let all = shards(cluster).await;
+        if all.len() == count && all.iter().all(|(_, leader, settled)| *leader != 0 && *settled) {
+            return;
+        }
+        assert!(Instant::now() < deadline, "timed out waiting until {what}");
+        tokio::time::sleep(Duration::from_millis(250)).await;
+    }
+}
+
 async fn leaders(cluster: &mut Cluster) -> Vec<(u64, u64)> {
     shards(cluster).await.into_iter().map(|(s, l, _)| (s, l)).collect()
 }
@@ -62,14 +75,8 @@ async fn a_thousand_shards_get_leaders_idle_cheaply_and_fail_over_together() {
     let started = Instant::now();
     let mut cluster = Cluster::start_with(3, SHARDS, 1, "leader_timeout_ms = 1000", None);
     let deadline = Instant::now() + Duration::from_secs(240);
-    loop {
-        let all = shards(&mut cluster).await;
-        if all.len() == SHARDS as usize && all.iter().all(|(_, l, settled)| *l != 0 && *settled) {
-            break;
-        }
-        assert!(Instant::now() < deadline, "not every shard had a leader followed by every replica within 240 s");
-        tokio::time::sleep(Duration::from_millis(250)).await;
-    }
+    wait_settled(&mut cluster, SHARDS as usize, deadline, "every shard had a leader followed by every replica (240 s)")
+        .await;
     eprintln!("every one of {SHARDS} shards had a leader followed by every replica after {:?}", started.elapsed());
     loop {
         let mut pairs = 0.0;
@@ -161,12 +168,8 @@ async fn a_frozen_follower_costs_its_leaders_no_busy_waiting() {
         "leader_timeout_ms = 3000\nkeepalive_ms = 1000\nship_timeout_ms = 30000\nquiesce = false",
         None,
     );
-    let settled = |all: &[(u64, u64, bool)]| all.len() == FROZEN_SHARDS && all.iter().all(|(_, l, s)| *l != 0 && *s);
     let deadline = Instant::now() + Duration::from_secs(120);
-    while !settled(&shards(&mut cluster).await) {
-        assert!(Instant::now() < deadline, "not every shard settled within 120 s");
-        tokio::time::sleep(Duration::from_millis(250)).await;
-    }
+    wait_settled(&mut cluster, FROZEN_SHARDS, deadline, "every shard settled (120 s)").await;
     cluster.signal(3, libc::SIGSTOP);
     // Node 3's shards fail over to nodes 1 and 2 (a lease), and every
     // shipper towards node 3 then waits on a call that hangs for the ship
@@ -183,8 +186,5 @@ async fn a_frozen_follower_costs_its_leaders_no_busy_waiting() {
     }
     cluster.signal(3, libc::SIGCONT);
     let deadline = Instant::now() + Duration::from_secs(120);
-    while !settled(&shards(&mut cluster).await) {
-        assert!(Instant::now() < deadline, "not every shard settled within 120 s of node 3 thawing");
-        tokio::time::sleep(Duration::from_millis(250)).await;
-    }
+    wait_settled(&mut cluster, FROZEN_SHARDS, deadline, "every shard settled within 120 s of node 3 thawing").await;
 }
