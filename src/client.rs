@@ -464,6 +464,21 @@ impl Servers {
     }
 }
 
+/// Refuses `request` before anything is sent when it encodes to more than
+/// `limit` bytes: [`Kind::TooLarge`], naming its size, then what `limit`
+/// says (the limit and what was not sent).
+pub(crate) fn refuse_if_larger(
+    request: &AppendRequest,
+    limit: usize,
+    explain: impl FnOnce() -> String,
+) -> Result<(), ClientError> {
+    let size = prost::Message::encoded_len(request);
+    if size <= limit {
+        return Ok(());
+    }
+    Err(ClientError::new(Kind::TooLarge, None, format!("the append request is {size} bytes; {}", explain())))
+}
+
 /// A client that finds the leader among `servers` and follows it through
 /// failovers: requests that certainly were not applied are retried (on the
 /// hinted leader, else the next server) until the deadline; one sent to a
@@ -476,17 +491,12 @@ struct LeaderClient {
 
 impl LeaderClient {
     async fn append(&mut self, request: AppendRequest) -> Result<walship_proto::log::AppendResponse, ClientError> {
-        let size = prost::Message::encoded_len(&request);
-        if size > MAX_MESSAGE_BYTES {
-            return Err(ClientError::new(
-                Kind::TooLarge,
-                None,
-                format!(
-                    "the append request is {size} bytes; the client's limit is {MAX_MESSAGE_BYTES} bytes (a node's \
-                     own max_batch_bytes is usually lower): use a smaller --batch; nothing was sent"
-                ),
-            ));
-        }
+        refuse_if_larger(&request, MAX_MESSAGE_BYTES, || {
+            format!(
+                "the client's limit is {MAX_MESSAGE_BYTES} bytes (a node's own max_batch_bytes is usually lower): use \
+                 a smaller --batch; nothing was sent"
+            )
+        })?;
         let started = Instant::now();
         let mut hint = None;
         self.servers.failures.clear();

@@ -145,18 +145,12 @@ fn connector(options: ChannelOptions, tried: Arc<std::sync::Mutex<Tried>>) -> Co
 /// The group itself, or why it is too large to send (nothing sent).
 fn fits(shard: u32, records: Vec<AppendRecord>) -> Result<Vec<AppendRecord>, ClientError> {
     let request = AppendRequest { shard_id: shard, records, ..Default::default() };
-    let size = prost::Message::encoded_len(&request);
-    if size > MAX_STREAM_REQUEST_BYTES {
-        return Err(ClientError::new(
-            Kind::TooLarge,
-            None,
-            format!(
-                "the append request is {size} bytes; the client sends at most {MAX_STREAM_REQUEST_BYTES} bytes in one \
-                 request of a producer's stream (a node's default max_batch_bytes): use a smaller --batch; this \
-                 batch and the ones after it were not sent"
-            ),
-        ));
-    }
+    crate::client::refuse_if_larger(&request, MAX_STREAM_REQUEST_BYTES, || {
+        format!(
+            "the client sends at most {MAX_STREAM_REQUEST_BYTES} bytes in one request of a producer's stream (a \
+             node's default max_batch_bytes): use a smaller --batch; this batch and the ones after it were not sent"
+        )
+    })?;
     Ok(request.records)
 }
 
