@@ -64,10 +64,14 @@ async fn leaders(cluster: &mut Cluster) -> Vec<(u64, u64)> {
 
 /// (shard, follower) pairs quiet on node `id`.
 async fn quiet(cluster: &mut Cluster, id: u32) -> f64 {
-    let body = common::http_get(&format!("{}/metrics", cluster.node(id).admin)).await.1;
-    body.lines()
-        .find_map(|l| l.strip_prefix("walship_quiet_followers ").and_then(|v| v.trim().parse().ok()))
-        .unwrap_or(0.0)
+    common::metric(&cluster.node(id).admin, "walship_quiet_followers ").await
+}
+
+/// Bulk failovers the coordinator ran so far, and the shards they took.
+async fn bulk_failovers(cluster: &mut Cluster) -> (f64, f64) {
+    let admin = cluster.coordinator(1).admin.clone();
+    let count = common::metric(&admin, "walship_bulk_failover_shards_count ").await;
+    (count, common::metric(&admin, "walship_bulk_failover_shards_sum ").await)
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -109,6 +113,7 @@ async fn a_thousand_shards_get_leaders_idle_cheaply_and_fail_over_together() {
     let victim = (1..=3u64).max_by_key(|n| before.iter().filter(|(_, l)| l == n).count()).unwrap();
     let led: Vec<u64> = before.iter().filter(|(_, l)| *l == victim).map(|(s, _)| *s).collect();
     assert!(led.len() > 100, "node {victim} leads about a third or more: {}", led.len());
+    let (bulks_before, bulk_shards_before) = bulk_failovers(&mut cluster).await;
     cluster.node(victim as u32).kill9();
     let killed = Instant::now();
     loop {
@@ -121,6 +126,13 @@ async fn a_thousand_shards_get_leaders_idle_cheaply_and_fail_over_together() {
         tokio::time::sleep(Duration::from_millis(100)).await;
     }
     eprintln!("{} shards failed over in {:?}", led.len(), killed.elapsed());
+    // Together, not one by one: the shards the dead node led were found
+    // lost within a few reconcile rounds and failed over in a few bulks.
+    let (bulks, bulk_shards) = bulk_failovers(&mut cluster).await;
+    let (bulks, bulk_shards) = (bulks - bulks_before, bulk_shards - bulk_shards_before);
+    eprintln!("{bulk_shards} shards in {bulks} bulk failovers");
+    assert!(bulk_shards >= led.len() as f64, "{bulk_shards} shards failed over in bulks, {} were led", led.len());
+    assert!(bulks <= 20.0, "{} shards took {bulks} bulk failovers: one shard at a time, or close", led.len());
 }
 
 /// The scale measurement ops/README.md ("Many shards") prints runs as

@@ -166,6 +166,13 @@ pub async fn http_get(addr_and_path: &str) -> (u16, String) {
     http_request("GET", addr_and_path, None).await
 }
 
+/// The value of one Prometheus series (`name{labels}` exactly as exposed)
+/// at an admin address's `/metrics`; 0 when it is not there.
+pub async fn metric(admin: &str, series: &str) -> f64 {
+    let body = http_get(&format!("{admin}/metrics")).await.1;
+    body.lines().find_map(|l| l.strip_prefix(series).and_then(|v| v.trim().parse().ok())).unwrap_or(0.0)
+}
+
 /// POST with a JSON body and an optional bearer token.
 pub async fn http_post(addr_and_path: &str, body: &str, token: Option<&str>) -> (u16, String) {
     let authorization = token.map(|t| format!("Bearer {t}"));

@@ -91,6 +91,13 @@ impl ShardRecord {
         all
     }
 
+    /// The voters a failover chooses among: while the replica set changes,
+    /// the set before the change (everything acknowledged is on a majority
+    /// of it), so only one of its members is promoted.
+    pub fn failover_voters(&self) -> Vec<NodeId> {
+        if self.joint.is_empty() { self.replicas.clone() } else { self.joint.clone() }
+    }
+
     /// Nodes that vote in either set (failover candidates).
     pub fn voters(&self) -> Vec<NodeId> {
         let mut all: Vec<NodeId> = self.replicas.iter().chain(&self.joint).copied().collect();

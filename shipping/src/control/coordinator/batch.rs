@@ -29,8 +29,9 @@ use crate::peers::{PeerChannel, Peers};
 use crate::server::MAX_BATCH_ITEMS;
 
 /// How long one batch call may take before every item in it fails as timed
-/// out (a caller's own deadline may be shorter: it then stops waiting).
-const BATCH_TIMEOUT: Duration = Duration::from_secs(2);
+/// out (a caller's own deadline may be shorter: it then stops waiting): as
+/// long as a bulk failover's fences may take.
+const BATCH_TIMEOUT: Duration = super::promote::MAX_FENCE_DEADLINE;
 
 /// Calls of one kind to one node in flight at once.
 const IN_FLIGHT: usize = 4;

@@ -439,9 +439,8 @@ impl Coordinator {
         let record = self.shard_record(shard)?;
         if plan.removing.is_some() && record.leader == plan.removing {
             step("moving_leadership");
-            let outcome = self
-                .failover_replacing(shard, FailoverRequest::default(), "replica_change", plan.removing, None)
-                .await?;
+            let outcome =
+                self.failover_replacing(shard, FailoverRequest::default(), "replica_change", plan.removing).await?;
             if outcome.to == plan.removing {
                 return Err(conflict(
                     "not_caught_up",

@@ -162,6 +162,8 @@ pub struct CoordinatorMetrics {
     /// Each step of a failover (`raise`, `fence`, `choose`, `record`,
     /// `assign`), so a slow failover says where its time went.
     failover_step_seconds: HistogramVec,
+    /// Shards each bulk failover took together.
+    bulk_failover_shards: Histogram,
     assigns: IntCounterVec,
     replica_changes: IntCounterVec,
     /// Writes of the leadership state (each carries every change queued).
@@ -190,6 +192,11 @@ impl CoordinatorMetrics {
             &["step"],
         )?;
         registry.register(Box::new(failover_step_seconds.clone()))?;
+        let bulk_failover_shards = Histogram::with_opts(
+            HistogramOpts::new("walship_bulk_failover_shards", "Shards each automatic (bulk) failover took together")
+                .buckets(prometheus::exponential_buckets(1.0, 4.0, 7)?),
+        )?;
+        registry.register(Box::new(bulk_failover_shards.clone()))?;
         let assigns = IntCounterVec::new(
             Opts::new("walship_assignments_total", "Assign calls sent to replicas, by outcome"),
             &["outcome"],
@@ -219,6 +226,7 @@ impl CoordinatorMetrics {
             failovers,
             failover_seconds,
             failover_step_seconds,
+            bulk_failover_shards,
             assigns,
             replica_changes,
             state_writes,
@@ -267,8 +275,10 @@ pub struct Coordinator {
     pub(crate) pending: Mutex<reconcile::Pending>,
     /// Shards whose automatic failover is queued or running.
     failing_over: Mutex<std::collections::BTreeSet<u32>>,
-    /// Automatic failovers running at once (see
-    /// `reconcile::AUTOMATIC_FAILOVERS_AT_ONCE`).
+    /// Shards found lost, queued for the next bulk failover.
+    lost: Mutex<Vec<promote::Lost>>,
+    /// Bulk failovers running at once (see
+    /// `reconcile::BULK_FAILOVERS_AT_ONCE`).
     failover_slots: tokio::sync::Semaphore,
     /// Fence and Assign calls, coalesced per node (`batch.rs`).
     fences: batch::Lanes<walship_proto::log::FenceRequest>,
@@ -384,7 +394,8 @@ impl Coordinator {
             retry_after: Mutex::new(BTreeMap::new()),
             pending: Mutex::default(),
             failing_over: Mutex::default(),
-            failover_slots: tokio::sync::Semaphore::new(reconcile::AUTOMATIC_FAILOVERS_AT_ONCE),
+            lost: Mutex::default(),
+            failover_slots: tokio::sync::Semaphore::new(reconcile::BULK_FAILOVERS_AT_ONCE),
             assigning: Mutex::default(),
             assign_slots: tokio::sync::Semaphore::new(reconcile::ASSIGNMENTS_AT_ONCE),
             started: Instant::now(),

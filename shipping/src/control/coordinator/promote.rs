@@ -2,7 +2,18 @@
 //! replicas, collect their positions, choose with `control/failover.rs`,
 //! record and assign the new leader; and the previews that say what each
 //! candidate would lose.
+//!
+//! Every failover runs through [`Coordinator::failover_together`], which
+//! takes any number of shards: a lone one (the admin API, a drill, a
+//! replica change) or every shard a lost node led (a *bulk* failover, from
+//! the reconcile loop). A bulk failover raises all its epochs in one KV
+//! write, fences through a few FenceMany calls per node, records every new
+//! leader in one KV write and assigns through a few AssignMany calls: the
+//! cost of losing a node grows with the work its shards need, not with the
+//! number of round trips one shard at a time would take. Each shard is
+//! still decided alone, from its own fenced majority, by the same rules.
 
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use futures::StreamExt;
@@ -18,23 +29,25 @@ impl Coordinator {
         replicas: &[NodeId],
         fence_epoch: Option<u64>,
     ) -> Vec<FenceResponse> {
-        self.positions_or_why(shard, replicas, fence_epoch).await.0
+        self.positions_or_why(shard, replicas, fence_epoch, ANSWER_DEADLINE).await.0
     }
 
     /// [`Coordinator::positions`], and for each replica that did not
     /// answer, why (what a failover refused for want of a majority says).
+    /// A replica that has not answered within `deadline` counts as silent.
     pub(super) async fn positions_or_why(
         &self,
         shard: u32,
         replicas: &[NodeId],
         fence_epoch: Option<u64>,
+        deadline: Duration,
     ) -> (Vec<FenceResponse>, Vec<String>) {
         let majority = replicas.len() / 2 + 1;
         let mut calls = FuturesUnordered::new();
         for &node in replicas {
             let Some(mut client) = self.peers.control(node) else { continue };
             calls.push(async move {
-                let timeout = Duration::from_millis(500);
+                let timeout = deadline;
                 let result = match fence_epoch {
                     // Fences go in batches per node (many shards failing
                     // over at once), each bounded by the same deadline.
@@ -43,7 +56,10 @@ impl Coordinator {
                         match tokio::time::timeout(timeout, fence).await {
                             Ok(Some(result)) => result,
                             Ok(None) => Err(tonic::Status::unavailable("no address for this node")),
-                            Err(_) => Err(tonic::Status::deadline_exceeded("no answer within 500 ms")),
+                            Err(_) => Err(tonic::Status::deadline_exceeded(format!(
+                                "no answer within {} ms",
+                                timeout.as_millis()
+                            ))),
                         }
                     }
                     None => {
@@ -152,41 +168,29 @@ impl Coordinator {
         request: FailoverRequest,
         reason: &str,
     ) -> Result<FailoverOutcome, CoordError> {
-        self.failover_replacing(shard, request, reason, None, None).await
+        self.failover_replacing(shard, request, reason, None).await
     }
 
-    /// [`Coordinator::failover`], avoiding `replaced` (the leader an
-    /// automatic failover replaces) when another replica holds every
-    /// acknowledged record. `slot` (an automatic failover's place among
-    /// those running at once) is given back once the new leader is
-    /// recorded: the assignments that follow go through the per-node
-    /// batches, which bound them by themselves, and need not hold up the
-    /// next failover.
+    /// [`Coordinator::failover`], avoiding `replaced` (the leader being
+    /// replaced) when another replica holds every acknowledged record.
     pub(super) async fn failover_replacing(
         &self,
         shard: u32,
         request: FailoverRequest,
         reason: &str,
         replaced: Option<NodeId>,
-        slot: Option<tokio::sync::SemaphorePermit<'_>>,
     ) -> Result<FailoverOutcome, CoordError> {
         let lock = self.shard_locks.get(&shard).ok_or(CoordError::UnknownShard(shard))?;
-        let _guard =
+        let guard =
             if request.preview { lock.lock().await } else { lock.try_lock().map_err(|_| CoordError::Busy(shard))? };
         let started = Instant::now();
         let record = self.shard_record(shard)?;
-        // While the replica set changes, a failover goes back to the set
-        // before the change (everything acknowledged is on a majority of it)
-        // and promotes only one of its members.
-        let voters = if record.joint.is_empty() { record.replicas.clone() } else { record.joint.clone() };
+        let voters = record.failover_voters();
         if let Some(target) = request.target
             && !voters.contains(&target)
         {
             return Err(CoordError::NotAReplica { shard, node: target });
         }
-        let unreachable = |answers: &[FenceResponse]| -> Vec<NodeId> {
-            record.voters().into_iter().filter(|r| !answers.iter().any(|a| a.node_id == *r)).collect()
-        };
         if request.preview || (request.target.is_some() && !request.allow_loss) {
             let answers = self.positions(shard, &record.voters(), None).await;
             let answers: Vec<FenceResponse> = answers.into_iter().filter(|a| voters.contains(&a.node_id)).collect();
@@ -204,7 +208,7 @@ impl Coordinator {
                         .map(|c| c.node),
                     lost: None,
                     took_ms: started.elapsed().as_millis() as u64,
-                    unreachable: unreachable(&answers),
+                    unreachable: unreachable(&record, &answers),
                     candidates,
                     commit_seqno: commit,
                 });
@@ -219,24 +223,193 @@ impl Coordinator {
                 }
             }
         }
+        let failing = Failing {
+            shard,
+            target: request.target,
+            allow_loss: request.allow_loss,
+            reason: reason.to_string(),
+            replaced,
+            record,
+            _guard: guard,
+        };
+        let (_, outcome) = self.failover_together(vec![failing], None).await.pop().expect("one shard in, one out");
+        outcome
+    }
 
-        let previous_leader = record.leader;
+    /// Fails over every shard of `lost` together (a bulk failover: the
+    /// reconcile loop's automatic ones). A shard whose failover is already
+    /// running is answered [`CoordError::Busy`]. `slot` (the bulk's place
+    /// among those running at once) is given back once the new leaders are
+    /// recorded.
+    pub(super) async fn failover_lost(
+        &self,
+        lost: Vec<Lost>,
+        slot: Option<tokio::sync::SemaphorePermit<'_>>,
+    ) -> Vec<(u32, Result<FailoverOutcome, CoordError>)> {
+        let mut out = Vec::new();
+        let mut batch = Vec::with_capacity(lost.len());
+        for l in lost {
+            let Some(lock) = self.shard_locks.get(&l.shard) else {
+                out.push((l.shard, Err(CoordError::UnknownShard(l.shard))));
+                continue;
+            };
+            let Ok(guard) = lock.try_lock() else {
+                out.push((l.shard, Err(CoordError::Busy(l.shard))));
+                continue;
+            };
+            match self.shard_record(l.shard) {
+                Ok(record) => batch.push(Failing {
+                    shard: l.shard,
+                    target: None,
+                    allow_loss: false,
+                    reason: l.reason.to_string(),
+                    replaced: l.replaced,
+                    record,
+                    _guard: guard,
+                }),
+                Err(e) => out.push((l.shard, Err(e))),
+            }
+        }
+        if !batch.is_empty() {
+            out.extend(self.failover_together(batch, slot).await);
+        }
+        out
+    }
+
+    /// The failover of every shard in `batch`, each decided alone by the
+    /// same rules (module docs), its steps done for all of them together:
+    /// 1. raise every epoch in one KV write (no leader while choosing);
+    /// 2. fence every member of each shard (FenceMany calls per node); a
+    ///    majority of each voting set must answer;
+    /// 3. choose each shard's new leader from its own answers;
+    /// 4. record every new leader in one KV write (`slot` is given back);
+    /// 5. assign leaders and followers (AssignMany calls per node).
+    ///
+    /// A shard that fails a step is answered with its error and goes no
+    /// further; the others go on.
+    async fn failover_together(
+        &self,
+        batch: Vec<Failing<'_>>,
+        slot: Option<tokio::sync::SemaphorePermit<'_>>,
+    ) -> Vec<(u32, Result<FailoverOutcome, CoordError>)> {
+        let started = Instant::now();
         let mut steps = Steps::new();
-        // 1. Raise the epoch (no leader while choosing).
-        let epoch = self
+        let mut out = Vec::with_capacity(batch.len());
+        // 1. Raise.
+        let raised = self
             .mutate(|s| {
-                let r = s.shard_mut(shard).ok_or(CoordError::UnknownShard(shard))?;
-                r.epoch += 1;
-                r.leader = None;
-                Ok(r.epoch)
+                Ok(batch
+                    .iter()
+                    .map(|f| {
+                        let r = s.shard_mut(f.shard).ok_or(CoordError::UnknownShard(f.shard))?;
+                        r.epoch += 1;
+                        r.leader = None;
+                        Ok(r.epoch)
+                    })
+                    .collect::<Vec<Result<u64, CoordError>>>())
             })
-            .await?;
+            .await;
+        let raised = match raised {
+            Ok(raised) => raised,
+            Err(e) => return batch.iter().map(|f| (f.shard, Err(e.again()))).collect(),
+        };
         steps.done("raise");
-        // 2. Fence every member (learners too: they follow no older epoch
-        // from now on). A majority of each voting set must answer.
-        let (fenced, silent) = self.positions_or_why(shard, &record.members(), Some(epoch)).await;
-        let outcome_label = |o: &str| self.metrics.failovers.with_label_values(&[reason, o]).inc();
-        let forced_without_majority = request.allow_loss && fenced.iter().any(|a| voters.contains(&a.node_id));
+        let mut fencing = Vec::with_capacity(batch.len());
+        for (f, epoch) in batch.into_iter().zip(raised) {
+            match epoch {
+                Ok(epoch) => fencing.push((f, epoch)),
+                Err(e) => out.push((f.shard, Err(e))),
+            }
+        }
+        // 2. Fence, every shard at once: the calls to each node coalesce.
+        let deadline = fence_deadline(fencing.len());
+        let members: Vec<Vec<NodeId>> = fencing.iter().map(|(f, _)| f.record.members()).collect();
+        let fenced = futures::future::join_all(
+            fencing
+                .iter()
+                .zip(&members)
+                .map(|((f, epoch), members)| self.positions_or_why(f.shard, members, Some(*epoch), deadline)),
+        )
+        .await;
+        steps.done("fence");
+        // 3. Choose.
+        let chosen = futures::future::join_all(
+            fencing.iter().zip(fenced).map(|((f, _), (fenced, silent))| self.choose(f, fenced, silent)),
+        )
+        .await;
+        steps.done("choose");
+        let mut recording = Vec::with_capacity(fencing.len());
+        for ((f, epoch), chosen) in fencing.into_iter().zip(chosen) {
+            match chosen {
+                Ok(chosen) => recording.push((f, epoch, chosen)),
+                Err(e) => out.push((f.shard, Err(e))),
+            }
+        }
+        // 4. Record and promote.
+        let took_ms = started.elapsed().as_millis() as u64;
+        let recorded = self
+            .mutate(|s| {
+                Ok(recording
+                    .iter()
+                    .map(|(f, epoch, c)| record_leader(s, f, *epoch, c, took_ms))
+                    .collect::<Vec<Result<ShardRecord, CoordError>>>())
+            })
+            .await;
+        steps.done("record");
+        drop(slot);
+        let recorded = match recorded {
+            Ok(recorded) => recorded,
+            Err(e) => {
+                out.extend(recording.iter().map(|(f, _, _)| (f.shard, Err(e.again()))));
+                return out;
+            }
+        };
+        // 5. Assign the leaders, and the followers to repair and follow,
+        // all at once: a follower that asks before its leader took its role
+        // is told so and asks again a few ms later.
+        let assigning = recording.iter().zip(&recorded).filter_map(|((f, _, c), record)| {
+            let record = record.as_ref().ok()?;
+            Some(self.assign_leadership(f.shard, record, c.chosen.node))
+        });
+        futures::future::join_all(assigning).await;
+        steps.done("assign");
+        for ((f, epoch, c), record) in recording.into_iter().zip(recorded) {
+            let outcome = record.map(|_| {
+                self.metrics.failovers.with_label_values(&[&f.reason, "ok"]).inc();
+                self.metrics.failover_seconds.observe(started.elapsed().as_secs_f64());
+                for (step, took) in &steps.took {
+                    self.metrics.failover_step_seconds.with_label_values(&[step]).observe(took.as_secs_f64());
+                }
+                FailoverOutcome {
+                    shard: f.shard,
+                    preview: false,
+                    epoch,
+                    from: f.record.leader,
+                    to: Some(c.chosen.node),
+                    lost: c.chosen.would_lose,
+                    took_ms: started.elapsed().as_millis() as u64,
+                    unreachable: unreachable(&f.record, &c.answers),
+                    candidates: c.candidates,
+                    commit_seqno: c.commit,
+                }
+            });
+            out.push((f.shard, outcome));
+        }
+        out
+    }
+
+    /// Step 3 for one shard: its new leader, from the fence answers
+    /// (`fenced`; `silent` says why the others did not answer).
+    async fn choose(
+        &self,
+        f: &Failing<'_>,
+        fenced: Vec<FenceResponse>,
+        silent: Vec<String>,
+    ) -> Result<Chosen, CoordError> {
+        let (shard, record) = (f.shard, &f.record);
+        let voters = record.failover_voters();
+        let outcome_label = |o: &str| self.metrics.failovers.with_label_values(&[&f.reason, o]).inc();
+        let forced_without_majority = f.allow_loss && fenced.iter().any(|a| voters.contains(&a.node_id));
         for set in [&record.replicas, &record.joint].into_iter().filter(|s| !s.is_empty()) {
             let answered = fenced.iter().filter(|a| set.contains(&a.node_id)).count();
             if !failover::is_majority(answered, set.len()) && !forced_without_majority {
@@ -244,19 +417,17 @@ impl Coordinator {
                 return Err(CoordError::NoMajority { shard, answered, replicas: set.len(), silent: silent.join("; ") });
             }
         }
-        steps.done("fence");
         let answers: Vec<FenceResponse> = fenced.into_iter().filter(|a| voters.contains(&a.node_id)).collect();
-        // 3. Choose.
         let commit = answers.iter().map(|a| a.commit_seqno).fold(record.commit_floor, u64::max);
         let candidates = self.previews(shard, &answers, voters.len(), commit).await;
-        let chosen = match request.target {
+        let chosen = match f.target {
             Some(target) => candidates.iter().find(|c| c.node == target).ok_or(CoordError::Unreachable(target))?,
             None => {
                 let loses_acknowledged =
                     |c: &Candidate| candidates.iter().any(|p| p.node == c.node && p.would_lose_acknowledged.is_some());
                 let ranked: Vec<Candidate> = answers
                     .iter()
-                    .map(|a| Candidate { replaced: Some(a.node_id) == replaced, ..candidate(a) })
+                    .map(|a| Candidate { replaced: Some(a.node_id) == f.replaced, ..candidate(a) })
                     .collect();
                 let node = failover::promote(&ranked, loses_acknowledged).expect("answers are non-empty").node;
                 candidates.iter().find(|c| c.node == node).expect("every answer has a preview")
@@ -264,75 +435,123 @@ impl Coordinator {
         }
         .clone();
         if let Some((from, to)) = chosen.would_lose_acknowledged
-            && !request.allow_loss
+            && !f.allow_loss
         {
             outcome_label("refused");
             return Err(CoordError::WouldLose { node: chosen.node, from, to });
         }
-        steps.done("choose");
-        // 4. Record and promote.
-        let took_ms = started.elapsed().as_millis() as u64;
-        let reason_recorded = if request.allow_loss && chosen.would_lose.is_some() { "forced" } else { reason };
-        let record = self
-            .mutate(|s| {
-                let r = s.shard_mut(shard).ok_or(CoordError::UnknownShard(shard))?;
-                if r.epoch != epoch {
-                    return Err(CoordError::Busy(shard));
-                }
-                r.leader = Some(chosen.node);
-                r.commit_floor = r.commit_floor.max(commit);
-                if !r.joint.is_empty() {
-                    tracing::warn!(shard, epoch, from = ?r.replicas, back_to = ?r.joint, "a failover during a replica change: back to the replica set before it");
-                    r.replicas = std::mem::take(&mut r.joint);
-                    r.members_version += 1;
-                }
-                let updated = r.clone();
-                s.record_failover(FailoverRecord {
-                    shard,
-                    epoch,
-                    from: previous_leader,
-                    to: chosen.node,
-                    reason: reason_recorded.to_string(),
-                    at_unix_ms: now_ms(),
-                    took_ms,
-                    lost: chosen.would_lose,
-                });
-                Ok(updated)
-            })
-            .await?;
-        steps.done("record");
-        drop(slot);
-        // 5. Assign the leader, and the followers to repair and follow, all
-        // at once: a follower that asks before the leader took its role is
-        // told so and asks again a few ms later.
+        Ok(Chosen { chosen, candidates, commit, answers })
+    }
+
+    /// Step 5 for one shard: assigns `record` (led by `leader`) to every
+    /// member at once.
+    async fn assign_leadership(&self, shard: u32, record: &ShardRecord, leader: NodeId) {
         let members = record.members();
-        let taken =
-            futures::future::join_all(members.iter().map(|&r| self.assign(shard, &record, chosen.node, r))).await;
-        if members.iter().zip(taken).any(|(&r, taken)| r == chosen.node && !taken) {
-            tracing::warn!(
-                shard,
-                leader = chosen.node,
-                "the new leader did not take the assignment yet; reconciliation retries"
-            );
+        let taken = futures::future::join_all(members.iter().map(|&r| self.assign(shard, record, leader, r))).await;
+        if members.iter().zip(taken).any(|(&r, taken)| r == leader && !taken) {
+            tracing::warn!(shard, leader, "the new leader did not take the assignment yet; reconciliation retries");
         }
-        steps.done("assign");
-        outcome_label("ok");
-        self.metrics.failover_seconds.observe(started.elapsed().as_secs_f64());
-        for (step, took) in steps.took {
-            self.metrics.failover_step_seconds.with_label_values(&[step]).observe(took.as_secs_f64());
+    }
+}
+
+/// A shard the reconcile loop found without a working leader.
+pub(super) struct Lost {
+    pub(super) shard: u32,
+    /// Why (recorded with the failover): `automatic`, `leader_unreachable`,
+    /// `disk_full`, `corruption`.
+    pub(super) reason: &'static str,
+    /// The recorded leader being replaced, if any.
+    pub(super) replaced: Option<NodeId>,
+}
+
+/// One shard's part in a failover, its lock held until the failover ends
+/// (one failover of a shard at a time).
+struct Failing<'a> {
+    shard: u32,
+    /// Replica to promote; none: the best one.
+    target: Option<NodeId>,
+    allow_loss: bool,
+    reason: String,
+    replaced: Option<NodeId>,
+    /// The shard's record when its lock was taken.
+    record: Arc<ShardRecord>,
+    _guard: tokio::sync::MutexGuard<'a, ()>,
+}
+
+/// The replica step 3 chose, and what it was chosen from.
+struct Chosen {
+    chosen: CandidatePreview,
+    candidates: Vec<CandidatePreview>,
+    commit: u64,
+    /// The voters that answered the fence.
+    answers: Vec<FenceResponse>,
+}
+
+/// Step 4 for one shard: records `c`'s replica as the leader of `epoch`
+/// unless another failover raised the epoch since. Changes nothing when it
+/// fails.
+fn record_leader(
+    s: &mut ClusterState,
+    f: &Failing<'_>,
+    epoch: u64,
+    c: &Chosen,
+    took_ms: u64,
+) -> Result<ShardRecord, CoordError> {
+    let r = s.shard_mut(f.shard).ok_or(CoordError::UnknownShard(f.shard))?;
+    if r.epoch != epoch {
+        return Err(CoordError::Busy(f.shard));
+    }
+    r.leader = Some(c.chosen.node);
+    r.commit_floor = r.commit_floor.max(c.commit);
+    if !r.joint.is_empty() {
+        tracing::warn!(shard = f.shard, epoch, from = ?r.replicas, back_to = ?r.joint, "a failover during a replica change: back to the replica set before it");
+        r.replicas = std::mem::take(&mut r.joint);
+        r.members_version += 1;
+    }
+    let updated = r.clone();
+    let reason = if f.allow_loss && c.chosen.would_lose.is_some() { "forced" } else { &f.reason };
+    s.record_failover(FailoverRecord {
+        shard: f.shard,
+        epoch,
+        from: f.record.leader,
+        to: c.chosen.node,
+        reason: reason.to_string(),
+        at_unix_ms: now_ms(),
+        took_ms,
+        lost: c.chosen.would_lose,
+    });
+    Ok(updated)
+}
+
+/// The voters of `record` that are not among `answers`.
+fn unreachable(record: &ShardRecord, answers: &[FenceResponse]) -> Vec<NodeId> {
+    record.voters().into_iter().filter(|r| !answers.iter().any(|a| a.node_id == *r)).collect()
+}
+
+/// How long a replica's position or a lone fence may take.
+const ANSWER_DEADLINE: Duration = Duration::from_millis(500);
+
+/// How long the fences of a failover of `shards` shards may take: a lone
+/// one [`ANSWER_DEADLINE`], a bulk one more, as a node makes each fence
+/// durable and answers where its log ends (a node fenced about two shards
+/// per ms here while failing over thousands), at most [`MAX_FENCE_DEADLINE`].
+fn fence_deadline(shards: usize) -> Duration {
+    (ANSWER_DEADLINE + Duration::from_micros(500 * shards as u64)).min(MAX_FENCE_DEADLINE)
+}
+
+/// The longest a bulk failover's fences may take (a batch call's own
+/// deadline, `batch.rs`, is not shorter).
+pub(super) const MAX_FENCE_DEADLINE: Duration = Duration::from_secs(5);
+
+impl CoordError {
+    /// A batch-wide failure (a KV write carrying every shard's change) as
+    /// one more shard's own error.
+    fn again(&self) -> CoordError {
+        match self {
+            CoordError::NotActive => CoordError::NotActive,
+            CoordError::Kv(KvError::Unavailable(e)) => CoordError::Kv(KvError::Unavailable(e.clone())),
+            other => CoordError::Kv(KvError::Unavailable(other.to_string())),
         }
-        Ok(FailoverOutcome {
-            shard,
-            preview: false,
-            epoch,
-            from: previous_leader,
-            to: Some(chosen.node),
-            lost: chosen.would_lose,
-            took_ms: started.elapsed().as_millis() as u64,
-            unreachable: unreachable(&answers),
-            candidates,
-            commit_seqno: commit,
-        })
     }
 }
 
@@ -352,5 +571,24 @@ impl Steps {
         let now = Instant::now();
         self.took.push((name, now - self.last));
         self.last = now;
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_bulk_failover_waits_longer_for_its_fences_up_to_a_bound() {
+        assert_eq!(fence_deadline(1), ANSWER_DEADLINE + Duration::from_micros(500));
+        assert!(fence_deadline(2_000) > fence_deadline(100));
+        assert_eq!(fence_deadline(100_000), MAX_FENCE_DEADLINE);
+    }
+
+    #[test]
+    fn a_batch_failure_is_each_shards_own() {
+        assert!(matches!(CoordError::NotActive.again(), CoordError::NotActive));
+        let kv = CoordError::Kv(KvError::Unavailable("disk gone".into()));
+        assert_eq!(kv.again().to_string(), kv.to_string());
     }
 }

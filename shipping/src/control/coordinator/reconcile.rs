@@ -10,6 +10,7 @@ use std::time::{Duration, Instant};
 
 use walship_proto::log::AssignRequest;
 
+use super::promote::Lost;
 use super::*;
 use crate::control::liveness::{self, FollowerReport};
 
@@ -31,17 +32,24 @@ pub(crate) struct Pending {
     full_cost: Duration,
 }
 
-/// Automatic failovers run at once, the rest queued. Their record writes
-/// are batched (`write.rs`), their fences and assignments reach each node
-/// as a few FenceMany / AssignMany calls (`batch.rs`), and a node makes the
-/// epochs raised meanwhile durable with one fsync (the WAL's group commit
-/// of epoch raises). The bound keeps the fences one dead node's shards need
-/// from flooding the surviving nodes: on two cores at 10,000 shards, 256
-/// or 1,024 at once starve the nodes past the fence deadline, and failovers
-/// refused for want of a majority back off and start over (slower start-up
-/// and failover than 64; ops/bench/RESULTS.md). A failover holds its place
-/// until its new leader is recorded; its assignments then go on without it.
-pub(crate) const AUTOMATIC_FAILOVERS_AT_ONCE: usize = 64;
+/// Bulk failovers running at once. The reconcile loop queues every shard
+/// it finds without a working leader; a bulk failover takes all the queued
+/// shards (at most [`BULK_FAILOVER_SHARDS`]) and fails them over together
+/// (`promote.rs`): one KV write raises their epochs, their fences reach
+/// each node as a few FenceMany calls (`batch.rs`), each node makes the
+/// epochs durable with one fsync (the WAL's group commit of epoch raises),
+/// and one KV write records the new leaders. Shards found lost meanwhile
+/// queue for the next bulk, which starts as soon as one of these has
+/// recorded its leaders (its assignments go on without its slot).
+pub(crate) const BULK_FAILOVERS_AT_ONCE: usize = 2;
+
+/// The most shards one bulk failover takes. Bulks of 4,096 (everything
+/// one node of a 10,000-shard cluster leads) started thousands of
+/// leaderships at once during a start-up on two cores: the nodes starved
+/// past CheckQuorum's lease, leaders stepped down by the thousand and the
+/// cluster churned for minutes. Bulks of 512, two at a time, keep the
+/// nodes answering (ops/bench/RESULTS.md, "Bulk failover").
+pub(crate) const BULK_FAILOVER_SHARDS: usize = 512;
 
 /// Assignments the reconcile loop has in flight at once, the rest queued.
 pub(crate) const ASSIGNMENTS_AT_ONCE: usize = 128;
@@ -125,6 +133,7 @@ impl Coordinator {
         let timeout = Duration::from_millis(self.config.replication.leader_timeout_ms);
         // Shards to look at again next round: something is under way.
         let mut again = Vec::new();
+        let mut queued_lost = false;
         for (shard, record) in &records {
             let (shard, record) = (*shard, record);
             let unhealthy = self.leader_unhealthy(shard, record, timeout);
@@ -157,29 +166,12 @@ impl Coordinator {
                 again.push(shard);
             }
             if lost && !backing_off && self.failing_over.lock().insert(shard) {
-                let me = self.clone();
                 if unhealthy.is_some() || unheard {
                     self.retry_after.lock().insert(shard, Instant::now() + DISK_FULL_BACKOFF);
                 }
                 let reason = unhealthy.or(unheard.then_some("leader_unreachable")).unwrap_or("automatic");
-                let replaced = record.leader;
-                tokio::spawn(async move {
-                    let slot = me.failover_slots.acquire().await.ok();
-                    let outcome =
-                        me.failover_replacing(shard, FailoverRequest::default(), reason, replaced, slot).await;
-                    me.failing_over.lock().remove(&shard);
-                    match outcome {
-                        Err(e @ CoordError::NoMajority { .. }) => {
-                            me.retry_after.lock().insert(shard, Instant::now() + NO_MAJORITY_BACKOFF);
-                            me.log_no_majority(shard, &e);
-                        }
-                        Ok(outcome) => {
-                            tracing::info!(shard, to = ?outcome.to, epoch = outcome.epoch, took_ms = outcome.took_ms, "automatic failover")
-                        }
-                        Err(CoordError::Busy(_)) => {}
-                        Err(e) => tracing::warn!(shard, error = %e, "automatic failover"),
-                    }
-                });
+                self.lost.lock().push(Lost { shard, reason, replaced: record.leader });
+                queued_lost = true;
                 continue;
             }
             let Some(leader) = record.leader else { continue };
@@ -234,10 +226,56 @@ impl Coordinator {
                 again.push(shard);
             }
         }
+        if queued_lost {
+            tokio::spawn(self.clone().fail_over_lost());
+        }
         let mut pending = self.pending.lock();
         pending.shards.extend(again);
         if full {
             pending.full_cost = started.elapsed();
+        }
+    }
+
+    /// Fails over the shards queued as lost, a bulk at a time (see
+    /// [`BULK_FAILOVERS_AT_ONCE`]), until none is queued.
+    async fn fail_over_lost(self: Arc<Self>) {
+        loop {
+            let Ok(slot) = self.failover_slots.acquire().await else { return };
+            let lost: Vec<Lost> = {
+                let mut queue = self.lost.lock();
+                let take = queue.len().min(BULK_FAILOVER_SHARDS);
+                queue.drain(..take).collect()
+            };
+            if lost.is_empty() {
+                return;
+            }
+            let bulk = lost.len();
+            self.metrics.bulk_failover_shards.observe(bulk as f64);
+            let started = Instant::now();
+            let outcomes = self.failover_lost(lost, Some(slot)).await;
+            let failed_over = outcomes.iter().filter(|(_, o)| o.is_ok()).count();
+            if bulk > 1 {
+                tracing::info!(
+                    shards = bulk,
+                    failed_over,
+                    took_ms = started.elapsed().as_millis() as u64,
+                    "bulk failover"
+                );
+            }
+            for (shard, outcome) in outcomes {
+                self.failing_over.lock().remove(&shard);
+                match outcome {
+                    Err(e @ CoordError::NoMajority { .. }) => {
+                        self.retry_after.lock().insert(shard, Instant::now() + NO_MAJORITY_BACKOFF);
+                        self.log_no_majority(shard, &e);
+                    }
+                    Ok(outcome) => {
+                        tracing::info!(shard, to = ?outcome.to, epoch = outcome.epoch, took_ms = outcome.took_ms, "automatic failover")
+                    }
+                    Err(CoordError::Busy(_)) => {}
+                    Err(e) => tracing::warn!(shard, error = %e, "automatic failover"),
+                }
+            }
         }
     }
 
