@@ -133,6 +133,11 @@ struct LaneState<Q: Batched> {
 impl<Q: Batched> Lane<Q> {
     /// Sends whatever waits, batch after batch, until nothing does.
     async fn drain(self: Arc<Self>) {
+        // Callers pushing many items in one go (a bulk failover's fences)
+        // finish before the first batch is cut: without this yield a
+        // drainer started on another worker took the first two or three
+        // items alone, and a bulk went as dozens of tiny calls.
+        tokio::task::yield_now().await;
         loop {
             let (batch, singles) = {
                 let mut state = self.state.lock();
