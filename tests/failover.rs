@@ -398,3 +398,100 @@ async fn a_leader_that_lost_shipped_records_never_leads_their_epoch_again() {
     );
     assert!(epoch >= 2, "the restarted leader must not have led epoch 1 again");
 }
+
+/// A bulk failover decides each shard on its own. Node 1 leads eight
+/// shards and dies with node 2: the four whose replicas are {1, 3, 4}
+/// still have a majority and fail over to node 3 or 4 with every
+/// acknowledged record; the four whose replicas are {1, 2, 3} have one
+/// replica of three and get no leader, in the same bulks. Once node 2 is
+/// back, they fail over too, with theirs.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_bulk_failover_fails_each_shard_over_or_refuses_it_on_its_own() {
+    let stranded = [1u32, 2, 3, 4];
+    let movable = [5u32, 6, 7, 8];
+    let spec = common::ClusterSpec {
+        nodes: 4,
+        shards: 8,
+        coordinators: 1,
+        replication: FAST,
+        shard_replicas: (1..=8)
+            .map(|s| (s, if stranded.contains(&s) { vec![1, 2, 3] } else { vec![1, 3, 4] }))
+            .collect(),
+        ..common::ClusterSpec::default()
+    };
+    let mut cluster = Cluster::launch(&spec);
+    // Polled in this task (no helper that blocks inside a closure).
+    let deadline = std::time::Instant::now() + WAIT;
+    for shard in 1..=8 {
+        while !(cluster.leader_of(1, shard).await.is_some_and(|(l, _)| l == 1) && cluster.leads(1, shard).await) {
+            assert!(std::time::Instant::now() < deadline, "shard {shard} led by node 1");
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+    }
+    let mut leader = client(&cluster.node(1).grpc.clone()).await.unwrap();
+    let payload = |shard: u32, i: u32| Bytes::from(format!("shard {shard} record {i}"));
+    for shard in 1..=8 {
+        let records = (1..=3).map(|i| AppendRecord { key: Bytes::new(), payload: payload(shard, i) }).collect();
+        let request =
+            AppendRequest { shard_id: shard, records, durability: Durability::All as i32, ..Default::default() };
+        let r = leader.append(request).await.unwrap().into_inner();
+        assert_eq!(r.first_seqno, 1);
+    }
+    let coord_admin = cluster.coordinator(1).admin.clone();
+    let bulks_before = common::metric(&coord_admin, "walship_bulk_failover_shards_count ").await;
+    cluster.node(1).kill9();
+    cluster.node(2).kill9();
+
+    let deadline = std::time::Instant::now() + WAIT;
+    for shard in movable {
+        while !cluster.leader_of(1, shard).await.is_some_and(|(l, epoch)| (l == 3 || l == 4) && epoch > 1) {
+            assert!(std::time::Instant::now() < deadline, "shard {shard} led by node 3 or 4");
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+    }
+    let no_majority = "walship_failovers_total{outcome=\"no_majority\",reason=\"automatic\"} ";
+    while common::metric(&coord_admin, no_majority).await < stranded.len() as f64 {
+        assert!(std::time::Instant::now() < deadline, "shards 1-4 refused for want of a majority");
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    for shard in stranded {
+        let (code, record) = cluster.coord_get(1, &format!("/v1/shards/{shard}")).await;
+        assert_eq!(code, 200);
+        assert!(record["leader"].is_null(), "shard {shard} has one replica of three and no leader: {record}");
+    }
+    // The eight shards were lost together: some bulk took more than one.
+    let total = common::metric(&coord_admin, "walship_bulk_failover_shards_count ").await;
+    let alone = common::metric(&coord_admin, "walship_bulk_failover_shards_bucket{le=\"1\"} ").await;
+    assert!(
+        total > bulks_before && alone < total,
+        "{} bulks since the kill, {alone} of {total} with one shard",
+        total - bulks_before
+    );
+    for shard in movable {
+        let (node, _) = cluster.leader_of(1, shard).await.unwrap();
+        while cluster.status(node).await.is_none_or(|s| entry(&s, shard)["commit_seqno"].as_u64().unwrap_or(0) < 3) {
+            assert!(std::time::Instant::now() < deadline, "shard {shard}'s new leader, node {node}, committing 3");
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+        let records = read_all(&cluster.node(node).grpc.clone(), shard, 3).await;
+        let payloads: Vec<Bytes> = records.iter().map(|r| r.payload.clone()).collect();
+        assert_eq!(payloads, (1..=3).map(|i| payload(shard, i)).collect::<Vec<_>>(), "shard {shard} on node {node}");
+    }
+
+    cluster.restart(2);
+    let deadline = std::time::Instant::now() + WAIT;
+    for shard in stranded {
+        while !cluster.leader_of(1, shard).await.is_some_and(|(l, _)| l == 2 || l == 3) {
+            assert!(std::time::Instant::now() < deadline, "shard {shard} led by node 2 or 3");
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+        let (node, _) = cluster.leader_of(1, shard).await.unwrap();
+        while cluster.status(node).await.is_none_or(|s| entry(&s, shard)["commit_seqno"].as_u64().unwrap_or(0) < 3) {
+            assert!(std::time::Instant::now() < deadline, "shard {shard}'s new leader, node {node}, committing 3");
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+        let records = read_all(&cluster.node(node).grpc.clone(), shard, 3).await;
+        let payloads: Vec<Bytes> = records.iter().map(|r| r.payload.clone()).collect();
+        assert_eq!(payloads, (1..=3).map(|i| payload(shard, i)).collect::<Vec<_>>(), "shard {shard} on node {node}");
+    }
+}
