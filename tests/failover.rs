@@ -424,8 +424,7 @@ async fn a_bulk_failover_fails_each_shard_over_or_refuses_it_on_its_own() {
     let deadline = std::time::Instant::now() + WAIT;
     for shard in 1..=8 {
         while !(cluster.leader_of(1, shard).await.is_some_and(|(l, _)| l == 1) && cluster.leads(1, shard).await) {
-            assert!(std::time::Instant::now() < deadline, "shard {shard} led by node 1");
-            tokio::time::sleep(Duration::from_millis(100)).await;
+            poll_again(deadline, &format!("shard {shard} led by node 1")).await;
         }
     }
     let mut leader = client(&cluster.node(1).grpc.clone()).await.unwrap();
@@ -445,14 +444,12 @@ async fn a_bulk_failover_fails_each_shard_over_or_refuses_it_on_its_own() {
     let deadline = std::time::Instant::now() + WAIT;
     for shard in movable {
         while !cluster.leader_of(1, shard).await.is_some_and(|(l, epoch)| (l == 3 || l == 4) && epoch > 1) {
-            assert!(std::time::Instant::now() < deadline, "shard {shard} led by node 3 or 4");
-            tokio::time::sleep(Duration::from_millis(100)).await;
+            poll_again(deadline, &format!("shard {shard} led by node 3 or 4")).await;
         }
     }
     let no_majority = "walship_failovers_total{outcome=\"no_majority\",reason=\"automatic\"} ";
     while common::metric(&coord_admin, no_majority).await < stranded.len() as f64 {
-        assert!(std::time::Instant::now() < deadline, "shards 1-4 refused for want of a majority");
-        tokio::time::sleep(Duration::from_millis(100)).await;
+        poll_again(deadline, "shards 1-4 refused for want of a majority").await;
     }
     for shard in stranded {
         let (code, record) = cluster.coord_get(1, &format!("/v1/shards/{shard}")).await;
@@ -468,30 +465,40 @@ async fn a_bulk_failover_fails_each_shard_over_or_refuses_it_on_its_own() {
         total - bulks_before
     );
     for shard in movable {
-        let (node, _) = cluster.leader_of(1, shard).await.unwrap();
-        while cluster.status(node).await.is_none_or(|s| entry(&s, shard)["commit_seqno"].as_u64().unwrap_or(0) < 3) {
-            assert!(std::time::Instant::now() < deadline, "shard {shard}'s new leader, node {node}, committing 3");
-            tokio::time::sleep(Duration::from_millis(100)).await;
-        }
-        let records = read_all(&cluster.node(node).grpc.clone(), shard, 3).await;
-        let payloads: Vec<Bytes> = records.iter().map(|r| r.payload.clone()).collect();
-        assert_eq!(payloads, (1..=3).map(|i| payload(shard, i)).collect::<Vec<_>>(), "shard {shard} on node {node}");
+        assert_records_on_leader(&mut cluster, shard, (1..=3).map(|i| payload(shard, i)).collect(), deadline).await;
     }
 
     cluster.restart(2);
     let deadline = std::time::Instant::now() + WAIT;
     for shard in stranded {
         while !cluster.leader_of(1, shard).await.is_some_and(|(l, _)| l == 2 || l == 3) {
-            assert!(std::time::Instant::now() < deadline, "shard {shard} led by node 2 or 3");
-            tokio::time::sleep(Duration::from_millis(100)).await;
+            poll_again(deadline, &format!("shard {shard} led by node 2 or 3")).await;
         }
-        let (node, _) = cluster.leader_of(1, shard).await.unwrap();
-        while cluster.status(node).await.is_none_or(|s| entry(&s, shard)["commit_seqno"].as_u64().unwrap_or(0) < 3) {
-            assert!(std::time::Instant::now() < deadline, "shard {shard}'s new leader, node {node}, committing 3");
-            tokio::time::sleep(Duration::from_millis(100)).await;
-        }
-        let records = read_all(&cluster.node(node).grpc.clone(), shard, 3).await;
-        let payloads: Vec<Bytes> = records.iter().map(|r| r.payload.clone()).collect();
-        assert_eq!(payloads, (1..=3).map(|i| payload(shard, i)).collect::<Vec<_>>(), "shard {shard} on node {node}");
+        assert_records_on_leader(&mut cluster, shard, (1..=3).map(|i| payload(shard, i)).collect(), deadline).await;
     }
+}
+
+/// One more poll of a condition before `deadline`, after a pause; past it,
+/// a failure naming `what` was waited for.
+async fn poll_again(deadline: std::time::Instant, what: &str) {
+    assert!(std::time::Instant::now() < deadline, "{what}");
+    tokio::time::sleep(Duration::from_millis(100)).await;
+}
+
+/// Waits (until `deadline`) for the recorded leader of `shard` to commit
+/// every record of `expected`, then reads them back from it.
+async fn assert_records_on_leader(
+    cluster: &mut Cluster,
+    shard: u32,
+    expected: Vec<Bytes>,
+    deadline: std::time::Instant,
+) {
+    let (node, _) = cluster.leader_of(1, shard).await.unwrap();
+    let count = expected.len() as u64;
+    while cluster.status(node).await.is_none_or(|s| entry(&s, shard)["commit_seqno"].as_u64().unwrap_or(0) < count) {
+        poll_again(deadline, &format!("shard {shard}'s new leader, node {node}, committing {count}")).await;
+    }
+    let records = read_all(&cluster.node(node).grpc.clone(), shard, count).await;
+    let payloads: Vec<Bytes> = records.iter().map(|r| r.payload.clone()).collect();
+    assert_eq!(payloads, expected, "shard {shard} on node {node}");
 }

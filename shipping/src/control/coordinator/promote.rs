@@ -241,7 +241,7 @@ impl Coordinator {
     /// running is answered [`CoordError::Busy`]. `slot` (the bulk's place
     /// among those running at once) is given back once the new leaders are
     /// recorded.
-    pub(super) async fn failover_lost(
+    pub(super) async fn failover_bulk(
         &self,
         lost: Vec<Lost>,
         slot: Option<tokio::sync::SemaphorePermit<'_>>,

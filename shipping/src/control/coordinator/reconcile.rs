@@ -252,7 +252,7 @@ impl Coordinator {
             let bulk = lost.len();
             self.metrics.bulk_failover_shards.observe(bulk as f64);
             let started = Instant::now();
-            let outcomes = self.failover_lost(lost, Some(slot)).await;
+            let outcomes = self.failover_bulk(lost, Some(slot)).await;
             let failed_over = outcomes.iter().filter(|(_, o)| o.is_ok()).count();
             if bulk > 1 {
                 tracing::info!(
