@@ -106,16 +106,8 @@ async fn stopped_old_leader_cannot_commit_and_its_tail_is_truncated() {
     }
     // An unacknowledged tail on the leader alone: its followers are paused,
     // so these QUORUM appends are written and fsynced on node 1 and time out.
-    let mut controls = Vec::new();
     for id in [2, 3] {
-        let channel = tonic::transport::Endpoint::from_shared(format!("http://{}", cluster.node(id).grpc))
-            .unwrap()
-            .connect()
-            .await
-            .unwrap();
-        let mut control = ControlClient::new(common::as_member(channel));
-        control.pause(PauseRequest { shard_id: 1, paused: true }).await.unwrap();
-        controls.push(control);
+        common::pause_shard(&cluster.node(id).grpc, 1, true).await;
     }
     for text in ["tail-1", "tail-2"] {
         let mut request = tonic::Request::new(append(text));
@@ -130,8 +122,8 @@ async fn stopped_old_leader_cannot_commit_and_its_tail_is_truncated() {
     })
     .await;
     let (new_leader, epoch) = cluster.leader_of(1, 1).await.unwrap();
-    for control in &mut controls {
-        control.pause(PauseRequest { shard_id: 1, paused: false }).await.unwrap();
+    for id in [2, 3] {
+        common::pause_shard(&cluster.node(id).grpc, 1, false).await;
     }
     let mut new = client(&cluster.node(new_leader).grpc.clone()).await.unwrap();
     wait_until("the new leader to accept appends", WAIT, || {

@@ -10,7 +10,12 @@
 //!   of the whole cluster that the follower stays down through: the
 //!   commit every process knew is gone, so the record counts as
 //!   acknowledged because it may be on a majority, and the follower that
-//!   lacks it is not promoted over the old leader that holds it.
+//!   lacks it is not promoted over the old leader that holds it;
+//! * a leader whose own followers stop answering its shard while their
+//!   nodes keep answering another shard it leads does not step down
+//!   (CheckQuorum steps down for a cut node, not a lagging shard): it
+//!   acknowledges nothing meanwhile, and the same leadership acknowledges
+//!   again once they answer.
 
 mod common;
 
@@ -60,6 +65,23 @@ async fn append(
         ..Default::default()
     };
     log.append(request).await.unwrap_or_else(|s| panic!("append {payload}: {s}")).into_inner().last_seqno
+}
+
+/// Appends one record, giving up after 2 s: the leader's answer.
+async fn try_append(
+    log: &mut LogClient<tonic::transport::Channel>,
+    shard: u32,
+    payload: &str,
+    durability: Durability,
+) -> Result<tonic::Response<walship_proto::log::AppendResponse>, tonic::Status> {
+    let mut request = tonic::Request::new(AppendRequest {
+        shard_id: shard,
+        records: vec![AppendRecord { key: Bytes::new(), payload: Bytes::from(payload.to_string()) }],
+        durability: durability as i32,
+        ..Default::default()
+    });
+    request.set_timeout(Duration::from_secs(2));
+    log.append(request).await
 }
 
 /// Appends QUORUM records to both shards, stops every node with `signal`,
@@ -224,4 +246,68 @@ async fn a_leader_frozen_past_the_failure_timeout_acknowledges_nothing_once_resu
     for (seqno, payload) in expected {
         assert_eq!(records[seqno as usize - 1].payload, payload, "seqno {seqno}");
     }
+}
+
+/// Both followers of shard 1 are paused (they refuse its shipments) while
+/// their nodes keep answering the same leader's traffic for shard 2: shard
+/// 1's lease lapses, so its leader acknowledges nothing, not even LOCAL, but
+/// it does not step down (the nodes of a majority answer it) and the
+/// coordinator does not fail it over (its followers still hear its node).
+/// Resumed, they answer again and the same leadership acknowledges.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_leader_whose_follower_nodes_still_answer_waits_instead_of_stepping_down() {
+    let mut cluster = Cluster::start_with(3, 2, 1, FAST, None);
+    let (leader, _) = wait_new_leader(&mut cluster, 1, None).await;
+    let (other, _) = wait_new_leader(&mut cluster, 2, None).await;
+    if other != leader {
+        let target = format!(r#"{{"target": {leader}}}"#);
+        let (code, body) = cluster.coord_post(1, "/v1/shards/2/failover", &target, Some(common::TOKEN)).await;
+        assert_eq!(code, 200, "{body}");
+        let deadline = Instant::now() + WAIT;
+        while !cluster.status(leader).await.is_some_and(|s| entry(&s, 2)["role"] == "leader") {
+            assert!(Instant::now() < deadline, "shard 2 never moved to node {leader}");
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+    }
+    let (_, epoch) = cluster.leader_of(1, 1).await.unwrap();
+    let mut log = cluster.node(leader).client().await;
+    append(&mut log, 1, "before", Durability::Quorum).await;
+    append(&mut log, 2, "before", Durability::Quorum).await;
+
+    let followers: Vec<u32> = (1..=3).filter(|&n| n != leader).collect();
+    for &f in &followers {
+        common::pause_shard(&cluster.node(f).grpc, 1, true).await;
+    }
+    // Twice the replication timeout (1 s here) and more: a leader judged by
+    // its own shard's contact would have stepped down by now. Shard 2's
+    // QUORUM appends meanwhile prove the nodes still answer this leader.
+    let paused_at = Instant::now();
+    while paused_at.elapsed() < Duration::from_secs(4) {
+        append(&mut log, 2, "meanwhile", Durability::Quorum).await;
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    let admin = cluster.node(leader).admin.clone();
+    let held = common::metric(&admin, "walship_check_quorum_total{outcome=\"held\"}").await;
+    let stepped = common::metric(&admin, "walship_check_quorum_total{outcome=\"stepped_down\"}").await;
+    assert!(held >= 1.0, "the lapsed lease was never held for answering nodes (held {held})");
+    assert_eq!(stepped, 0.0, "a leader stepped down although its followers' nodes answered");
+    let status = cluster.status(leader).await.unwrap();
+    assert_eq!(entry(&status, 1)["role"], "leader", "{status}");
+    assert_eq!(cluster.leader_of(1, 1).await, Some((leader, epoch)), "shard 1 was failed over");
+    // Its lease lapsed: nothing is acknowledged, LOCAL included.
+    let outcome = try_append(&mut log, 1, "lapsed", Durability::Local).await;
+    assert!(outcome.is_err(), "a leader without its lease acknowledged a LOCAL append: {outcome:?}");
+
+    for &f in &followers {
+        common::pause_shard(&cluster.node(f).grpc, 1, false).await;
+    }
+    let deadline = Instant::now() + WAIT;
+    loop {
+        if try_append(&mut log, 1, "after", Durability::Quorum).await.is_ok() {
+            break;
+        }
+        assert!(Instant::now() < deadline, "the leader never acknowledged again after its followers resumed");
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    assert_eq!(cluster.leader_of(1, 1).await, Some((leader, epoch)), "the same leadership acknowledges again");
 }

@@ -43,6 +43,8 @@ pub struct ReplicationMetrics {
     pub quiet_refused: IntCounter,
     /// Leader side: (shard, follower) pairs quiet now.
     pub quiet_pairs: IntGauge,
+    /// Leader side: leases lapsed past CheckQuorum's grace, by outcome.
+    pub check_quorum: IntCounterVec,
 }
 
 /// `walship_grpc_undecodable_messages_total`: the process-wide count kept by
@@ -226,6 +228,16 @@ impl ReplicationMetrics {
                 IntGauge::new(
                     "walship_quiet_followers",
                     "(shard, follower) pairs this node leads that are quiet: no per-shard keepalives",
+                )?,
+            )?,
+            check_quorum: register(
+                registry,
+                IntCounterVec::new(
+                    Opts::new(
+                        "walship_check_quorum_total",
+                        "Leaderships whose lease lapsed past CheckQuorum's grace, by outcome (stepped_down, held)",
+                    ),
+                    &["outcome"],
                 )?,
             )?,
             disk_bytes: register(

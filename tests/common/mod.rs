@@ -252,6 +252,16 @@ pub fn as_member(channel: Channel) -> Member {
     InterceptedService::new(channel, ClusterSecret::new(SECRET).unwrap().credentials())
 }
 
+/// Pauses (or resumes) `shard` on the node serving gRPC at `grpc`, calling
+/// as a member of the cluster (drills' hook; nodes run with
+/// `--allow-crash-drills`).
+pub async fn pause_shard(grpc: &str, shard: u32, paused: bool) {
+    use walship_proto::log::PauseRequest;
+    use walship_proto::log::control_client::ControlClient;
+    let channel = Endpoint::from_shared(format!("http://{grpc}")).unwrap().connect().await.unwrap();
+    ControlClient::new(as_member(channel)).pause(PauseRequest { shard_id: shard, paused }).await.unwrap();
+}
+
 /// A `walship coord` child process. Killed (SIGKILL) on drop.
 pub struct CoordProcess {
     pub child: Child,

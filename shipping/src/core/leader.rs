@@ -613,6 +613,31 @@ impl LeaderCore {
         self.voters().filter(|p| p.last_reply_us.is_some()).count() >= replicas / 2
     }
 
+    /// Whether the nodes of a majority of the replica set (counting the
+    /// leader's own) still answer this node: `node_answered` gives, per
+    /// follower node, when the newest request of any kind it answered was
+    /// sent (any shard's shipment, a node keepalive), and a voter counts if
+    /// that is at or after `since_us`.
+    ///
+    /// CheckQuorum asks it before stepping down. Crashes and partitions cut
+    /// nodes, not shards: while a majority's nodes answer, a lapsed lease is
+    /// this shard's own delay (its shipper starved on a saturated node, a
+    /// follower still repairing) and the leader keeps waiting, acknowledging
+    /// nothing (the lease still gates every acknowledgement). Stepping down
+    /// then would only hand the shard over, and on a node that leads
+    /// thousands of shards, hand them all over at once: the work of those
+    /// failovers starved the nodes further and the cluster churned.
+    pub fn nodes_reach_majority(&self, node_answered: impl Fn(NodeId) -> Option<u64>, since_us: u64) -> bool {
+        let replicas = self.voters().count() + 1;
+        let reached = self
+            .followers
+            .keys()
+            .filter(|n| !self.learners.contains(n) && !self.old_only.contains(n))
+            .filter(|&&n| node_answered(n).is_some_and(|at| at >= since_us))
+            .count();
+        reached + 1 > replicas / 2
+    }
+
     /// Whether the lease holds at `now_us` (see [`LeaderCore::lease_until`]).
     pub fn lease_holds(&self, now_us: u64) -> bool {
         self.lease_until().is_none_or(|until| now_us < until)

@@ -608,3 +608,20 @@ fn quiet_followers_hold_the_lease_only_as_a_majority_of_voters() {
     assert!(five.lease_held_by([2, 4].into_iter()));
     assert!(leader().lease_held_by(std::iter::empty()), "no lease, nothing to hold");
 }
+
+#[test]
+fn a_majority_of_nodes_answering_anything_keeps_a_lapsed_leader_waiting() {
+    let core = leased(&[2, 3]);
+    let answered = |at: &'static [(NodeId, u64)]| move |n: NodeId| at.iter().find(|(m, _)| *m == n).map(|(_, t)| *t);
+    assert!(!core.nodes_reach_majority(answered(&[]), 5_000), "no node answered: cut off, step down");
+    assert!(core.nodes_reach_majority(answered(&[(3, 5_000)]), 5_000), "one follower node of two answers: a majority");
+    assert!(!core.nodes_reach_majority(answered(&[(2, 4_999), (3, 1_000)]), 5_000), "answers older than the window");
+    let five = leased(&[2, 3, 4, 5]);
+    assert!(!five.nodes_reach_majority(answered(&[(2, 9_000)]), 5_000), "two of five is no majority");
+    assert!(five.nodes_reach_majority(answered(&[(2, 9_000), (5, 6_000)]), 5_000), "three of five");
+    // A learner's node answering counts for nothing: it votes nowhere.
+    let mut with_learner = leader();
+    with_learner.set_members(1, &[1, 2, 3], &[4], &[]);
+    assert!(!with_learner.nodes_reach_majority(answered(&[(4, 9_000)]), 5_000));
+    assert!(with_learner.nodes_reach_majority(answered(&[(4, 9_000), (2, 9_000)]), 5_000));
+}

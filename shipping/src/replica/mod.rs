@@ -45,6 +45,7 @@
 
 pub mod archive;
 mod catchup;
+mod contact;
 mod damage;
 pub mod drill_partition;
 pub mod error;
@@ -150,6 +151,8 @@ pub struct ReplicationNode {
     quiet_from: quiet::QuietFrom,
     /// Per follower node: bumped when it answers again after failures.
     peer_back: Mutex<BTreeMap<NodeId, tokio::sync::watch::Sender<u64>>>,
+    /// When each peer node last answered this node, and last reached it.
+    contact: Arc<contact::NodeContact>,
 }
 
 impl ReplicationNode {
@@ -223,6 +226,7 @@ impl ReplicationNode {
             quiet_links: Default::default(),
             quiet_from: Default::default(),
             peer_back: Default::default(),
+            contact: Default::default(),
         });
         if !node.config.coordinated() {
             for spec in node.config.shards_of(me) {

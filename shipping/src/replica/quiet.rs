@@ -221,6 +221,7 @@ impl ReplicationNode {
             return Err(Status::unavailable(format!("partition drill: node {leader} is cut off")));
         }
         self.peer_alive(leader);
+        self.contact.heard(leader, now_us());
         let mut refused = Vec::new();
         let mut from = self.quiet_from.from.lock();
         let f = from.entry(leader).or_default();
@@ -310,14 +311,16 @@ impl ReplicationNode {
     }
 
     /// When the leader of follower `replica` was last heard from: its own
-    /// shipments, or the node keepalive of a leader it is quiet from.
+    /// shipments, the node keepalive of a leader it is quiet from, or any
+    /// traffic from the leader's node (see `contact.rs`: a partition cuts
+    /// the node; a shard's own traffic lagging on a busy node is no silence).
     pub(super) fn leader_heard_us(&self, replica: &ShardReplica) -> u64 {
         let heard = replica.follower.last_contact_us.load(std::sync::atomic::Ordering::Acquire);
         let view = replica.view();
         match view.role {
-            crate::core::replica::Role::Follower { leader } => {
-                heard.max(self.quiet_from.contact(replica.shard, leader, view.epoch.0).unwrap_or(0))
-            }
+            crate::core::replica::Role::Follower { leader } => heard
+                .max(self.quiet_from.contact(replica.shard, leader, view.epoch.0).unwrap_or(0))
+                .max(self.contact.heard_at(leader).unwrap_or(0)),
             _ => heard,
         }
     }
@@ -364,6 +367,7 @@ impl ReplicationNode {
             let mut state = link.state.lock();
             match answer {
                 Ok(answer) => {
+                    self.contact.answered(follower, sent);
                     let mut gone = 0;
                     for shard in &answer.refused {
                         if let Some(entry) = state.shards.remove(shard) {

@@ -80,6 +80,9 @@ impl ReplicationNode {
         // Partition drill: nothing from a cut peer is looked at (pushes and
         // catch-up chunks alike name the leader that sent them).
         self.check_partition(request.leader_node_id)?;
+        if request.leader_node_id != self.me && self.config.node(request.leader_node_id).is_some() {
+            self.contact.heard(request.leader_node_id, now_us());
+        }
         let id = request.id.unwrap_or_default();
         let replica = self.replica_or_not_found(id.shard_id)?;
         let segment = if request.payload.is_empty() {

@@ -180,6 +180,11 @@ impl ReplicationNode {
     /// leases instead of making them all step down and churn. A leader cut
     /// off from its followers is replaced by the coordinator meanwhile (its
     /// followers report it silent).
+    ///
+    /// Nor does it step down while the nodes of a majority still answer this
+    /// node within the last lease (any shard's traffic: `contact.rs`): it
+    /// keeps waiting, looking again every lease, and acknowledges nothing
+    /// until its own followers answer again.
     pub(super) async fn run_lease_watch(self: Arc<Self>, replica: Arc<ShardReplica>, leader: Arc<LeaderState>) {
         let grace = self.config.replication.replication_timeout().as_micros() as u64;
         let mut lease = replica.lease_until.subscribe();
@@ -190,20 +195,29 @@ impl ReplicationNode {
             let now = now_us();
             let lapsed = until != u64::MAX && now >= until;
             let step_down_at = until.saturating_add(grace);
-            let (holds, had_majority, held_by_quiet) = {
+            let (holds, had_majority, held_by_quiet, nodes_answer) = {
                 let core = leader.core.lock();
                 let quiet = leader.quiet.lock().keys().copied().collect::<Vec<_>>();
                 let held_by_quiet = !quiet.is_empty() && core.lease_held_by(quiet.into_iter());
-                (core.lease_holds(now), core.had_majority(), held_by_quiet)
+                let nodes_answer =
+                    core.nodes_reach_majority(|n| self.contact.answered_at(n), now.saturating_sub(grace));
+                (core.lease_holds(now), core.had_majority(), held_by_quiet, nodes_answer)
             };
-            if lapsed && now >= step_down_at && !holds && had_majority {
+            let due = lapsed && now >= step_down_at && !holds && had_majority;
+            if due && !nodes_answer {
+                self.metrics.check_quorum.with_label_values(&["stepped_down"]).inc();
                 break;
+            }
+            if due {
+                self.metrics.check_quorum.with_label_values(&["held"]).inc();
             }
             // Lapsed before any majority answered: wait for one (a renewal
             // changes the lease) rather than step down at start. Held by
             // quiet followers: their links keep it, and wake them (which
             // wakes this watch) once they cannot; no per-shard timer.
-            let wait = if until == u64::MAX || (lapsed && !had_majority) || (holds && held_by_quiet) {
+            let wait = if due {
+                Duration::from_micros(grace)
+            } else if until == u64::MAX || (lapsed && !had_majority) || (holds && held_by_quiet) {
                 Duration::MAX
             } else {
                 Duration::from_micros(step_down_at.saturating_sub(now))
@@ -485,6 +499,7 @@ impl ReplicationNode {
             }
         };
         let timeout = Duration::from_millis(self.config.replication.ship_timeout_ms);
+        let (contact, sent_us) = (self.contact.clone(), now_us());
         let reply = async move {
             let Some(stream) = stream else { return ShipReply::Failed };
             let call = async move {
@@ -497,6 +512,9 @@ impl ReplicationNode {
             let Ok(Some(outcome)) = tokio::time::timeout(timeout, call).await else { return ShipReply::Failed };
             if partition.blocks(follower) {
                 return ShipReply::Failed;
+            }
+            if super::contact::is_answer(&outcome) {
+                contact.answered(follower, sent_us);
             }
             match outcome {
                 Ok(r) if r.accepted => {
