@@ -11,9 +11,66 @@
 //!   and the followers do not vouch for the leader (they would if it were
 //!   alive and shipping to them: then only the coordinator is cut off from
 //!   it, and the shard works without a failover);
-//! * a minority that cannot hear the leader changes nothing.
+//! * a minority that cannot hear the leader changes nothing;
+//! * how long a node's silence towards the coordinator must last before it
+//!   counts adapts to how late its heartbeats have recently arrived
+//!   ([`Arrivals`]): a node saturated by thousands of shards taking their
+//!   leaders answers late but is not lost.
+
+use std::time::{Duration, Instant};
 
 use crate::control::failover::is_majority;
+
+/// A recent late heartbeat's weight halves every this long.
+pub const LATE_HALF_LIFE: Duration = Duration::from_secs(5);
+
+/// However late a node's heartbeats have been, its silence counts past this
+/// (or the configured leader timeout, if longer).
+pub const MAX_SILENCE_BOUND: Duration = Duration::from_secs(4);
+
+/// When one node's heartbeats arrived, for an adaptive silence bound: the
+/// idea of the accrual failure detectors (Cassandra's, Akka's), kept to one
+/// figure. The worst gap between two arrivals lately, decaying by half
+/// every [`LATE_HALF_LIFE`], doubled, is how long the node may go silent
+/// before its leaders count as lost, never less than the configured leader
+/// timeout and never more than [`MAX_SILENCE_BOUND`]. A node whose
+/// heartbeats arrive on time keeps the configured timeout (a crash is
+/// noticed as fast as before); one whose heartbeats came 600 ms apart while
+/// it took on thousands of leaderships gets 1.2 s, then the timeout again
+/// within a few half-lives. Timeouts only decide liveness: the epoch fences
+/// keep failovers safe whatever they are.
+#[derive(Debug, Clone, Copy, Default)]
+pub struct Arrivals {
+    last: Option<Instant>,
+    /// The worst gap lately, and when it was last raised.
+    worst: Duration,
+    worst_at: Option<Instant>,
+}
+
+impl Arrivals {
+    /// A heartbeat arrived at `at`.
+    pub fn arrived(&mut self, at: Instant) {
+        if let Some(last) = self.last {
+            let gap = at.saturating_duration_since(last);
+            self.worst = self.worst_at_time(at).max(gap);
+            self.worst_at = Some(at);
+        }
+        self.last = Some(at);
+    }
+
+    /// The worst recent gap as of `now`, decayed.
+    fn worst_at_time(&self, now: Instant) -> Duration {
+        let Some(at) = self.worst_at else { return Duration::ZERO };
+        let halvings = now.saturating_duration_since(at).as_secs_f64() / LATE_HALF_LIFE.as_secs_f64();
+        self.worst.mul_f64(0.5f64.powf(halvings))
+    }
+
+    /// How long the node may stay silent, as of `now`, before it counts as
+    /// lost (see the type's docs).
+    pub fn silence_bound(&self, timeout: Duration, now: Instant) -> Duration {
+        (2 * self.worst_at_time(now)).min(MAX_SILENCE_BOUND).max(timeout)
+    }
+}
 
 /// What one follower of the shard last reported, as the coordinator sees it.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -49,6 +106,51 @@ pub fn leader_silence_means_lost(followers: &[FollowerReport], replicas: usize, 
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_node_on_time_keeps_the_configured_timeout() {
+        let timeout = Duration::from_millis(200);
+        let t0 = Instant::now();
+        let mut a = Arrivals::default();
+        assert_eq!(a.silence_bound(timeout, t0), timeout, "never heard: the configured timeout");
+        for i in 0..100 {
+            a.arrived(t0 + Duration::from_millis(50 * i));
+        }
+        assert_eq!(a.silence_bound(timeout, t0 + Duration::from_secs(5)), timeout);
+    }
+
+    #[test]
+    fn late_heartbeats_stretch_the_bound_until_they_are_on_time_again() {
+        let timeout = Duration::from_millis(200);
+        let t0 = Instant::now();
+        let mut a = Arrivals::default();
+        a.arrived(t0);
+        a.arrived(t0 + Duration::from_millis(600));
+        let just_after = t0 + Duration::from_millis(600);
+        assert_eq!(a.silence_bound(timeout, just_after), Duration::from_millis(1_200), "twice the late gap");
+        // On time again: the late gap's weight halves every half-life.
+        let mut t = just_after;
+        for _ in 0..100 {
+            t += Duration::from_millis(50);
+            a.arrived(t);
+        }
+        let later = just_after + LATE_HALF_LIFE;
+        let bound = a.silence_bound(timeout, later);
+        assert!(bound < Duration::from_millis(650) && bound > Duration::from_millis(550), "{bound:?}");
+        assert_eq!(a.silence_bound(timeout, just_after + 4 * LATE_HALF_LIFE), timeout);
+    }
+
+    #[test]
+    fn the_bound_is_capped_however_late_a_node_was() {
+        let t0 = Instant::now();
+        let mut a = Arrivals::default();
+        a.arrived(t0);
+        a.arrived(t0 + Duration::from_secs(30));
+        assert_eq!(a.silence_bound(Duration::from_millis(200), t0 + Duration::from_secs(30)), MAX_SILENCE_BOUND);
+        // A configured timeout above the cap stays.
+        let long = Duration::from_secs(10);
+        assert_eq!(a.silence_bound(long, t0 + Duration::from_secs(30)), long);
+    }
 
     const SILENCE: u64 = 1_000;
 

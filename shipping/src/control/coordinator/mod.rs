@@ -137,6 +137,8 @@ pub struct FailoverOutcome {
 
 struct NodeSeen {
     at: Instant,
+    /// Its heartbeats' arrivals: how long its silence must last to count.
+    arrivals: crate::control::liveness::Arrivals,
     /// The last batch from the node: every shard it holds counts as
     /// reported unchanged then (kept once per node, not per shard).
     refreshed: Option<Instant>,
@@ -465,10 +467,12 @@ impl Coordinator {
         let mut seen = self.seen.lock();
         let node = seen.entry(request.node_id).or_insert_with(|| NodeSeen {
             at: Instant::now(),
+            arrivals: Default::default(),
             refreshed: None,
             shards: BTreeMap::new(),
         });
         node.at = Instant::now();
+        node.arrivals.arrived(node.at);
         node.shards.insert(request.shard_id, (Arc::new(request.clone()), node.at));
         drop(seen);
         self.pending.lock().shards.insert(request.shard_id);
@@ -487,10 +491,12 @@ impl Coordinator {
             let mut seen = self.seen.lock();
             let node = seen.entry(batch.node_id).or_insert_with(|| NodeSeen {
                 at: now,
+                arrivals: Default::default(),
                 refreshed: None,
                 shards: BTreeMap::new(),
             });
             node.at = now;
+            node.arrivals.arrived(now);
             node.refreshed = Some(now);
             if batch.full {
                 let hosted: std::collections::BTreeSet<u32> = batch.shards.iter().map(|s| s.shard_id).collect();

@@ -146,7 +146,11 @@ impl Coordinator {
                 || match record.leader {
                     None => true,
                     Some(leader) => {
-                        let last = self.seen.lock().get(&leader).map(|n| n.at);
+                        // Silent past its own bound: the leader timeout, or
+                        // longer while its heartbeats have lately come late.
+                        let (last, bound) = self.seen.lock().get(&leader).map_or((None, timeout), |n| {
+                            (Some(n.at), n.arrivals.silence_bound(timeout, Instant::now()))
+                        });
                         let reference = last.map_or(since, |at| at.max(since));
                         // A recorded leader that restarted in the record's epoch
                         // never leads in it again (it may have shipped records
@@ -157,7 +161,7 @@ impl Coordinator {
                         // Its silence towards this coordinator alone proves
                         // little (see `control/liveness.rs`).
                         restarted
-                            || (reference.elapsed() > timeout
+                            || (reference.elapsed() > bound
                                 && liveness::leader_silence_means_lost(&reports, record.replicas.len(), silence))
                     }
                 };
