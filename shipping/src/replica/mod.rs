@@ -57,6 +57,7 @@ mod retention;
 mod send;
 pub mod shard;
 mod status;
+pub(crate) use status::same_report;
 mod wipe;
 
 use std::collections::BTreeMap;

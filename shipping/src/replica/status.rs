@@ -564,6 +564,13 @@ impl HeartbeatTarget {
     }
 }
 
+/// Whether two reports of a shard say the same (see [`comparable`]): the
+/// node sends only changed reports between full ones, and the coordinator
+/// looks again only at shards whose report changed.
+pub(crate) fn same_report(a: &HeartbeatRequest, b: &HeartbeatRequest) -> bool {
+    comparable(a) == comparable(b)
+}
+
 /// A shard's report without what moves while nothing happens to the
 /// shard (clocks, the node's disk figures, rates; silences kept in quarter
 /// seconds): two reports say the same when these are equal.
@@ -586,10 +593,6 @@ fn comparable(r: &HeartbeatRequest) -> HeartbeatRequest {
 #[cfg(test)]
 mod heartbeat_tests {
     use super::*;
-
-    fn same_report(a: &HeartbeatRequest, b: &HeartbeatRequest) -> bool {
-        comparable(a) == comparable(b)
-    }
 
     #[test]
     fn a_report_changes_with_positions_and_roles_not_with_clocks() {
