@@ -289,13 +289,12 @@ pub(crate) fn shard_view(
 /// fetches from each shard's leader when it accepted the oldest record each
 /// stale follower lacks (its lag in seconds).
 async fn sample_lag(admin: Arc<CoordAdmin>) {
-    let mut tick = tokio::time::interval(SAMPLE_INTERVAL);
-    tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     loop {
         tokio::select! {
-            _ = tick.tick() => {}
+            _ = tokio::time::sleep(admin.lag_history.interval()) => {}
             _ = admin.coordinator.shutdown.cancelled() => return,
         }
+        let pass = std::time::Instant::now();
         let Ok(state) = state(&admin).await else { continue };
         let now = walship_shipping::control::coordinator::now_ms();
         let mut keep = std::collections::BTreeSet::new();
@@ -323,6 +322,7 @@ async fn sample_lag(admin: Arc<CoordAdmin>) {
             }
         }
         admin.lag_history.retain(&keep);
+        admin.lag_history.set_interval(crate::history::sample_interval(pass.elapsed()));
         let mut times = std::collections::BTreeMap::new();
         for ((shard, seqno), leader) in needed {
             let at = match admin.lag_history.written_us(shard, seqno) {
@@ -406,8 +406,13 @@ async fn lag_history(
         .into_iter()
         .map(|(node, samples)| LagSeries { node_id: node, name: node_name(&admin.coordinator, node), samples })
         .collect();
-    Json(LagHistoryView { shard_id: id, interval_ms: SAMPLE_INTERVAL.as_millis() as u64, now_unix_ms: now, series })
-        .into_response()
+    Json(LagHistoryView {
+        shard_id: id,
+        interval_ms: admin.lag_history.interval().as_millis() as u64,
+        now_unix_ms: now,
+        series,
+    })
+    .into_response()
 }
 
 fn node_name(c: &Coordinator, node: u32) -> String {
