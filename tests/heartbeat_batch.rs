@@ -20,8 +20,10 @@ async fn batched_heartbeats_keep_every_replica_current_and_a_bad_batch_changes_n
     for shard in 1..=24 {
         cluster.wait_leader(shard, None, Duration::from_secs(60)).await;
     }
-    // Every replica of every shard is reported alive, with a fresh position.
-    wait_until("every replica alive and in its leader's epoch", Duration::from_secs(30), || {
+    // Every replica of every shard is reported alive, with a fresh position,
+    // and every follower heard by its leader (until a follower first answers
+    // its new leader, its lag is counted from its own report, stale).
+    wait_until("every replica alive, in its leader's epoch and heard", Duration::from_secs(30), || {
         let (_, shards) = futures::executor::block_on(cluster.coord_get(1, "/v1/shards"));
         let all = shards.as_array().is_some_and(|shards| {
             shards.len() == 24
@@ -32,6 +34,7 @@ async fn batched_heartbeats_keep_every_replica_current_and_a_bad_batch_changes_n
                                 r["alive"] == true
                                     && r["epoch"] == s["epoch"]
                                     && r["position_age_ms"].as_u64().is_some_and(|age| age < 1_000)
+                                    && r["lag_stale"] == false
                             })
                     })
                 })
