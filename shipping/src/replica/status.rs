@@ -253,6 +253,7 @@ impl ReplicationNode {
         // Replicas not settled when last looked at: looked at again every
         // tick, with those touched since (see `shard::Touched`).
         let mut unsettled: std::collections::BTreeSet<ShardId> = Default::default();
+        let mut full_every = FULL_HEARTBEAT_EVERY;
         loop {
             tokio::select! {
                 _ = tick.tick() => {}
@@ -265,7 +266,8 @@ impl ReplicationNode {
             // Between full reports only shards that are not settled (quiet
             // and unchanged since their last report) are looked at: an idle
             // shard costs a tick nothing.
-            let full = targets.iter().any(HeartbeatTarget::wants_full);
+            let full = targets.iter().any(|t| t.wants_full(full_every));
+            let building = Instant::now();
             self.unsettle_silent_leaders();
             unsettled.append(&mut self.touched.take_heartbeats());
             let looked_at = match full {
@@ -363,6 +365,9 @@ impl ReplicationNode {
                 // reported every tick until each gets a leader.
                 let unassigned = view.role == Role::Unassigned;
                 replica.reported(activity, quiet || unassigned);
+            }
+            if full {
+                full_every = full_report_every(building.elapsed());
             }
             unsettled = looked_at.iter().filter(|r| !r.settled()).map(|r| r.shard).collect();
             self.metrics.append_rate.set(node_rate);
@@ -471,9 +476,23 @@ fn each_follower_lag(
     }
 }
 
-/// How often a node sends every shard's report (a `full` batch); between
-/// them, a batch holds only the shards whose report changed.
+/// How often a node sends every shard's report (a `full` batch), at most;
+/// between them, a batch holds only the shards whose report changed.
 const FULL_HEARTBEAT_EVERY: Duration = Duration::from_secs(2);
+
+/// The longest wait between full reports, however costly they are: what a
+/// report leaves out of its comparison (clocks, disk figures, rates, a
+/// stuck follower's lag in seconds) is never older than this.
+const MAX_FULL_HEARTBEAT_EVERY: Duration = Duration::from_secs(10);
+
+/// How long to wait after a full report that took `cost` to build:
+/// [`FULL_HEARTBEAT_EVERY`], or longer when building every shard's report
+/// is costly, so that full reports take at most 1 % of a core, up to
+/// [`MAX_FULL_HEARTBEAT_EVERY`]. At 10,000 shards building them every 2 s
+/// was about a third of an idle node's CPU.
+fn full_report_every(cost: Duration) -> Duration {
+    (cost * 100).clamp(FULL_HEARTBEAT_EVERY, MAX_FULL_HEARTBEAT_EVERY)
+}
 
 /// Shards per heartbeat batch (a full report of more goes out as several
 /// batches, none of them `full`).
@@ -497,10 +516,10 @@ impl HeartbeatTarget {
     }
 
     /// Whether its next call must carry every shard: a full report is due
-    /// (every [`FULL_HEARTBEAT_EVERY`], or after a failed send), or it
+    /// (`every`, see [`full_report_every`], or after a failed send), or it
     /// takes one `Heartbeat` per shard.
-    fn wants_full(&self) -> bool {
-        self.legacy || self.last_full.is_none_or(|t| t.elapsed() >= FULL_HEARTBEAT_EVERY)
+    fn wants_full(&self, every: Duration) -> bool {
+        self.legacy || self.last_full.is_none_or(|t| t.elapsed() >= every)
     }
 
     /// Sends this tick's reports: the changed ones (all of them when
@@ -593,6 +612,13 @@ fn comparable(r: &HeartbeatRequest) -> HeartbeatRequest {
 #[cfg(test)]
 mod heartbeat_tests {
     use super::*;
+
+    #[test]
+    fn costly_full_reports_go_less_often_within_a_bound() {
+        assert_eq!(full_report_every(Duration::from_millis(3)), FULL_HEARTBEAT_EVERY);
+        assert_eq!(full_report_every(Duration::from_millis(40)), Duration::from_secs(4), "1 % of a core");
+        assert_eq!(full_report_every(Duration::from_secs(1)), MAX_FULL_HEARTBEAT_EVERY);
+    }
 
     #[test]
     fn a_report_changes_with_positions_and_roles_not_with_clocks() {
