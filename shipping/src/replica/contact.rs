@@ -37,16 +37,12 @@ impl NodeContact {
     /// `node` answered a request this node sent at `sent_us` (refusals
     /// included: it was reachable; transport failures are not answers).
     pub(crate) fn answered(&self, node: NodeId, sent_us: u64) {
-        let mut answered = self.answered.lock();
-        let at = answered.entry(node).or_default();
-        *at = (*at).max(sent_us);
+        raise(&self.answered, node, sent_us);
     }
 
     /// A request from `node` arrived at `at_us`.
     pub(crate) fn heard(&self, node: NodeId, at_us: u64) {
-        let mut heard = self.heard.lock();
-        let at = heard.entry(node).or_default();
-        *at = (*at).max(at_us);
+        raise(&self.heard, node, at_us);
     }
 
     /// When the newest request `node` answered was sent.
@@ -58,6 +54,14 @@ impl NodeContact {
     pub(crate) fn heard_at(&self, node: NodeId) -> Option<u64> {
         self.heard.lock().get(&node).copied()
     }
+}
+
+/// Moves `node`'s time in `times` forward to `at_us` (never back: a late
+/// reply to an older request changes nothing).
+fn raise(times: &Mutex<BTreeMap<NodeId, u64>>, node: NodeId, at_us: u64) {
+    let mut times = times.lock();
+    let at = times.entry(node).or_default();
+    *at = (*at).max(at_us);
 }
 
 /// Whether a call's outcome is the peer node's own answer: a success or a

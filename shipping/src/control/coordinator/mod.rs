@@ -153,6 +153,12 @@ impl NodeSeen {
         NodeSeen { at: now, arrivals: Default::default(), refreshed: None, shards: BTreeMap::new() }
     }
 
+    /// A heartbeat (a lone one or a batch) arrived at `now`.
+    fn arrived(&mut self, now: Instant) {
+        self.at = now;
+        self.arrivals.arrived(now);
+    }
+
     /// Keeps a batch's reports; answers the shards whose report changed:
     /// new, different from the last one (see `same_report`), or no longer
     /// reported by a full batch (dropped).
@@ -494,10 +500,10 @@ impl Coordinator {
             return Err(tonic::Status::invalid_argument(format!("heartbeat from unknown node {}", request.node_id)));
         }
         let mut seen = self.seen.lock();
-        let node = seen.entry(request.node_id).or_insert_with(|| NodeSeen::first(Instant::now()));
-        node.at = Instant::now();
-        node.arrivals.arrived(node.at);
-        node.shards.insert(request.shard_id, (Arc::new(request.clone()), node.at));
+        let now = Instant::now();
+        let node = seen.entry(request.node_id).or_insert_with(|| NodeSeen::first(now));
+        node.arrived(now);
+        node.shards.insert(request.shard_id, (Arc::new(request.clone()), now));
         drop(seen);
         self.pending.lock().shards.insert(request.shard_id);
         self.republish(request);
@@ -514,8 +520,7 @@ impl Coordinator {
         let changed = {
             let mut seen = self.seen.lock();
             let node = seen.entry(batch.node_id).or_insert_with(|| NodeSeen::first(now));
-            node.at = now;
-            node.arrivals.arrived(now);
+            node.arrived(now);
             node.refreshed = Some(now);
             node.take_reports(batch, now)
         };
