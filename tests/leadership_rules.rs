@@ -263,11 +263,7 @@ async fn a_leader_whose_follower_nodes_still_answer_waits_instead_of_stepping_do
         let target = format!(r#"{{"target": {leader}}}"#);
         let (code, body) = cluster.coord_post(1, "/v1/shards/2/failover", &target, Some(common::TOKEN)).await;
         assert_eq!(code, 200, "{body}");
-        let deadline = Instant::now() + WAIT;
-        while !cluster.status(leader).await.is_some_and(|s| entry(&s, 2)["role"] == "leader") {
-            assert!(Instant::now() < deadline, "shard 2 never moved to node {leader}");
-            tokio::time::sleep(Duration::from_millis(50)).await;
-        }
+        cluster.wait_node_leads(leader, 2, WAIT).await;
     }
     let (_, epoch) = cluster.leader_of(1, 1).await.unwrap();
     let mut log = cluster.node(leader).client().await;
@@ -278,18 +274,20 @@ async fn a_leader_whose_follower_nodes_still_answer_waits_instead_of_stepping_do
     for &f in &followers {
         common::pause_shard(&cluster.node(f).grpc, 1, true).await;
     }
-    // Twice the replication timeout (1 s here) and more: a leader judged by
-    // its own shard's contact would have stepped down by now. Shard 2's
-    // QUORUM appends meanwhile prove the nodes still answer this leader.
-    let paused_at = Instant::now();
-    while paused_at.elapsed() < Duration::from_secs(4) {
-        append(&mut log, 2, "meanwhile", Durability::Quorum).await;
-        tokio::time::sleep(Duration::from_millis(100)).await;
-    }
+    // Until the lapsed lease has been looked at twice (each look is where a
+    // leader judged by its own shard's contact steps down): held both times.
+    // Shard 2's QUORUM appends meanwhile prove the nodes still answer this
+    // leader.
     let admin = cluster.node(leader).admin.clone();
-    let held = common::metric(&admin, "walship_check_quorum_total{outcome=\"held\"}").await;
+    wait_until("the lapsed lease held twice for answering nodes", WAIT, || {
+        let (mut log, admin) = (log.clone(), admin.clone());
+        async move {
+            append(&mut log, 2, "meanwhile", Durability::Quorum).await;
+            common::metric(&admin, "walship_check_quorum_total{outcome=\"held\"}").await >= 2.0
+        }
+    })
+    .await;
     let stepped = common::metric(&admin, "walship_check_quorum_total{outcome=\"stepped_down\"}").await;
-    assert!(held >= 1.0, "the lapsed lease was never held for answering nodes (held {held})");
     assert_eq!(stepped, 0.0, "a leader stepped down although its followers' nodes answered");
     let status = cluster.status(leader).await.unwrap();
     assert_eq!(entry(&status, 1)["role"], "leader", "{status}");
@@ -301,13 +299,10 @@ async fn a_leader_whose_follower_nodes_still_answer_waits_instead_of_stepping_do
     for &f in &followers {
         common::pause_shard(&cluster.node(f).grpc, 1, false).await;
     }
-    let deadline = Instant::now() + WAIT;
-    loop {
-        if try_append(&mut log, 1, "after", Durability::Quorum).await.is_ok() {
-            break;
-        }
-        assert!(Instant::now() < deadline, "the leader never acknowledged again after its followers resumed");
-        tokio::time::sleep(Duration::from_millis(100)).await;
-    }
+    wait_until("the leader acknowledging again after its followers resumed", WAIT, || {
+        let mut log = log.clone();
+        async move { try_append(&mut log, 1, "after", Durability::Quorum).await.is_ok() }
+    })
+    .await;
     assert_eq!(cluster.leader_of(1, 1).await, Some((leader, epoch)), "the same leadership acknowledges again");
 }
