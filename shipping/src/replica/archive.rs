@@ -21,10 +21,14 @@
 //!   its checksum. Up to `uploads` segments of a shard upload at once and
 //!   may end in any order; `archived_seqno` moves only over segments that
 //!   are all uploaded, in seqno order, so it never passes a hole.
-//! * **Failures.** A failed upload is retried, to the same key, with
-//!   backoff (200 ms doubling to 10 s; a refusal of our credentials waits
-//!   10 s between tries and is shown as such), and nothing new is sealed
-//!   meanwhile; appends never wait for the archive. Archive lag
+//! * **Failures.** A failed upload is retried, to the same key, with its
+//!   own backoff (200 ms doubling to 10 s; a refusal of our credentials
+//!   waits 10 s between tries and is shown as such). The other uploads go
+//!   on and new segments are sealed into the free slots meanwhile, so a
+//!   store that fails some requests (throttling) slows archiving by those
+//!   requests only; a store that fails them all holds at most `uploads`
+//!   segments waiting. A failed listing or WAL read waits the same backoff
+//!   for the whole shard. Appends never wait for the archive. Archive lag
 //!   (records, seconds) is in the replica's status and in metrics.
 //! * **Scrubbing.** Every `scrub_interval` the leader reads its shard's
 //!   archived segments back, one at a time, and checks each whole
@@ -213,8 +217,15 @@ struct Uploads {
     /// Sealed through here: every seqno up to it is archived or queued.
     sealed: u64,
     /// Sealed segments not archived yet, in seqno order (done ones wait for
-    /// those before them).
+    /// those before them, without their bytes).
     queue: VecDeque<Upload>,
+}
+
+impl Uploads {
+    /// Segments uploading or waiting to retry (at most `uploads`).
+    fn in_flight(&self) -> usize {
+        self.queue.iter().filter(|u| !u.done).count()
+    }
 }
 
 impl Uploads {
@@ -233,10 +244,15 @@ struct Upload {
     first: u64,
     last: u64,
     key: ObjectKey,
+    /// The encoded segment (dropped once uploaded) and its size.
     bytes: Bytes,
+    size: u64,
     /// Running, or ended and not looked at yet; none: failed, to retry.
     task: Option<tokio::task::JoinHandle<Result<(), StoreError>>>,
     done: bool,
+    /// Failed tries in a row, and when the next may start.
+    failures: u32,
+    retry_at: Instant,
 }
 
 impl Upload {
@@ -260,6 +276,23 @@ impl Upload {
         })
     }
 }
+
+/// How long to wait before trying again after `failures` failed tries in
+/// a row, the last failing with `e`: 200 ms doubling to 10 s; a refusal of
+/// our credentials 10 s (retrying sooner cannot help).
+fn backoff(failures: u32, e: &StoreError) -> Duration {
+    match e {
+        StoreError::Denied(_) => MAX_BACKOFF,
+        _ => MIN_BACKOFF.saturating_mul(1 << failures.saturating_sub(1).min(16)).min(MAX_BACKOFF),
+    }
+}
+
+/// How many rounds of `uploads` segments a shard's queue holds at most:
+/// uploaded ones wait there for a failed one before them.
+const QUEUED_ROUNDS: usize = 4;
+
+const MIN_BACKOFF: Duration = Duration::from_millis(200);
+const MAX_BACKOFF: Duration = Duration::from_secs(10);
 
 fn reason(e: &StoreError) -> &'static str {
     match e {
@@ -373,7 +406,9 @@ impl ReplicationNode {
         // Known while this node archives the shard; listed again whenever
         // its role or the epoch changes.
         let mut state: Option<Uploads> = None;
-        let mut backoff = Duration::ZERO;
+        // A failed listing or WAL read: tries in a row, and when the shard
+        // may try again.
+        let mut failures = 0u32;
         let mut retry_at = Instant::now();
         loop {
             let period = if idle { ARCHIVE_IDLE_TICK } else { ARCHIVE_TICK };
@@ -417,6 +452,9 @@ impl ReplicationNode {
             // Whether this tick recorded the lag already (one WAL read of the
             // oldest waiting record per tick, not two).
             let mut lag_shown = false;
+            // An upload that failed this tick (it retries on its own), and
+            // when it will.
+            let mut upload_failed: Option<(StoreError, Duration)> = None;
             // Ok(true): the store answered (a listing, an upload done).
             let outcome: Result<bool, StoreError> = async {
                 let mut answered = false;
@@ -435,17 +473,26 @@ impl ReplicationNode {
                     answered = true;
                 }
                 let uploads = state.as_mut().expect("listed above");
-                // Uploads that ended: a failure is retried after the backoff.
-                let mut failure = None;
+                // Uploads that ended: a failed one is retried after its own
+                // backoff while the others go on.
                 for upload in &mut uploads.queue {
                     if !upload.task.as_ref().is_some_and(|t| t.is_finished()) {
                         continue;
                     }
-                    match upload.task.take().expect("finished").await {
-                        Ok(Ok(())) => upload.done = true,
-                        Ok(Err(e)) => failure = Some(e),
-                        Err(e) => failure = Some(StoreError::Unavailable(format!("upload task: {e}"))),
-                    }
+                    let e = match upload.task.take().expect("finished").await {
+                        Ok(Ok(())) => {
+                            (upload.done, answered) = (true, true);
+                            upload.bytes = Bytes::new();
+                            continue;
+                        }
+                        Ok(Err(e)) => e,
+                        Err(e) => StoreError::Unavailable(format!("upload task: {e}")),
+                    };
+                    archive.metrics.upload_failures.with_label_values(&[reason(&e)]).inc();
+                    upload.failures += 1;
+                    let wait = backoff(upload.failures, &e);
+                    upload.retry_at = Instant::now() + wait;
+                    upload_failed = Some((e, wait));
                 }
                 // The archived seqno moves over the uploaded segments, in order.
                 let mut advanced = false;
@@ -453,7 +500,7 @@ impl ReplicationNode {
                     let upload = uploads.queue.pop_front().expect("checked");
                     uploads.archived = upload.last;
                     advanced = true;
-                    let size = upload.bytes.len() as u64;
+                    let size = upload.size;
                     let label = if self.metrics.per_shard { label.as_str() } else { "all" };
                     archive.metrics.uploaded_bytes.with_label_values(&[label]).inc_by(size);
                     let mut all = self.archive_status.lock();
@@ -469,17 +516,14 @@ impl ReplicationNode {
                     );
                 }
                 if advanced {
-                    answered = true;
                     self.write_manifest(&archive, shard, uploads.archived).await;
-                }
-                if let Some(e) = failure {
-                    return Err(e);
                 }
                 if Instant::now() < retry_at {
                     return Ok(answered);
                 }
-                // Failed uploads go again, in order.
-                for upload in uploads.queue.iter_mut().filter(|u| !u.done && u.task.is_none()) {
+                // Failed uploads whose backoff passed go again, in order.
+                let now = Instant::now();
+                for upload in uploads.queue.iter_mut().filter(|u| !u.done && u.task.is_none() && u.retry_at <= now) {
                     upload.task = Some(upload.start(&archive.store, &finished));
                 }
                 // Seal more while there is room.
@@ -487,7 +531,9 @@ impl ReplicationNode {
                 let lag_age =
                     self.set_archive_lag(&archive, shard, uploads.archived, commit, uploads.archived + 1).await;
                 lag_shown = true;
-                while uploads.queue.len() < archive.uploads {
+                // Uploaded segments waiting behind a failed one hold no slot
+                // (nor their bytes); the queue stays within a few rounds.
+                while uploads.in_flight() < archive.uploads && uploads.queue.len() < QUEUED_ROUNDS * archive.uploads {
                     // An archive behind the local log's start (archiving turned
                     // on late, or a gap) restarts at the local start.
                     let from = (uploads.sealed + 1).max(positions.first_seqno);
@@ -512,13 +558,17 @@ impl ReplicationNode {
                     let Some(last) = frames.last() else { break };
                     let (last, epoch) = (last.seqno(), last.epoch());
                     let segment = Segment::encode(shard, frames).map_err(|e| StoreError::Unavailable(e.to_string()))?;
+                    let bytes = segment.encoded().clone();
                     let mut upload = Upload {
                         first: from,
                         last,
                         key: archive.layout.segment_key(shard, from, last, epoch),
-                        bytes: segment.encoded().clone(),
+                        size: bytes.len() as u64,
+                        bytes,
                         task: None,
                         done: false,
+                        failures: 0,
+                        retry_at: Instant::now(),
                     };
                     upload.task = Some(upload.start(&archive.store, &finished));
                     uploads.queue.push_back(upload);
@@ -528,44 +578,40 @@ impl ReplicationNode {
             }
             .await;
             let (archived, sealed, in_flight) =
-                state.as_ref().map_or((0, 0, 0), |s| (s.archived, s.sealed, s.queue.len() as u64));
+                state.as_ref().map_or((0, 0, 0), |s| (s.archived, s.sealed, s.in_flight() as u64));
             idle = outcome.is_ok() && in_flight == 0 && archived >= commit;
-            match outcome {
+            if !lag_shown {
+                self.set_archive_lag(&archive, shard, archived, commit, archived + 1).await;
+            }
+            // A failure is shown until the store answers again without one.
+            let (failure, answered) = match outcome {
                 Ok(answered) => {
-                    if !lag_shown {
-                        self.set_archive_lag(&archive, shard, archived, commit, archived + 1).await;
-                    }
-                    let mut all = self.archive_status.lock();
-                    let status = all.entry(shard).or_default();
-                    (status.archiver, status.sealed_seqno, status.uploads_in_flight) = (self.me, sealed, in_flight);
                     if answered {
-                        backoff = Duration::ZERO;
-                        status.error = None;
+                        failures = 0;
                     }
+                    (upload_failed, answered)
                 }
                 Err(e) => {
                     archive.metrics.upload_failures.with_label_values(&[reason(&e)]).inc();
-                    backoff = match e {
-                        StoreError::Denied(_) => Duration::from_secs(10),
-                        _ => (backoff * 2).clamp(Duration::from_millis(200), Duration::from_secs(10)),
-                    };
-                    retry_at = Instant::now() + backoff;
-                    let error = e.to_string();
-                    if !lag_shown {
-                        self.set_archive_lag(&archive, shard, archived, commit, archived + 1).await;
-                    }
-                    let changed = {
-                        let mut all = self.archive_status.lock();
-                        let status = all.entry(shard).or_default();
-                        (status.archiver, status.sealed_seqno, status.uploads_in_flight) = (self.me, sealed, in_flight);
-                        let changed = status.error.as_deref() != Some(error.as_str());
-                        status.error = Some(error.clone());
-                        changed
-                    };
-                    if changed {
-                        tracing::warn!(shard, error, retry_in = ?backoff, "archiving failed; retrying");
-                    }
+                    failures += 1;
+                    let wait = backoff(failures, &e);
+                    retry_at = Instant::now() + wait;
+                    (Some((e, wait)), false)
                 }
+            };
+            let mut all = self.archive_status.lock();
+            let status = all.entry(shard).or_default();
+            (status.archiver, status.sealed_seqno, status.uploads_in_flight) = (self.me, sealed, in_flight);
+            match failure {
+                Some((e, retry_in)) => {
+                    let error = e.to_string();
+                    if status.error.as_deref() != Some(error.as_str()) {
+                        tracing::warn!(shard, error, ?retry_in, "archiving failed; retrying");
+                    }
+                    status.error = Some(error);
+                }
+                None if answered => status.error = None,
+                None => {}
             }
         }
     }
@@ -651,5 +697,20 @@ impl ReplicationNode {
         status.lag_seconds = lag_seconds;
         status.store = archive.store.describe();
         lag_seconds
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn each_failure_in_a_row_doubles_the_wait_up_to_ten_seconds() {
+        let down = StoreError::Unavailable("503".into());
+        let waits: Vec<u64> = (1..=8).map(|n| backoff(n, &down).as_millis() as u64).collect();
+        assert_eq!(waits, [200, 400, 800, 1600, 3200, 6400, 10_000, 10_000]);
+        assert_eq!(backoff(u32::MAX, &down), MAX_BACKOFF);
+        // Retrying refused credentials sooner cannot help.
+        assert_eq!(backoff(1, &StoreError::Denied("403".into())), MAX_BACKOFF);
     }
 }
