@@ -168,7 +168,7 @@ impl Kv for NatsKv {
             return Ok(KvSnapshot { entries: Vec::new(), revision });
         }
         // The newest message of every key, from one consumer.
-        let mut consumer = stream
+        let consumer = stream
             .create_consumer(pull::Config {
                 filter_subject: format!("{}>", self.store.prefix),
                 deliver_policy: DeliverPolicy::LastPerSubject,
@@ -179,14 +179,15 @@ impl Kv for NatsKv {
             .await
             .map_err(|e| unavailable(&e))?;
         let name = consumer.cached_info().name.clone();
-        let pending = consumer.info().await.map_err(|e| unavailable(&e))?.num_pending;
         // By key: a write landing while the consumer reads is delivered
         // too (after the key's older value); the newest of each key wins.
+        // The stream holds only this bucket's keys and at least one message,
+        // so at least one is delivered: the consumer's own `num_pending` is
+        // not asked first, as the server can count it 0 for a last-per-subject
+        // consumer created while a key is being rewritten (a scan then came
+        // back empty).
         let mut newest: std::collections::BTreeMap<String, Option<KvEntry>> = Default::default();
         let read = async {
-            if pending == 0 {
-                return Ok(());
-            }
             let mut messages = consumer.messages().await.map_err(|e| unavailable(&e))?;
             while let Some(message) = messages.next().await {
                 let message = message.map_err(|e| unavailable(&e))?;
