@@ -141,3 +141,74 @@ async fn without_an_archive_the_fields_are_null() {
     let table = status(&mut cluster);
     assert_eq!(archived_cell(&table, leader), "-", "{table}");
 }
+
+/// The shards node `id` says it leads, of `1..=shards`.
+async fn led_by(cluster: &Cluster, id: u32, shards: u32) -> f64 {
+    let mut led = 0.0;
+    for shard in 1..=shards {
+        if cluster.leads(id, shard).await {
+            led += 1.0;
+        }
+    }
+    led
+}
+
+/// Whether every node of `live` runs the archive loops of exactly the
+/// shards it leads (`walship_archive_loops`).
+async fn loops_match_leadership(cluster: &Cluster, live: &[u32], shards: u32) -> bool {
+    for &id in live {
+        let running = common::metric(&cluster.nodes[id as usize - 1].admin, "walship_archive_loops").await;
+        if running != led_by(cluster, id, shards).await {
+            return false;
+        }
+    }
+    true
+}
+
+/// Only a shard's leader runs its archive loop: a replica that only
+/// follows holds none (a node with thousands of shards pays for the ones
+/// it leads). When the leader dies, the new one starts its loop and
+/// archives what comes after, from where the store ends.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn only_the_leader_of_a_shard_runs_its_archive_loop() {
+    const SHARDS: u32 = 4;
+    let mut cluster = Cluster::launch(&ClusterSpec {
+        nodes: 3,
+        shards: SHARDS,
+        coordinators: 1,
+        replication: "heartbeat_ms = 50\nleader_timeout_ms = 1000\nkeepalive_ms = 100",
+        cluster_toml: ARCHIVE.into(),
+        ..ClusterSpec::default()
+    });
+    for shard in 1..=SHARDS {
+        cluster.wait_leader(shard, None, WAIT).await;
+    }
+    common::wait_until("each node to run the archive loops of the shards it leads, and none other", WAIT, || {
+        loops_match_leadership(&cluster, &[1, 2, 3], SHARDS)
+    })
+    .await;
+    let total: f64 = futures::future::join_all(
+        (1..=3).map(|id| common::metric(&cluster.nodes[id - 1].admin, "walship_archive_loops")),
+    )
+    .await
+    .iter()
+    .sum();
+    assert_eq!(total, SHARDS as f64, "one loop per shard across the cluster");
+
+    let (old, _) = append(&mut cluster, 20).await;
+    cluster.node(old).kill9();
+    let new = cluster.wait_leader(1, Some(old), WAIT).await;
+    let live: Vec<u32> = (1..=3).filter(|&id| id != old).collect();
+    common::wait_until("the new leader to run the loop of shard 1", WAIT, || {
+        loops_match_leadership(&cluster, &live, SHARDS)
+    })
+    .await;
+    let (leader, last) = append(&mut cluster, 20).await;
+    assert_eq!(leader, new);
+    common::wait_until("the new leader to archive what it acknowledged", WAIT, || async {
+        let status = cluster.status(new).await.unwrap_or_default();
+        let shard = status["shards"].as_array().and_then(|a| a.iter().find(|s| s["shard_id"] == 1).cloned());
+        shard.and_then(|s| s["archive"]["archived_seqno"].as_u64()) >= Some(last)
+    })
+    .await;
+}

@@ -43,6 +43,8 @@ pub struct ReplicationMetrics {
     pub quiet_refused: IntCounter,
     /// Leader side: (shard, follower) pairs quiet now.
     pub quiet_pairs: IntGauge,
+    /// Shards whose archive loop runs on this node (0 without `[archive]`).
+    pub archive_loops: IntGauge,
     /// Leader side: leases lapsed past CheckQuorum's grace, by outcome.
     pub check_quorum: IntCounterVec,
 }
@@ -228,6 +230,14 @@ impl ReplicationMetrics {
                 IntGauge::new(
                     "walship_quiet_followers",
                     "(shard, follower) pairs this node leads that are quiet: no per-shard keepalives",
+                )?,
+            )?,
+            archive_loops: register(
+                registry,
+                IntGauge::new(
+                    "walship_archive_loops",
+                    "Shards whose archive loop runs on this node: those it leads or archives (a replica that only \
+                     follows runs none; 0 without [archive])",
                 )?,
             )?,
             check_quorum: register(

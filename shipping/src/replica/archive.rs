@@ -40,6 +40,10 @@
 //!   WAL (PeerExchange, the same bytes) and uploaded; otherwise it is
 //!   reported unrepairable. Counted in `walship_archive_damaged_objects_total`
 //!   and shown in the status.
+//! * **Cost.** A shard's archive loop (one task, the scrub passes started
+//!   from it) runs only while this node leads or archives the shard: a
+//!   replica that only follows holds none, so most of the replicas of a
+//!   node with thousands of shards cost no task or timer for archiving.
 //! * **Retention.** While archiving is on, the leader compacts no record
 //!   that is not archived yet (see `retention.rs`): the local disk holds
 //!   what the store does not, until the disk-full reserve refuses appends.
@@ -89,6 +93,23 @@ pub struct ArchiveMetrics {
     uploaded_bytes: IntCounterVec,
     upload_failures: IntCounterVec,
     damaged_objects: IntCounterVec,
+}
+
+/// Counts one running archive loop in `walship_archive_loops` while it
+/// lives (an aborted or ended loop drops it).
+struct LoopRunning(prometheus::IntGauge);
+
+impl LoopRunning {
+    fn new(gauge: &prometheus::IntGauge) -> LoopRunning {
+        gauge.inc();
+        LoopRunning(gauge.clone())
+    }
+}
+
+impl Drop for LoopRunning {
+    fn drop(&mut self) {
+        self.0.dec();
+    }
 }
 
 impl ArchiveMetrics {
@@ -315,20 +336,26 @@ const ARCHIVE_TICK: Duration = Duration::from_millis(200);
 const ARCHIVE_IDLE_TICK: Duration = Duration::from_secs(10);
 
 impl ReplicationNode {
-    /// Starts archiving every shard this node hosts (each while it leads).
+    /// Starts archiving the shards this node hosts, each while it leads or
+    /// archives it.
     pub fn start_archiving(self: &Arc<Self>, archive: Archive) {
-        let archive = Arc::new(archive);
-        {
-            // Under the map's lock: a replica created meanwhile either is in
-            // the map below or sees the archive set (`replica_or_create`).
-            let _hosted = self.replicas.write();
-            if self.archive.set(archive.clone()).is_err() {
-                return;
-            }
+        if self.archive.set(Arc::new(archive)).is_err() {
+            return;
         }
+        // A replica that starts leading from here on starts its own loop.
         for replica in self.replicas() {
+            self.ensure_archiving(&replica);
+        }
+    }
+
+    /// Starts the shard's archive loop unless it runs. Called whenever this
+    /// node may have come to archive the shard (it leads, or its leader
+    /// named it archiver); the loop ends once it has nothing to do, so a
+    /// shard this node only follows costs no task. Idempotent and cheap.
+    pub(super) fn ensure_archiving(self: &Arc<Self>, replica: &Arc<ShardReplica>) {
+        let Some(archive) = self.archive.get() else { return };
+        if !replica.archiving.swap(true, Ordering::AcqRel) {
             tokio::spawn(self.clone().run_archive(replica.clone(), archive.clone()));
-            tokio::spawn(self.clone().run_scrub(replica.clone(), archive.clone()));
         }
     }
 
@@ -393,6 +420,7 @@ impl ReplicationNode {
     pub(super) async fn run_archive(self: Arc<Self>, replica: Arc<ShardReplica>, archive: Arc<Archive>) {
         let shard = replica.shard;
         let label = shard.to_string();
+        let _running = LoopRunning::new(&self.metrics.archive_loops);
         // Nothing waiting (all committed archived, no upload in flight, or
         // nothing to archive here): wait for the commit, the role or the
         // lease to change instead of ticking, so an idle shard costs
@@ -410,8 +438,16 @@ impl ReplicationNode {
         // may try again.
         let mut failures = 0u32;
         let mut retry_at = Instant::now();
+        // While this node archives the shard, a scrub pass every
+        // `scrub_interval` (the first one interval after it began).
+        let mut archives = false;
+        let mut scrub_at = Instant::now() + archive.scrub_interval;
+        let mut scrubbing: Option<tokio::task::JoinHandle<()>> = None;
         loop {
-            let period = if idle { ARCHIVE_IDLE_TICK } else { ARCHIVE_TICK };
+            let mut period = if idle { ARCHIVE_IDLE_TICK } else { ARCHIVE_TICK };
+            if archives {
+                period = period.min(scrub_at.saturating_duration_since(Instant::now()));
+            }
             tokio::select! {
                 _ = tokio::time::sleep(period) => {}
                 _ = readable.changed(), if idle => {}
@@ -422,15 +458,33 @@ impl ReplicationNode {
                     if let Some(state) = state.take() {
                         state.abort();
                     }
+                    if let Some(pass) = scrubbing.take() {
+                        pass.abort();
+                    }
                     return;
                 }
             }
-            let (term, commit) = match self.duty(&replica, &archive) {
+            let duty = self.duty(&replica, &archive);
+            archives = matches!(duty, Duty::Archive { .. });
+            if !archives && let Some(pass) = scrubbing.take() {
+                pass.abort();
+            }
+            let (term, commit) = match duty {
                 Duty::None => {
                     if let Some(state) = state.take() {
                         state.abort();
                     }
                     self.archive_status.lock().remove(&shard);
+                    // Nothing to do here: the loop ends, unless the duty came
+                    // back meanwhile (the swap reads what a concurrent
+                    // `ensure_archiving` wrote, and whoever sets the flag
+                    // again runs the loop).
+                    replica.archiving.swap(false, Ordering::AcqRel);
+                    if matches!(self.duty(&replica, &archive), Duty::None)
+                        || replica.archiving.swap(true, Ordering::AcqRel)
+                    {
+                        return;
+                    }
                     idle = true;
                     continue;
                 }
@@ -449,6 +503,12 @@ impl ReplicationNode {
                 }
                 Duty::Archive { term, commit } => (term, commit),
             };
+            if Instant::now() >= scrub_at {
+                scrub_at = Instant::now() + archive.scrub_interval;
+                if scrubbing.as_ref().is_none_or(|pass| pass.is_finished()) {
+                    scrubbing = Some(tokio::spawn(self.clone().scrub_pass(replica.clone(), archive.clone())));
+                }
+            }
             // Whether this tick recorded the lag already (one WAL read of the
             // oldest waiting record per tick, not two).
             let mut lag_shown = false;

@@ -326,6 +326,7 @@ impl ReplicationNode {
         // between.
         replica.unsettle();
         tokio::spawn(self.clone().run_leader_driver(replica.clone(), state.clone()));
+        self.ensure_archiving(replica);
         if self.settings.lease_us.is_some() {
             tokio::spawn(self.clone().run_lease_watch(replica.clone(), state.clone()));
         }

@@ -143,6 +143,9 @@ pub struct ReplicationNode {
     peer_tier: std::sync::OnceLock<Arc<dyn peer_tier::PeerTier>>,
     /// Each archived shard's position and lag (shards this node leads).
     archive_status: Mutex<BTreeMap<ShardId, archive::ArchiveStatus>>,
+    /// Unrepairable archive objects already counted in
+    /// `walship_archive_damaged_objects_total` (each once per process).
+    scrub_counted: Mutex<std::collections::BTreeSet<(ShardId, String)>>,
     /// PeerExchange fetch tokens a coordinator minted for this node's
     /// tasks, by shard (see [`peer_tier::PeerTier::fetch`]).
     fetch_tokens: Mutex<BTreeMap<ShardId, String>>,
@@ -223,6 +226,7 @@ impl ReplicationNode {
             archive: Default::default(),
             peer_tier: Default::default(),
             archive_status: Default::default(),
+            scrub_counted: Default::default(),
             fetch_tokens: Default::default(),
             quiet_links: Default::default(),
             quiet_from: Default::default(),
@@ -282,14 +286,10 @@ impl ReplicationNode {
         let promised = self.wal.epoch(shard)?;
         let replica = Arc::new(ShardReplica::new(shard, &[], self.me, true, promised, last, self.touched.clone()));
         replicas.insert(shard, replica.clone());
-        let archive = self.archive.get().cloned();
         drop(replicas);
         tracing::info!(shard, promised, last, "hosting a shard the coordinator assigned this node");
         tokio::spawn(self.clone().run_retention(replica.clone()));
-        if let Some(archive) = archive {
-            tokio::spawn(self.clone().run_archive(replica.clone(), archive.clone()));
-            tokio::spawn(self.clone().run_scrub(replica.clone(), archive));
-        }
+        // Its archive loop starts when it leads or archives (`ensure_archiving`).
         Ok(replica)
     }
 

@@ -189,6 +189,9 @@ impl ReplicationNode {
         follower.last_contact_us.store(now_us(), Ordering::Release);
         replica.unsettle();
         drop(guard);
+        if source == Source::Push && request.archiver_node_id == self.me {
+            self.ensure_archiving(&replica);
+        }
         Ok((replica, pending))
     }
 

@@ -154,6 +154,9 @@ pub struct ShardReplica {
     /// lookup formats and hashes the shard id: per commit, at thousands of
     /// shards, it showed in profiles).
     commit_gauge: std::sync::OnceLock<Option<prometheus::IntGauge>>,
+    /// Whether its archive loop runs (only while this node leads or
+    /// archives the shard: see `ReplicationNode::ensure_archiving`).
+    pub(crate) archiving: std::sync::atomic::AtomicBool,
 }
 
 /// The shards whose activity moved since each of the node's periodic loops
@@ -222,6 +225,7 @@ impl ShardReplica {
             transition: tokio::sync::Mutex::new(()),
             touched,
             commit_gauge: std::sync::OnceLock::new(),
+            archiving: Default::default(),
         }
     }
 

@@ -22,35 +22,22 @@ enum Damage {
 }
 
 impl ReplicationNode {
-    /// Every `scrub_interval` while this node leads the shard: one scrub pass.
-    pub(in crate::replica) async fn run_scrub(self: Arc<Self>, replica: Arc<ShardReplica>, archive: Arc<Archive>) {
+    /// One scrub pass of a shard this node archives (the archive loop
+    /// starts one every `scrub_interval`), shown in its archive status.
+    pub(in crate::replica) async fn scrub_pass(self: Arc<Self>, replica: Arc<ShardReplica>, archive: Arc<Archive>) {
         let shard = replica.shard;
-        let start = tokio::time::Instant::now() + archive.scrub_interval;
-        let mut tick = tokio::time::interval_at(start, archive.scrub_interval);
-        tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
-        // Unrepairable objects already counted (each once per process).
-        let mut counted = std::collections::BTreeSet::new();
-        loop {
-            tokio::select! {
-                _ = tick.tick() => {}
-                _ = self.shutdown.cancelled() => return,
-            }
-            if !matches!(self.duty(&replica, &archive), Duty::Archive { .. }) {
-                continue;
-            }
-            match self.scrub(&replica, &archive, &mut counted).await {
-                Ok(Some(unrepairable)) => {
-                    if let Some(status) = self.archive_status.lock().get_mut(&shard) {
-                        status.scrubs += 1;
-                        status.last_scrub_unix_ms = Some(now_ms());
-                        status.damaged_unrepairable = unrepairable;
-                    }
+        match self.scrub(&replica, &archive).await {
+            Ok(Some(unrepairable)) => {
+                if let Some(status) = self.archive_status.lock().get_mut(&shard) {
+                    status.scrubs += 1;
+                    status.last_scrub_unix_ms = Some(now_ms());
+                    status.damaged_unrepairable = unrepairable;
                 }
-                Ok(None) => {} // leadership moved on mid-pass
-                // The store did not answer: the uploader shows and counts that.
-                Err(e) => {
-                    tracing::warn!(shard, error = %e, next_in = ?archive.scrub_interval, "scrubbing the archive stopped");
-                }
+            }
+            Ok(None) => {} // leadership moved on mid-pass
+            // The store did not answer: the uploader shows and counts that.
+            Err(e) => {
+                tracing::warn!(shard, error = %e, next_in = ?archive.scrub_interval, "scrubbing the archive stopped");
             }
         }
     }
@@ -59,12 +46,7 @@ impl ReplicationNode {
     /// time, repairing what it can; then fills a gap before later segments.
     /// Answers the unrepairable objects (`key: why`), or `None` when this
     /// node stopped leading mid-pass.
-    async fn scrub(
-        &self,
-        replica: &ShardReplica,
-        archive: &Archive,
-        counted: &mut std::collections::BTreeSet<String>,
-    ) -> Result<Option<Vec<String>>, StoreError> {
+    async fn scrub(&self, replica: &ShardReplica, archive: &Archive) -> Result<Option<Vec<String>>, StoreError> {
         use crate::archive::restore::{self, RestoreError};
         let shard = replica.shard;
         // What this node had uploaded without a hole before listing: a gap
@@ -87,7 +69,7 @@ impl ReplicationNode {
             };
             tracing::error!(shard, key = %segment.key, detail, "an archived segment object is damaged");
             let damage = self.reupload(replica, archive, segment.first, segment.last, Some(segment)).await?;
-            self.count_damage(archive, shard, &segment.key, damage, counted, &mut unrepairable);
+            self.count_damage(archive, shard, &segment.key, damage, &mut unrepairable);
         }
         // Segments past a gap: the records between are missing from the
         // archive (an object deleted); uploaded again like a damaged one.
@@ -102,20 +84,12 @@ impl ReplicationNode {
             let name = format!("{}{first:020}-{last:020} (missing)", archive.layout.segments_prefix(shard));
             tracing::error!(shard, first, last, "the archive misses records before later segments");
             let damage = self.reupload(replica, archive, first, last, None).await?;
-            self.count_damage(archive, shard, &name, damage, counted, &mut unrepairable);
+            self.count_damage(archive, shard, &name, damage, &mut unrepairable);
         }
         Ok(Some(unrepairable))
     }
 
-    fn count_damage(
-        &self,
-        archive: &Archive,
-        shard: u32,
-        key: &str,
-        damage: Damage,
-        counted: &mut std::collections::BTreeSet<String>,
-        unrepairable: &mut Vec<String>,
-    ) {
+    fn count_damage(&self, archive: &Archive, shard: u32, key: &str, damage: Damage, unrepairable: &mut Vec<String>) {
         match damage {
             Damage::Repaired => {
                 archive.metrics.damaged_objects.with_label_values(&["repaired"]).inc();
@@ -125,7 +99,8 @@ impl ReplicationNode {
                 tracing::warn!(shard, key, "uploaded the damaged archive object again from this leader's WAL");
             }
             Damage::Unrepairable(why) => {
-                if counted.insert(key.to_string()) {
+                // Each object once per process, whichever pass found it.
+                if self.scrub_counted.lock().insert((shard, key.to_string())) {
                     archive.metrics.damaged_objects.with_label_values(&["unrepairable"]).inc();
                 }
                 tracing::error!(shard, key, why, "cannot repair the damaged archive object");
