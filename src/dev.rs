@@ -32,12 +32,13 @@ use clap::Args;
 use walship_shipping::config::CoordinatorSpec;
 use walship_shipping::{ClusterConfig, NodeSpec};
 
-#[derive(Args, Debug)]
+#[derive(Args, Debug, Clone)]
 pub struct DevArgs {
     /// Where the dev cluster keeps its data (node-N/ per node, cluster.toml).
     #[arg(long, default_value = ".walship/dev")]
     data_dir: PathBuf,
-    /// Number of shards (ids 1..=N), each replicated on every node.
+    /// Number of shards (ids 1..=N), each replicated on every node. Past 1,000 the nodes export per-node sums instead of
+    /// per-shard metric series (`replication.per_shard_metrics = false`).
     #[arg(long, default_value_t = 4)]
     shards: u32,
     /// Number of nodes (the replication factor of every shard).
@@ -131,6 +132,9 @@ impl Ports {
     }
 }
 
+/// The most shards a dev cluster exports per-shard metric series for.
+const PER_SHARD_METRICS_UP_TO: u32 = 1000;
+
 /// The dev cluster's configuration: shard i led by node ((i-1) mod n)+1.
 fn dev_cluster(args: &DevArgs) -> Result<ClusterConfig> {
     if args.nodes == 0 || args.shards == 0 {
@@ -154,6 +158,10 @@ fn dev_cluster(args: &DevArgs) -> Result<ClusterConfig> {
         config.replication.retain_bytes = bytes;
         config.replication.max_retain_bytes = config.replication.max_retain_bytes.max(bytes);
     }
+    // Past a thousand shards a scrape would carry about fifteen series per
+    // shard, and each series costs memory on the node: the dev cluster
+    // exports the per-node sums instead.
+    config.replication.per_shard_metrics = args.shards <= PER_SHARD_METRICS_UP_TO;
     // Archives out of the box: a directory beside the nodes' data (the
     // path is relative to the cluster config written into the data dir).
     config.archive = Some(walship_shipping::config::ArchiveConfig::dir("archive".into()));
@@ -481,6 +489,8 @@ mod tests {
         assert_eq!(c.coordinators[0].admin_addr.port(), 7480);
         assert!(c.coordinated());
         assert_eq!(c.replication.retain_bytes, 1 << 30);
+        assert!(c.replication.per_shard_metrics);
+        assert!(!dev_cluster(&DevArgs { shards: 1001, ..args.clone() }).unwrap().replication.per_shard_metrics);
         let c = dev_cluster(&DevArgs { retain_mib: Some(8192), ..args }).unwrap();
         assert_eq!((c.replication.retain_bytes, c.replication.max_retain_bytes), (8 << 30, 8 << 30));
     }
