@@ -15,6 +15,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use futures::StreamExt;
+use futures::future::BoxFuture;
 use futures::stream::FuturesUnordered;
 use tokio::sync::watch;
 use tonic::Status;
@@ -258,7 +259,10 @@ impl ReplicationNode {
         // flight it waits for what the WAL commits (`ship_limit`) or a
         // reply, so appends arriving one by one wake nothing.
         let mut written = if self.early_shipping() { self.wal.written_watch(replica.shard).ok() } else { None };
-        let mut in_flight = FuturesUnordered::new();
+        // Boxed: a `FuturesUnordered` keeps a task slot the size of its
+        // future for as long as it lives, and a call's future is kilobytes;
+        // thousands of idle shippers (one per shard and follower) held it.
+        let mut in_flight: FuturesUnordered<BoxFuture<'static, (u64, (ShipReply, Seqno))>> = FuturesUnordered::new();
         let batch_bytes = self.config.replication.ship_batch_bytes;
         // The commit the follower was last told in a request it answered:
         // a follower may go quiet only once it knows the commit.
@@ -301,13 +305,13 @@ impl ReplicationNode {
                         let sent = now_us();
                         leader.core.lock().on_sent(follower, from, last, sent);
                         let ship = self.ship(&replica, &leader, follower, Some(segment));
-                        in_flight.push(dated(sent, ship));
+                        in_flight.push(Box::pin(dated(sent, ship)));
                     }
                     ShipDecision::Keepalive => {
                         let sent = now_us();
                         leader.core.lock().on_keepalive_sent(follower, sent);
                         let ship = self.ship(&replica, &leader, follower, None);
-                        in_flight.push(dated(sent, ship));
+                        in_flight.push(Box::pin(dated(sent, ship)));
                     }
                     ShipDecision::Idle => break,
                 }
