@@ -214,19 +214,18 @@ impl WalMetrics {
         WalMetrics::new(&Registry::new()).expect("fresh registry")
     }
 
-    pub(crate) fn shard(&self, shard: ShardId) -> ShardGauges {
+    pub(crate) fn shard(&self, shard: ShardId) -> Option<ShardGauges> {
         if !self.per_shard {
-            let detached = || IntGauge::new("walship_shard_position", "not exported").expect("valid name");
-            return ShardGauges { first_seqno: detached(), last_seqno: detached(), durable_seqno: detached() };
+            return None;
         }
         let label = shard.to_string();
         // Shown (0) from the shard's start; the corruption registry sets it.
         self.corrupt_records.with_label_values(&[&label]);
-        ShardGauges {
+        Some(ShardGauges {
             first_seqno: self.first_seqno.with_label_values(&[&label]),
             last_seqno: self.last_seqno.with_label_values(&[&label]),
             durable_seqno: self.durable_seqno.with_label_values(&[&label]),
-        }
+        })
     }
 }
 

@@ -375,13 +375,14 @@ struct ShardPositions {
     /// Between `durable` and `written`.
     flushing: watch::Sender<u64>,
     durable: watch::Sender<u64>,
-    gauges: ShardGauges,
+    /// Its position series; none without per-shard metrics.
+    gauges: Option<ShardGauges>,
     /// Changed under the sequencer lock, with the frames it applies.
     producers: parking_lot::Mutex<ProducerState>,
 }
 
 impl ShardPositions {
-    fn new(bounds: LogBounds, gauges: ShardGauges) -> ShardPositions {
+    fn new(bounds: LogBounds, gauges: Option<ShardGauges>) -> ShardPositions {
         let positions = ShardPositions {
             first: AtomicU64::new(bounds.first_seqno),
             last: AtomicU64::new(bounds.last_seqno),
@@ -415,9 +416,11 @@ impl ShardPositions {
         self.first.store(bounds.first_seqno, Ordering::Release);
         self.last.store(bounds.last_seqno, Ordering::Release);
         set_watch(&self.durable, bounds.durable_seqno);
-        self.gauges.first_seqno.set(bounds.first_seqno as i64);
-        self.gauges.last_seqno.set(bounds.last_seqno as i64);
-        self.gauges.durable_seqno.set(bounds.durable_seqno as i64);
+        if let Some(gauges) = &self.gauges {
+            gauges.first_seqno.set(bounds.first_seqno as i64);
+            gauges.last_seqno.set(bounds.last_seqno as i64);
+            gauges.durable_seqno.set(bounds.durable_seqno as i64);
+        }
     }
 
     /// Publishes every position as the store has it, written included: at
