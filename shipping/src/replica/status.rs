@@ -296,10 +296,10 @@ impl ReplicationNode {
                 let view = replica.view();
                 let last_epoch = self.log_rank_epoch(replica.shard, &p).await.unwrap_or(0);
                 let producers = self.wal.producer_stats(replica.shard, positions_us).ok();
-                let mut lag_records = std::collections::HashMap::new();
-                let mut lag_bytes = std::collections::HashMap::new();
-                let mut lag_seconds = std::collections::HashMap::new();
-                let mut follower_silent_ms = std::collections::HashMap::new();
+                let mut lag_records = std::collections::BTreeMap::new();
+                let mut lag_bytes = std::collections::BTreeMap::new();
+                let mut lag_seconds = std::collections::BTreeMap::new();
+                let mut follower_silent_ms = std::collections::BTreeMap::new();
                 let commit = match replica.leader_state() {
                     Some(leader) => {
                         let quiet = leader.quiet.lock().clone();
@@ -501,9 +501,9 @@ const HEARTBEAT_BATCH: usize = 5_000;
 /// One place heartbeats go, and what it was last sent.
 struct HeartbeatTarget {
     channel: crate::peers::PeerChannel,
-    /// Each shard's report as last sent (and acknowledged), in its
-    /// [`comparable`] form.
-    last: std::collections::HashMap<u32, HeartbeatRequest>,
+    /// A digest of each shard's report as last sent (and acknowledged), of
+    /// its [`comparable`] form ([`report_digest`]).
+    last: std::collections::HashMap<u32, u64>,
     last_full: Option<Instant>,
     /// It does not know `HeartbeatBatch` (an older build): one `Heartbeat`
     /// per shard, every tick.
@@ -540,12 +540,12 @@ impl HeartbeatTarget {
             }
             return outcomes;
         }
-        let changed: Vec<(&HeartbeatRequest, HeartbeatRequest)> = reports
+        let changed: Vec<(&HeartbeatRequest, u64)> = reports
             .iter()
-            .map(|r| (r, comparable(r)))
-            .filter(|(r, c)| full || self.last.get(&r.shard_id) != Some(c))
+            .map(|r| (r, report_digest(r)))
+            .filter(|(r, digest)| full || self.last.get(&r.shard_id) != Some(digest))
             .collect();
-        let chunks: Vec<&[(&HeartbeatRequest, HeartbeatRequest)]> =
+        let chunks: Vec<&[(&HeartbeatRequest, u64)]> =
             if changed.is_empty() { vec![&[][..]] } else { changed.chunks(HEARTBEAT_BATCH).collect() };
         let whole = chunks.len() == 1;
         let mut outcomes = Vec::new();
@@ -590,6 +590,17 @@ pub(crate) fn same_report(a: &HeartbeatRequest, b: &HeartbeatRequest) -> bool {
     comparable(a) == comparable(b)
 }
 
+/// A digest of a shard's report in its [`comparable`] form: equal for two
+/// reports that say the same (maps encode in key order). A collision, one
+/// in 2^64, would hold a change back until the next full report.
+fn report_digest(r: &HeartbeatRequest) -> u64 {
+    use prost::Message;
+    use std::hash::{Hash, Hasher};
+    let mut hasher = std::collections::hash_map::DefaultHasher::new();
+    comparable(r).encode_to_vec().hash(&mut hasher);
+    hasher.finish()
+}
+
 /// A shard's report without what moves while nothing happens to the
 /// shard (clocks, the node's disk figures, rates; silences kept in quarter
 /// seconds): two reports say the same when these are equal.
@@ -612,6 +623,28 @@ fn comparable(r: &HeartbeatRequest) -> HeartbeatRequest {
 #[cfg(test)]
 mod heartbeat_tests {
     use super::*;
+
+    #[test]
+    fn reports_that_say_the_same_share_a_digest_and_changes_do_not() {
+        let report = |silent: &[(u32, u64)], uptime_ms: u64| HeartbeatRequest {
+            shard_id: 7,
+            uptime_ms,
+            follower_silent_ms: silent.iter().copied().collect(),
+            replication_lag: [(2, 5), (3, 0)].into_iter().collect(),
+            ..Default::default()
+        };
+        let base = report_digest(&report(&[(2, 100), (3, 40)], 1));
+        // Map entries in another order, a clock moved, a silence within
+        // its quarter second: the same.
+        assert_eq!(report_digest(&report(&[(3, 40), (2, 100)], 9_000)), base);
+        assert_eq!(report_digest(&report(&[(2, 240), (3, 0)], 1)), base);
+        // A silence into the next quarter second, a follower more: changed.
+        assert_ne!(report_digest(&report(&[(2, 250), (3, 40)], 1)), base);
+        assert_ne!(report_digest(&report(&[(2, 100), (3, 40), (4, 0)], 1)), base);
+        let mut lagging = report(&[(2, 100), (3, 40)], 1);
+        lagging.replication_lag.insert(3, 1);
+        assert_ne!(report_digest(&lagging), base);
+    }
 
     #[test]
     fn costly_full_reports_go_less_often_within_a_bound() {
