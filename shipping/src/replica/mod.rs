@@ -238,9 +238,7 @@ impl ReplicationNode {
                 node.assign(spec.id, spec.epoch, spec.leader, 0, None).await?;
             }
         }
-        for replica in node.replicas() {
-            tokio::spawn(node.clone().run_retention(replica));
-        }
+        tokio::spawn(node.clone().run_retention());
         tokio::spawn(node.clone().run_heartbeats());
         tokio::spawn(node.clone().run_metrics());
         tokio::spawn(node.clone().run_corruption_watch());
@@ -263,8 +261,7 @@ impl ReplicationNode {
     /// The replica of `shard`, created when a coordinator assigns this
     /// node a shard it does not host yet (a replica being added, or one
     /// added before this node restarted): its WAL shard is created (or
-    /// reopened, keeping what it holds and the epoch it promised) and its
-    /// retention starts. Only under a coordinator, and only for a node the
+    /// reopened, keeping what it holds and the epoch it promised). Only under a coordinator, and only for a node the
     /// assignment names.
     fn replica_or_create(
         self: &Arc<Self>,
@@ -288,8 +285,8 @@ impl ReplicationNode {
         replicas.insert(shard, replica.clone());
         drop(replicas);
         tracing::info!(shard, promised, last, "hosting a shard the coordinator assigned this node");
-        tokio::spawn(self.clone().run_retention(replica.clone()));
-        // Its archive loop starts when it leads or archives (`ensure_archiving`).
+        // Retention's pass looks at it from now on; its archive loop starts
+        // when it leads or archives (`ensure_archiving`).
         Ok(replica)
     }
 
