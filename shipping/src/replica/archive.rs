@@ -247,9 +247,7 @@ impl Uploads {
     fn in_flight(&self) -> usize {
         self.queue.iter().filter(|u| !u.done).count()
     }
-}
 
-impl Uploads {
     /// Stops every upload under way (leadership moved, or shutdown); what
     /// they would have uploaded is uploaded by whoever archives next.
     fn abort(self) {
