@@ -37,8 +37,8 @@ pub struct DevArgs {
     /// Where the dev cluster keeps its data (node-N/ per node, cluster.toml).
     #[arg(long, default_value = ".walship/dev")]
     data_dir: PathBuf,
-    /// Number of shards (ids 1..=N), each replicated on every node. Past 1,000 the nodes export per-node sums instead of
-    /// per-shard metric series (`replication.per_shard_metrics = false`).
+    /// Number of shards (ids 1..=N), each replicated on every node. Past 1,000 the nodes export per-node sums
+    /// instead of per-shard metric series (`replication.per_shard_metrics = false`).
     #[arg(long, default_value_t = 4)]
     shards: u32,
     /// Number of nodes (the replication factor of every shard).

@@ -261,8 +261,8 @@ impl ReplicationNode {
     /// The replica of `shard`, created when a coordinator assigns this
     /// node a shard it does not host yet (a replica being added, or one
     /// added before this node restarted): its WAL shard is created (or
-    /// reopened, keeping what it holds and the epoch it promised). Only under a coordinator, and only for a node the
-    /// assignment names.
+    /// reopened, keeping what it holds and the epoch it promised). Only
+    /// under a coordinator, and only for a node the assignment names.
     fn replica_or_create(
         self: &Arc<Self>,
         shard: ShardId,
