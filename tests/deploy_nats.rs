@@ -256,3 +256,18 @@ async fn the_nats_3_node_guide_files_describe_a_cluster_that_starts() {
     let (code, body) = common::http_post(&format!("{active}/v1/shards/1/failover"), preview, Some(&token)).await;
     assert_eq!(code, 200, "{body}");
 }
+
+/// The guide's cluster binds a dozen ports a test picked in advance; CI once
+/// saw one taken by an outgoing connection before the coordinator bound it.
+#[test]
+fn ports_are_outside_the_ephemeral_range_and_never_handed_out_twice() {
+    let (low, high) = common::ports::ephemeral_range();
+    let ports: Vec<u16> = (0..50).map(|_| free_port()).collect();
+    let mut unique = ports.clone();
+    unique.sort_unstable();
+    unique.dedup();
+    assert_eq!(unique.len(), ports.len(), "a port was handed out twice: {ports:?}");
+    if low >= 1024 + common::ports::POOL || high <= u16::MAX - common::ports::POOL {
+        assert!(ports.iter().all(|p| !(low..=high).contains(p)), "{ports:?} meet the ephemeral range {low}-{high}");
+    }
+}

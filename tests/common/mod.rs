@@ -13,10 +13,13 @@ use tonic::transport::{Channel, Endpoint};
 use walship_proto::log::log_client::LogClient;
 use walship_shipping::auth::{ClusterCredentials, ClusterSecret};
 
+pub use ports::free_port;
+
 pub mod cli;
 pub mod dev;
 pub mod history;
 pub mod partition;
+pub mod ports;
 #[allow(clippy::duplicate_mod)]
 #[path = "../../objstore/tests/support/signal.rs"]
 pub mod process_signal;
@@ -214,12 +217,6 @@ async fn http_request_with(
     let status = text.split_whitespace().nth(1).and_then(|s| s.parse().ok()).unwrap_or(0);
     let body = text.split_once("\r\n\r\n").map(|(_, b)| b.to_string()).unwrap_or_default();
     (status, body)
-}
-
-/// A free loopback port (bound then released: another process could take
-/// it in between, which loopback tests accept).
-pub fn free_port() -> u16 {
-    std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port()
 }
 
 /// A cluster of `walship node` processes sharing one cluster config.
