@@ -155,24 +155,36 @@ fn now_unix_us() -> u64 {
     std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.as_micros() as u64)
 }
 
-/// The lag of `node` in `shard`: its leader's live figures while the leader
-/// hears from it; else counted from its own last reported position, stale.
+/// The recorded leader's newest report of `shard` as its leader, with its
+/// age in ms: what a follower's lag is counted from. None just after a
+/// failover, while the new leader still reports as a follower.
+fn leader_report(
+    reports: &walship_shipping::control::coordinator::Reports,
+    shard: u32,
+    leader: Option<u32>,
+) -> Option<(Arc<walship_proto::replication::HeartbeatRequest>, u64)> {
+    leader.and_then(|leader| reports.heartbeat_aged(leader, shard)).filter(|(l, _)| l.is_leader)
+}
+
+/// The lag of `node` in `shard`, whose leader is `leader` reporting
+/// `leader_report` (see [`leader_report`]): the leader's live figures
+/// while it hears from `node`; else counted from `node`'s own last
+/// reported position (`mine`, asked only then), stale.
 fn shown_lag(
     admin: &CoordAdmin,
     shard: u32,
     node: u32,
     leader: Option<u32>,
+    leader_report: Option<&(Arc<walship_proto::replication::HeartbeatRequest>, u64)>,
     alive: bool,
-    mine: Option<&(Arc<walship_proto::replication::HeartbeatRequest>, u64)>,
+    mine: impl FnOnce() -> Option<(Arc<walship_proto::replication::HeartbeatRequest>, u64)>,
 ) -> ShownLag {
-    let c = &admin.coordinator;
-    let Some(leader) = leader.filter(|&l| l != node) else { return ShownLag::default() };
-    // Only the recorded leader's report as leader counts (just after a
-    // failover it may still report as a follower): else the lag is unknown.
-    let Some((l, l_age)) = c.heartbeat_aged(leader, shard).filter(|(l, _)| l.is_leader) else {
+    if leader.is_none_or(|l| l == node) {
         return ShownLag::default();
-    };
-    let timeout = c.config.replication.leader_timeout_ms;
+    }
+    // Only the recorded leader's report as leader counts: else the lag is unknown.
+    let Some((l, l_age)) = leader_report else { return ShownLag::default() };
+    let timeout = admin.coordinator.config.replication.leader_timeout_ms;
     // The leader heard from it in this leadership: its figures, counted from
     // the position the follower last acknowledged.
     if let (Some(&records), Some(&silent)) = (l.replication_lag.get(&node), l.follower_silent_ms.get(&node)) {
@@ -187,7 +199,7 @@ fn shown_lag(
     }
     // It never answered this leader (down since before the leadership, or
     // just starting): from its own last heartbeat, never the whole log.
-    let Some((h, age)) = mine else { return ShownLag { stale: true, ..ShownLag::default() } };
+    let Some((h, age)) = mine() else { return ShownLag { stale: true, ..ShownLag::default() } };
     let records = l.durable_seqno.saturating_sub(h.durable_seqno);
     let seconds = if records == 0 {
         Some(0.0)
@@ -200,7 +212,7 @@ fn shown_lag(
         seconds,
         stale: true,
         from_seqno: Some(h.durable_seqno),
-        position_age_ms: Some(*age),
+        position_age_ms: Some(age),
     }
 }
 
@@ -221,6 +233,7 @@ pub(crate) fn shard_view(
             _ => "voter",
         }
     };
+    let led = leader_report(&c.reports(), id, record.leader);
     let replicas = record
         .members()
         .into_iter()
@@ -229,7 +242,7 @@ pub(crate) fn shard_view(
             let hb = aged.as_ref().map(|(h, _)| h);
             let seen = c.last_seen_ms(node);
             let alive = seen.is_some_and(|ms| ms <= timeout);
-            let lag = shown_lag(admin, id, node, record.leader, alive, aged.as_ref());
+            let lag = shown_lag(admin, id, node, record.leader, led.as_ref(), alive, || aged.clone());
             ReplicaView {
                 node_id: node,
                 membership: membership(node).into(),
@@ -265,11 +278,7 @@ pub(crate) fn shard_view(
         .collect();
     // The archive position: the recorded leader's own report as an
     // archiving leader, else none.
-    let archive = record
-        .leader
-        .and_then(|leader| c.heartbeat_aged(leader, id))
-        .map(|(h, _)| h)
-        .filter(|h| h.is_leader && h.archiving);
+    let archive = led.map(|(h, _)| h).filter(|h| h.archiving);
     ShardView {
         shard_id: id,
         leader: record.leader,
@@ -285,9 +294,13 @@ pub(crate) fn shard_view(
     }
 }
 
-/// Once a second: samples every follower's lag into the history, and
-/// fetches from each shard's leader when it accepted the oldest record each
-/// stale follower lacks (its lag in seconds).
+/// Once a second (less often when a pass is costly, see
+/// [`crate::history::sample_interval`]): samples every follower's lag into
+/// the history, and fetches from each shard's leader when it accepted the
+/// oldest record each stale follower lacks (its lag in seconds). A pass
+/// computes only the lag, not the shard's whole view: one look-up of the
+/// leader's report per shard, a follower's own report only when the
+/// leader has not heard from it.
 async fn sample_lag(admin: Arc<CoordAdmin>) {
     loop {
         tokio::select! {
@@ -296,32 +309,8 @@ async fn sample_lag(admin: Arc<CoordAdmin>) {
         }
         let pass = std::time::Instant::now();
         let Ok(state) = state(&admin).await else { continue };
-        let now = walship_shipping::control::coordinator::now_ms();
-        let mut keep = std::collections::BTreeSet::new();
-        let mut needed = std::collections::BTreeMap::new();
-        for (&id, record) in &state.shards {
-            let view = shard_view(&admin, id, record, None);
-            for r in view.replicas.iter().filter(|r| Some(r.node_id) != view.leader) {
-                keep.insert((id, r.node_id));
-                admin.lag_history.record(
-                    id,
-                    r.node_id,
-                    LagSample {
-                        at_unix_ms: now,
-                        lag_records: r.lag_records,
-                        lag_bytes: r.lag_bytes,
-                        lag_seconds: r.lag_seconds,
-                        stale: r.lag_stale,
-                    },
-                );
-                if let (true, Some(from), Some(leader)) = (r.lag_stale, r.lag_from_seqno, view.leader)
-                    && r.lag_records.unwrap_or(0) > 0
-                {
-                    needed.insert((id, from + 1), leader);
-                }
-            }
-        }
-        admin.lag_history.retain(&keep);
+        let (samples, needed) = lag_pass(&admin, &state);
+        admin.lag_history.record_pass(samples);
         admin.lag_history.set_interval(crate::history::sample_interval(pass.elapsed()));
         let mut times = std::collections::BTreeMap::new();
         for ((shard, seqno), leader) in needed {
@@ -335,6 +324,45 @@ async fn sample_lag(admin: Arc<CoordAdmin>) {
         }
         admin.lag_history.set_written(times);
     }
+}
+
+/// What a lag pass found: see [`lag_pass`].
+type LagPass = (Vec<((u32, u32), LagSample)>, std::collections::BTreeMap<(u32, u64), u32>);
+
+/// Every follower's lag now, keyed `(shard, node)`, and for each stale
+/// follower missing records, the first record it lacks (`(shard, seqno)`)
+/// with the leader to ask when that record was written.
+fn lag_pass(admin: &CoordAdmin, state: &walship_shipping::control::state::ClusterState) -> LagPass {
+    let c = &admin.coordinator;
+    let now = walship_shipping::control::coordinator::now_ms();
+    let timeout = c.config.replication.leader_timeout_ms;
+    let alive: std::collections::BTreeMap<u32, bool> =
+        c.config.nodes.iter().map(|n| (n.id, c.last_seen_ms(n.id).is_some_and(|ms| ms <= timeout))).collect();
+    let mut samples = Vec::new();
+    let mut needed = std::collections::BTreeMap::new();
+    let reports = c.reports();
+    for (&id, record) in &state.shards {
+        let led = leader_report(&reports, id, record.leader);
+        for node in record.members().into_iter().filter(|&n| Some(n) != record.leader) {
+            let alive = alive.get(&node).copied().unwrap_or(false);
+            let mine = || reports.heartbeat_aged(node, id);
+            let lag = shown_lag(admin, id, node, record.leader, led.as_ref(), alive, mine);
+            if let (true, Some(from), Some(leader)) = (lag.stale, lag.from_seqno, record.leader)
+                && lag.records.unwrap_or(0) > 0
+            {
+                needed.insert((id, from + 1), leader);
+            }
+            let sample = LagSample {
+                at_unix_ms: now,
+                lag_records: lag.records,
+                lag_bytes: lag.bytes,
+                lag_seconds: lag.seconds,
+                stale: lag.stale,
+            };
+            samples.push(((id, node), sample));
+        }
+    }
+    (samples, needed)
 }
 
 /// When `leader` accepted record `seqno` of `shard` (its timestamp), read

@@ -60,7 +60,7 @@ impl WalShipping for CoordinatorHeartbeats {
         &self,
         request: Request<HeartbeatBatchRequest>,
     ) -> Result<Response<HeartbeatResponse>, Status> {
-        self.coordinator.on_heartbeat_batch(request.get_ref())?;
+        self.coordinator.on_heartbeat_batch(request.into_inner())?;
         Ok(Response::new(HeartbeatResponse { acknowledged: true }))
     }
 

@@ -162,7 +162,7 @@ impl NodeSeen {
     /// Keeps a batch's reports; answers the shards whose report changed:
     /// new, different from the last one (see `same_report`), or no longer
     /// reported by a full batch (dropped).
-    fn take_reports(&mut self, batch: &HeartbeatBatchRequest, now: Instant) -> std::collections::BTreeSet<u32> {
+    fn take_reports(&mut self, batch: HeartbeatBatchRequest, now: Instant) -> std::collections::BTreeSet<u32> {
         let mut changed = std::collections::BTreeSet::new();
         if batch.full {
             let hosted: std::collections::BTreeSet<u32> = batch.shards.iter().map(|s| s.shard_id).collect();
@@ -172,13 +172,34 @@ impl NodeSeen {
                 changed.insert(id);
             }
         }
-        for s in &batch.shards {
-            let old = self.shards.insert(s.shard_id, (Arc::new(s.clone()), now));
-            if old.is_none_or(|(old, _)| !same_report(&old, s)) {
-                changed.insert(s.shard_id);
+        for s in batch.shards {
+            let (id, s) = (s.shard_id, Arc::new(s));
+            let old = self.shards.insert(id, (s.clone(), now));
+            if old.is_none_or(|(old, _)| !same_report(&old, &s)) {
+                changed.insert(id);
             }
         }
         changed
+    }
+}
+
+/// The replicas' newest heartbeats, locked (see [`Coordinator::reports`]).
+pub struct Reports<'a>(parking_lot::MutexGuard<'a, BTreeMap<NodeId, NodeSeen>>);
+
+impl Reports<'_> {
+    /// The newest heartbeat of a replica.
+    pub fn heartbeat(&self, node: NodeId, shard: u32) -> Option<Arc<HeartbeatRequest>> {
+        self.0.get(&node).and_then(|n| n.shards.get(&shard).map(|(hb, _)| hb.clone()))
+    }
+
+    /// The newest heartbeat of a replica, with milliseconds since it
+    /// arrived (or since its node's last batch, which repeats it).
+    pub fn heartbeat_aged(&self, node: NodeId, shard: u32) -> Option<(Arc<HeartbeatRequest>, u64)> {
+        self.0.get(&node).and_then(|n| {
+            let (hb, at) = n.shards.get(&shard)?;
+            let at = n.refreshed.map_or(*at, |r| r.max(*at));
+            Some((hb.clone(), at.elapsed().as_millis() as u64))
+        })
     }
 }
 
@@ -506,7 +527,7 @@ impl Coordinator {
         node.shards.insert(request.shard_id, (Arc::new(request.clone()), now));
         drop(seen);
         self.pending.lock().shards.insert(request.shard_id);
-        self.republish(request);
+        self.republish(std::slice::from_ref(request));
         Ok(())
     }
 
@@ -514,8 +535,9 @@ impl Coordinator {
     /// the node's other shards as unchanged as of now (and, for a `full`
     /// batch, no longer hosted). Checked whole first: INVALID_ARGUMENT
     /// applies nothing.
-    pub fn on_heartbeat_batch(&self, batch: &HeartbeatBatchRequest) -> Result<(), tonic::Status> {
-        check_heartbeat_batch(batch, |n| self.config.node(n).is_some())?;
+    pub fn on_heartbeat_batch(&self, batch: HeartbeatBatchRequest) -> Result<(), tonic::Status> {
+        check_heartbeat_batch(&batch, |n| self.config.node(n).is_some())?;
+        self.republish(&batch.shards);
         let now = Instant::now();
         let changed = {
             let mut seen = self.seen.lock();
@@ -530,17 +552,14 @@ impl Coordinator {
         // looking at every repeated report cost the coordinator about a
         // tenth of a core while nothing happened.
         self.pending.lock().shards.extend(changed);
-        for s in &batch.shards {
-            self.republish(s);
-        }
         Ok(())
     }
 
-    /// In NATS mode, republishes a heartbeat (active coordinator only).
-    fn republish(&self, request: &HeartbeatRequest) {
-        if let Some(sink) = self.heartbeat_sink.lock().as_ref()
-            && self.is_active()
-        {
+    /// In NATS mode, republishes heartbeats (active coordinator only).
+    fn republish(&self, requests: &[HeartbeatRequest]) {
+        let sink = self.heartbeat_sink.lock();
+        let Some(sink) = sink.as_ref().filter(|_| self.is_active()) else { return };
+        for request in requests {
             let message = HeartbeatMessage {
                 node_id: request.node_id,
                 shard_id: request.shard_id,
@@ -570,16 +589,19 @@ impl Coordinator {
 
     /// The newest heartbeat of a replica.
     pub fn heartbeat(&self, node: NodeId, shard: u32) -> Option<Arc<HeartbeatRequest>> {
-        self.seen.lock().get(&node).and_then(|n| n.shards.get(&shard).map(|(hb, _)| hb.clone()))
+        self.reports().heartbeat(node, shard)
     }
 
     /// The newest heartbeat of a replica, with milliseconds since it arrived.
     pub fn heartbeat_aged(&self, node: NodeId, shard: u32) -> Option<(Arc<HeartbeatRequest>, u64)> {
-        self.seen.lock().get(&node).and_then(|n| {
-            let (hb, at) = n.shards.get(&shard)?;
-            let at = n.refreshed.map_or(*at, |r| r.max(*at));
-            Some((hb.clone(), at.elapsed().as_millis() as u64))
-        })
+        self.reports().heartbeat_aged(node, shard)
+    }
+
+    /// Every replica's newest heartbeat, for a pass over many shards: one
+    /// lock for the pass instead of one per look-up (heartbeats wait for
+    /// it: hold it for a pass, not across an await).
+    pub fn reports(&self) -> Reports<'_> {
+        Reports(self.seen.lock())
     }
 
     /// The newest heartbeat of every replica a node reported.
@@ -646,18 +668,18 @@ mod tests {
     fn only_changed_reports_are_looked_at_again() {
         let now = Instant::now();
         let mut node = NodeSeen::first(now);
-        let first = node.take_reports(&batch(true, vec![report(1, 5, 10), report(2, 5, 10), report(3, 5, 10)]), now);
+        let first = node.take_reports(batch(true, vec![report(1, 5, 10), report(2, 5, 10), report(3, 5, 10)]), now);
         assert_eq!(first.into_iter().collect::<Vec<_>>(), vec![1, 2, 3], "new reports are changes");
         // The next full batch repeats them, clocks moved, shard 2 grew, and
         // shard 3 is no longer hosted.
         let later = now + Duration::from_secs(2);
-        let changed = node.take_reports(&batch(true, vec![report(1, 5, 2010), report(2, 6, 2010)]), later);
+        let changed = node.take_reports(batch(true, vec![report(1, 5, 2010), report(2, 6, 2010)]), later);
         assert_eq!(changed.into_iter().collect::<Vec<_>>(), vec![2, 3]);
         assert!(!node.shards.contains_key(&3), "a shard a full batch leaves out is dropped");
         let (kept, at) = &node.shards[&1];
         assert_eq!((kept.uptime_ms, *at), (2010, later), "an unchanged report is still kept, with its arrival");
         // A batch that is not full drops nothing.
-        assert!(node.take_reports(&batch(false, vec![report(2, 6, 4010)]), later).is_empty());
+        assert!(node.take_reports(batch(false, vec![report(2, 6, 4010)]), later).is_empty());
         assert!(node.shards.contains_key(&1));
     }
 }
