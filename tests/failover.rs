@@ -428,6 +428,10 @@ async fn a_bulk_failover_fails_each_shard_over_or_refuses_it_on_its_own() {
         let r = leader.append(request).await.unwrap().into_inner();
         assert_eq!(r.first_seqno, 1);
     }
+    // The cluster summary counts the shards led as their records say.
+    while cluster.coord_get(1, "/v1/cluster").await.1["shards_leading"] != 8 {
+        poll_again(deadline, "the summary to count 8 shards led").await;
+    }
     let coord_admin = cluster.coordinator(1).admin.clone();
     let bulks_before = common::metric(&coord_admin, "walship_bulk_failover_shards_count ").await;
     cluster.node(1).kill9();
@@ -448,6 +452,15 @@ async fn a_bulk_failover_fails_each_shard_over_or_refuses_it_on_its_own() {
         assert_eq!(code, 200);
         assert!(record["leader"].is_null(), "shard {shard} has one replica of three and no leader: {record}");
     }
+    // Only the moved shards are led now.
+    loop {
+        let (_, summary) = cluster.coord_get(1, "/v1/cluster").await;
+        if summary["shards_leading"] == 4 {
+            assert_eq!(summary["shards_without_leader"], 4, "{summary}");
+            break;
+        }
+        poll_again(deadline, "the summary to count the 4 moved shards led").await;
+    }
     // The eight shards were lost together: some bulk took more than one.
     let total = common::metric(&coord_admin, "walship_bulk_failover_shards_count ").await;
     let alone = common::metric(&coord_admin, "walship_bulk_failover_shards_bucket{le=\"1\"} ").await;
@@ -467,6 +480,9 @@ async fn a_bulk_failover_fails_each_shard_over_or_refuses_it_on_its_own() {
             poll_again(deadline, &format!("shard {shard} led by node 2 or 3")).await;
         }
         assert_records_on_leader(&mut cluster, shard, (1..=3).map(|i| payload(shard, i)).collect(), deadline).await;
+    }
+    while cluster.coord_get(1, "/v1/cluster").await.1["shards_leading"] != 8 {
+        poll_again(deadline, "the summary to count 8 shards led again").await;
     }
 }
 

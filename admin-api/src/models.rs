@@ -110,6 +110,10 @@ pub struct ClusterView {
     pub nodes: Vec<NodeView>,
     pub shards: usize,
     pub shards_without_leader: usize,
+    /// Shards whose recorded leader, heard within the leader timeout,
+    /// reports leading them in the recorded epoch: every shard once a
+    /// cluster has started and settled.
+    pub shards_leading: usize,
     pub recent_failovers: Vec<FailoverRecord>,
     /// Nodes connected to this coordinator's DataPlane as workers.
     pub workers: Vec<walship_dataplane::coordinator::WorkerView>,

@@ -201,6 +201,11 @@ impl Reports<'_> {
             Some((hb.clone(), at.elapsed().as_millis() as u64))
         })
     }
+
+    /// The newest heartbeat of every replica `node` reported.
+    pub fn of_node(&self, node: NodeId) -> impl Iterator<Item = &HeartbeatRequest> {
+        self.0.get(&node).into_iter().flat_map(|n| n.shards.values().map(|(hb, _)| &**hb))
+    }
 }
 
 struct Active {
@@ -602,12 +607,6 @@ impl Coordinator {
     /// it: hold it for a pass, not across an await).
     pub fn reports(&self) -> Reports<'_> {
         Reports(self.seen.lock())
-    }
-
-    /// The newest heartbeat of every replica a node reported.
-    pub fn heartbeats_of(&self, node: NodeId) -> Vec<HeartbeatRequest> {
-        let seen = self.seen.lock();
-        seen.get(&node).map(|n| n.shards.values().map(|(hb, _)| (**hb).clone()).collect()).unwrap_or_default()
     }
 
     fn step_down(&self) {

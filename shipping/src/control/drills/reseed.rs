@@ -182,10 +182,7 @@ impl Coordinator {
     /// The archived seqno `leader` last reported for `shard` as its
     /// archiving leader; `None` when it does not archive (or has not said).
     fn archive_position(&self, leader: NodeId, shard: u32) -> Option<u64> {
-        self.heartbeats_of(leader)
-            .into_iter()
-            .find(|h| h.shard_id == shard && h.is_leader && h.archiving)
-            .map(|h| h.archived_seqno)
+        self.heartbeat(leader, shard).filter(|h| h.is_leader && h.archiving).map(|h| h.archived_seqno)
     }
 
     async fn reseed_drill(
