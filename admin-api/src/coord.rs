@@ -326,6 +326,13 @@ async fn sample_lag(admin: Arc<CoordAdmin>) {
     }
 }
 
+/// The nodes heard from within the leader timeout. Taken before
+/// [`Coordinator::reports`]: the look-up locks what that guard holds.
+fn alive_nodes(c: &Coordinator) -> std::collections::BTreeSet<u32> {
+    let timeout = c.config.replication.leader_timeout_ms;
+    c.config.nodes.iter().map(|n| n.id).filter(|&n| c.last_seen_ms(n).is_some_and(|ms| ms <= timeout)).collect()
+}
+
 /// What a lag pass found: see [`lag_pass`].
 type LagPass = (Vec<((u32, u32), LagSample)>, std::collections::BTreeMap<(u32, u64), u32>);
 
@@ -335,16 +342,14 @@ type LagPass = (Vec<((u32, u32), LagSample)>, std::collections::BTreeMap<(u32, u
 fn lag_pass(admin: &CoordAdmin, state: &walship_shipping::control::state::ClusterState) -> LagPass {
     let c = &admin.coordinator;
     let now = walship_shipping::control::coordinator::now_ms();
-    let timeout = c.config.replication.leader_timeout_ms;
-    let alive: std::collections::BTreeMap<u32, bool> =
-        c.config.nodes.iter().map(|n| (n.id, c.last_seen_ms(n.id).is_some_and(|ms| ms <= timeout))).collect();
+    let alive = alive_nodes(c);
     let mut samples = Vec::new();
     let mut needed = std::collections::BTreeMap::new();
     let reports = c.reports();
     for (&id, record) in &state.shards {
         let led = leader_report(&reports, id, record.leader);
         for node in record.members().into_iter().filter(|&n| Some(n) != record.leader) {
-            let alive = alive.get(&node).copied().unwrap_or(false);
+            let alive = alive.contains(&node);
             let mine = || reports.heartbeat_aged(node, id);
             let lag = shown_lag(admin, id, node, record.leader, led.as_ref(), alive, mine);
             if let (true, Some(from), Some(leader)) = (lag.stale, lag.from_seqno, record.leader)
@@ -503,13 +508,7 @@ async fn cluster(State(admin): State<Arc<CoordAdmin>>) -> Response {
         shards: state.shards.len(),
         shards_without_leader: state.shards.values().filter(|r| r.leader.is_none()).count(),
         shards_leading: {
-            let alive: Vec<u32> = c
-                .config
-                .nodes
-                .iter()
-                .map(|n| n.id)
-                .filter(|&n| c.last_seen_ms(n).is_some_and(|ms| ms <= timeout))
-                .collect();
+            let alive = alive_nodes(c);
             let reports = c.reports();
             let leading = |id: u32, r: &walship_shipping::control::state::ShardRecord| {
                 r.leader

@@ -13,7 +13,7 @@
 use std::io::Write;
 use std::net::TcpListener;
 use std::ops::Range;
-use std::path::PathBuf;
+use std::path::Path;
 use std::sync::atomic::{AtomicU32, Ordering};
 
 /// How many ports the pool spans.
@@ -88,10 +88,10 @@ fn claim(port: u16) -> bool {
 
 /// Whether the process that wrote the claim at `path` still runs. A claim
 /// being written (no pid yet) counts as alive.
-fn owner_alive(path: &PathBuf) -> bool {
+fn owner_alive(path: &Path) -> bool {
     match std::fs::read_to_string(path) {
         Ok(pid) if pid.is_empty() => true,
-        Ok(pid) => pid.trim().parse::<u32>().is_ok_and(|pid| std::path::Path::new(&format!("/proc/{pid}")).exists()),
+        Ok(pid) => pid.trim().parse::<u32>().is_ok_and(|pid| Path::new(&format!("/proc/{pid}")).exists()),
         Err(_) => false,
     }
 }
