@@ -15,6 +15,12 @@ use common::Cluster;
 
 const SHARDS: u32 = 1_000;
 
+/// The most a survivor or the coordinator may use (cores) once a node is
+/// down for good: measured 0.05-0.08 (debug build), against 0.50 for a
+/// survivor before reports, probes and reconcile rounds left the dead node
+/// alone.
+const DOWN_NODE_CORES: f64 = 0.25;
+
 /// CPU seconds (user + system) a process used so far.
 fn cpu_seconds(pid: u32) -> f64 {
     let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).unwrap_or_default();
@@ -133,6 +139,20 @@ async fn a_thousand_shards_get_leaders_idle_cheaply_and_fail_over_together() {
     eprintln!("{bulk_shards} shards in {bulks} bulk failovers");
     assert!(bulk_shards >= led.len() as f64, "{bulk_shards} shards failed over in bulks, {} were led", led.len());
     assert!(bulks <= 20.0, "{} shards took {bulks} bulk failovers: one shard at a time, or close", led.len());
+
+    // Down for good, the dead node costs the others little: no shipper
+    // per shard reconnecting to it, no report per shard every tick, no
+    // reconcile round looking at every shard it hosted. Measured past the
+    // coordinator's watch on a newly silent node (6 s).
+    tokio::time::sleep(Duration::from_secs(8)).await;
+    let alive: Vec<&(String, u32)> = pids.iter().filter(|(what, _)| *what != format!("node {victim}")).collect();
+    let before: Vec<f64> = alive.iter().map(|(_, pid)| cpu_seconds(*pid)).collect();
+    tokio::time::sleep(window).await;
+    for ((what, pid), before) in alive.iter().zip(before) {
+        let cores = (cpu_seconds(*pid) - before) / window.as_secs_f64();
+        eprintln!("{what}: {cores:.3} cores with node {victim} down ({SHARDS} shards)");
+        assert!(cores < DOWN_NODE_CORES, "{what} used {cores:.3} cores with node {victim} down and {SHARDS} shards");
+    }
 }
 
 /// The scale measurement ops/README.md ("Many shards") prints runs as

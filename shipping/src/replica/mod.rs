@@ -153,8 +153,9 @@ pub struct ReplicationNode {
     quiet_links: quiet::QuietLinks,
     /// Follower side of quiet shards: what each leader node said is quiet.
     quiet_from: quiet::QuietFrom,
-    /// Per follower node: bumped when it answers again after failures.
-    peer_back: Mutex<BTreeMap<NodeId, tokio::sync::watch::Sender<u64>>>,
+    /// Per follower node: whether it is down as far as this node's
+    /// shippers know, and who may probe it next (see `send::PeerProbe`).
+    peer_probes: Mutex<BTreeMap<NodeId, Arc<send::PeerProbe>>>,
     /// When each peer node last answered this node, and last reached it.
     contact: Arc<contact::NodeContact>,
 }
@@ -230,7 +231,7 @@ impl ReplicationNode {
             fetch_tokens: Default::default(),
             quiet_links: Default::default(),
             quiet_from: Default::default(),
-            peer_back: Default::default(),
+            peer_probes: Default::default(),
             contact: Default::default(),
         });
         if !node.config.coordinated() {

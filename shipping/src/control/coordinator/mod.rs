@@ -544,13 +544,20 @@ impl Coordinator {
         check_heartbeat_batch(&batch, |n| self.config.node(n).is_some())?;
         self.republish(&batch.shards);
         let now = Instant::now();
-        let changed = {
+        let timeout = Duration::from_millis(self.config.replication.leader_timeout_ms);
+        let (changed, back) = {
             let mut seen = self.seen.lock();
             let node = seen.entry(batch.node_id).or_insert_with(|| NodeSeen::first(now));
+            // Heard again after a silence: rounds left its shards alone
+            // meanwhile (`reconcile.rs`), the next looks at every shard.
+            let back = now.duration_since(node.at) > timeout;
             node.arrived(now);
             node.refreshed = Some(now);
-            node.take_reports(batch, now)
+            (node.take_reports(batch, now), back)
         };
+        if back {
+            self.pending.lock().force_full();
+        }
         // A full batch repeats every report every few seconds: the
         // reconcile loop looks again only at the shards whose report
         // changed (or that the node stopped reporting). At 10,000 shards,

@@ -66,6 +66,12 @@ pub(crate) const ASSIGNMENTS_AT_ONCE: usize = 128;
 /// coordinator's CPU.
 const FULL_ROUND_EVERY: Duration = Duration::from_secs(2);
 
+/// How long after a node goes silent rounds keep looking at every shard
+/// (see [`Coordinator::node_silent`]): past the longest a node may be
+/// silent before it counts as lost ([`liveness::MAX_SILENCE_BOUND`]), with
+/// a few full rounds to spare.
+const SILENT_WATCH: Duration = Duration::from_secs(liveness::MAX_SILENCE_BOUND.as_secs() + 2);
+
 impl Pending {
     fn full_due(&self, node_silent: bool) -> bool {
         let Some(last) = self.last_full else { return true };
@@ -117,7 +123,7 @@ impl Coordinator {
         let active = self.active.lock();
         let a = active.as_ref().filter(|a| Instant::now() < a.lease_until)?;
         let mut pending = self.pending.lock();
-        let full = pending.full_due(self.node_silent());
+        let full = pending.full_due(self.node_silent(a.since));
         let shards = pending.take(full);
         let records = match shards {
             None => a.state.shards.iter().map(|(&id, r)| (id, r.clone())).collect(),
@@ -126,13 +132,21 @@ impl Coordinator {
         Some((records, a.since, full))
     }
 
-    /// Whether a node this coordinator heard from has missed two heartbeat
-    /// periods (or was never heard from): its shards' leaders may be lost,
-    /// so every round looks at every shard while it is so.
-    fn node_silent(&self) -> bool {
+    /// Whether a node went silent lately: it missed two heartbeat periods
+    /// (or was never heard from since this coordinator became active at
+    /// `since`) within the last [`SILENT_WATCH`]. Its shards' leaders may be
+    /// lost, so rounds look at every shard as often as they can while it is
+    /// so. Past the watch its shards have been looked at long after any
+    /// silence bound ran out: failed over, or queued again each round while
+    /// a failover waits (a node down for hours made every round a full one,
+    /// a quarter of the coordinator's time at 10,000 shards).
+    fn node_silent(&self, since: Instant) -> bool {
         let missed = Duration::from_millis(2 * self.config.replication.heartbeat_ms);
         let seen = self.seen.lock();
-        self.config.nodes.iter().any(|n| seen.get(&n.id).is_none_or(|s| s.at.elapsed() > missed))
+        self.config.nodes.iter().any(|n| {
+            let silent_for = seen.get(&n.id).map_or(since.elapsed(), |s| s.at.elapsed());
+            silent_for > missed && silent_for <= missed + SILENT_WATCH
+        })
     }
 
     fn reconcile_round(self: &Arc<Self>) {
@@ -189,17 +203,22 @@ impl Coordinator {
             let Some(leader) = record.leader else { continue };
             self.undo_abandoned_change(shard, record);
             for replica in record.members() {
-                // A member that reports nothing of the shard while it
-                // reports other shards does not host it yet (a replica
-                // being added, after a restart): the assignment creates it.
-                let in_line = match self.heartbeat(replica, shard) {
-                    Some(hb) => {
+                // A member not heard from within the timeout is left alone
+                // (its last reports are old, and an assignment would find
+                // nobody): its heartbeats, once they come back, bring its
+                // shards to a round. While a node was down, every shard it
+                // hosted was assigned to it again every 200 ms and looked at
+                // every round. A member that reports nothing of the shard
+                // while it reports other shards does not host it yet (a
+                // replica being added, after a restart): the assignment
+                // creates it.
+                let heard = self.seen.lock().get(&replica).is_some_and(|n| n.at.elapsed() <= timeout);
+                let in_line = !heard
+                    || self.heartbeat(replica, shard).is_some_and(|hb| {
                         hb.epoch == record.epoch
                             && hb.is_leader == (replica == leader)
                             && (replica == leader || hb.leader_node_id == leader)
-                    }
-                    None => self.seen.lock().get(&replica).is_none_or(|n| n.at.elapsed() > timeout),
-                };
+                    });
                 if in_line {
                     continue;
                 }
