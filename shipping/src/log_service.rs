@@ -561,7 +561,7 @@ impl Log for LogService {
 fn tail_stream(
     wal: Wal,
     shard: ShardId,
-    durable: tokio::sync::watch::Receiver<u64>,
+    durable: walship_wal::position::Receiver,
     from: u64,
     chunk_bytes: usize,
 ) -> impl Stream<Item = Result<TailResponse, Status>> + Send {

@@ -33,6 +33,7 @@ pub mod failpoints;
 pub mod limiter;
 pub mod mem_store;
 pub mod metrics;
+pub mod position;
 pub mod producers;
 mod raises;
 pub mod record;

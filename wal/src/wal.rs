@@ -57,7 +57,9 @@ use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 use bytes::Bytes;
 use parking_lot::RwLock;
-use tokio::sync::{oneshot, watch};
+use tokio::sync::oneshot;
+
+use crate::position as watch;
 
 use crate::corruption::{CorruptRange, Detection, Registry, ScrubReport};
 use crate::disk_space::{DiskFull, DiskSpace};
@@ -370,11 +372,11 @@ struct ShardPositions {
     tail: parking_lot::Mutex<TailCache>,
     /// Newest seqno sequenced (in the tail cache, maybe not in the store
     /// yet); never behind `flushing`.
-    written: watch::Sender<u64>,
+    written: watch::Sender,
     /// Newest seqno handed to the store: the commit in progress ends here.
     /// Between `durable` and `written`.
-    flushing: watch::Sender<u64>,
-    durable: watch::Sender<u64>,
+    flushing: watch::Sender,
+    durable: watch::Sender,
     /// Its position series; none without per-shard metrics.
     gauges: Option<ShardGauges>,
     /// Changed under the sequencer lock, with the frames it applies.
@@ -435,7 +437,7 @@ impl ShardPositions {
 }
 
 /// Sets a position watch to `seqno`, waking its receivers only on a change.
-fn set_watch(watch: &watch::Sender<u64>, seqno: u64) {
+fn set_watch(watch: &watch::Sender, seqno: u64) {
     watch.send_if_modified(|v| std::mem::replace(v, seqno) != seqno);
 }
 
@@ -645,7 +647,7 @@ impl Wal {
     /// maybe not in the store yet (the persister may still be writing or
     /// fsyncing it). Always `>=` the durable watch. A coordinated leader may
     /// ship up to it; nothing else may expose it.
-    pub fn written_watch(&self, shard: ShardId) -> WalResult<watch::Receiver<u64>> {
+    pub fn written_watch(&self, shard: ShardId) -> WalResult<watch::Receiver> {
         Ok(self.shared.shard(shard)?.written.subscribe())
     }
 
@@ -653,13 +655,13 @@ impl Wal {
     /// (its commit in progress ends there): between durable and written. A
     /// leader with a segment already in flight ships only up to it, so
     /// appends arriving one by one travel one segment per group commit.
-    pub fn flushing_watch(&self, shard: ShardId) -> WalResult<watch::Receiver<u64>> {
+    pub fn flushing_watch(&self, shard: ShardId) -> WalResult<watch::Receiver> {
         Ok(self.shared.shard(shard)?.flushing.subscribe())
     }
 
     /// A watch of the shard's durable seqno: senders, tails and uploads wait
     /// on it so they only ever see fsynced records.
-    pub fn durable_watch(&self, shard: ShardId) -> WalResult<watch::Receiver<u64>> {
+    pub fn durable_watch(&self, shard: ShardId) -> WalResult<watch::Receiver> {
         Ok(self.shared.shard(shard)?.durable.subscribe())
     }
 

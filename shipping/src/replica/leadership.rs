@@ -14,9 +14,9 @@ use std::sync::atomic::Ordering;
 use std::time::Duration;
 
 use parking_lot::Mutex;
-use tokio::sync::watch;
 use walship_proto::log::{AssignResponse, EpochEndRequest, FenceResponse};
 use walship_wal::ShardId;
+use walship_wal::position as watch;
 
 use std::collections::BTreeMap;
 

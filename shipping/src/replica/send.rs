@@ -18,10 +18,10 @@ use std::time::Duration;
 use futures::StreamExt;
 use futures::future::BoxFuture;
 use futures::stream::FuturesUnordered;
-use tokio::sync::watch;
 use tonic::Status;
 use walship_proto::replication::{ShipSegmentRequest, ShipSegmentResponse, WalSegmentId};
 use walship_wal::Segment;
+use walship_wal::position as watch;
 
 use super::error::{APPLIED_METADATA_KEY, EPOCH_METADATA_KEY, metadata_u64};
 use super::shard::{LeaderState, ShardReplica};
@@ -32,7 +32,7 @@ use crate::core::{Epoch, Seqno};
 
 /// Waits for a change of `watch` (false once its sender is gone); never
 /// resolves without a watch.
-async fn changed_if_watched(watch: Option<&mut watch::Receiver<u64>>) -> bool {
+async fn changed_if_watched(watch: Option<&mut watch::Receiver>) -> bool {
     match watch {
         Some(w) => w.changed().await.is_ok(),
         None => std::future::pending().await,

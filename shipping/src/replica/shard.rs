@@ -17,9 +17,9 @@ use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, Ordering};
 use std::time::Duration;
 
 use parking_lot::Mutex;
-use tokio::sync::watch;
 use tokio_util::sync::CancellationToken;
 use walship_wal::ShardId;
+use walship_wal::position as watch;
 
 use crate::NodeId;
 use crate::core::Epoch;
@@ -36,7 +36,7 @@ pub(crate) struct LeaderState {
     /// What the WAL is committing (the core's `flushing`; its durable
     /// position without early shipping): shippers with segments in flight
     /// wait on it.
-    pub(crate) ship_limit: watch::Sender<u64>,
+    pub(crate) ship_limit: watch::Sender,
     /// Stops this leadership's tasks.
     pub(crate) stop: CancellationToken,
     /// The follower this leader chose to archive the shard (0: itself),
@@ -59,7 +59,7 @@ pub(crate) struct FollowerState {
     /// Serialises queueing to the WAL so frames enter it in seqno order.
     pub(crate) apply_lock: tokio::sync::Mutex<()>,
     /// One past everything applied or queued.
-    pub(crate) next_expected: watch::Sender<u64>,
+    pub(crate) next_expected: watch::Sender,
     /// The newest commit position a leader told us.
     pub(crate) leader_commit: AtomicU64,
     pub(crate) catchup_running: AtomicBool,
@@ -129,15 +129,15 @@ pub struct ShardReplica {
     pub(crate) rules: Mutex<ReplicaCore>,
     /// What reads may return through: the commit position (leader) or
     /// `min(durable, leader's commit)` (follower).
-    pub(crate) readable: watch::Sender<u64>,
+    pub(crate) readable: watch::Sender,
     /// Highest seqno durable on every replica (leader only).
-    pub(crate) all_durable: watch::Sender<u64>,
+    pub(crate) all_durable: watch::Sender,
     /// Bumped whenever this replica stops leading: appends waiting for a
     /// commit under the old leadership give up (their outcome is unknown).
-    pub(crate) generation: watch::Sender<u64>,
+    pub(crate) generation: watch::Sender,
     /// Until when (µs) the leader lease holds ([`LeaderCore::lease_until`];
     /// `u64::MAX` without a bound, 0 while not leading).
-    pub(crate) lease_until: watch::Sender<u64>,
+    pub(crate) lease_until: watch::Sender,
     pub(crate) leader: Mutex<Option<Arc<LeaderState>>>,
     pub(crate) follower: FollowerState,
     /// Serialises role changes.
@@ -271,7 +271,7 @@ impl ShardReplica {
         *self.readable.borrow()
     }
 
-    pub fn readable_watch(&self) -> watch::Receiver<u64> {
+    pub fn readable_watch(&self) -> watch::Receiver {
         self.readable.subscribe()
     }
 
@@ -307,7 +307,7 @@ impl ShardReplica {
         }
     }
 
-    async fn wait_or_stepped_down(&self, position: &watch::Sender<u64>, seqno: u64) -> bool {
+    async fn wait_or_stepped_down(&self, position: &watch::Sender, seqno: u64) -> bool {
         let mut generation = self.generation.subscribe();
         let current = *generation.borrow_and_update();
         if !self.is_leader() {
