@@ -16,6 +16,7 @@ mod dev;
 mod drill;
 mod failover;
 mod http;
+mod memory;
 mod node;
 mod peer;
 mod replica;

@@ -449,6 +449,7 @@ pub async fn start_node(config: NodeConfig, cluster: Option<ClusterConfig>, dril
             WorkerStatus { coordinator: worker.connected_to.lock().clone(), running_tasks }
         }));
     }
+    tokio::spawn(crate::memory::return_freed_memory(shutdown.clone()));
     let admin = Arc::new(NodeAdmin { node, registry, started: Instant::now(), worker: worker_status });
     let admin_shutdown = shutdown.clone();
     let http = tokio::spawn(async move {
