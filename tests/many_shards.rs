@@ -16,9 +16,9 @@ use common::Cluster;
 const SHARDS: u32 = 1_000;
 
 /// The most a survivor or the coordinator may use (cores) once a node is
-/// down for good: measured 0.05-0.08 (debug build), against 0.50 for a
-/// survivor before reports, probes and reconcile rounds left the dead node
-/// alone.
+/// down for good: measured 0.05-0.12 (debug build), against 0.50 for a
+/// survivor before reports and probes left the dead node alone, and 0.31
+/// for the coordinator before its reconcile rounds did.
 const DOWN_NODE_CORES: f64 = 0.25;
 
 /// CPU seconds (user + system) a process used so far.
