@@ -153,10 +153,14 @@ impl NodeSeen {
         NodeSeen { at: now, arrivals: Default::default(), refreshed: None, shards: BTreeMap::new() }
     }
 
-    /// A heartbeat (a lone one or a batch) arrived at `now`.
-    fn arrived(&mut self, now: Instant) {
+    /// A heartbeat (a lone one or a batch) arrived at `now`; whether the
+    /// node had been silent past `timeout` (reconcile rounds left its
+    /// shards alone meanwhile, `reconcile.rs`: the next looks at every one).
+    fn arrived(&mut self, now: Instant, timeout: Duration) -> bool {
+        let back = now.duration_since(self.at) > timeout;
         self.at = now;
         self.arrivals.arrived(now);
+        back
     }
 
     /// Keeps a batch's reports; answers the shards whose report changed:
@@ -525,13 +529,19 @@ impl Coordinator {
         if self.config.node(request.node_id).is_none() {
             return Err(tonic::Status::invalid_argument(format!("heartbeat from unknown node {}", request.node_id)));
         }
+        let timeout = Duration::from_millis(self.config.replication.leader_timeout_ms);
         let mut seen = self.seen.lock();
         let now = Instant::now();
         let node = seen.entry(request.node_id).or_insert_with(|| NodeSeen::first(now));
-        node.arrived(now);
+        let back = node.arrived(now, timeout);
         node.shards.insert(request.shard_id, (Arc::new(request.clone()), now));
         drop(seen);
-        self.pending.lock().shards.insert(request.shard_id);
+        let mut pending = self.pending.lock();
+        pending.shards.insert(request.shard_id);
+        if back {
+            pending.force_full();
+        }
+        drop(pending);
         self.republish(std::slice::from_ref(request));
         Ok(())
     }
@@ -548,10 +558,7 @@ impl Coordinator {
         let (changed, back) = {
             let mut seen = self.seen.lock();
             let node = seen.entry(batch.node_id).or_insert_with(|| NodeSeen::first(now));
-            // Heard again after a silence: rounds left its shards alone
-            // meanwhile (`reconcile.rs`), the next looks at every shard.
-            let back = now.duration_since(node.at) > timeout;
-            node.arrived(now);
+            let back = node.arrived(now, timeout);
             node.refreshed = Some(now);
             (node.take_reports(batch, now), back)
         };
