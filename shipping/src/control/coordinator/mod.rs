@@ -206,6 +206,11 @@ impl Reports<'_> {
         })
     }
 
+    /// Whether `node` was heard from within `timeout`.
+    pub fn heard_within(&self, node: NodeId, timeout: Duration) -> bool {
+        self.0.get(&node).is_some_and(|n| n.at.elapsed() <= timeout)
+    }
+
     /// The newest heartbeat of every replica `node` reported.
     pub fn of_node(&self, node: NodeId) -> impl Iterator<Item = &HeartbeatRequest> {
         self.0.get(&node).into_iter().flat_map(|n| n.shards.values().map(|(hb, _)| &**hb))

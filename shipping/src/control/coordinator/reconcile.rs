@@ -212,13 +212,15 @@ impl Coordinator {
                 // while it reports other shards does not host it yet (a
                 // replica being added, after a restart): the assignment
                 // creates it.
-                let heard = self.seen.lock().get(&replica).is_some_and(|n| n.at.elapsed() <= timeout);
-                let in_line = !heard
-                    || self.heartbeat(replica, shard).is_some_and(|hb| {
-                        hb.epoch == record.epoch
-                            && hb.is_leader == (replica == leader)
-                            && (replica == leader || hb.leader_node_id == leader)
-                    });
+                let in_line = {
+                    let reports = self.reports();
+                    !reports.heard_within(replica, timeout)
+                        || reports.heartbeat(replica, shard).is_some_and(|hb| {
+                            hb.epoch == record.epoch
+                                && hb.is_leader == (replica == leader)
+                                && (replica == leader || hb.leader_node_id == leader)
+                        })
+                };
                 if in_line {
                     continue;
                 }
