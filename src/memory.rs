@@ -12,8 +12,8 @@ use std::time::{Duration, Instant};
 
 use tokio_util::sync::CancellationToken;
 
-/// How often a node gives freed memory back. One pass over a node's
-/// heaps with nothing to give back takes well under a millisecond.
+/// How often a node gives freed memory back. A pass over a 10,000-shard
+/// node's heaps took 1-6 ms.
 const TRIM_EVERY: Duration = Duration::from_secs(10);
 
 /// Gives freed memory back every [`TRIM_EVERY`] until `shutdown`.

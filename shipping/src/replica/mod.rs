@@ -56,6 +56,7 @@ mod receive;
 mod retention;
 mod send;
 pub mod shard;
+mod silence;
 mod status;
 pub(crate) use status::same_report;
 mod wipe;

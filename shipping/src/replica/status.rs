@@ -14,6 +14,7 @@ use serde::{Deserialize, Serialize};
 use walship_proto::replication::HeartbeatRequest;
 use walship_wal::ShardId;
 
+use super::silence::LastBuild;
 use super::{ReplicaError, ReplicationNode, now_us};
 use crate::NodeId;
 use crate::core::leader::{FollowerProgress, Lag};
@@ -290,10 +291,7 @@ impl ReplicationNode {
                 let activity = replica.activity();
                 if !full
                     && builds.get(&replica.shard).is_some_and(|b| {
-                        b.activity == activity
-                            && b.at.elapsed() < LONG_SILENT_REPORT_EVERY
-                            && ((b.resting && !resting_look)
-                                || b.silences == self.silences(&replica, now_us()).key(long_silence_ms))
+                        b.says_the_same(activity, resting_look, long_silence_ms, || self.silences(&replica, now_us()))
                     })
                 {
                     continue;
@@ -319,12 +317,7 @@ impl ReplicationNode {
                 let mut lag_bytes = std::collections::BTreeMap::new();
                 let mut lag_seconds = std::collections::BTreeMap::new();
                 let silences = self.silences(&replica, now_us());
-                let built = LastBuild {
-                    activity,
-                    silences: silences.key(long_silence_ms),
-                    resting: silences.resting(long_silence_ms),
-                    at: Instant::now(),
-                };
+                let built = LastBuild::new(activity, &silences, long_silence_ms);
                 let commit = match replica.leader_state() {
                     Some(leader) => {
                         let core = leader.core.lock();
@@ -494,87 +487,6 @@ fn each_follower_lag(
     }
 }
 
-/// An unsettled replica's report is built again at least this often while
-/// nothing happened to it (its activity did not move) and its silences
-/// stayed in their quarter seconds, or past twice the replication timeout
-/// (see [`Silences::key`]); otherwise it is built every tick. While a node
-/// is down, every shard it shares with this node is unsettled (its leader
-/// or a follower silent) and, built every tick, was two thirds of this
-/// node's CPU at 10,000 shards.
-const LONG_SILENT_REPORT_EVERY: Duration = Duration::from_secs(1);
-
-/// When an unsettled replica's report was last built, and what then: a
-/// tick finding the same activity and the same [`Silences::key`] within
-/// [`LONG_SILENT_REPORT_EVERY`] would build a report that says the same
-/// (what else it says moves only with the activity), and skips it.
-struct LastBuild {
-    activity: u64,
-    silences: u64,
-    /// See [`Silences::resting`]: its silences are looked at only every
-    /// quarter second.
-    resting: bool,
-    at: Instant,
-}
-
-/// How long a replica's peers have been silent: a follower's leader, a
-/// leader's followers (those it ever heard from).
-struct Silences {
-    leader_ms: u64,
-    followers: BTreeMap<NodeId, u64>,
-}
-
-impl Silences {
-    /// The silences as the coordinator tells them apart: in quarter seconds
-    /// (as heartbeat digests compare them), and all alike once past
-    /// `long_ms`, twice the replication timeout the coordinator compares
-    /// them with. A silence that ends (the peer heard again) changes it.
-    fn key(&self, long_ms: u64) -> u64 {
-        use std::hash::{Hash, Hasher};
-        let bucket = |ms: u64| if ms >= long_ms { u64::MAX } else { ms / 250 };
-        let mut hasher = std::collections::hash_map::DefaultHasher::new();
-        bucket(self.leader_ms).hash(&mut hasher);
-        for (id, &ms) in &self.followers {
-            (id, bucket(ms)).hash(&mut hasher);
-        }
-        hasher.finish()
-    }
-
-    /// A peer has been silent past `long_ms` (down, or cut off), and, on a
-    /// follower, not a leader that might be going silent right now (the
-    /// coordinator waits for that report to fail the leader over). Such a
-    /// replica's report changes only when a silence ends, and a quarter
-    /// second late is soon enough for that: while a node is down, looking
-    /// at each of its thousands of shards every tick to learn nothing took
-    /// a tenth of a core.
-    fn resting(&self, long_ms: u64) -> bool {
-        let long = |ms: u64| ms >= long_ms;
-        long(self.leader_ms) || (self.leader_ms == 0 && self.followers.values().any(|&ms| long(ms)))
-    }
-}
-
-impl ReplicationNode {
-    /// `replica`'s [`Silences`] as of `now` (µs since the epoch).
-    fn silences(&self, replica: &super::shard::ShardReplica, now: u64) -> Silences {
-        let mut followers = BTreeMap::new();
-        if let Some(leader) = replica.leader_state() {
-            let quiet = leader.quiet.lock().clone();
-            let core = leader.core.lock();
-            for (id, progress) in core.followers() {
-                // A quiet follower was last heard by its link.
-                let link = quiet.get(&id).and_then(|l| l.credit(replica.shard));
-                if let Some(heard) = progress.last_reply_us.max(link) {
-                    followers.insert(id, now.saturating_sub(heard) / 1_000);
-                }
-            }
-        }
-        let leader_ms = match replica.view().role {
-            Role::Follower { .. } => now.saturating_sub(self.leader_heard_us(replica)) / 1_000,
-            _ => 0,
-        };
-        Silences { leader_ms, followers }
-    }
-}
-
 /// How often a node sends every shard's report (a `full` batch), at most;
 /// between them, a batch holds only the shards whose report changed.
 const FULL_HEARTBEAT_EVERY: Duration = Duration::from_secs(2);
@@ -722,30 +634,6 @@ fn comparable(r: &HeartbeatRequest) -> HeartbeatRequest {
 #[cfg(test)]
 mod heartbeat_tests {
     use super::*;
-
-    #[test]
-    fn silences_differ_in_quarter_seconds_until_long_then_only_when_one_ends() {
-        let silences = |leader_ms: u64, followers: &[(u32, u64)]| Silences {
-            leader_ms,
-            followers: followers.iter().copied().collect(),
-        };
-        let long = 1_200;
-        let key = |s: Silences| s.key(long);
-        assert_eq!(key(silences(10, &[])), key(silences(240, &[])));
-        assert_ne!(key(silences(240, &[])), key(silences(250, &[])));
-        // Past `long` all alike, until the peer is heard again.
-        assert_eq!(key(silences(1_200, &[])), key(silences(90_000, &[])));
-        assert_ne!(key(silences(90_000, &[])), key(silences(0, &[])));
-        assert_eq!(key(silences(0, &[(2, 5_000), (3, 10)])), key(silences(0, &[(2, 60_000), (3, 200)])));
-        assert_ne!(key(silences(0, &[(2, 60_000), (3, 200)])), key(silences(0, &[(2, 100), (3, 200)])));
-        // Resting: a silence past `long`, but never a follower whose leader
-        // might be going silent now.
-        assert!(silences(5_000, &[]).resting(long));
-        assert!(silences(0, &[(2, 5_000), (3, 10)]).resting(long));
-        assert!(!silences(700, &[]).resting(long));
-        assert!(!silences(0, &[(2, 100), (3, 10)]).resting(long));
-        assert!(!silences(0, &[]).resting(long));
-    }
 
     #[test]
     fn reports_that_say_the_same_share_a_digest_and_changes_do_not() {

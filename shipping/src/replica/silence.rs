@@ -1,0 +1,165 @@
+//! Which unsettled replicas' heartbeat reports need building again.
+//!
+//! A replica whose leader or follower is silent is never settled, so the
+//! heartbeat loop (`status.rs`) looks at it every tick. Between what
+//! happens to it (its activity), its report changes only with its peers'
+//! silences, and the coordinator tells those apart only in quarter seconds
+//! and, past twice the replication timeout it compares them with, not at
+//! all. A tick that would build the same report skips it.
+
+use std::collections::BTreeMap;
+use std::time::{Duration, Instant};
+
+use super::ReplicationNode;
+use super::shard::ShardReplica;
+use crate::NodeId;
+use crate::core::replica::Role;
+
+/// An unsettled replica's report is built again at least this often while
+/// nothing happened to it (its activity did not move) and its silences
+/// stayed in their quarter seconds, or past twice the replication timeout
+/// (see [`Silences::key`]); otherwise it is built every tick. While a node
+/// is down, every shard it shares with this node is unsettled (its leader
+/// or a follower silent) and, built every tick, was two thirds of this
+/// node's CPU at 10,000 shards.
+const LONG_SILENT_REPORT_EVERY: Duration = Duration::from_secs(1);
+
+/// When an unsettled replica's report was last built, and what then: a
+/// tick finding the same activity and the same [`Silences::key`] within
+/// [`LONG_SILENT_REPORT_EVERY`] would build a report that says the same
+/// (what else it says moves only with the activity), and skips it.
+pub(super) struct LastBuild {
+    activity: u64,
+    silences: u64,
+    /// See [`Silences::resting`]: its silences are looked at only every
+    /// quarter second.
+    resting: bool,
+    at: Instant,
+}
+
+impl LastBuild {
+    /// A report built now, at `activity`, with `silences`.
+    pub(super) fn new(activity: u64, silences: &Silences, long_ms: u64) -> LastBuild {
+        LastBuild { activity, silences: silences.key(long_ms), resting: silences.resting(long_ms), at: Instant::now() }
+    }
+
+    /// Whether a report built now would say the same as this one: the
+    /// activity did not move, it is under [`LONG_SILENT_REPORT_EVERY`] old,
+    /// and the silences (`now`, looked at only on a `resting_look` tick
+    /// when it rests) are alike.
+    pub(super) fn says_the_same(
+        &self,
+        activity: u64,
+        resting_look: bool,
+        long_ms: u64,
+        now: impl FnOnce() -> Silences,
+    ) -> bool {
+        self.activity == activity
+            && self.at.elapsed() < LONG_SILENT_REPORT_EVERY
+            && ((self.resting && !resting_look) || self.silences == now().key(long_ms))
+    }
+}
+
+/// How long a replica's peers have been silent: a follower's leader, a
+/// leader's followers (those it ever heard from).
+pub(super) struct Silences {
+    pub(super) leader_ms: u64,
+    pub(super) followers: BTreeMap<NodeId, u64>,
+}
+
+impl Silences {
+    /// The silences as the coordinator tells them apart: in quarter seconds
+    /// (as heartbeat digests compare them), and all alike once past
+    /// `long_ms`, twice the replication timeout the coordinator compares
+    /// them with. A silence that ends (the peer heard again) changes it.
+    fn key(&self, long_ms: u64) -> u64 {
+        use std::hash::{Hash, Hasher};
+        let bucket = |ms: u64| if ms >= long_ms { u64::MAX } else { ms / 250 };
+        let mut hasher = std::collections::hash_map::DefaultHasher::new();
+        bucket(self.leader_ms).hash(&mut hasher);
+        for (id, &ms) in &self.followers {
+            (id, bucket(ms)).hash(&mut hasher);
+        }
+        hasher.finish()
+    }
+
+    /// A peer has been silent past `long_ms` (down, or cut off), and, on a
+    /// follower, not a leader that might be going silent right now (the
+    /// coordinator waits for that report to fail the leader over). Such a
+    /// replica's report changes only when a silence ends, and a quarter
+    /// second late is soon enough for that: while a node is down, looking
+    /// at each of its thousands of shards every tick to learn nothing took
+    /// a tenth of a core.
+    fn resting(&self, long_ms: u64) -> bool {
+        let long = |ms: u64| ms >= long_ms;
+        long(self.leader_ms) || (self.leader_ms == 0 && self.followers.values().any(|&ms| long(ms)))
+    }
+}
+
+impl ReplicationNode {
+    /// `replica`'s [`Silences`] as of `now` (µs since the epoch).
+    pub(super) fn silences(&self, replica: &ShardReplica, now: u64) -> Silences {
+        let mut followers = BTreeMap::new();
+        if let Some(leader) = replica.leader_state() {
+            let quiet = leader.quiet.lock().clone();
+            let core = leader.core.lock();
+            for (id, progress) in core.followers() {
+                // A quiet follower was last heard by its link.
+                let link = quiet.get(&id).and_then(|l| l.credit(replica.shard));
+                if let Some(heard) = progress.last_reply_us.max(link) {
+                    followers.insert(id, now.saturating_sub(heard) / 1_000);
+                }
+            }
+        }
+        let leader_ms = match replica.view().role {
+            Role::Follower { .. } => now.saturating_sub(self.leader_heard_us(replica)) / 1_000,
+            _ => 0,
+        };
+        Silences { leader_ms, followers }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn silences_differ_in_quarter_seconds_until_long_then_only_when_one_ends() {
+        let silences = |leader_ms: u64, followers: &[(u32, u64)]| Silences {
+            leader_ms,
+            followers: followers.iter().copied().collect(),
+        };
+        let long = 1_200;
+        let key = |s: Silences| s.key(long);
+        assert_eq!(key(silences(10, &[])), key(silences(240, &[])));
+        assert_ne!(key(silences(240, &[])), key(silences(250, &[])));
+        // Past `long` all alike, until the peer is heard again.
+        assert_eq!(key(silences(1_200, &[])), key(silences(90_000, &[])));
+        assert_ne!(key(silences(90_000, &[])), key(silences(0, &[])));
+        assert_eq!(key(silences(0, &[(2, 5_000), (3, 10)])), key(silences(0, &[(2, 60_000), (3, 200)])));
+        assert_ne!(key(silences(0, &[(2, 60_000), (3, 200)])), key(silences(0, &[(2, 100), (3, 200)])));
+        // Resting: a silence past `long`, but never a follower whose leader
+        // might be going silent now.
+        assert!(silences(5_000, &[]).resting(long));
+        assert!(silences(0, &[(2, 5_000), (3, 10)]).resting(long));
+        assert!(!silences(700, &[]).resting(long));
+        assert!(!silences(0, &[(2, 100), (3, 10)]).resting(long));
+        assert!(!silences(0, &[]).resting(long));
+    }
+
+    #[test]
+    fn a_build_says_the_same_until_its_activity_or_silences_move() {
+        let long = 1_200;
+        let quiet_follower = || Silences { leader_ms: 100, followers: BTreeMap::new() };
+        let built = LastBuild::new(7, &quiet_follower(), long);
+        assert!(built.says_the_same(7, false, long, quiet_follower));
+        assert!(!built.says_the_same(8, false, long, quiet_follower), "activity moved");
+        assert!(!built.says_the_same(7, false, long, || Silences { leader_ms: 300, ..quiet_follower() }));
+        // A resting replica's silences are looked at only on a resting look.
+        let dead_leader = || Silences { leader_ms: 5_000, followers: BTreeMap::new() };
+        let resting = LastBuild::new(7, &dead_leader(), long);
+        assert!(resting.says_the_same(7, false, long, || unreachable!("not looked at between looks")));
+        assert!(!resting.says_the_same(7, true, long, quiet_follower), "its leader was heard again");
+        assert!(resting.says_the_same(7, true, long, || Silences { leader_ms: 60_000, ..dead_leader() }));
+    }
+}
