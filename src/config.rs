@@ -93,8 +93,12 @@ pub struct WalTuning {
     /// raft-engine log file size before rotation.
     pub target_file_bytes: u64,
     /// Bytes of each shard's newest records kept in memory for shippers and
-    /// tails.
+    /// tails, at most.
     pub tail_cache_bytes: usize,
+    /// Bytes of newest records the node keeps in memory for all its shards
+    /// together: past it, a shard keeps its share (this over the shards
+    /// hosted); what the node holds stays under twice this.
+    pub tail_cache_total_bytes: usize,
     /// Zero-fill the WAL file appends go to (up to `target_file_bytes` of
     /// zeros, written and synced at start: a fresh node's first file, or a
     /// restarted node's file behind its recovered end), so group commits
@@ -144,6 +148,7 @@ impl Default for WalTuning {
             max_batch_bytes: wal.max_batch_bytes,
             target_file_bytes: store.target_file_bytes,
             tail_cache_bytes: wal.tail_cache_bytes,
+            tail_cache_total_bytes: wal.tail_cache_total_bytes,
             prefill: true,
             spare_bytes: walship_wal::DEFAULT_SPARE_BYTES,
             chunk_bytes: store.chunk_bytes,

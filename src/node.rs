@@ -310,6 +310,7 @@ pub async fn start_node(config: NodeConfig, cluster: Option<ClusterConfig>, dril
         linger: Duration::from_micros(config.wal.linger_us),
         max_batch_bytes: config.wal.max_batch_bytes,
         tail_cache_bytes: config.wal.tail_cache_bytes,
+        tail_cache_total_bytes: config.wal.tail_cache_total_bytes,
         fault_unwritten_batch_after: drills.unwritten_batch_after,
         scrub_bytes_per_s: config.wal.scrub_bytes_per_s,
         scrub_interval: Duration::from_secs(config.wal.scrub_interval_s),

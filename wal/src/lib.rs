@@ -40,6 +40,7 @@ pub mod record;
 pub mod recovery_log;
 pub mod segment;
 pub mod store;
+mod tail_cache;
 pub mod wal;
 pub mod zero_fill;
 

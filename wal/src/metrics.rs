@@ -31,6 +31,8 @@ pub struct WalMetrics {
     pub staged_bytes: IntGauge,
     /// Appends that waited because more than `max_batch_bytes` was staged.
     pub staged_waits: IntCounter,
+    /// Bytes of newest frames cached in memory for all shards together.
+    pub tail_cache_bytes: IntGauge,
     first_seqno: IntGaugeVec,
     last_seqno: IntGaugeVec,
     durable_seqno: IntGaugeVec,
@@ -104,6 +106,10 @@ impl WalMetrics {
             "walship_wal_staged_waits_total",
             "Appends that waited because more than max_batch_bytes was sequenced and not yet durable",
         )?;
+        let tail_cache_bytes = IntGauge::new(
+            "walship_wal_tail_cache_bytes",
+            "Bytes of the shards' newest frames this node keeps in memory for shippers and tails",
+        )?;
         let shard_gauge = |name: &str, help: &str| IntGaugeVec::new(Opts::new(name, help), &["shard"]);
         let first_seqno = shard_gauge("walship_shard_first_seqno", "Oldest seqno retained in this node's WAL")?;
         let last_seqno = shard_gauge("walship_shard_last_seqno", "Newest seqno written to this node's WAL")?;
@@ -115,6 +121,7 @@ impl WalMetrics {
         registry.register(Box::new(queue_depth.clone()))?;
         registry.register(Box::new(staged_bytes.clone()))?;
         registry.register(Box::new(staged_waits.clone()))?;
+        registry.register(Box::new(tail_cache_bytes.clone()))?;
         registry.register(Box::new(first_seqno.clone()))?;
         registry.register(Box::new(last_seqno.clone()))?;
         registry.register(Box::new(durable_seqno.clone()))?;
@@ -192,6 +199,7 @@ impl WalMetrics {
             queue_depth,
             staged_bytes,
             staged_waits,
+            tail_cache_bytes,
             first_seqno,
             last_seqno,
             durable_seqno,

@@ -68,6 +68,7 @@ use crate::producers::{Decision, ProducerLimits, ProducerRefusal, ProducerTable}
 use crate::raises::Raises;
 use crate::record::{Frame, ProducerStamp, RecordFields};
 use crate::store::{Counter, LogBounds, LogStore, Raise, ShardAppend, ShardId, SnapshotChanges, StoreError};
+use crate::tail_cache::{TailBudget, TailCache};
 
 /// A record as a client submits it; the WAL assigns seqno, epoch and time.
 #[derive(Debug, Clone, Default)]
@@ -231,10 +232,14 @@ pub struct WalConfig {
     /// fewer appends are staged than the previous commit carried, so a lone
     /// appender never waits.
     pub linger: Duration,
-    /// Bytes of each shard's newest written frames kept in memory, so the
-    /// readers at the head of the log (shippers, tails, short catch-ups)
-    /// never go back to the storage engine.
+    /// Bytes of each shard's newest written frames kept in memory at most,
+    /// so the readers at the head of the log (shippers, tails, short
+    /// catch-ups) never go back to the storage engine.
     pub tail_cache_bytes: usize,
+    /// Bytes of newest frames the node keeps in memory for all its shards
+    /// together: a shard is cut back to its share of this (over the shards
+    /// hosted) once the others use the rest. See `crate::tail_cache`.
+    pub tail_cache_total_bytes: usize,
     /// Fault injection for tests only (`None` in production): once this many
     /// leader-path records (appends, not replicated frames) have been
     /// sequenced, the next leader append is published as
@@ -265,6 +270,11 @@ pub const DEFAULT_SCRUB_BYTES_PER_S: u64 = 8 << 20;
 /// Default [`WalConfig::scrub_interval`] (`wal.scrub_interval_s`).
 pub const DEFAULT_SCRUB_INTERVAL: Duration = Duration::from_secs(24 * 3600);
 
+/// Default [`WalConfig::tail_cache_total_bytes`]: at 1,000 written shards
+/// 64 KiB each (hundreds of small records, more than shipping at the head
+/// of a shard's log needs), one shard alone up to its 8 MiB.
+pub const DEFAULT_TAIL_CACHE_TOTAL_BYTES: usize = 64 << 20;
+
 /// How long an injected unwritten batch stays visible before the abort.
 pub const UNWRITTEN_FAULT_GRACE: Duration = Duration::from_millis(300);
 
@@ -274,6 +284,7 @@ impl Default for WalConfig {
             max_batch_bytes: 8 << 20,
             linger: Duration::from_micros(200),
             tail_cache_bytes: 8 << 20,
+            tail_cache_total_bytes: DEFAULT_TAIL_CACHE_TOTAL_BYTES,
             fault_unwritten_batch_after: None,
             scrub_bytes_per_s: DEFAULT_SCRUB_BYTES_PER_S,
             scrub_interval: DEFAULT_SCRUB_INTERVAL,
@@ -285,77 +296,6 @@ impl Default for WalConfig {
 }
 
 type Reply = oneshot::Sender<WalResult<Appended>>;
-
-/// A shard's newest written frames, contiguous, within a byte budget.
-/// Changed under the sequencer lock (pushes, truncations, compactions),
-/// always before the positions it covers are published.
-#[derive(Default)]
-struct TailCache {
-    frames: std::collections::VecDeque<Frame>,
-    bytes: usize,
-}
-
-impl TailCache {
-    /// Adds the newest frames and evicts the oldest past `budget`, but only
-    /// frames the store already holds (seqno `<= stored`): a frame that is
-    /// sequenced and not yet in the store is readable from here alone.
-    fn push(&mut self, frames: &[Frame], budget: usize, stored: u64) {
-        if let (Some(back), Some(first)) = (self.frames.back(), frames.first())
-            && back.seqno() + 1 != first.seqno()
-        {
-            self.clear();
-        }
-        for frame in frames {
-            self.bytes += frame.len();
-            self.frames.push_back(frame.clone());
-        }
-        while self.bytes > budget && self.frames.front().is_some_and(|f| f.seqno() <= stored) {
-            let f = self.frames.pop_front().expect("checked");
-            self.bytes -= f.len();
-        }
-    }
-
-    fn clear(&mut self) {
-        self.frames.clear();
-        self.bytes = 0;
-    }
-
-    /// Drops frames after `keep_through`.
-    fn truncate(&mut self, keep_through: u64) {
-        while self.frames.back().is_some_and(|f| f.seqno() > keep_through) {
-            let f = self.frames.pop_back().expect("checked");
-            self.bytes -= f.len();
-        }
-    }
-
-    /// Drops frames before `first_kept`.
-    fn compact(&mut self, first_kept: u64) {
-        while self.frames.front().is_some_and(|f| f.seqno() < first_kept) {
-            let f = self.frames.pop_front().expect("checked");
-            self.bytes -= f.len();
-        }
-    }
-
-    /// Frames `[from, to]` if the cache holds all of them, cut at
-    /// `max_bytes` like a store read (at least one frame).
-    fn read(&self, from: u64, to: u64, max_bytes: usize) -> Option<Vec<Frame>> {
-        let first = self.frames.front()?.seqno();
-        let last = self.frames.back()?.seqno();
-        if from < first || to > last || from > to {
-            return None;
-        }
-        let mut out = Vec::new();
-        let mut size = 0;
-        for frame in self.frames.range((from - first) as usize..=(to - first) as usize) {
-            size += frame.len();
-            if size > max_bytes && !out.is_empty() {
-                break;
-            }
-            out.push(frame.clone());
-        }
-        Some(out)
-    }
-}
 
 /// Per-shard positions shared between the writer and readers.
 struct ShardPositions {
@@ -384,14 +324,14 @@ struct ShardPositions {
 }
 
 impl ShardPositions {
-    fn new(bounds: LogBounds, gauges: Option<ShardGauges>) -> ShardPositions {
+    fn new(bounds: LogBounds, gauges: Option<ShardGauges>, tail: Arc<TailBudget>) -> ShardPositions {
         let positions = ShardPositions {
             first: AtomicU64::new(bounds.first_seqno),
             last: AtomicU64::new(bounds.last_seqno),
             records: AtomicU64::new(0),
             bytes: AtomicU64::new(0),
             min_epoch: AtomicU64::new(0),
-            tail: parking_lot::Mutex::new(TailCache::default()),
+            tail: parking_lot::Mutex::new(TailCache::new(tail)),
             written: watch::Sender::new(bounds.last_seqno),
             flushing: watch::Sender::new(bounds.last_seqno),
             durable: watch::Sender::new(bounds.durable_seqno),
@@ -453,6 +393,8 @@ struct Shared {
     disk: Option<Arc<DiskSpace>>,
     producer_limits: ProducerLimits,
     raises: Arc<Raises>,
+    /// What every shard's tail cache draws on.
+    tail_budget: Arc<TailBudget>,
 }
 
 impl Shared {
@@ -474,10 +416,12 @@ impl Wal {
     /// persister thread and, unless disabled, its scrubber thread. The
     /// threads stop when every handle is gone.
     pub fn start(store: Arc<dyn LogStore>, config: WalConfig, metrics: WalMetrics) -> WalResult<Wal> {
+        let tail_budget =
+            TailBudget::new(config.tail_cache_total_bytes, config.tail_cache_bytes, metrics.tail_cache_bytes.clone());
         let mut shards = HashMap::new();
         for shard in store.shards() {
             let bounds = store.bounds(shard)?;
-            let positions = ShardPositions::new(bounds, metrics.shard(shard));
+            let positions = ShardPositions::new(bounds, metrics.shard(shard), tail_budget.clone());
             *positions.producers.lock() =
                 rebuild_producers(store.as_ref(), &config.producers, shard, bounds.last_seqno)?;
             shards.insert(shard, Arc::new(positions));
@@ -508,6 +452,7 @@ impl Wal {
             disk: config.disk_space.clone(),
             producer_limits: config.producers,
             raises: Arc::default(),
+            tail_budget,
         });
         let (to_persister, staged) = flume::unbounded();
         let persister = Persister { shared: shared.clone(), rx: staged, config: config.clone() };
@@ -540,7 +485,8 @@ impl Wal {
         let producers =
             rebuild_producers(self.shared.store.as_ref(), &self.shared.producer_limits, shard, bounds.last_seqno)?;
         self.shared.shards.write().entry(shard).or_insert_with(|| {
-            let positions = ShardPositions::new(bounds, self.shared.metrics.shard(shard));
+            let positions =
+                ShardPositions::new(bounds, self.shared.metrics.shard(shard), self.shared.tail_budget.clone());
             *positions.producers.lock() = producers;
             Arc::new(positions)
         });
@@ -1112,7 +1058,7 @@ impl Batch {
 
 /// Bytes sequenced but not yet durable. Appenders wait while more than
 /// `max_batch_bytes` is staged, so the run-ahead (all of it held in the tail
-/// cache, see [`TailCache::push`]) stays bounded. The count is the
+/// cache, see [`crate::tail_cache`]) stays bounded. The count is the
 /// `walship_wal_staged_bytes` gauge itself.
 struct StagedBytes {
     bytes: prometheus::IntGauge,
@@ -1536,7 +1482,7 @@ impl Sequencer {
     fn publish_written(&self, shard: ShardId, frames: &[Frame]) {
         if let Ok(positions) = self.shared.shard(shard) {
             let stored = positions.last.load(Ordering::Acquire);
-            positions.tail.lock().push(frames, self.config.tail_cache_bytes, stored);
+            positions.tail.lock().push(frames, stored);
             if let Some(last) = frames.last() {
                 positions.publish_written(last.seqno());
             }

@@ -272,43 +272,6 @@ async fn group_commit_engine() {
     many_appenders_get_contiguous_seqnos(Arc::new(store)).await;
 }
 
-#[test]
-fn tail_cache_keeps_the_newest_contiguous_frames_within_budget() {
-    let frames = crate::conformance::frames(1, 10, 1);
-    let one = frames[0].len();
-    let mut cache = TailCache::default();
-    cache.push(&frames[..6], one * 4, u64::MAX);
-    assert_eq!(cache.frames.len(), 4, "budget of 4 frames");
-    assert_eq!(cache.read(3, 6, usize::MAX).unwrap(), frames[2..6].to_vec());
-    assert_eq!(cache.read(2, 6, usize::MAX), None, "2 was evicted: the store serves it");
-    assert_eq!(cache.read(5, 7, usize::MAX), None, "7 is not cached yet");
-    assert_eq!(cache.read(3, 6, one).unwrap().len(), 1, "max_bytes cuts, at least one frame");
-    // A push that does not continue the cached run replaces it.
-    cache.push(&frames[7..9], one * 4, u64::MAX);
-    assert_eq!(cache.read(8, 9, usize::MAX).unwrap(), frames[7..9].to_vec());
-    assert_eq!(cache.read(6, 6, usize::MAX), None);
-    cache.truncate(8);
-    assert_eq!(cache.read(9, 9, usize::MAX), None);
-    cache.compact(9);
-    assert!(cache.frames.is_empty());
-    assert_eq!(cache.bytes, 0);
-}
-
-#[test]
-fn tail_cache_never_evicts_what_the_store_does_not_hold() {
-    let frames = crate::conformance::frames(1, 10, 1);
-    let one = frames[0].len();
-    let mut cache = TailCache::default();
-    // Only 1..=2 are stored: the budget of 2 frames gives way.
-    cache.push(&frames[..6], one * 2, 2);
-    assert_eq!(cache.read(3, 6, usize::MAX).unwrap(), frames[2..6].to_vec());
-    assert_eq!(cache.read(2, 2, usize::MAX), None, "stored frames are evicted first");
-    // Once the store holds them, the budget applies again.
-    cache.push(&frames[6..7], one * 2, 6);
-    assert_eq!(cache.read(6, 7, usize::MAX).unwrap(), frames[5..7].to_vec());
-    assert_eq!(cache.read(5, 5, usize::MAX), None);
-}
-
 #[tokio::test]
 async fn reads_after_truncation_see_the_replacement_not_the_cached_tail() {
     let wal = Wal::start(Arc::new(MemStore::new()), WalConfig::default(), WalMetrics::unregistered()).unwrap();
