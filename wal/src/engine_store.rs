@@ -25,12 +25,14 @@
 //! commit leaves a small *unsealed* chunk at the shard's end (its tail);
 //! once the tail and the new records add up to `chunk_bytes`, or the tail
 //! holds [`MAX_TAIL_CHUNKS`] chunks, the append rewrites the tail and the
-//! new records as full chunks at the tail's first index, in the same atomic
-//! batch: raft-engine replaces every entry from that index, and a crash
-//! before the batch is durable leaves the old tail as it was. The tail's
-//! frames are kept in memory (less than a chunk per shard), so a merge
+//! new records as full chunks at the tail's first index (the remainder one
+//! unsealed chunk, the start of the next tail), in the same atomic batch:
+//! raft-engine replaces every entry from that index, and a crash before the
+//! batch is durable leaves the old tail as it was. The tail's frames are
+//! kept in memory (less than a chunk per shard, every shard's together
+//! within [`EngineStoreConfig::tail_frames_bytes`]), so a merge mostly
 //! reads nothing back. Records that arrive in small commits are written
-//! twice; large commits, once. The superseded copies stay in older log
+//! two to a few times; large commits, once. The superseded copies stay in older log
 //! files until raft-engine purges them; nothing reads them, and damage to
 //! them is harmless.
 //! A suffix truncation at a seqno inside a chunk rewrites that chunk's
@@ -91,6 +93,7 @@ use std::collections::BTreeMap;
 use std::io::Write;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
+use std::sync::atomic::{AtomicUsize, Ordering};
 
 use parking_lot::Mutex;
 use raft_engine::{Command, Config, LogBatch, MessageExt, ReadableSize};
@@ -197,6 +200,12 @@ pub struct EngineStoreConfig {
     /// store's (`ops/bench/results/memory.md`; 128 KiB halves the index and
     /// costs reads more).
     pub chunk_bytes: u64,
+    /// Bytes of the shards' unsealed tails (their small chunks not yet
+    /// merged) kept in memory together, so a merge writes them without
+    /// reading them back. Past it a shard's tail is read back from the log
+    /// at its next merge. Without a bound a node holds up to `chunk_bytes`
+    /// for every shard written small appends (64 MiB at 1,000 shards).
+    pub tail_frames_bytes: usize,
 }
 
 /// A node's default [`EngineStoreConfig::spare_bytes`] (`wal.spare_bytes`).
@@ -210,6 +219,7 @@ impl Default for EngineStoreConfig {
             prefill: false,
             spare_bytes: 0,
             chunk_bytes: DEFAULT_CHUNK_BYTES,
+            tail_frames_bytes: 16 << 20,
         }
     }
 }
@@ -223,9 +233,58 @@ struct ShardState {
     /// The frames of the unsealed chunks at the end (the tail a merge
     /// rewrites), one slice of each chunk as written, when known (not after
     /// an open, a truncation or a compaction: read from the engine at the
-    /// next merge). Less than `chunk_bytes` in all: a merge writes them
-    /// without reading the log back.
-    tail: Option<Vec<TailChunk>>,
+    /// next merge, nor while the store's [`TailFrames`] budget is spent).
+    /// Less than `chunk_bytes` in all: a merge writes them without reading
+    /// the log back.
+    tail: Option<KnownTail>,
+}
+
+/// The frames of a shard's unsealed chunks, in order, and what they add up
+/// to.
+#[derive(Debug, Clone, Default)]
+struct KnownTail {
+    chunks: Vec<TailChunk>,
+    records: u64,
+    bytes: usize,
+}
+
+impl KnownTail {
+    fn push(&mut self, chunk: TailChunk) {
+        self.records += chunk.records;
+        self.bytes += chunk.frames.len();
+        self.chunks.push(chunk);
+    }
+}
+
+/// What the shards' known tails hold in memory together, against
+/// [`EngineStoreConfig::tail_frames_bytes`]. Changed under the shards lock.
+struct TailFrames {
+    used: AtomicUsize,
+    limit: usize,
+}
+
+impl TailFrames {
+    /// Takes `state`'s known tail out of the count.
+    fn take(&self, state: &mut ShardState) -> Option<KnownTail> {
+        let tail = state.tail.take();
+        if let Some(t) = &tail {
+            self.used.fetch_sub(t.bytes, Ordering::Relaxed);
+        }
+        tail
+    }
+
+    /// Replaces `state`'s known tail with `tail`, or forgets it when the
+    /// budget has no room for it (its next merge reads it back).
+    fn set(&self, state: &mut ShardState, tail: Option<KnownTail>) {
+        self.take(state);
+        state.tail = tail.filter(|t| {
+            let fits = self.used.load(Ordering::Relaxed) + t.bytes <= self.limit;
+            if fits {
+                self.used.fetch_add(t.bytes, Ordering::Relaxed);
+            }
+            fits
+        });
+    }
 }
 
 /// raft-engine-backed multi-shard log.
@@ -244,6 +303,7 @@ pub struct EngineStore {
     epoch_locks: Box<[Mutex<()>]>,
     dir: PathBuf,
     chunk_bytes: usize,
+    tail_frames: TailFrames,
     /// What the tail check at open found damaged.
     startup_damage: Vec<StartupDamage>,
     /// What raft-engine's recovery truncated, classified.
@@ -341,7 +401,7 @@ struct Plan {
     /// The old tail could not be read back for a merge: seal it.
     seal_old_tail: bool,
     /// The tail's frames after the write, when known.
-    tail_after: Option<Vec<TailChunk>>,
+    tail_after: Option<KnownTail>,
 }
 
 impl EngineStore {
@@ -388,6 +448,7 @@ impl EngineStore {
             epoch_locks: (0..EPOCH_LOCK_STRIPES).map(|_| Mutex::new(())).collect(),
             dir: dir.to_path_buf(),
             chunk_bytes: config.chunk_bytes.clamp(1, u64::from(u32::MAX)) as usize,
+            tail_frames: TailFrames { used: AtomicUsize::new(0), limit: config.tail_frames_bytes },
             startup_damage: Vec::new(),
             recovery,
         };
@@ -679,18 +740,24 @@ impl EngineStore {
             let mut shards = self.shards.lock();
             let state = shards.get_mut(&shard).ok_or(StoreError::UnknownShard(shard))?;
             let chunks = &state.chunks;
-            (chunks.tail(), chunks.tail_records(), chunks.end_index(), chunks.next_index(), state.tail.take())
+            (
+                chunks.tail(),
+                chunks.tail_records(),
+                chunks.end_index(),
+                chunks.next_index(),
+                self.tail_frames.take(state),
+            )
         };
         let first_new = frames.first().ok_or(StoreError::EmptyAppend { shard })?.seqno();
         let new_bytes: u64 = frames.iter().map(|f| f.len() as u64).sum();
         let by_count = tail_count >= MAX_TAIL_CHUNKS;
         let merge_due = tail_count > 0 && (tail_bytes + new_bytes >= self.chunk_bytes as u64 || by_count);
-        let mut known_tail = known_tail.filter(|t| t.iter().map(|c| c.records).sum::<u64>() == tail_records);
+        let mut known_tail = known_tail.filter(|t| t.records == tail_records);
         let mut seal_old_tail = false;
         let mut merged = Vec::new();
         if merge_due {
             let tail = match known_tail.take() {
-                Some(tail) => Ok(tail),
+                Some(tail) => Ok(tail.chunks),
                 None => self.read_chunks_whole(shard, tail_start, next - 1).map(|frames| {
                     frames.into_iter().map(|f| TailChunk { frames: f.into_bytes(), records: 1 }).collect()
                 }),
@@ -707,22 +774,25 @@ impl EngineStore {
         let (write_from, first) = if is_merge { (tail_start, first_new - tail_records) } else { (next, first_new) };
         let pieces = split(merged, first, frames, self.chunk_bytes);
         let count = pieces.len() as u64;
-        // A merge forced by the count is sealed whatever its size; so is the
-        // remainder of new records split into several chunks (a large group
-        // commit), which the next commit would otherwise rewrite. A merge's
-        // remainder stays the tail.
-        let seal_last = (is_merge && by_count) || (!is_merge && count > 1);
+        // The remainder of new records split into several chunks (a large
+        // group commit) is sealed, which the next commit would otherwise
+        // rewrite. A merge's remainder stays the tail, one chunk: a merge
+        // forced by the count merges it again with the next ones until it is
+        // full (see `MAX_TAIL_CHUNKS`).
+        let seal_last = !is_merge && count > 1;
         let (written, last) = self.add_chunks(batch, shard, write_from, pieces, seal_last)?;
-        let tail_after = if last.is_none() {
-            Some(Vec::new())
-        } else if !is_merge && !seal_old_tail && tail_count > 0 {
+        let tail_after = match last {
+            None => Some(KnownTail::default()),
             // Appended to the old tail (they add up to less than a chunk).
-            known_tail.map(|mut tail| {
-                tail.extend(last);
+            Some(last) if !is_merge && !seal_old_tail && tail_count > 0 => known_tail.map(|mut tail| {
+                tail.push(last);
                 tail
-            })
-        } else {
-            Some(last.into_iter().collect())
+            }),
+            Some(last) => {
+                let mut tail = KnownTail::default();
+                tail.push(last);
+                Some(tail)
+            }
         };
         for index in write_from + count..old_end {
             batch.delete(region(shard), chunk::key(index));
@@ -767,13 +837,26 @@ impl EngineStore {
         Ok((written, tail))
     }
 
+    /// Puts a fresh `state` for `shard` in the map, replacing any older one
+    /// (whose known tail leaves the count).
+    fn insert_state(&self, shard: ShardId, mut state: ShardState) {
+        // Not counted yet: counted once in the map.
+        let tail = state.tail.take();
+        let mut shards = self.shards.lock();
+        if let Some(mut old) = shards.insert(shard, state) {
+            self.tail_frames.take(&mut old);
+        }
+        let state = shards.get_mut(&shard).expect("just inserted");
+        self.tail_frames.set(state, tail);
+    }
+
     /// Applies a written plan to the chunk map and the bounds.
-    fn apply(state: &mut ShardState, plan: Plan) {
+    fn apply(&self, state: &mut ShardState, plan: Plan) {
         if plan.seal_old_tail {
             state.chunks.seal_all();
         }
         state.chunks.replace_from(plan.write_from, plan.written);
-        state.tail = plan.tail_after;
+        self.tail_frames.set(state, plan.tail_after);
         if let Some(last) = state.chunks.last_seqno() {
             state.bounds.last_seqno = last;
         }
@@ -807,8 +890,7 @@ impl EngineStore {
         self.write(&mut batch, true)?;
         let last = first_seqno - 1;
         let bounds = LogBounds { first_seqno, last_seqno: last, durable_seqno: last };
-        let state = ShardState { bounds, chunks: Chunks::empty(1), tail: Some(Vec::new()) };
-        self.shards.lock().insert(shard, state);
+        self.insert_state(shard, ShardState { bounds, chunks: Chunks::empty(1), tail: Some(KnownTail::default()) });
         Ok(())
     }
 
@@ -895,8 +977,10 @@ impl LogStore for EngineStore {
         let mut batch = LogBatch::default();
         put_u64(&mut batch, region(shard), FIRST_KEY, 1)?;
         self.write(&mut batch, true)?;
-        let state = ShardState { bounds: LogBounds::EMPTY, chunks: Chunks::empty(1), tail: Some(Vec::new()) };
-        self.shards.lock().insert(shard, state);
+        self.insert_state(
+            shard,
+            ShardState { bounds: LogBounds::EMPTY, chunks: Chunks::empty(1), tail: Some(KnownTail::default()) },
+        );
         Ok(())
     }
 
@@ -940,7 +1024,7 @@ impl LogStore for EngineStore {
         let mut shards = self.shards.lock();
         for plan in plans {
             let state = shards.get_mut(&plan.shard).expect("validated");
-            Self::apply(state, plan);
+            self.apply(state, plan);
         }
         if sync {
             for state in shards.values_mut() {
@@ -1098,7 +1182,7 @@ impl LogStore for EngineStore {
         self.write(&mut batch, true)?;
         let mut shards = self.shards.lock();
         let state = shards.get_mut(&shard).expect("checked");
-        Self::apply(state, plan);
+        self.apply(state, plan);
         state.bounds.last_seqno = keep_through;
         state.bounds.durable_seqno = state.bounds.durable_seqno.min(keep_through);
         Ok(())
@@ -1138,7 +1222,7 @@ impl LogStore for EngineStore {
             let mut shards = self.shards.lock();
             let state = shards.get_mut(&shard).expect("checked");
             state.chunks.compact_to(keep_from);
-            state.tail = None;
+            self.tail_frames.set(state, None);
             state.bounds.first_seqno = first_kept;
         }
         // Drop whole log files no shard needs any more.

@@ -75,22 +75,70 @@ fn small_appends_merge_into_full_chunks() {
     assert_eq!(all(&store, 1), want);
 }
 
-/// One record per append: the tail is merged every MAX_TAIL_CHUNKS
-/// appends, so the index grows with a 512th of the records.
+/// One record per append: the tail is merged into one unsealed chunk every
+/// MAX_TAIL_CHUNKS appends, and sealed once full: the tail never holds
+/// more than MAX_TAIL_CHUNKS chunks, and the sealed ones are full.
 #[test]
-fn one_record_appends_are_merged_by_count() {
+fn one_record_appends_are_merged_by_count_and_sealed_full() {
     let dir = tempfile::tempdir().unwrap();
-    let store = open(dir.path(), DEFAULT_CHUNK_BYTES);
+    let chunk_bytes = 16 << 10;
+    let store = open(dir.path(), chunk_bytes);
     store.create_shard(1).unwrap();
-    let appends = MAX_TAIL_CHUNKS as u64 * 2 + 100;
+    let one = frame(1, 1, 20).len();
+    // Several count merges per sealed chunk.
+    assert!(MAX_TAIL_CHUNKS * one * 2 < chunk_bytes as usize);
+    let appends = (chunk_bytes as usize / one * 3 + 50) as u64;
+    let mut most_tail = 0;
     for seqno in 1..=appends {
         append(&store, 1, frames(seqno, seqno, 20));
+        most_tail = most_tail.max(store.shards.lock()[&1].chunks.tail().1);
     }
-    // Every MAX_TAIL_CHUNKS + 1 appends, one sealed chunk.
-    let merged = appends / (MAX_TAIL_CHUNKS as u64 + 1);
-    let chunks = store.chunk_count(1).unwrap() as u64;
-    assert_eq!(chunks, merged + appends % (MAX_TAIL_CHUNKS as u64 + 1), "{chunks} chunks");
+    assert!(most_tail <= MAX_TAIL_CHUNKS, "{most_tail} unsealed chunks at once");
+    let shards = store.shards.lock();
+    let chunks = &shards[&1].chunks;
+    let sealed = chunks.len() - chunks.tail().1;
+    assert_eq!(sealed, 3, "{} chunks, {} in the tail", chunks.len(), chunks.tail().1);
+    for index in chunks.first_index()..chunks.first_index() + sealed as u64 {
+        let bytes = chunks.get(index).unwrap().bytes as usize;
+        assert!(bytes + one > chunk_bytes as usize && bytes <= chunk_bytes as usize, "chunk {index}: {bytes} B");
+    }
+    drop(shards);
     assert_eq!(all(&store, 1), frames(1, appends, 20));
+}
+
+/// The shards' known tails share one budget: with room for one shard's,
+/// the others are read back at their merges, and every shard's log reads
+/// the same as with room for all; the count follows what is held, down to
+/// nothing once the tails are merged away or compacted.
+#[test]
+fn known_tails_stay_within_their_budget_and_the_rest_is_read_back() {
+    let dir = tempfile::tempdir().unwrap();
+    // Room for about one shard's tail of 1 KiB chunks.
+    let config = EngineStoreConfig { chunk_bytes: 1 << 10, tail_frames_bytes: 1 << 10, ..Default::default() };
+    let store = EngineStore::open(dir.path(), &config).unwrap();
+    let shards = 1..=6u32;
+    for shard in shards.clone() {
+        store.create_shard(shard).unwrap();
+    }
+    // 200 one-record appends each (40 B payloads): the tails merge every
+    // 1 KiB, most of them read back.
+    for seqno in 1..=200u64 {
+        for shard in shards.clone() {
+            append(&store, shard, frames(seqno, seqno, 40));
+            assert!(store.tail_frames.used.load(Ordering::Relaxed) <= 1 << 10);
+        }
+    }
+    let known = store.shards.lock().values().filter(|s| s.tail.as_ref().is_some_and(|t| t.bytes > 0)).count();
+    assert!((1..6).contains(&known), "{known} shards' tails known");
+    let held: usize = store.shards.lock().values().filter_map(|s| s.tail.as_ref()).map(|t| t.bytes).sum();
+    assert_eq!(store.tail_frames.used.load(Ordering::Relaxed), held, "the count is what the shards hold");
+    for shard in shards.clone() {
+        assert_eq!(all(&store, shard), frames(1, 200, 40), "shard {shard}");
+        // Sealed chunks of about a KiB, not one per record.
+        assert!(store.chunk_count(shard).unwrap() < 40, "shard {shard}");
+        store.compact_prefix(shard, 201).unwrap();
+    }
+    assert_eq!(store.tail_frames.used.load(Ordering::Relaxed), 0, "compacted: no tail known");
 }
 
 /// A batch larger than a chunk is split; one record larger than a chunk

@@ -75,7 +75,7 @@ impl EngineStore {
             }
             self.write(&mut batch, true)?;
             let bounds = LogBounds { first_seqno: first, last_seqno: first - 1, durable_seqno: first - 1 };
-            self.shards.lock().insert(shard, ShardState { bounds, chunks: Chunks::empty(1), tail: Some(Vec::new()) });
+            self.insert_state(shard, ShardState { bounds, chunks: Chunks::empty(1), tail: Some(KnownTail::default()) });
         }
         let resumed = self.state(shard)?.last_seqno + 1;
         tracing::info!(shard, from = resumed, to = last, "converting a shard stored one entry per record into chunks");
@@ -107,7 +107,7 @@ impl EngineStore {
             let plan = self.plan_append(shard, &frames, &mut batch)?;
             batch.add_command(old, Command::Compact { index: end + 1 });
             self.write(&mut batch, false)?;
-            Self::apply(self.shards.lock().get_mut(&shard).expect("inserted"), plan);
+            self.apply(self.shards.lock().get_mut(&shard).expect("inserted"), plan);
             next = end + 1;
         }
         let mut batch = LogBatch::default();
