@@ -42,9 +42,11 @@ async fn append_records(cluster: &mut Cluster, leader: u32, count: u64, acked: &
     }
 }
 
-/// The `*.raftlog` file of `data_dir` holding `pattern`, and the offset of
-/// the middle of it. raft-engine stores a record's frame verbatim
-/// (compression is off), so its payload is in the file as written.
+/// The `*.raftlog` file of `data_dir` holding the newest copy of `pattern`,
+/// and the offset of the middle of it. raft-engine stores a record's frame
+/// verbatim (compression is off), so its payload is in the file as written;
+/// a merge of small chunks writes it again further on (files are named in
+/// the order they are written), and only that newest copy is read.
 fn find_payload(data_dir: &Path, pattern: &[u8]) -> (PathBuf, u64) {
     let mut files: Vec<PathBuf> = std::fs::read_dir(data_dir.join("wal"))
         .unwrap()
@@ -52,13 +54,14 @@ fn find_payload(data_dir: &Path, pattern: &[u8]) -> (PathBuf, u64) {
         .filter(|p| p.extension().is_some_and(|e| e == "raftlog"))
         .collect();
     files.sort();
+    let mut newest = None;
     for file in files {
         let bytes = std::fs::read(&file).unwrap();
-        if let Some(at) = bytes.windows(pattern.len()).position(|w| w == pattern) {
-            return (file, (at + pattern.len() / 2) as u64);
+        if let Some(at) = bytes.windows(pattern.len()).rposition(|w| w == pattern) {
+            newest = Some((file, (at + pattern.len() / 2) as u64));
         }
     }
-    panic!("no WAL file under {} holds the payload", data_dir.display());
+    newest.unwrap_or_else(|| panic!("no WAL file under {} holds the payload", data_dir.display()))
 }
 
 /// Flips 4 bytes in the middle of record `seqno`'s payload in place (pwrite
