@@ -115,6 +115,13 @@ impl Frame {
         Self::encode_stamped(fields, None)
     }
 
+    /// The same frame in an allocation of its own. A frame decoded from a
+    /// received message is a slice of the receive buffer, and keeps all of
+    /// it alive for as long as it is held.
+    pub fn detached(&self) -> Frame {
+        Frame(Bytes::copy_from_slice(&self.0))
+    }
+
     /// Encodes a record, with the producer stamp when it has one.
     pub fn encode_stamped(fields: RecordFields<'_>, producer: Option<ProducerStamp>) -> Frame {
         let stamp = if producer.is_some() { STAMP_LEN } else { 0 };

@@ -71,18 +71,23 @@ impl TailCache {
         TailCache { frames: VecDeque::new(), bytes: 0, budget }
     }
 
-    /// Adds the newest frames and evicts the oldest past the shard's
-    /// allowance, but only frames the store already holds (seqno `<=
-    /// stored`): a frame that is sequenced and not yet in the store is
-    /// readable from here alone.
-    pub(crate) fn push(&mut self, frames: &[Frame], stored: u64) {
+    /// Adds the newest frames (copies of them in allocations of their own
+    /// when `detach`: what the budget counts is then what they hold) and
+    /// evicts the oldest past the shard's allowance, but only frames the
+    /// store already holds (seqno `<= stored`): a frame that is sequenced
+    /// and not yet in the store is readable from here alone.
+    pub(crate) fn push(&mut self, frames: &[Frame], stored: u64, detach: bool) {
         if let (Some(back), Some(first)) = (self.frames.back(), frames.first())
             && back.seqno() + 1 != first.seqno()
         {
             self.clear();
         }
         let added: usize = frames.iter().map(Frame::len).sum();
-        self.frames.extend(frames.iter().cloned());
+        if detach {
+            self.frames.extend(frames.iter().map(Frame::detached));
+        } else {
+            self.frames.extend(frames.iter().cloned());
+        }
         self.bytes += added;
         self.budget.add(added);
         let allowance = self.budget.allowance(self.bytes);
@@ -161,7 +166,7 @@ mod tests {
         let one = frames[0].len();
         let budget = budget(one * 100, one * 4);
         let mut cache = TailCache::new(budget.clone());
-        cache.push(&frames[..6], u64::MAX);
+        cache.push(&frames[..6], u64::MAX, false);
         assert_eq!(cache.frames.len(), 4, "budget of 4 frames");
         assert_eq!(budget.used.get(), (one * 4) as i64);
         assert_eq!(cache.read(3, 6, usize::MAX).unwrap(), frames[2..6].to_vec());
@@ -169,7 +174,7 @@ mod tests {
         assert_eq!(cache.read(5, 7, usize::MAX), None, "7 is not cached yet");
         assert_eq!(cache.read(3, 6, one).unwrap().len(), 1, "max_bytes cuts, at least one frame");
         // A push that does not continue the cached run replaces it.
-        cache.push(&frames[7..9], u64::MAX);
+        cache.push(&frames[7..9], u64::MAX, false);
         assert_eq!(cache.read(8, 9, usize::MAX).unwrap(), frames[7..9].to_vec());
         assert_eq!(cache.read(6, 6, usize::MAX), None);
         assert_eq!(budget.used.get(), (one * 2) as i64);
@@ -188,13 +193,36 @@ mod tests {
         let one = frames[0].len();
         let mut cache = TailCache::new(budget(one * 100, one * 2));
         // Only 1..=2 are stored: the budget of 2 frames gives way.
-        cache.push(&frames[..6], 2);
+        cache.push(&frames[..6], 2, false);
         assert_eq!(cache.read(3, 6, usize::MAX).unwrap(), frames[2..6].to_vec());
         assert_eq!(cache.read(2, 2, usize::MAX), None, "stored frames are evicted first");
         // Once the store holds them, the budget applies again.
-        cache.push(&frames[6..7], 6);
+        cache.push(&frames[6..7], 6, false);
         assert_eq!(cache.read(6, 7, usize::MAX).unwrap(), frames[5..7].to_vec());
         assert_eq!(cache.read(5, 5, usize::MAX), None);
+    }
+
+    /// Frames that arrived in a message are slices of its buffer; detached,
+    /// the cache holds copies of its own and the buffer can go.
+    #[test]
+    fn detached_frames_do_not_keep_the_message_they_came_in() {
+        let frames = crate::conformance::frames(1, 3, 1);
+        let mut message = bytes::BytesMut::new();
+        for frame in &frames {
+            message.extend_from_slice(frame.as_bytes());
+        }
+        let message = message.freeze();
+        let (first, rest) = Frame::split_first(&message).unwrap();
+        let (second, _) = Frame::split_first(&rest).unwrap();
+        let within = |f: &Frame| message.as_ptr_range().contains(&f.as_bytes().as_ptr());
+        assert!(within(&first) && within(&second), "decoded frames share the message");
+        let mut kept = TailCache::new(budget(1 << 20, 1 << 20));
+        kept.push(&[first.clone(), second.clone()], u64::MAX, true);
+        assert!(kept.frames.iter().all(|f| !within(f)), "the cache holds copies");
+        assert_eq!(kept.read(1, 2, usize::MAX).unwrap(), vec![first.clone(), second.clone()]);
+        let mut shared = TailCache::new(budget(1 << 20, 1 << 20));
+        shared.push(&[first, second], u64::MAX, false);
+        assert!(shared.frames.iter().all(within), "a leader's own frames are kept as they are");
     }
 
     #[test]
@@ -207,24 +235,24 @@ mod tests {
         let mut a = TailCache::new(budget.clone());
         let mut b = TailCache::new(budget.clone());
         // Alone in use, a shard takes up to the per-shard ceiling.
-        a.push(&frames[..10], u64::MAX);
+        a.push(&frames[..10], u64::MAX, false);
         assert_eq!(a.frames.len(), 6);
         // The other takes what is left, but at least its fair share (4).
-        b.push(&frames[..10], u64::MAX);
+        b.push(&frames[..10], u64::MAX, false);
         assert_eq!(b.frames.len(), 4, "fair share: 8 frames over 2 shards");
         assert_eq!(budget.used.get(), (one * 10) as i64, "over the node budget, under twice it");
         // The first shard's next push cuts it back to its fair share.
-        a.push(&frames[10..11], u64::MAX);
+        a.push(&frames[10..11], u64::MAX, false);
         assert_eq!(a.frames.len(), 4);
         assert_eq!(budget.used.get(), (one * 8) as i64);
         // A third shard lowers everyone's fair share; dropped, a shard's
         // bytes leave the count.
         let mut c = TailCache::new(budget.clone());
-        c.push(&frames[..3], u64::MAX);
+        c.push(&frames[..3], u64::MAX, false);
         assert_eq!(c.frames.len(), 2, "8 frames over 3 shards: 2 each, the others hold 8");
         drop(b);
         assert_eq!(budget.used.get(), (one * 6) as i64);
-        c.push(&frames[3..4], u64::MAX);
+        c.push(&frames[3..4], u64::MAX, false);
         assert_eq!(c.frames.len(), 3, "room again: not cut while the node is under budget");
         drop((a, c));
         assert_eq!(budget.used.get(), 0);

@@ -1440,7 +1440,9 @@ impl Sequencer {
         // `written` move also sees the bytes it stands for.
         self.shared.staged.add(frames.iter().map(Frame::len).sum());
         self.shared.metrics.queue_depth.inc();
-        self.publish_written(shard, &frames);
+        // Replicated frames are slices of the message they came in: the
+        // cache, which may keep them for long, gets copies of its own.
+        self.publish_written(shard, &frames, !leader);
         let (reply, durable) = oneshot::channel();
         let waiter = Waiter { reply, appended: Appended { first_seqno: first, last_seqno: last } };
         // If the persister is gone the waiter is dropped with the message,
@@ -1477,12 +1479,13 @@ impl Sequencer {
         }
     }
 
-    /// Puts the frames in the shard's tail cache and moves its written
-    /// watch to the last one.
-    fn publish_written(&self, shard: ShardId, frames: &[Frame]) {
+    /// Puts the frames in the shard's tail cache (copies of them when
+    /// `detach`, see [`Frame::detached`]) and moves its written watch to the
+    /// last one.
+    fn publish_written(&self, shard: ShardId, frames: &[Frame], detach: bool) {
         if let Ok(positions) = self.shared.shard(shard) {
             let stored = positions.last.load(Ordering::Acquire);
-            positions.tail.lock().push(frames, stored);
+            positions.tail.lock().push(frames, stored, detach);
             if let Some(last) = frames.last() {
                 positions.publish_written(last.seqno());
             }
@@ -1495,7 +1498,7 @@ impl Sequencer {
     fn inject_unwritten(&self, shard: ShardId, frames: &[Frame]) {
         let records = frames.len();
         tracing::error!(records, "injected fault: publishing records as written without writing them");
-        self.publish_written(shard, frames);
+        self.publish_written(shard, frames, false);
         std::thread::spawn(move || {
             std::thread::sleep(UNWRITTEN_FAULT_GRACE);
             eprintln!("walship: injected fault: aborting with {records} records shipped but never written");
