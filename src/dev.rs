@@ -380,14 +380,14 @@ pub async fn run_dev(args: DevArgs) -> Result<()> {
         args.data_dir.display()
     );
     for node in &cluster.nodes {
-        let leads: Vec<String> =
-            leaders.iter().filter(|&(_, &leader)| leader == node.id).map(|(shard, _)| shard.to_string()).collect();
+        let leads: Vec<u32> =
+            leaders.iter().filter(|&(_, &leader)| leader == node.id).map(|(&shard, _)| shard).collect();
         println!(
-            "  node {}  gRPC {}  admin {scheme}://{}/v1/status  leads shards [{}]",
+            "  node {}  gRPC {}  admin {scheme}://{}/v1/status  {}",
             node.id,
             node.grpc_addr,
             node.admin_addr,
-            leads.join(", ")
+            led_shards(&leads)
         );
     }
     println!("  coordinator  admin {admin}/v1/shards  (leaders above as it reports them now)");
@@ -469,9 +469,34 @@ pub async fn run_dev(args: DevArgs) -> Result<()> {
     Ok(())
 }
 
+/// Shard ids a node's line lists in full; past it the line says how many
+/// and lists the first and last few (ten thousand shards printed every id,
+/// some 20 KB of terminal a node). `walship status --node N` lists them.
+const LISTED_SHARDS: usize = 24;
+
+/// `leads shards [1, 4, 7]`, or `leads 3334 shards [1, 4, ..., 9997, 10000]`.
+fn led_shards(shards: &[u32]) -> String {
+    let ids = |s: &[u32]| s.iter().map(u32::to_string).collect::<Vec<_>>().join(", ");
+    if shards.len() <= LISTED_SHARDS {
+        return format!("leads shards [{}]", ids(shards));
+    }
+    let (head, tail) = (&shards[..8], &shards[shards.len() - 4..]);
+    format!("leads {} shards [{}, ..., {}]", shards.len(), ids(head), ids(tail))
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_node_line_lists_few_shards_whole_and_many_by_their_ends() {
+        assert_eq!(led_shards(&[]), "leads shards []");
+        assert_eq!(led_shards(&[1, 4, 7]), "leads shards [1, 4, 7]");
+        let many: Vec<u32> = (1..=10_000).step_by(3).collect();
+        assert_eq!(led_shards(&many), "leads 3334 shards [1, 4, 7, 10, 13, 16, 19, 22, ..., 9991, 9994, 9997, 10000]");
+        let line = led_shards(&many[..LISTED_SHARDS]);
+        assert!(line.starts_with("leads shards [1, 4,") && !line.contains("..."), "{line}");
+    }
 
     #[test]
     fn dev_cluster_spreads_leaders_at_full_replication() {
