@@ -39,10 +39,7 @@ async fn a_node_keeps_its_shards_tails_within_its_budget_and_reads_the_rest_from
     for shard in 1..=SHARDS {
         // Static cluster: shard s is led by node (s - 1) % 3 + 1.
         let leader = (shard - 1) % 3 + 1;
-        let grpc = cluster.node(leader).grpc.clone();
-        let channel =
-            tonic::transport::Endpoint::from_shared(format!("http://{grpc}")).unwrap().connect().await.unwrap();
-        let mut log = LogClient::new(channel);
+        let mut log = cluster.node(leader).client().await;
         for n in 0..RECORDS {
             let payload = Bytes::from(format!("{shard:02}-{n:03}-").repeat(RECORD_BYTES / 7));
             common::append_and_record(&mut log, shard, vec![payload], Durability::All, Duration::from_secs(10), &acked)

@@ -32,9 +32,9 @@
 //! kept in memory (less than a chunk per shard, every shard's together
 //! within [`EngineStoreConfig::tail_frames_bytes`]), so a merge mostly
 //! reads nothing back. Records that arrive in small commits are written
-//! two to a few times; large commits, once. The superseded copies stay in older log
-//! files until raft-engine purges them; nothing reads them, and damage to
-//! them is harmless.
+//! two to a few times; large commits, once. The superseded copies stay in
+//! older log files until raft-engine purges them; nothing reads them, and
+//! damage to them is harmless.
 //! A suffix truncation at a seqno inside a chunk rewrites that chunk's
 //! prefix at the chunk's index; compaction drops whole chunks before the
 //! one holding the new first seqno (that one is kept whole; reads never

@@ -98,22 +98,26 @@ impl TailCache {
 
     fn pop_front(&mut self) {
         let f = self.frames.pop_front().expect("checked by the caller");
-        self.bytes -= f.len();
-        self.budget.sub(f.len());
+        self.uncount(f.len());
     }
 
     fn clear(&mut self) {
         self.frames.clear();
-        self.budget.sub(self.bytes);
-        self.bytes = 0;
+        self.uncount(self.bytes);
+    }
+
+    /// Takes `bytes` of frames no longer held out of this shard's count
+    /// and the node's.
+    fn uncount(&mut self, bytes: usize) {
+        self.bytes -= bytes;
+        self.budget.sub(bytes);
     }
 
     /// Drops frames after `keep_through`.
     pub(crate) fn truncate(&mut self, keep_through: u64) {
         while self.frames.back().is_some_and(|f| f.seqno() > keep_through) {
             let f = self.frames.pop_back().expect("checked");
-            self.bytes -= f.len();
-            self.budget.sub(f.len());
+            self.uncount(f.len());
         }
     }
 
@@ -147,7 +151,7 @@ impl TailCache {
 
 impl Drop for TailCache {
     fn drop(&mut self) {
-        self.budget.sub(self.bytes);
+        self.uncount(self.bytes);
         self.budget.shards.fetch_sub(1, Ordering::Relaxed);
     }
 }
