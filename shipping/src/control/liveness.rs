@@ -11,6 +11,12 @@
 //!   and the followers do not vouch for the leader (they would if it were
 //!   alive and shipping to them: then only the coordinator is cut off from
 //!   it, and the shard works without a failover);
+//! * a follower's silence counts only from when the leader was told it
+//!   leads (its assignment in the epoch concluded, or it reported leading):
+//!   a follower counts from when it began to follow, and at start-up it can
+//!   be assigned seconds before its leader, whose assignment queues behind
+//!   thousands; without this such shards failed over before their leader
+//!   ever started, each new epoch queueing more assignments;
 //! * a minority that cannot hear the leader changes nothing;
 //! * how long a node's silence towards the coordinator must last before it
 //!   counts adapts to how late its heartbeats have recently arrived
@@ -88,9 +94,22 @@ pub struct FollowerReport {
 
 /// A majority of the replica set (`replicas` replicas, the leader one of
 /// them) cannot hear the leader: followers heard recently, following it,
-/// silent past `silence_ms`.
-pub fn majority_cannot_hear_leader(followers: &[FollowerReport], replicas: usize, silence_ms: u64) -> bool {
-    let unheard = followers.iter().filter(|f| f.recent && f.follows_leader && f.leader_silent_ms > silence_ms).count();
+/// silent past `silence_ms`. A follower's silence counts at most from when
+/// the leader was told it leads, `leader_told_ms` ago (none: not told yet,
+/// so nobody could have heard it and its silence proves nothing; the
+/// leader's own silence towards the coordinator still counts, see
+/// [`leader_silence_means_lost`]).
+pub fn majority_cannot_hear_leader(
+    followers: &[FollowerReport],
+    replicas: usize,
+    silence_ms: u64,
+    leader_told_ms: Option<u64>,
+) -> bool {
+    let Some(told_ms) = leader_told_ms else { return false };
+    let unheard = followers
+        .iter()
+        .filter(|f| f.recent && f.follows_leader && f.leader_silent_ms.min(told_ms) > silence_ms)
+        .count();
     is_majority(unheard, replicas)
 }
 
@@ -153,6 +172,8 @@ mod tests {
     }
 
     const SILENCE: u64 = 1_000;
+    /// The leader was told it leads long ago.
+    const TOLD: Option<u64> = Some(60_000);
 
     fn report(fresh: bool, follows_leader: bool, leader_silent_ms: u64) -> FollowerReport {
         FollowerReport { fresh, recent: fresh, follows_leader, leader_silent_ms }
@@ -161,23 +182,43 @@ mod tests {
     #[test]
     fn both_followers_cut_from_the_leader_is_a_majority_that_cannot_hear_it() {
         let cut = [report(true, true, 1_500), report(true, true, 1_200)];
-        assert!(majority_cannot_hear_leader(&cut, 3, SILENCE));
+        assert!(majority_cannot_hear_leader(&cut, 3, SILENCE, TOLD));
     }
 
     #[test]
     fn one_follower_cut_from_the_leader_changes_nothing() {
-        assert!(!majority_cannot_hear_leader(&[report(true, true, 5_000), report(true, true, 50)], 3, SILENCE));
+        assert!(!majority_cannot_hear_leader(&[report(true, true, 5_000), report(true, true, 50)], 3, SILENCE, TOLD));
         // In five replicas, two followers are still a minority.
         let five =
             [report(true, true, 5_000), report(true, true, 5_000), report(true, true, 10), report(true, true, 10)];
-        assert!(!majority_cannot_hear_leader(&five, 5, SILENCE));
+        assert!(!majority_cannot_hear_leader(&five, 5, SILENCE, TOLD));
     }
 
     #[test]
     fn stale_reports_and_followers_of_another_leader_do_not_count() {
         let stale = FollowerReport { fresh: false, recent: false, follows_leader: true, leader_silent_ms: 9_000 };
-        assert!(!majority_cannot_hear_leader(&[stale, report(true, true, 9_000)], 3, SILENCE));
-        assert!(!majority_cannot_hear_leader(&[report(true, false, 9_000), report(true, true, 9_000)], 3, SILENCE));
+        assert!(!majority_cannot_hear_leader(&[stale, report(true, true, 9_000)], 3, SILENCE, TOLD));
+        assert!(!majority_cannot_hear_leader(
+            &[report(true, false, 9_000), report(true, true, 9_000)],
+            3,
+            SILENCE,
+            TOLD
+        ));
+    }
+
+    #[test]
+    fn followers_silence_counts_only_from_when_the_leader_was_told() {
+        // Both followers began to follow long ago; the leader's assignment
+        // is still queued: nobody could hear it yet.
+        let waiting = [report(true, true, 5_000), report(true, true, 5_000)];
+        assert!(!majority_cannot_hear_leader(&waiting, 3, SILENCE, None));
+        // Told 300 ms ago: 300 ms of silence at most.
+        assert!(!majority_cannot_hear_leader(&waiting, 3, SILENCE, Some(300)));
+        // Told past the silence bound and still unheard: cut off.
+        assert!(majority_cannot_hear_leader(&waiting, 3, SILENCE, Some(SILENCE + 1)));
+        // A follower that heard it since is not silent however long ago it was told.
+        let heard = [report(true, true, 5_000), report(true, true, 20)];
+        assert!(!majority_cannot_hear_leader(&heard, 3, SILENCE, Some(9_000)));
     }
 
     #[test]

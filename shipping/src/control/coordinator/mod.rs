@@ -359,6 +359,9 @@ pub struct Coordinator {
     assigning: Mutex<std::collections::BTreeSet<(NodeId, u32)>>,
     /// Reconcile assignments in flight at once (`reconcile::ASSIGNMENTS_AT_ONCE`).
     assign_slots: tokio::sync::Semaphore,
+    /// When each shard's leader was told it leads, and in which epoch: its
+    /// followers' silence counts from then (`control/liveness.rs`).
+    leader_told: Mutex<std::collections::HashMap<u32, (u64, Instant)>>,
 }
 
 /// Mints a PeerExchange fetch token: `(task id, shard, time to live)`.
@@ -470,6 +473,7 @@ impl Coordinator {
             failover_slots: tokio::sync::Semaphore::new(reconcile::BULK_FAILOVERS_AT_ONCE),
             assigning: Mutex::default(),
             assign_slots: tokio::sync::Semaphore::new(reconcile::ASSIGNMENTS_AT_ONCE),
+            leader_told: Mutex::default(),
             started: Instant::now(),
             waiting_logged: Mutex::new(Default::default()),
             fetch_tokens: Default::default(),

@@ -161,8 +161,10 @@ impl Coordinator {
             let unhealthy = self.leader_unhealthy(shard, record, timeout);
             let reports = self.follower_reports(shard, record, timeout);
             let silence = self.config.replication.replication_timeout().as_millis() as u64;
-            let unheard = record.leader.is_some()
-                && liveness::majority_cannot_hear_leader(&reports, record.replicas.len(), silence);
+            let unheard = record.leader.is_some_and(|leader| {
+                let told = self.leader_told_ms(shard, record.epoch, leader);
+                liveness::majority_cannot_hear_leader(&reports, record.replicas.len(), silence, told)
+            });
             let lost = unhealthy.is_some()
                 || unheard
                 || match record.leader {
@@ -393,6 +395,33 @@ impl Coordinator {
             .collect()
     }
 
+    /// Milliseconds since `leader` was told it leads `shard` in `epoch`: its
+    /// assignment in that epoch concluded (answered, refused or failed), or
+    /// it reported leading in it (a coordinator that took over assigns
+    /// nothing to a leader already leading). None: not yet.
+    fn leader_told_ms(&self, shard: u32, epoch: u64, leader: NodeId) -> Option<u64> {
+        let mut told = self.leader_told.lock();
+        if let Some((e, at)) = told.get(&shard)
+            && *e == epoch
+        {
+            return Some(at.elapsed().as_millis() as u64);
+        }
+        let leading = self.heartbeat(leader, shard).is_some_and(|hb| hb.epoch == epoch && hb.is_leader);
+        leading.then(|| {
+            told.insert(shard, (epoch, Instant::now()));
+            0
+        })
+    }
+
+    /// Notes that the leader of `shard` was told it leads in `epoch` (see
+    /// [`Coordinator::leader_told_ms`]); the first time counts.
+    fn note_leader_told(&self, shard: u32, epoch: u64) {
+        let mut told = self.leader_told.lock();
+        if told.get(&shard).is_none_or(|(e, _)| *e != epoch) {
+            told.insert(shard, (epoch, Instant::now()));
+        }
+    }
+
     pub(super) async fn assign(&self, shard: u32, record: &ShardRecord, leader: NodeId, replica: NodeId) -> bool {
         self.assign_call(shard, record, leader, replica).await.is_some()
     }
@@ -426,6 +455,9 @@ impl Coordinator {
             }
         };
         self.metrics.assigns.with_label_values(&[if answer.is_some() { "ok" } else { "error" }]).inc();
+        if replica == leader {
+            self.note_leader_told(shard, record.epoch);
+        }
         answer
     }
 }
