@@ -864,3 +864,58 @@ async fn bad_shipping_requests_are_refused_precisely_and_change_nothing() {
         assert_eq!(record.payload, Bytes::from(format!("after-{}", i + 1)), "the leader's record, not a forged one");
     }
 }
+
+/// A `ShipSegments` stream opened with `walship-inline-refusals: 1` (what
+/// leaders open) answers a refused push in its place, with the status
+/// `ShipSegment` would have returned in `refusal_code`, `refusal_message`
+/// and `refusal_metadata`, and goes on with the next push: one shard's
+/// refusal fails no other push on the stream. Without the metadata the
+/// first refusal ends the stream, as the contract says.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_stream_with_refusals_in_place_answers_each_refusal_and_goes_on() {
+    let mut cluster = Cluster::start(3, 2, "");
+    let follower_grpc = cluster.node(FOLLOWER).grpc.clone();
+    let before = positions(&mut cluster, FOLLOWER).await;
+    let stale = ShipSegmentRequest { epoch: EPOCH - 1, ..ship_of(&fake_segment(SHARD, 1, 2), 0) };
+    let unknown = with_id(ship_of(&fake_segment(999, 1, 1), 0), 999, 1);
+    // A keepalive from the shard's leader in its epoch: nothing to apply.
+    let keepalive = ShipSegmentRequest {
+        id: Some(WalSegmentId { region_id: LEADER, shard_id: SHARD, seqno: 0 }),
+        epoch: EPOCH,
+        leader_node_id: LEADER,
+        ..Default::default()
+    };
+
+    let mut client = shipping_client(connect(&follower_grpc).await);
+    let mut call = tonic::Request::new(tokio_stream::iter(vec![stale.clone(), unknown, keepalive]));
+    call.metadata_mut().insert("walship-inline-refusals", tonic::metadata::MetadataValue::from_static("1"));
+    let mut answers = tokio::time::timeout(CALL_TIMEOUT, client.ship_segments(call))
+        .await
+        .expect("ShipSegments opened in time")
+        .expect("ShipSegments opened")
+        .into_inner();
+    let mut next = async || {
+        tokio::time::timeout(CALL_TIMEOUT, answers.message()).await.expect("answer in time").expect("no stream error")
+    };
+    let first = next().await.expect("an answer for the stale push");
+    assert!(!first.accepted, "{first:?}");
+    assert_eq!(first.refusal_code, Code::FailedPrecondition as u32, "{first:?}");
+    assert!(first.refusal_message.contains("older than epoch"), "{first:?}");
+    assert_eq!(first.refusal_metadata.get(EPOCH_METADATA_KEY).map(String::as_str), Some("1"), "{first:?}");
+    assert_eq!(first.refusal_metadata.get("walship-refused").map(String::as_str), Some("1"), "{first:?}");
+    let second = next().await.expect("an answer for the unknown shard");
+    assert_eq!(second.refusal_code, Code::NotFound as u32, "{second:?}");
+    assert!(second.refusal_message.contains("999"), "{second:?}");
+    let third = next().await.expect("an answer for the keepalive after two refusals");
+    assert!(third.accepted && third.refusal_code == 0, "the stream went on: {third:?}");
+    assert_eq!(third.epoch, EPOCH, "{third:?}");
+    assert!(next().await.is_none(), "the stream ends cleanly once the pushes end");
+
+    // Without the metadata: the first refusal ends the stream with its status.
+    let mut plain = client.ship_segments(tokio_stream::iter(vec![stale])).await.expect("opened").into_inner();
+    let ended = tokio::time::timeout(CALL_TIMEOUT, plain.message()).await.expect("in time");
+    let status = ended.expect_err("the refusal ends a stream opened without the metadata");
+    assert_eq!(status.code(), Code::FailedPrecondition, "{status:?}");
+
+    assert_eq!(positions(&mut cluster, FOLLOWER).await, before, "the refusals changed nothing on the follower");
+}

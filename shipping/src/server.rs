@@ -64,7 +64,7 @@ async fn answer_push(node: &Arc<ReplicationNode>, request: ShipSegmentRequest) -
         true => node.archive_status(shard).map_or(0, |a| a.archived_seqno),
         false => 0,
     };
-    Ok(ShipSegmentResponse { accepted: true, applied_seqno: applied, epoch, archived_seqno })
+    Ok(ShipSegmentResponse { accepted: true, applied_seqno: applied, epoch, archived_seqno, ..Default::default() })
 }
 type AnswerStream = Pin<Box<dyn Stream<Item = Result<ShipSegmentResponse, Status>> + Send>>;
 
@@ -87,6 +87,7 @@ impl WalShipping for WalShippingService {
         // Pushes being applied at once on one stream (the leaders' ship
         // windows keep far fewer in flight); past it the stream is not read.
         const IN_FLIGHT: usize = 64;
+        let inline = crate::replica::inline_refusals(request.metadata());
         let mut inbound = request.into_inner();
         let node = self.node.clone();
         let (tx, rx) = tokio::sync::mpsc::channel(IN_FLIGHT);
@@ -94,11 +95,18 @@ impl WalShipping for WalShippingService {
             let mut in_flight = futures::stream::FuturesOrdered::new();
             let mut reading = true;
             loop {
+                // The sender closed its side and every push is answered.
+                if !reading && in_flight.is_empty() {
+                    return;
+                }
                 tokio::select! {
                     next = inbound.message(), if reading && in_flight.len() < IN_FLIGHT => match next {
                         Ok(Some(request)) => {
                             let node = node.clone();
-                            in_flight.push_back(Box::pin(async move { answer_push(&node, request).await }) as Answer);
+                            in_flight.push_back(Box::pin(async move {
+                                let answer = answer_push(&node, request).await;
+                                if inline { Ok(answer.unwrap_or_else(|s| crate::replica::refusal_answer(&s))) } else { answer }
+                            }) as Answer);
                         }
                         Ok(None) => reading = false,
                         // A message that does not decode: answered after the

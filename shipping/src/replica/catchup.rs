@@ -48,6 +48,9 @@ impl ReplicationNode {
         if request.epoch > leader.epoch {
             return Err(ReplicaError::NewerRequester { epoch: leader.epoch, seen: request.epoch });
         }
+        // Reconciled with this leadership: its shippers to the follower
+        // that it refused meanwhile may push again.
+        leader.pulled.send_modify(|n| *n += 1);
         if request.from_seqno == 0 {
             return Err(ReplicaError::BadRequest("from_seqno must be >= 1".into()));
         }

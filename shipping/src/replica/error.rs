@@ -13,6 +13,7 @@
 
 use tonic::Status;
 use tonic::metadata::MetadataValue;
+use walship_proto::replication::ShipSegmentResponse;
 use walship_wal::{ShardId, WalError};
 
 use crate::NodeId;
@@ -25,6 +26,66 @@ pub const APPLIED_METADATA_KEY: &str = "walship-applied-seqno";
 /// The oldest seqno a leader still holds, on a `NeedsReseed` refusal (the
 /// follower then re-seeds from the archive up to it).
 pub const RETAINED_METADATA_KEY: &str = "walship-first-retained-seqno";
+/// On every error a replica answers with itself (a refusal, a wait, a gap):
+/// the node is up and said no for this shard, as opposed to a call that
+/// never reached it (a broken link, a timeout, a partition drill). A leader
+/// backs off from such a shard alone, without counting the node as down.
+pub const REFUSED_METADATA_KEY: &str = "walship-refused";
+
+/// Whether `status` is a replica's own answer (see [`REFUSED_METADATA_KEY`]).
+pub fn refused_by_replica(status: &Status) -> bool {
+    status.metadata().contains_key(REFUSED_METADATA_KEY)
+}
+
+/// Request metadata opening a `ShipSegments` stream whose refusals are
+/// answered in place (`refusal_code` in the answer) instead of ending it.
+pub const INLINE_REFUSALS_KEY: &str = "walship-inline-refusals";
+
+/// Whether a `ShipSegments` call asked for refusals in place.
+pub fn inline_refusals(metadata: &tonic::metadata::MetadataMap) -> bool {
+    metadata.get(INLINE_REFUSALS_KEY).is_some_and(|v| v.as_bytes() == b"1")
+}
+
+/// A refused push's status as the answer that stands in for it on a stream
+/// with refusals in place: code, message and `walship-*` metadata.
+pub fn refusal_answer(status: &Status) -> ShipSegmentResponse {
+    let refusal_metadata = status
+        .metadata()
+        .iter()
+        .filter_map(|entry| match entry {
+            tonic::metadata::KeyAndValueRef::Ascii(key, value) if key.as_str().starts_with("walship-") => {
+                Some((key.as_str().to_string(), value.to_str().ok()?.to_string()))
+            }
+            _ => None,
+        })
+        .collect();
+    ShipSegmentResponse {
+        // A refusal with code OK cannot be told from an answer: say UNKNOWN.
+        refusal_code: if status.code() == tonic::Code::Ok { tonic::Code::Unknown as u32 } else { status.code() as u32 },
+        refusal_message: status.message().to_string(),
+        refusal_metadata,
+        ..Default::default()
+    }
+}
+
+/// The status a push answered in place was refused with, if it was: what
+/// the unary `ShipSegment` would have returned (metadata that is not valid
+/// gRPC metadata is left out).
+pub fn refusal_status(answer: &ShipSegmentResponse) -> Option<Status> {
+    if answer.refusal_code == 0 {
+        return None;
+    }
+    let code = i32::try_from(answer.refusal_code).map_or(tonic::Code::Unknown, tonic::Code::from);
+    let mut status = Status::new(code, answer.refusal_message.clone());
+    for (key, value) in &answer.refusal_metadata {
+        if let (Ok(key), Ok(value)) =
+            (tonic::metadata::AsciiMetadataKey::from_bytes(key.as_bytes()), MetadataValue::try_from(value.as_str()))
+        {
+            status.metadata_mut().insert(key, value);
+        }
+    }
+    Some(status)
+}
 
 /// Why a replica refused or failed a request.
 #[derive(Debug, thiserror::Error)]
@@ -169,6 +230,19 @@ pub fn metadata_u64(status: &Status, key: &str) -> Option<u64> {
 
 impl From<ReplicaError> for Status {
     fn from(error: ReplicaError) -> Status {
+        // A partition drill looks like a broken link; a peer's status is
+        // passed on as it came.
+        let own = !matches!(error, ReplicaError::Partitioned { .. } | ReplicaError::Peer(_));
+        let mut status = status_of(error);
+        if own {
+            status.metadata_mut().insert(REFUSED_METADATA_KEY, MetadataValue::from_static("1"));
+        }
+        status
+    }
+}
+
+fn status_of(error: ReplicaError) -> Status {
+    {
         let message = error.to_string();
         match error {
             ReplicaError::UnknownShard { .. } => Status::not_found(message),
@@ -254,6 +328,58 @@ mod tests {
         let status = Status::from(cut);
         assert_eq!(status.code(), tonic::Code::Unavailable);
         assert!(status.message().starts_with("partitioned (drill)"), "{}", status.message());
+    }
+
+    #[test]
+    fn a_replicas_own_answers_are_marked_and_broken_links_are_not() {
+        let own: [ReplicaError; 4] = [
+            ReplicaError::Refused { shard: 1, node: 1, refusal: Refusal::Reconciling { epoch: Epoch(2) } },
+            ReplicaError::UnknownShard { shard: 9, node: 1 },
+            ReplicaError::Gap { shard: 1, first: 9, expected: 5, durable: 4 },
+            ReplicaError::Unavailable("busy".into()),
+        ];
+        for error in own {
+            let status = Status::from(error);
+            assert!(refused_by_replica(&status), "{status:?}");
+        }
+        let cut = Status::from(ReplicaError::Partitioned { node: 1, peer: 2 });
+        assert!(!refused_by_replica(&cut), "a partition drill is a broken link");
+        let passed_on = Status::from(ReplicaError::Peer(Status::unavailable("connection refused")));
+        assert!(!refused_by_replica(&passed_on), "a peer's transport error is not this replica's answer");
+        assert!(!refused_by_replica(&Status::unavailable("transport error")));
+    }
+
+    #[test]
+    fn a_refusal_answered_in_place_reads_back_as_the_same_status() {
+        let refusals = [
+            ReplicaError::Refused {
+                shard: 4,
+                node: 2,
+                refusal: Refusal::StaleEpoch { epoch: Epoch(3), seen: Epoch(7) },
+            },
+            ReplicaError::Refused { shard: 4, node: 2, refusal: Refusal::Reconciling { epoch: Epoch(7) } },
+            ReplicaError::Gap { shard: 1, first: 9, expected: 5, durable: 4 },
+            ReplicaError::NeedsReseed { shard: 1, from: 2, first: 40 },
+        ];
+        for error in refusals {
+            let status = Status::from(error);
+            let answer = refusal_answer(&status);
+            assert!(!answer.accepted);
+            let back = refusal_status(&answer).expect("a refusal");
+            assert_eq!((back.code(), back.message()), (status.code(), status.message()));
+            for key in [EPOCH_METADATA_KEY, APPLIED_METADATA_KEY, RETAINED_METADATA_KEY] {
+                assert_eq!(metadata_u64(&back, key), metadata_u64(&status, key), "{key}");
+            }
+            assert!(refused_by_replica(&back));
+        }
+        // An answer is no refusal; a code out of range reads as UNKNOWN.
+        assert!(refusal_status(&ShipSegmentResponse { accepted: true, ..Default::default() }).is_none());
+        let odd = ShipSegmentResponse { refusal_code: u32::MAX, ..Default::default() };
+        assert_eq!(refusal_status(&odd).unwrap().code(), tonic::Code::Unknown);
+        let mut metadata = tonic::metadata::MetadataMap::new();
+        assert!(!inline_refusals(&metadata));
+        metadata.insert(INLINE_REFUSALS_KEY, MetadataValue::from_static("1"));
+        assert!(inline_refusals(&metadata));
     }
 
     #[test]

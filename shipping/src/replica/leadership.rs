@@ -310,6 +310,7 @@ impl ReplicationNode {
             shippers: Mutex::new(BTreeMap::new()),
             quiet: Mutex::new(BTreeMap::new()),
             quiet_changed: tokio::sync::Notify::new(),
+            pulled: tokio::sync::watch::Sender::new(0),
         });
         {
             let mut rules = replica.rules.lock();

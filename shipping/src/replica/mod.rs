@@ -70,6 +70,7 @@ use tokio_util::sync::CancellationToken;
 use walship_wal::{ShardId, Wal};
 
 pub use self::error::{APPLIED_METADATA_KEY, EPOCH_METADATA_KEY, ReplicaError};
+pub(crate) use self::error::{inline_refusals, refusal_answer};
 pub use self::shard::{Members, ShardReplica};
 pub use self::status::{CorruptRangeStatus, FollowerStatus, ProducersStatus, ReceivedHeartbeat, ReplicaStatus};
 use crate::NodeId;

@@ -23,7 +23,7 @@ use walship_proto::replication::{ShipSegmentRequest, ShipSegmentResponse, WalSeg
 use walship_wal::Segment;
 use walship_wal::position as watch;
 
-use super::error::{APPLIED_METADATA_KEY, EPOCH_METADATA_KEY, metadata_u64};
+use super::error::{APPLIED_METADATA_KEY, EPOCH_METADATA_KEY, metadata_u64, refused_by_replica};
 use super::shard::{LeaderState, ShardReplica};
 use super::{ReplicationNode, now_us};
 use crate::NodeId;
@@ -43,9 +43,13 @@ pub(super) type ShipCall = (ShipSegmentRequest, tokio::sync::oneshot::Sender<Res
 
 /// Carries one follower node's `ShipSegment` pushes over one `ShipSegments`
 /// stream, each answered in order by the call that sent it, and reopens the
-/// stream on the next push after it ends (the follower restarted, or refused
-/// a segment: a refusal ends the stream and answers the push it refused,
-/// later pushes in flight fail and are shipped again).
+/// stream on the next push after it ends (the follower restarted). The
+/// stream asks for refusals in place: a refused push is answered with its
+/// status and the stream goes on. (A follower that ends the stream on a
+/// refusal instead, as the contract allows without that metadata, fails the
+/// later pushes in flight; they are shipped again. Every shard on the
+/// stream paid for one shard's refusal that way: at start-up, with
+/// thousands of replicas reconciling, some 100,000 pushes a node failed.)
 ///
 /// A peer without `ShipSegments` (an older node) answers `UNIMPLEMENTED`;
 /// from then on each push is a unary `ShipSegment`, as before the stream.
@@ -57,7 +61,9 @@ async fn run_ship_stream(
     loop {
         let Some((first, reply)) = calls.recv().await else { return };
         let (req_tx, req_rx) = tokio::sync::mpsc::channel(SHIP_STREAM_DEPTH);
-        let mut answers = match client.ship_segments(tokio_stream::wrappers::ReceiverStream::new(req_rx)).await {
+        let mut call = tonic::Request::new(tokio_stream::wrappers::ReceiverStream::new(req_rx));
+        call.metadata_mut().insert(super::error::INLINE_REFUSALS_KEY, tonic::metadata::MetadataValue::from_static("1"));
+        let mut answers = match client.ship_segments(call).await {
             Ok(r) => r.into_inner(),
             Err(status) if status.code() == tonic::Code::Unimplemented => {
                 tracing::info!(%status, "peer has no ShipSegments stream; shipping with unary ShipSegment");
@@ -87,7 +93,7 @@ async fn run_ship_stream(
                 answer = answers.message() => match answer {
                     Ok(Some(response)) => {
                         if let Some(reply) = pending.pop_front() {
-                            let _ = reply.send(Ok(response));
+                            let _ = reply.send(super::error::refusal_status(&response).map_or(Ok(response), Err));
                         }
                     }
                     Ok(None) => break Status::unavailable("the ShipSegments stream ended"),
@@ -337,7 +343,7 @@ impl ReplicationNode {
         // Boxed: a `FuturesUnordered` keeps a task slot the size of its
         // future for as long as it lives, and a call's future is kilobytes;
         // thousands of idle shippers (one per shard and follower) held it.
-        let mut in_flight: FuturesUnordered<BoxFuture<'static, (u64, (ShipReply, Seqno))>> = FuturesUnordered::new();
+        let mut in_flight: FuturesUnordered<BoxFuture<'static, (u64, Shipped)>> = FuturesUnordered::new();
         let batch_bytes = self.config.replication.ship_batch_bytes;
         // The commit the follower was last told in a request it answered:
         // a follower may go quiet only once it knows the commit.
@@ -345,10 +351,13 @@ impl ReplicationNode {
         // Quiet towards this follower: the link standing in for keepalives
         // and the notify it wakes this shipper with.
         let mut quiet: Option<(Arc<super::quiet::QuietLink>, Arc<tokio::sync::Notify>)> = None;
-        // Calls failed in a row, and when the last one failed.
-        let (mut failures, mut last_failure_us) = (0u32, 0u64);
+        // Calls failed in a row, and when the last one failed; `refused`:
+        // the last failure was the follower's own answer (this shard only:
+        // it is reconciling, say), not a call that never reached it.
+        let (mut failures, mut last_failure_us, mut refused) = (0u32, 0u64, false);
         let peer = self.peer_probe(follower);
         let mut peer_back = peer.back.subscribe();
+        let mut pulled = leader.pulled.subscribe();
         loop {
             if let Some(written) = written.as_mut() {
                 let wrote = *written.borrow_and_update();
@@ -426,19 +435,29 @@ impl ReplicationNode {
             let keepalive = Duration::from_micros(due.saturating_sub(now_us()).max(1_000));
             let woken = quiet.as_ref().map(|(_, wake)| wake.clone());
             tokio::select! {
-                Some((sent, (reply, commit))) = in_flight.next(), if !in_flight.is_empty() => {
+                Some((sent, Shipped { reply, commit, answered })) = in_flight.next(), if !in_flight.is_empty() => {
                     if matches!(reply, ShipReply::Failed) {
                         self.metrics.ship_errors.with_label_values(&[&follower.to_string()]).inc();
                         failures += 1;
                         last_failure_us = now_us();
-                        peer.failed();
+                        refused = answered;
+                        // A refusal is this shard's alone: the node is up.
+                        // Counted against the node, thousands of shards
+                        // refused while their followers reconcile at start
+                        // made it "down", and each catch-up pulled (which
+                        // says it is up) woke them all to be refused again.
+                        if answered {
+                            peer.answered();
+                        } else {
+                            peer.failed();
+                        }
                     } else {
-                        if failures > PROBE_FAILURES_BEFORE_BACKOFF || peer.down() {
+                        if (failures > PROBE_FAILURES_BEFORE_BACKOFF && !refused) || peer.down() {
                             // Back: every shard backing off from it probes now.
                             self.peer_alive(follower);
                         }
                         peer.answered();
-                        failures = 0;
+                        (failures, refused) = (0, false);
                     }
                     if matches!(reply, ShipReply::Applied { .. }) {
                         told_commit = told_commit.max(commit);
@@ -457,7 +476,10 @@ impl ReplicationNode {
                 changed = ship_limit.changed() => if changed.is_err() { break },
                 open = changed_if_watched(written.as_mut()), if in_flight.is_empty() => if !open { break },
                 _ = tokio::time::sleep(keepalive), if woken.is_none() && in_flight.is_empty() => {}
-                _ = peer_back.changed(), if backing_off => failures = 0,
+                _ = peer_back.changed(), if backing_off && !refused => failures = 0,
+                // The follower reconciled with this leadership: it takes
+                // pushes again.
+                _ = pulled.changed(), if backing_off && refused => failures = 0,
                 _ = async { woken.as_ref().expect("quiet").notified().await }, if woken.is_some() => {}
                 _ = stop.cancelled() => break,
             }
@@ -535,7 +557,7 @@ impl ReplicationNode {
         leader: &LeaderState,
         follower: NodeId,
         segment: Option<Segment>,
-    ) -> impl std::future::Future<Output = (ShipReply, Seqno)> + use<> {
+    ) -> impl std::future::Future<Output = Shipped> + use<> {
         let (durable, written, commit) = {
             let core = leader.core.lock();
             (core.durable(), core.written(), core.commit())
@@ -589,7 +611,7 @@ impl ReplicationNode {
         let timeout = Duration::from_millis(self.config.replication.ship_timeout_ms);
         let (contact, sent_us) = (self.contact.clone(), now_us());
         let reply = async move {
-            let Some(stream) = stream else { return ShipReply::Failed };
+            let Some(stream) = stream else { return (ShipReply::Failed, false) };
             let call = async move {
                 let (reply, answer) = tokio::sync::oneshot::channel();
                 stream.send((request, reply)).await.ok()?;
@@ -597,14 +619,20 @@ impl ReplicationNode {
             };
             // A push not answered in time fails; its answer, if it comes
             // later, goes nowhere.
-            let Ok(Some(outcome)) = tokio::time::timeout(timeout, call).await else { return ShipReply::Failed };
+            let Ok(Some(outcome)) = tokio::time::timeout(timeout, call).await else {
+                return (ShipReply::Failed, false);
+            };
             if partition.blocks(follower) {
-                return ShipReply::Failed;
+                return (ShipReply::Failed, false);
             }
             if super::contact::is_answer(&outcome) {
                 contact.answered(follower, sent_us);
             }
-            match outcome {
+            let answered = match &outcome {
+                Ok(_) => true,
+                Err(status) => refused_by_replica(status),
+            };
+            let reply = match outcome {
                 Ok(r) if r.accepted => {
                     // The archiving follower's progress, for retention and
                     // the status (the store only grows, so the newest holds).
@@ -628,10 +656,23 @@ impl ReplicationNode {
                         }
                     }
                 }
-            }
+            };
+            (reply, answered)
         };
-        async move { (reply.await, commit) }
+        async move {
+            let (reply, answered) = reply.await;
+            Shipped { reply, commit, answered }
+        }
     }
+}
+
+/// What one ship call came to: the reply for the core, the commit the
+/// request told, and whether the follower answered it itself (an answer or
+/// its own refusal) rather than the call failing on the way.
+struct Shipped {
+    reply: ShipReply,
+    commit: Seqno,
+    answered: bool,
 }
 
 /// A ship call's reply with when its request was sent (what a reply proves
@@ -667,7 +708,13 @@ mod ship_stream_tests {
             request: Request<ShipSegmentRequest>,
         ) -> Result<Response<ShipSegmentResponse>, Status> {
             let seqno = request.get_ref().id.unwrap_or_default().seqno;
-            Ok(Response::new(ShipSegmentResponse { accepted: true, applied_seqno: seqno, epoch: 1, archived_seqno: 0 }))
+            Ok(Response::new(ShipSegmentResponse {
+                accepted: true,
+                applied_seqno: seqno,
+                epoch: 1,
+                archived_seqno: 0,
+                ..Default::default()
+            }))
         }
         type ShipSegmentsStream = Answers;
         async fn ship_segments(

@@ -52,6 +52,10 @@ pub(crate) struct LeaderState {
     /// Fires when a follower stops being quiet: the lease watch then
     /// judges the lease by the core again.
     pub(crate) quiet_changed: tokio::sync::Notify,
+    /// Bumped when a follower pulls a catch-up stream from this leadership
+    /// (it has reconciled its log with it): shippers that follower refused
+    /// meanwhile retry at once instead of waiting out their backoff.
+    pub(crate) pulled: tokio::sync::watch::Sender<u64>,
 }
 
 /// What the follower side keeps between shipments.
