@@ -585,7 +585,9 @@ impl EngineStore {
     /// `None` for a frame that fails, so damage is reported per record and
     /// the intact records of a damaged chunk stay readable, as with one
     /// entry per record. `None` overall when the chunk's bytes cannot be
-    /// found (its header or the file's metadata is damaged too).
+    /// found (its header or the file's metadata is damaged too), or are
+    /// found more than once (which copy raft-engine wrote last cannot be
+    /// told from the bytes: the whole chunk is then reported damaged).
     fn salvage(&self, shard: ShardId, index: u64) -> Option<Vec<Option<Frame>>> {
         let (chunk, (first, last)) = {
             let shards = self.shards.lock();
@@ -604,7 +606,16 @@ impl EngineStore {
         .encode();
         let file = self.locate(shard, first)?;
         let bytes = std::fs::read(file).ok()?;
-        let at = bytes.windows(header.len()).rposition(|w| w == header)? + header.len();
+        // Only a chunk found once: another copy with the same header may be
+        // a previous life's (a recycled log file keeps its old bytes past
+        // the end of its new ones; a tail truncated and rewritten in a new
+        // epoch leaves its old chunk before the new), and salvaging it
+        // would serve records that are not the log's.
+        let mut copies = bytes.windows(header.len()).enumerate().filter(|(_, w)| *w == header).map(|(at, _)| at);
+        let at = copies.next()? + header.len();
+        if copies.next().is_some() {
+            return None;
+        }
         let mut rest = bytes::Bytes::copy_from_slice(&bytes[at..(at + chunk.bytes as usize).min(bytes.len())]);
         let mut frames = Vec::with_capacity(header.len());
         for seqno in first..=last {
