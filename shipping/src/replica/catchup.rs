@@ -167,6 +167,13 @@ impl ReplicationNode {
                         replica.follower.rebuild_tiers.store(Tiers::ALL.0, Ordering::Release);
                         break;
                     }
+                    // The leader's first shipment in the epoch (a push or a
+                    // keepalive to a replica not reconciled with it) starts
+                    // the catch-up again; a failover assigns a new leader.
+                    Err(error) if error.leader_not_leading() => {
+                        tracing::debug!(shard = replica.shard, %error, "catch-up waits for the leader to lead");
+                        break;
+                    }
                     Err(error) => {
                         tracing::debug!(shard = replica.shard, %error, "catch-up attempt failed; retrying");
                         tokio::select! {

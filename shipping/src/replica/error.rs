@@ -198,6 +198,16 @@ impl ReplicaError {
         })
     }
 
+    /// Whether this is the leader of a catch-up saying it does not lead the
+    /// shard in the follower's epoch (not yet: its own assignment is still
+    /// on the way; or no longer): the follower's catch-up then waits for
+    /// the leader's first shipment, which restarts it, rather than asking
+    /// again and again while thousands of leaders start.
+    pub fn leader_not_leading(&self) -> bool {
+        matches!(self, ReplicaError::Peer(status)
+            if status.code() == tonic::Code::FailedPrecondition && refused_by_replica(status))
+    }
+
     /// Whether the same request may succeed if sent again later.
     pub fn retryable(&self) -> bool {
         match self {
@@ -344,6 +354,11 @@ mod tests {
         }
         let cut = Status::from(ReplicaError::Partitioned { node: 1, peer: 2 });
         assert!(!refused_by_replica(&cut), "a partition drill is a broken link");
+        // A catch-up's leader that does not lead (yet), as the follower sees it.
+        let not_leading = Status::from(ReplicaError::NotLeader { shard: 1, node: 2, hint: "unknown".into() });
+        assert!(ReplicaError::Peer(not_leading).leader_not_leading());
+        assert!(!ReplicaError::Peer(cut).leader_not_leading(), "a broken link is retried");
+        assert!(!ReplicaError::Peer(Status::failed_precondition("from a proxy")).leader_not_leading());
         let passed_on = Status::from(ReplicaError::Peer(Status::unavailable("connection refused")));
         assert!(!refused_by_replica(&passed_on), "a peer's transport error is not this replica's answer");
         assert!(!refused_by_replica(&Status::unavailable("transport error")));
