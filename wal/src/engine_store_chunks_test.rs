@@ -278,6 +278,43 @@ fn damage_inside_a_chunk_names_the_chunk_and_a_truncation_repairs_it() {
     assert_eq!(all(&open(dir.path(), DEFAULT_CHUNK_BYTES), 1), frames(1, 70, 100));
 }
 
+/// A damaged chunk is salvaged only from a copy found once: a log file may
+/// hold another copy with the same header past its end (a recycled file
+/// keeps its previous life's bytes; a truncated tail leaves its old
+/// chunk), and which one raft-engine wrote last cannot be told from the
+/// bytes. With two, the whole chunk is reported damaged; the old copy's
+/// records (another epoch here) are never served.
+#[test]
+fn a_damaged_chunk_found_twice_is_reported_whole_never_served_from_the_other_copy() {
+    let dir = tempfile::tempdir().unwrap();
+    let store = open(dir.path(), DEFAULT_CHUNK_BYTES);
+    store.create_shard(1).unwrap();
+    for (from, to) in [(1, 20), (21, 40), (41, 60)] {
+        append(&store, 1, frames(from, to, 100));
+    }
+    // A previous life's copy of chunk [21, 40] past the end of the file:
+    // the same header (shard, first seqno, count, length), records of
+    // epoch 9.
+    let old: Vec<Frame> = (21..=40).map(|s| frame(s, 9, 100)).collect();
+    let stale = Segment::encode(1, old.clone()).unwrap();
+    let (_, file) = log_files(dir.path(), ".raftlog").pop().expect("a log file");
+    let mut file_bytes = std::fs::read(&file).unwrap();
+    file_bytes.extend_from_slice(stale.encoded());
+    // The live copy of record 30 damaged (the stale copy differs in its
+    // epoch, so `flip`'s payload pattern finds both: damage the first).
+    let live = frame(30, 1, 100);
+    let pattern = &live.as_bytes()[..];
+    let at = file_bytes.windows(pattern.len()).position(|w| w == pattern).expect("the live copy");
+    file_bytes[at + pattern.len() - 10] ^= 0x5a;
+    std::fs::write(&file, &file_bytes).unwrap();
+
+    let err = store.read(1, 25, 35, usize::MAX).unwrap_err();
+    assert_eq!(err.corrupt_range(), Some((1, 21, 40)), "the whole chunk, not epoch 9's records: {err}");
+    // The chunks around it are intact.
+    assert_eq!(store.read(1, 1, 20, usize::MAX).unwrap(), frames(1, 20, 100));
+    assert_eq!(store.read(1, 41, 60, usize::MAX).unwrap(), frames(41, 60, 100));
+}
+
 /// Extracts a WAL directory produced by an earlier release (a
 /// `tar.gz` under `tests/fixtures`) into a fresh directory.
 fn legacy_fixture(name: &str) -> tempfile::TempDir {
