@@ -118,6 +118,14 @@ pub struct WalTuning {
     /// reading one record reads its chunk. 1 KiB to 16 MiB; default 64 KiB.
     /// See `walship_wal::chunk`.
     pub chunk_bytes: u64,
+    /// Bytes of the written shards' unsealed tails (their small chunks not
+    /// yet merged) kept in memory for the node, so a merge rewrites them
+    /// without reading them back from the log. Memory against CPU: many
+    /// shards appended to at once (1,000 at 100 B) need about 32 KiB each
+    /// to read nothing back, and past the budget a merge reads the tail
+    /// back (up to 7 % of a node's CPU there). 0 ..= 4 GiB; default 16 MiB.
+    /// See `docs/storage.md`, "Memory".
+    pub tail_frames_bytes: u64,
     /// Read rate of the background WAL scrubber, which reads and verifies
     /// every shard's retained log, in record bytes per second; 0 disables
     /// it. See `walship_wal::corruption` for the default (8 MiB/s).
@@ -152,6 +160,7 @@ impl Default for WalTuning {
             prefill: true,
             spare_bytes: walship_wal::DEFAULT_SPARE_BYTES,
             chunk_bytes: store.chunk_bytes,
+            tail_frames_bytes: store.tail_frames_bytes as u64,
             scrub_bytes_per_s: wal.scrub_bytes_per_s,
             scrub_interval_s: wal.scrub_interval.as_secs(),
             min_free_bytes: walship_wal::disk_space::DEFAULT_MIN_FREE_BYTES,
@@ -188,6 +197,9 @@ impl NodeConfig {
         }
         if !(1 << 10..=16 << 20).contains(&self.wal.chunk_bytes) {
             bail!("wal.chunk_bytes must be between 1024 and 16777216 (16 MiB), got {}", self.wal.chunk_bytes);
+        }
+        if self.wal.tail_frames_bytes > 4 << 30 {
+            bail!("wal.tail_frames_bytes must be at most 4294967296 (4 GiB), got {}", self.wal.tail_frames_bytes);
         }
         if !(64 << 10..=1 << 30).contains(&self.wal.producer_snapshot_bytes) {
             bail!("wal.producer_snapshot_bytes must be within 64 KiB ..= 1 GiB");
@@ -233,6 +245,18 @@ mod tests {
         let text = include_str!("../ops/node.example.toml");
         let config: NodeConfig = toml::from_str(text).unwrap();
         config.validate(false).unwrap();
+    }
+
+    #[test]
+    fn a_tail_frames_budget_past_4_gib_is_refused() {
+        let config = |bytes: u64| {
+            let text = format!("node_id = 1\ndata_dir = \"x\"\nshards = [1]\n[wal]\ntail_frames_bytes = {bytes}\n");
+            toml::from_str::<NodeConfig>(&text).unwrap().validate(false)
+        };
+        let err = config((4 << 30) + 1).unwrap_err().to_string();
+        assert!(err.contains("wal.tail_frames_bytes") && err.contains("4294967297"), "{err}");
+        config(0).unwrap();
+        config(4 << 30).unwrap();
     }
 
     #[test]

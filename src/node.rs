@@ -290,6 +290,7 @@ pub async fn start_node(config: NodeConfig, cluster: Option<ClusterConfig>, dril
         prefill: config.wal.prefill,
         spare_bytes: config.wal.spare_bytes,
         chunk_bytes: config.wal.chunk_bytes,
+        tail_frames_bytes: config.wal.tail_frames_bytes as usize,
         ..EngineStoreConfig::default()
     };
     // Measured before the store opens: opening may lay out spare files of

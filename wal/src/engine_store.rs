@@ -304,6 +304,10 @@ pub struct EngineStore {
     dir: PathBuf,
     chunk_bytes: usize,
     tail_frames: TailFrames,
+    /// Shards appended to without a sync since the last synced append:
+    /// the ones whose `durable_seqno` a sync raises. (Every shard was
+    /// walked on every sync: 10,000 map entries per group commit.)
+    unsynced: Mutex<std::collections::BTreeSet<ShardId>>,
     /// What the tail check at open found damaged.
     startup_damage: Vec<StartupDamage>,
     /// What raft-engine's recovery truncated, classified.
@@ -449,6 +453,7 @@ impl EngineStore {
             dir: dir.to_path_buf(),
             chunk_bytes: config.chunk_bytes.clamp(1, u64::from(u32::MAX)) as usize,
             tail_frames: TailFrames { used: AtomicUsize::new(0), limit: config.tail_frames_bytes },
+            unsynced: Mutex::new(Default::default()),
             startup_damage: Vec::new(),
             recovery,
         };
@@ -891,12 +896,21 @@ impl LogStore for EngineStore {
         }
         self.write(&mut batch, sync)?;
         let mut shards = self.shards.lock();
+        let mut unsynced = self.unsynced.lock();
+        let synced = if sync { std::mem::take(&mut *unsynced) } else { Default::default() };
         for plan in plans {
-            let state = shards.get_mut(&plan.shard).expect("validated");
+            let shard = plan.shard;
+            let state = shards.get_mut(&shard).expect("validated");
             self.apply(state, plan);
+            if sync {
+                state.bounds.durable_seqno = state.bounds.last_seqno;
+            } else {
+                unsynced.insert(shard);
+            }
         }
-        if sync {
-            for state in shards.values_mut() {
+        // A sync makes what earlier unsynced appends wrote durable too.
+        for shard in synced {
+            if let Some(state) = shards.get_mut(&shard) {
                 state.bounds.durable_seqno = state.bounds.last_seqno;
             }
         }

@@ -231,3 +231,25 @@ fn a_shard_can_start_past_seqno_one_and_keeps_its_start_across_a_reopen() {
     append(&store, 5, 111, 111);
     assert_eq!(store.bounds(5).unwrap().last_seqno, 111);
 }
+
+/// An append without a sync leaves its shard's records written, not
+/// durable; the next synced append, to any shard, makes them durable, and
+/// only the shards written since are touched (a sync no longer walks every
+/// shard).
+#[test]
+fn a_sync_makes_every_shard_appended_without_one_durable() {
+    let dir = tempfile::tempdir().unwrap();
+    let store = EngineStore::open(dir.path(), &Default::default()).unwrap();
+    for shard in [1, 2, 3] {
+        store.create_shard(shard).unwrap();
+    }
+    store.append(&[ShardAppend { shard: 1, frames: vec![frame(1), frame(2)] }], false).unwrap();
+    store.append(&[ShardAppend { shard: 2, frames: vec![frame(1)] }], false).unwrap();
+    let durable = |shard| store.bounds(shard).map(|b| (b.last_seqno, b.durable_seqno)).unwrap();
+    assert_eq!((durable(1), durable(2)), ((2, 0), (1, 0)), "written, not durable");
+    store.append(&[ShardAppend { shard: 3, frames: vec![frame(1)] }], true).unwrap();
+    assert_eq!((durable(1), durable(2), durable(3)), ((2, 2), (1, 1), (1, 1)), "one sync covers them all");
+    store.append(&[ShardAppend { shard: 1, frames: vec![frame(3)] }], false).unwrap();
+    store.append(&[ShardAppend { shard: 1, frames: vec![frame(4)] }], true).unwrap();
+    assert_eq!(durable(1), (4, 4));
+}
