@@ -227,6 +227,10 @@ impl ReplicationNode {
     pub(super) async fn run_leader_driver(self: Arc<Self>, replica: Arc<ShardReplica>, leader: Arc<LeaderState>) {
         let Ok(mut durable) = self.wal.durable_watch(replica.shard) else { return };
         let mut flushing = if self.early_shipping() { self.wal.flushing_watch(replica.shard).ok() } else { None };
+        // Made once: a cancellation future made anew on every wake-up locks
+        // the token's node to look at it (per commit of every shard).
+        let stopped = leader.stop.cancelled();
+        tokio::pin!(stopped);
         loop {
             let committing = flushing.as_mut().map(|f| *f.borrow_and_update());
             let seqno = *durable.borrow_and_update();
@@ -245,7 +249,7 @@ impl ReplicationNode {
             tokio::select! {
                 changed = durable.changed() => if changed.is_err() { return },
                 open = changed_if_watched(flushing.as_mut()) => if !open { return },
-                _ = leader.stop.cancelled() => return,
+                _ = &mut stopped => return,
             }
         }
     }
@@ -270,6 +274,8 @@ impl ReplicationNode {
     pub(super) async fn run_lease_watch(self: Arc<Self>, replica: Arc<ShardReplica>, leader: Arc<LeaderState>) {
         let grace = self.config.replication.replication_timeout().as_micros() as u64;
         let mut lease = replica.lease_until.subscribe();
+        let stopped = leader.stop.cancelled();
+        tokio::pin!(stopped);
         loop {
             // Quiet followers: their links' contact counts first.
             self.fold_quiet(&replica, &leader);
@@ -304,11 +310,15 @@ impl ReplicationNode {
             } else {
                 Duration::from_micros(step_down_at.saturating_sub(now))
             };
+            // A renewal matters only to a watch with no deadline: one with
+            // a deadline looks at the lease again when it comes (every
+            // reply renews the lease, and woke this watch: thousands of
+            // wake-ups a second over many busy shards).
             tokio::select! {
                 _ = tokio::time::sleep(wait.min(Duration::from_secs(3600))), if wait != Duration::MAX => {}
-                changed = lease.changed() => if changed.is_err() { return },
+                changed = lease.changed(), if wait == Duration::MAX => if changed.is_err() { return },
                 _ = leader.quiet_changed.notified() => {}
-                _ = leader.stop.cancelled() => return,
+                _ = &mut stopped => return,
             }
         }
         if leader.stop.is_cancelled() {
@@ -358,6 +368,8 @@ impl ReplicationNode {
         let peer = self.peer_probe(follower);
         let mut peer_back = peer.back.subscribe();
         let mut pulled = leader.pulled.subscribe();
+        let stopped = stop.cancelled();
+        tokio::pin!(stopped);
         loop {
             if let Some(written) = written.as_mut() {
                 let wrote = *written.borrow_and_update();
@@ -481,7 +493,7 @@ impl ReplicationNode {
                 // pushes again.
                 _ = pulled.changed(), if backing_off && refused => failures = 0,
                 _ = async { woken.as_ref().expect("quiet").notified().await }, if woken.is_some() => {}
-                _ = stop.cancelled() => break,
+                _ = &mut stopped => break,
             }
         }
         if let Some((link, _)) = quiet.take() {

@@ -14,7 +14,7 @@ use serde::{Deserialize, Serialize};
 use walship_proto::replication::HeartbeatRequest;
 use walship_wal::ShardId;
 
-use super::silence::LastBuild;
+use super::silence::{LastBuild, Standing};
 use super::{ReplicaError, ReplicationNode, now_us};
 use crate::NodeId;
 use crate::core::leader::{FollowerProgress, Lag};
@@ -297,6 +297,27 @@ impl ReplicationNode {
                     continue;
                 }
                 let quiet = self.is_quiet(&replica);
+                let view = replica.view();
+                let corrupt_from = self.corrupt_from(replica.shard);
+                let disk_full = self.disk_full();
+                let standing = Standing {
+                    role: view.role,
+                    epoch: view.epoch.0,
+                    needs_new_epoch: replica.needs_new_epoch(),
+                    disk_full,
+                    corrupt_from,
+                    quiet,
+                };
+                // Appends moved it and nothing else: its positions wait for
+                // the next report (it stays unsettled, so it is looked at
+                // again next tick).
+                if !full
+                    && builds.get(&replica.shard).is_some_and(|b| {
+                        b.only_progress_since(standing, long_silence_ms, || self.silences(&replica, now_us()))
+                    })
+                {
+                    continue;
+                }
                 let (Ok(p), Ok(c)) = (self.wal.positions(replica.shard), self.wal.counters(replica.shard)) else {
                     continue;
                 };
@@ -310,14 +331,13 @@ impl ReplicationNode {
                 let elapsed = now.duration_since(at).as_secs_f64();
                 let rate = if elapsed > 0.0 { (c.records - prev) as f64 / elapsed } else { 0.0 };
                 node_rate += rate;
-                let view = replica.view();
                 let last_epoch = self.log_rank_epoch(replica.shard, &p).await.unwrap_or(0);
                 let producers = self.wal.producer_stats(replica.shard, positions_us).ok();
                 let mut lag_records = std::collections::BTreeMap::new();
                 let mut lag_bytes = std::collections::BTreeMap::new();
                 let mut lag_seconds = std::collections::BTreeMap::new();
                 let silences = self.silences(&replica, now_us());
-                let built = LastBuild::new(activity, &silences, long_silence_ms);
+                let built = LastBuild::new(activity, standing, &silences, long_silence_ms);
                 let commit = match replica.leader_state() {
                     Some(leader) => {
                         let core = leader.core.lock();
@@ -352,10 +372,10 @@ impl ReplicationNode {
                     is_leader: view.role == Role::Leader,
                     leader_node_id: replica.leader_id(self.me).unwrap_or(0),
                     last_epoch,
-                    needs_new_epoch: replica.needs_new_epoch(),
-                    disk_full: self.disk_full(),
+                    needs_new_epoch: standing.needs_new_epoch,
+                    disk_full,
                     disk_free_bytes: self.wal.disk_space().map_or(0, |d| d.free()),
-                    corrupt_from_seqno: self.corrupt_from(replica.shard).unwrap_or(0),
+                    corrupt_from_seqno: corrupt_from.unwrap_or(0),
                     leader_silent_ms: silences.leader_ms,
                     follower_silent_ms: silences.followers,
                     uptime_ms: self.started.elapsed().as_millis() as u64,
