@@ -121,9 +121,11 @@ pub struct WalTuning {
     /// Bytes of the written shards' unsealed tails (their small chunks not
     /// yet merged) kept in memory for the node, so a merge rewrites them
     /// without reading them back from the log. Memory against CPU: many
-    /// shards appended to at once (1,000 at 100 B) need about 32 KiB each
-    /// to read nothing back, and past the budget a merge reads the tail
-    /// back (up to 7 % of a node's CPU there). 0 ..= 4 GiB; default 16 MiB.
+    /// shards appended to at once (1,000 at 100 B) need about 32 KiB each;
+    /// past the budget a merge takes the tail from the tail cache
+    /// (`tail_cache_total_bytes`) when it holds all of it, else reads it
+    /// back from the log (up to 7 % of a node's CPU there). 0 ..= 4 GiB;
+    /// default 16 MiB.
     /// See `docs/storage.md`, "Memory".
     pub tail_frames_bytes: u64,
     /// Read rate of the background WAL scrubber, which reads and verifies

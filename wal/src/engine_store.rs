@@ -31,7 +31,9 @@
 //! batch is durable leaves the old tail as it was. The tail's frames are
 //! kept in memory (less than a chunk per shard, every shard's together
 //! within [`EngineStoreConfig::tail_frames_bytes`]), so a merge mostly
-//! reads nothing back. Records that arrive in small commits are written
+//! reads nothing back; past that budget the WAL offers its tail cache's
+//! copy ([`LogStore::append_with_earlier`]), taken only when it is exactly
+//! the tail (seqnos, count and bytes), and otherwise the tail is read back. Records that arrive in small commits are written
 //! two to a few times; large commits, once. The superseded copies stay in
 //! older log files until raft-engine purges them; nothing reads them, and
 //! damage to them is harmless.
@@ -104,8 +106,8 @@ use crate::record::Frame;
 use crate::recovery_log::RecoveryFinding;
 use crate::segment::Segment;
 use crate::store::{
-    Counter, LogBounds, LogStore, Raise, ShardAppend, ShardId, SnapshotChanges, StartupDamage, StoreError, StoreResult,
-    check_compact, check_continues, check_range, check_truncate,
+    Counter, Earlier, LogBounds, LogStore, Raise, ShardAppend, ShardId, SnapshotChanges, StartupDamage, StoreError,
+    StoreResult, check_compact, check_continues, check_range, check_truncate,
 };
 use crate::zero_fill::ZeroFilledFs;
 use bytes::Bytes;
@@ -312,6 +314,14 @@ pub struct EngineStore {
     startup_damage: Vec<StartupDamage>,
     /// What raft-engine's recovery truncated, classified.
     recovery: Vec<RecoveryFinding>,
+}
+
+/// Whether `held` is exactly a tail of `records` frames from `first` adding
+/// up to `bytes`: seqnos in order from `first`, nothing missing or extra.
+fn holds_tail(held: &[Frame], first: u64, records: u64, bytes: u64) -> bool {
+    held.len() as u64 == records
+        && held.iter().zip(first..).all(|(f, seqno)| f.seqno() == seqno)
+        && held.iter().map(|f| f.len() as u64).sum::<u64>() == bytes
 }
 
 fn io(e: raft_engine::Error) -> StoreError {
@@ -609,7 +619,13 @@ impl EngineStore {
     /// Adds `shard`'s new `frames` (validated, contiguous, continuing its
     /// log) to `batch` as chunks, merging the shard's tail into them when
     /// it is due, and returns what to apply once the batch is written.
-    fn plan_append(&self, shard: ShardId, frames: &[&Frame], batch: &mut LogBatch) -> StoreResult<Plan> {
+    fn plan_append(
+        &self,
+        shard: ShardId,
+        frames: &[&Frame],
+        batch: &mut LogBatch,
+        earlier: &Earlier<'_>,
+    ) -> StoreResult<Plan> {
         let ((tail_start, tail_count, tail_bytes), tail_records, next, old_end, known_tail) = {
             let mut shards = self.shards.lock();
             let state = shards.get_mut(&shard).ok_or(StoreError::UnknownShard(shard))?;
@@ -630,11 +646,21 @@ impl EngineStore {
         let mut seal_old_tail = false;
         let mut merged = Vec::new();
         if merge_due {
+            // The tail's frames: kept here, else held by the caller (checked
+            // against the tail's seqnos, count and bytes), else read back.
+            let tail_first = first_new - tail_records;
             let tail = match known_tail.take() {
                 Some(tail) => Ok(tail.chunks),
-                None => self.read_chunks_whole(shard, tail_start, next - 1).map(|frames| {
-                    frames.into_iter().map(|f| TailChunk { frames: f.into_bytes(), records: 1 }).collect()
-                }),
+                None => match earlier(shard, tail_first, first_new - 1)
+                    .filter(|held| holds_tail(held, tail_first, tail_records, tail_bytes))
+                {
+                    Some(held) => {
+                        Ok(held.into_iter().map(|f| TailChunk { frames: f.into_bytes(), records: 1 }).collect())
+                    }
+                    None => self.read_chunks_whole(shard, tail_start, next - 1).map(|frames| {
+                        frames.into_iter().map(|f| TailChunk { frames: f.into_bytes(), records: 1 }).collect()
+                    }),
+                },
             };
             match tail {
                 Ok(tail) => merged = tail,
@@ -867,6 +893,16 @@ impl LogStore for EngineStore {
     }
 
     fn append_with_snapshots(&self, parts: &[ShardAppend], snapshots: &SnapshotChanges, sync: bool) -> StoreResult<()> {
+        self.append_with_earlier(parts, snapshots, sync, &|_, _, _| None)
+    }
+
+    fn append_with_earlier(
+        &self,
+        parts: &[ShardAppend],
+        snapshots: &SnapshotChanges,
+        sync: bool,
+        earlier: &Earlier<'_>,
+    ) -> StoreResult<()> {
         let _writer = self.write_lock.lock();
         // Validate everything first (all or nothing), then build one batch.
         let mut per_shard: BTreeMap<ShardId, Vec<&Frame>> = BTreeMap::new();
@@ -883,7 +919,7 @@ impl LogStore for EngineStore {
         let mut batch = LogBatch::default();
         let mut plans = Vec::with_capacity(per_shard.len());
         for (shard, frames) in per_shard {
-            plans.push(self.plan_append(shard, &frames, &mut batch)?);
+            plans.push(self.plan_append(shard, &frames, &mut batch, earlier)?);
         }
         for (shard, seqno) in &snapshots.drop {
             batch.delete(region(*shard), producers_key(*seqno));

@@ -516,3 +516,66 @@ fn random_operations_match_the_model() {
         });
     }
 }
+
+/// With no tails kept in the store, a merge takes the tail's frames from
+/// what the caller holds (the WAL's tail cache) when they are exactly the
+/// tail, and reads the tail back when they are not (a frame missing or
+/// extra, seqnos off, other bytes): every shard's log reads back the same
+/// whichever it was.
+#[test]
+fn a_merge_takes_the_tail_from_the_caller_only_when_it_is_exactly_the_tail() {
+    use std::cell::Cell;
+    let dir = tempfile::tempdir().unwrap();
+    let config = EngineStoreConfig { chunk_bytes: 1 << 10, tail_frames_bytes: 0, ..Default::default() };
+    let store = EngineStore::open(dir.path(), &config).unwrap();
+    let written = frames(1, 300, 40);
+    // How each shard's caller answers for `[from, to]`.
+    type Answer = fn(&[Frame], u64, u64) -> Option<Vec<Frame>>;
+    let exact: Answer = |w, from, to| Some(w[from as usize - 1..to as usize].to_vec());
+    let answers: [(ShardId, Answer); 5] = [
+        (1, exact),
+        (2, |w, from, to| Some(w[from as usize - 1..to as usize - 1].to_vec())), // one short
+        (3, |w, from, to| Some(w[from as usize - 1..=to as usize].to_vec())),    // one extra
+        (4, |w, from, to| Some(w[from as usize..=to as usize].to_vec())),        // seqnos off by one
+        (5, |_, from, to| Some((from..=to).map(|s| frame(s, 1, 41)).collect())), // other bytes
+    ];
+    let asked = Cell::new(0);
+    for (shard, _) in answers {
+        store.create_shard(shard).unwrap();
+    }
+    for seqno in 1..=300u64 {
+        for (shard, answer) in answers {
+            let earlier = |s: ShardId, from: u64, to: u64| {
+                assert_eq!(s, shard);
+                asked.set(asked.get() + 1);
+                assert_eq!(to, seqno - 1, "asked for the tail before the append");
+                answer(&written, from, to)
+            };
+            let part = ShardAppend { shard, frames: vec![written[seqno as usize - 1].clone()] };
+            store.append_with_earlier(&[part], &SnapshotChanges::default(), true, &earlier).unwrap();
+        }
+    }
+    assert!(asked.get() > 5 * 10, "the tails merged, asked {} times", asked.get());
+    for (shard, _) in answers {
+        assert_eq!(all(&store, shard), written, "shard {shard}");
+    }
+    drop(store);
+    let store = EngineStore::open(dir.path(), &config).unwrap();
+    for (shard, _) in answers {
+        assert_eq!(all(&store, shard), written, "shard {shard} after a reopen");
+    }
+}
+
+#[test]
+fn only_the_exact_tail_counts_as_held() {
+    let tail = frames(11, 13, 40);
+    let bytes: u64 = tail.iter().map(|f| f.len() as u64).sum();
+    assert!(holds_tail(&tail, 11, 3, bytes));
+    assert!(!holds_tail(&tail, 10, 3, bytes), "starts elsewhere");
+    assert!(!holds_tail(&tail[..2], 11, 3, bytes), "one missing");
+    assert!(!holds_tail(&tail, 11, 2, bytes), "one extra");
+    assert!(!holds_tail(&tail, 11, 3, bytes + 1), "other bytes");
+    let gap = vec![tail[0].clone(), tail[2].clone(), frame(14, 1, 40)];
+    assert!(!holds_tail(&gap, 11, 3, gap.iter().map(|f| f.len() as u64).sum()), "a gap");
+    assert!(holds_tail(&[], 11, 0, 0));
+}

@@ -104,7 +104,7 @@ impl EngineStore {
             let end = frames.last().expect("at least one frame").seqno();
             let mut batch = LogBatch::default();
             let frames: Vec<&Frame> = frames.iter().collect();
-            let plan = self.plan_append(shard, &frames, &mut batch)?;
+            let plan = self.plan_append(shard, &frames, &mut batch, &|_, _, _| None)?;
             batch.add_command(old, Command::Compact { index: end + 1 });
             self.write(&mut batch, false)?;
             self.apply(self.shards.lock().get_mut(&shard).expect("inserted"), plan);

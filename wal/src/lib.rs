@@ -56,7 +56,7 @@ pub use producers::{ProducerLimits, ProducerRefusal};
 pub use record::{CodecError, Frame, ProducerStamp, RecordFields};
 pub use segment::{Segment, SegmentHeader};
 pub use store::{
-    Counter, LogBounds, LogStore, Raise, ShardAppend, ShardId, SnapshotChanges, StartupDamage, StoreError,
+    Counter, Earlier, LogBounds, LogStore, Raise, ShardAppend, ShardId, SnapshotChanges, StartupDamage, StoreError,
 };
 pub use wal::{
     AppendOptions, AppendOutcome, Appended, DEFAULT_PRODUCER_SNAPSHOT_BYTES, DEFAULT_SCRUB_BYTES_PER_S,

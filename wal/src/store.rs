@@ -61,6 +61,11 @@ pub struct ShardAppend {
     pub frames: Vec<Frame>,
 }
 
+/// Where an append may find a shard's recent frames in memory (see
+/// [`LogStore::append_with_earlier`]): `(shard, from, to)` to the frames
+/// `[from, to]`, or `None` when not all of them are held.
+pub type Earlier<'a> = dyn Fn(ShardId, u64, u64) -> Option<Vec<Frame>> + 'a;
+
 /// Producer snapshots to store and drop with an append (see
 /// [`LogStore::append_with_snapshots`]).
 #[derive(Debug, Clone, Default)]
@@ -180,6 +185,25 @@ pub trait LogStore: Send + Sync + 'static {
     /// snapshot changes (`crate::producers`): every put and drop of
     /// `snapshots` lands with the frames or none does.
     fn append_with_snapshots(&self, batch: &[ShardAppend], snapshots: &SnapshotChanges, sync: bool) -> StoreResult<()>;
+
+    /// [`LogStore::append_with_snapshots`], told where recent records may
+    /// be found in memory: `earlier(shard, from, to)` gives the frames
+    /// `[from, to]` of `shard`'s log when its caller holds them all (the
+    /// WAL's tail cache), for a store that rewrites a shard's newest
+    /// records with an append (the engine store's merge of a shard's
+    /// unsealed tail) instead of reading them back. The store checks what
+    /// it gets against what it knows of those records (seqnos, count,
+    /// bytes) and reads them back when they do not match.
+    fn append_with_earlier(
+        &self,
+        batch: &[ShardAppend],
+        snapshots: &SnapshotChanges,
+        sync: bool,
+        earlier: &Earlier<'_>,
+    ) -> StoreResult<()> {
+        let _ = earlier;
+        self.append_with_snapshots(batch, snapshots, sync)
+    }
 
     /// The shard's producer snapshots kept beside its log, as
     /// `(seqno, bytes)` ascending by seqno: each is the producer table after

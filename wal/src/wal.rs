@@ -1555,7 +1555,10 @@ impl Persister {
             }
         }
         let started = Instant::now();
-        if let Err(e) = self.shared.store.append_with_snapshots(&batch.parts, &batch.snapshots, true) {
+        // A merge of a shard's unsealed tail takes its frames from the tail
+        // cache rather than reading them back (the store checks them).
+        let earlier = |shard, from, to| self.shared.shard(shard).ok()?.tail.lock().read(from, to, usize::MAX);
+        if let Err(e) = self.shared.store.append_with_earlier(&batch.parts, &batch.snapshots, true, &earlier) {
             // The sequencer validated every part and published them as
             // written; a store that refuses them leaves the log's state
             // unknown, as a failed write or fsync does.

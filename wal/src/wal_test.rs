@@ -387,3 +387,42 @@ async fn refusals_change_nothing() {
     let a = wal.append(1, 3, records(1)).await.unwrap();
     assert_eq!(a, Appended { first_seqno: 5, last_seqno: 5 });
 }
+
+/// Merges of unsealed tails through the WAL with no tails kept in the
+/// store take them from the tail cache (or read them back): small appends,
+/// a suffix truncation and appends of a new epoch in between (the cache and
+/// the store replaced together) read back the same from the store alone.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn tails_merged_from_the_tail_cache_read_back_the_same_from_the_store() {
+    let dir = tempfile::tempdir().unwrap();
+    let config = crate::EngineStoreConfig { chunk_bytes: 1 << 10, tail_frames_bytes: 0, ..Default::default() };
+    let store = Arc::new(EngineStore::open(dir.path(), &config).unwrap());
+    let wal = Wal::start(store.clone(), WalConfig::default(), WalMetrics::unregistered()).unwrap();
+    for shard in 1..=3 {
+        wal.create_shard(shard).unwrap();
+    }
+    let mut expected: Vec<Frame> = Vec::new();
+    for seqno in 1..=150u64 {
+        for shard in 1..=3 {
+            wal.append_frames(shard, crate::conformance::frames(seqno, 1, 1)).await.unwrap();
+        }
+        expected.extend(crate::conformance::frames(seqno, 1, 1));
+    }
+    for shard in 1..=3 {
+        wal.truncate_suffix(shard, 120).await.unwrap();
+    }
+    expected.truncate(120);
+    for seqno in 121..=300u64 {
+        for shard in 1..=3 {
+            wal.append_frames(shard, crate::conformance::frames(seqno, 1, 2)).await.unwrap();
+        }
+        expected.extend(crate::conformance::frames(seqno, 1, 2));
+    }
+    for shard in 1..=3 {
+        assert_eq!(wal.read_stored(shard, 1, 300, usize::MAX).await.unwrap(), expected, "shard {shard}");
+    }
+    for shard in 1..=3 {
+        assert_eq!(store.read(shard, 1, 300, usize::MAX).unwrap(), expected, "shard {shard}, the store itself");
+        assert!(store.chunk_count(shard).unwrap() < 60, "merged into chunks of about a KiB");
+    }
+}
