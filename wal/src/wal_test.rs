@@ -1,6 +1,7 @@
 //! Unit tests of the WAL: sequencing, group commit, positions and watches, the tail cache, backpressure, corruption records.
 
 use super::*;
+use crate::store::ShardAppend;
 use crate::{EngineStore, MemStore};
 
 fn records(n: usize) -> Vec<NewRecord> {
