@@ -651,16 +651,12 @@ impl EngineStore {
             let tail_first = first_new - tail_records;
             let tail = match known_tail.take() {
                 Some(tail) => Ok(tail.chunks),
-                None => match earlier(shard, tail_first, first_new - 1)
+                None => earlier(shard, tail_first, first_new - 1)
                     .filter(|held| holds_tail(held, tail_first, tail_records, tail_bytes))
-                {
-                    Some(held) => {
-                        Ok(held.into_iter().map(|f| TailChunk { frames: f.into_bytes(), records: 1 }).collect())
-                    }
-                    None => self.read_chunks_whole(shard, tail_start, next - 1).map(|frames| {
+                    .map_or_else(|| self.read_chunks_whole(shard, tail_start, next - 1), Ok)
+                    .map(|frames| {
                         frames.into_iter().map(|f| TailChunk { frames: f.into_bytes(), records: 1 }).collect()
                     }),
-                },
             };
             match tail {
                 Ok(tail) => merged = tail,

@@ -77,7 +77,12 @@ impl LastBuild {
     /// Whether a report built now would differ from this one only in its
     /// positions, and this one is under [`PROGRESS_REPORT_EVERY`] old: the
     /// same `standing` and silences alike (`now`).
-    pub(super) fn only_progress_since(&self, standing: Standing, long_ms: u64, now: impl FnOnce() -> Silences) -> bool {
+    pub(super) fn only_progress_since<'s>(
+        &self,
+        standing: Standing,
+        long_ms: u64,
+        now: impl FnOnce() -> &'s Silences,
+    ) -> bool {
         self.standing == standing && self.at.elapsed() < PROGRESS_REPORT_EVERY && self.silences == now().key(long_ms)
     }
 
@@ -85,12 +90,12 @@ impl LastBuild {
     /// activity did not move, it is under [`LONG_SILENT_REPORT_EVERY`] old,
     /// and the silences (`now`, looked at only on a `resting_look` tick
     /// when it rests) are alike.
-    pub(super) fn says_the_same(
+    pub(super) fn says_the_same<'s>(
         &self,
         activity: u64,
         resting_look: bool,
         long_ms: u64,
-        now: impl FnOnce() -> Silences,
+        now: impl FnOnce() -> &'s Silences,
     ) -> bool {
         self.activity == activity
             && self.at.elapsed() < LONG_SILENT_REPORT_EVERY
@@ -199,9 +204,10 @@ mod tests {
     #[test]
     fn progress_alone_waits_its_turn_and_anything_else_is_reported_at_once() {
         let long = 1_200;
-        let heard = || Silences { leader_ms: 10, followers: BTreeMap::new() };
-        let built = LastBuild::new(7, following(), &heard(), long);
-        assert!(built.only_progress_since(following(), long, heard), "appends alone: not yet");
+        let heard = Silences { leader_ms: 10, followers: BTreeMap::new() };
+        let leader_silent = Silences { leader_ms: 300, followers: BTreeMap::new() };
+        let built = LastBuild::new(7, following(), &heard, long);
+        assert!(built.only_progress_since(following(), long, || &heard), "appends alone: not yet");
         for changed in [
             Standing { epoch: 5, ..following() },
             Standing { role: Role::Leader, ..following() },
@@ -212,29 +218,31 @@ mod tests {
             Standing { corrupt_from: Some(9), ..following() },
             Standing { quiet: true, ..following() },
         ] {
-            assert!(!built.only_progress_since(changed, long, heard), "{changed:?} is reported at once");
+            assert!(!built.only_progress_since(changed, long, || &heard), "{changed:?} is reported at once");
         }
         assert!(
-            !built.only_progress_since(following(), long, || Silences { leader_ms: 300, ..heard() }),
+            !built.only_progress_since(following(), long, || &leader_silent),
             "a leader going silent is reported at once"
         );
         let old = LastBuild { at: Instant::now() - PROGRESS_REPORT_EVERY, ..built };
-        assert!(!old.only_progress_since(following(), long, heard), "progress is reported every quarter second");
+        assert!(!old.only_progress_since(following(), long, || &heard), "progress is reported every quarter second");
     }
 
     #[test]
     fn a_build_says_the_same_until_its_activity_or_silences_move() {
         let long = 1_200;
-        let quiet_follower = || Silences { leader_ms: 100, followers: BTreeMap::new() };
-        let built = LastBuild::new(7, following(), &quiet_follower(), long);
-        assert!(built.says_the_same(7, false, long, quiet_follower));
-        assert!(!built.says_the_same(8, false, long, quiet_follower), "activity moved");
-        assert!(!built.says_the_same(7, false, long, || Silences { leader_ms: 300, ..quiet_follower() }));
+        let quiet_follower = Silences { leader_ms: 100, followers: BTreeMap::new() };
+        let later = Silences { leader_ms: 300, followers: BTreeMap::new() };
+        let built = LastBuild::new(7, following(), &quiet_follower, long);
+        assert!(built.says_the_same(7, false, long, || &quiet_follower));
+        assert!(!built.says_the_same(8, false, long, || &quiet_follower), "activity moved");
+        assert!(!built.says_the_same(7, false, long, || &later));
         // A resting replica's silences are looked at only on a resting look.
-        let dead_leader = || Silences { leader_ms: 5_000, followers: BTreeMap::new() };
-        let resting = LastBuild::new(7, following(), &dead_leader(), long);
+        let dead_leader = Silences { leader_ms: 5_000, followers: BTreeMap::new() };
+        let long_dead = Silences { leader_ms: 60_000, followers: BTreeMap::new() };
+        let resting = LastBuild::new(7, following(), &dead_leader, long);
         assert!(resting.says_the_same(7, false, long, || unreachable!("not looked at between looks")));
-        assert!(!resting.says_the_same(7, true, long, quiet_follower), "its leader was heard again");
-        assert!(resting.says_the_same(7, true, long, || Silences { leader_ms: 60_000, ..dead_leader() }));
+        assert!(!resting.says_the_same(7, true, long, || &quiet_follower), "its leader was heard again");
+        assert!(resting.says_the_same(7, true, long, || &long_dead));
     }
 }

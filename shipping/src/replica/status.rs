@@ -289,11 +289,12 @@ impl ReplicationNode {
                     continue;
                 }
                 let activity = replica.activity();
-                if !full
-                    && builds.get(&replica.shard).is_some_and(|b| {
-                        b.says_the_same(activity, resting_look, long_silence_ms, || self.silences(&replica, now_us()))
-                    })
-                {
+                // The peers' silences, looked at once per replica, and only
+                // when a check below or the report needs them.
+                let silences = std::sync::OnceLock::new();
+                let silences_now = || silences.get_or_init(|| self.silences(&replica, now_us()));
+                let last_build = if full { None } else { builds.get(&replica.shard) };
+                if last_build.is_some_and(|b| b.says_the_same(activity, resting_look, long_silence_ms, silences_now)) {
                     continue;
                 }
                 let quiet = self.is_quiet(&replica);
@@ -311,13 +312,10 @@ impl ReplicationNode {
                 // Appends moved it and nothing else: its positions wait for
                 // the next report (it stays unsettled, so it is looked at
                 // again next tick).
-                if !full
-                    && builds.get(&replica.shard).is_some_and(|b| {
-                        b.only_progress_since(standing, long_silence_ms, || self.silences(&replica, now_us()))
-                    })
-                {
+                if last_build.is_some_and(|b| b.only_progress_since(standing, long_silence_ms, silences_now)) {
                     continue;
                 }
+                let silences = silences.into_inner().unwrap_or_else(|| self.silences(&replica, now_us()));
                 let (Ok(p), Ok(c)) = (self.wal.positions(replica.shard), self.wal.counters(replica.shard)) else {
                     continue;
                 };
@@ -336,7 +334,6 @@ impl ReplicationNode {
                 let mut lag_records = std::collections::BTreeMap::new();
                 let mut lag_bytes = std::collections::BTreeMap::new();
                 let mut lag_seconds = std::collections::BTreeMap::new();
-                let silences = self.silences(&replica, now_us());
                 let built = LastBuild::new(activity, standing, &silences, long_silence_ms);
                 let commit = match replica.leader_state() {
                     Some(leader) => {
