@@ -51,6 +51,7 @@ pub mod drill_partition;
 pub mod error;
 mod leadership;
 pub mod peer_tier;
+mod probe;
 pub mod quiet;
 mod receive;
 mod retention;
@@ -156,8 +157,8 @@ pub struct ReplicationNode {
     /// Follower side of quiet shards: what each leader node said is quiet.
     quiet_from: quiet::QuietFrom,
     /// Per follower node: whether it is down as far as this node's
-    /// shippers know, and who may probe it next (see `send::PeerProbe`).
-    peer_probes: Mutex<BTreeMap<NodeId, Arc<send::PeerProbe>>>,
+    /// shippers know, and who may probe it next (see `probe::PeerProbe`).
+    peer_probes: Mutex<BTreeMap<NodeId, Arc<probe::PeerProbe>>>,
     /// When each peer node last answered this node, and last reached it.
     contact: Arc<contact::NodeContact>,
 }

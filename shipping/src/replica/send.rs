@@ -12,7 +12,6 @@
 //! `ship_timeout_ms` counts as failed.
 
 use std::sync::Arc;
-use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
 use std::time::Duration;
 
 use futures::StreamExt;
@@ -24,6 +23,7 @@ use walship_wal::Segment;
 use walship_wal::position as watch;
 
 use super::error::{APPLIED_METADATA_KEY, EPOCH_METADATA_KEY, metadata_u64, refused_by_replica};
+use super::probe::{PROBE_FAILURES_BEFORE_BACKOFF, PeerProbe, probe_backoff_us};
 use super::shard::{LeaderState, ShardReplica};
 use super::{ReplicationNode, now_us};
 use crate::NodeId;
@@ -111,90 +111,6 @@ async fn run_ship_stream(
             let _ = reply.send(Err(end.clone()));
         }
     }
-}
-
-/// A follower whose calls failed this many times in a row is probed with
-/// a backoff: the next waits [`PROBE_BACKOFF_FIRST_US`], doubling with
-/// every further failure up to [`PROBE_BACKOFF_MAX_US`]. The first call
-/// that gets through (on any shard) ends every shard's backoff towards
-/// that node, as does that node pulling a catch-up stream or sending a
-/// node keepalive here (`ReplicationNode::peer_back`).
-const PROBE_FAILURES_BEFORE_BACKOFF: u32 = 4;
-const PROBE_BACKOFF_FIRST_US: u64 = 25_000;
-const PROBE_BACKOFF_MAX_US: u64 = 1_000_000;
-
-/// One follower node as this node's shippers see it. While calls to it
-/// keep failing (more than [`PROBE_FAILURES_BEFORE_BACKOFF`] in a row, on
-/// any of its shards, with no call getting through in between) it is down,
-/// and its shards' shippers take turns probing it: one probe per backoff
-/// (doubling from [`PROBE_BACKOFF_FIRST_US`] to [`PROBE_BACKOFF_MAX_US`])
-/// for the whole node, not one per shard. A node leading thousands of
-/// shards whose follower died made a connection attempt per shard every
-/// second: a third of its CPU at 10,000 shards, for as long as the node
-/// stayed down.
-pub(super) struct PeerProbe {
-    /// Bumped when the node answers again after failures: shippers backing
-    /// off from it probe at once.
-    back: tokio::sync::watch::Sender<u64>,
-    /// Calls failed in a row, over all shards.
-    failures: AtomicU32,
-    /// While down: when (µs) the next probe may go.
-    next_probe_us: AtomicU64,
-}
-
-impl PeerProbe {
-    fn new() -> PeerProbe {
-        PeerProbe {
-            back: tokio::sync::watch::Sender::new(0),
-            failures: AtomicU32::new(0),
-            next_probe_us: AtomicU64::new(0),
-        }
-    }
-
-    fn failed(&self) {
-        self.failures.fetch_add(1, Ordering::AcqRel);
-    }
-
-    /// A call got through.
-    fn answered(&self) {
-        if self.failures.load(Ordering::Acquire) != 0 {
-            self.failures.store(0, Ordering::Release);
-        }
-    }
-
-    fn down(&self) -> bool {
-        self.failures.load(Ordering::Acquire) > PROBE_FAILURES_BEFORE_BACKOFF
-    }
-
-    /// Whether a shipper backing off may call the node now: yes unless the
-    /// node is down and another shard's probe went within the backoff.
-    fn may_probe(&self, now: u64) -> bool {
-        if !self.down() {
-            return true;
-        }
-        let next = self.next_probe_us.load(Ordering::Acquire);
-        now >= next
-            && self
-                .next_probe_us
-                .compare_exchange(
-                    next,
-                    now + probe_backoff_us(self.failures.load(Ordering::Acquire)),
-                    Ordering::AcqRel,
-                    Ordering::Acquire,
-                )
-                .is_ok()
-    }
-}
-
-/// How long to wait before the next call after `failures` failed calls in
-/// a row (none until [`PROBE_FAILURES_BEFORE_BACKOFF`]).
-fn probe_backoff_us(failures: u32) -> u64 {
-    if failures <= PROBE_FAILURES_BEFORE_BACKOFF {
-        return 0;
-    }
-    PROBE_BACKOFF_FIRST_US
-        .saturating_mul(1 << (failures - PROBE_FAILURES_BEFORE_BACKOFF - 1).min(16))
-        .min(PROBE_BACKOFF_MAX_US)
 }
 
 /// Pushes in flight on one `ShipSegments` stream, at most; more wait.
@@ -781,41 +697,5 @@ mod ship_stream_tests {
             assert_eq!(answer.applied_seqno, seqno, "each push answered by its own call");
         }
         server.abort();
-    }
-}
-
-#[cfg(test)]
-mod peer_probe_tests {
-    use super::*;
-
-    #[test]
-    fn a_node_down_is_probed_by_one_shard_per_backoff_and_freely_once_it_answers() {
-        let peer = PeerProbe::new();
-        // Up (or not failing enough to count as down): every call goes.
-        for _ in 0..PROBE_FAILURES_BEFORE_BACKOFF {
-            peer.failed();
-        }
-        assert!(peer.may_probe(1_000) && peer.may_probe(1_000));
-        peer.failed();
-        assert!(peer.down());
-        // Down: one probe, then none until the backoff ran out.
-        let now = 10_000_000;
-        assert!(peer.may_probe(now));
-        assert!(!peer.may_probe(now));
-        assert!(!peer.may_probe(now + PROBE_BACKOFF_FIRST_US - 1));
-        assert!(peer.may_probe(now + PROBE_BACKOFF_FIRST_US));
-        assert!(!peer.may_probe(now + PROBE_BACKOFF_FIRST_US));
-        // A call that gets through ends it.
-        peer.answered();
-        assert!(!peer.down());
-        assert!(peer.may_probe(now + PROBE_BACKOFF_FIRST_US) && peer.may_probe(now + PROBE_BACKOFF_FIRST_US));
-    }
-
-    #[test]
-    fn the_probe_backoff_doubles_to_a_bound() {
-        assert_eq!(probe_backoff_us(PROBE_FAILURES_BEFORE_BACKOFF), 0);
-        assert_eq!(probe_backoff_us(PROBE_FAILURES_BEFORE_BACKOFF + 1), PROBE_BACKOFF_FIRST_US);
-        assert_eq!(probe_backoff_us(PROBE_FAILURES_BEFORE_BACKOFF + 2), 2 * PROBE_BACKOFF_FIRST_US);
-        assert_eq!(probe_backoff_us(u32::MAX), PROBE_BACKOFF_MAX_US);
     }
 }
