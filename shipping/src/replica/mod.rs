@@ -52,6 +52,7 @@ pub mod error;
 mod leadership;
 pub mod peer_tier;
 mod probe;
+mod pushes;
 pub mod quiet;
 mod receive;
 mod retention;
@@ -134,7 +135,7 @@ pub struct ReplicationNode {
     pub shutdown: CancellationToken,
     /// One `ShipSegments` stream per follower node, opened by the first push
     /// (see `send::run_ship_stream`).
-    ship_streams: Mutex<BTreeMap<NodeId, tokio::sync::mpsc::Sender<send::ShipCall>>>,
+    ship_streams: Mutex<BTreeMap<NodeId, tokio::sync::mpsc::Sender<pushes::ShipCall>>>,
     /// Peers a partition drill cuts replication traffic with, for a while.
     drill_partition: Arc<drill_partition::DrillPartition>,
     /// When this node started (its heartbeats report the uptime).

@@ -14,16 +14,14 @@
 use std::sync::Arc;
 use std::time::Duration;
 
-use futures::StreamExt;
-use futures::future::BoxFuture;
-use futures::stream::FuturesUnordered;
 use tonic::Status;
-use walship_proto::replication::{ShipSegmentRequest, ShipSegmentResponse, WalSegmentId};
+use walship_proto::replication::{ShipSegmentRequest, WalSegmentId};
 use walship_wal::Segment;
 use walship_wal::position as watch;
 
 use super::error::{APPLIED_METADATA_KEY, EPOCH_METADATA_KEY, metadata_u64, refused_by_replica};
 use super::probe::{PROBE_FAILURES_BEFORE_BACKOFF, PeerProbe, probe_backoff_us};
+use super::pushes::{Outcome, Pushes, Sent, ShipCall};
 use super::shard::{LeaderState, ShardReplica};
 use super::{ReplicationNode, now_us};
 use crate::NodeId;
@@ -38,8 +36,6 @@ async fn changed_if_watched(watch: Option<&mut watch::Receiver>) -> bool {
         None => std::future::pending().await,
     }
 }
-
-pub(super) type ShipCall = (ShipSegmentRequest, tokio::sync::oneshot::Sender<Result<ShipSegmentResponse, Status>>);
 
 /// Carries one follower node's `ShipSegment` pushes over one `ShipSegments`
 /// stream, each answered in order by the call that sent it, and reopens the
@@ -266,10 +262,7 @@ impl ReplicationNode {
         // flight it waits for what the WAL commits (`ship_limit`) or a
         // reply, so appends arriving one by one wake nothing.
         let mut written = if self.early_shipping() { self.wal.written_watch(replica.shard).ok() } else { None };
-        // Boxed: a `FuturesUnordered` keeps a task slot the size of its
-        // future for as long as it lives, and a call's future is kilobytes;
-        // thousands of idle shippers (one per shard and follower) held it.
-        let mut in_flight: FuturesUnordered<BoxFuture<'static, (u64, Shipped)>> = FuturesUnordered::new();
+        let mut in_flight = Pushes::new(Duration::from_millis(self.config.replication.ship_timeout_ms));
         let batch_bytes = self.config.replication.ship_batch_bytes;
         // The commit the follower was last told in a request it answered:
         // a follower may go quiet only once it knows the commit.
@@ -295,8 +288,9 @@ impl ReplicationNode {
             if let Some((link, _)) = quiet.take() {
                 self.leave_quiet(&replica, &leader, follower, &link);
             }
-            // Issue everything the core allows right now.
-            loop {
+            // Issue everything the core allows right now (nothing while a
+            // push waits for room on the stream: pushes go in order).
+            while !in_flight.is_blocked() {
                 let decision = leader.core.lock().poll_ship(follower, now_us());
                 // A node that is down is probed by one shard at a time
                 // (see `PeerProbe`); this one waits its turn.
@@ -324,14 +318,12 @@ impl ReplicationNode {
                         };
                         let sent = now_us();
                         leader.core.lock().on_sent(follower, from, last, sent);
-                        let ship = self.ship(&replica, &leader, follower, Some(segment));
-                        in_flight.push(Box::pin(dated(sent, ship)));
+                        self.ship(&replica, &leader, follower, Some(segment), sent, &mut in_flight);
                     }
                     ShipDecision::Keepalive => {
                         let sent = now_us();
                         leader.core.lock().on_keepalive_sent(follower, sent);
-                        let ship = self.ship(&replica, &leader, follower, None);
-                        in_flight.push(Box::pin(dated(sent, ship)));
+                        self.ship(&replica, &leader, follower, None, sent, &mut in_flight);
                     }
                     ShipDecision::Idle => break,
                 }
@@ -363,7 +355,9 @@ impl ReplicationNode {
             let keepalive = Duration::from_micros(due.saturating_sub(now_us()).max(1_000));
             let woken = quiet.as_ref().map(|(_, wake)| wake.clone());
             tokio::select! {
-                Some((sent, Shipped { reply, commit, answered })) = in_flight.next(), if !in_flight.is_empty() => {
+                (sent, outcome) = in_flight.next(), if !in_flight.is_empty() => {
+                    let Shipped { reply, commit, answered } = self.settle_push(&leader, follower, sent, outcome);
+                    let sent = sent.at_us;
                     if matches!(reply, ShipReply::Failed) {
                         self.metrics.ship_errors.with_label_values(&[&follower.to_string()]).inc();
                         failures += 1;
@@ -478,14 +472,18 @@ impl ReplicationNode {
         leader.quiet_changed.notify_one();
     }
 
-    /// One ShipSegment (or keepalive when `segment` is none) to `follower`.
+    /// One ShipSegment (or keepalive when `segment` is none) to `follower`,
+    /// made at `sent` (unix µs), kept in `in_flight` until it is answered
+    /// or fails ([`ReplicationNode::settle_push`]).
     fn ship(
         &self,
         replica: &ShardReplica,
         leader: &LeaderState,
         follower: NodeId,
         segment: Option<Segment>,
-    ) -> impl std::future::Future<Output = Shipped> + use<> {
+        sent: u64,
+        in_flight: &mut Pushes<PushNote>,
+    ) {
         let (durable, written, commit) = {
             let core = leader.core.lock();
             (core.durable(), core.written(), core.commit())
@@ -498,8 +496,7 @@ impl ReplicationNode {
         // once, as a transport failure would), and an answer arriving after
         // the cut is dropped as a cut link would drop it, so the lease
         // counts no contact from after the cut.
-        let partition = self.drill_partition.clone();
-        let cut = partition.blocks(follower);
+        let cut = self.drill_partition.blocks(follower);
         if segment.is_some() && !cut {
             self.metrics.segments_shipped.inc();
             self.metrics.bytes_shipped.inc_by(payload.len() as u64);
@@ -520,8 +517,7 @@ impl ReplicationNode {
             archived_seqno: self.archived_through(replica.shard).unwrap_or(0),
             archiver_node_id: leader.archiver.load(std::sync::atomic::Ordering::Acquire),
         };
-        let archived_by_follower = leader.archived_by_follower.clone();
-        let archiver = request.archiver_node_id;
+        let note = PushNote { commit, archiver: request.archiver_node_id };
         let stream = if cut {
             None
         } else {
@@ -536,62 +532,62 @@ impl ReplicationNode {
                 }),
             }
         };
-        let timeout = Duration::from_millis(self.config.replication.ship_timeout_ms);
-        let (contact, sent_us) = (self.contact.clone(), now_us());
-        let reply = async move {
-            let Some(stream) = stream else { return (ShipReply::Failed, false) };
-            let call = async move {
-                let (reply, answer) = tokio::sync::oneshot::channel();
-                stream.send((request, reply)).await.ok()?;
-                answer.await.ok()
-            };
-            // A push not answered in time fails; its answer, if it comes
-            // later, goes nowhere.
-            let Ok(Some(outcome)) = tokio::time::timeout(timeout, call).await else {
-                return (ShipReply::Failed, false);
-            };
-            if partition.blocks(follower) {
-                return (ShipReply::Failed, false);
-            }
-            if super::contact::is_answer(&outcome) {
-                contact.answered(follower, sent_us);
-            }
-            let answered = match &outcome {
-                Ok(_) => true,
-                Err(status) => refused_by_replica(status),
-            };
-            let reply = match outcome {
-                Ok(r) if r.accepted => {
-                    // The archiving follower's progress, for retention and
-                    // the status (the store only grows, so the newest holds).
-                    if archiver == follower && r.archived_seqno > 0 {
-                        archived_by_follower.fetch_max(r.archived_seqno, std::sync::atomic::Ordering::AcqRel);
-                    }
-                    ShipReply::Applied { applied: Seqno(r.applied_seqno) }
-                }
-                Ok(_) => ShipReply::Failed,
-                Err(status) => {
-                    match (metadata_u64(&status, APPLIED_METADATA_KEY), metadata_u64(&status, EPOCH_METADATA_KEY)) {
-                        (Some(applied), _) if status.code() == tonic::Code::OutOfRange => {
-                            ShipReply::Gap { applied: Seqno(applied) }
-                        }
-                        (_, Some(epoch)) if status.code() == tonic::Code::FailedPrecondition => {
-                            ShipReply::StaleEpoch { epoch: Epoch(epoch) }
-                        }
-                        _ => {
-                            tracing::debug!(follower, %status, "ShipSegment failed");
-                            ShipReply::Failed
-                        }
-                    }
-                }
-            };
-            (reply, answered)
-        };
-        async move {
-            let (reply, answered) = reply.await;
-            Shipped { reply, commit, answered }
-        }
+        in_flight.push(Sent { at_us: sent, note }, request, stream.as_ref());
     }
+
+    /// What a push's `outcome` comes to for the shipper (a push not
+    /// answered in time, or whose call failed on the way, failed; its
+    /// answer, if it comes later, goes nowhere), with the follower's
+    /// contact and archive progress it proves counted.
+    fn settle_push(&self, leader: &LeaderState, follower: NodeId, note: Sent<PushNote>, outcome: Outcome) -> Shipped {
+        let PushNote { commit, archiver } = note.note;
+        let failed = Shipped { reply: ShipReply::Failed, commit, answered: false };
+        let Some(outcome) = outcome else { return failed };
+        if self.drill_partition.blocks(follower) {
+            return failed;
+        }
+        if super::contact::is_answer(&outcome) {
+            self.contact.answered(follower, note.at_us);
+        }
+        let answered = match &outcome {
+            Ok(_) => true,
+            Err(status) => refused_by_replica(status),
+        };
+        let reply = match outcome {
+            Ok(r) if r.accepted => {
+                // The archiving follower's progress, for retention and the
+                // status (the store only grows, so the newest holds).
+                if archiver == follower && r.archived_seqno > 0 {
+                    leader.archived_by_follower.fetch_max(r.archived_seqno, std::sync::atomic::Ordering::AcqRel);
+                }
+                ShipReply::Applied { applied: Seqno(r.applied_seqno) }
+            }
+            Ok(_) => ShipReply::Failed,
+            Err(status) => {
+                match (metadata_u64(&status, APPLIED_METADATA_KEY), metadata_u64(&status, EPOCH_METADATA_KEY)) {
+                    (Some(applied), _) if status.code() == tonic::Code::OutOfRange => {
+                        ShipReply::Gap { applied: Seqno(applied) }
+                    }
+                    (_, Some(epoch)) if status.code() == tonic::Code::FailedPrecondition => {
+                        ShipReply::StaleEpoch { epoch: Epoch(epoch) }
+                    }
+                    _ => {
+                        tracing::debug!(follower, %status, "ShipSegment failed");
+                        ShipReply::Failed
+                    }
+                }
+            }
+        };
+        Shipped { reply, commit, answered }
+    }
+}
+
+/// What a shipper notes of a push it made: the commit the request told and
+/// the archiver it named.
+#[derive(Debug, Clone, Copy)]
+struct PushNote {
+    commit: Seqno,
+    archiver: NodeId,
 }
 
 /// What one ship call came to: the reply for the core, the commit the
@@ -603,12 +599,6 @@ struct Shipped {
     answered: bool,
 }
 
-/// A ship call's reply with when its request was sent (what a reply proves
-/// about the follower dates from then; see `LeaderCore::on_reply`).
-async fn dated<F: std::future::Future>(sent_us: u64, call: F) -> (u64, F::Output) {
-    (sent_us, call.await)
-}
-
 #[cfg(test)]
 mod ship_stream_tests {
     use std::pin::Pin;
@@ -617,7 +607,7 @@ mod ship_stream_tests {
     use tonic::{Request, Response};
     use walship_proto::replication::wal_shipping_client::WalShippingClient;
     use walship_proto::replication::wal_shipping_server::{WalShipping, WalShippingServer};
-    use walship_proto::replication::{HeartbeatRequest, HeartbeatResponse, StreamRequest};
+    use walship_proto::replication::{HeartbeatRequest, HeartbeatResponse, ShipSegmentResponse, StreamRequest};
 
     use super::*;
 
