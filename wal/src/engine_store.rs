@@ -95,7 +95,7 @@ use std::collections::BTreeMap;
 use std::io::Write;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
-use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::atomic::AtomicUsize;
 
 use parking_lot::Mutex;
 use raft_engine::{Command, Config, LogBatch, MessageExt, ReadableSize};
@@ -241,54 +241,6 @@ struct ShardState {
     tail: Option<KnownTail>,
 }
 
-/// The frames of a shard's unsealed chunks, in order, and what they add up
-/// to.
-#[derive(Debug, Clone, Default)]
-struct KnownTail {
-    chunks: Vec<TailChunk>,
-    records: u64,
-    bytes: usize,
-}
-
-impl KnownTail {
-    fn push(&mut self, chunk: TailChunk) {
-        self.records += chunk.records;
-        self.bytes += chunk.frames.len();
-        self.chunks.push(chunk);
-    }
-}
-
-/// What the shards' known tails hold in memory together, against
-/// [`EngineStoreConfig::tail_frames_bytes`]. Changed under the shards lock.
-struct TailFrames {
-    used: AtomicUsize,
-    limit: usize,
-}
-
-impl TailFrames {
-    /// Takes `state`'s known tail out of the count.
-    fn take(&self, state: &mut ShardState) -> Option<KnownTail> {
-        let tail = state.tail.take();
-        if let Some(t) = &tail {
-            self.used.fetch_sub(t.bytes, Ordering::Relaxed);
-        }
-        tail
-    }
-
-    /// Replaces `state`'s known tail with `tail`, or forgets it when the
-    /// budget has no room for it (its next merge reads it back).
-    fn set(&self, state: &mut ShardState, tail: Option<KnownTail>) {
-        self.take(state);
-        state.tail = tail.filter(|t| {
-            let fits = self.used.load(Ordering::Relaxed) + t.bytes <= self.limit;
-            if fits {
-                self.used.fetch_add(t.bytes, Ordering::Relaxed);
-            }
-            fits
-        });
-    }
-}
-
 /// raft-engine-backed multi-shard log.
 pub struct EngineStore {
     engine: Engine,
@@ -316,14 +268,6 @@ pub struct EngineStore {
     recovery: Vec<RecoveryFinding>,
 }
 
-/// Whether `held` is exactly a tail of `records` frames from `first` adding
-/// up to `bytes`: seqnos in order from `first`, nothing missing or extra.
-fn holds_tail(held: &[Frame], first: u64, records: u64, bytes: u64) -> bool {
-    held.len() as u64 == records
-        && held.iter().zip(first..).all(|(f, seqno)| f.seqno() == seqno)
-        && held.iter().map(|f| f.len() as u64).sum::<u64>() == bytes
-}
-
 fn io(e: raft_engine::Error) -> StoreError {
     StoreError::Io(e.to_string())
 }
@@ -334,76 +278,6 @@ fn get_u64(engine: &Engine, region: u64, key: &[u8]) -> Option<u64> {
 
 fn put_u64(batch: &mut LogBatch, region: u64, key: &[u8], value: u64) -> StoreResult<()> {
     batch.put(region, key.to_vec(), value.to_le_bytes().to_vec()).map_err(io)
-}
-
-/// The frames of one unsealed chunk, as written (a slice of its entry's
-/// bytes).
-#[derive(Debug, Clone)]
-struct TailChunk {
-    frames: bytes::Bytes,
-    records: u64,
-}
-
-/// One chunk to write: the frames of the unsealed chunks it merges, then
-/// new frames, borrowed (encoded once, straight into the chunk).
-struct Piece<'a> {
-    first_seqno: u64,
-    records: u64,
-    bytes: usize,
-    merged: Vec<TailChunk>,
-    frames: Vec<&'a Frame>,
-}
-
-impl<'a> Piece<'a> {
-    fn new(first_seqno: u64) -> Piece<'a> {
-        Piece { first_seqno, records: 0, bytes: 0, merged: Vec::new(), frames: Vec::new() }
-    }
-
-    /// The chunk's bytes: a segment header and the frames.
-    fn encode(&self, shard: ShardId) -> bytes::Bytes {
-        let header = crate::segment::SegmentHeader {
-            shard_id: shard,
-            first_seqno: self.first_seqno,
-            record_count: self.records as u32,
-            frames_len: self.bytes,
-        };
-        let mut buf = bytes::BytesMut::with_capacity(crate::segment::SEGMENT_HEADER_LEN + self.bytes);
-        buf.extend_from_slice(&header.encode());
-        for tail in &self.merged {
-            buf.extend_from_slice(&tail.frames);
-        }
-        for frame in &self.frames {
-            buf.extend_from_slice(frame.as_bytes());
-        }
-        buf.freeze()
-    }
-}
-
-/// Splits `merged` tail chunks (the records from `first_seqno`, less than
-/// `limit` bytes in all) and the new `frames` after them into chunks of at
-/// most `limit` bytes (a larger frame alone); the merged ones lead the
-/// first.
-fn split<'a>(merged: Vec<TailChunk>, first_seqno: u64, frames: &[&'a Frame], limit: usize) -> Vec<Piece<'a>> {
-    let mut pieces = Vec::new();
-    let mut piece = Piece::new(first_seqno);
-    for tail in merged {
-        piece.records += tail.records;
-        piece.bytes += tail.frames.len();
-        piece.merged.push(tail);
-    }
-    for &frame in frames {
-        if piece.records > 0 && piece.bytes + frame.len() > limit {
-            let next = piece.first_seqno + piece.records;
-            pieces.push(std::mem::replace(&mut piece, Piece::new(next)));
-        }
-        piece.records += 1;
-        piece.bytes += frame.len();
-        piece.frames.push(frame);
-    }
-    if piece.records > 0 {
-        pieces.push(piece);
-    }
-    pieces
 }
 
 /// What a write does to one shard's chunk map, applied once the write
@@ -1264,7 +1138,11 @@ mod legacy;
 
 #[path = "engine_store_damage.rs"]
 mod damage;
+
+#[path = "engine_store_tail.rs"]
+mod tail;
 use damage::{entries_in_file, file_names_entry, log_files};
+use tail::{KnownTail, Piece, TailChunk, TailFrames, holds_tail, split};
 
 #[cfg(test)]
 #[path = "engine_store_chunks_test.rs"]

@@ -4,6 +4,7 @@
 //! and stores written one entry per record convert on open.
 
 use std::path::Path;
+use std::sync::atomic::Ordering;
 
 use super::*;
 use crate::chunk::CHUNK_INDEX_BYTES;
