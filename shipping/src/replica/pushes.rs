@@ -13,7 +13,10 @@
 //! its own, and the box, the set's task node and the timer's registration
 //! and removal were paid for each. Here a push costs its oneshot, and the
 //! one timer is moved only when it fires before the oldest push's deadline
-//! (deadlines only grow), about once per timeout, not once per push.
+//! (deadlines only grow), about once per timeout, not once per push. (A
+//! shipper whose pushes were all answered is woken once more when the timer
+//! set for the last of them fires; its `select!` finds nothing ready and it
+//! sleeps again.)
 //!
 //! A stream whose queue is full takes the push when it has room (handed
 //! over while the shipper waits on [`Pushes::next`]); until then the
