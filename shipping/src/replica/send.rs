@@ -539,15 +539,15 @@ impl ReplicationNode {
     /// answered in time, or whose call failed on the way, failed; its
     /// answer, if it comes later, goes nowhere), with the follower's
     /// contact and archive progress it proves counted.
-    fn settle_push(&self, leader: &LeaderState, follower: NodeId, note: Sent<PushNote>, outcome: Outcome) -> Shipped {
-        let PushNote { commit, archiver } = note.note;
+    fn settle_push(&self, leader: &LeaderState, follower: NodeId, sent: Sent<PushNote>, outcome: Outcome) -> Shipped {
+        let PushNote { commit, archiver } = sent.note;
         let failed = Shipped { reply: ShipReply::Failed, commit, answered: false };
         let Some(outcome) = outcome else { return failed };
         if self.drill_partition.blocks(follower) {
             return failed;
         }
         if super::contact::is_answer(&outcome) {
-            self.contact.answered(follower, note.at_us);
+            self.contact.answered(follower, sent.at_us);
         }
         let answered = match &outcome {
             Ok(_) => true,
