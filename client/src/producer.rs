@@ -7,7 +7,10 @@
 //! * **Batching.** Records queue into the shard's open batch, which is sent
 //!   when it holds `batch_records` records or `batch_bytes` bytes, when
 //!   `linger` has passed since its first record, or at once when nothing of
-//!   the shard is in flight (a lone record never waits).
+//!   the shard is in flight (a lone record never waits). While all
+//!   `in_flight` pipeline slots are busy the open batch keeps taking records
+//!   past its linger and goes out when a slot frees, so a busy shard sends
+//!   fewer, larger batches instead of a queue of small ones.
 //! * **Pipelining.** Up to `in_flight` batches per shard travel on one
 //!   `Log.AppendStream` to the shard's leader. The leader writes a stream's
 //!   appends in the order sent, so the batches' producer sequences arrive
@@ -43,7 +46,7 @@ use bytes::Bytes;
 use futures::StreamExt;
 use futures::future::BoxFuture;
 use futures::stream::FuturesUnordered;
-use tokio::sync::{Mutex, OwnedSemaphorePermit, Semaphore, mpsc, oneshot};
+use tokio::sync::{OwnedSemaphorePermit, Semaphore, mpsc, oneshot};
 use tonic::transport::Channel;
 use tonic::{Code, Status};
 use walship_proto::log::log_client::LogClient;
@@ -189,7 +192,10 @@ struct Shared {
 /// to share (`&self` everywhere).
 pub struct Producer {
     shared: Arc<Shared>,
-    shards: Mutex<HashMap<u32, mpsc::UnboundedSender<Message>>>,
+    /// Each shard's task. A plain lock, held for a lookup and a send (never
+    /// across an await): many callers sending at once must not queue
+    /// behind one another's wake-ups, as they would on an async lock.
+    shards: std::sync::Mutex<HashMap<u32, mpsc::UnboundedSender<Message>>>,
 }
 
 impl Producer {
@@ -203,7 +209,7 @@ impl Producer {
         let buffer = Arc::new(Semaphore::new(config.buffer_bytes.max(1)));
         Producer {
             shared: Arc::new(Shared { servers, connect, config, id, buffer }),
-            shards: Mutex::new(HashMap::new()),
+            shards: std::sync::Mutex::new(HashMap::new()),
         }
     }
 
@@ -218,7 +224,7 @@ impl Producer {
         let bytes = (key.len() + payload.len()).clamp(1, self.shared.config.buffer_bytes.max(1));
         let permit = self.shared.buffer.clone().acquire_many_owned(bytes as u32).await.expect("never closed");
         let item = Item { key, payload, ack, _permit: permit };
-        self.dispatch(shard, Message::Record(item)).await;
+        self.dispatch(shard, Message::Record(item));
         RecordAck(answer)
     }
 
@@ -235,12 +241,12 @@ impl Producer {
             items.push(Item { key, payload, ack, _permit: permit });
             acks.push(RecordAck(answer));
         }
-        self.dispatch(shard, Message::Batch(items)).await;
+        self.dispatch(shard, Message::Batch(items));
         acks
     }
 
-    async fn dispatch(&self, shard: u32, message: Message) {
-        let mut shards = self.shards.lock().await;
+    fn dispatch(&self, shard: u32, message: Message) {
+        let mut shards = self.shards.lock().expect("never poisoned");
         let tx = shards.entry(shard).or_insert_with(|| {
             let (tx, rx) = mpsc::unbounded_channel();
             tokio::spawn(ShardTask::new(shard, self.shared.clone()).run(rx));
@@ -262,7 +268,7 @@ impl Producer {
     /// is acknowledged or has failed.
     pub async fn flush(&self) {
         let waits: Vec<_> = {
-            let shards = self.shards.lock().await;
+            let shards = self.shards.lock().expect("never poisoned");
             shards
                 .values()
                 .filter_map(|tx| {
@@ -371,40 +377,35 @@ impl ShardTask {
         let mut receiving = true;
         let mut tick = tokio::time::interval(Duration::from_millis(20));
         loop {
-            let linger_until = self.open_since.map(|t| t + config.linger);
+            // An open batch lingers only while it could be sent: with every
+            // pipeline slot busy it stays open and keeps taking records (as
+            // a Kafka producer's batch does until its sender drains it).
+            let linger_until = self.open_since.filter(|_| self.has_room()).map(|t| t + config.linger);
             tokio::select! {
-                message = rx.recv(), if receiving => match message {
-                    Some(Message::Record(item)) => self.take(item),
-                    Some(Message::Batch(items)) => {
-                        self.close_batch();
-                        for item in items {
-                            self.open_bytes += item.key.len() + item.payload.len();
-                            self.open.push(item);
-                        }
-                        self.close_batch();
-                        if let Some(status) = self.fenced.clone() {
-                            for batch in self.queue.drain(..) {
-                                batch.fail(ProduceError::Refused(status.clone()));
-                            }
+                message = rx.recv(), if receiving => {
+                    receiving = self.receive(message);
+                    // Everything already queued joins the open batch before
+                    // it can be sent: callers woken together by one answer
+                    // send together.
+                    while receiving {
+                        match rx.try_recv() {
+                            Ok(message) => receiving = self.receive(Some(message)),
+                            Err(mpsc::error::TryRecvError::Empty) => break,
+                            Err(mpsc::error::TryRecvError::Disconnected) => receiving = self.receive(None),
                         }
                     }
-                    Some(Message::Flush(done)) => {
-                        self.close_batch();
-                        self.flushes.push(done);
-                    }
-                    None => {
-                        receiving = false;
-                        self.close_batch();
-                    }
-                },
+                }
                 Some((generation, sequence, outcome)) = self.in_flight.next(), if !self.in_flight.is_empty() => {
                     self.answered(generation, sequence, outcome);
                 }
                 _ = sleep_until(linger_until), if linger_until.is_some() => self.close_batch(),
                 _ = tick.tick() => self.check_deadlines(),
             }
-            if self.in_flight.is_empty() && !self.open.is_empty() {
-                // Nothing in flight: a lone record never waits.
+            let lingered = self.open_since.is_some_and(|t| t + config.linger <= Instant::now());
+            if !self.open.is_empty() && (self.in_flight.is_empty() || (lingered && self.has_room())) {
+                // Nothing in flight: a lone record never waits. A linger
+                // already over (a zero one, say) is not left to the timer,
+                // which would round it up to its next millisecond.
                 self.close_batch();
             }
             self.settle().await;
@@ -418,6 +419,50 @@ impl ShardTask {
                 }
             }
         }
+    }
+
+    /// Takes one message from the callers (`None`: every caller is gone);
+    /// returns whether to go on receiving.
+    fn receive(&mut self, message: Option<Message>) -> bool {
+        match message {
+            Some(Message::Record(item)) => self.take(item),
+            Some(Message::Batch(items)) => {
+                self.close_batch();
+                for item in items {
+                    self.open_bytes += item.key.len() + item.payload.len();
+                    self.open.push(item);
+                }
+                self.close_batch();
+                if let Some(status) = self.fenced.clone() {
+                    for batch in self.queue.drain(..) {
+                        batch.fail(ProduceError::Refused(status.clone()));
+                    }
+                }
+            }
+            Some(Message::Flush(done)) => {
+                self.close_batch();
+                self.flushes.push(done);
+            }
+            None => {
+                self.close_batch();
+                return false;
+            }
+        }
+        true
+    }
+
+    /// Whether a batch closed now would be sent at once: nothing waits in
+    /// the queue (a retry, a batch the pipeline had no room for) and fewer
+    /// than `in_flight` batches travel.
+    fn has_room(&self) -> bool {
+        let mut in_flight = 0;
+        for batch in &self.queue {
+            if batch.sent_on != Some(self.generation) {
+                return false;
+            }
+            in_flight += 1;
+        }
+        self.repair.is_none() && in_flight < self.shared.config.in_flight
     }
 
     fn take(&mut self, item: Item) {
