@@ -17,6 +17,7 @@ fn colour(system: &str) -> RGBColor {
     match system {
         "walship-quorum" => RGBColor(0x1f, 0x77, 0xb4),
         crate::report::WALSHIP_UNARY => RGBColor(0x8c, 0x56, 0x4b),
+        crate::report::WALSHIP_BATCHED => RGBColor(0xe3, 0x77, 0xc2),
         "walship-all" => RGBColor(0x17, 0xbe, 0xcf),
         crate::report::WALSHIP_PRODUCER => RGBColor(0x94, 0x67, 0xbd),
         "jetstream-r3" => RGBColor(0x2c, 0xa0, 0x2c),

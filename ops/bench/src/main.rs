@@ -30,6 +30,8 @@ enum SystemKind {
     WalshipQuorum,
     /// `walship-quorum` with every client calling the unary `Log.Append`.
     WalshipUnary,
+    /// `walship-quorum` with the clients sharing one batching producer.
+    WalshipBatched,
     WalshipAll,
     /// `walship-quorum` with every client an exactly-once producer session.
     WalshipQuorumProducer,
@@ -44,9 +46,10 @@ enum SystemKind {
 }
 
 impl SystemKind {
-    const ALL: [SystemKind; 8] = [
+    const ALL: [SystemKind; 9] = [
         SystemKind::WalshipQuorum,
         SystemKind::WalshipUnary,
+        SystemKind::WalshipBatched,
         SystemKind::WalshipAll,
         SystemKind::WalshipQuorumProducer,
         SystemKind::Jetstream,
@@ -60,6 +63,7 @@ impl SystemKind {
         match self {
             SystemKind::WalshipQuorum
             | SystemKind::WalshipUnary
+            | SystemKind::WalshipBatched
             | SystemKind::WalshipAll
             | SystemKind::WalshipQuorumProducer
             | SystemKind::WalshipQuorumBaseline => "walship",
@@ -73,6 +77,7 @@ impl SystemKind {
         match self {
             SystemKind::WalshipQuorum => "walship-quorum",
             SystemKind::WalshipUnary => report::WALSHIP_UNARY,
+            SystemKind::WalshipBatched => report::WALSHIP_BATCHED,
             SystemKind::WalshipAll => "walship-all",
             SystemKind::WalshipQuorumProducer => report::WALSHIP_PRODUCER,
             SystemKind::Jetstream => "jetstream-r3",
@@ -93,6 +98,7 @@ impl SystemKind {
         !matches!(
             self,
             SystemKind::WalshipUnary
+                | SystemKind::WalshipBatched
                 | SystemKind::WalshipAll
                 | SystemKind::WalshipQuorumProducer
                 | SystemKind::JetstreamDedupe
@@ -110,7 +116,9 @@ struct Args {
     #[arg(long, default_value = "ops/bench/results")]
     out: PathBuf,
     /// Systems, in the order they take turns. `walship-unary` is
-    /// `walship-quorum` through the unary `Log.Append`, one record per call.
+    /// `walship-quorum` through the unary `Log.Append`, one record per call;
+    /// `walship-batched` is `walship-quorum` with the clients sharing one
+    /// batching producer, each waiting for its own record.
     /// `walship-quorum-producer` and `jetstream-dedupe` (the cost of
     /// deduplication beside `walship-quorum` and `jetstream`) are not in the
     /// default, which they would lengthen by half.
@@ -118,7 +126,7 @@ struct Args {
         long,
         value_enum,
         value_delimiter = ',',
-        default_value = "walship-quorum,walship-unary,walship-all,jetstream,postgres"
+        default_value = "walship-quorum,walship-unary,walship-batched,walship-all,jetstream,postgres"
     )]
     systems: Vec<SystemKind>,
     /// Record payload sizes in bytes.
@@ -258,6 +266,12 @@ async fn start(kind: SystemKind, dir: &Path, args: &Args, phase: Phase) -> Resul
                 walship::start_cluster(&data, &walship_bin, Durability::Quorum, default_timeouts, node_flags, |_| {})
                     .await?;
             Ok(Box::new(cluster.with_unary()))
+        }
+        SystemKind::WalshipBatched => {
+            let cluster =
+                walship::start_cluster(&data, &walship_bin, Durability::Quorum, default_timeouts, node_flags, |_| {})
+                    .await?;
+            Ok(Box::new(cluster.with_batching()))
         }
         SystemKind::WalshipAll => {
             walship::start(&data, &walship_bin, Durability::All, default_timeouts, node_flags).await

@@ -12,6 +12,9 @@ pub const BASELINE: &str = "walship-quorum-baseline";
 /// `walship-quorum` with every client calling the unary `Log.Append`, one
 /// record per call.
 pub const WALSHIP_UNARY: &str = "walship-unary";
+/// `walship-quorum` with the clients sharing one batching producer, each
+/// still waiting for its own record's acknowledgement.
+pub const WALSHIP_BATCHED: &str = "walship-batched";
 /// Its targets ("Fast for every client"): at 64 clients at least this many
 /// times JetStream R3's and PostgreSQL's records/s; at one client (100 B) a
 /// p50 within this many raw 4 KiB fdatasync p50s and at least this many
@@ -19,6 +22,10 @@ pub const WALSHIP_UNARY: &str = "walship-unary";
 pub const UNARY_MIN_RATIO_64: f64 = 2.5;
 pub const UNARY_MAX_P50_VS_FDATASYNC: f64 = 1.5;
 pub const UNARY_MIN_RATIO_1: f64 = 1.5;
+/// The pipelined target: at 64 clients and 100 B, `walship-quorum`
+/// (`Log.AppendStream`) and `walship-batched` (the producer) at least this
+/// many times JetStream R3's and PostgreSQL's records/s.
+pub const PIPELINED_MIN_RATIO_64: f64 = 5.0;
 
 /// `walship-quorum` with every client an exactly-once producer session.
 pub const WALSHIP_PRODUCER: &str = "walship-quorum-producer";
@@ -361,10 +368,12 @@ impl Report {
             let _ = write!(header, " walship-quorum ÷ {peer} |");
             rule.push_str("---:|");
         }
-        let unary = systems.iter().any(|s| s == WALSHIP_UNARY);
-        if unary {
+        // The walship variants in the run, each with its own ratio columns.
+        let variants: Vec<&str> =
+            [WALSHIP_UNARY, WALSHIP_BATCHED].into_iter().filter(|v| systems.iter().any(|s| s == v)).collect();
+        for variant in &variants {
             for peer in &peers {
-                let _ = write!(header, " {WALSHIP_UNARY} ÷ {peer} |");
+                let _ = write!(header, " {variant} ÷ {peer} |");
                 rule.push_str("---:|");
             }
         }
@@ -390,9 +399,9 @@ impl Report {
                     None => write!(row, " – |"),
                 };
             }
-            if unary {
+            for variant in &variants {
                 for peer in &peers {
-                    let _ = match self.ratio(WALSHIP_UNARY, peer, size, clients) {
+                    let _ = match self.ratio(variant, peer, size, clients) {
                         Some(r) => write!(row, " {r:.2}× |"),
                         None => write!(row, " – |"),
                     };
@@ -511,7 +520,42 @@ impl Report {
                 let _ = writeln!(out, "- {target}");
             }
         }
+        let pipelined = self.pipelined_targets();
+        if !pipelined.is_empty() {
+            let _ = writeln!(out);
+            let _ = writeln!(
+                out,
+                "**Pipelined targets** (`walship-quorum`: one record per `Log.AppendStream` message; \
+                 `{WALSHIP_BATCHED}`: the clients share a batching producer)"
+            );
+            let _ = writeln!(out);
+            for target in pipelined {
+                let _ = writeln!(out, "- {target}");
+            }
+        }
         out
+    }
+
+    /// The pipelined targets (100 B, 64 clients) of `walship-quorum` and
+    /// `walship-batched`, each with its measured figure and verdict (empty
+    /// when `walship-batched` did not run).
+    pub fn pipelined_targets(&self) -> Vec<String> {
+        if !self.cells.iter().any(|c| c.system == WALSHIP_BATCHED) {
+            return Vec::new();
+        }
+        let verdict = |met: bool| if met { "met" } else { "NOT met" };
+        let mut lines = Vec::new();
+        for system in ["walship-quorum", WALSHIP_BATCHED] {
+            for peer in ["jetstream-r3", "postgres-sync"] {
+                if let Some(r) = self.ratio(system, peer, 100, 64) {
+                    lines.push(format!(
+                        "100 B, 64 clients: {system} ÷ {peer} = {r:.3}× (target ≥ {PIPELINED_MIN_RATIO_64}×: {})",
+                        verdict(r >= PIPELINED_MIN_RATIO_64)
+                    ));
+                }
+            }
+        }
+        lines
     }
 
     /// `walship-unary`'s targets, each with its measured figure and verdict
@@ -839,6 +883,37 @@ mod tests {
         assert!(md.contains("**Unary targets**"), "{md}");
         assert!(md.contains(&format!("- {}", targets[0])), "{md}");
         assert_eq!(r.targets(), report().targets(), "the issue 6 targets stay walship-quorum's");
+    }
+
+    #[test]
+    fn the_batched_system_gets_its_ratio_columns_and_the_pipelined_targets() {
+        assert!(report().pipelined_targets().is_empty());
+        assert!(!report().markdown().contains("Pipelined targets"));
+        let mut r = report();
+        r.cells.push(cell(WALSHIP_BATCHED, 100, 64, 60_000.0));
+        let md = r.markdown();
+        assert!(
+            md.contains(
+                "| record B | clients | walship-quorum | jetstream-r3 | postgres-sync | walship-batched | \
+                 walship-quorum ÷ jetstream-r3 | walship-quorum ÷ postgres-sync | \
+                 walship-batched ÷ jetstream-r3 | walship-batched ÷ postgres-sync | walship-quorum ÷ disk limit |"
+            ),
+            "{md}"
+        );
+        assert!(
+            md.contains("| 100 | 64 | 30000 | 10000 | 12000 | 60000 | 3.00× | 2.50× | 6.00× | 5.00× | 0.100 |"),
+            "{md}"
+        );
+        assert_eq!(
+            r.pipelined_targets(),
+            [
+                "100 B, 64 clients: walship-quorum ÷ jetstream-r3 = 3.000× (target ≥ 5×: NOT met)",
+                "100 B, 64 clients: walship-quorum ÷ postgres-sync = 2.500× (target ≥ 5×: NOT met)",
+                "100 B, 64 clients: walship-batched ÷ jetstream-r3 = 6.000× (target ≥ 5×: met)",
+                "100 B, 64 clients: walship-batched ÷ postgres-sync = 5.000× (target ≥ 5×: met)",
+            ]
+        );
+        assert!(md.contains("**Pipelined targets**"), "{md}");
     }
 
     #[test]

@@ -17,6 +17,13 @@
 //! [`WalshipCluster::with_producers`] makes every client an exactly-once
 //! producer session of its own (`walship-quorum-producer`): the same cluster,
 //! shard and connections, each append carrying `AppendRequest.producer`.
+//!
+//! [`WalshipCluster::with_batching`] has the clients share one
+//! [`walship_client::Producer`] (`walship-batched`), as the threads of a
+//! process share a Kafka producer: each client still sends one record and
+//! waits for that record's acknowledgement before its next, and the
+//! producer batches what the clients send while its earlier batches are in
+//! flight ([`BATCHING`]).
 
 use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
@@ -28,9 +35,11 @@ use std::time::{Duration, Instant};
 use anyhow::{Context, Result, bail};
 use async_trait::async_trait;
 use bytes::Bytes;
+use futures::future::BoxFuture;
 use rand::Rng;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tonic::transport::{Channel, Endpoint};
+use walship_client::{Connect, ConnectError, ProducerConfig};
 use walship_proto::log::log_client::LogClient;
 use walship_proto::log::{AppendRecord, AppendRequest, Durability, Producer};
 use walship_proto::pipeline::AppendPipeline;
@@ -57,13 +66,43 @@ pub struct WalshipCluster {
     servers: Vec<Server>,
     /// The coordinator's process and admin address.
     coordinator: (Server, SocketAddr),
-    /// Every client of [`Cluster::appenders`] appends as its own producer
-    /// session ([`Self::with_producers`]).
-    producers: bool,
-    /// Every client of [`Cluster::appenders`] calls the unary `Log.Append`
-    /// ([`Self::with_unary`]).
-    unary: bool,
+    /// How the clients of [`Cluster::appenders`] append.
+    clients: Clients,
 }
+
+/// How the clients of [`Cluster::appenders`] append.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Clients {
+    /// One record per append on their connection's `Log.AppendStream`.
+    Stream,
+    /// The same, each client an exactly-once producer session of its own
+    /// ([`WalshipCluster::with_producers`]).
+    Sessions,
+    /// One record per unary `Log.Append` call ([`WalshipCluster::with_unary`]).
+    Unary,
+    /// One record at a time through a producer they share
+    /// ([`WalshipCluster::with_batching`]).
+    Batched,
+}
+
+/// The shared producer of `walship-batched`: a batch goes out as soon as one
+/// of the shard's `in_flight` pipeline slots is free (no linger), holding
+/// every record the clients sent while all the slots were busy. So a lone
+/// client's record goes at once, and under load the batches grow with the
+/// number of clients waiting; the durability is the cluster's.
+pub const BATCHING: ProducerConfig = ProducerConfig {
+    durability: Durability::Quorum,
+    linger: Duration::ZERO,
+    batch_records: 1_000,
+    batch_bytes: 1 << 20,
+    buffer_bytes: 64 << 20,
+    in_flight: 16,
+    deadline: Duration::from_secs(30),
+    request_timeout: Duration::from_secs(5),
+    id: None,
+    epoch: None,
+    max_request_bytes: 32 << 20,
+};
 
 /// Leader loss timeout for throughput cells. The default (200 ms, kept for
 /// the failover measurement) is for machines whose nodes have cores of their
@@ -154,8 +193,7 @@ pub async fn start_cluster(
         tokio::task::block_in_place(|| wait_for_port(*addr, Duration::from_secs(30), server))?;
     }
     let leader = config.shards[0].leader as usize - 1;
-    let cluster =
-        WalshipCluster { durability, nodes, admins, leader, servers, coordinator, producers: false, unary: false };
+    let cluster = WalshipCluster { durability, nodes, admins, leader, servers, coordinator, clients: Clients::Stream };
     cluster.wait_ready().await?;
     Ok(cluster)
 }
@@ -172,7 +210,7 @@ impl WalshipCluster {
     /// of each acknowledged append) on the same shard and connections as
     /// without. Failover appenders stay plain.
     pub fn with_producers(mut self) -> WalshipCluster {
-        self.producers = true;
+        self.clients = Clients::Sessions;
         self
     }
 
@@ -180,7 +218,15 @@ impl WalshipCluster {
     /// `Log.Append`, one record and one call outstanding at a time, over the
     /// same connections as the pipelined clients (no `AppendStream`).
     pub fn with_unary(mut self) -> WalshipCluster {
-        self.unary = true;
+        self.clients = Clients::Unary;
+        self
+    }
+
+    /// Makes the clients of [`Cluster::appenders`] share one producer
+    /// ([`BATCHING`], one connection to the leader), each sending one record
+    /// and waiting for its acknowledgement before the next.
+    pub fn with_batching(mut self) -> WalshipCluster {
+        self.clients = Clients::Batched;
         self
     }
 
@@ -263,11 +309,29 @@ impl Cluster for WalshipCluster {
         // enough to start that it failed over before the first append.
         let leader = self.recorded_leader(self.coordinator.1).await?;
         let addr = *self.nodes.get(leader.wrapping_sub(1)).with_context(|| format!("no node {leader}"))?;
+        if self.clients == Clients::Batched {
+            // The leader first: the producer tries the servers in turn.
+            let mut servers = vec![addr.to_string()];
+            servers.extend(self.nodes.iter().filter(|a| **a != addr).map(ToString::to_string));
+            let connect: Connect = Arc::new(|server: String| -> BoxFuture<'static, Result<_, ConnectError>> {
+                Box::pin(async move {
+                    let addr = server.parse::<SocketAddr>().map_err(|e| Arc::new(e) as ConnectError)?;
+                    connect(addr)
+                        .await
+                        .map_err(|e| Arc::from(Box::<dyn std::error::Error + Send + Sync>::from(e)) as ConnectError)
+                })
+            });
+            let config = ProducerConfig { durability: self.durability, ..BATCHING };
+            let producer = Arc::new(walship_client::Producer::new(servers, connect, config));
+            return Ok((0..clients)
+                .map(|_| Arc::new(BatchedAppender { producer: producer.clone() }) as Arc<dyn Appender>)
+                .collect());
+        }
         let mut connections = Vec::new();
         for _ in 0..clients.clamp(1, MAX_CONNECTIONS) {
             connections.push(connect(addr).await?);
         }
-        if self.unary {
+        if self.clients == Clients::Unary {
             return Ok((0..clients)
                 .map(|i| {
                     let client = connections[i % connections.len()].clone();
@@ -282,7 +346,7 @@ impl Cluster for WalshipCluster {
         Ok((0..clients)
             .map(|i| {
                 let pipeline = pipelines[i % pipelines.len()].clone();
-                let producer = self.producers.then(ProducerSession::new);
+                let producer = (self.clients == Clients::Sessions).then(ProducerSession::new);
                 Arc::new(WalshipAppender { pipeline, durability: self.durability, producer }) as Arc<dyn Appender>
             })
             .collect())
@@ -390,6 +454,25 @@ impl Appender for UnaryAppender {
             .append(request(payload, self.durability))
             .await
             .map_err(|s| anyhow::anyhow!("walship unary append: {s}"))?;
+        Ok(())
+    }
+}
+
+/// One client sending through the producer its process shares, one record
+/// at a time (`walship-batched`).
+struct BatchedAppender {
+    producer: Arc<walship_client::Producer>,
+}
+
+#[async_trait]
+impl Appender for BatchedAppender {
+    async fn append(&self, payload: Bytes) -> Result<()> {
+        let acked = self.producer.send(1, Bytes::new(), payload).await.await?;
+        // Every record is sent once: an answer naming it a duplicate would
+        // mean a record the benchmark counts was not written by this send.
+        if acked.duplicate || acked.shard != 1 {
+            bail!("walship producer answered {acked:?} for a new record of shard 1");
+        }
         Ok(())
     }
 }

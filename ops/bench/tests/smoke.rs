@@ -43,7 +43,8 @@ fn smoke_run_measures_every_system_and_leaves_nothing_running() {
     assert!(run.status.success(), "walship-compare --smoke failed:\n{stderr}");
 
     let report: serde_json::Value = serde_json::from_slice(&std::fs::read(out.join("compare.json")).unwrap()).unwrap();
-    let systems = ["walship-quorum", "walship-unary", "walship-all", "jetstream-r3", "postgres-sync"];
+    let systems =
+        ["walship-quorum", "walship-unary", "walship-batched", "walship-all", "jetstream-r3", "postgres-sync"];
     let cells = report["cells"].as_array().unwrap();
     let measured: Vec<&str> = cells.iter().map(|c| c["system"].as_str().unwrap()).collect();
     assert_eq!(measured, systems, "one closed-loop cell per system, in the default order");
@@ -66,8 +67,8 @@ fn smoke_run_measures_every_system_and_leaves_nothing_running() {
     assert!(report["baseline"]["fdatasync_4k_p99_us"].as_f64().unwrap() > 0.0);
 
     // One leader kill per system that fails over by itself; PostgreSQL
-    // says why it has none. walship-unary and walship-all fail over like
-    // walship-quorum and are not killed separately.
+    // says why it has none. walship-unary, walship-batched and walship-all
+    // fail over like walship-quorum and are not killed separately.
     let failover = report["failover"].as_array().unwrap();
     let row = |system: &str| {
         failover
@@ -83,7 +84,11 @@ fn smoke_run_measures_every_system_and_leaves_nothing_running() {
     }
     assert!(row("postgres-sync")["trials_ms"].as_array().unwrap().is_empty());
     assert!(row("postgres-sync")["note"].as_str().unwrap().contains("no automatic failover"));
-    assert!(failover.iter().all(|r| r["system"] != "walship-all" && r["system"] != "walship-unary"));
+    assert!(
+        failover
+            .iter()
+            .all(|r| !["walship-all", "walship-unary", "walship-batched"].contains(&r["system"].as_str().unwrap()))
+    );
 
     let markdown = std::fs::read_to_string(out.join("compare.md")).unwrap();
     for system in systems {
@@ -94,6 +99,8 @@ fn smoke_run_measures_every_system_and_leaves_nothing_running() {
     assert!(markdown.contains("| walship-unary | 100 | 4 |"), "no walship-unary row in every cell:\n{markdown}");
     assert!(markdown.contains("walship-unary ÷ jetstream-r3"), "{markdown}");
     assert!(markdown.contains("walship-unary ÷ postgres-sync"), "{markdown}");
+    assert!(markdown.contains("| walship-batched | 100 | 4 |"), "no walship-batched row in every cell:\n{markdown}");
+    assert!(markdown.contains("walship-batched ÷ jetstream-r3"), "{markdown}");
     assert!(markdown.contains("Write unavailability when the leader is killed"), "{markdown}");
     let png = std::fs::read(out.join("compare.png")).unwrap();
     assert_eq!(&png[..8], b"\x89PNG\r\n\x1a\n", "compare.png is not a PNG");
