@@ -85,7 +85,8 @@ impl PeerServe {
 #[serde(default, deny_unknown_fields)]
 pub struct WalTuning {
     /// Microseconds the WAL's persister may wait for appenders it just woke
-    /// before committing a smaller batch.
+    /// before committing a smaller batch (not for a leader's `QUORUM`/`ALL`
+    /// appends with followers; see `walship_wal::WalConfig::linger`).
     pub linger_us: u64,
     /// Bytes after which one group commit stops taking appends; appenders
     /// also wait while this much is sequenced and not yet durable.

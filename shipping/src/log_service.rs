@@ -368,9 +368,13 @@ impl LogService {
         let replica = replica.clone();
         self.metrics.append_batch_records.observe(req.records.len() as f64);
         let records = req.records.into_iter().map(|r| NewRecord { key: r.key, payload: r.payload }).collect();
+        // Answered by the local commit only at LOCAL or as the one voter;
+        // otherwise the WAL does not linger for this appender.
+        let alone = replica.members.lock().voters.len() == 1;
         let options = AppendOptions {
             producer: req.producer.map(|p| ProducerStamp { id: p.id, epoch: p.epoch, sequence: p.sequence }),
             expected_last: req.expected_last_seqno,
+            answered_later: durability != Durability::Local && !alone,
         };
         let outcome = self
             .wal

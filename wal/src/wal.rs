@@ -92,6 +92,11 @@ pub struct AppendOptions {
     pub producer: Option<ProducerStamp>,
     /// Written only if the shard's newest seqno is exactly this.
     pub expected_last: Option<u64>,
+    /// The caller is answered only after more than this replica's commit
+    /// (a `QUORUM` or `ALL` append waiting for followers): the persister
+    /// does not linger for such appenders ([`WalConfig::linger`]), since
+    /// the commit that covers them does not send them back.
+    pub answered_later: bool,
 }
 
 /// What [`Wal::append_with`] did.
@@ -229,8 +234,14 @@ pub struct WalConfig {
     pub max_batch_bytes: usize,
     /// How long the persister may wait for the appenders it just woke to
     /// append again before it commits a smaller batch. It waits only while
-    /// fewer appends are staged than the previous commit carried, so a lone
-    /// appender never waits.
+    /// fewer such appends are staged than the previous commit carried, so a
+    /// lone appender never waits. A leader's appends with
+    /// [`AppendOptions::answered_later`] do not count: their callers wait
+    /// for followers after the commit, so it does not send them back. A
+    /// follower's replicated frames do: its leader keeps shipping while it
+    /// commits, and a follower that gathers more of them per fsync keeps a
+    /// disk-bound load at the disk's pace (`ops/bench/RESULTS.md`, "The
+    /// WAL lingers only for appenders its commit answers").
     pub linger: Duration,
     /// Bytes of each shard's newest written frames kept in memory at most,
     /// so the readers at the head of the log (shippers, tails, short

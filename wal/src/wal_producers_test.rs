@@ -10,7 +10,7 @@ fn records(n: usize) -> Vec<NewRecord> {
 }
 
 fn as_producer(id: u64, epoch: u64, sequence: u64) -> AppendOptions {
-    AppendOptions { producer: Some(ProducerStamp { id, epoch, sequence }), expected_last: None }
+    AppendOptions { producer: Some(ProducerStamp { id, epoch, sequence }), ..AppendOptions::default() }
 }
 
 fn config() -> WalConfig {
@@ -84,7 +84,7 @@ async fn of_racing_conditional_appends_exactly_one_wins() {
     for _ in 0..16 {
         let wal = wal.clone();
         racers.push(tokio::spawn(async move {
-            let options = AppendOptions { producer: None, expected_last: Some(4) };
+            let options = AppendOptions { expected_last: Some(4), ..AppendOptions::default() };
             wal.append_with(1, 1, records(1), options).await
         }));
     }
@@ -100,7 +100,7 @@ async fn of_racing_conditional_appends_exactly_one_wins() {
         }
     }
     assert_eq!((won, last(&wal)), (1, 5));
-    let empty = AppendOptions { producer: None, expected_last: Some(0) };
+    let empty = AppendOptions { expected_last: Some(0), ..AppendOptions::default() };
     wal.create_shard(2).unwrap();
     assert!(wal.append_with(2, 1, records(1), empty).await.is_ok(), "0 expects an empty shard");
 }

@@ -55,13 +55,33 @@ async fn many_appenders_get_contiguous_seqnos(store: Arc<dyn LogStore>) {
 struct GatedSync {
     inner: MemStore,
     gate: parking_lot::Mutex<std::sync::mpsc::Receiver<()>>,
+    /// Syncing appends that have reached the gate.
+    held: std::sync::atomic::AtomicUsize,
+}
+
+impl GatedSync {
+    /// Waits (up to 10 s) until `n` syncing appends have reached the gate.
+    async fn wait_held(&self, n: usize) {
+        let reached = async {
+            while self.held.load(std::sync::atomic::Ordering::SeqCst) < n {
+                tokio::time::sleep(Duration::from_millis(1)).await;
+            }
+        };
+        tokio::time::timeout(Duration::from_secs(10), reached).await.unwrap_or_else(|_| {
+            panic!("{} commits reached the store, not {n}", self.held.load(std::sync::atomic::Ordering::SeqCst))
+        });
+    }
 }
 
 /// A WAL with shard 1 over a [`GatedSync`] store, the store, and the
 /// sender that lets one held commit through per message.
 fn gated(config: WalConfig, metrics: WalMetrics) -> (Wal, Arc<GatedSync>, std::sync::mpsc::Sender<()>) {
     let (open, gate) = std::sync::mpsc::channel();
-    let store = Arc::new(GatedSync { inner: MemStore::new(), gate: parking_lot::Mutex::new(gate) });
+    let store = Arc::new(GatedSync {
+        inner: MemStore::new(),
+        gate: parking_lot::Mutex::new(gate),
+        held: std::sync::atomic::AtomicUsize::new(0),
+    });
     let wal = Wal::start(store.clone(), config, metrics).unwrap();
     wal.create_shard(1).unwrap();
     (wal, store, open)
@@ -84,6 +104,7 @@ impl LogStore for GatedSync {
         sync: bool,
     ) -> crate::store::StoreResult<()> {
         if sync {
+            self.held.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
             self.gate.lock().recv().expect("the test holds the gate");
         }
         self.inner.append_with_snapshots(batch, snapshots, sync)
@@ -153,6 +174,67 @@ async fn written_is_published_before_the_fsync_and_the_next_batch_is_sequenced_d
     assert_eq!((*durable.borrow(), *written.borrow()), (5, 5));
     assert_eq!(store.inner.bounds(1).unwrap().last_seqno, 5);
     drop(open);
+}
+
+/// A WAL lingering up to a minute, after two commits: the first holds one
+/// append, the second the two staged while the first was held; every
+/// append made with `options`. Returns the WAL, its store and its gate.
+async fn after_a_commit_of_two(options: AppendOptions) -> (Wal, Arc<GatedSync>, std::sync::mpsc::Sender<()>) {
+    let config = WalConfig { linger: Duration::from_secs(60), ..WalConfig::default() };
+    let (wal, store, open) = gated(config, WalMetrics::unregistered());
+    let append = |wal: &Wal| {
+        let wal = wal.clone();
+        tokio::spawn(async move { wal.append_with(1, 1, records(1), options).await })
+    };
+    let first = append(&wal);
+    store.wait_held(1).await;
+    let (second, third) = (append(&wal), append(&wal));
+    wal.written_watch(1).unwrap().wait_for(|w| *w == 3).await.unwrap();
+    open.send(()).unwrap();
+    first.await.unwrap().unwrap();
+    store.wait_held(2).await;
+    open.send(()).unwrap();
+    let (second, third) = (second.await.unwrap().unwrap(), third.await.unwrap().unwrap());
+    assert_eq!((second.appended.last_seqno, third.appended.last_seqno), (2, 3), "one commit held both");
+    (wal, store, open)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_persister_lingers_for_the_appenders_its_commit_answered() {
+    let (wal, store, open) = after_a_commit_of_two(AppendOptions::default()).await;
+    // The previous commit answered two appenders: a lone append waits for
+    // the second instead of committing alone...
+    let fourth = tokio::spawn({
+        let wal = wal.clone();
+        async move { wal.append(1, 1, records(1)).await }
+    });
+    wal.written_watch(1).unwrap().wait_for(|w| *w == 4).await.unwrap();
+    let fifth = tokio::spawn({
+        let wal = wal.clone();
+        async move { wal.append(1, 1, records(1)).await }
+    });
+    // ... and both go in one commit.
+    store.wait_held(3).await;
+    open.send(()).unwrap();
+    assert_eq!(fourth.await.unwrap().unwrap().last_seqno, 4);
+    assert_eq!(fifth.await.unwrap().unwrap().last_seqno, 5);
+    assert_eq!(store.held.load(std::sync::atomic::Ordering::SeqCst), 3, "the fourth never committed alone");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_persister_does_not_linger_for_appenders_answered_later() {
+    // A QUORUM leader's appends: their callers wait for followers after the
+    // commit, so the commit does not send them back.
+    let later = AppendOptions { answered_later: true, ..AppendOptions::default() };
+    let (wal, store, open) = after_a_commit_of_two(later).await;
+    let fourth = tokio::spawn({
+        let wal = wal.clone();
+        async move { wal.append_with(1, 1, records(1), later).await }
+    });
+    // Committed alone, at once (the linger is a minute).
+    store.wait_held(3).await;
+    open.send(()).unwrap();
+    assert_eq!(fourth.await.unwrap().unwrap().appended.last_seqno, 4);
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -40,6 +40,10 @@ pub(super) enum Staged {
 pub(super) struct Waiter {
     pub(super) reply: Reply,
     pub(super) appended: Appended,
+    /// The persister lingers for more appends like this one
+    /// (`WalConfig::linger`): answered by the commit, its caller may append
+    /// again at once.
+    pub(super) lingers: bool,
 }
 
 /// Staged frames per shard plus who waits on them: one commit.
@@ -48,6 +52,8 @@ struct Batch {
     parts: Vec<ShardAppend>,
     part_of: HashMap<ShardId, usize>,
     waiters: Vec<Waiter>,
+    /// Waiters the persister lingers for.
+    lingering: usize,
     records: usize,
     bytes: usize,
     barrier: Option<oneshot::Sender<()>>,
@@ -68,6 +74,7 @@ impl Batch {
                     self.parts.len() - 1
                 });
                 self.parts[index].frames.extend(frames);
+                self.lingering += usize::from(waiter.lingers);
                 self.waiters.push(waiter);
             }
             Staged::Barrier(done) => self.barrier = Some(done),
@@ -77,7 +84,7 @@ impl Batch {
 
 impl Persister {
     pub(super) fn run(self) {
-        let mut last_commit_appends = 1usize;
+        let mut last_commit_appends = 0usize;
         while let Ok(first) = self.rx.recv() {
             let mut batch = Batch::default();
             batch.take(first);
@@ -90,10 +97,10 @@ impl Persister {
             }
             // Linger for the appenders the previous commit woke, but never
             // for a lone appender, and never past a barrier.
-            if batch.waiters.len() < last_commit_appends && !self.config.linger.is_zero() {
+            if batch.lingering < last_commit_appends && !self.config.linger.is_zero() {
                 let deadline = Instant::now() + self.config.linger;
                 while batch.barrier.is_none()
-                    && batch.waiters.len() < last_commit_appends
+                    && batch.lingering < last_commit_appends
                     && batch.bytes < self.config.max_batch_bytes
                 {
                     match self.rx.recv_deadline(deadline) {
@@ -103,7 +110,7 @@ impl Persister {
                 }
             }
             if !batch.waiters.is_empty() {
-                last_commit_appends = batch.waiters.len();
+                last_commit_appends = batch.lingering;
             }
             let barrier = batch.barrier.take();
             self.commit(batch);

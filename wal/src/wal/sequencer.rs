@@ -115,7 +115,7 @@ impl Sequencer {
                 Frame::encode_stamped(fields, stamp)
             })
             .collect();
-        Ok(self.stage(shard, frames, true).map(|durable| match prefix_first {
+        Ok(self.stage(shard, frames, true, !options.answered_later).map(|durable| match prefix_first {
             Some(first) => Sequenced::Prefixed(first, durable),
             None => Sequenced::Staged(durable),
         }))
@@ -126,7 +126,8 @@ impl Sequencer {
     pub(super) fn append_frames(&mut self, shard: ShardId, frames: Vec<Frame>) -> SequenceResult {
         let next = self.next_seqno(shard)?;
         crate::store::check_continues(shard, next, &frames)?;
-        Ok(self.stage(shard, frames, false).map(Sequenced::Staged))
+        // The persister lingers for replicated frames (see `WalConfig::linger`).
+        Ok(self.stage(shard, frames, false, true).map(Sequenced::Staged))
     }
 
     /// Applies staged frames to the shard's producer table and says which
@@ -188,12 +189,15 @@ impl Sequencer {
         changes
     }
 
-    /// Publishes contiguous, validated frames as written and stages them.
+    /// Publishes contiguous, validated frames as written and stages them;
+    /// the persister lingers for more like it if `lingers`
+    /// (`WalConfig::linger`).
     fn stage(
         &mut self,
         shard: ShardId,
         frames: Vec<Frame>,
         leader: bool,
+        lingers: bool,
     ) -> Option<oneshot::Receiver<WalResult<Appended>>> {
         let (Some(first), Some(last)) = (frames.first().map(Frame::seqno), frames.last().map(Frame::seqno)) else {
             unreachable!("appends are checked non-empty");
@@ -215,7 +219,7 @@ impl Sequencer {
         // cache, which may keep them for long, gets copies of its own.
         self.publish_written(shard, &frames, !leader);
         let (reply, durable) = oneshot::channel();
-        let waiter = Waiter { reply, appended: Appended { first_seqno: first, last_seqno: last } };
+        let waiter = Waiter { reply, appended: Appended { first_seqno: first, last_seqno: last }, lingers };
         // If the persister is gone the waiter is dropped with the message,
         // and the appender hears `Closed`.
         let _ = self.to_persister.send(Staged::Frames { shard, frames, waiter, snapshots });
