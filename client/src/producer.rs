@@ -65,7 +65,8 @@ pub type Connect = Arc<dyn Fn(String) -> BoxFuture<'static, Result<LogClient<Cha
 pub struct ProducerConfig {
     pub durability: Durability,
     /// How long a batch waits for more records while earlier batches of
-    /// its shard are in flight.
+    /// its shard are in flight and a pipeline slot is free. With every slot
+    /// busy it waits for one, whatever its linger, and keeps taking records.
     pub linger: Duration,
     /// A batch is sent once it holds this many records ...
     pub batch_records: usize,
