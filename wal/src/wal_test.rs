@@ -190,12 +190,23 @@ async fn after_a_commit_of_two(options: AppendOptions) -> (Wal, Arc<GatedSync>, 
     store.wait_held(1).await;
     let (second, third) = (append(&wal), append(&wal));
     wal.written_watch(1).unwrap().wait_for(|w| *w == 3).await.unwrap();
+    // An append is published as written before the sequencer hands it to
+    // the persister, under the sequencer's lock: an append refused under
+    // that lock (the log is not empty) returns only once the third is
+    // handed over, so the next commit cannot start without it.
+    let refused = AppendOptions { expected_last: Some(0), ..options };
+    assert!(wal.append_with(1, 1, records(1), refused).await.is_err());
     open.send(()).unwrap();
     first.await.unwrap().unwrap();
     store.wait_held(2).await;
     open.send(()).unwrap();
-    let (second, third) = (second.await.unwrap().unwrap(), third.await.unwrap().unwrap());
-    assert_eq!((second.appended.last_seqno, third.appended.last_seqno), (2, 3), "one commit held both");
+    // Both answered by that one commit (a third would wait at the gate).
+    let both = tokio::time::timeout(Duration::from_secs(10), async { (second.await, third.await) })
+        .await
+        .expect("the second commit held both staged appends");
+    let mut seqnos = [both.0.unwrap().unwrap().appended.last_seqno, both.1.unwrap().unwrap().appended.last_seqno];
+    seqnos.sort_unstable();
+    assert_eq!(seqnos, [2, 3]);
     (wal, store, open)
 }
 
