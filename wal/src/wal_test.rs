@@ -56,20 +56,16 @@ struct GatedSync {
     inner: MemStore,
     gate: parking_lot::Mutex<std::sync::mpsc::Receiver<()>>,
     /// Syncing appends that have reached the gate.
-    held: std::sync::atomic::AtomicUsize,
+    held: tokio::sync::watch::Sender<usize>,
 }
 
 impl GatedSync {
     /// Waits (up to 10 s) until `n` syncing appends have reached the gate.
     async fn wait_held(&self, n: usize) {
-        let reached = async {
-            while self.held.load(std::sync::atomic::Ordering::SeqCst) < n {
-                tokio::time::sleep(Duration::from_millis(1)).await;
-            }
-        };
-        tokio::time::timeout(Duration::from_secs(10), reached).await.unwrap_or_else(|_| {
-            panic!("{} commits reached the store, not {n}", self.held.load(std::sync::atomic::Ordering::SeqCst))
-        });
+        let mut held = self.held.subscribe();
+        if tokio::time::timeout(Duration::from_secs(10), held.wait_for(|h| *h >= n)).await.is_err() {
+            panic!("{} commits reached the store, not {n}", *self.held.borrow());
+        }
     }
 }
 
@@ -80,7 +76,7 @@ fn gated(config: WalConfig, metrics: WalMetrics) -> (Wal, Arc<GatedSync>, std::s
     let store = Arc::new(GatedSync {
         inner: MemStore::new(),
         gate: parking_lot::Mutex::new(gate),
-        held: std::sync::atomic::AtomicUsize::new(0),
+        held: tokio::sync::watch::Sender::new(0),
     });
     let wal = Wal::start(store.clone(), config, metrics).unwrap();
     wal.create_shard(1).unwrap();
@@ -104,7 +100,7 @@ impl LogStore for GatedSync {
         sync: bool,
     ) -> crate::store::StoreResult<()> {
         if sync {
-            self.held.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+            self.held.send_modify(|h| *h += 1);
             self.gate.lock().recv().expect("the test holds the gate");
         }
         self.inner.append_with_snapshots(batch, snapshots, sync)
@@ -229,7 +225,7 @@ async fn the_persister_lingers_for_the_appenders_its_commit_answered() {
     open.send(()).unwrap();
     assert_eq!(fourth.await.unwrap().unwrap().last_seqno, 4);
     assert_eq!(fifth.await.unwrap().unwrap().last_seqno, 5);
-    assert_eq!(store.held.load(std::sync::atomic::Ordering::SeqCst), 3, "the fourth never committed alone");
+    assert_eq!(*store.held.borrow(), 3, "the fourth never committed alone");
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
