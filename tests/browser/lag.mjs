@@ -33,7 +33,17 @@ try {
     }, null, { timeout: 90000 });
     const output = await page.textContent("#action-output");
     const table = mode === "catchup" ? "#catchups" : "#reseeds";
-    await page.waitForSelector(`${table} tbody tr[data-drill]`, { timeout: 10000 });
+    // The table is redrawn by the page's periodic refresh, which may lag the
+    // button's answer: wait until the drill's row shows the answered state.
+    const report = JSON.parse(output);
+    if (report.id) {
+      await page.waitForFunction(([sel, id, state]) => {
+        const r = document.querySelector(`${sel} tbody tr[data-drill="${id}"]`);
+        return r && r.cells[2] && r.cells[2].textContent.startsWith(state);
+      }, [table, report.id, report.state], { timeout: 10000 });
+    } else {
+      await page.waitForSelector(`${table} tbody tr[data-drill]`, { timeout: 10000 });
+    }
     const rows = await page.evaluate((sel) => Object.fromEntries([...document.querySelectorAll(sel)].map(r =>
       [r.dataset.drill, [...r.cells].map(c => c.textContent)])), `${table} tbody tr`);
     await page.screenshot({ path: shot, fullPage: true });
