@@ -536,7 +536,11 @@ impl ShardTask {
             Ok(response) => {
                 let batch = self.queue.remove(at).expect("found");
                 let n = batch.records.len() as u64;
-                let contiguous = response.last_seqno + 1 - response.first_seqno == n;
+                // A range of exactly the batch's records names each one's
+                // seqno; any other answer (a batch a failover cut in two,
+                // or a range that is none at all) leaves them unknown.
+                let contiguous = response.first_seqno > 0
+                    && response.last_seqno.checked_sub(response.first_seqno).map(|d| d + 1) == Some(n);
                 for (i, item) in batch.records.into_iter().enumerate() {
                     let seqno = if contiguous { response.first_seqno + i as u64 } else { 0 };
                     let acked =

@@ -128,7 +128,13 @@ fn outcome(answer: Option<Answer>) -> Result<AppendResponse, Status> {
     match answer {
         Some(Answer::Ok(response)) => Ok(response),
         Some(Answer::Failure(failure)) => Err(failure_status(failure)),
-        None => Err(Status::internal("the server answered an append with neither a response nor a failure")),
+        // Nothing says whether it was written: its outcome is unknown (an
+        // exactly-once client sends it again with the same sequence).
+        None => {
+            let mut status = Status::internal("the server answered an append with neither a response nor a failure");
+            crate::mark_outcome_unknown(&mut status);
+            Err(status)
+        }
     }
 }
 
@@ -161,5 +167,39 @@ pub fn append_failure(status: &Status) -> AppendFailure {
         outcome_unknown: crate::outcome_unknown(status),
         refusal: crate::refusal(status).unwrap_or_default().to_string(),
         last_seqno: crate::refused_last_seqno(status).unwrap_or(0),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn an_answer_with_neither_result_is_an_unknown_outcome() {
+        let status = outcome(None).unwrap_err();
+        assert_eq!(status.code(), Code::Internal);
+        assert!(crate::outcome_unknown(&status), "{status:?}");
+    }
+
+    #[test]
+    fn a_failure_becomes_the_unary_status_and_back() {
+        let failure = AppendFailure {
+            code: Code::FailedPrecondition as i32,
+            message: "not the leader".into(),
+            leader: "2@127.0.0.1:7001".into(),
+            outcome_unknown: false,
+            refusal: String::new(),
+            last_seqno: 0,
+        };
+        let status = outcome(Some(Answer::Failure(failure.clone()))).unwrap_err();
+        assert_eq!((status.code(), status.message()), (Code::FailedPrecondition, "not the leader"));
+        assert!(!crate::outcome_unknown(&status));
+        assert_eq!(append_failure(&status), failure);
+    }
+
+    #[test]
+    fn a_failure_with_a_code_grpc_does_not_define_is_unknown() {
+        let failure = AppendFailure { code: 999, message: "odd".into(), ..AppendFailure::default() };
+        assert_eq!(failure_status(failure).code(), Code::Unknown);
     }
 }

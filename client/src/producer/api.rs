@@ -78,8 +78,9 @@ pub struct Acked {
     pub shard: u32,
     /// Its seqno; 0 in the rare case of a batch a failover cut in two (its
     /// first part was written by a leader that then died, the rest by the
-    /// next): the batch's records are written, in order, but this one's
-    /// seqno is not known.
+    /// next), or of an answer whose seqno range does not hold exactly the
+    /// batch's records: the batch's records are written, in order, but
+    /// this one's seqno is not known.
     pub seqno: u64,
     /// The epoch of the leader that acknowledged it.
     pub epoch: u64,
