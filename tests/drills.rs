@@ -96,6 +96,11 @@ async fn catchup_drill_reports_rate_and_live_throughput() {
         let (code, refused) = cluster.coord_post(1, &format!("/v1/tasks/{id}/cancel"), "{}", Some(TOKEN)).await;
         assert_eq!((code, refused["error"]["code"].as_str()), (409, Some("not_cancellable")), "{refused}");
     }
+    // One drill per shard at a time (it measures for a second before it
+    // even pauses the follower, so it is still running here).
+    let (code, refused) = cluster.coord_post(1, "/v1/drills/failover", r#"{"shard": 1}"#, Some(TOKEN)).await;
+    assert_eq!((code, refused["error"]["code"].as_str()), (409, Some("drill_in_progress")), "{refused}");
+    assert!(refused["error"]["message"].as_str().unwrap().contains(&id), "names the running drill: {refused}");
     let mut report = serde_json::Value::Null;
     wait_until("the catch-up drill to finish", Duration::from_secs(90), || {
         let (_, r) = futures::executor::block_on(cluster.coord_get(1, &format!("/v1/drills/{id}")));
@@ -129,6 +134,63 @@ async fn catchup_drill_reports_rate_and_live_throughput() {
     let leader_last = cluster.status(1).await.unwrap()["shards"][0]["last_seqno"].as_u64().unwrap();
     let follower_durable = cluster.status(follower).await.unwrap()["shards"][0]["durable_seqno"].as_u64().unwrap();
     assert!(follower_durable >= leader_last - 1000, "follower {follower_durable} vs leader {leader_last}");
+}
+
+async fn append_quorum(grpc: &str) -> Result<u64, tonic::Status> {
+    let mut log = common::history::client(grpc).await.ok_or_else(|| tonic::Status::unavailable("no connection"))?;
+    let mut request = tonic::Request::new(walship_proto::log::AppendRequest {
+        shard_id: 1,
+        records: vec![walship_proto::log::AppendRecord {
+            key: Default::default(),
+            payload: bytes::Bytes::from_static(b"after the drill"),
+        }],
+        durability: walship_proto::log::Durability::Quorum as i32,
+        ..Default::default()
+    });
+    request.set_timeout(Duration::from_secs(2));
+    log.append(request).await.map(|r| r.into_inner().last_seqno)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_catch_up_drill_that_leaves_no_quorum_gives_up_and_resumes_its_follower() {
+    let mut cluster = Cluster::start_with(3, 1, 1, FAST, None);
+    cluster.wait_node_leads(1, 1, Duration::from_secs(30)).await;
+    // Node 2 dies: leader 1 and follower 3 still make a quorum, until the
+    // drill pauses 3.
+    cluster.node(2).kill9();
+    let grpc = cluster.node(1).grpc.clone();
+    wait_until("a QUORUM append with node 2 down", Duration::from_secs(30), || {
+        let grpc = grpc.clone();
+        async move { append_quorum(&grpc).await.is_ok() }
+    })
+    .await;
+    let body = r#"{"shard": 1, "follower": 3, "volume_bytes": 1048576, "record_bytes": 1024}"#;
+    let report = run_drill(&mut cluster, "/v1/drills/catchup", body).await;
+    assert_eq!(report["state"], "failed", "{report}");
+    let error = report["error"].as_str().unwrap();
+    assert!(error.contains("no append was acknowledged") && error.contains("the follower was resumed"), "{error}");
+    // Resumed: node 3 takes pushes again, so QUORUM appends are
+    // acknowledged again.
+    wait_until("a QUORUM append after the drill", Duration::from_secs(30), || {
+        let grpc = grpc.clone();
+        async move { append_quorum(&grpc).await.is_ok() }
+    })
+    .await;
+    // Its appenders stopped with it: the log does not grow any more.
+    let last = |s: serde_json::Value| s["shards"][0]["last_seqno"].as_u64().unwrap();
+    let before = last(cluster.status(1).await.unwrap());
+    tokio::time::sleep(Duration::from_secs(3)).await;
+    assert_eq!(last(cluster.status(1).await.unwrap()), before, "the failed drill's load kept appending");
+    // And the shard takes a drill again.
+    let (code, started) = cluster
+        .coord_post(
+            1,
+            "/v1/drills/catchup",
+            r#"{"shard": 1, "follower": 3, "volume_bytes": 1024, "record_bytes": 1024}"#,
+            Some(TOKEN),
+        )
+        .await;
+    assert_eq!(code, 202, "{started}");
 }
 
 /// Runs `walship drill corruption` with `args` against coordinator 1;

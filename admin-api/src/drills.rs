@@ -98,7 +98,7 @@ pub(crate) async fn start_drill<R: std::fmt::Debug, F: std::future::Future<Outpu
 #[utoipa::path(post, path = "/v1/drills/failover", tag = "drills", request_body = FailoverDrillRequest,
     security(("bearer" = [])), responses((status = 202, description = "started", body = DrillStarted),
         (status = 400, description = "malformed body", body = crate::models::ErrorBody), (status = 401, body = crate::models::ErrorBody), (status = 403, body = crate::models::ErrorBody),
-        (status = 404, description = "unknown shard", body = crate::models::ErrorBody), (status = 409, description = "the shard has no leader now (failover_in_progress), or the drill needs more than its headroom below replication.retain_bytes (drill_would_evict)", body = crate::models::ErrorBody), (status = 413, body = crate::models::ErrorBody),
+        (status = 404, description = "unknown shard", body = crate::models::ErrorBody), (status = 409, description = "another drill is running on the shard (drill_in_progress), the shard has no leader now (failover_in_progress), or the drill needs more than its headroom below replication.retain_bytes (drill_would_evict)", body = crate::models::ErrorBody), (status = 413, body = crate::models::ErrorBody),
         (status = 415, description = "not application/json", body = crate::models::ErrorBody),
         (status = 503, description = "not the active coordinator", body = crate::models::ErrorBody)))]
 pub(crate) async fn failover_drill(
@@ -113,7 +113,7 @@ pub(crate) async fn failover_drill(
 #[utoipa::path(post, path = "/v1/drills/catchup", tag = "drills", request_body = CatchupDrillRequest,
     security(("bearer" = [])), responses((status = 202, description = "started", body = DrillStarted),
         (status = 400, description = "malformed body", body = crate::models::ErrorBody), (status = 401, body = crate::models::ErrorBody), (status = 403, body = crate::models::ErrorBody),
-        (status = 404, description = "unknown shard", body = crate::models::ErrorBody), (status = 409, description = "the shard has no leader now (failover_in_progress), or the drill needs more than its headroom below replication.retain_bytes (drill_would_evict)", body = crate::models::ErrorBody), (status = 413, body = crate::models::ErrorBody),
+        (status = 404, description = "unknown shard", body = crate::models::ErrorBody), (status = 409, description = "another drill is running on the shard (drill_in_progress), the shard has no leader now (failover_in_progress), or the drill needs more than its headroom below replication.retain_bytes (drill_would_evict), or pausing the follower would leave the shard without a majority (no_quorum_without_follower)", body = crate::models::ErrorBody), (status = 413, body = crate::models::ErrorBody),
         (status = 415, description = "not application/json", body = crate::models::ErrorBody),
         (status = 503, description = "not the active coordinator", body = crate::models::ErrorBody)))]
 pub(crate) async fn catchup_drill(
@@ -131,7 +131,7 @@ pub(crate) async fn catchup_drill(
 #[utoipa::path(post, path = "/v1/drills/reseed", tag = "drills", request_body = ReseedDrillRequest,
     security(("bearer" = [])), responses((status = 202, description = "started", body = DrillStarted),
         (status = 400, description = "malformed body", body = crate::models::ErrorBody), (status = 401, body = crate::models::ErrorBody), (status = 403, body = crate::models::ErrorBody),
-        (status = 404, description = "unknown shard", body = crate::models::ErrorBody), (status = 409, description = "the shard has no leader now (failover_in_progress), the drill needs more than its headroom below replication.retain_bytes (drill_would_evict), its leader does not archive (not_archiving), or the follower named leads it (is_leader)", body = crate::models::ErrorBody), (status = 413, body = crate::models::ErrorBody),
+        (status = 404, description = "unknown shard", body = crate::models::ErrorBody), (status = 409, description = "another drill is running on the shard (drill_in_progress), the shard has no leader now (failover_in_progress), the drill needs more than its headroom below replication.retain_bytes (drill_would_evict), its leader does not archive (not_archiving), or the follower named leads it (is_leader)", body = crate::models::ErrorBody), (status = 413, body = crate::models::ErrorBody),
         (status = 415, description = "not application/json", body = crate::models::ErrorBody),
         (status = 503, description = "not the active coordinator", body = crate::models::ErrorBody)))]
 pub(crate) async fn reseed_drill(
@@ -148,7 +148,7 @@ pub(crate) async fn reseed_drill(
 #[utoipa::path(post, path = "/v1/drills/corruption", tag = "drills", request_body = CorruptionDrillRequest,
     security(("bearer" = [])), responses((status = 202, description = "started", body = DrillStarted),
         (status = 400, description = "malformed body, or the leader without allow_leader", body = crate::models::ErrorBody), (status = 401, body = crate::models::ErrorBody), (status = 403, body = crate::models::ErrorBody),
-        (status = 404, description = "unknown shard", body = crate::models::ErrorBody), (status = 409, description = "the shard has no leader now (failover_in_progress), or the drill needs more than its headroom below replication.retain_bytes (drill_would_evict)", body = crate::models::ErrorBody), (status = 413, body = crate::models::ErrorBody),
+        (status = 404, description = "unknown shard", body = crate::models::ErrorBody), (status = 409, description = "another drill is running on the shard (drill_in_progress), the shard has no leader now (failover_in_progress), or the drill needs more than its headroom below replication.retain_bytes (drill_would_evict)", body = crate::models::ErrorBody), (status = 413, body = crate::models::ErrorBody),
         (status = 415, description = "not application/json", body = crate::models::ErrorBody),
         (status = 503, description = "not the active coordinator", body = crate::models::ErrorBody)))]
 pub(crate) async fn corruption_drill(
@@ -167,7 +167,7 @@ pub(crate) async fn corruption_drill(
 #[utoipa::path(post, path = "/v1/drills/partition", tag = "drills", request_body = PartitionDrillRequest,
     security(("bearer" = [])), responses((status = 202, description = "started", body = DrillStarted),
         (status = 400, description = "malformed body, between not one of the supported shapes, trials, seconds or clients out of range, fewer than 3 replicas", body = crate::models::ErrorBody), (status = 401, body = crate::models::ErrorBody), (status = 403, body = crate::models::ErrorBody),
-        (status = 404, description = "unknown shard", body = crate::models::ErrorBody), (status = 409, description = "the shard has no leader now (failover_in_progress), or the drill needs more than its headroom below replication.retain_bytes (drill_would_evict)", body = crate::models::ErrorBody), (status = 413, body = crate::models::ErrorBody),
+        (status = 404, description = "unknown shard", body = crate::models::ErrorBody), (status = 409, description = "another drill is running on the shard (drill_in_progress), the shard has no leader now (failover_in_progress), or the drill needs more than its headroom below replication.retain_bytes (drill_would_evict)", body = crate::models::ErrorBody), (status = 413, body = crate::models::ErrorBody),
         (status = 415, description = "not application/json", body = crate::models::ErrorBody),
         (status = 503, description = "not the active coordinator", body = crate::models::ErrorBody)))]
 pub(crate) async fn partition_drill(

@@ -43,6 +43,7 @@ use std::sync::atomic::{AtomicBool, AtomicI64, AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
 use bytes::Bytes;
+use futures::FutureExt;
 use parking_lot::Mutex;
 use serde::{Deserialize, Serialize};
 use tokio::sync::Mutex as AsyncMutex;
@@ -201,9 +202,24 @@ impl Drills {
         all
     }
 
-    fn create(&self, kind: &str, shard: u32) -> String {
+    /// Registers a drill of `kind` on `shard`; refused while another drill
+    /// runs on the shard. Two drills at once could each find the other's
+    /// follower healthy before either acts: two re-seeds would wipe both
+    /// followers, two catch-ups pause both, leaving acknowledged records on
+    /// the leader alone or the shard without a quorum.
+    fn create(&self, kind: &str, shard: u32) -> Result<String, CoordError> {
+        let mut reports = self.reports.lock();
+        if let Some(running) = reports.values().find(|r| r.shard == shard && r.state == "running") {
+            return Err(CoordError::Conflict {
+                code: "drill_in_progress",
+                message: format!(
+                    "drill {} ({}) is running on shard {shard}; one drill runs on a shard at a time",
+                    running.id, running.kind
+                ),
+            });
+        }
         let id = format!("{kind}-{}", self.next.fetch_add(1, Ordering::Relaxed) + 1);
-        self.reports.lock().insert(
+        reports.insert(
             id.clone(),
             DrillReport {
                 id: id.clone(),
@@ -223,7 +239,7 @@ impl Drills {
                 retention_headroom_bytes: 0,
             },
         );
-        id
+        Ok(id)
     }
 
     fn update(&self, id: &str, f: impl FnOnce(&mut DrillReport)) {
@@ -371,12 +387,20 @@ impl Load {
         Load { stop, acked_count, acks, tasks }
     }
 
-    async fn stop(self) -> Acks {
+    async fn stop(mut self) -> Acks {
         self.stop.store(true, Ordering::Relaxed);
-        for t in self.tasks {
+        for t in std::mem::take(&mut self.tasks) {
             let _ = t.await;
         }
-        self.acks
+        self.acks.clone()
+    }
+}
+
+/// A load dropped unstopped (a drill that failed or returned early) stops
+/// its appenders at their next append: they never outlive the drill.
+impl Drop for Load {
+    fn drop(&mut self) {
+        self.stop.store(true, Ordering::Relaxed);
     }
 }
 
@@ -394,7 +418,7 @@ impl Coordinator {
         }
         let headroom = self.retention_headroom(request.shard, &record.replicas, MIN_DRILL_HEADROOM).await?;
         let budget = Budget::new(headroom.min(MAX_LOAD_BYTES));
-        let id = self.drills.create("failover", request.shard);
+        let id = self.drills.create("failover", request.shard)?;
         let (me, drill, load_budget) = (self.clone(), id.clone(), budget.clone());
         self.run_drill(
             id.clone(),
@@ -465,7 +489,17 @@ impl Coordinator {
             }
         });
         tokio::spawn(async move {
-            let result = drill.await;
+            // A drill that panics ends as failed, not "running" for ever
+            // (which would also bar every later drill on its shard).
+            let result = std::panic::AssertUnwindSafe(drill).catch_unwind().await.unwrap_or_else(|panic| {
+                let what = panic
+                    .downcast_ref::<&str>()
+                    .map(|s| s.to_string())
+                    .or_else(|| panic.downcast_ref::<String>().cloned())
+                    .unwrap_or_else(|| "no message".into());
+                tracing::error!(drill = %id, panic = %what, "drill panicked");
+                Err(format!("the drill stopped on an internal error: {what}"))
+            });
             watcher.abort();
             me.drills.update(&id, |r| {
                 r.bytes_written = budget.written();
@@ -653,13 +687,28 @@ impl Coordinator {
                 .find(|&&r| r != leader)
                 .ok_or(CoordError::NotAReplica { shard: request.shard, node: leader })?,
         };
+        // Paused, the follower refuses shipments: the others must still make
+        // a majority, or no QUORUM append (the drill's, or anyone's) could
+        // be acknowledged until it is resumed.
+        let others = record.replicas.iter().filter(|&&r| r != follower).count();
+        if !crate::control::failover::is_majority(others, record.replicas.len()) {
+            return Err(CoordError::Conflict {
+                code: "no_quorum_without_follower",
+                message: format!(
+                    "shard {} has {} replicas: with node {follower} paused the other {others} are no majority, so no \
+                     QUORUM append could be acknowledged until it is resumed",
+                    request.shard,
+                    record.replicas.len()
+                ),
+            });
+        }
         // The volume while the follower is paused, plus light loads before
         // and during its catch-up.
         let fill = catchup_fill_bytes(&request);
         let needs = fill.saturating_add(MIN_DRILL_HEADROOM);
         let headroom = self.retention_headroom(request.shard, &record.replicas, needs).await?;
         let budget = Budget::new(fill);
-        let id = self.drills.create("catchup", request.shard);
+        let id = self.drills.create("catchup", request.shard)?;
         let (me, drill, load_budget) = (self.clone(), id.clone(), budget.clone());
         let spare = (headroom - fill) / 2;
         self.run_drill(
@@ -699,36 +748,17 @@ impl Coordinator {
             .pause(PauseRequest { shard_id: shard, paused: true })
             .await
             .map_err(|s| format!("pausing node {follower}: {s}"))?;
-        let start_pos = self.position_of(follower, shard).await.ok_or("follower position")?;
-        self.drills.progress(id, &format!("follower {follower} paused; appending {} bytes", request.volume_bytes));
-        let fill = Load::start(self, shard, request.clients.max(1) * 4, request.record_bytes, id, fill_budget);
-        let records_wanted = request.volume_bytes / request.record_bytes.max(1) as u64;
-        while fill.acked_count.load(Ordering::Relaxed) < records_wanted {
-            if fill.tasks.iter().all(|t| t.is_finished()) {
-                // Its budget spent on appends that were not acknowledged.
-                fill.stop().await;
-                let _ = control.pause(PauseRequest { shard_id: shard, paused: false }).await;
-                return Err(format!(
-                    "the load wrote its {} bytes without {records_wanted} acknowledgements; the follower was resumed",
-                    fill_budget.written()
-                ));
-            }
-            tokio::time::sleep(Duration::from_millis(10)).await;
-        }
-        fill.stop().await;
-        let leader_pos = self.position_of(leader, shard).await.ok_or("leader position")?;
-        let records_behind = leader_pos.durable_seqno.saturating_sub(start_pos.durable_seqno);
-        let bytes_behind = records_behind * (request.record_bytes as u64 + 36);
-        self.drills.progress(id, &format!("resuming follower {follower}: {records_behind} records behind"));
-        let during =
-            Load::start(self, shard, request.clients.max(1), request.record_bytes, id, &fill_budget.split(spare));
+        // From here the follower is resumed however the paused phase ends.
+        let paused = self.catchup_paused(id, request, leader, follower, fill_budget, spare).await;
         let resumed = Instant::now();
-        // Bytes by source count from here (the follower applied nothing while paused).
-        let applied_before = self.position_of(follower, shard).await.ok_or("follower position")?;
-        control
-            .pause(PauseRequest { shard_id: shard, paused: false })
-            .await
-            .map_err(|s| format!("resuming node {follower}: {s}"))?;
+        let resumed_ok = control.pause(PauseRequest { shard_id: shard, paused: false }).await;
+        let (leader_pos, records_behind, during, applied_before) = match (paused, resumed_ok) {
+            (Ok(phase), Ok(_)) => phase,
+            (Ok(_), Err(s)) => return Err(format!("resuming node {follower}: {s}")),
+            (Err(e), Ok(_)) => return Err(format!("{e}; the follower was resumed")),
+            (Err(e), Err(s)) => return Err(format!("{e}; resuming node {follower} failed too: {s}")),
+        };
+        let bytes_behind = records_behind * (request.record_bytes as u64 + 36);
         let caught_up = loop {
             let p = self.position_of(follower, shard).await;
             if let Some(p) = p.filter(|p| p.durable_seqno >= leader_pos.durable_seqno) {
@@ -758,7 +788,66 @@ impl Coordinator {
             bytes_peer: by(|p| p.applied_peer_bytes),
         })
     }
+
+    /// The catch-up drill while its follower is paused: fills the shard
+    /// with the drill's volume, then starts the light load that runs during
+    /// the catch-up and takes the follower's position for the bytes by
+    /// source. Fails when no append is acknowledged for
+    /// [`CATCHUP_FILL_STALL`] (the shard lost its quorum meanwhile): the
+    /// caller resumes the follower either way.
+    async fn catchup_paused(
+        self: &Arc<Self>,
+        id: &str,
+        request: &CatchupDrillRequest,
+        leader: NodeId,
+        follower: NodeId,
+        fill_budget: &Arc<Budget>,
+        spare: u64,
+    ) -> Result<(FenceResponse, u64, Load, FenceResponse), String> {
+        let shard = request.shard;
+        let start_pos = self.position_of(follower, shard).await.ok_or("follower position")?;
+        self.drills.progress(id, &format!("follower {follower} paused; appending {} bytes", request.volume_bytes));
+        let fill = Load::start(self, shard, request.clients.max(1) * 4, request.record_bytes, id, fill_budget);
+        let records_wanted = request.volume_bytes / request.record_bytes.max(1) as u64;
+        let (mut acked, mut progressed) = (0, Instant::now());
+        loop {
+            let now = fill.acked_count.load(Ordering::Relaxed);
+            if now >= records_wanted {
+                break;
+            }
+            if now > acked {
+                (acked, progressed) = (now, Instant::now());
+            } else if progressed.elapsed() > CATCHUP_FILL_STALL {
+                return Err(format!(
+                    "no append was acknowledged for {} s with node {follower} paused ({now} of {records_wanted} \
+                     records): the shard has no quorum without it",
+                    CATCHUP_FILL_STALL.as_secs()
+                ));
+            }
+            if fill.tasks.iter().all(|t| t.is_finished()) {
+                // Its budget spent on appends that were not acknowledged.
+                return Err(format!(
+                    "the load wrote its {} bytes without {records_wanted} acknowledgements",
+                    fill_budget.written()
+                ));
+            }
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+        fill.stop().await;
+        let leader_pos = self.position_of(leader, shard).await.ok_or("leader position")?;
+        let records_behind = leader_pos.durable_seqno.saturating_sub(start_pos.durable_seqno);
+        self.drills.progress(id, &format!("resuming follower {follower}: {records_behind} records behind"));
+        let during =
+            Load::start(self, shard, request.clients.max(1), request.record_bytes, id, &fill_budget.split(spare));
+        // Bytes by source count from here (the follower applied nothing while paused).
+        let applied_before = self.position_of(follower, shard).await.ok_or("follower position")?;
+        Ok((leader_pos, records_behind, during, applied_before))
+    }
 }
+
+/// How long the catch-up drill's fill may go without an acknowledgement
+/// before the drill gives up and resumes its follower.
+const CATCHUP_FILL_STALL: Duration = Duration::from_secs(10);
 
 #[cfg(test)]
 mod tests {

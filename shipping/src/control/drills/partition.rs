@@ -255,7 +255,7 @@ impl Coordinator {
         }
         let headroom = self.retention_headroom(request.shard, &record.replicas, MIN_DRILL_HEADROOM).await?;
         let budget = Budget::new(headroom.min(MAX_LOAD_BYTES));
-        let id = self.drills.create("partition", request.shard);
+        let id = self.drills.create("partition", request.shard)?;
         let (me, drill, load_budget) = (self.clone(), id.clone(), budget.clone());
         self.run_drill(
             id.clone(),

@@ -166,7 +166,7 @@ impl Coordinator {
         let needs = fill.saturating_add(MIN_DRILL_HEADROOM);
         let headroom = self.retention_headroom(request.shard, &record.replicas, needs).await?;
         let budget = Budget::new(fill);
-        let id = self.drills.create("reseed", request.shard);
+        let id = self.drills.create("reseed", request.shard)?;
         let (me, drill, load_budget) = (self.clone(), id.clone(), budget.clone());
         let spare = (headroom - fill) / 2;
         self.run_drill(
@@ -285,10 +285,10 @@ impl Coordinator {
         self.drills.progress(id, "verifying every replica against the acknowledged records");
         let (lost, divergent, _) = self.verify(shard, leader, &replicas, &acks).await?;
         let mib = |bytes: u64, s: f64| if s > 0.0 { bytes as f64 / (1 << 20) as f64 / s } else { 0.0 };
-        let bytes_archive = end.applied_archive_bytes - start.applied_archive_bytes;
-        let bytes_stream = end.applied_stream_bytes - start.applied_stream_bytes;
-        let bytes_push = end.applied_push_bytes - start.applied_push_bytes;
-        let bytes_peer = end.applied_peer_bytes - start.applied_peer_bytes;
+        let bytes_archive = end.applied_archive_bytes.saturating_sub(start.applied_archive_bytes);
+        let bytes_stream = end.applied_stream_bytes.saturating_sub(start.applied_stream_bytes);
+        let bytes_push = end.applied_push_bytes.saturating_sub(start.applied_push_bytes);
+        let bytes_peer = end.applied_peer_bytes.saturating_sub(start.applied_peer_bytes);
         let archive_seconds = last_archive.1.as_secs_f64();
         Ok(ReseedDrillResult {
             source: request.source,
