@@ -134,6 +134,14 @@ async fn a_peer_serves_archived_segments_from_its_wal_and_refuses_bad_fetches() 
     common::assert_refused("a segment not held", refused, tonic::Code::NotFound, &["does not hold"], &[]);
     let refused = fetch(&node3, TASK, &key, good.as_str(), archived.len() as u64 + 1).await;
     common::assert_refused("an offset past the end", refused, tonic::Code::OutOfRange, &["offset"], &[]);
+    // A range of every record, held and committed but larger than any
+    // segment the archiver seals (segment_bytes 1 MiB; 400 records of
+    // 4.4 KB): not served, so no caller makes a node encode its whole log
+    // in memory.
+    let epoch = key.rsplit("-e").next().unwrap().strip_suffix(".wseg").unwrap();
+    let whole = format!("shards/1/segments/{:020}-{:020}-e{epoch}.wseg", 1, 400);
+    let refused = fetch(&node3, TASK, &whole, good.as_str(), 0).await;
+    common::assert_refused("a range larger than a segment", refused, tonic::Code::NotFound, &["does not hold"], &[]);
 
     // The serving cap: node 2 serves one fetch at a time at 1 MiB/s; a
     // second fetch waits 300 ms for the slot, then is refused.

@@ -356,8 +356,11 @@ pub enum ArchiveStoreKind {
     S3,
 }
 
+/// The archive's `segment_bytes` when the config leaves it out.
+pub const DEFAULT_SEGMENT_BYTES: u64 = 64 << 20;
+
 fn default_segment_bytes() -> u64 {
-    64 << 20
+    DEFAULT_SEGMENT_BYTES
 }
 
 fn default_segment_age_ms() -> u64 {

@@ -143,6 +143,11 @@ impl Segment {
         while !rest.is_empty() {
             let (frame, tail) = Frame::split_first(&rest)?;
             let index = frames.len();
+            // More frames than declared: refused here, before a seqno past
+            // the declared range is even computed (it may not exist).
+            if index == header.record_count as usize {
+                return Err(CodecError::RecordCount { declared: header.record_count, found: index as u32 + 1 });
+            }
             let expected = header.first_seqno + index as u64;
             if frame.seqno() != expected {
                 return Err(CodecError::SeqnoGap { index, expected, found: frame.seqno() });
@@ -236,6 +241,21 @@ mod tests {
                 Frame::encode(RecordFields { seqno: first + i as u64, epoch: 3, timestamp_us: 9, key: b"", payload: p })
             })
             .collect()
+    }
+
+    #[test]
+    fn more_frames_than_declared_are_refused_even_at_the_end_of_the_seqnos() {
+        // Declares one record at u64::MAX - 1 but carries three: the third
+        // would be past u64::MAX.
+        let body = frames(u64::MAX - 1, &[b"a".to_vec(), b"b".to_vec()]);
+        let extra = Frame::encode(RecordFields { seqno: 7, epoch: 3, timestamp_us: 9, key: b"", payload: b"c" });
+        let body: Vec<u8> = body.iter().chain([&extra]).flat_map(|f| f.as_bytes().to_vec()).collect();
+        let header = SegmentHeader { shard_id: 1, first_seqno: u64::MAX - 1, record_count: 1, frames_len: body.len() };
+        let bytes = Bytes::from([&header.encode()[..], &body].concat());
+        match Segment::decode(bytes) {
+            Err(CodecError::RecordCount { declared: 1, found: 2 }) => {}
+            other => panic!("{other:?}"),
+        }
     }
 
     proptest! {

@@ -58,8 +58,12 @@ impl ReplicationNode {
         if first == 0 || first > last || first < p.first_seqno || last > p.durable_seqno.min(committed) {
             return Ok(None);
         }
-        // A compaction racing the read: not held any more.
-        let Ok(frames) = self.wal.read(shard, first, last, usize::MAX).await else { return Ok(None) };
+        // No more than the archiver puts in a segment (`segment_bytes`, or
+        // one larger record): a caller naming a range of the whole log gets
+        // nothing, not the log in memory. A compaction racing the read: not
+        // held any more.
+        let limit = self.archive.get().map_or(crate::config::DEFAULT_SEGMENT_BYTES, |a| a.segment_bytes);
+        let Ok(frames) = self.wal.read(shard, first, last, limit as usize).await else { return Ok(None) };
         let contiguous = frames.len() as u64 == last - first + 1
             && frames.first().is_some_and(|f| f.seqno() == first)
             && frames.last().is_some_and(|f| f.seqno() == last && f.epoch() == epoch);

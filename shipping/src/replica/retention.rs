@@ -49,7 +49,7 @@ impl ReplicationNode {
                 let to = match (planned, self.archived_through(replica.shard)) {
                     (Some(to), Some(archived)) => {
                         let first = self.wal.positions(replica.shard).map_or(u64::MAX, |p| p.first_seqno);
-                        Some(to.min(archived + 1)).filter(|to| *to > first)
+                        Some(to.min(archived.saturating_add(1))).filter(|to| *to > first)
                     }
                     (to, _) => to,
                 };
@@ -76,7 +76,7 @@ impl ReplicationNode {
                 match self.archive.get() {
                     Some(_) => {
                         let archived = replica.follower.archived.load(std::sync::atomic::Ordering::Acquire);
-                        to.map(|to| to.min(archived + 1)).filter(|to| *to > p.first_seqno)
+                        to.map(|to| to.min(archived.saturating_add(1))).filter(|to| *to > p.first_seqno)
                     }
                     None => to,
                 }
