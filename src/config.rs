@@ -176,6 +176,13 @@ fn default_listen() -> SocketAddr {
     "127.0.0.1:0".parse().expect("valid address")
 }
 
+/// The largest `limits.max_record_bytes` a node accepts.
+pub const MAX_RECORD_BYTES_LIMIT: usize = 32 << 20;
+/// The largest `limits.max_batch_bytes` a node accepts.
+pub const MAX_BATCH_BYTES_LIMIT: usize = 1 << 30;
+/// The largest `limits.max_batch_records` a node accepts.
+pub const MAX_BATCH_RECORDS_LIMIT: usize = 10_000_000;
+
 impl NodeConfig {
     pub fn load(path: &Path) -> Result<NodeConfig> {
         let text = std::fs::read_to_string(path).with_context(|| format!("reading {}", path.display()))?;
@@ -195,8 +202,26 @@ impl NodeConfig {
         if seen.len() != self.shards.len() {
             bail!("shard list {:?} has duplicates", self.shards);
         }
-        if self.limits.max_record_bytes == 0 || self.limits.max_batch_records == 0 {
+        let l = &self.limits;
+        if l.max_record_bytes == 0 || l.max_batch_records == 0 || l.max_batch_bytes == 0 {
             bail!("limits must be positive");
+        }
+        // A record travels between nodes in one message (64 MiB at most,
+        // headers included) and is stored within one frame.
+        if l.max_record_bytes > MAX_RECORD_BYTES_LIMIT {
+            bail!(
+                "limits.max_record_bytes must be at most {MAX_RECORD_BYTES_LIMIT} (32 MiB: a record must fit in one \
+                 shipment between nodes), got {}",
+                l.max_record_bytes
+            );
+        }
+        if l.max_batch_bytes > MAX_BATCH_BYTES_LIMIT || l.max_batch_records > MAX_BATCH_RECORDS_LIMIT {
+            bail!(
+                "limits.max_batch_bytes must be at most {MAX_BATCH_BYTES_LIMIT} (1 GiB) and limits.max_batch_records at \
+                 most {MAX_BATCH_RECORDS_LIMIT}, got {} and {}",
+                l.max_batch_bytes,
+                l.max_batch_records
+            );
         }
         if !(1 << 10..=16 << 20).contains(&self.wal.chunk_bytes) {
             bail!("wal.chunk_bytes must be between 1024 and 16777216 (16 MiB), got {}", self.wal.chunk_bytes);

@@ -503,6 +503,29 @@ async fn bad_requests_are_refused_precisely_and_change_nothing() {
     assert_eq!(all.last().unwrap().payload, Bytes::from(vec![b'p'; 20]));
 }
 
+#[test]
+fn a_node_refuses_to_start_with_limits_no_record_could_travel_under() {
+    let dir = tempfile::tempdir().unwrap();
+    for (flag, value, words) in [
+        ("--max-record-bytes", "33554433", &["max_record_bytes", "33554432"][..]),
+        ("--max-record-bytes", "0", &["positive"][..]),
+        ("--max-record-bytes", "18446744073709551615", &["max_record_bytes"][..]),
+    ] {
+        let out = std::process::Command::new(common::walship_bin())
+            .args(["node", "--node-id", "1", "--grpc", "127.0.0.1:0", "--admin", "127.0.0.1:0", "--shards", "1"])
+            .arg("--data-dir")
+            .arg(dir.path().join("data"))
+            .args([flag, value])
+            .output()
+            .unwrap();
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        assert!(!out.status.success(), "{flag} {value}: the node started");
+        for word in words {
+            assert!(stderr.contains(word), "{flag} {value}: {stderr}");
+        }
+    }
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn max_record_bytes_flag_sets_the_limit() {
     let dir = tempfile::tempdir().unwrap();
