@@ -54,6 +54,21 @@ async fn readiness_and_error_shapes() {
     assert_eq!(code, 400, "unknown fields are refused: {body}");
     let (code, body) = cluster.coord_post(1, "/v1/shards/x/failover", "{}", Some(TOKEN)).await;
     assert_eq!((code, body["error"]["code"].as_str()), (400, Some("bad_shard_id")));
+    // Path ids: only decimal digits within u32 name a shard, and a segment
+    // that is no UTF-8 once decoded gets the same JSON error shape.
+    for (path, error) in [
+        ("/v1/shards/+1", "bad_shard_id"),
+        ("/v1/shards/4294967296", "bad_shard_id"),
+        ("/v1/shards/%20%201", "bad_shard_id"),
+        ("/v1/shards/%FF", "bad_path"),
+        ("/v1/tasks/%FF%FE", "bad_path"),
+        ("/v1/drills/%C3%28", "bad_path"),
+    ] {
+        let (code, body) = cluster.coord_get(1, path).await;
+        assert_eq!((code, body["error"]["code"].as_str()), (400, Some(error)), "{path}: {body}");
+    }
+    let (code, body) = cluster.coord_post(1, "/v1/shards/%FF/failover", "{}", Some(TOKEN)).await;
+    assert_eq!((code, body["error"]["code"].as_str()), (400, Some("bad_path")), "{body}");
     assert_eq!(cluster.leader_of(1, 1).await.unwrap(), before, "no refused request changed leadership");
 
     // Task list: bounded, and a bad query is a JSON 400.

@@ -150,3 +150,24 @@ mod tests {
         assert!(!is_json(&axum::http::HeaderMap::new()));
     }
 }
+
+/// The one path parameter of a route (`/v1/shards/{id}`, `/v1/tasks/{id}`),
+/// as a string; a segment that does not percent-decode to UTF-8 (`%FF`) is
+/// refused with the API's JSON error, not axum's plain-text one.
+#[derive(Debug)]
+pub struct PathId(pub String);
+
+impl<S: Send + Sync> axum::extract::FromRequestParts<S> for PathId {
+    type Rejection = ApiError;
+
+    async fn from_request_parts(parts: &mut axum::http::request::Parts, state: &S) -> Result<Self, ApiError> {
+        match axum::extract::Path::<String>::from_request_parts(parts, state).await {
+            Ok(axum::extract::Path(id)) => Ok(PathId(id)),
+            Err(rejection) => Err(ApiError::new(
+                StatusCode::BAD_REQUEST,
+                "bad_path",
+                format!("the path's id is not valid: {}", rejection.body_text()),
+            )),
+        }
+    }
+}

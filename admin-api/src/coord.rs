@@ -10,7 +10,7 @@ use std::sync::Arc;
 use std::time::Instant;
 
 use axum::extract::rejection::QueryRejection;
-use axum::extract::{ConnectInfo, Path, Query, State};
+use axum::extract::{ConnectInfo, Query, State};
 use axum::http::{HeaderMap, StatusCode, header};
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
@@ -18,7 +18,7 @@ use axum::{Json, Router};
 use prometheus::{Encoder, Registry, TextEncoder};
 use walship_shipping::control::{CoordError, Coordinator, FailoverOutcome, FailoverRequest};
 
-use crate::body::ObjectJson;
+use crate::body::{ObjectJson, PathId};
 use crate::history::{LagHistory, MAX_SAMPLES, SAMPLE_INTERVAL};
 use crate::models::{
     ApiError, ClusterView, CoordinatorView, LagHistoryView, LagSample, LagSeries, NodeView, ReplicaView, ShardView,
@@ -402,7 +402,7 @@ struct Window {
         (status = 404, description = "unknown shard", body = crate::models::ErrorBody), (status = 503, body = crate::models::ErrorBody)))]
 async fn lag_history(
     State(admin): State<Arc<CoordAdmin>>,
-    Path(id): Path<String>,
+    PathId(id): PathId,
     window: Result<Query<Window>, QueryRejection>,
 ) -> Response {
     let id = match parse_shard(&id) {
@@ -617,16 +617,25 @@ async fn shards(State(admin): State<Arc<CoordAdmin>>, query: Result<Query<ShardQ
     }
 }
 
+/// A shard id: decimal digits only (no sign, no spaces), within u32.
 pub(crate) fn parse_shard(id: &str) -> Result<u32, ApiError> {
-    id.parse()
-        .map_err(|_| ApiError::new(StatusCode::BAD_REQUEST, "bad_shard_id", format!("shard id {id:?} is not a number")))
+    let digits = !id.is_empty() && id.bytes().all(|b| b.is_ascii_digit());
+    match id.parse() {
+        Ok(shard) if digits => Ok(shard),
+        _ if digits => Err(ApiError::new(
+            StatusCode::BAD_REQUEST,
+            "bad_shard_id",
+            format!("shard id {id} is past the largest, {}", u32::MAX),
+        )),
+        _ => Err(ApiError::new(StatusCode::BAD_REQUEST, "bad_shard_id", format!("shard id {id:?} is not a number"))),
+    }
 }
 
 #[utoipa::path(get, path = "/v1/shards/{id}", tag = "shards",
     params(("id" = u32, Path, description = "shard id")),
     responses((status = 200, body = ShardView), (status = 400, description = "not a shard id", body = crate::models::ErrorBody),
         (status = 404, description = "unknown shard", body = crate::models::ErrorBody), (status = 503, body = crate::models::ErrorBody)))]
-async fn shard(State(admin): State<Arc<CoordAdmin>>, Path(id): Path<String>) -> Response {
+async fn shard(State(admin): State<Arc<CoordAdmin>>, PathId(id): PathId) -> Response {
     let id = match parse_shard(&id) {
         Ok(id) => id,
         Err(e) => return e.into_response(),
@@ -686,7 +695,7 @@ pub fn coord_error(e: CoordError) -> ApiError {
 async fn failover(
     State(admin): State<Arc<CoordAdmin>>,
     ConnectInfo(who): ConnectInfo<std::net::SocketAddr>,
-    Path(id): Path<String>,
+    PathId(id): PathId,
     headers: HeaderMap,
     body: Result<ObjectJson<FailoverRequest>, ApiError>,
 ) -> Response {

@@ -7,7 +7,7 @@ use std::sync::Arc;
 
 use axum::Json;
 use axum::extract::rejection::QueryRejection;
-use axum::extract::{ConnectInfo, Path, Query, State};
+use axum::extract::{ConnectInfo, Query, State};
 use axum::http::{HeaderMap, StatusCode};
 use axum::response::{IntoResponse, Response};
 use walship_shipping::control::drills::{
@@ -16,7 +16,7 @@ use walship_shipping::control::drills::{
 };
 use walship_shipping::control::{CoordError, Coordinator};
 
-use crate::body::ObjectJson;
+use crate::body::{ObjectJson, PathId};
 use crate::coord::{CoordAdmin, authorize, coord_error};
 use crate::models::ApiError;
 
@@ -58,7 +58,7 @@ pub(crate) struct Page {
 #[utoipa::path(get, path = "/v1/drills/{id}", tag = "drills",
     params(("id" = String, Path, description = "drill id")),
     responses((status = 200, body = DrillReport), (status = 404, description = "unknown drill", body = crate::models::ErrorBody)))]
-pub(crate) async fn drill(State(admin): State<Arc<CoordAdmin>>, Path(id): Path<String>) -> Response {
+pub(crate) async fn drill(State(admin): State<Arc<CoordAdmin>>, PathId(id): PathId) -> Response {
     match admin.coordinator.drills.get(&id) {
         Some(report) => Json(report).into_response(),
         None => ApiError::new(StatusCode::NOT_FOUND, "unknown_drill", format!("no drill {id:?}")).into_response(),

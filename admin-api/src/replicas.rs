@@ -9,12 +9,12 @@
 use std::sync::Arc;
 
 use axum::Json;
-use axum::extract::{ConnectInfo, Path, State};
+use axum::extract::{ConnectInfo, State};
 use axum::http::{HeaderMap, StatusCode};
 use axum::response::{IntoResponse, Response};
 use walship_shipping::control::coordinator::{ReplicaChange, ReplicaChangeRequest};
 
-use crate::body::ObjectJson;
+use crate::body::{ObjectJson, PathId};
 use crate::coord::{CoordAdmin, authorize, coord_error};
 use crate::models::ApiError;
 
@@ -40,7 +40,7 @@ use crate::models::ApiError;
 pub async fn start(
     State(admin): State<Arc<CoordAdmin>>,
     ConnectInfo(who): ConnectInfo<std::net::SocketAddr>,
-    Path(id): Path<String>,
+    PathId(id): PathId,
     headers: HeaderMap,
     body: Result<ObjectJson<ReplicaChangeRequest>, ApiError>,
 ) -> Response {
@@ -76,7 +76,7 @@ pub async fn list(State(admin): State<Arc<CoordAdmin>>) -> Response {
 #[utoipa::path(get, path = "/v1/replica-changes/{id}", tag = "shards",
     params(("id" = String, Path, description = "change id")),
     responses((status = 200, body = ReplicaChange), (status = 404, description = "unknown change", body = crate::models::ErrorBody)))]
-pub async fn show(State(admin): State<Arc<CoordAdmin>>, Path(id): Path<String>) -> Response {
+pub async fn show(State(admin): State<Arc<CoordAdmin>>, PathId(id): PathId) -> Response {
     match admin.coordinator.changes.get(&id) {
         Some(change) => Json(change).into_response(),
         None => {

@@ -13,7 +13,7 @@ use std::sync::Arc;
 
 use axum::Json;
 use axum::extract::rejection::QueryRejection;
-use axum::extract::{Path, Query, State};
+use axum::extract::{Query, State};
 use axum::http::{HeaderMap, StatusCode};
 use axum::response::{IntoResponse, Response};
 use serde::{Deserialize, Serialize};
@@ -21,7 +21,7 @@ use walship_dataplane::bus::DeadLetter;
 use walship_dataplane::coordinator::{Cancelled, RedriveError};
 use walship_dataplane::task::{Progress, Task, TaskSpec, TaskState};
 
-use crate::body::ObjectJson;
+use crate::body::{ObjectJson, PathId};
 use crate::coord::{CoordAdmin, authorize};
 use crate::models::ApiError;
 
@@ -156,7 +156,7 @@ pub async fn list(State(admin): State<Arc<CoordAdmin>>, query: Result<Query<Task
 
 #[utoipa::path(get, path = "/v1/tasks/{id}", tag = "tasks", params(("id" = String, Path, description = "task id")),
     responses((status = 200, body = TaskView), (status = 404, description = "unknown task", body = crate::models::ErrorBody)))]
-pub async fn show(State(admin): State<Arc<CoordAdmin>>, Path(id): Path<String>) -> Response {
+pub async fn show(State(admin): State<Arc<CoordAdmin>>, PathId(id): PathId) -> Response {
     match admin.dataplane.task(&id) {
         Some(task) => Json(TaskView::from(task)).into_response(),
         None => ApiError::new(StatusCode::NOT_FOUND, "not_found", format!("no task {id}")).into_response(),
@@ -401,7 +401,7 @@ pub struct CancelBroadcast {
         (status = 202, description = "not a task of this coordinator, but coordinators share a NATS bus: broadcast to them and every worker", body = CancelBroadcast),
         (status = 409, description = "a running drill (not_cancellable)", body = crate::models::ErrorBody), (status = 401, body = crate::models::ErrorBody), (status = 403, body = crate::models::ErrorBody),
         (status = 404, description = "unknown task", body = crate::models::ErrorBody)))]
-pub async fn cancel(State(admin): State<Arc<CoordAdmin>>, headers: HeaderMap, Path(id): Path<String>) -> Response {
+pub async fn cancel(State(admin): State<Arc<CoordAdmin>>, headers: HeaderMap, PathId(id): PathId) -> Response {
     if let Err(e) = authorize(&headers, &admin.token) {
         return e.into_response();
     }
@@ -448,7 +448,7 @@ pub async fn dead_letters(State(admin): State<Arc<CoordAdmin>>) -> Response {
     responses((status = 200, description = "queued again with fresh attempts", body = TaskView), (status = 401, body = crate::models::ErrorBody), (status = 403, body = crate::models::ErrorBody),
         (status = 404, description = "no such task and no dead letter of it", body = crate::models::ErrorBody), (status = 409, description = "not a dead letter", body = crate::models::ErrorBody),
         (status = 503, description = "the task bus is unavailable", body = crate::models::ErrorBody)))]
-pub async fn redrive(State(admin): State<Arc<CoordAdmin>>, headers: HeaderMap, Path(id): Path<String>) -> Response {
+pub async fn redrive(State(admin): State<Arc<CoordAdmin>>, headers: HeaderMap, PathId(id): PathId) -> Response {
     if let Err(e) = authorize(&headers, &admin.token) {
         return e.into_response();
     }
@@ -511,7 +511,7 @@ pub struct JobView {
 
 #[utoipa::path(get, path = "/v1/jobs/{id}", tag = "tasks", params(("id" = String, Path, description = "job id (POST /v1/tasks's query_id)")),
     responses((status = 200, body = JobView), (status = 404, description = "unknown job", body = crate::models::ErrorBody)))]
-pub async fn job(State(admin): State<Arc<CoordAdmin>>, Path(id): Path<String>) -> Response {
+pub async fn job(State(admin): State<Arc<CoordAdmin>>, PathId(id): PathId) -> Response {
     match admin.dataplane.report(&id) {
         None => ApiError::new(StatusCode::NOT_FOUND, "not_found", format!("no job {id}")).into_response(),
         Some(report) => {
@@ -584,7 +584,7 @@ fn start_export(
 #[utoipa::path(get, path = "/v1/jobs/{id}/export", tag = "tasks", params(("id" = String, Path, description = "an export job's id")),
     responses((status = 200, description = "the Arrow IPC file", content_type = "application/vnd.apache.arrow.file"),
         (status = 404, description = "no such export, or not finished", body = crate::models::ErrorBody)))]
-pub async fn export_file(State(admin): State<Arc<CoordAdmin>>, Path(id): Path<String>) -> Response {
+pub async fn export_file(State(admin): State<Arc<CoordAdmin>>, PathId(id): PathId) -> Response {
     let done = admin.dataplane.report(&id).flatten().is_some_and(|r| r["state"] == "done" && r["file"].is_string());
     if !done || !id.starts_with("x-") || !id.bytes().all(|b| b.is_ascii_alphanumeric() || b == b'-') {
         return ApiError::new(StatusCode::NOT_FOUND, "not_found", format!("no finished export {id}")).into_response();

@@ -328,7 +328,8 @@ struct Load {
 impl Load {
     /// `clients` appenders on `shard` at QUORUM through the leader the
     /// coordinator records, following it through failovers, until stopped
-    /// or `budget` is spent.
+    /// or `budget` is spent. Keeps every acknowledged payload, for the
+    /// drill to verify the replicas against.
     fn start(
         coordinator: &Arc<Coordinator>,
         shard: u32,
@@ -336,6 +337,32 @@ impl Load {
         record_bytes: usize,
         tag: &str,
         budget: &Arc<Budget>,
+    ) -> Load {
+        Load::run(coordinator, shard, clients, record_bytes, tag, budget, true)
+    }
+
+    /// [`Load::start`] that only counts its acknowledgements: for a drill
+    /// that verifies nothing, whose volume (up to 16 GiB) would otherwise
+    /// sit in the coordinator's memory.
+    fn counting(
+        coordinator: &Arc<Coordinator>,
+        shard: u32,
+        clients: usize,
+        record_bytes: usize,
+        tag: &str,
+        budget: &Arc<Budget>,
+    ) -> Load {
+        Load::run(coordinator, shard, clients, record_bytes, tag, budget, false)
+    }
+
+    fn run(
+        coordinator: &Arc<Coordinator>,
+        shard: u32,
+        clients: usize,
+        record_bytes: usize,
+        tag: &str,
+        budget: &Arc<Budget>,
+        keep: bool,
     ) -> Load {
         let stop = Arc::new(AtomicBool::new(false));
         let acked_count = Arc::new(AtomicU64::new(0));
@@ -375,7 +402,9 @@ impl Load {
                         match log.append(request).await {
                             Ok(r) => {
                                 let r = r.into_inner();
-                                acks.lock().await.insert(r.first_seqno, (payload, r.epoch));
+                                if keep {
+                                    acks.lock().await.insert(r.first_seqno, (payload, r.epoch));
+                                }
                                 count.fetch_add(1, Ordering::Relaxed);
                             }
                             Err(_) => tokio::time::sleep(Duration::from_millis(2)).await,
@@ -739,7 +768,7 @@ impl Coordinator {
         let mut control = self.peers.control(follower).ok_or("no follower client")?;
         self.drills.progress(id, "measuring append throughput before the pause");
         let before =
-            Load::start(self, shard, request.clients.max(1), request.record_bytes, id, &fill_budget.split(spare));
+            Load::counting(self, shard, request.clients.max(1), request.record_bytes, id, &fill_budget.split(spare));
         let t = Instant::now();
         tokio::time::sleep(Duration::from_secs(1)).await;
         let rate_before = before.acked_count.load(Ordering::Relaxed) as f64 / t.elapsed().as_secs_f64();
@@ -807,7 +836,7 @@ impl Coordinator {
         let shard = request.shard;
         let start_pos = self.position_of(follower, shard).await.ok_or("follower position")?;
         self.drills.progress(id, &format!("follower {follower} paused; appending {} bytes", request.volume_bytes));
-        let fill = Load::start(self, shard, request.clients.max(1) * 4, request.record_bytes, id, fill_budget);
+        let fill = Load::counting(self, shard, request.clients.max(1) * 4, request.record_bytes, id, fill_budget);
         let records_wanted = request.volume_bytes / request.record_bytes.max(1) as u64;
         let (mut acked, mut progressed) = (0, Instant::now());
         loop {
@@ -838,7 +867,7 @@ impl Coordinator {
         let records_behind = leader_pos.durable_seqno.saturating_sub(start_pos.durable_seqno);
         self.drills.progress(id, &format!("resuming follower {follower}: {records_behind} records behind"));
         let during =
-            Load::start(self, shard, request.clients.max(1), request.record_bytes, id, &fill_budget.split(spare));
+            Load::counting(self, shard, request.clients.max(1), request.record_bytes, id, &fill_budget.split(spare));
         // Bytes by source count from here (the follower applied nothing while paused).
         let applied_before = self.position_of(follower, shard).await.ok_or("follower position")?;
         Ok((leader_pos, records_behind, during, applied_before))
