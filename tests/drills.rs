@@ -193,6 +193,29 @@ async fn a_catch_up_drill_that_leaves_no_quorum_gives_up_and_resumes_its_followe
     assert_eq!(code, 202, "{started}");
 }
 
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_pause_nobody_renews_ends_by_itself() {
+    let replication = format!("{FAST}\npause_lease_ms = 5000");
+    let mut cluster = Cluster::start_with(3, 1, 1, &replication, None);
+    cluster.wait_node_leads(1, 1, Duration::from_secs(30)).await;
+    let grpc = cluster.node(1).grpc.clone();
+    append_quorum(&grpc).await.unwrap();
+    // Paused as a drill pauses it, and the drill gone: nobody resumes it.
+    common::pause_shard(&cluster.node(3).grpc, 1, true).await;
+    let durable = |s: serde_json::Value| s["shards"][0]["durable_seqno"].as_u64().unwrap();
+    let before = durable(cluster.status(3).await.unwrap());
+    let last = append_quorum(&grpc).await.unwrap();
+    // Paused: node 3 takes none of it (looked at well within the lease)...
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    assert_eq!(durable(cluster.status(3).await.unwrap()), before, "a paused follower took a shipment");
+    // ... until its lease runs out, and it catches up by itself.
+    wait_until("node 3 to resume and catch up without a resume call", Duration::from_secs(30), || {
+        let status = futures::executor::block_on(cluster.status(3));
+        async move { status.is_some_and(|s| durable(s) >= last) }
+    })
+    .await;
+}
+
 /// Runs `walship drill corruption` with `args` against coordinator 1;
 /// (exit success, stdout, stderr).
 async fn cli_corruption_drill(cluster: &mut Cluster, args: &[&str]) -> (bool, String, String) {

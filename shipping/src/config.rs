@@ -161,6 +161,10 @@ pub struct ReplicationConfig {
     /// per follower with `shard="all"` (worst lag, shards per mode), so a
     /// scrape of a node with thousands of shards stays small.
     pub per_shard_metrics: bool,
+    /// Drills: a paused follower resumes by itself this long after the
+    /// last pause call (the drill renews it every sixth of it), so a
+    /// drill whose coordinator dies cannot leave it paused for good.
+    pub pause_lease_ms: u64,
 }
 
 impl Default for ReplicationConfig {
@@ -183,6 +187,7 @@ impl Default for ReplicationConfig {
             min_replicas: 3,
             quiesce: true,
             per_shard_metrics: true,
+            pause_lease_ms: 60_000,
         }
     }
 }
@@ -672,6 +677,12 @@ impl ClusterConfig {
             return bad(
                 "replication: ship_window, ship_batch_bytes, keepalive_ms and heartbeat_ms must be positive".into()
             );
+        }
+        if !(600..=86_400_000).contains(&r.pause_lease_ms) {
+            return bad(format!(
+                "replication: pause_lease_ms must be within 600 ..= 86400000 (a day), got {}",
+                r.pause_lease_ms
+            ));
         }
         if r.max_retain_bytes < r.retain_bytes {
             return bad("replication: max_retain_bytes must be >= retain_bytes".into());

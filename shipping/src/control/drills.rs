@@ -839,10 +839,22 @@ impl Coordinator {
         let fill = Load::counting(self, shard, request.clients.max(1) * 4, request.record_bytes, id, fill_budget);
         let records_wanted = request.volume_bytes / request.record_bytes.max(1) as u64;
         let (mut acked, mut progressed) = (0, Instant::now());
+        // The node resumes a pause nobody renews (its lease): renewed while
+        // the fill runs, however long a large volume takes.
+        let mut control = self.peers.control(follower).ok_or("no follower client")?;
+        let renew_every = Duration::from_millis(self.config.replication.pause_lease_ms / 6);
+        let mut renewed = Instant::now();
         loop {
             let now = fill.acked_count.load(Ordering::Relaxed);
             if now >= records_wanted {
                 break;
+            }
+            if renewed.elapsed() > renew_every {
+                control
+                    .pause(PauseRequest { shard_id: shard, paused: true })
+                    .await
+                    .map_err(|s| format!("renewing node {follower}'s pause: {s}"))?;
+                renewed = Instant::now();
             }
             if now > acked {
                 (acked, progressed) = (now, Instant::now());

@@ -367,11 +367,34 @@ impl ReplicationNode {
         Ok(self.wal.epoch_end(request.shard_id, request.epoch).await?)
     }
 
-    /// Drills: pause or resume a follower replica.
+    /// Drills: pause or resume a follower replica. A pause is a lease: it
+    /// ends by itself `replication.pause_lease_ms` after the last pause
+    /// call (a drill renews it while it runs), so a drill whose coordinator
+    /// dies mid-way does not leave its follower paused for good.
     pub fn pause(self: &Arc<Self>, shard: ShardId, paused: bool) -> Result<(), ReplicaError> {
         let replica = self.replica_or_not_found(shard).map_err(|e| self.counted(e))?;
         let decided = replica.rules.lock().pause(paused);
         let commands = decided.map_err(|r| self.refused(&replica, r))?;
+        let generation = replica.pause_generation.fetch_add(1, std::sync::atomic::Ordering::AcqRel) + 1;
+        if paused {
+            let (node, replica) = (self.clone(), replica.clone());
+            let lease = Duration::from_millis(self.config.replication.pause_lease_ms);
+            tokio::spawn(async move {
+                tokio::time::sleep(lease).await;
+                if replica.pause_generation.load(std::sync::atomic::Ordering::Acquire) == generation
+                    && replica.rules.lock().paused()
+                {
+                    tracing::warn!(
+                        shard = replica.shard,
+                        lease_ms = lease.as_millis() as u64,
+                        "a drill's pause was not renewed within its lease: resuming the replica"
+                    );
+                    if let Err(e) = node.pause(replica.shard, false) {
+                        tracing::warn!(shard = replica.shard, error = %e, "resuming a paused replica");
+                    }
+                }
+            });
+        }
         if commands.contains(&Command::CatchUp) {
             self.start_catchup(replica);
         }

@@ -161,6 +161,9 @@ pub struct ShardReplica {
     /// Whether its archive loop runs (only while this node leads or
     /// archives the shard: see `ReplicationNode::ensure_archiving`).
     pub(crate) archiving: std::sync::atomic::AtomicBool,
+    /// Bumped by every pause or resume (drills): a pause's lease expires
+    /// only if no later pause or resume came since.
+    pub(crate) pause_generation: AtomicU64,
 }
 
 /// The shards whose activity moved since each of the node's periodic loops
@@ -230,6 +233,7 @@ impl ShardReplica {
             touched,
             commit_gauge: std::sync::OnceLock::new(),
             archiving: Default::default(),
+            pause_generation: AtomicU64::new(0),
         }
     }
 
