@@ -194,6 +194,48 @@ async fn a_catch_up_drill_that_leaves_no_quorum_gives_up_and_resumes_its_followe
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_drill_verifies_a_shard_whose_oldest_records_were_compacted() {
+    // Retention keeps 4 MiB: 12 MiB appended leaves the log starting past
+    // seqno 1 on every replica.
+    let small = format!("{FAST}\nretain_bytes = 4194304\nmax_retain_bytes = 8388608\nretention_interval_ms = 100");
+    let mut cluster = Cluster::start_with(3, 1, 1, &small, None);
+    cluster.wait_node_leads(1, 1, Duration::from_secs(30)).await;
+    let grpc = cluster.node(1).grpc.clone();
+    let out = std::process::Command::new(common::walship_bin())
+        .args(["append", "--server", &grpc, "--shard", "1", "--count", "13", "--size", "1000000"])
+        .env("WALSHIP_LOG", "warn")
+        .output()
+        .unwrap();
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    let first = |s: serde_json::Value| s["shards"][0]["first_seqno"].as_u64().unwrap();
+    for id in 1..=3 {
+        wait_until(&format!("node {id} to compact its oldest records"), Duration::from_secs(30), || {
+            let status = futures::executor::block_on(cluster.status(id));
+            async move { status.is_some_and(|s| first(s) > 1) }
+        })
+        .await;
+    }
+    // Room for a drill now: the whole cluster restarts with 64 MiB.
+    let config = std::fs::read_to_string(&cluster.config_path).unwrap();
+    let roomy = config
+        .replace("retain_bytes = 4194304", "retain_bytes = 67108864")
+        .replace("max_retain_bytes = 8388608", "max_retain_bytes = 134217728");
+    assert_ne!(roomy, config);
+    std::fs::write(&cluster.config_path, roomy).unwrap();
+    for id in 1..=3 {
+        cluster.restart(id);
+    }
+    cluster.restart_coordinator(1);
+    cluster.wait_leader(1, None, Duration::from_secs(60)).await;
+    // The drill checks its own records (all past the compacted ones), not
+    // the shard from seqno 1.
+    let body = r#"{"shard": 1, "clients": 2}"#;
+    let report = run_drill(&mut cluster, "/v1/drills/corruption", body).await;
+    assert_eq!(report["state"], "done", "{report}");
+    assert_eq!(report["corruption"]["records_lost"], 0, "{report}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_pause_nobody_renews_ends_by_itself() {
     let replication = format!("{FAST}\npause_lease_ms = 5000");
     let mut cluster = Cluster::start_with(3, 1, 1, &replication, None);

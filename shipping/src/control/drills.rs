@@ -653,43 +653,60 @@ impl Coordinator {
             }
             tokio::time::sleep(Duration::from_millis(20)).await;
         };
-        let mut logs: BTreeMap<NodeId, Vec<Record>> = BTreeMap::new();
+        // The drill's own range only (its first acknowledged record on), a
+        // window at a time: the shard's older records are not the drill's
+        // to check (and may be compacted), and the coordinator never holds
+        // more than one window of each replica.
+        let Some(&from) = acks.keys().next() else { return Ok((0, 0, live)) };
+        let mut clients = BTreeMap::new();
         for &node in &live {
-            let mut client = self.peers.log(node).ok_or("no client")?;
-            let mut records = Vec::new();
-            let mut from = 1;
-            while from <= target {
-                let r = client
-                    .read(ReadRequest {
-                        shard_id: shard,
-                        from_seqno: from,
-                        to_seqno: target,
-                        max_bytes: 0,
-                        ..Default::default()
-                    })
-                    .await
-                    .map_err(|s| format!("reading node {node}: {s}"))?
-                    .into_inner();
-                if r.records.is_empty() {
-                    break;
+            clients.insert(node, self.peers.log(node).ok_or("no client")?);
+        }
+        // Seqnos of acknowledged records some live replica lacks.
+        let mut lost = std::collections::BTreeSet::new();
+        let mut divergent = std::collections::BTreeSet::new();
+        let mut next = from;
+        while next <= target {
+            let reference =
+                read_range(clients.get_mut(&leader).expect("live"), leader, shard, next, target, true).await?;
+            let Some(end) = reference.last().map(|r| r.seqno) else {
+                return Err(format!("node {leader} returned no records of {next}..={target}"));
+            };
+            for (&node, client) in clients.iter_mut().filter(|(n, _)| **n != leader) {
+                if read_range(client, node, shard, next, end, false).await? != reference {
+                    divergent.insert(node);
                 }
-                from = r.next_seqno;
-                records.extend(r.records);
             }
-            logs.insert(node, records);
+            for (&seqno, (payload, _)) in acks.range(next..=end) {
+                let held =
+                    reference.get((seqno - next) as usize).is_some_and(|r| r.seqno == seqno && r.payload == *payload);
+                if !held {
+                    lost.insert(seqno);
+                }
+            }
+            next = end + 1;
         }
-        let reference = logs.get(&leader).cloned().unwrap_or_default();
-        let mut lost = 0;
-        for (seqno, (payload, _)) in acks {
-            let ok = logs
-                .values()
-                .all(|log| log.get(*seqno as usize - 1).is_some_and(|r| r.seqno == *seqno && r.payload == *payload));
-            if !ok {
-                lost += 1;
+        // A replica that diverges may lack acknowledged records the leader
+        // holds: looked for in each such replica too, window by window.
+        for &node in &divergent {
+            let client = clients.get_mut(&node).expect("live");
+            let mut next = from;
+            while next <= target {
+                let window = read_range(client, node, shard, next, target, true).await?;
+                let Some(end) = window.last().map(|r| r.seqno) else {
+                    return Err(format!("node {node} returned no records of {next}..={target}"));
+                };
+                for (&seqno, (payload, _)) in acks.range(next..=end) {
+                    let held =
+                        window.get((seqno - next) as usize).is_some_and(|r| r.seqno == seqno && r.payload == *payload);
+                    if !held {
+                        lost.insert(seqno);
+                    }
+                }
+                next = end + 1;
             }
         }
-        let divergent = logs.values().filter(|log| **log != reference).count() as u64;
-        Ok((lost, divergent, live))
+        Ok((lost.len() as u64, divergent.len() as u64, live))
     }
 
     /// Starts a catch-up drill; returns its id.
@@ -889,6 +906,37 @@ impl Coordinator {
 /// How long the catch-up drill's fill may go without an acknowledgement
 /// before the drill gives up and resumes its follower.
 const CATCHUP_FILL_STALL: Duration = Duration::from_secs(10);
+
+/// The records `[from, to]` of `node`'s copy of `shard`: one read's worth
+/// when `one_window` (from `from` on, however many the node's read size
+/// gives), else all of them.
+async fn read_range(
+    client: &mut walship_proto::log::log_client::LogClient<crate::peers::PeerChannel>,
+    node: NodeId,
+    shard: u32,
+    from: u64,
+    to: u64,
+    one_window: bool,
+) -> Result<Vec<Record>, String> {
+    let mut records = Vec::new();
+    let mut next = from;
+    while next <= to {
+        let r = client
+            .read(ReadRequest { shard_id: shard, from_seqno: next, to_seqno: to, max_bytes: 0, ..Default::default() })
+            .await
+            .map_err(|s| format!("reading node {node}: {s}"))?
+            .into_inner();
+        if r.records.is_empty() {
+            break;
+        }
+        next = r.next_seqno;
+        records.extend(r.records);
+        if one_window {
+            break;
+        }
+    }
+    Ok(records)
+}
 
 #[cfg(test)]
 mod tests {
