@@ -229,10 +229,12 @@ async fn a_drill_verifies_a_shard_whose_oldest_records_were_compacted() {
     cluster.wait_leader(1, None, Duration::from_secs(60)).await;
     // The drill checks its own records (all past the compacted ones), not
     // the shard from seqno 1.
-    let body = r#"{"shard": 1, "clients": 2}"#;
-    let report = run_drill(&mut cluster, "/v1/drills/corruption", body).await;
+    let body = r#"{"shard": 1, "clients": 2, "phase_ms": 300}"#;
+    let report = run_drill(&mut cluster, "/v1/drills/failover", body).await;
     assert_eq!(report["state"], "done", "{report}");
-    assert_eq!(report["corruption"]["records_lost"], 0, "{report}");
+    let f = &report["failover"];
+    assert!(f["acked"].as_u64().unwrap() > 0, "{f}");
+    assert_eq!((f["lost"].as_u64(), f["divergent_replicas"].as_u64()), (Some(0), Some(0)), "{f}");
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

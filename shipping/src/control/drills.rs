@@ -677,13 +677,7 @@ impl Coordinator {
                     divergent.insert(node);
                 }
             }
-            for (&seqno, (payload, _)) in acks.range(next..=end) {
-                let held =
-                    reference.get((seqno - next) as usize).is_some_and(|r| r.seqno == seqno && r.payload == *payload);
-                if !held {
-                    lost.insert(seqno);
-                }
-            }
+            mark_missing(&reference, next, end, acks, &mut lost);
             next = end + 1;
         }
         // A replica that diverges may lack acknowledged records the leader
@@ -696,13 +690,7 @@ impl Coordinator {
                 let Some(end) = window.last().map(|r| r.seqno) else {
                     return Err(format!("node {node} returned no records of {next}..={target}"));
                 };
-                for (&seqno, (payload, _)) in acks.range(next..=end) {
-                    let held =
-                        window.get((seqno - next) as usize).is_some_and(|r| r.seqno == seqno && r.payload == *payload);
-                    if !held {
-                        lost.insert(seqno);
-                    }
-                }
+                mark_missing(&window, next, end, acks, &mut lost);
                 next = end + 1;
             }
         }
@@ -906,6 +894,23 @@ impl Coordinator {
 /// How long the catch-up drill's fill may go without an acknowledgement
 /// before the drill gives up and resumes its follower.
 const CATCHUP_FILL_STALL: Duration = Duration::from_secs(10);
+
+/// Adds to `lost` the acknowledged records of `next..=end` that `window`
+/// (a replica's records from `next` on) does not hold as acknowledged.
+fn mark_missing(
+    window: &[Record],
+    next: u64,
+    end: u64,
+    acks: &BTreeMap<u64, (Bytes, u64)>,
+    lost: &mut std::collections::BTreeSet<u64>,
+) {
+    for (&seqno, (payload, _)) in acks.range(next..=end) {
+        let held = window.get((seqno - next) as usize).is_some_and(|r| r.seqno == seqno && r.payload == *payload);
+        if !held {
+            lost.insert(seqno);
+        }
+    }
+}
 
 /// The records `[from, to]` of `node`'s copy of `shard`: one read's worth
 /// when `one_window` (from `from` on, however many the node's read size
