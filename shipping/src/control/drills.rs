@@ -315,8 +315,27 @@ fn framed_bytes(volume_bytes: u64, record_bytes: usize) -> u64 {
     framed + framed / 8
 }
 
-/// Acknowledged appends: seqno -> (payload, epoch).
-type Acks = Arc<AsyncMutex<BTreeMap<u64, (Bytes, u64)>>>;
+/// Acknowledged appends: seqno -> (the payload's digest, epoch).
+type Acks = Arc<AsyncMutex<BTreeMap<u64, (Digest, u64)>>>;
+
+/// What a drill keeps of an acknowledged payload to check the replicas
+/// against: its length and crc32, not its bytes, so a drill's volume (up
+/// to 16 GiB) does not sit in the coordinator's memory.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) struct Digest {
+    len: usize,
+    crc: u32,
+}
+
+impl Digest {
+    fn of(payload: &[u8]) -> Digest {
+        Digest { len: payload.len(), crc: crc32fast::hash(payload) }
+    }
+
+    fn matches(&self, payload: &[u8]) -> bool {
+        payload.len() == self.len && crc32fast::hash(payload) == self.crc
+    }
+}
 
 struct Load {
     stop: Arc<AtomicBool>,
@@ -403,7 +422,7 @@ impl Load {
                             Ok(r) => {
                                 let r = r.into_inner();
                                 if keep {
-                                    acks.lock().await.insert(r.first_seqno, (payload, r.epoch));
+                                    acks.lock().await.insert(r.first_seqno, (Digest::of(&payload), r.epoch));
                                 }
                                 count.fetch_add(1, Ordering::Relaxed);
                             }
@@ -627,7 +646,7 @@ impl Coordinator {
         shard: u32,
         leader: NodeId,
         replicas: &[NodeId],
-        acks: &BTreeMap<u64, (Bytes, u64)>,
+        acks: &BTreeMap<u64, (Digest, u64)>,
     ) -> Result<(u64, u64, Vec<NodeId>), String> {
         let max_acked = acks.keys().next_back().copied().unwrap_or(0);
         // Live replicas: those answering a position query.
@@ -901,11 +920,11 @@ fn mark_missing(
     window: &[Record],
     next: u64,
     end: u64,
-    acks: &BTreeMap<u64, (Bytes, u64)>,
+    acks: &BTreeMap<u64, (Digest, u64)>,
     lost: &mut std::collections::BTreeSet<u64>,
 ) {
-    for (&seqno, (payload, _)) in acks.range(next..=end) {
-        let held = window.get((seqno - next) as usize).is_some_and(|r| r.seqno == seqno && r.payload == *payload);
+    for (&seqno, (digest, _)) in acks.range(next..=end) {
+        let held = window.get((seqno - next) as usize).is_some_and(|r| r.seqno == seqno && digest.matches(&r.payload));
         if !held {
             lost.insert(seqno);
         }
@@ -946,6 +965,35 @@ async fn read_range(
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_digest_matches_its_payload_only() {
+        let d = Digest::of(b"drill-c0-n1-....");
+        assert!(d.matches(b"drill-c0-n1-...."));
+        assert!(!d.matches(b"drill-c0-n1-...,"), "one byte changed");
+        assert!(!d.matches(b"drill-c0-n1-..."), "one byte shorter");
+        assert!(!d.matches(b""));
+    }
+
+    #[test]
+    fn mark_missing_finds_records_absent_or_different_in_a_window() {
+        let record = |seqno: u64, payload: &str| Record {
+            seqno,
+            payload: Bytes::from(payload.to_string()),
+            ..Default::default()
+        };
+        let acks: BTreeMap<u64, (Digest, u64)> =
+            [(10, "a"), (11, "b"), (13, "d")].iter().map(|&(s, p)| (s, (Digest::of(p.as_bytes()), 1))).collect();
+        // Seqnos 10..=12 held, 11 with other bytes; 13 past the window.
+        let window = [record(10, "a"), record(11, "B"), record(12, "c")];
+        let mut lost = std::collections::BTreeSet::new();
+        mark_missing(&window, 10, 12, &acks, &mut lost);
+        assert_eq!(lost.into_iter().collect::<Vec<_>>(), [11]);
+        // A window shorter than its range: the records it lacks are missing.
+        let mut lost = std::collections::BTreeSet::new();
+        mark_missing(&window[..1], 10, 13, &acks, &mut lost);
+        assert_eq!(lost.into_iter().collect::<Vec<_>>(), [11, 13]);
+    }
 
     #[test]
     fn a_budget_gives_out_exactly_its_bytes_and_counts_what_its_splits_take() {
