@@ -106,6 +106,15 @@ async fn status_shows_the_real_leaders() {
 async fn failover_command_previews_and_moves_leadership_using_the_client_config() {
     let mut cluster = Cluster::start_with(3, 1, 1, "leader_timeout_ms = 2000", None);
     cluster.wait_node_leads(1, 1, Duration::from_secs(30)).await;
+    // The target must answer the fence: wait until the coordinator hears
+    // every replica (right after start, node 2 may not be up yet).
+    wait_until("every replica of shard 1 alive", Duration::from_secs(30), || {
+        let (code, s) = futures::executor::block_on(cluster.coord_get(1, "/v1/shards/1"));
+        let ok = code == 200
+            && s["replicas"].as_array().is_some_and(|r| r.len() == 3 && r.iter().all(|r| r["alive"] == true));
+        async move { ok }
+    })
+    .await;
     // Admin URL and token from the client config file, not flags.
     let config = cluster.dir.path().join("client.toml");
     std::fs::write(
