@@ -136,6 +136,18 @@ async fn catchup_drill_reports_rate_and_live_throughput() {
     assert!(follower_durable >= leader_last - 1000, "follower {follower_durable} vs leader {leader_last}");
 }
 
+/// Appends `count` records of `size` bytes to shard 1 through `walship
+/// append` (the operator's own records, as a drill finds them).
+fn cli_append(grpc: &str, count: u32, size: u32) {
+    let out = std::process::Command::new(common::walship_bin())
+        .args(["append", "--server", grpc, "--shard", "1"])
+        .args(["--count", &count.to_string(), "--size", &size.to_string()])
+        .env("WALSHIP_LOG", "warn")
+        .output()
+        .unwrap();
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+}
+
 async fn append_quorum(grpc: &str) -> Result<u64, tonic::Status> {
     let mut log = common::history::client(grpc).await.ok_or_else(|| tonic::Status::unavailable("no connection"))?;
     let mut request = tonic::Request::new(walship_proto::log::AppendRequest {
@@ -201,12 +213,7 @@ async fn a_drill_verifies_a_shard_whose_oldest_records_were_compacted() {
     let mut cluster = Cluster::start_with(3, 1, 1, &small, None);
     cluster.wait_node_leads(1, 1, Duration::from_secs(30)).await;
     let grpc = cluster.node(1).grpc.clone();
-    let out = std::process::Command::new(common::walship_bin())
-        .args(["append", "--server", &grpc, "--shard", "1", "--count", "13", "--size", "1000000"])
-        .env("WALSHIP_LOG", "warn")
-        .output()
-        .unwrap();
-    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    cli_append(&grpc, 13, 1000000);
     let first = |s: serde_json::Value| s["shards"][0]["first_seqno"].as_u64().unwrap();
     for id in 1..=3 {
         wait_until(&format!("node {id} to compact its oldest records"), Duration::from_secs(30), || {
@@ -662,12 +669,7 @@ async fn drills_never_cost_the_operators_records_through_retention() {
     wait_coordinator_records_node_1(&mut cluster).await;
     cluster.wait_node_leads(1, 1, Duration::from_secs(30)).await;
     let grpc = cluster.node(1).grpc.clone();
-    let out = std::process::Command::new(common::walship_bin())
-        .args(["append", "--server", &grpc, "--shard", "1", "--count", "8", "--size", "262144"])
-        .env("WALSHIP_LOG", "warn")
-        .output()
-        .unwrap();
-    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    cli_append(&grpc, 8, 262144);
     let operators = common::read_all(&grpc, 1, 8).await;
     assert_eq!(operators.len(), 8);
     let last_before = cluster.status(1).await.unwrap()["shards"][0]["last_seqno"].as_u64().unwrap();

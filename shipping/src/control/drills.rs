@@ -285,6 +285,17 @@ impl Digest {
     }
 }
 
+/// What a [`Load`] keeps of each acknowledgement.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Keep {
+    /// Its seqno, payload digest and epoch, for the drill to verify the
+    /// replicas against.
+    Digests,
+    /// Only the count: for a drill that verifies nothing, whose volume (up
+    /// to 16 GiB of small records) would otherwise fill the map.
+    Count,
+}
+
 struct Load {
     stop: Arc<AtomicBool>,
     acked_count: Arc<AtomicU64>,
@@ -295,8 +306,8 @@ struct Load {
 impl Load {
     /// `clients` appenders on `shard` at QUORUM through the leader the
     /// coordinator records, following it through failovers, until stopped
-    /// or `budget` is spent. Keeps every acknowledged payload, for the
-    /// drill to verify the replicas against.
+    /// or `budget` is spent, keeping what `keep` says of each
+    /// acknowledgement.
     fn start(
         coordinator: &Arc<Coordinator>,
         shard: u32,
@@ -304,32 +315,7 @@ impl Load {
         record_bytes: usize,
         tag: &str,
         budget: &Arc<Budget>,
-    ) -> Load {
-        Load::run(coordinator, shard, clients, record_bytes, tag, budget, true)
-    }
-
-    /// [`Load::start`] that only counts its acknowledgements: for a drill
-    /// that verifies nothing, whose volume (up to 16 GiB) would otherwise
-    /// sit in the coordinator's memory.
-    fn counting(
-        coordinator: &Arc<Coordinator>,
-        shard: u32,
-        clients: usize,
-        record_bytes: usize,
-        tag: &str,
-        budget: &Arc<Budget>,
-    ) -> Load {
-        Load::run(coordinator, shard, clients, record_bytes, tag, budget, false)
-    }
-
-    fn run(
-        coordinator: &Arc<Coordinator>,
-        shard: u32,
-        clients: usize,
-        record_bytes: usize,
-        tag: &str,
-        budget: &Arc<Budget>,
-        keep: bool,
+        keep: Keep,
     ) -> Load {
         let stop = Arc::new(AtomicBool::new(false));
         let acked_count = Arc::new(AtomicU64::new(0));
@@ -369,7 +355,7 @@ impl Load {
                         match log.append(request).await {
                             Ok(r) => {
                                 let r = r.into_inner();
-                                if keep {
+                                if keep == Keep::Digests {
                                     acks.lock().await.insert(r.first_seqno, (Digest::of(&payload), r.epoch));
                                 }
                                 count.fetch_add(1, Ordering::Relaxed);
@@ -525,7 +511,7 @@ impl Coordinator {
         let record = self.shard_record(shard).map_err(|_| "not active")?;
         let (old_leader, old_epoch) = (record.leader.ok_or("no leader")?, record.epoch);
         self.drills.progress(id, "load running");
-        let load = Load::start(self, shard, request.clients.max(1), 64, id, budget);
+        let load = Load::start(self, shard, request.clients.max(1), 64, id, budget, Keep::Digests);
         tokio::time::sleep(Duration::from_millis(request.phase_ms)).await;
         if load.acked_count.load(Ordering::Relaxed) == 0 {
             load.stop().await;

@@ -140,8 +140,15 @@ impl Coordinator {
         let shard = request.shard;
         let mut control = self.peers.control(follower).ok_or("no follower client")?;
         self.drills.progress(id, "measuring append throughput before the pause");
-        let before =
-            Load::counting(self, shard, request.clients.max(1), request.record_bytes, id, &fill_budget.split(spare));
+        let before = Load::start(
+            self,
+            shard,
+            request.clients.max(1),
+            request.record_bytes,
+            id,
+            &fill_budget.split(spare),
+            Keep::Count,
+        );
         let t = Instant::now();
         tokio::time::sleep(Duration::from_secs(1)).await;
         let rate_before = before.acked_count.load(Ordering::Relaxed) as f64 / t.elapsed().as_secs_f64();
@@ -209,7 +216,8 @@ impl Coordinator {
         let shard = request.shard;
         let start_pos = self.position_of(follower, shard).await.ok_or("follower position")?;
         self.drills.progress(id, &format!("follower {follower} paused; appending {} bytes", request.volume_bytes));
-        let fill = Load::counting(self, shard, request.clients.max(1) * 4, request.record_bytes, id, fill_budget);
+        let fill =
+            Load::start(self, shard, request.clients.max(1) * 4, request.record_bytes, id, fill_budget, Keep::Count);
         let records_wanted = request.volume_bytes / request.record_bytes.max(1) as u64;
         let (mut acked, mut progressed) = (0, Instant::now());
         // The node resumes a pause nobody renews (its lease): renewed while
@@ -251,8 +259,15 @@ impl Coordinator {
         let leader_pos = self.position_of(leader, shard).await.ok_or("leader position")?;
         let records_behind = leader_pos.durable_seqno.saturating_sub(start_pos.durable_seqno);
         self.drills.progress(id, &format!("resuming follower {follower}: {records_behind} records behind"));
-        let during =
-            Load::counting(self, shard, request.clients.max(1), request.record_bytes, id, &fill_budget.split(spare));
+        let during = Load::start(
+            self,
+            shard,
+            request.clients.max(1),
+            request.record_bytes,
+            id,
+            &fill_budget.split(spare),
+            Keep::Count,
+        );
         // Bytes by source count from here (the follower applied nothing while paused).
         let applied_before = self.position_of(follower, shard).await.ok_or("follower position")?;
         Ok((leader_pos, records_behind, during, applied_before))

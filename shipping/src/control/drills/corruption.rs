@@ -124,7 +124,7 @@ impl Coordinator {
     ) -> Result<CorruptionDrillResult, String> {
         let shard = request.shard;
         self.drills.progress(id, "load running");
-        let load = Load::start(self, shard, request.clients.max(1), 64, id, budget);
+        let load = Load::start(self, shard, request.clients.max(1), 64, id, budget, Keep::Digests);
         tokio::time::sleep(Duration::from_millis(request.phase_ms)).await;
         // The damaged record: the middle acknowledged one, so its payload is
         // known and records on both sides of it exist.

@@ -30,7 +30,7 @@ use bytes::Bytes;
 use serde::{Deserialize, Serialize};
 use walship_proto::log::{AppendRecord, AppendRequest, Durability, PartitionRequest};
 
-use super::{Budget, FRAME_OVERHEAD, Load, MAX_LOAD_BYTES, MIN_DRILL_HEADROOM, default_clients};
+use super::{Budget, FRAME_OVERHEAD, Keep, Load, MAX_LOAD_BYTES, MIN_DRILL_HEADROOM, default_clients};
 use crate::NodeId;
 use crate::control::coordinator::{CoordError, Coordinator};
 
@@ -340,7 +340,7 @@ impl Coordinator {
         };
         let tag = format!("{id}-t{trial}");
         self.drills.progress(id, &format!("trial {trial}/{of}: load running"));
-        let load = Load::start(self, shard, request.clients, 64, &tag, budget);
+        let load = Load::start(self, shard, request.clients, 64, &tag, budget, Keep::Digests);
         let deadline = Instant::now() + Duration::from_secs(10);
         while load.acked_count.load(Ordering::Relaxed) == 0 {
             if Instant::now() > deadline {

@@ -199,14 +199,15 @@ impl Coordinator {
         let mut acks = BTreeMap::new();
 
         self.drills.progress(id, "measuring append throughput before the drill");
-        let before = Load::start(self, shard, clients, request.record_bytes, id, &fill_budget.split(spare));
+        let before =
+            Load::start(self, shard, clients, request.record_bytes, id, &fill_budget.split(spare), Keep::Digests);
         let t = Instant::now();
         tokio::time::sleep(Duration::from_secs(1)).await;
         let rate_before = before.acked_count.load(Ordering::Relaxed) as f64 / t.elapsed().as_secs_f64();
         acks.extend(before.stop().await.lock().await.clone());
 
         self.drills.progress(id, &format!("appending {} bytes", request.volume_bytes));
-        let fill = Load::start(self, shard, clients * 4, request.record_bytes, id, fill_budget);
+        let fill = Load::start(self, shard, clients * 4, request.record_bytes, id, fill_budget, Keep::Digests);
         let records_wanted = request.volume_bytes / request.record_bytes.max(1) as u64;
         while fill.acked_count.load(Ordering::Relaxed) < records_wanted {
             if fill.tasks.iter().all(|t| t.is_finished()) {
@@ -257,7 +258,8 @@ impl Coordinator {
             .into_inner();
         let wiped_at = Instant::now();
         let target = self.position_of(leader, shard).await.ok_or("leader position")?.durable_seqno;
-        let during = Load::start(self, shard, clients, request.record_bytes, id, &fill_budget.split(spare));
+        let during =
+            Load::start(self, shard, clients, request.record_bytes, id, &fill_budget.split(spare), Keep::Digests);
         self.drills.progress(id, &format!("follower {follower} rebuilding {target} records"));
         // Sealed segments come from peers, then the object store.
         let sealed = |p: &FenceResponse| p.applied_archive_bytes + p.applied_peer_bytes;
