@@ -303,6 +303,16 @@ fn refusals() -> Vec<Refusal> {
             &["already written"],
             &[9, 2, 12],
         ),
+        // Regrouped: 2..=13 runs past producer 9's newest (12) from a
+        // forgotten sequence. ALREADY_EXISTS would say 13 is stored too.
+        r(
+            "retry straddling the next sequence from a forgotten run",
+            append(&(2..=13).map(|i| format!("p9-{i}")).collect::<Vec<_>>(), Some(producer(9, 1, 2)), None),
+            Code::OutOfRange,
+            gap,
+            &["send the records from sequence 13"],
+            &[9, 2, 12, 13],
+        ),
         // Conditional appends: the shard's newest is 23.
         last(r(
             "expected one behind",

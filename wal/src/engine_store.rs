@@ -1046,6 +1046,16 @@ impl LogStore for EngineStore {
         self.startup_damage.clone()
     }
 
+    fn recovery_cuts(&self) -> Vec<(PathBuf, u64, String)> {
+        self.recovery
+            .iter()
+            .filter_map(|f| match f {
+                RecoveryFinding::Corruption { file, offset, detail } => Some((file.clone(), *offset, detail.clone())),
+                RecoveryFinding::TornTail { .. } => None,
+            })
+            .collect()
+    }
+
     fn set_log_epoch(&self, shard: ShardId, epoch: u64) -> StoreResult<()> {
         self.raise_u64(shard, LOG_EPOCH_KEY, epoch)
     }

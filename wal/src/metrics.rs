@@ -133,7 +133,7 @@ impl WalMetrics {
         let corruption_detected = IntCounterVec::new(
             Opts::new(
                 "walship_wal_corruption_detected_total",
-                "Corrupt WAL record ranges found, by how: read, scrub or startup",
+                "Corrupt WAL record ranges found, by how: read, scrub, startup, or recovery (damage raft-engine's recovery cut away with the records after it)",
             ),
             &["how"],
         )?;
@@ -143,7 +143,7 @@ impl WalMetrics {
             "walship_wal_scrub_last_pass_timestamp_seconds",
             "Unix time the last full scrub pass over every shard's retained WAL ended (0: none yet)",
         )?;
-        for how in ["read", "scrub", "startup"] {
+        for how in ["read", "scrub", "startup", "recovery"] {
             corruption_detected.with_label_values(&[how]);
         }
         let producer_duplicates = IntCounter::new(
@@ -158,7 +158,9 @@ impl WalMetrics {
             ),
             &["reason"],
         )?;
-        for reason in ["fenced", "unknown", "gap", "forgotten", "invalid", "expected_last", "unavailable"] {
+        for reason in
+            ["fenced", "unknown", "gap", "forgotten", "forgotten_prefix", "invalid", "expected_last", "unavailable"]
+        {
             producer_refusals.with_label_values(&[reason]);
         }
         let producers_forgotten = IntCounterVec::new(

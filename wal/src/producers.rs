@@ -24,6 +24,7 @@
 //! | every sequence <= `last`, seqnos remembered | a duplicate: the original seqnos |
 //! | every sequence <= `last`, seqnos forgotten | [`ProducerRefusal::Forgotten`] |
 //! | some <= `last`, the rest after it | the rest is written (the prefix survived a failover) |
+//! | some <= `last` with seqnos forgotten, the rest after it | [`ProducerRefusal::ForgottenPrefix`] |
 //!
 //! The seqnos of a producer's last [`RUNS_KEPT`] runs (a run: records whose
 //! sequences and seqnos both follow each other, such as one batch) are
@@ -90,6 +91,19 @@ pub enum ProducerRefusal {
          but their seqnos are no longer remembered (only the last {RUNS_KEPT} runs are); nothing was written again"
     )]
     Forgotten { id: u64, epoch: u64, first: u64, last: u64, newest: u64 },
+    /// A retry that starts before the producer's next sequence and runs
+    /// past it, whose written part is too old to be remembered: its answer
+    /// could not say where that part is, so nothing is written and the
+    /// caller sends the records from `newest + 1` on (a retry grouped
+    /// differently from the first attempt; the bundled client never does).
+    #[error(
+        "producer {id} epoch {epoch}: sequences {first}..={newest} were already written but their seqnos are no \
+         longer remembered (only the last {RUNS_KEPT} runs are), and {}..={last} were not; nothing was written: \
+         send the records from sequence {}, the next expected",
+        newest + 1,
+        newest + 1
+    )]
+    ForgottenPrefix { id: u64, epoch: u64, first: u64, last: u64, newest: u64 },
 }
 
 /// What an append by a producer should do.
@@ -250,13 +264,22 @@ impl ProducerTable {
         if sequence > last + 1 {
             return Err(ProducerRefusal::Gap { id, epoch, sequence, expected: last + 1 });
         }
-        let forgotten = || ProducerRefusal::Forgotten { id, epoch, first: sequence, last: end.min(last), newest: last };
-        let first_seqno = p.seqno_of(sequence).ok_or_else(forgotten)?;
-        if end <= last {
-            let last_seqno = p.seqno_of(end).ok_or_else(forgotten)?;
-            return Ok(Decision::Duplicate { first_seqno, last_seqno });
+        if end > last {
+            // Some written, the rest not: the rest is written, and the
+            // answer names where the written part starts.
+            let first_seqno = p.seqno_of(sequence).ok_or(ProducerRefusal::ForgottenPrefix {
+                id,
+                epoch,
+                first: sequence,
+                last: end,
+                newest: last,
+            })?;
+            return Ok(Decision::Write { skip: (last - sequence + 1) as usize, prefix_first_seqno: Some(first_seqno) });
         }
-        Ok(Decision::Write { skip: (last - sequence + 1) as usize, prefix_first_seqno: Some(first_seqno) })
+        let forgotten = || ProducerRefusal::Forgotten { id, epoch, first: sequence, last: end, newest: last };
+        let first_seqno = p.seqno_of(sequence).ok_or_else(forgotten)?;
+        let last_seqno = p.seqno_of(end).ok_or_else(forgotten)?;
+        Ok(Decision::Duplicate { first_seqno, last_seqno })
     }
 
     /// Applies the next record of the log. `frame.seqno()` must follow

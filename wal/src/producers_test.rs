@@ -87,6 +87,30 @@ fn only_the_last_runs_are_remembered() {
 }
 
 #[test]
+fn a_retry_straddling_the_next_sequence_with_a_forgotten_prefix_writes_nothing() {
+    // Six runs of producer 7, each broken by producer 8: sequence 1's
+    // seqno is forgotten, 2..=6 are remembered.
+    let mut records = Vec::new();
+    for i in 0..6 {
+        records.push((0, Some((7, 1, i + 1))));
+        records.push((0, Some((8, 1, i + 1))));
+    }
+    let t = table(&records);
+    // 1..=8: 1..=6 written (1 forgotten), 7..=8 not. Writing 7..=8 and
+    // answering "already written" (the old answer) would lose nothing
+    // here but told the caller 7..=8 were stored; refusing tells it to
+    // send from 7.
+    assert_eq!(
+        t.check(&LIMITS, 7, 1, 1, 8, 0),
+        Err(ProducerRefusal::ForgottenPrefix { id: 7, epoch: 1, first: 1, last: 8, newest: 6 })
+    );
+    let refusal = t.check(&LIMITS, 7, 1, 1, 8, 0).unwrap_err().to_string();
+    assert!(refusal.contains("send the records from sequence 7"), "{refusal}");
+    // Remembered, the same retry from 2 writes 7..=8.
+    assert_eq!(t.check(&LIMITS, 7, 1, 2, 7, 0), Ok(Decision::Write { skip: 5, prefix_first_seqno: Some(3) }));
+}
+
+#[test]
 fn a_newer_epoch_fences_the_older() {
     let t = table(&[(0, Some((7, 1, 1))), (0, Some((7, 2, 1)))]);
     assert_eq!(t.check(&LIMITS, 7, 1, 2, 1, 0), Err(ProducerRefusal::Fenced { id: 7, epoch: 1, current: 2 }));

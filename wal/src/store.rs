@@ -285,6 +285,14 @@ pub trait LogStore: Send + Sync + 'static {
         Vec::new()
     }
 
+    /// Damage the store's own recovery cut away while it opened, with the
+    /// records after it (a file and offset, and what was there), beyond a
+    /// torn tail: records that had been durable are gone from this node,
+    /// and with them maybe the newest epoch it promised. Empty by default.
+    fn recovery_cuts(&self) -> Vec<(PathBuf, u64, String)> {
+        Vec::new()
+    }
+
     /// Bytes of memory the store's index of the log takes (every shard),
     /// an estimate from its structures' sizes. Grows with what the store
     /// keeps an index entry for (a chunk of records in the raft-engine

@@ -412,6 +412,8 @@ struct Shared {
     raises: Arc<Raises>,
     /// What every shard's tail cache draws on.
     tail_budget: Arc<TailBudget>,
+    /// See [`Wal::recovery_cut`].
+    recovery_cut: bool,
 }
 
 impl Shared {
@@ -445,6 +447,8 @@ impl Wal {
         }
         let staged = StagedBytes::new(config.max_batch_bytes, &metrics);
         let corruption = Registry::new(metrics.clone());
+        let recovery_cuts = store.recovery_cuts();
+        metrics.corruption_detected.with_label_values(&["recovery"]).inc_by(recovery_cuts.len() as u64);
         for d in store.startup_damage() {
             corruption.record(CorruptRange {
                 shard: d.shard,
@@ -470,6 +474,7 @@ impl Wal {
             producer_limits: config.producers,
             raises: Arc::default(),
             tail_budget,
+            recovery_cut: !recovery_cuts.is_empty(),
         });
         let (to_persister, staged) = flume::unbounded();
         let persister = Persister { shared: shared.clone(), rx: staged, config: config.clone() };
@@ -681,6 +686,7 @@ impl Wal {
                 ProducerRefusal::Unknown { .. } => "unknown",
                 ProducerRefusal::Gap { .. } => "gap",
                 ProducerRefusal::Forgotten { .. } => "forgotten",
+                ProducerRefusal::ForgottenPrefix { .. } => "forgotten_prefix",
             }),
             Err(WalError::ExpectedLast { .. }) => refusal("expected_last"),
             Err(WalError::ProducersUnavailable { .. }) => refusal("unavailable"),
@@ -863,6 +869,16 @@ impl Wal {
     }
 
     /// Every corrupt range known now, by shard then seqno.
+    /// Whether the store's recovery cut damaged records away when it
+    /// opened (ERROR logged, `walship_wal_corruption_detected_total{how=
+    /// "recovery"}`): records that had been durable here are gone, and
+    /// maybe the newest epoch a shard promised with them. Every replica on
+    /// this node then waits for its coordinator to assign it again before
+    /// it takes anything from a leader.
+    pub fn recovery_cut(&self) -> bool {
+        self.shared.recovery_cut
+    }
+
     pub fn corruption(&self) -> Vec<CorruptRange> {
         self.shared.corruption.all()
     }

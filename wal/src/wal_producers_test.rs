@@ -115,6 +115,29 @@ async fn a_conditional_retry_of_a_producer_is_a_duplicate_not_a_mismatch() {
     assert_eq!(retry.appended.first_seqno, 1);
 }
 
+#[tokio::test]
+async fn a_conditional_retry_of_a_cut_batch_writes_the_rest() {
+    let wal = start(Arc::new(MemStore::new()));
+    // The first attempt of a 4-record batch expecting an empty shard: a
+    // failover left its first 2 records in the log, and others wrote after.
+    wal.append_with(1, 1, records(2), AppendOptions { expected_last: Some(0), ..as_producer(7, 1, 1) }).await.unwrap();
+    wal.append(1, 1, records(1)).await.unwrap();
+    // A retry whose condition did not hold where the prefix went is refused.
+    let wrong = AppendOptions { expected_last: Some(1), ..as_producer(7, 1, 1) };
+    let refused = wal.append_with(1, 1, records(4), wrong).await.unwrap_err();
+    assert!(matches!(refused, WalError::ExpectedLast { expected: 1, last: 3, .. }), "{refused}");
+    assert_eq!(last(&wal), 3, "a refused retry writes nothing");
+    // The same retry as first sent: the rest is written, and the answer
+    // starts at the prefix (before, it was refused as a mismatch though
+    // its prefix was in the log).
+    let options = AppendOptions { expected_last: Some(0), ..as_producer(7, 1, 1) };
+    let retry = wal.append_with(1, 1, records(4), options).await.unwrap();
+    assert_eq!((retry.appended, retry.duplicate), (Appended { first_seqno: 1, last_seqno: 5 }, false));
+    let frames = wal.read(1, 1, 5, usize::MAX).await.unwrap();
+    let stamps: Vec<_> = frames.iter().map(|f| f.producer().map(|p| p.sequence)).collect();
+    assert_eq!(stamps, vec![Some(1), Some(2), None, Some(3), Some(4)]);
+}
+
 /// Writes producer 7's sequences 1..=40 in batches of 4 between other
 /// producers' and plain records, crossing several snapshots; returns where
 /// its last batch went.

@@ -95,8 +95,12 @@ impl Sequencer {
                 }
             }
         }
+        // A retry whose prefix a failover left in the log is judged where
+        // that prefix was written: the condition held there, and saying
+        // "not written" now would hide the prefix.
+        let judged_at = prefix_first.map_or(first, |p| p);
         if let Some(expected) = options.expected_last
-            && expected != first - 1
+            && expected != judged_at - 1
         {
             return Err(WalError::ExpectedLast { shard, expected, last: first - 1 });
         }
