@@ -301,9 +301,15 @@ pub async fn start_node(config: NodeConfig, cluster: Option<ClusterConfig>, dril
     disk_space.register(&registry)?;
     disk_space.start_monitor()?;
     let opened = Instant::now();
-    let store = tokio::task::spawn_blocking(move || EngineStore::open(&wal_dir, &store_config))
-        .await?
-        .context("opening the WAL")?;
+    let opening = wal_dir.clone();
+    let store =
+        tokio::task::spawn_blocking(move || EngineStore::open(&wal_dir, &store_config)).await?.with_context(|| {
+            format!(
+                "opening the WAL under {}: a file there is damaged where recovery cannot cut it away, or unreadable \
+                 (ops/runbooks/corruption.md, \"A node that cannot open its WAL\")",
+                opening.display()
+            )
+        })?;
     registry.register(Box::new(walship_wal::metrics::RotationsCollector::new(store.rotations())?))?;
     let store = Arc::new(store);
     registry.register(Box::new(walship_wal::metrics::IndexCollector::new(store.clone())?))?;
@@ -375,8 +381,11 @@ pub async fn start_node(config: NodeConfig, cluster: Option<ClusterConfig>, dril
     tracing::info!(elapsed_ms = opened.elapsed().as_millis() as u64, "WAL open");
 
     let log = LogService::new(node.clone(), config.limits.clone(), LogServiceMetrics::new(&registry)?);
-    // Room for a maximal append plus protobuf framing of every record.
+    // Room for a maximal append plus protobuf framing of every record; the
+    // codec refuses an append of more records than allowed before decoding
+    // it (a message of empty records decodes to 32 times its size).
     let max_message = config.limits.max_batch_bytes + config.limits.max_batch_records * 16 + (1 << 20);
+    walship_proto::codec::limit_append_records(config.limits.max_batch_records);
     let (health, health_service) = tonic_health::server::health_reporter();
     health.set_serving::<LogServer<LogService>>().await;
     health.set_serving::<WalShippingServer<WalShippingService>>().await;
@@ -441,7 +450,10 @@ pub async fn start_node(config: NodeConfig, cluster: Option<ClusterConfig>, dril
         let read_budget =
             config.task_read_mib_per_s.checked_mul(1 << 20).context("task_read_mib_per_s is too large")?;
         let read_budget = Arc::new(walship_dataplane::limiter::RateLimiter::new(read_budget));
-        let mut runners = walship_dataplane::kinds::runners(wal.clone(), read_budget);
+        let replicas = node.clone();
+        let committed: walship_dataplane::kinds::Committed =
+            Arc::new(move |shard| replicas.replica(shard).map(|r| r.readable()));
+        let mut runners = walship_dataplane::kinds::runners(wal.clone(), read_budget, committed);
         runners.push(Arc::new(crate::catchup::CatchupRunner { node: node.clone() }));
         let worker = Worker::new(settings, dial, runners);
         tokio::spawn(worker.clone().run(shutdown.clone()));

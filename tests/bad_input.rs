@@ -25,6 +25,8 @@ const MIB: usize = 1 << 20;
 const MAX_RECORD_BYTES: usize = MIB;
 const MAX_BATCH_RECORDS: usize = 100_000;
 const MAX_BATCH_BYTES: usize = 32 * MIB;
+/// The case refused before decoding (`walship_proto::codec`).
+const OVER_MAX_BATCH_RECORDS: &str = "batch over max_batch_records";
 
 /// Sends `body` verbatim as the protobuf message of a `walship.v1.Log/Append`.
 async fn raw_append(channel: Channel, body: &[u8]) -> Result<Bytes, tonic::Status> {
@@ -281,7 +283,7 @@ async fn bad_requests_are_refused_precisely_and_change_nothing() {
             numbers: vec![MAX_RECORD_BYTES as u64],
         },
         Case {
-            name: "batch over max_batch_records",
+            name: OVER_MAX_BATCH_RECORDS,
             call: Call::Append(append(1, vec![record(0, 0); MAX_BATCH_RECORDS + 1])),
             code: Code::InvalidArgument,
             words: vec!["max_batch_records"],
@@ -429,6 +431,11 @@ async fn bad_requests_are_refused_precisely_and_change_nothing() {
         let rpc = case.call.rpc();
         let result = case.call.run(&mut client).await;
         assert_refused(case.name, result, case.code, &case.words, &case.numbers);
+        if case.name == OVER_MAX_BATCH_RECORDS {
+            // Refused by the codec before the service: counted as an
+            // undecodable message instead (see the test of 15M records).
+            continue;
+        }
         *expected_rejections.entry((rpc.to_string(), format!("{:?}", case.code))).or_default() += 1.0;
     }
 
@@ -524,6 +531,49 @@ fn a_node_refuses_to_start_with_limits_no_record_could_travel_under() {
             assert!(stderr.contains(word), "{flag} {value}: {stderr}");
         }
     }
+}
+
+/// The node's peak resident memory (`VmHWM`), in bytes.
+fn peak_rss(node: &NodeProcess) -> u64 {
+    let status = std::fs::read_to_string(format!("/proc/{}/status", node.child.id())).unwrap();
+    let line = status.lines().find(|l| l.starts_with("VmHWM:")).expect("VmHWM in /proc/<pid>/status");
+    line.split_whitespace().nth(1).unwrap().parse::<u64>().unwrap() * 1024
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_append_of_millions_of_empty_records_is_refused_before_they_are_decoded() {
+    let dir = tempfile::tempdir().unwrap();
+    let node = NodeProcess::start(1, dir.path(), "1", &[]);
+    node.wait_healthy().await;
+    let mut client = node.client().await;
+    client.append(append(1, vec![record(1, 10)])).await.expect("seed append");
+    let (positions_before, contents_before) = snapshot(&node, &mut client).await;
+    // 15 million empty records: 30 MB on the wire, within the message cap
+    // (max_batch_bytes plus 16 bytes a record), about 1 GB once decoded.
+    let records = 15_000_000usize;
+    let mut body = vec![0x08, 0x01]; // shard_id 1
+    body.reserve(2 * records);
+    for _ in 0..records {
+        body.extend_from_slice(&[0x12, 0x00]);
+    }
+    let before = peak_rss(&node);
+    let undecodable = metric_value(&node, "walship_grpc_undecodable_messages_total").await;
+    let result = raw_append(connect(&node).await, &body).await;
+    assert_refused(
+        "15M empty records",
+        result,
+        Code::InvalidArgument,
+        &["max_batch_records"],
+        &[records as u64, MAX_BATCH_RECORDS as u64],
+    );
+    let grew = peak_rss(&node).saturating_sub(before);
+    // The message itself is held once or twice (30-60 MB); decoding the
+    // records would have taken about 1 GB.
+    assert!(grew < 300 << 20, "peak RSS grew by {} MiB refusing the append", grew >> 20);
+    let counted = metric_value(&node, "walship_grpc_undecodable_messages_total").await - undecodable;
+    assert_eq!(counted, 1.0, "refused before decoding: counted with the undecodable messages");
+    let (positions_after, contents_after) = snapshot(&node, &mut client).await;
+    assert_eq!((positions_after, contents_after), (positions_before, contents_before), "the refusal changed nothing");
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

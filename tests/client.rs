@@ -620,12 +620,17 @@ async fn read_request_last_and_min_seqno_over_grpc() {
     let unknown =
         read(ReadRequest { shard_id: 9, from_seqno: 1, min_seqno: 1, ..Default::default() }).await.unwrap_err();
     assert_eq!(unknown.code(), tonic::Code::NotFound, "{unknown:?}");
+    // Refused at once with OUT_OF_RANGE, not UNAVAILABLE after waiting out
+    // the call's deadline: the leader has not written seqno 6, and seqno 0
+    // is never there.
     let ahead = read(ReadRequest { shard_id: 1, from_seqno: 1, min_seqno: 6, ..Default::default() }).await.unwrap_err();
-    assert_eq!(ahead.code(), tonic::Code::Unavailable, "{ahead:?}");
-    assert!(
-        ahead.message().contains("committed up to seqno 5") && ahead.message().contains("min_seqno 6"),
-        "{ahead:?}"
-    );
+    assert_eq!(ahead.code(), tonic::Code::OutOfRange, "{ahead:?}");
+    assert!(ahead.message().contains("min_seqno 6") && ahead.message().contains("newest seqno 5"), "{ahead:?}");
+    let from_zero = read(ReadRequest { shard_id: 1, min_seqno: 5, ..Default::default() }).await.unwrap_err();
+    assert_eq!(from_zero.code(), tonic::Code::InvalidArgument, "{from_zero:?}");
+    let backwards =
+        read(ReadRequest { shard_id: 1, from_seqno: 3, to_seqno: 2, min_seqno: 9, ..Default::default() }).await;
+    assert_eq!(backwards.unwrap_err().code(), tonic::Code::InvalidArgument);
     assert_eq!(durable(&node, 1).await, 5, "nothing changed");
 }
 

@@ -44,8 +44,8 @@ use tonic::{Request, Response, Status, Streaming};
 use walship_proto::log::append_stream_response;
 use walship_proto::log::log_server::Log;
 use walship_proto::log::{
-    AppendRequest, AppendResponse, AppendStreamRequest, AppendStreamResponse, Durability, ReadRequest, ReadResponse,
-    Record, TailRequest, TailResponse,
+    AppendRecord, AppendRequest, AppendResponse, AppendStreamRequest, AppendStreamResponse, Durability, ReadRequest,
+    ReadResponse, Record, TailRequest, TailResponse,
 };
 
 use walship_wal::{
@@ -168,7 +168,8 @@ fn wal_status(error: WalError) -> Status {
                 ProducerRefusal::Unknown { .. } => {
                     refused(tonic::Code::FailedPrecondition, walship_proto::REFUSAL_PRODUCER_UNKNOWN)
                 }
-                ProducerRefusal::Gap { .. } => {
+                // Both name the next sequence expected: send from there.
+                ProducerRefusal::Gap { .. } | ProducerRefusal::ForgottenPrefix { .. } => {
                     refused(tonic::Code::OutOfRange, walship_proto::REFUSAL_PRODUCER_SEQUENCE)
                 }
                 ProducerRefusal::Forgotten { .. } => Status::already_exists(e.to_string()),
@@ -429,6 +430,23 @@ impl LogService {
         })
     }
 
+    /// Refuses a `min_seqno` the shard's leader has not even written: no
+    /// acknowledged seqno is past it, so waiting would only wait out the
+    /// call's deadline for a record that may never come (a seqno of another
+    /// shard, say). A follower may be behind its leader, and waits.
+    fn check_min_seqno(&self, shard: ShardId, min_seqno: u64) -> Result<(), Status> {
+        if self.replica(shard)?.leader_state().is_none() {
+            return Ok(());
+        }
+        let written = self.wal.positions(shard).map_err(wal_status)?.last_seqno;
+        if min_seqno > written {
+            return Err(Status::out_of_range(format!(
+                "shard {shard}: min_seqno {min_seqno} is past the newest seqno {written} its leader has written"
+            )));
+        }
+        Ok(())
+    }
+
     /// Waits, up to `patience`, until this replica has committed `seqno`
     /// (a read's `min_seqno`); UNAVAILABLE naming how far it got otherwise.
     async fn wait_committed(&self, shard: ShardId, seqno: u64, patience: Duration) -> Result<(), Status> {
@@ -437,12 +455,12 @@ impl LogService {
         let reached = tokio::select! {
             reached = tokio::time::timeout(patience, readable.wait_for(|&c| c >= seqno)) => reached,
             _ = self.node.shutdown.cancelled() => {
-                return Err(Status::unavailable(format!("node {} is shutting down", self.node.me)));
+                return Err(shutting_down(self.node.me));
             }
         };
         match reached {
             Ok(Ok(_)) => Ok(()),
-            Ok(Err(_)) => Err(Status::unavailable(format!("node {} is shutting down", self.node.me))),
+            Ok(Err(_)) => Err(shutting_down(self.node.me)),
             Err(_) => Err(Status::unavailable(format!(
                 "shard {shard}: this replica has committed up to seqno {}, short of min_seqno {seqno}, after \
                  waiting {} ms (the call's deadline); retry, or read from the leader",
@@ -461,6 +479,12 @@ impl LogService {
             )));
         }
         if req.min_seqno != 0 {
+            // What no wait can cure is refused before waiting.
+            if req.last == 0 {
+                self.check_from(shard, req.from_seqno)?;
+                check_order(&req)?;
+            }
+            self.check_min_seqno(shard, req.min_seqno)?;
             self.wait_committed(shard, req.min_seqno, read_wait_patience(deadline)).await?;
         }
         let req = if req.last == 0 {
@@ -487,15 +511,13 @@ impl LogService {
             ReadRequest { from_seqno: from, to_seqno: to, ..req }
         };
         let (first_seqno, durable) = self.check_from(shard, req.from_seqno)?;
+        check_order(&req)?;
         let to = if req.to_seqno == 0 { durable } else { req.to_seqno };
         if to < req.from_seqno {
-            if req.to_seqno == 0 {
-                return Err(Status::out_of_range(format!(
-                    "shard {shard}: nothing at seqno {}; the newest committed is {durable}",
-                    req.from_seqno
-                )));
-            }
-            return Err(Status::invalid_argument(format!("to_seqno {to} is before from_seqno {}", req.from_seqno)));
+            return Err(Status::out_of_range(format!(
+                "shard {shard}: nothing at seqno {}; the newest committed is {durable}",
+                req.from_seqno
+            )));
         }
         if to > durable {
             return Err(Status::out_of_range(format!(
@@ -554,37 +576,69 @@ impl Log for LogService {
             ));
         }
         let durable = self.replica(shard)?.readable_watch();
-        let stream = tail_stream(self.wal.clone(), shard, durable, req.from_seqno, self.limits.default_read_bytes);
+        let stop = Stop { node: self.node.me, shutdown: self.node.shutdown.clone() };
+        let stream =
+            tail_stream(self.wal.clone(), shard, durable, req.from_seqno, self.limits.default_read_bytes, stop);
         Ok(Response::new(Box::pin(stream)))
     }
 }
 
+/// A read whose `to_seqno` (when given) is before its `from_seqno`.
+fn check_order(req: &ReadRequest) -> Result<(), Status> {
+    if req.to_seqno != 0 && req.to_seqno < req.from_seqno {
+        return Err(Status::invalid_argument(format!(
+            "to_seqno {} is before from_seqno {}",
+            req.to_seqno, req.from_seqno
+        )));
+    }
+    Ok(())
+}
+
+/// A long-lived stream's view of its node's shutdown: a node stopping ends
+/// its open tails and append streams (`UNAVAILABLE`) instead of waiting on
+/// them, which would keep the server, and so the process, from stopping.
+#[derive(Clone)]
+struct Stop {
+    node: crate::NodeId,
+    shutdown: tokio_util::sync::CancellationToken,
+}
+
+/// What a call still waiting when its node shuts down gets.
+fn shutting_down(node: crate::NodeId) -> Status {
+    Status::unavailable(format!("node {node} is shutting down"))
+}
+
 /// Streams committed frames from `from`, waiting on the replica's readable
-/// watch when caught up. Ends when the client goes away, the WAL stops, or a read
-/// fails (reported as the stream's last item).
+/// watch when caught up. Ends when the client goes away, the WAL stops, or a
+/// read fails or the node shuts down (reported as the stream's last item).
 fn tail_stream(
     wal: Wal,
     shard: ShardId,
     durable: walship_wal::position::Receiver,
     from: u64,
     chunk_bytes: usize,
+    stop: Stop,
 ) -> impl Stream<Item = Result<TailResponse, Status>> + Send {
-    futures::stream::unfold(Some((wal, durable, from)), move |state| async move {
-        let (wal, mut durable, next) = state?;
-        loop {
-            let newest = *durable.borrow_and_update();
-            if newest >= next {
-                return match wal.read(shard, next, newest, chunk_bytes).await {
-                    Ok(frames) => {
-                        let after = frames.last().map_or(next, |f| f.seqno() + 1);
-                        let response = TailResponse { records: frames.iter().map(to_record).collect() };
-                        Some((Ok(response), Some((wal, durable, after))))
-                    }
-                    Err(e) => Some((Err(wal_status(e)), None)),
-                };
-            }
-            if durable.changed().await.is_err() {
-                return None;
+    futures::stream::unfold(Some((wal, durable, from)), move |state| {
+        let stop = stop.clone();
+        async move {
+            let (wal, mut durable, next) = state?;
+            loop {
+                let newest = *durable.borrow_and_update();
+                if newest >= next {
+                    return match wal.read(shard, next, newest, chunk_bytes).await {
+                        Ok(frames) => {
+                            let after = frames.last().map_or(next, |f| f.seqno() + 1);
+                            let response = TailResponse { records: frames.iter().map(to_record).collect() };
+                            Some((Ok(response), Some((wal, durable, after))))
+                        }
+                        Err(e) => Some((Err(wal_status(e)), None)),
+                    };
+                }
+                tokio::select! {
+                    changed = durable.changed() => if changed.is_err() { return None },
+                    _ = stop.shutdown.cancelled() => return Some((Err(shutting_down(stop.node)), None)),
+                }
             }
         }
     })
@@ -618,8 +672,10 @@ fn stream_answer(request_id: u64, outcome: Result<AppendResponse, Status>) -> Ap
 /// reusing the id of one still in flight, is refused on its own. When the
 /// client closes its side the in-flight appends are still answered; an
 /// undecodable message ends the stream with its status after them. When
-/// the client goes away the waits are dropped (the appends themselves go on,
-/// as a cancelled unary append's do).
+/// the client goes away the waits are dropped at once (the appends
+/// themselves go on, as a cancelled unary append's do), and when the node
+/// shuts down the stream ends with `UNAVAILABLE` (the appends in flight
+/// then have an unknown outcome, as on a crash).
 async fn serve_append_stream(
     service: LogService,
     mut inbound: Streaming<AppendStreamRequest>,
@@ -645,7 +701,13 @@ async fn serve_append_stream(
                         ))),
                         Some(append) => {
                             ids.insert(request_id);
-                            let bytes: usize = append.records.iter().map(|r| r.key.len() + r.payload.len()).sum();
+                            // A decoded record holds its bytes and its own
+                            // struct: empty ones are not free.
+                            let bytes: usize = append
+                                .records
+                                .iter()
+                                .map(|r| r.key.len() + r.payload.len() + std::mem::size_of::<AppendRecord>())
+                                .sum();
                             in_flight_bytes += bytes;
                             let service = &service;
                             in_flight.push(async move { (request_id, bytes, service.append_one(append, RPC).await) });
@@ -671,6 +733,13 @@ async fn serve_append_stream(
                 ids.remove(&request_id);
                 in_flight_bytes -= bytes;
                 stream_answer(request_id, outcome)
+            }
+            // The client went away: nobody hears the answers (an append
+            // at ALL with a replica down could wait for hours).
+            _ = tx.closed(), if reading || !in_flight.is_empty() => return,
+            _ = service.node.shutdown.cancelled(), if reading || !in_flight.is_empty() => {
+                let _ = tx.send(Err(shutting_down(service.node.me))).await;
+                return;
             }
             else => break,
         };
