@@ -272,6 +272,140 @@ async fn a_leader_damaged_while_down_is_not_promoted_and_repairs_itself() {
     assert_eq!(cluster.leader_of(1, 1).await.map(|(l, _)| l), Some(leader));
 }
 
+/// With node 1 leading: 300 records acknowledged (returned), held durably
+/// by node 3, which is then stopped cleanly (SIGTERM): no start-up check
+/// looks at its tail when it returns (after kill -9 one would, and drop a
+/// damaged newest record as torn).
+async fn node_3_stopped_cleanly_holding_300(cluster: &mut Cluster) -> Acked {
+    assert_eq!(wait_leader(cluster, None).await, 1, "the configured leader leads");
+    let acked: Acked = Arc::default();
+    append_records(cluster, 1, 300, &acked).await;
+    wait_until("node 3 to hold record 300", WAIT, || {
+        let s = futures::executor::block_on(shard_status(cluster, 3));
+        async move { s.is_some_and(|s| s["durable_seqno"] == 300) }
+    })
+    .await;
+    cluster.node(3).stop_on_sigterm(WAIT).await;
+    acked
+}
+
+/// (a') A follower's newest record is damaged while it is down (after a
+/// clean stop), and its leader dies too. Restarted, it is nobody's follower
+/// yet, so nothing repairs it before the fences come: they must find it
+/// answering, or the two survivors make no majority and the shard has no
+/// leader until the old leader returns. (Recovery drops a damaged newest
+/// batch as a torn tail, so its log ends one record short; a damaged
+/// newest record that stays readable is ranked by the log epoch, see
+/// `log_rank_epoch`.) The intact replica leads and the damaged one catches
+/// up byte-identical.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_replica_whose_newest_record_is_damaged_still_answers_fences() {
+    let (_dir, _log, mut cluster) = cluster_logging_node_1();
+    let acked = node_3_stopped_cleanly_holding_300(&mut cluster).await;
+    damage(&cluster.node(3).data_dir.clone(), 300);
+    cluster.node(1).kill9();
+    // Node 2 alone is no majority: the coordinator clears the leader and
+    // keeps trying. Node 3 comes back only then, so no assignment as node
+    // 1's follower reaches it first (as a follower it would repair itself).
+    wait_until("the coordinator to give up on node 1", WAIT, || {
+        let (_, shard) = futures::executor::block_on(cluster.coord_get(1, "/v1/shards/1"));
+        async move { shard["leader"].is_null() }
+    })
+    .await;
+    cluster.restart(3);
+    let leader = wait_leader(&mut cluster, Some(1)).await;
+    assert_eq!(leader, 2, "the intact replica leads, not the damaged one");
+    append_records(&mut cluster, leader, 10, &acked).await;
+    assert_repaired(&mut cluster, 3, leader, 310, &acked).await;
+}
+
+/// (a'') A follower's record 100 of 300 is damaged while it is cleanly
+/// stopped. raft-engine's recovery cuts its log file at the damaged batch,
+/// and every batch after it: records that had been durable there are gone,
+/// and maybe an epoch it promised. The node says so (an ERROR, the
+/// `recovery` count), takes nothing from a leader until its coordinator
+/// assigns it again, then refetches what was cut, byte-identical.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn records_cut_by_the_wals_recovery_are_reported_and_refetched() {
+    let (_dir, _log, mut cluster) = cluster_logging_node_1();
+    let acked = node_3_stopped_cleanly_holding_300(&mut cluster).await;
+    damage(&cluster.node(3).data_dir.clone(), DAMAGED);
+    cluster.restart(3);
+    wait_until("node 3 to count the records its recovery cut", WAIT, || async {
+        metric(&cluster, 3, "walship_wal_corruption_detected_total{how=\"recovery\"}").await == 1
+    })
+    .await;
+    append_records(&mut cluster, 1, 10, &acked).await;
+    assert_repaired(&mut cluster, 3, 1, 310, &acked).await;
+}
+
+/// A WAL file damaged where recovery cannot cut it away (the header of an
+/// older log file): the node stops at start, naming the WAL's directory and
+/// the runbook, every time, instead of serving from a log it cannot read.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_node_whose_wal_cannot_be_opened_says_where_and_what_to_do() {
+    let dir = tempfile::tempdir().unwrap();
+    // 64 KiB log files: the 20 KiB records below fill several.
+    let config = dir.path().join("node.toml");
+    let toml =
+        format!("node_id = 1\ndata_dir = {:?}\n[wal]\ntarget_file_bytes = 65536\n", dir.path().display().to_string());
+    std::fs::write(&config, toml).unwrap();
+    let config_arg = config.display().to_string();
+    let mut node = common::NodeProcess::start(1, dir.path(), "1", &["--config", &config_arg]);
+    node.wait_healthy().await;
+    let mut client = node.client().await;
+    for i in 0..12u8 {
+        let request = walship_proto::log::AppendRequest {
+            shard_id: 1,
+            records: vec![walship_proto::log::AppendRecord { key: Bytes::new(), payload: vec![i; 20 << 10].into() }],
+            durability: Durability::Local as i32,
+            ..Default::default()
+        };
+        client.append(request).await.unwrap();
+    }
+    node.kill9();
+    let mut files: Vec<PathBuf> = std::fs::read_dir(dir.path().join("wal"))
+        .unwrap()
+        .map(|e| e.unwrap().path())
+        .filter(|p| p.extension().is_some_and(|e| e == "raftlog"))
+        .collect();
+    files.sort();
+    assert!(files.len() >= 3, "{files:?}");
+    let handle = std::fs::OpenOptions::new().read(true).write(true).open(&files[0]).unwrap();
+    let mut header = [0u8; 4];
+    handle.read_exact_at(&mut header, 20).unwrap();
+    handle.write_all_at(&header.map(|b| b ^ 0xff), 20).unwrap();
+    handle.sync_all().unwrap();
+    for attempt in 1..=2 {
+        let mut child = std::process::Command::new(common::walship_bin())
+            .args(["node", "--node-id", "1", "--grpc", "127.0.0.1:0", "--admin", "127.0.0.1:0"])
+            .args(["--wal-prefill", "false", "--shards", "1", "--config", &config_arg, "--data-dir"])
+            .arg(dir.path())
+            .env("WALSHIP_CLUSTER_SECRET", common::SECRET)
+            .stdout(std::process::Stdio::null())
+            .stderr(std::process::Stdio::piped())
+            .spawn()
+            .unwrap();
+        let deadline = std::time::Instant::now() + Duration::from_secs(30);
+        let status = loop {
+            if let Some(status) = child.try_wait().unwrap() {
+                break status;
+            }
+            if std::time::Instant::now() > deadline {
+                let _ = child.kill();
+                panic!("attempt {attempt}: the node kept running on a WAL it cannot read");
+            }
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        };
+        let mut stderr = String::new();
+        std::io::Read::read_to_string(&mut child.stderr.take().unwrap(), &mut stderr).unwrap();
+        assert!(!status.success(), "attempt {attempt}: {stderr}");
+        let wal = dir.path().join("wal");
+        assert!(stderr.contains(&format!("opening the WAL under {}", wal.display())), "{stderr}");
+        assert!(stderr.contains("ops/runbooks/corruption.md"), "{stderr}");
+    }
+}
+
 /// Scrub passes every second at up to 64 MiB/s: the whole test log each
 /// time.
 const FAST_SCRUB: [&str; 4] = ["--wal-scrub-interval-s", "1", "--wal-scrub-bytes-per-s", "67108864"];

@@ -163,17 +163,22 @@ async fn stopped_old_leader_cannot_commit_and_its_tail_is_truncated() {
     assert_eq!(s1["last_seqno"], last, "the old leader's log ends exactly where the new leader's does");
 }
 
+/// A QUORUM append to shard 1 of one record, payload `r{i}`.
+fn record_r(i: u32) -> AppendRequest {
+    AppendRequest {
+        shard_id: 1,
+        records: vec![AppendRecord { key: Bytes::new(), payload: Bytes::from(format!("r{i}")) }],
+        durability: Durability::Quorum as i32,
+        ..Default::default()
+    }
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn preview_and_forced_failover_report_the_exact_loss_and_need_the_token() {
     let mut cluster = Cluster::start_with(3, 1, 1, FAST, None);
     wait_leading(&mut cluster, 1, 1).await;
     let mut leader = client(&cluster.node(1).grpc.clone()).await.unwrap();
-    let append = |i: u32| AppendRequest {
-        shard_id: 1,
-        records: vec![AppendRecord { key: Bytes::new(), payload: Bytes::from(format!("r{i}")) }],
-        durability: Durability::Quorum as i32,
-        ..Default::default()
-    };
+    let append = record_r;
     for i in 1..=10 {
         leader.append(append(i)).await.unwrap();
     }
@@ -240,6 +245,82 @@ async fn preview_and_forced_failover_report_the_exact_loss_and_need_the_token() 
         (last_failover["reason"].as_str(), &last_failover["lost"]),
         (Some("forced"), &serde_json::json!([11, 15]))
     );
+    // What was given up is not counted against the next failover: the
+    // commit the old history reached (15) is gone with it, so a plain
+    // failover, which refuses to lose committed records, goes through.
+    let (code, moved) = cluster.coord_post(1, "/v1/shards/1/failover", r#"{"target": 1}"#, Some(TOKEN)).await;
+    assert_eq!(code, 200, "{moved}");
+    assert!(moved["lost"].is_null(), "{moved}");
+}
+
+/// Two faults at once: the leader dies while one follower has dropped
+/// a corrupt tail of committed records (and cannot refetch it) and the
+/// other lags. The most up-to-date survivor lacks records a majority held:
+/// the automatic failover refuses to promote it (before, it did, and those
+/// acknowledged records were gone without a word); a forced one names them.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn no_automatic_failover_to_a_replica_missing_committed_records() {
+    let mut cluster = Cluster::start_with(3, 1, 1, FAST, None);
+    wait_leading(&mut cluster, 1, 1).await;
+    let mut leader = client(&cluster.node(1).grpc.clone()).await.unwrap();
+    let append = record_r;
+    for i in 1..=10 {
+        leader.append(append(i)).await.unwrap();
+    }
+    assert_eq!(converge(&mut cluster, 1).await, 10);
+    // Node 3 lags from here; 11..=20 are acknowledged by nodes 1 and 2.
+    common::pause_shard(&cluster.node(3).grpc, 1, true).await;
+    for i in 11..=20 {
+        leader.append(append(i)).await.unwrap();
+    }
+    wait_until("node 2 to know 20 committed", WAIT, || {
+        let status = futures::executor::block_on(cluster.status(2));
+        async move { status.is_some_and(|s| entry(&s, 1)["commit_seqno"] == 20) }
+    })
+    .await;
+    // Node 2 damages its copy of 15 and drops its tail from the damage on;
+    // paused, it cannot refetch it.
+    common::pause_shard(&cluster.node(2).grpc, 1, true).await;
+    let channel = tonic::transport::Endpoint::from_shared(format!("http://{}", cluster.node(2).grpc))
+        .unwrap()
+        .connect()
+        .await
+        .unwrap();
+    let damage = walship_proto::log::DamageRecordRequest { shard_id: 1, seqno: 15 };
+    let damaged = ControlClient::new(common::as_member(channel)).damage_record(damage).await.unwrap().into_inner();
+    let first_bad = damaged.first_bad_seqno;
+    assert!((11..=15).contains(&first_bad), "{damaged:?}");
+    wait_until("node 2 to drop its corrupt tail", WAIT, || {
+        let status = futures::executor::block_on(cluster.status(2));
+        async move { status.is_some_and(|s| entry(&s, 1)["last_seqno"].as_u64() < Some(first_bad)) }
+    })
+    .await;
+    cluster.node(1).kill9();
+    let coordinator = cluster.coordinator(1).admin.clone();
+    let refused = || async {
+        let body = common::http_get(&format!("{coordinator}/metrics")).await.1;
+        body.lines()
+            .filter(|l| l.starts_with("walship_failovers_total") && l.contains("outcome=\"refused\""))
+            .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
+            .sum::<f64>()
+    };
+    wait_until("the coordinator to refuse the automatic failover", WAIT, || {
+        let refused = futures::executor::block_on(refused());
+        async move { refused > 0.0 }
+    })
+    .await;
+    let (_, shard) = cluster.coord_get(1, "/v1/shards/1").await;
+    assert!(shard["leader"].is_null(), "nobody leads with committed records missing: {shard}");
+    // The preview names the range the best survivor lacks.
+    let (code, preview) = cluster.coord_post(1, "/v1/shards/1/failover", r#"{"preview": true}"#, Some(TOKEN)).await;
+    assert_eq!(code, 200, "{preview}");
+    let best = preview["candidates"].as_array().unwrap().iter().find(|c| c["is_best"] == true).cloned().unwrap();
+    assert_eq!(best["node"], 2, "{preview}");
+    assert_eq!(best["would_lose_acknowledged"], serde_json::json!([first_bad, 20]), "{preview}");
+    // Forced, the loss is recorded as such.
+    let (code, forced) = cluster.coord_post(1, "/v1/shards/1/failover", r#"{"allow_loss": true}"#, Some(TOKEN)).await;
+    assert_eq!(code, 200, "{forced}");
+    assert_eq!((&forced["to"], &forced["lost"]), (&serde_json::json!(2), &serde_json::json!([first_bad, 20])));
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

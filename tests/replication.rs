@@ -557,6 +557,28 @@ async fn a_segment_sent_twice_is_answered_with_its_durable_end_both_times() {
     }
 }
 
+/// A client's open `Tail` of an idle shard and its open, idle
+/// `AppendStream` do not keep a node from stopping on SIGTERM (its gRPC
+/// server waits for every open stream); the tail ends saying why.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_node_stops_on_sigterm_with_a_tail_and_an_append_stream_open() {
+    use tokio_stream::StreamExt;
+    let dir = tempfile::tempdir().unwrap();
+    let mut node = common::NodeProcess::start(1, dir.path(), "1", &[]);
+    node.wait_healthy().await;
+    let mut client = node.client().await;
+    client.append(one_record(b"before", Durability::Local)).await.unwrap();
+    let mut tail =
+        client.tail(walship_proto::log::TailRequest { shard_id: 1, from_seqno: 1 }).await.unwrap().into_inner();
+    assert_eq!(tail.next().await.unwrap().unwrap().records.len(), 1, "the tail reads the one record");
+    // An append stream with nothing sent: the client keeps its side open.
+    let (_keep_open, requests) = tokio::sync::mpsc::channel::<walship_proto::log::AppendStreamRequest>(1);
+    let _appends = client.append_stream(tokio_stream::wrappers::ReceiverStream::new(requests)).await.unwrap();
+    node.stop_on_sigterm(Duration::from_secs(10)).await;
+    let ended = tail.next().await.expect("the tail ends with a status").unwrap_err();
+    assert_eq!(ended.code(), tonic::Code::Unavailable, "{ended:?}");
+}
+
 /// A follower holds its leader's `ShipSegments` stream open for as long as
 /// the leader ships; SIGTERM must still stop it promptly (its gRPC server's
 /// graceful shutdown waits for every open stream), and the leader after it.
@@ -568,11 +590,6 @@ async fn nodes_stop_on_sigterm_while_their_leader_ships_to_them() {
         leader.append(one_record(b"shipped", Durability::All)).await.unwrap();
     }
     for id in [2, 1] {
-        cluster.signal(id, libc::SIGTERM);
-        wait_until(&format!("node {id} to stop on SIGTERM"), Duration::from_secs(5), || {
-            let stopped = cluster.node(id).child.try_wait().unwrap().is_some();
-            async move { stopped }
-        })
-        .await;
+        cluster.node(id).stop_on_sigterm(Duration::from_secs(5)).await;
     }
 }

@@ -129,6 +129,19 @@ impl NodeProcess {
         *self = NodeProcess::start(self.node_id, &self.data_dir.clone(), &self.shards.clone(), &extra);
     }
 
+    /// SIGTERM, then waits up to `within` for the process to exit (panics
+    /// if it does not): its clean shutdown path runs.
+    pub async fn stop_on_sigterm(&mut self, within: Duration) {
+        process_signal::send(self.child.id(), libc::SIGTERM);
+        let node_id = self.node_id;
+        let child = &mut self.child;
+        let deadline = std::time::Instant::now() + within;
+        while child.try_wait().unwrap().is_none() {
+            assert!(std::time::Instant::now() < deadline, "node {node_id} did not stop within {within:?} of SIGTERM");
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+    }
+
     /// SIGKILL: no shutdown path runs, exactly like a crash.
     pub fn kill9(&mut self) {
         let _ = self.child.kill();

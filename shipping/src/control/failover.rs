@@ -88,6 +88,24 @@ pub fn loss(candidate: &Candidate, best: &Candidate, best_end_of_candidate_epoch
     (agree_through < best.last_seqno).then_some((agree_through + 1, best.last_seqno))
 }
 
+/// The seqnos up to `commit` (the highest commit any replica knew) that
+/// `candidate`'s log does not reach. They were on a majority, so maybe
+/// acknowledged, and when `candidate` is the best no answering replica
+/// holds them: a majority lost them together (a leader gone while a
+/// follower dropped a corrupt tail and another lagged, say). Promoting it
+/// anyway discards them, so an automatic failover does not.
+pub fn lacks_committed(candidate: &Candidate, commit: u64) -> Option<(u64, u64)> {
+    (candidate.last_seqno < commit).then_some((candidate.last_seqno + 1, commit))
+}
+
+/// The smallest range covering both (either may be none).
+pub fn cover(a: Option<(u64, u64)>, b: Option<(u64, u64)>) -> Option<(u64, u64)> {
+    match (a, b) {
+        (Some((a0, a1)), Some((b0, b1))) => Some((a0.min(b0), a1.max(b1))),
+        (one, None) | (None, one) => one,
+    }
+}
+
 /// The part of a loss range that may have been acknowledged (at or below
 /// `through`, from [`maybe_acknowledged_through`]).
 pub fn acknowledged(range: Option<(u64, u64)>, through: u64) -> Option<(u64, u64)> {
@@ -248,6 +266,18 @@ mod tests {
         let follower = c(1, 1, 4);
         let loses = |x: &Candidate| acknowledged(loss(x, &old, 5), through).is_some();
         assert_eq!(promote(&[follower, old], loses).unwrap().node, 2);
+    }
+
+    #[test]
+    fn a_log_short_of_the_known_commit_lacks_committed_records() {
+        assert_eq!(lacks_committed(&c(1, 2, 14), 20), Some((15, 20)));
+        assert_eq!(lacks_committed(&c(1, 2, 20), 20), None);
+        assert_eq!(lacks_committed(&c(1, 2, 25), 20), None);
+        assert_eq!(lacks_committed(&c(1, 0, 0), 0), None, "an empty shard lacks nothing");
+        assert_eq!(cover(Some((15, 20)), Some((11, 18))), Some((11, 20)));
+        assert_eq!(cover(None, Some((11, 18))), Some((11, 18)));
+        assert_eq!(cover(Some((15, 20)), None), Some((15, 20)));
+        assert_eq!(cover(None, None), None);
     }
 
     #[test]

@@ -105,6 +105,10 @@ pub enum Refusal {
     LeaderCannotPause,
     /// The node's disk is below its reserve.
     DiskFull,
+    /// Its epoch promise may have been lost with records its WAL's recovery
+    /// cut away: it takes nothing from a leader until its coordinator
+    /// fences or assigns it again (retryable).
+    AwaitingAssignment,
 }
 
 impl Refusal {
@@ -122,12 +126,13 @@ impl Refusal {
             Refusal::Reconciling { .. } => "reconciling",
             Refusal::LeaderCannotPause => "bad_request",
             Refusal::DiskFull => "disk_full",
+            Refusal::AwaitingAssignment => "awaiting_assignment",
         }
     }
 
     /// Whether the same request may succeed if sent again later.
     pub fn retryable(self) -> bool {
-        matches!(self, Refusal::Paused | Refusal::Reconciling { .. } | Refusal::DiskFull)
+        matches!(self, Refusal::Paused | Refusal::Reconciling { .. } | Refusal::DiskFull | Refusal::AwaitingAssignment)
     }
 }
 
@@ -160,6 +165,10 @@ pub struct ReplicaCore {
     disk_full: bool,
     /// The first seqno of this replica's log known to be corrupt.
     corrupt_from: Option<Seqno>,
+    /// `promised` may be older than what this replica promised before (see
+    /// [`ReplicaCore::promise_lost`]) until the coordinator fences or
+    /// assigns it.
+    promise_lost: bool,
 }
 
 impl ReplicaCore {
@@ -177,7 +186,19 @@ impl ReplicaCore {
             paused: false,
             disk_full: false,
             corrupt_from: None,
+            promise_lost: false,
         }
+    }
+
+    /// The WAL's recovery cut damaged records away at start, and with them
+    /// maybe the newest epoch this replica promised: the promise it read
+    /// back may be older than one it gave, and a leader deposed since could
+    /// then ship to it again. Under a coordinator, whose epochs are newer
+    /// than every one it handed out before, this replica takes nothing from
+    /// a leader until the coordinator fences or assigns it. A static
+    /// cluster has no such authority; its epochs do not move.
+    pub fn promise_lost(&mut self) {
+        self.promise_lost = self.coordinated;
     }
 
     pub fn view(&self) -> View {
@@ -254,6 +275,7 @@ impl ReplicaCore {
     /// and stop leading unless leading a newer epoch.
     pub fn fence(&mut self, epoch: Epoch) -> Result<Vec<Command>, Refusal> {
         self.check_epoch(epoch)?;
+        self.promise_lost = false;
         let mut commands = Vec::new();
         self.promise(epoch, &mut commands);
         if epoch > self.view.epoch || (epoch == self.view.epoch && self.view.role == Role::Leader) {
@@ -270,6 +292,7 @@ impl ReplicaCore {
             return Err(Refusal::NotAReplica { node: leader });
         }
         self.check_epoch(epoch)?;
+        self.promise_lost = false;
         let wanted = if leader == self.me { Role::Leader } else { Role::Follower { leader } };
         if self.view == (View { role: wanted, epoch }) {
             return Ok(Vec::new());
@@ -323,6 +346,9 @@ impl ReplicaCore {
         if let Err(refusal) = self.check_epoch(epoch) {
             return refuse(refusal);
         }
+        if self.promise_lost {
+            return refuse(Refusal::AwaitingAssignment);
+        }
         let mut commands = Vec::new();
         match self.view.role {
             Role::Leader if epoch <= self.view.epoch => return refuse(Refusal::NotFollower),
@@ -365,6 +391,7 @@ impl ReplicaCore {
             && self.is_repaired_for(epoch)
             && !self.paused
             && !self.disk_full
+            && !self.promise_lost
     }
 
     /// A follower answered this leader with a newer epoch: it was deposed.

@@ -319,3 +319,31 @@ fn a_quiet_shard_is_followed_only_in_its_exact_epoch_from_its_leader_while_healt
     assert_eq!(before.view(), following(4).view());
     assert_eq!(before.promised(), Epoch(4));
 }
+
+#[test]
+fn a_replica_whose_promise_may_be_lost_takes_nothing_from_a_leader_until_the_coordinator_speaks() {
+    // Its WAL's recovery cut records, maybe a promise of epoch 7 with them:
+    // it read back 5. A leader of epoch 6, deposed since, ships to it.
+    let mut r = replica(5);
+    r.promise_lost();
+    let admission = r.inbound(Epoch(6), 2);
+    assert_eq!(admission, Admission { commands: Vec::new(), outcome: Err(Refusal::AwaitingAssignment) });
+    assert!(Refusal::AwaitingAssignment.retryable());
+    assert_eq!(r.promised(), Epoch(5), "nothing promised to that leader");
+    assert!(!r.follows(Epoch(5), 2));
+    // The coordinator's fence (a newer epoch than any it handed out) ends
+    // the wait; the next leader's shipments are taken as usual.
+    assert_eq!(r.fence(Epoch(8)).unwrap()[0], Command::PersistEpoch(Epoch(8)));
+    assert_eq!(r.inbound(Epoch(6), 2).outcome, Err(Refusal::StaleEpoch { epoch: Epoch(6), seen: Epoch(8) }));
+    assert!(r.inbound(Epoch(8), 2).commands.contains(&Command::CatchUp));
+    // An assignment ends it as well.
+    let mut r = replica(5);
+    r.promise_lost();
+    r.assign(Epoch(8), 2).unwrap();
+    r.repaired(Epoch(8));
+    assert_eq!(r.inbound(Epoch(8), 2).outcome, Ok(()));
+    // A static cluster has no coordinator to wait for.
+    let mut r = ReplicaCore::new(ME, vec![1, 2, 3], false, Epoch(1));
+    r.promise_lost();
+    assert_ne!(r.inbound(Epoch(1), 2).outcome, Err(Refusal::AwaitingAssignment));
+}

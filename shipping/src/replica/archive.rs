@@ -412,7 +412,7 @@ impl ReplicationNode {
             return None;
         }
         let durable = self.wal.positions(replica.shard).map_or(0, |p| p.durable_seqno);
-        Some((epoch, durable.min(replica.follower.leader_commit.load(Ordering::Acquire))))
+        Some((epoch, durable.min(replica.follower.leader_commit.get())))
     }
 
     pub(super) async fn run_archive(self: Arc<Self>, replica: Arc<ShardReplica>, archive: Arc<Archive>) {

@@ -237,6 +237,7 @@ impl ReplicationNode {
                 "truncating a divergent tail"
             );
             self.wal.truncate_suffix(replica.shard, end).await?;
+            replica.truncated(end);
         }
         let last = self.wal.positions(replica.shard)?.last_seqno;
         replica.follower.next_expected.send_replace(last + 1);

@@ -167,6 +167,10 @@ fn refusal_message(shard: ShardId, node: NodeId, refusal: &Refusal) -> String {
         }
         Refusal::LeaderCannotPause => format!("node {node} leads shard {shard}: pause a follower"),
         Refusal::DiskFull => format!("shard {shard}: the disk of node {node} is full; it takes no records"),
+        Refusal::AwaitingAssignment => format!(
+            "shard {shard}: node {node} lost records to WAL damage at start and waits for its coordinator to \
+             assign it before it takes any"
+        ),
     }
 }
 
@@ -176,7 +180,10 @@ impl ReplicaError {
     pub fn reason(&self) -> Option<&'static str> {
         Some(match self {
             ReplicaError::UnknownShard { .. } => "unknown_shard",
-            ReplicaError::Refused { refusal: Refusal::Paused | Refusal::Reconciling { .. }, .. } => return None,
+            ReplicaError::Refused {
+                refusal: Refusal::Paused | Refusal::Reconciling { .. } | Refusal::AwaitingAssignment,
+                ..
+            } => return None,
             ReplicaError::Refused { refusal, .. } => refusal.reason(),
             ReplicaError::BadRequest(_) | ReplicaError::PastDurable { .. } | ReplicaError::NoSuchRecord { .. } => {
                 "bad_request"
@@ -261,7 +268,9 @@ fn status_of(error: ReplicaError) -> Status {
                     with_metadata(Status::failed_precondition(message), EPOCH_METADATA_KEY, seen.0)
                 }
                 Refusal::NotAReplica { .. } => Status::invalid_argument(message),
-                Refusal::Paused | Refusal::Reconciling { .. } => Status::unavailable(message),
+                Refusal::Paused | Refusal::Reconciling { .. } | Refusal::AwaitingAssignment => {
+                    Status::unavailable(message)
+                }
                 Refusal::DiskFull => Status::resource_exhausted(message),
                 Refusal::ForeignLeader { .. }
                 | Refusal::RestartedEpoch { .. }

@@ -119,8 +119,27 @@ impl ReplicationNode {
     /// is a prefix of (Viewstamped Replication's "last normal view"; see
     /// `core/leader.rs` for why commits rely on it), or its last record's
     /// epoch where that is newer (a log from before log epochs were kept).
+    ///
+    /// A damaged newest record ranks the log by its log epoch alone: the
+    /// read that failed put the damage in the corruption registry, so the
+    /// answer reports it (`corrupt_from_seqno`) and a failover takes this
+    /// replica for unhealthy. Failing instead would leave the replica
+    /// unable to answer any fence until something repaired it, and one
+    /// that is not following anyone repairs nothing: with its leader gone,
+    /// the shard could not gather a majority.
     pub(crate) async fn log_rank_epoch(&self, shard: ShardId, p: &walship_wal::Positions) -> Result<u64, ReplicaError> {
-        let last_record = if p.last_seqno >= p.first_seqno { self.wal.epoch_at(shard, p.last_seqno).await? } else { 0 };
+        let last_record = if p.last_seqno >= p.first_seqno {
+            match self.wal.epoch_at(shard, p.last_seqno).await {
+                Ok(epoch) => epoch,
+                Err(e) if e.corrupt_range().is_some() => {
+                    tracing::warn!(shard, seqno = p.last_seqno, error = %e, "the newest record is damaged; ranked by the log epoch");
+                    0
+                }
+                Err(e) => return Err(e.into()),
+            }
+        } else {
+            0
+        };
         Ok(last_record.max(self.wal.log_epoch(shard)?))
     }
 
@@ -131,7 +150,7 @@ impl ReplicationNode {
         let last_epoch = self.log_rank_epoch(shard, &p).await?;
         let commit = match replica.leader_state() {
             Some(leader) => leader.core.lock().commit().0,
-            None => replica.follower.leader_commit.load(std::sync::atomic::Ordering::Acquire).max(replica.readable()),
+            None => replica.follower.leader_commit.get().max(replica.readable()),
         };
         Ok(FenceResponse {
             node_id: self.me,
@@ -294,9 +313,7 @@ impl ReplicationNode {
             first: Seqno(p.first_seqno),
             durable: Seqno(p.durable_seqno),
             epoch_start: Seqno(before + 1),
-            commit_floor: Seqno(
-                commit_floor.max(replica.follower.leader_commit.load(std::sync::atomic::Ordering::Acquire)),
-            ),
+            commit_floor: Seqno(commit_floor.max(replica.follower.leader_commit.get())),
         };
         let mut core = LeaderCore::new(start, &followers, self.settings, now_us());
         core.set_members(self.me, &members.voters, &members.learners, &members.joint);

@@ -191,22 +191,22 @@ impl ReplicationNode {
         };
         let mut replicas = BTreeMap::new();
         let touched = Arc::new(shard::Touched::default());
+        if wal.recovery_cut() && config.coordinated() {
+            tracing::error!(
+                "the WAL's recovery cut damaged records away: every shard here waits for the coordinator to assign \
+                 it before it takes anything from a leader (an epoch it promised may have been cut with them)"
+            );
+        }
         for spec in config.shards_of(me) {
             wal.create_shard(spec.id)?;
             let last = wal.positions(spec.id)?.last_seqno;
             let promised = wal.epoch(spec.id)?;
-            replicas.insert(
-                spec.id,
-                Arc::new(ShardReplica::new(
-                    spec.id,
-                    &spec.replicas,
-                    me,
-                    config.coordinated(),
-                    promised,
-                    last,
-                    touched.clone(),
-                )),
-            );
+            let replica =
+                ShardReplica::new(spec.id, &spec.replicas, me, config.coordinated(), promised, last, touched.clone());
+            if wal.recovery_cut() {
+                replica.rules.lock().promise_lost();
+            }
+            replicas.insert(spec.id, Arc::new(replica));
         }
         let mut metrics = metrics;
         metrics.per_shard = r.per_shard_metrics;

@@ -239,7 +239,7 @@ impl ReplicationNode {
             if let Some(replica) = self.replica(q.shard_id)
                 && replica.rules.lock().follows(Epoch(q.epoch), leader)
             {
-                replica.follower.leader_commit.fetch_max(q.commit_seqno, std::sync::atomic::Ordering::AcqRel);
+                replica.follower.leader_commit.raise(q.epoch, q.commit_seqno);
                 if let Ok(p) = self.wal.positions(q.shard_id) {
                     replica.publish_follower(p.durable_seqno);
                 }

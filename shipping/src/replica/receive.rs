@@ -180,7 +180,7 @@ impl ReplicationNode {
                 Some(Box::pin(queued) as Queued)
             }
         };
-        follower.leader_commit.fetch_max(request.commit_seqno, Ordering::AcqRel);
+        follower.leader_commit.raise(request.epoch, request.commit_seqno);
         follower.archived.fetch_max(request.archived_seqno, Ordering::AcqRel);
         if source == Source::Push {
             // The leader's live pushes and keepalives say who archives.

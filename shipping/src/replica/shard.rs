@@ -5,7 +5,8 @@
 //!
 //! Invariants kept here:
 //! * `readable` only moves forward: the commit position (leader) or
-//!   `min(durable, leader's commit)` (follower);
+//!   `min(durable, leader's commit)` (follower); only a truncation of this
+//!   replica's log lowers it, to the truncation point;
 //! * an append waiting for a commit, an `ALL` acknowledgement or the lease
 //!   gives up as soon as this replica stops leading (`generation`): its
 //!   outcome is then unknown, never reported as acknowledged;
@@ -65,7 +66,7 @@ pub(crate) struct FollowerState {
     /// One past everything applied or queued.
     pub(crate) next_expected: watch::Sender,
     /// The newest commit position a leader told us.
-    pub(crate) leader_commit: AtomicU64,
+    pub(crate) leader_commit: LeaderCommit,
     pub(crate) catchup_running: AtomicBool,
     /// The last seqno held before a corrupt tail was truncated: records up
     /// to it applied again are refetched bytes (0: none pending).
@@ -220,7 +221,7 @@ impl ShardReplica {
             follower: FollowerState {
                 apply_lock: tokio::sync::Mutex::new(()),
                 next_expected: watch::Sender::new(last_seqno + 1),
-                leader_commit: AtomicU64::new(0),
+                leader_commit: LeaderCommit::default(),
                 catchup_running: AtomicBool::new(false),
                 refetch_through: AtomicU64::new(0),
                 last_contact_us: AtomicU64::new(0),
@@ -281,6 +282,18 @@ impl ShardReplica {
 
     pub fn readable_watch(&self) -> watch::Receiver {
         self.readable.subscribe()
+    }
+
+    /// After this replica's log was truncated after `kept_through`: nothing
+    /// past it is readable, nor known committed, any more (what was there
+    /// is gone, and a divergent tail was never committed unless a forced
+    /// failover gave it up).
+    pub(crate) fn truncated(&self, kept_through: u64) {
+        self.readable.send_if_modified(|r| {
+            let lowered = (*r).min(kept_through);
+            std::mem::replace(r, lowered) != lowered
+        });
+        self.follower.leader_commit.lower(kept_through);
     }
 
     /// Waits until `seqno` is durable on a majority. False if this replica
@@ -350,7 +363,7 @@ impl ShardReplica {
     /// Publishes a follower's readable position after its WAL reached
     /// `durable`.
     pub(crate) fn publish_follower(&self, durable: u64) {
-        let readable = durable.min(self.follower.leader_commit.load(Ordering::Acquire));
+        let readable = durable.min(self.follower.leader_commit.get());
         self.readable.send_if_modified(|r| {
             let changed = readable > *r;
             if changed {
@@ -430,5 +443,55 @@ mod touched_tests {
         assert!(!a.settled());
         assert_eq!(touched.take_heartbeats().into_iter().collect::<Vec<_>>(), [7]);
         assert_eq!(touched.take_gauges().into_iter().collect::<Vec<_>>(), [7]);
+    }
+}
+
+/// The newest commit position a follower was told, with the epoch of the
+/// leader that told it. A newer epoch's leader replaces it (after a forced
+/// failover that gave records up, the old commit names records no log holds
+/// any more, and a failover would count them as lost again); within one
+/// epoch it only grows.
+#[derive(Debug, Default)]
+pub(crate) struct LeaderCommit(Mutex<(u64, u64)>);
+
+impl LeaderCommit {
+    pub(crate) fn get(&self) -> u64 {
+        self.0.lock().1
+    }
+
+    /// `commit`, as the leader of `epoch` said it.
+    pub(crate) fn raise(&self, epoch: u64, commit: u64) {
+        let mut known = self.0.lock();
+        if epoch > known.0 {
+            *known = (epoch, commit);
+        } else if epoch == known.0 {
+            known.1 = known.1.max(commit);
+        }
+    }
+
+    fn lower(&self, to: u64) {
+        let mut known = self.0.lock();
+        known.1 = known.1.min(to);
+    }
+}
+
+#[cfg(test)]
+mod leader_commit_tests {
+    use super::LeaderCommit;
+
+    #[test]
+    fn a_newer_leader_replaces_the_commit_and_one_leader_only_raises_it() {
+        let c = LeaderCommit::default();
+        c.raise(3, 15);
+        c.raise(3, 12);
+        assert_eq!(c.get(), 15, "one leader's commit never goes back");
+        c.raise(2, 40);
+        assert_eq!(c.get(), 15, "an older leader's word does not count");
+        c.raise(4, 10);
+        assert_eq!(c.get(), 10, "a newer leader's replaces it");
+        c.lower(7);
+        assert_eq!(c.get(), 7);
+        c.raise(4, 11);
+        assert_eq!(c.get(), 11);
     }
 }

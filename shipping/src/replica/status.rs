@@ -7,7 +7,6 @@
 
 use std::collections::BTreeMap;
 use std::sync::Arc;
-use std::sync::atomic::Ordering;
 use std::time::{Duration, Instant};
 
 use serde::{Deserialize, Serialize};
@@ -175,7 +174,7 @@ impl ReplicationNode {
                             .collect();
                         (core.commit().0, followers)
                     }
-                    None => (replica.follower.leader_commit.load(Ordering::Acquire), Vec::new()),
+                    None => (replica.follower.leader_commit.get(), Vec::new()),
                 };
                 let role = view.role.as_str();
                 ReplicaStatus {

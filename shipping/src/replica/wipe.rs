@@ -48,10 +48,7 @@ impl ReplicationNode {
             self.wal.truncate_suffix(shard, before.first_seqno - 1).await?;
             replica.follower.next_expected.send_replace(before.first_seqno);
             replica.follower.rebuild_tiers.store(tiers.0, Ordering::Release);
-            replica.readable.send_if_modified(|r| {
-                let lowered = (*r).min(before.first_seqno - 1);
-                std::mem::replace(r, lowered) != lowered
-            });
+            replica.truncated(before.first_seqno - 1);
             before
         };
         drop(transition);

@@ -108,7 +108,9 @@ pub struct CandidatePreview {
     pub node: NodeId,
     pub last_epoch: u64,
     pub last_seqno: u64,
-    /// Seqnos promoting it would discard (none if it is the most up to date).
+    /// Seqnos promoting it would discard: those the most up-to-date replica
+    /// holds and it does not, and those up to the highest commit known that
+    /// its log does not reach (none if it holds everything).
     #[schema(value_type = Option<Vec<u64>>)]
     pub would_lose: Option<(u64, u64)>,
     /// The part of `would_lose` that may have been acknowledged: at or below

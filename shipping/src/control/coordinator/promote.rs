@@ -148,12 +148,18 @@ impl Coordinator {
                 };
                 failover::loss(c, &best, end)
             };
+            // Committed records no answering replica holds are lost
+            // whichever one is promoted; they count for every candidate.
+            let lacks = failover::lacks_committed(c, commit);
             out.push(CandidatePreview {
                 node: c.node,
                 last_epoch: c.last_epoch,
                 last_seqno: c.last_seqno,
-                would_lose,
-                would_lose_acknowledged: failover::acknowledged(would_lose, acknowledged_through),
+                would_lose: failover::cover(would_lose, lacks),
+                would_lose_acknowledged: failover::cover(
+                    failover::acknowledged(would_lose, acknowledged_through),
+                    lacks,
+                ),
                 is_best: c.node == best.node,
             });
         }
@@ -502,7 +508,9 @@ fn record_leader(
         return Err(CoordError::Busy(f.shard));
     }
     r.leader = Some(c.chosen.node);
-    r.commit_floor = r.commit_floor.max(c.commit);
+    // Never past the new leader's log: a forced failover that lost
+    // committed records starts the shard's commit again from its end.
+    r.commit_floor = r.commit_floor.max(c.commit).min(c.chosen.last_seqno);
     if !r.joint.is_empty() {
         tracing::warn!(shard = f.shard, epoch, from = ?r.replicas, back_to = ?r.joint, "a failover during a replica change: back to the replica set before it");
         r.replicas = std::mem::take(&mut r.joint);

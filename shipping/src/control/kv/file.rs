@@ -11,7 +11,9 @@
 //! A write appends one record and fdatasyncs it, so it costs what it
 //! changes, not the size of the bucket, and a batch is atomic: a record cut
 //! short by a crash fails its length or checksum and is dropped (the next
-//! writer truncates it away before appending). When the log grows past
+//! writer truncates it away before appending). A record that fails its
+//! checksum with whole records after it is damage, not a torn write: the
+//! store refuses to work on it rather than drop what follows. When the log grows past
 //! [`COMPACT_AT`] and four times what is live, the writer rewrites it as one
 //! record of the live keys (temp file, fsync, rename, fsync the dir).
 //!
@@ -151,24 +153,37 @@ fn encode_record(record: &LogRecord) -> Vec<u8> {
 }
 
 /// Decodes the records in `bytes`: the records and the length of the whole
-/// ones (a torn or corrupt tail ends the read).
-fn decode_records(bytes: &[u8]) -> (Vec<LogRecord>, usize) {
+/// ones. What follows them, if anything, is a torn write (a crash cut the
+/// last record short) unless a whole record starts somewhere after it:
+/// then the log is damaged in the middle, and the offset of that record is
+/// the third value. Dropping the damage with everything after it, as a torn
+/// tail is dropped, would roll the store back over committed writes
+/// (epochs handed out again), so the caller refuses such a log instead.
+fn decode_records(bytes: &[u8]) -> (Vec<LogRecord>, usize, Option<usize>) {
     let (mut records, mut at) = (Vec::new(), 0);
-    while bytes.len() - at >= 8 {
-        let len = u32::from_le_bytes(bytes[at..at + 4].try_into().expect("4 bytes"));
-        let crc = u32::from_le_bytes(bytes[at + 4..at + 8].try_into().expect("4 bytes"));
-        if len > MAX_RECORD || bytes.len() - at - 8 < len as usize {
-            break;
-        }
-        let payload = &bytes[at + 8..at + 8 + len as usize];
-        if crc32fast::hash(payload) != crc {
-            break;
-        }
-        let Ok(record) = serde_json::from_slice::<LogRecord>(payload) else { break };
-        records.push(record);
-        at += 8 + len as usize;
+    while let Some(record) = record_at(bytes, at) {
+        at += 8 + record.1;
+        records.push(record.0);
     }
-    (records, at)
+    let later = (at + 1..bytes.len()).find(|&o| record_at(bytes, o).is_some());
+    (records, at, later)
+}
+
+/// The whole, intact record starting at `at` and its payload's length.
+fn record_at(bytes: &[u8], at: usize) -> Option<(LogRecord, usize)> {
+    let header = bytes.get(at..at + 8)?;
+    let len = u32::from_le_bytes(header[..4].try_into().expect("4 bytes"));
+    let crc = u32::from_le_bytes(header[4..].try_into().expect("4 bytes"));
+    if len > MAX_RECORD {
+        return None;
+    }
+    let payload = bytes.get(at + 8..at + 8 + len as usize)?;
+    // Every record is a JSON object starting so: a cheap test before the
+    // checksum, when looking for records past a damaged one.
+    if !payload.starts_with(b"{\"revision\":") || crc32fast::hash(payload) != crc {
+        return None;
+    }
+    Some((serde_json::from_slice::<LogRecord>(payload).ok()?, len as usize))
 }
 
 fn sync_dir(dir: &Path) -> Result<(), KvError> {
@@ -222,7 +237,17 @@ impl FileKv {
         file.seek(SeekFrom::Start(loaded.offset)).map_err(io)?;
         let mut tail = Vec::with_capacity((meta.len() - loaded.offset) as usize);
         file.read_to_end(&mut tail).map_err(io)?;
-        let (records, whole) = decode_records(&tail);
+        let (records, whole, later) = decode_records(&tail);
+        if let Some(later) = later {
+            return Err(KvError::Unavailable(format!(
+                "{}: the record at byte {} is damaged but whole records follow at byte {}; refusing to \
+                 drop them (that would hand out epochs again); restore the directory from a copy taken \
+                 while the coordinators were stopped (docs/storage.md)",
+                self.dir.join(LOG).display(),
+                loaded.offset + whole as u64,
+                loaded.offset + later as u64,
+            )));
+        }
         for record in records {
             loaded.apply(record).map_err(|e| KvError::Unavailable(format!("{LOG}: {e}")))?;
         }
@@ -460,8 +485,12 @@ mod tests {
         // Its next write replaces the torn bytes.
         assert_eq!(rt.block_on(other.update("a", b("3"), 1)).unwrap(), 3);
         let bytes = std::fs::read(&log).unwrap();
-        let (records, read) = decode_records(&bytes);
-        assert_eq!((records.len(), read), (2, bytes.len()), "the torn half was truncated before the append");
+        let (records, read, later) = decode_records(&bytes);
+        assert_eq!(
+            (records.len(), read, later),
+            (2, bytes.len(), None),
+            "the torn half was truncated before the append"
+        );
         assert!(bytes.len() as u64 > whole);
         assert_eq!(rt.block_on(FileKv::open(dir.path()).unwrap().get("a")).unwrap().unwrap().value, b("3"));
         // The first instance catches up.
@@ -482,6 +511,28 @@ mod tests {
         let fresh = FileKv::open(dir.path()).unwrap();
         let snapshot = rt.block_on(fresh.scan()).unwrap();
         assert_eq!((snapshot.revision, snapshot.entries.len()), (1, 1), "the flipped record is not read");
+    }
+
+    #[test]
+    fn a_damaged_record_followed_by_whole_ones_is_refused_not_dropped() {
+        let dir = tempfile::tempdir().unwrap();
+        let rt = runtime();
+        let kv = FileKv::open(dir.path()).unwrap();
+        for (key, value) in [("a", "1"), ("b", "2"), ("c", "3")] {
+            rt.block_on(kv.create(key, b(value))).unwrap();
+        }
+        let log = dir.path().join(LOG);
+        let mut bytes = std::fs::read(&log).unwrap();
+        // A flipped byte inside the first record's payload.
+        bytes[12] ^= 0xff;
+        std::fs::write(&log, &bytes).unwrap();
+        let fresh = FileKv::open(dir.path()).unwrap();
+        let refused = rt.block_on(fresh.scan()).unwrap_err().to_string();
+        assert!(refused.contains("byte 0") && refused.contains("whole records follow"), "{refused}");
+        // A write is refused too, and nothing is truncated or appended (the
+        // old reader dropped records 2 and 3 at its next write).
+        assert!(rt.block_on(fresh.create("d", b("4"))).is_err());
+        assert_eq!(std::fs::read(&log).unwrap(), bytes);
     }
 
     #[test]
