@@ -114,6 +114,16 @@ pub async fn run(args: ArchiveArgs) -> Result<()> {
             let store = open_store(&config).await?;
             let read =
                 restore::read_back(store.as_ref(), &layout(&config)?, target.shard, Until::End, |_| Ok(())).await?;
+            if let Some((from, to)) = read.gap {
+                bail!(
+                    "shard {}: the archive lacks seqnos {from}..={to}, and segments after them exist: {} segments \
+                     ({}..={}) are intact before the gap",
+                    target.shard,
+                    read.segments,
+                    read.first_seqno,
+                    read.last_seqno
+                );
+            }
             if target.json {
                 println!("{}", serde_json::to_string_pretty(&read)?);
             } else {
@@ -190,6 +200,25 @@ pub async fn run_restore(args: RestoreArgs) -> Result<()> {
     .await?;
     if read.records == 0 {
         bail!("the archive holds no record of shard {shard} in the range asked for");
+    }
+    // Records asked for that the archive lacks while later ones exist: the
+    // restored log would end early and look complete.
+    let short = match until {
+        Until::Seqno(to) => read.last_seqno < to,
+        Until::End | Until::TimeUs(_) => read.gap.is_some_and(|(from, _)| from == read.last_seqno + 1),
+    };
+    if short {
+        let _ = std::fs::remove_dir_all(&wal_dir);
+        match read.gap {
+            Some((from, to)) => bail!(
+                "the archive of shard {shard} lacks seqnos {from}..={to} (segments after them exist); nothing \
+                 restored"
+            ),
+            None => bail!(
+                "the archive of shard {shard} ends at seqno {}, before the seqno asked for; nothing restored",
+                read.last_seqno
+            ),
+        }
     }
     // Read the restored log back: every record again, crc checked by the
     // store, the same bytes as what was written.

@@ -518,6 +518,16 @@ async fn a_damaged_archived_segment_is_found_and_uploaded_again_from_the_leaders
         if ok { serde_json::from_str::<serde_json::Value>(&out).unwrap()["last_seqno"].as_u64() } else { None }
     };
     assert!(verified_through() < Some(last), "the run stops at the gap");
+    // A restore across the gap refuses to pass for complete (before, it
+    // restored up to the gap and exited 0) unless the scrub filled it.
+    let across = cluster.dir.path().join("restored-across-a-gap");
+    let (ok, out, err) = walship(&["restore", "--cluster", path(&config), "--shard", "1", "--into", path(&across)]);
+    if ok {
+        assert_eq!(verified_through(), Some(last), "restored across a gap: {out}");
+    } else {
+        assert!(err.contains("lacks seqnos") && err.contains("nothing restored"), "{out}{err}");
+        assert!(!across.join("wal").exists(), "a refused restore leaves no WAL behind");
+    }
     wait_until("the scrub to fill the gap", WAIT, || async {
         damaged_count(&cluster, leader, "repaired").await >= 2 && verified_through() == Some(last)
     })

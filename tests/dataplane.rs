@@ -173,6 +173,31 @@ async fn stalls_deadlines_cancels_and_dead_letters() {
     let (code, _) = cluster.coord_post(1, "/v1/dead-letters/t-nope/redrive", "{}", Some(TOKEN)).await;
     assert_eq!(code, 404);
 
+    // A dead letter whose cause is gone (its node died under both
+    // attempts) finishes when re-driven. Before, no job listened to it any
+    // more, its results were dropped before its state was looked at, and
+    // it ran until the stall watchdog made it a dead letter again.
+    let lost = start(&mut cluster, json!({"kind": "noop", "node": "node-2", "sleep_ms": 3000})).await;
+    for attempt in 1..=2 {
+        let deadline = std::time::Instant::now() + WAIT;
+        loop {
+            let t = task(&mut cluster, &lost).await;
+            if t["state"] == "running" && t["attempts"] == attempt {
+                break;
+            }
+            assert!(std::time::Instant::now() < deadline, "attempt {attempt} never ran: {t}");
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+        cluster.restart(2);
+    }
+    let died = wait_state(&mut cluster, &lost, &["failed"]).await;
+    assert_eq!(died["dead_letter"], true, "{died}");
+    wait_workers(&mut cluster, 2).await;
+    let (code, _) = cluster.coord_post(1, &format!("/v1/dead-letters/{lost}/redrive"), "{}", Some(TOKEN)).await;
+    assert_eq!(code, 200);
+    let done = wait_state(&mut cluster, &lost, &["succeeded", "failed"]).await;
+    assert_eq!((done["state"].as_str(), done["attempts"].as_u64()), (Some("succeeded"), Some(3)), "{done}");
+
     // Past its deadline: failed, not retried.
     let late = start(&mut cluster, json!({"kind": "noop", "sleep_ms": 20000, "deadline_ms": 500})).await;
     let failed = wait_state(&mut cluster, &late, &["failed"]).await;
@@ -544,6 +569,48 @@ print(json.dumps({"rows": rows, "ts": ts}))
     }
     let (code, _) = cluster.coord_get(1, "/v1/jobs/x-nothing/export").await;
     assert_eq!(code, 404);
+}
+
+/// An export asked past the commit point stops at it: records a leader has
+/// made durable alone may still be truncated by a failover, and must not
+/// end up in a file.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_export_stops_at_the_commit_point() {
+    use walship_proto::log::{AppendRecord, AppendRequest, Durability};
+    let mut cluster = Cluster::start_with(3, 1, 1, "", None);
+    wait_workers(&mut cluster, 3).await;
+    let (leader, _) = cluster.leader_of(1, 1).await.expect("a leader");
+    let mut log = cluster.node(leader).client().await;
+    let append = |durability: Durability| AppendRequest {
+        shard_id: 1,
+        records: vec![AppendRecord { key: Default::default(), payload: b"x".to_vec().into() }; 5],
+        durability: durability as i32,
+        ..Default::default()
+    };
+    log.append(append(Durability::Quorum)).await.unwrap();
+    let followers: Vec<u32> = (1..=3).filter(|&n| n != leader).collect();
+    for &f in &followers {
+        cluster.signal(f, libc::SIGSTOP);
+    }
+    // Durable on the leader alone: seqnos 6..=10, not committed.
+    let local = log.append(append(Durability::Local)).await.unwrap().into_inner();
+    assert_eq!(local.last_seqno, 10);
+    let dir = tempfile::tempdir().unwrap();
+    let out = dir.path().join("shard-1.arrow");
+    let admin = format!("http://{}", cluster.coordinator(1).admin);
+    let node = format!("node-{leader}");
+    let run = std::process::Command::new(common::walship_bin())
+        .args(["export", "--shard", "1", "--from", "1", "--to", "10", "--node", &node, "--out"])
+        .arg(&out)
+        .args(["--admin", &admin, "--token", TOKEN])
+        .output()
+        .unwrap();
+    for &f in &followers {
+        cluster.signal(f, libc::SIGCONT);
+    }
+    let stdout = String::from_utf8_lossy(&run.stdout);
+    assert!(run.status.success(), "{stdout}{}", String::from_utf8_lossy(&run.stderr));
+    assert!(stdout.contains(" 5 rows"), "only the committed records 1..=5: {stdout}");
 }
 
 /// A coordinator that refuses other builds (`--build-policy refuse`), and a

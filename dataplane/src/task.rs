@@ -87,8 +87,13 @@ pub struct Task {
     pub assigned: Option<(String, u64)>,
     /// The worker it was last dispatched to (kept after it finished).
     pub last_worker: Option<String>,
-    /// Dispatches so far (a redispatch after a disconnect or stall counts).
+    /// Dispatches so far (a redispatch after a disconnect or stall counts,
+    /// and those before a re-drive: each dispatch's number is its own, so a
+    /// late answer of an earlier one is never taken for the current one's).
     pub attempts: u32,
+    /// `attempts` when it was last re-driven from the dead letters: it gets
+    /// `max_attempts` more from there.
+    pub redriven_after: u32,
     pub progress: Progress,
     /// When its counters last grew (or it was dispatched).
     pub advanced_at: std::time::Instant,
@@ -130,6 +135,7 @@ impl Task {
             assigned: None,
             last_worker: None,
             attempts: 0,
+            redriven_after: 0,
             progress: Progress::default(),
             advanced_at: std::time::Instant::now(),
             dispatched_at: None,
@@ -145,8 +151,14 @@ impl Task {
         }
     }
 
-    /// Dispatched to `worker` on connection `conn`.
+    /// Dispatched to `worker` on connection `conn`: a new attempt, whose
+    /// progress and results count from zero (its worker starts over, and
+    /// a count below the last attempt's must still be progress, or the
+    /// attempt would be cancelled as stalled).
     pub fn dispatched(&mut self, worker: &str, conn: u64) {
+        self.progress = Progress::default();
+        self.result_rows = 0;
+        self.result_bytes = 0;
         self.took_us = None;
         self.dispatched_at = Some(std::time::Instant::now());
         self.state = TaskState::Running;
@@ -164,8 +176,9 @@ impl Task {
     /// for good (a dead letter) after `max_attempts`.
     pub fn lost(&mut self, why: &str, max_attempts: u32) {
         self.assigned = None;
-        if self.attempts >= max_attempts {
-            self.finish(TaskState::Failed, Some(format!("{why}; gave up after {} attempts", self.attempts)));
+        let attempts = self.attempts - self.redriven_after;
+        if attempts >= max_attempts {
+            self.finish(TaskState::Failed, Some(format!("{why}; gave up after {attempts} attempts")));
             self.dead_letter = true;
         } else {
             self.state = TaskState::Queued;
@@ -255,6 +268,22 @@ mod tests {
         assert!((t.progress.bytes_per_s - 2000.0).abs() < 1e-9);
         t.report(200, 6000, 13_000);
         assert_eq!(t.progress.rows, 300, "a smaller counter is ignored");
+    }
+
+    #[test]
+    fn a_dispatch_again_counts_progress_from_zero() {
+        let mut t = Task::new(spec());
+        t.dispatched("node-1", 1);
+        t.report(5_000, 50_000, 10_000);
+        t.result_rows = 5_000;
+        t.lost("node-1 disconnected", 3);
+        t.dispatched("node-2", 2);
+        assert_eq!((t.progress.rows, t.result_rows), (0, 0), "a new attempt starts from nothing");
+        std::thread::sleep(Duration::from_millis(5));
+        // Its first report is below the last attempt's: progress all the same.
+        t.report(10, 100, 20_000);
+        assert_eq!(t.progress.rows, 10);
+        assert!(!t.stalled(Duration::from_millis(4)), "the new attempt advanced");
     }
 
     #[test]

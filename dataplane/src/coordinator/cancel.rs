@@ -158,7 +158,9 @@ impl Dispatcher {
         match (state.tasks.get_mut(task_id), letter) {
             (Some(task), _) if task.dead_letter => {
                 task.dead_letter = false;
-                task.attempts = 0;
+                // Its attempts go on numbering from where they were:
+                // answers of the dead ones may still arrive.
+                task.redriven_after = task.attempts;
                 task.state = TaskState::Queued;
                 task.finished_unix_ms = None;
             }

@@ -121,11 +121,10 @@ impl Dispatcher {
     pub(super) fn on_batch(&self, worker: &str, conn: u64, batch: ResultBatch) {
         let mut state = self.state.lock();
         let state = &mut *state;
-        let Some(job) = state.jobs.get(&batch.query_id) else {
-            self.counters.dropped_results.fetch_add(1, Ordering::Relaxed);
-            tracing::debug!(worker, query_id = %batch.query_id, "a result for an unknown job: dropped");
-            return;
-        };
+        // No job listens to a task re-driven from the dead letters (its job
+        // ended when it died): its results go nowhere, but it still
+        // finishes, instead of running until the stall watchdog kills it.
+        let job = state.jobs.get(&batch.query_id);
         let task_id = if batch.task_id.is_empty() {
             // A seed worker: the job's task on this worker.
             state
@@ -155,12 +154,23 @@ impl Dispatcher {
         let terminal = batch.terminal;
         let failed = !batch.err.is_empty();
         let error = failed.then(|| batch.err.clone());
-        let _ = job.results.send(JobEvent::Batch { task_id: task_id.clone(), worker: worker.to_string(), batch });
+        match job {
+            Some(job) => {
+                let _ =
+                    job.results.send(JobEvent::Batch { task_id: task_id.clone(), worker: worker.to_string(), batch });
+            }
+            None => {
+                self.counters.dropped_results.fetch_add(1, Ordering::Relaxed);
+                tracing::debug!(worker, query_id = %batch.query_id, "a result no job listens to: dropped");
+            }
+        }
         if terminal {
             let state_now = if failed { TaskState::Failed } else { TaskState::Succeeded };
             task.finish(state_now, error.clone());
             task.assigned = None;
-            let _ = job.results.send(JobEvent::Finished { task_id, state: state_now, error });
+            if let Some(job) = job {
+                let _ = job.results.send(JobEvent::Finished { task_id, state: state_now, error });
+            }
             if let Some(w) = state.workers.get_mut(worker) {
                 w.in_flight = w.in_flight.saturating_sub(1);
             }

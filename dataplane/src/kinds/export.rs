@@ -1,8 +1,9 @@
 //! `export`: a shard's records of a range as Arrow (seqno, epoch,
 //! timestamp, key, payload; [`crate::arrow_export`]).
 //!
-//! * **On a node** ([`ExportRunner`]): reads `[from, to]` (capped at its
-//!   durable seqno) page by page (each page's bytes taken from the node's
+//! * **On a node** ([`ExportRunner`]): reads `[from, to]` (capped at what
+//!   its replica knows committed: nothing a failover could still take
+//!   back) page by page (each page's bytes taken from the node's
 //!   task read budget, [`crate::limiter`]) and sends each page as one `ResultBatch`
 //!   holding an Arrow IPC stream.
 //! * **On the coordinator** ([`run`]): one task on the shard's leader; its
@@ -43,6 +44,7 @@ pub struct ExportBlob {
 pub struct ExportRunner {
     pub wal: Wal,
     pub budget: Arc<RateLimiter>,
+    pub committed: super::Committed,
 }
 
 impl TaskRunner for ExportRunner {
@@ -51,18 +53,19 @@ impl TaskRunner for ExportRunner {
     }
 
     fn run(&self, task: Arc<TaskContext>) -> Pin<Box<dyn Future<Output = TaskOutcome> + Send>> {
-        let (wal, budget) = (self.wal.clone(), self.budget.clone());
+        let (wal, budget, committed) = (self.wal.clone(), self.budget.clone(), self.committed.clone());
         Box::pin(async move {
             let blob: ExportBlob =
                 serde_json::from_slice(&task.blob).map_err(|e| format!("an export task's blob: {e}"))?;
             let p = wal.positions(blob.shard).map_err(|e| e.to_string())?;
+            let committed = committed(blob.shard).ok_or_else(|| format!("shard {}: no replica here", blob.shard))?;
             if blob.from < p.first_seqno {
                 return Err(format!(
                     "shard {}: records before {} are no longer retained here (asked from {})",
                     blob.shard, p.first_seqno, blob.from
                 ));
             }
-            let to = blob.to.min(p.durable_seqno);
+            let to = blob.to.min(p.durable_seqno).min(committed);
             let mut next = blob.from;
             while next <= to {
                 if task.cancel.is_cancelled() {
@@ -139,13 +142,23 @@ pub async fn run(
             let Some(event) = events.recv().await else { break Err("the job's events ended".to_string()) };
             match event {
                 JobEvent::Batch { batch, .. } => {
-                    // A dispatch after the first starts over from `from`.
-                    let now = dispatcher.task(&task_id).map_or(attempt, |t| t.attempts);
-                    if now != attempt {
-                        attempt = now;
-                        match IpcFileWriter::create(&path) {
-                            Ok(fresh) => writer = fresh,
-                            Err(e) => break Err(e.to_string()),
+                    let of = if batch.attempt != 0 {
+                        batch.attempt
+                    } else {
+                        dispatcher.task(&task_id).map_or(attempt, |t| t.attempts)
+                    };
+                    match Attempt::of(of, attempt) {
+                        // Queued before its dispatch was lost: the next
+                        // attempt sends these rows again.
+                        Attempt::Earlier => continue,
+                        Attempt::Current => {}
+                        // A dispatch after the first starts over from `from`.
+                        Attempt::Later => {
+                            attempt = of;
+                            match IpcFileWriter::create(&path) {
+                                Ok(fresh) => writer = fresh,
+                                Err(e) => break Err(e.to_string()),
+                            }
                         }
                     }
                     if !batch.payload.is_empty()
@@ -182,4 +195,39 @@ pub async fn run(
         }
     }
     report
+}
+
+/// Where a result batch's dispatch stands against the one the file is being
+/// written from.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Attempt {
+    Earlier,
+    Current,
+    Later,
+}
+
+impl Attempt {
+    fn of(batch: u32, writing: u32) -> Attempt {
+        match batch.cmp(&writing) {
+            std::cmp::Ordering::Less => Attempt::Earlier,
+            std::cmp::Ordering::Equal => Attempt::Current,
+            std::cmp::Ordering::Greater => Attempt::Later,
+        }
+    }
+}
+
+#[cfg(test)]
+mod attempt_tests {
+    use super::Attempt;
+
+    #[test]
+    fn batches_of_a_lost_dispatch_are_dropped_and_a_new_one_starts_the_file_over() {
+        // Batches of attempt 1 still queued when attempt 2 began: before,
+        // the file was started over at the first of them (the task's
+        // attempt count was already 2) and they were written into it, then
+        // all of attempt 2: rows twice.
+        assert_eq!(Attempt::of(1, 2), Attempt::Earlier);
+        assert_eq!(Attempt::of(2, 2), Attempt::Current);
+        assert_eq!(Attempt::of(3, 2), Attempt::Later);
+    }
 }

@@ -88,6 +88,10 @@ pub struct ReadBack {
     pub first_seqno: u64,
     pub last_seqno: u64,
     pub bytes: u64,
+    /// Seqnos the archive lacks between the run read and later segments
+    /// (one deleted or never uploaded): a reader stops at the gap, so what
+    /// it read is not the whole archive. None without one.
+    pub gap: Option<(u64, u64)>,
 }
 
 /// Reads the shard's archived records in seqno order, each once, through
@@ -100,7 +104,9 @@ pub async fn read_back(
     mut sink: impl FnMut(Vec<Frame>) -> Result<(), String>,
 ) -> Result<ReadBack, RestoreError> {
     let listing = list(store, layout, shard).await?;
-    let mut done = ReadBack::default();
+    let past_the_run = listing.unused.iter().map(|s| s.first).filter(|&f| f > listing.archived_seqno + 1).min();
+    let mut done =
+        ReadBack { gap: past_the_run.map(|next| (listing.archived_seqno + 1, next - 1)), ..Default::default() };
     let mut next = 0u64; // the seqno after the last one handed over
     for segment in &listing.chain {
         if let Until::Seqno(to) = until
