@@ -76,6 +76,7 @@ impl PeerServe {
             queue_wait: std::time::Duration::from_millis(self.wait_ms),
             bytes_per_s: self.mib_per_s.checked_mul(1 << 20).context("peer_serve.mib_per_s is too large")?,
             chunk_bytes: walship_peer::server::MAX_CHUNK_BYTES,
+            ..walship_peer::server::ServeSettings::default()
         })
     }
 }

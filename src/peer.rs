@@ -159,7 +159,7 @@ impl PeerTier for PeerSegments {
             if self.skipped().get(peer).is_some_and(|until| std::time::Instant::now() < *until) {
                 continue;
             }
-            let fetched = self.fetcher.fetch(addr, &task, &segment.key, &token).await;
+            let fetched = self.fetcher.fetch(addr, &task, &segment.key, &token, segment.size).await;
             let result = match &fetched {
                 Ok(bytes) if intact(shard, segment, bytes) => "ok",
                 Ok(_) | Err(FetchError::DamagedChunk { .. }) => "damaged",
@@ -348,7 +348,7 @@ mod tests {
         // The damage is caught at the chunk that carries it.
         let task = format!("reseed-shard{SHARD}-node{ME}");
         let token = key().mint(&Grant { task: task.clone(), shard: SHARD, expires_unix_ms: u64::MAX });
-        let error = tier.fetcher.fetch(&bad, &task, &s.key, &token).await.unwrap_err();
+        let error = tier.fetcher.fetch(&bad, &task, &s.key, &token, s.size).await.unwrap_err();
         assert!(matches!(error, FetchError::DamagedChunk { offset, .. } if offset == CHUNK as u64), "{error}");
 
         let got = tier.fetch(SHARD, &s, &[1, 2], None).await.expect("the second peer serves it");

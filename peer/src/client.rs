@@ -37,6 +37,10 @@ pub struct PeerFetcher {
     channels: Mutex<HashMap<String, Channel>>,
     /// The longest wait for the next chunk.
     pub idle_timeout: Duration,
+    /// The slowest a whole fetch may go: past three `idle_timeout`s plus
+    /// the segment's size at this rate, it is given up (a peer dripping a byte
+    /// now and then would otherwise hold a re-seed for ever).
+    pub min_bytes_per_s: u64,
 }
 
 /// A plain channel (no TLS, no cluster secret) with keepalives; for tests
@@ -56,7 +60,12 @@ pub fn plain_dial() -> Dial {
 
 impl PeerFetcher {
     pub fn new(dial: Dial) -> PeerFetcher {
-        PeerFetcher { dial, channels: Mutex::default(), idle_timeout: Duration::from_secs(15) }
+        PeerFetcher {
+            dial,
+            channels: Mutex::default(),
+            idle_timeout: Duration::from_secs(15),
+            min_bytes_per_s: 1 << 20,
+        }
     }
 
     fn channel(&self, peer: &str) -> Option<Channel> {
@@ -69,9 +78,22 @@ impl PeerFetcher {
         Some(channel)
     }
 
-    /// Fetches segment `key` of task `task` from `peer`, whole. A stream
-    /// that breaks after good chunks is resumed once from the last one.
-    pub async fn fetch(&self, peer: &str, task: &str, key: &str, token: &Token) -> Result<Bytes, FetchError> {
+    /// Fetches segment `key` of task `task` from `peer`, whole: `size`
+    /// bytes, as the archive lists it (the peer encodes it exactly as the
+    /// archiver did), and no more. A stream that breaks after good chunks is
+    /// resumed once from the last one.
+    pub async fn fetch(
+        &self,
+        peer: &str,
+        task: &str,
+        key: &str,
+        token: &Token,
+        size: u64,
+    ) -> Result<Bytes, FetchError> {
+        let rate = self.min_bytes_per_s.max(1);
+        // Room for the idle waits of a first try and its resume, and the
+        // bytes at the slowest rate.
+        let deadline = tokio::time::Instant::now() + 3 * self.idle_timeout + Duration::from_secs(size / rate);
         let channel = self
             .channel(peer)
             .ok_or_else(|| FetchError::Broken { peer: peer.into(), detail: "no address to dial".into() })?;
@@ -85,7 +107,7 @@ impl PeerFetcher {
                 token: token.as_str().into(),
                 offset: got.len() as u64,
             };
-            let outcome = self.stream_into(&mut client, peer, request, &mut got).await;
+            let outcome = self.stream_into(&mut client, peer, request, &mut got, size, deadline).await;
             match outcome {
                 Ok(()) => return Ok(got.freeze()),
                 // A break after progress, once: go on from the last good chunk.
@@ -110,9 +132,12 @@ impl PeerFetcher {
         peer: &str,
         request: FetchShuffleRequest,
         got: &mut BytesMut,
+        size: u64,
+        deadline: tokio::time::Instant,
     ) -> Result<(), FetchError> {
         let broken = |detail: String| FetchError::Broken { peer: peer.into(), detail };
         let idle = || FetchError::Idle { peer: peer.into(), idle: self.idle_timeout };
+        let too_slow = |got: usize| broken(format!("{got} of {size} bytes by the fetch's deadline (too slow)"));
         let mut stream = match tokio::time::timeout(self.idle_timeout, client.fetch_shuffle(request)).await {
             Err(_) => return Err(idle()),
             Ok(Err(status)) if is_transport(&status) => return Err(broken(status.to_string())),
@@ -121,7 +146,13 @@ impl PeerFetcher {
         };
         let mut total = None;
         loop {
-            let chunk = match tokio::time::timeout(self.idle_timeout, stream.message()).await {
+            let now = tokio::time::Instant::now();
+            if now >= deadline {
+                return Err(too_slow(got.len()));
+            }
+            let wait = self.idle_timeout.min(deadline - now);
+            let chunk = match tokio::time::timeout(wait, stream.message()).await {
+                Err(_) if tokio::time::Instant::now() >= deadline => return Err(too_slow(got.len())),
                 Err(_) => return Err(idle()),
                 Ok(Err(status)) if is_transport(&status) => return Err(broken(status.to_string())),
                 Ok(Err(status)) => return Err(FetchError::Refused { peer: peer.into(), status }),
@@ -130,6 +161,12 @@ impl PeerFetcher {
             };
             if chunk.crc32c != Some(crc32c::crc32c(&chunk.data)) || chunk.data.len() > MAX_CHUNK_BYTES {
                 return Err(FetchError::DamagedChunk { peer: peer.into(), offset: got.len() as u64 });
+            }
+            if chunk.total_bytes != size {
+                return Err(broken(format!(
+                    "says the segment holds {} bytes; the archive lists {size}",
+                    chunk.total_bytes
+                )));
             }
             if *total.get_or_insert(chunk.total_bytes) != chunk.total_bytes
                 || got.len() as u64 + chunk.data.len() as u64 > chunk.total_bytes
@@ -178,6 +215,10 @@ mod tests {
         GoSilent,
         /// The first call ends after one chunk; later calls send the rest.
         CutFirstCall,
+        /// Chunks claiming a segment of `u64::MAX` bytes.
+        Bloated,
+        /// Ten bytes every 100 ms, for ever.
+        Drip,
     }
 
     struct Fake {
@@ -222,6 +263,23 @@ mod tests {
                     Behaviour::CutFirstCall => {
                         let _ = tx.send(Ok(chunk(&file, offset, file.len()))).await;
                     }
+                    Behaviour::Bloated => loop {
+                        let mut c = chunk(&file, 0, half);
+                        c.total_bytes = u64::MAX;
+                        if tx.send(Ok(c)).await.is_err() {
+                            break;
+                        }
+                    },
+                    Behaviour::Drip => {
+                        let mut at = offset;
+                        while at < file.len() {
+                            if tx.send(Ok(chunk(&file, at, at + 10))).await.is_err() {
+                                break;
+                            }
+                            at += 10;
+                            tokio::time::sleep(Duration::from_millis(100)).await;
+                        }
+                    }
                 }
             });
             Ok(Response::new(Box::pin(tokio_stream::wrappers::ReceiverStream::new(rx))))
@@ -231,7 +289,7 @@ mod tests {
     /// Serves `behaviour` on a free loopback port; answers its address and
     /// the call counter.
     async fn serve(behaviour: Behaviour) -> (String, Arc<AtomicUsize>, Bytes) {
-        let file = Bytes::from((0..100_000u32).map(|i| (i % 251) as u8).collect::<Vec<u8>>());
+        let file = Bytes::from((0..FILE_BYTES as u32).map(|i| (i % 251) as u8).collect::<Vec<u8>>());
         let calls = Arc::new(AtomicUsize::new(0));
         let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
         let addr = listener.local_addr().unwrap();
@@ -248,6 +306,9 @@ mod tests {
         (addr.to_string(), calls, file)
     }
 
+    /// The size of the file every fake serves.
+    const FILE_BYTES: u64 = 100_000;
+
     fn token() -> Token {
         TokenKey::derive(b"k").mint(&Grant { task: "t".into(), shard: 1, expires_unix_ms: u64::MAX })
     }
@@ -256,7 +317,7 @@ mod tests {
     async fn a_damaged_chunk_is_caught_when_it_arrives() {
         let (addr, _, _) = serve(Behaviour::DamageSecondChunk).await;
         let fetcher = PeerFetcher::new(plain_dial());
-        let error = fetcher.fetch(&addr, "t", "k", &token()).await.unwrap_err();
+        let error = fetcher.fetch(&addr, "t", "k", &token(), FILE_BYTES).await.unwrap_err();
         assert!(matches!(error, FetchError::DamagedChunk { offset: 50_000, .. }), "{error}");
     }
 
@@ -266,7 +327,7 @@ mod tests {
         let mut fetcher = PeerFetcher::new(plain_dial());
         fetcher.idle_timeout = Duration::from_millis(300);
         let started = std::time::Instant::now();
-        let error = fetcher.fetch(&addr, "t", "k", &token()).await.unwrap_err();
+        let error = fetcher.fetch(&addr, "t", "k", &token(), FILE_BYTES).await.unwrap_err();
         assert!(matches!(error, FetchError::Idle { .. }), "{error}");
         assert!(started.elapsed() < Duration::from_secs(5), "gave up after {:?}", started.elapsed());
         assert_eq!(calls.load(Ordering::SeqCst), 2, "one resume after the first silence, then it gives up");
@@ -276,9 +337,30 @@ mod tests {
     async fn a_stream_cut_short_resumes_from_its_last_good_chunk() {
         let (addr, calls, file) = serve(Behaviour::CutFirstCall).await;
         let fetcher = PeerFetcher::new(plain_dial());
-        let got = fetcher.fetch(&addr, "t", "k", &token()).await.unwrap();
+        let got = fetcher.fetch(&addr, "t", "k", &token(), FILE_BYTES).await.unwrap();
         assert!(got == file, "the resumed fetch differs from the file");
         assert_eq!(calls.load(Ordering::SeqCst), 2);
+    }
+
+    #[tokio::test]
+    async fn a_peer_claiming_a_larger_segment_than_listed_is_refused_at_its_first_chunk() {
+        let (addr, _, _) = serve(Behaviour::Bloated).await;
+        let fetcher = PeerFetcher::new(plain_dial());
+        let error = fetcher.fetch(&addr, "t", "k", &token(), FILE_BYTES).await.unwrap_err();
+        assert!(matches!(&error, FetchError::Broken { detail, .. } if detail.contains("lists 100000")), "{error}");
+    }
+
+    #[tokio::test]
+    async fn a_peer_dripping_bytes_is_given_up_at_the_fetchs_deadline() {
+        let (addr, _, _) = serve(Behaviour::Drip).await;
+        let mut fetcher = PeerFetcher::new(plain_dial());
+        // Each chunk comes well within the idle timeout; the whole would
+        // take 1,000 s.
+        fetcher.idle_timeout = Duration::from_millis(500);
+        let started = std::time::Instant::now();
+        let error = fetcher.fetch(&addr, "t", "k", &token(), FILE_BYTES).await.unwrap_err();
+        assert!(matches!(&error, FetchError::Broken { detail, .. } if detail.contains("too slow")), "{error}");
+        assert!(started.elapsed() < Duration::from_secs(5), "gave up after {:?}", started.elapsed());
     }
 
     #[tokio::test]
@@ -288,7 +370,7 @@ mod tests {
         drop(listener);
         let fetcher = PeerFetcher::new(plain_dial());
         let started = std::time::Instant::now();
-        let error = fetcher.fetch(&addr, "t", "k", &token()).await.unwrap_err();
+        let error = fetcher.fetch(&addr, "t", "k", &token(), FILE_BYTES).await.unwrap_err();
         assert!(matches!(error, FetchError::Broken { .. }), "{error}");
         assert!(started.elapsed() < Duration::from_secs(5));
     }

@@ -61,6 +61,9 @@ pub struct ServeSettings {
     pub bytes_per_s: u64,
     /// Chunk size (at most [`MAX_CHUNK_BYTES`]).
     pub chunk_bytes: usize,
+    /// How long a chunk may wait for a fetcher that stopped reading (a
+    /// frozen node) before the serve ends and frees its slot.
+    pub send_timeout: Duration,
 }
 
 impl Default for ServeSettings {
@@ -70,6 +73,7 @@ impl Default for ServeSettings {
             queue_wait: Duration::from_secs(10),
             bytes_per_s: 64 << 20,
             chunk_bytes: MAX_CHUNK_BYTES,
+            send_timeout: Duration::from_secs(15),
         }
     }
 }
@@ -209,6 +213,7 @@ impl PeerExchange for PeerExchangeService {
         let (tx, rx) = tokio::sync::mpsc::channel(2);
         let (limiter, served, chunk_bytes) =
             (self.limiter.clone(), self.metrics.bytes.clone(), self.settings.chunk_bytes.clamp(1, MAX_CHUNK_BYTES));
+        let send_timeout = self.settings.send_timeout;
         tokio::spawn(async move {
             let _slot = slot; // held until the last chunk is out
             let mut at = r.offset as usize;
@@ -217,8 +222,15 @@ impl PeerExchange for PeerExchangeService {
                 let data = bytes.slice(at..end);
                 limiter.acquire(data.len()).await;
                 let chunk = ShuffleChunk { crc32c: Some(crc32c::crc32c(&data)), total_bytes: total, data };
-                if tx.send(Ok(chunk)).await.is_err() {
-                    return; // the fetcher went away
+                match tokio::time::timeout(send_timeout, tx.send(Ok(chunk))).await {
+                    Ok(Ok(())) => {}
+                    Ok(Err(_)) => return, // the fetcher went away
+                    Err(_) => {
+                        // It stopped reading: the slot goes to another fetch,
+                        // and this one, cut short, resumes or moves on.
+                        tracing::info!(at, total, "a peer fetch stopped reading; serve ended");
+                        return;
+                    }
                 }
                 served.inc_by((end - at) as u64);
                 at = end;
@@ -286,6 +298,30 @@ mod tests {
             token: token().as_str().into(),
             offset,
         })
+    }
+
+    #[tokio::test]
+    async fn a_fetcher_that_stops_reading_gives_its_slot_back() {
+        let source = Arc::new(Vanishing { file: file(), calls: AtomicUsize::new(0) });
+        let settings = ServeSettings {
+            max_concurrent: 1,
+            queue_wait: Duration::from_secs(2),
+            bytes_per_s: 0,
+            chunk_bytes: CHUNK,
+            send_timeout: Duration::from_millis(100),
+        };
+        let metrics = ServeMetrics::new(&Registry::new()).unwrap();
+        let service = PeerExchangeService::new(source, TokenKey::derive(b"k"), settings, metrics);
+        // One chunk read, then nothing: the serve blocks on the full channel.
+        let mut stalled = service.fetch_shuffle(request(0)).await.unwrap().into_inner();
+        stalled.next().await.unwrap().unwrap();
+        // The next fetch gets the one slot (and is answered: the segment is
+        // gone by then) instead of waiting 2 s and being refused as busy.
+        let started = std::time::Instant::now();
+        let answer = service.fetch_shuffle(request(0)).await.map(|_| ()).unwrap_err();
+        assert_eq!(answer.code(), tonic::Code::NotFound, "{answer:?}");
+        assert!(started.elapsed() < Duration::from_secs(1), "waited {:?} for the slot", started.elapsed());
+        drop(stalled);
     }
 
     #[tokio::test]
@@ -357,7 +393,7 @@ mod tests {
                 .serve_with_incoming(tonic::transport::server::TcpIncoming::from(listener)),
         );
         let fetcher = PeerFetcher::new(plain_dial());
-        let error = fetcher.fetch(&addr.to_string(), TASK, KEY, &token()).await.unwrap_err();
+        let error = fetcher.fetch(&addr.to_string(), TASK, KEY, &token(), source.file.len() as u64).await.unwrap_err();
         // The cut stream is resumed from its last good chunk; the segment is
         // gone by then: a failed fetch (the caller's next source), never the
         // first chunk passed off as the segment.
