@@ -748,12 +748,24 @@ impl ReplicationNode {
             archive.metrics.lag_records.with_label_values(&[&label]).set(lag_records as i64);
             archive.metrics.lag_seconds.with_label_values(&[&label]).set(lag_seconds);
         }
-        let mut all = self.archive_status.lock();
-        let status = all.entry(shard).or_default();
-        status.archived_seqno = through;
-        status.lag_records = lag_records;
-        status.lag_seconds = lag_seconds;
-        status.store = archive.store.describe();
+        let moved = {
+            let mut all = self.archive_status.lock();
+            let fresh = !all.contains_key(&shard);
+            let status = all.entry(shard).or_default();
+            let moved = fresh || status.archived_seqno != through;
+            status.archived_seqno = through;
+            status.lag_records = lag_records;
+            status.lag_seconds = lag_seconds;
+            status.store = archive.store.describe();
+            moved
+        };
+        // The heartbeat says whether the leader archives and how far: a
+        // settled replica reports again only when unsettled, and a new
+        // leader's first report that it archives should not wait for the
+        // next full report (seconds at thousands of shards).
+        if moved && let Some(replica) = self.replica(shard) {
+            replica.unsettle();
+        }
         lag_seconds
     }
 }

@@ -116,6 +116,10 @@ pub struct ReseedDrillResult {
 /// How long the rebuild may take before the drill gives up on it.
 const REBUILD_BOUND: Duration = Duration::from_secs(600);
 
+/// How long a new leader may take to report that it archives before the
+/// drill is refused as `not_archiving` (a few heartbeat intervals).
+const ARCHIVING_REPORT_BOUND: Duration = Duration::from_secs(3);
+
 /// How long the archive may take to hold the volume before the wipe.
 const ARCHIVE_BOUND: Duration = Duration::from_secs(120);
 
@@ -152,7 +156,7 @@ impl Coordinator {
                 .find(|&&r| r != leader)
                 .ok_or(CoordError::NotAReplica { shard: request.shard, node: leader })?,
         };
-        if self.archive_position(leader, request.shard).is_none() {
+        if !self.reports_archiving(leader, request.shard).await {
             return Err(CoordError::Conflict {
                 code: "not_archiving",
                 message: format!(
@@ -177,6 +181,23 @@ impl Coordinator {
             |r, out| r.reseed = Some(out),
         );
         Ok(id)
+    }
+
+    /// Whether `leader` says it archives `shard`, waiting up to
+    /// [`ARCHIVING_REPORT_BOUND`] for it to say so: a leader elected a moment
+    /// ago (a failover drill just ended, say) has not yet sent the heartbeat
+    /// that reports its archiver, and refusing it then would be wrong.
+    async fn reports_archiving(&self, leader: NodeId, shard: u32) -> bool {
+        let deadline = Instant::now() + ARCHIVING_REPORT_BOUND;
+        loop {
+            if self.archive_position(leader, shard).is_some() {
+                return true;
+            }
+            if Instant::now() >= deadline {
+                return false;
+            }
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
     }
 
     /// The archived seqno `leader` last reported for `shard` as its
