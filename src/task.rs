@@ -285,16 +285,48 @@ pub async fn export(args: ExportArgs) -> Result<()> {
     let tmp = args.out.with_extension("arrow.partial");
     std::fs::write(&tmp, &bytes).map_err(|e| anyhow::anyhow!("writing {}: {e}", tmp.display()))?;
     std::fs::rename(&tmp, &args.out).map_err(|e| anyhow::anyhow!("writing {}: {e}", args.out.display()))?;
+    let (from, to, rows) = (report["from"].as_u64(), report["to"].as_u64(), report["rows"].as_u64());
     println!(
-        "exported shard {} records [{}, {}]: {} rows, {} bytes to {}",
+        "exported shard {} {}, {} bytes to {}",
         args.shard,
-        report["from"],
-        report["to"],
-        report["rows"],
+        exported_range(from, to, rows),
         bytes.len(),
         args.out.display()
     );
     Ok(())
+}
+
+/// What an export's report says it wrote: the replica exports from `from`
+/// up to `to` or what it holds committed and durable, whichever is lower,
+/// so fewer rows than asked for means the range was cut short there.
+fn exported_range(from: Option<u64>, to: Option<u64>, rows: Option<u64>) -> String {
+    match (from, to, rows) {
+        (Some(from), Some(to), Some(0)) => {
+            format!("no records of the requested [{from}, {to}]: 0 rows (none committed there yet)")
+        }
+        (Some(from), Some(to), Some(rows)) if rows < to.saturating_sub(from).saturating_add(1) => format!(
+            "records [{from}, {}] of the requested [{from}, {to}]: {rows} rows (the replica held no further committed records)",
+            from + rows - 1
+        ),
+        (Some(from), Some(to), Some(rows)) => format!("records [{from}, {to}]: {rows} rows"),
+        _ => "records (the report gave no range)".to_string(),
+    }
+}
+
+#[cfg(test)]
+mod export_tests {
+    use super::exported_range;
+
+    #[test]
+    fn a_short_export_says_what_it_wrote_not_what_was_asked() {
+        assert_eq!(exported_range(Some(1), Some(10), Some(10)), "records [1, 10]: 10 rows");
+        assert_eq!(
+            exported_range(Some(1), Some(10), Some(4)),
+            "records [1, 4] of the requested [1, 10]: 4 rows (the replica held no further committed records)"
+        );
+        assert!(exported_range(Some(5), Some(9), Some(0)).starts_with("no records of the requested [5, 9]"));
+        assert_eq!(exported_range(None, Some(9), Some(3)), "records (the report gave no range)");
+    }
 }
 
 #[derive(Args, Debug)]

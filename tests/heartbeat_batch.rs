@@ -65,6 +65,18 @@ async fn batched_heartbeats_keep_every_replica_current_and_a_bad_batch_changes_n
     for r in shard["replicas"].as_array().unwrap() {
         assert_eq!(r["epoch"], shard["epoch"], "a refused batch changed nothing: {shard}");
     }
+    // A node keeps reports of shards of the cluster only, and refuses a
+    // batch holding another one whole.
+    let endpoint = tonic::transport::Endpoint::from_shared(format!("http://{}", cluster.node(2).grpc)).unwrap();
+    let mut node2 = WalShippingClient::new(common::as_member(endpoint.connect().await.unwrap()));
+    let unknown = HeartbeatRequest { shard_id: 99, ..forged(1) };
+    let batch = HeartbeatBatchRequest { node_id: 1, shards: vec![forged(1), unknown], full: false };
+    let refused = node2.heartbeat_batch(batch).await.expect_err("refused");
+    assert_eq!(refused.code(), Code::NotFound, "{refused}");
+    assert!(refused.message().contains("shard 99"), "{refused}");
+    let kept = cluster.status(2).await.unwrap()["heartbeats_received"].clone();
+    let kept = kept.as_array().unwrap();
+    assert!(kept.iter().all(|h| h["epoch"] != 999 && h["shard_id"] != 99), "a refused batch changed nothing: {kept:?}");
 
     // The shard list filters and pages.
     let ids = |v: &serde_json::Value| -> Vec<u64> {

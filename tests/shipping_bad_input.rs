@@ -632,6 +632,23 @@ async fn bad_shipping_requests_are_refused_precisely_and_change_nothing() {
             metadata: vec![],
             reason: Some("bad_request"),
         },
+        // A known node's report of a shard neither it nor the receiver
+        // holds: kept, every made-up shard id would grow the store.
+        Case {
+            name: "Heartbeat of shard 99 (not in the cluster)",
+            node: FOLLOWER,
+            call: Call::Heartbeat(Box::new(HeartbeatRequest {
+                shard_id: 99,
+                node_id: LEADER,
+                epoch: EPOCH,
+                ..Default::default()
+            })),
+            code: Code::NotFound,
+            words: words(&["shard 99", "not hosted"]),
+            numbers: vec![99, FOLLOWER as u64],
+            metadata: vec![],
+            reason: Some("unknown_shard"),
+        },
     ];
 
     // 9. Malformed protobuf bodies, sent verbatim.

@@ -151,8 +151,12 @@ impl WalShipping for WalShippingService {
     ) -> Result<Response<HeartbeatResponse>, Status> {
         let batch = request.get_ref();
         crate::control::coordinator::check_heartbeat_batch(batch, |n| self.node.config.node(n).is_some())?;
+        // Checked whole first: a refused batch records none of its reports.
         for s in &batch.shards {
-            self.node.on_heartbeat(s)?;
+            self.node.check_heartbeat(s)?;
+        }
+        for s in &batch.shards {
+            self.node.record_heartbeat(s);
         }
         Ok(Response::new(HeartbeatResponse { acknowledged: true }))
     }
@@ -287,11 +291,9 @@ impl Control for ControlService {
         let r = request.into_inner();
         positive_epoch(r.epoch)?;
         let members = assigned_members(&self.node, &r)?;
-        if !r.fetch_token.is_empty() {
-            self.node.set_fetch_token(r.shard_id, r.fetch_token);
-        }
+        let token = Some(r.fetch_token).filter(|t| !t.is_empty());
         self.node
-            .assign(r.shard_id, r.epoch, r.leader, r.commit_seqno, members)
+            .assign(r.shard_id, r.epoch, r.leader, r.commit_seqno, members, token)
             .await
             .map(Response::new)
             .map_err(Status::from)
@@ -317,10 +319,8 @@ impl Control for ControlService {
             checked.push(assigned_members(&self.node, r).map_err(|s| in_item("assigns", i, s))?);
         }
         let calls = assigns.into_iter().zip(checked).map(|(r, members)| {
-            if !r.fetch_token.is_empty() {
-                self.node.set_fetch_token(r.shard_id, r.fetch_token);
-            }
-            self.node.assign(r.shard_id, r.epoch, r.leader, r.commit_seqno, members)
+            let token = Some(r.fetch_token).filter(|t| !t.is_empty());
+            self.node.assign(r.shard_id, r.epoch, r.leader, r.commit_seqno, members, token)
         });
         let answers = futures::future::join_all(calls.collect::<Vec<_>>()).await;
         let outcomes = outcomes(answers, |answer, error| AssignOutcome { answer, error });

@@ -197,6 +197,9 @@ impl ReplicationNode {
     /// config) is who holds the shard from this epoch on: a node it names
     /// that does not host the shard creates it, and a leader of this epoch
     /// takes a change of learners or of the voting set in place.
+    /// `fetch_token` (the coordinator's PeerExchange token for the shard)
+    /// is kept only once the assignment is taken: a refused one, stale say,
+    /// changes nothing.
     pub fn assign(
         self: &Arc<Self>,
         shard: ShardId,
@@ -204,9 +207,14 @@ impl ReplicationNode {
         leader: NodeId,
         commit_floor: u64,
         members: Option<Members>,
+        fetch_token: Option<String>,
     ) -> impl std::future::Future<Output = Result<AssignResponse, ReplicaError>> + Send + 'static {
         let node = self.clone();
-        async move { node.assign_inner(shard, epoch, leader, commit_floor, members).await.map_err(|e| node.counted(e)) }
+        async move {
+            node.assign_inner(shard, epoch, leader, commit_floor, members, fetch_token)
+                .await
+                .map_err(|e| node.counted(e))
+        }
     }
 
     async fn assign_inner(
@@ -216,6 +224,7 @@ impl ReplicationNode {
         leader: NodeId,
         commit_floor: u64,
         members: Option<Members>,
+        fetch_token: Option<String>,
     ) -> Result<AssignResponse, ReplicaError> {
         let replica = match &members {
             Some(m) => {
@@ -241,6 +250,10 @@ impl ReplicationNode {
             decided
         };
         commands.extend(decided.map_err(|r| self.refused(&replica, r))?);
+        // Before the catch-up below starts fetching with it.
+        if let Some(token) = fetch_token {
+            self.set_fetch_token(shard, token);
+        }
         if let Some(Command::CatchUp) = commands.last() {
             tracing::info!(shard, epoch, leader, "following");
         }

@@ -240,7 +240,7 @@ impl ReplicationNode {
         });
         if !node.config.coordinated() {
             for spec in node.config.shards_of(me) {
-                node.assign(spec.id, spec.epoch, spec.leader, 0, None).await?;
+                node.assign(spec.id, spec.epoch, spec.leader, 0, None, None).await?;
             }
         }
         tokio::spawn(node.clone().run_retention());

@@ -215,12 +215,32 @@ impl ReplicationNode {
             .collect()
     }
 
-    /// Records a heartbeat (the `Heartbeat` RPC).
-    pub fn on_heartbeat(&self, request: &HeartbeatRequest) -> Result<(), ReplicaError> {
+    /// Whether this node keeps `request` (see [`Self::on_heartbeat`]): from
+    /// a node of the cluster, about a shard the cluster config gives that
+    /// node or that this node hosts. Anything else would grow the store
+    /// without bound (one entry per shard id a caller makes up).
+    pub fn check_heartbeat(&self, request: &HeartbeatRequest) -> Result<(), ReplicaError> {
         if request.node_id == 0 || self.config.node(request.node_id).is_none() {
             let unknown = format!("heartbeat from unknown node {}", request.node_id);
             return Err(self.counted(ReplicaError::BadRequest(unknown)));
         }
+        let configured = self.config.shards_of(request.node_id).iter().any(|s| s.id == request.shard_id);
+        if !configured && self.replica(request.shard_id).is_none() {
+            return Err(self.counted(ReplicaError::UnknownShard { shard: request.shard_id, node: self.me }));
+        }
+        Ok(())
+    }
+
+    /// Records a heartbeat (the `Heartbeat` RPC), refused as
+    /// [`Self::check_heartbeat`] says, changing nothing.
+    pub fn on_heartbeat(&self, request: &HeartbeatRequest) -> Result<(), ReplicaError> {
+        self.check_heartbeat(request)?;
+        self.record_heartbeat(request);
+        Ok(())
+    }
+
+    /// Records a checked heartbeat.
+    pub fn record_heartbeat(&self, request: &HeartbeatRequest) {
         self.metrics.heartbeats_received.inc();
         let hb = ReceivedHeartbeat {
             node_id: request.node_id,
@@ -234,7 +254,6 @@ impl ReplicationNode {
             received_ms_ago: 0,
         };
         self.heartbeats.lock().insert((request.node_id, request.shard_id), (hb, Instant::now()));
-        Ok(())
     }
 
     pub(super) async fn run_heartbeats(self: Arc<Self>) {
