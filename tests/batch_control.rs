@@ -159,4 +159,13 @@ async fn each_item_of_a_batch_gets_its_own_outcome_in_order() {
     let codes: Vec<Code> = outcomes.iter().map(|o| Code::from(o.error.as_ref().map_or(0, |e| e.code))).collect();
     assert_eq!(codes, [Code::FailedPrecondition, Code::NotFound], "{outcomes:?}");
     assert_eq!(promised(&mut control, 1).await, high);
+
+    // An epoch no coordinator hands out (2^62 and up) is refused and
+    // promised nowhere: promising u64::MAX would wedge the shard for good.
+    for epoch in [1u64 << 62, u64::MAX] {
+        let refused = control.fence(FenceRequest { shard_id: 1, epoch }).await.expect_err("refused");
+        assert_eq!(refused.code(), Code::InvalidArgument, "{refused:?}");
+        assert!(refused.message().contains(&epoch.to_string()), "{refused:?}");
+    }
+    assert_eq!(promised(&mut control, 1).await, high);
 }

@@ -258,6 +258,158 @@ async fn preview_and_forced_failover_report_the_exact_loss_and_need_the_token() 
 /// other lags. The most up-to-date survivor lacks records a majority held:
 /// the automatic failover refuses to promote it (before, it did, and those
 /// acknowledged records were gone without a word); a forced one names them.
+/// A follower whose data dir was wiped comes back having promised no epoch.
+/// A leader deposed meanwhile could still ship to it in its old epoch, and
+/// its acknowledgements would make a majority the new leader never had; so
+/// it takes nothing from any leader until the coordinator fences or assigns
+/// it. Here the coordinator is down: the leader's shipments to the wiped
+/// node are refused (`awaiting_assignment`) and, its other follower gone,
+/// it acknowledges nothing; the coordinator back, the wiped node is
+/// assigned, catches up, and every acknowledged record is everywhere.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_wiped_follower_takes_nothing_from_a_leader_until_the_coordinator_assigns_it() {
+    let mut cluster = Cluster::start_with(3, 1, 1, FAST, None);
+    wait_leading(&mut cluster, 1, 1).await;
+    let acked: Acked = Arc::default();
+    let mut leader = client(&cluster.node(1).grpc.clone()).await.unwrap();
+    for i in 1..=10 {
+        let r = leader.append(record_r(i)).await.unwrap().into_inner();
+        acked.lock().await.entry(1).or_default().insert(r.first_seqno, Bytes::from(format!("r{i}")));
+    }
+    assert_eq!(converge(&mut cluster, 1).await, 10);
+    cluster.coordinator(1).kill9();
+    cluster.node(3).kill9();
+    let data = cluster.node(3).data_dir.clone();
+    std::fs::remove_dir_all(&data).unwrap();
+    std::fs::create_dir_all(&data).unwrap();
+    cluster.restart(3);
+    let admin3 = cluster.node(3).admin.clone();
+    let refused = "walship_ship_refused_total{reason=\"awaiting_assignment\"}";
+    wait_until("node 3 to refuse node 1's shipments", WAIT, || async { common::metric(&admin3, refused).await > 0.0 })
+        .await;
+    let s3 = entry(&cluster.status(3).await.unwrap(), 1);
+    assert_eq!((&s3["role"], &s3["last_seqno"]), (&serde_json::json!("unassigned"), &serde_json::json!(0)), "{s3}");
+    // Node 3 is the leader's only follower now: nothing is acknowledged.
+    cluster.node(2).kill9();
+    let mut request = tonic::Request::new(record_r(11));
+    request.set_timeout(Duration::from_secs(3));
+    let outcome = leader.append(request).await;
+    assert!(outcome.is_err(), "acknowledged with a wiped, unassigned node as the majority: {outcome:?}");
+    assert_eq!(entry(&cluster.status(3).await.unwrap(), 1)["last_seqno"], 0, "node 3 took nothing");
+    cluster.restart_coordinator(1);
+    cluster.restart(2);
+    let mut appended = 11;
+    wait_until("appends to be acknowledged again", WAIT, || {
+        let grpc = futures::executor::block_on(cluster.leader_of(1, 1)).map(|(l, _)| cluster.node(l).grpc.clone());
+        let acked = acked.clone();
+        appended += 1;
+        let i = appended;
+        async move {
+            let Some(mut leader) = (match grpc {
+                Some(grpc) => client(&grpc).await,
+                None => None,
+            }) else {
+                return false;
+            };
+            let mut request = tonic::Request::new(record_r(i));
+            request.set_timeout(Duration::from_secs(2));
+            match leader.append(request).await {
+                Ok(r) => {
+                    acked
+                        .lock()
+                        .await
+                        .entry(1)
+                        .or_default()
+                        .insert(r.into_inner().first_seqno, Bytes::from(format!("r{i}")));
+                    true
+                }
+                Err(_) => false,
+            }
+        }
+    })
+    .await;
+    let last = converge(&mut cluster, 1).await;
+    check_history(&mut cluster, 1, last, &acked).await;
+}
+
+/// The coordinator's file KV restored from an older copy (what
+/// `ops/runbooks/corruption.md` has an operator do with a damaged one)
+/// records epochs the replicas promised long ago: every assignment in them
+/// is refused. The coordinator sees the replicas report a newer epoch and
+/// fails the shard over once, past it, instead of assigning in vain (while
+/// the leader lives) or walking up one refused fence at a time (once it is
+/// gone); nothing acknowledged is lost.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_coordinator_on_a_kv_restored_from_an_older_copy_raises_past_every_promised_epoch() {
+    let mut cluster = Cluster::start_with(3, 1, 1, FAST, None);
+    wait_leading(&mut cluster, 1, 1).await;
+    let acked: Acked = Arc::default();
+    let mut leader = client(&cluster.node(1).grpc.clone()).await.unwrap();
+    for i in 1..=5 {
+        let r = leader.append(record_r(i)).await.unwrap().into_inner();
+        acked.lock().await.entry(1).or_default().insert(r.first_seqno, Bytes::from(format!("r{i}")));
+    }
+    let kv = cluster.dir.path().join("coord").join("kv");
+    let copy = cluster.dir.path().join("kv-copy");
+    cluster.coordinator(1).kill9();
+    copy_files(&kv, &copy);
+    let (_, old_epoch) = {
+        cluster.restart_coordinator(1);
+        wait_leading(&mut cluster, 1, 1).await;
+        cluster.leader_of(1, 1).await.unwrap()
+    };
+    // Eight manual failovers later the replicas have promised epochs the
+    // copy never recorded.
+    for round in 0..8u32 {
+        let to = 2 + round % 2;
+        let body = format!(r#"{{"target": {to}}}"#);
+        let (code, answer) = cluster.coord_post(1, "/v1/shards/1/failover", &body, Some(TOKEN)).await;
+        assert_eq!(code, 200, "{answer}");
+        wait_leading(&mut cluster, 1, to).await;
+    }
+    let (leader_now, promised) = cluster.leader_of(1, 1).await.unwrap();
+    assert!(promised >= old_epoch + 8, "{promised} {old_epoch}");
+    let mut leader = client(&cluster.node(leader_now).grpc.clone()).await.unwrap();
+    for i in 6..=10 {
+        let r = leader.append(record_r(i)).await.unwrap().into_inner();
+        acked.lock().await.entry(1).or_default().insert(r.first_seqno, Bytes::from(format!("r{i}")));
+    }
+    cluster.coordinator(1).kill9();
+    std::fs::remove_dir_all(&kv).unwrap();
+    copy_files(&copy, &kv);
+    cluster.restart_coordinator(1);
+    wait_until("the restored coordinator to record an epoch past every promised one", WAIT, || {
+        let recorded = futures::executor::block_on(cluster.leader_of(1, 1));
+        async move { recorded.is_some_and(|(_, epoch)| epoch > promised) }
+    })
+    .await;
+    // And it fails over as it should from there: the leader killed, one
+    // of the others leads in a newer epoch.
+    let (leader_now, epoch) = cluster.leader_of(1, 1).await.unwrap();
+    wait_leading(&mut cluster, 1, leader_now).await;
+    cluster.node(leader_now).kill9();
+    let next = cluster.wait_leader(1, Some(leader_now), WAIT).await;
+    let (_, after) = cluster.leader_of(1, 1).await.unwrap();
+    assert!(after > epoch, "{after} {epoch}");
+    let mut leader = client(&cluster.node(next).grpc.clone()).await.unwrap();
+    for i in 11..=15 {
+        let r = leader.append(record_r(i)).await.unwrap().into_inner();
+        acked.lock().await.entry(1).or_default().insert(r.first_seqno, Bytes::from(format!("r{i}")));
+    }
+    cluster.restart(leader_now);
+    let last = converge(&mut cluster, 1).await;
+    check_history(&mut cluster, 1, last, &acked).await;
+}
+
+/// Copies the files of `from` (no subdirectories) into a new `to`.
+fn copy_files(from: &std::path::Path, to: &std::path::Path) {
+    std::fs::create_dir_all(to).unwrap();
+    for entry in std::fs::read_dir(from).unwrap() {
+        let entry = entry.unwrap();
+        std::fs::copy(entry.path(), to.join(entry.file_name())).unwrap();
+    }
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn no_automatic_failover_to_a_replica_missing_committed_records() {
     let mut cluster = Cluster::start_with(3, 1, 1, FAST, None);

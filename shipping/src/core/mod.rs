@@ -24,6 +24,14 @@ use std::fmt;
 #[serde(transparent)]
 pub struct Epoch(pub u64);
 
+impl Epoch {
+    /// No epoch at or past this (2^62) is taken or adopted: far beyond what
+    /// any cluster raises, and far enough below u64::MAX that raising never
+    /// runs out. A replica promising a forged u64::MAX would refuse every
+    /// later epoch: the shard could never fail over again.
+    pub const CEILING: u64 = 1 << 62;
+}
+
 /// A position in one shard's log: seqnos start at 1, are contiguous and are
 /// never reused.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash, Default, serde::Serialize)]

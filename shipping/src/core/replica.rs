@@ -105,10 +105,12 @@ pub enum Refusal {
     LeaderCannotPause,
     /// The node's disk is below its reserve.
     DiskFull,
-    /// Its epoch promise may have been lost with records its WAL's recovery
-    /// cut away: it takes nothing from a leader until its coordinator
-    /// fences or assigns it again (retryable).
+    /// Its epoch promise may have been lost (a data dir without one, or
+    /// records its WAL's recovery cut away): it takes nothing from a leader
+    /// until its coordinator fences or assigns it again (retryable).
     AwaitingAssignment,
+    /// An epoch at or past [`Epoch::CEILING`]: no coordinator hands it out.
+    EpochTooLarge { epoch: Epoch },
 }
 
 impl Refusal {
@@ -127,6 +129,7 @@ impl Refusal {
             Refusal::LeaderCannotPause => "bad_request",
             Refusal::DiskFull => "disk_full",
             Refusal::AwaitingAssignment => "awaiting_assignment",
+            Refusal::EpochTooLarge { .. } => "bad_request",
         }
     }
 
@@ -190,10 +193,12 @@ impl ReplicaCore {
         }
     }
 
-    /// The WAL's recovery cut damaged records away at start, and with them
-    /// maybe the newest epoch this replica promised: the promise it read
-    /// back may be older than one it gave, and a leader deposed since could
-    /// then ship to it again. Under a coordinator, whose epochs are newer
+    /// The promise this replica read back at start may be older than one it
+    /// gave: the WAL's recovery cut damaged records away, and maybe the
+    /// newest epoch promised with them, or the data dir holds no promise at
+    /// all (new, or wiped or replaced since it promised). A leader deposed
+    /// since could then ship to it again, and its acknowledgements would
+    /// count toward a majority the new leader never had. Under a coordinator, whose epochs are newer
     /// than every one it handed out before, this replica takes nothing from
     /// a leader until the coordinator fences or assigns it. A static
     /// cluster has no such authority; its epochs do not move.
@@ -255,6 +260,9 @@ impl ReplicaCore {
     }
 
     fn check_epoch(&self, epoch: Epoch) -> Result<(), Refusal> {
+        if epoch.0 >= Epoch::CEILING {
+            return Err(Refusal::EpochTooLarge { epoch });
+        }
         if epoch < self.promised { Err(Refusal::StaleEpoch { epoch, seen: self.promised }) } else { Ok(()) }
     }
 

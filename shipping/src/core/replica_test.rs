@@ -347,3 +347,16 @@ fn a_replica_whose_promise_may_be_lost_takes_nothing_from_a_leader_until_the_coo
     r.promise_lost();
     assert_ne!(r.inbound(Epoch(1), 2).outcome, Err(Refusal::AwaitingAssignment));
 }
+
+#[test]
+fn an_epoch_past_the_ceiling_is_refused_everywhere_and_promises_nothing() {
+    // A forged u64::MAX, promised, would refuse every epoch after it: the
+    // shard could never fail over again.
+    let huge = Epoch(Epoch::CEILING);
+    let mut r = replica(5);
+    assert_eq!(r.fence(huge), Err(Refusal::EpochTooLarge { epoch: huge }));
+    assert_eq!(r.assign(Epoch(u64::MAX), 2), Err(Refusal::EpochTooLarge { epoch: Epoch(u64::MAX) }));
+    assert_eq!(r.inbound(huge, 2).outcome, Err(Refusal::EpochTooLarge { epoch: huge }));
+    assert_eq!(r.promised(), Epoch(5), "nothing promised");
+    assert!(r.fence(Epoch(Epoch::CEILING - 1)).is_ok(), "the largest epoch is still taken");
+}

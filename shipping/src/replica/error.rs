@@ -17,6 +17,7 @@ use walship_proto::replication::ShipSegmentResponse;
 use walship_wal::{ShardId, WalError};
 
 use crate::NodeId;
+use crate::core::Epoch;
 use crate::core::replica::Refusal;
 
 /// Response metadata: the newest epoch a refusing replica has seen.
@@ -35,6 +36,17 @@ pub const REFUSED_METADATA_KEY: &str = "walship-refused";
 /// Whether `status` is a replica's own answer (see [`REFUSED_METADATA_KEY`]).
 pub fn refused_by_replica(status: &Status) -> bool {
     status.metadata().contains_key(REFUSED_METADATA_KEY)
+}
+
+/// On an `awaiting_assignment` refusal: the replica takes nothing until its
+/// coordinator assigns it, and then pulls a catch-up itself, so its leader
+/// stops pushing to it until then instead of retrying.
+pub const AWAITING_ASSIGNMENT_METADATA_KEY: &str = "walship-awaiting-assignment";
+
+/// Whether `status` says the replica waits for its coordinator's assignment
+/// (see [`AWAITING_ASSIGNMENT_METADATA_KEY`]).
+pub fn awaits_assignment(status: &Status) -> bool {
+    status.metadata().contains_key(AWAITING_ASSIGNMENT_METADATA_KEY)
 }
 
 /// Request metadata opening a `ShipSegments` stream whose refusals are
@@ -168,9 +180,15 @@ fn refusal_message(shard: ShardId, node: NodeId, refusal: &Refusal) -> String {
         Refusal::LeaderCannotPause => format!("node {node} leads shard {shard}: pause a follower"),
         Refusal::DiskFull => format!("shard {shard}: the disk of node {node} is full; it takes no records"),
         Refusal::AwaitingAssignment => format!(
-            "shard {shard}: node {node} lost records to WAL damage at start and waits for its coordinator to \
-             assign it before it takes any"
+            "shard {shard}: node {node} holds no epoch promise it can trust (a new or wiped data dir, or records \
+             lost to WAL damage at start) and waits for its coordinator to assign it before it takes any"
         ),
+        Refusal::EpochTooLarge { epoch } => {
+            format!(
+                "shard {shard}: epoch {epoch} is past the largest epoch {} any coordinator hands out",
+                Epoch::CEILING - 1
+            )
+        }
     }
 }
 
@@ -180,10 +198,7 @@ impl ReplicaError {
     pub fn reason(&self) -> Option<&'static str> {
         Some(match self {
             ReplicaError::UnknownShard { .. } => "unknown_shard",
-            ReplicaError::Refused {
-                refusal: Refusal::Paused | Refusal::Reconciling { .. } | Refusal::AwaitingAssignment,
-                ..
-            } => return None,
+            ReplicaError::Refused { refusal: Refusal::Paused | Refusal::Reconciling { .. }, .. } => return None,
             ReplicaError::Refused { refusal, .. } => refusal.reason(),
             ReplicaError::BadRequest(_) | ReplicaError::PastDurable { .. } | ReplicaError::NoSuchRecord { .. } => {
                 "bad_request"
@@ -267,9 +282,10 @@ fn status_of(error: ReplicaError) -> Status {
                 Refusal::StaleEpoch { seen, .. } => {
                     with_metadata(Status::failed_precondition(message), EPOCH_METADATA_KEY, seen.0)
                 }
-                Refusal::NotAReplica { .. } => Status::invalid_argument(message),
-                Refusal::Paused | Refusal::Reconciling { .. } | Refusal::AwaitingAssignment => {
-                    Status::unavailable(message)
+                Refusal::NotAReplica { .. } | Refusal::EpochTooLarge { .. } => Status::invalid_argument(message),
+                Refusal::Paused | Refusal::Reconciling { .. } => Status::unavailable(message),
+                Refusal::AwaitingAssignment => {
+                    with_metadata(Status::unavailable(message), AWAITING_ASSIGNMENT_METADATA_KEY, 1)
                 }
                 Refusal::DiskFull => Status::resource_exhausted(message),
                 Refusal::ForeignLeader { .. }
@@ -416,6 +432,7 @@ mod tests {
             (Refusal::NotFollower, Code::FailedPrecondition, "not_follower"),
             (Refusal::WrongLeader { from: 3, leader: 2 }, Code::FailedPrecondition, "wrong_leader"),
             (Refusal::LeaderCannotPause, Code::FailedPrecondition, "bad_request"),
+            (Refusal::EpochTooLarge { epoch: Epoch(u64::MAX) }, Code::InvalidArgument, "bad_request"),
         ];
         for (refusal, code, reason) in cases {
             let error = ReplicaError::Refused { shard: 1, node: 1, refusal };

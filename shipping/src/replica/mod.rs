@@ -203,7 +203,13 @@ impl ReplicationNode {
             let promised = wal.epoch(spec.id)?;
             let replica =
                 ShardReplica::new(spec.id, &spec.replicas, me, config.coordinated(), promised, last, touched.clone());
-            if wal.recovery_cut() {
+            // A replica that never promised an epoch here has a new data
+            // dir, or one wiped or replaced since it promised: under a
+            // coordinator it takes nothing from a leader (a deposed one
+            // might still ship at an old epoch) until the coordinator fences
+            // or assigns it, which it does for every replica it hears
+            // unassigned.
+            if wal.recovery_cut() || promised == 0 {
                 replica.rules.lock().promise_lost();
             }
             replicas.insert(spec.id, Arc::new(replica));
@@ -287,6 +293,11 @@ impl ReplicationNode {
         let last = self.wal.positions(shard)?.last_seqno;
         let promised = self.wal.epoch(shard)?;
         let replica = Arc::new(ShardReplica::new(shard, &[], self.me, true, promised, last, self.touched.clone()));
+        if promised == 0 {
+            // As at start (`ReplicationNode::new`): nothing from a leader
+            // before the coordinator's fence or assignment.
+            replica.rules.lock().promise_lost();
+        }
         replicas.insert(shard, replica.clone());
         drop(replicas);
         tracing::info!(shard, promised, last, "hosting a shard the coordinator assigned this node");

@@ -274,6 +274,10 @@ impl ReplicationNode {
         // the last failure was the follower's own answer (this shard only:
         // it is reconciling, say), not a call that never reached it.
         let (mut failures, mut last_failure_us, mut refused) = (0u32, 0u64, false);
+        // The follower's last answer was that it awaits its coordinator's
+        // assignment: no push until it pulls a catch-up (which its
+        // assignment starts), but for one probe every AWAITING_PROBE.
+        let mut awaiting = false;
         let peer = self.peer_probe(follower);
         let mut peer_back = peer.back.subscribe();
         let mut pulled = leader.pulled.subscribe();
@@ -297,6 +301,11 @@ impl ReplicationNode {
                 if decision != ShipDecision::Idle && !peer.may_probe(now_us()) {
                     failures += 1;
                     last_failure_us = now_us();
+                    break;
+                }
+                // A follower awaiting its assignment takes nothing: new
+                // records wait with the rest for its catch-up pull.
+                if awaiting && now_us() < last_failure_us + AWAITING_PROBE.as_micros() as u64 {
                     break;
                 }
                 match decision {
@@ -352,15 +361,21 @@ impl ReplicationNode {
             // the CPU the live followers' answers need.
             let backing_off = failures > PROBE_FAILURES_BEFORE_BACKOFF;
             let due = if backing_off { due.max(last_failure_us + probe_backoff_us(failures)) } else { due };
+            let due = if awaiting { due.max(last_failure_us + AWAITING_PROBE.as_micros() as u64) } else { due };
             let keepalive = Duration::from_micros(due.saturating_sub(now_us()).max(1_000));
             let woken = quiet.as_ref().map(|(_, wake)| wake.clone());
             tokio::select! {
                 (sent, outcome) = in_flight.next(), if !in_flight.is_empty() => {
-                    let Shipped { reply, commit, answered } = self.settle_push(&leader, follower, sent, outcome);
+                    let Shipped { reply, commit, answered, awaiting: awaiting_assignment } =
+                        self.settle_push(&leader, follower, sent, outcome);
                     let sent = sent.at_us;
                     if matches!(reply, ShipReply::Failed) {
                         self.metrics.ship_errors.with_label_values(&[&follower.to_string()]).inc();
                         failures += 1;
+                        // At a cluster's first start every follower
+                        // awaits so until the coordinator's assignments
+                        // reach it.
+                        awaiting = awaiting_assignment;
                         last_failure_us = now_us();
                         refused = answered;
                         // A refusal is this shard's alone: the node is up.
@@ -379,7 +394,7 @@ impl ReplicationNode {
                             self.peer_alive(follower);
                         }
                         peer.answered();
-                        (failures, refused) = (0, false);
+                        (failures, refused, awaiting) = (0, false, false);
                     }
                     if matches!(reply, ShipReply::Applied { .. }) {
                         told_commit = told_commit.max(commit);
@@ -401,7 +416,7 @@ impl ReplicationNode {
                 _ = peer_back.changed(), if backing_off && !refused => failures = 0,
                 // The follower reconciled with this leadership: it takes
                 // pushes again.
-                _ = pulled.changed(), if backing_off && refused => failures = 0,
+                _ = pulled.changed(), if (backing_off || awaiting) && refused => (failures, awaiting) = (0, false),
                 _ = async { woken.as_ref().expect("quiet").notified().await }, if woken.is_some() => {}
                 _ = &mut stopped => break,
             }
@@ -541,7 +556,7 @@ impl ReplicationNode {
     /// contact and archive progress it proves counted.
     fn settle_push(&self, leader: &LeaderState, follower: NodeId, sent: Sent<PushNote>, outcome: Outcome) -> Shipped {
         let PushNote { commit, archiver } = sent.note;
-        let failed = Shipped { reply: ShipReply::Failed, commit, answered: false };
+        let failed = Shipped { reply: ShipReply::Failed, commit, answered: false, awaiting: false };
         let Some(outcome) = outcome else { return failed };
         if self.drill_partition.blocks(follower) {
             return failed;
@@ -553,6 +568,7 @@ impl ReplicationNode {
             Ok(_) => true,
             Err(status) => refused_by_replica(status),
         };
+        let awaiting = matches!(&outcome, Err(status) if super::error::awaits_assignment(status));
         let reply = match outcome {
             Ok(r) if r.accepted => {
                 // The archiving follower's progress, for retention and the
@@ -578,9 +594,17 @@ impl ReplicationNode {
                 }
             }
         };
-        Shipped { reply, commit, answered }
+        Shipped { reply, commit, answered, awaiting }
     }
 }
+
+/// How often a leader probes a follower that awaits its coordinator's
+/// assignment (see [`AWAITING_ASSIGNMENT_METADATA_KEY`]): its assignment
+/// makes it pull a catch-up, which wakes the shipper at once; the probe
+/// only bounds how long a missed wake-up could last.
+///
+/// [`AWAITING_ASSIGNMENT_METADATA_KEY`]: super::error::AWAITING_ASSIGNMENT_METADATA_KEY
+const AWAITING_PROBE: Duration = Duration::from_secs(5);
 
 /// What a shipper notes of a push it made: the commit the request told and
 /// the archiver it named.
@@ -597,6 +621,8 @@ struct Shipped {
     reply: ShipReply,
     commit: Seqno,
     answered: bool,
+    /// The follower refused it awaiting its coordinator's assignment.
+    awaiting: bool,
 }
 
 #[cfg(test)]

@@ -622,6 +622,22 @@ impl Coordinator {
         self.reports().heartbeat(node, shard)
     }
 
+    /// The newest epoch `shard`'s `replicas` reported holding, when it is
+    /// past `recorded`, the epoch the KV records: the KV lost writes it
+    /// acknowledged (restored from an older copy, say) and handed out
+    /// again epochs the replicas promised, whose fences they refuse. An
+    /// epoch at or past [`crate::core::Epoch::CEILING`] is no honest report (replicas
+    /// refuse it) and is ignored: adopting it would leave no epoch to raise
+    /// to.
+    pub fn epoch_ahead_of(&self, shard: u32, replicas: &[NodeId], recorded: u64) -> Option<u64> {
+        let reports = self.reports();
+        replicas
+            .iter()
+            .filter_map(|&r| reports.heartbeat(r, shard).map(|hb| hb.epoch))
+            .filter(|&e| e > recorded && e < crate::core::Epoch::CEILING)
+            .max()
+    }
+
     /// The newest heartbeat of a replica, with milliseconds since it arrived.
     pub fn heartbeat_aged(&self, node: NodeId, shard: u32) -> Option<(Arc<HeartbeatRequest>, u64)> {
         self.reports().heartbeat_aged(node, shard)

@@ -301,14 +301,29 @@ impl Coordinator {
         let started = Instant::now();
         let mut steps = Steps::new();
         let mut out = Vec::with_capacity(batch.len());
-        // 1. Raise.
+        // 1. Raise: past the recorded epoch, and past any newer one a
+        // replica reports (a KV restored from an older copy; see
+        // `epoch_ahead_of`), which the fence would otherwise find refused
+        // one raise at a time.
+        let reported: Vec<u64> =
+            batch.iter().map(|f| self.epoch_ahead_of(f.shard, &f.record.members(), 0).unwrap_or(0)).collect();
         let raised = self
             .mutate(|s| {
                 Ok(batch
                     .iter()
-                    .map(|f| {
+                    .zip(&reported)
+                    .map(|(f, &reported)| {
                         let r = s.shard_mut(f.shard).ok_or(CoordError::UnknownShard(f.shard))?;
-                        r.epoch += 1;
+                        if reported > r.epoch {
+                            tracing::warn!(
+                                shard = f.shard,
+                                recorded = r.epoch,
+                                reported,
+                                "a replica holds an epoch newer than the KV records (restored from an older copy?): \
+                                 raising past it"
+                            );
+                        }
+                        r.epoch = r.epoch.max(reported) + 1;
                         r.leader = None;
                         Ok(r.epoch)
                     })
@@ -464,7 +479,7 @@ impl Coordinator {
 pub(super) struct Lost {
     pub(super) shard: u32,
     /// Why (recorded with the failover): `automatic`, `leader_unreachable`,
-    /// `disk_full`, `corruption`.
+    /// `disk_full`, `corruption`, `kv_behind`.
     pub(super) reason: &'static str,
     /// The recorded leader being replaced, if any.
     pub(super) replaced: Option<NodeId>,

@@ -165,8 +165,19 @@ impl Coordinator {
                 let told = self.leader_told_ms(shard, record.epoch, leader);
                 liveness::majority_cannot_hear_leader(&reports, record.replicas.len(), silence, told)
             });
+            // A replica holds an epoch the record never reached: the KV
+            // lost acknowledged writes (restored from an older copy), and
+            // every assignment in the recorded epoch would be refused. A
+            // failover raises past it (`failover_together`). The report is
+            // read before the live record, which a failover raises before
+            // it fences: a report of a raise newer than this round's
+            // snapshot finds the record already there.
+            let behind = self
+                .epoch_ahead_of(shard, &record.members(), record.epoch)
+                .is_some_and(|reported| self.shard_record(shard).is_ok_and(|current| current.epoch < reported));
             let lost = unhealthy.is_some()
                 || unheard
+                || behind
                 || match record.leader {
                     None => true,
                     Some(leader) => {
@@ -197,7 +208,10 @@ impl Coordinator {
                 if unhealthy.is_some() || unheard {
                     self.retry_after.lock().insert(shard, Instant::now() + DISK_FULL_BACKOFF);
                 }
-                let reason = unhealthy.or(unheard.then_some("leader_unreachable")).unwrap_or("automatic");
+                let reason = unhealthy
+                    .or(unheard.then_some("leader_unreachable"))
+                    .or(behind.then_some("kv_behind"))
+                    .unwrap_or("automatic");
                 self.lost.lock().push(Lost { shard, reason, replaced: record.leader });
                 queued_lost = true;
                 continue;
