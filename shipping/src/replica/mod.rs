@@ -131,6 +131,9 @@ pub struct ReplicationNode {
     settings: LeaderSettings,
     allow_crash_drills: bool,
     heartbeats: Mutex<BTreeMap<(NodeId, u32), (ReceivedHeartbeat, Instant)>>,
+    /// Every shard of the cluster config: the heartbeats kept are of these
+    /// and the hosted ones ([`ReplicationNode::check_heartbeat`]).
+    configured_shards: std::collections::HashSet<ShardId>,
     disk_bytes: Box<dyn Fn() -> u64 + Send + Sync>,
     pub shutdown: CancellationToken,
     /// One `ShipSegments` stream per follower node, opened by the first push
@@ -216,6 +219,7 @@ impl ReplicationNode {
         }
         let mut metrics = metrics;
         metrics.per_shard = r.per_shard_metrics;
+        let configured_shards = config.shards.iter().map(|s| s.id).collect();
         let node = Arc::new(ReplicationNode {
             me,
             region: node_spec.region,
@@ -229,6 +233,7 @@ impl ReplicationNode {
             replicas: parking_lot::RwLock::new(replicas),
             touched,
             heartbeats: Mutex::new(BTreeMap::new()),
+            configured_shards,
             disk_bytes,
             shutdown: CancellationToken::new(),
             ship_streams: Mutex::new(BTreeMap::new()),

@@ -216,15 +216,15 @@ impl ReplicationNode {
     }
 
     /// Whether this node keeps `request` (see [`Self::on_heartbeat`]): from
-    /// a node of the cluster, about a shard the cluster config gives that
-    /// node or that this node hosts. Anything else would grow the store
+    /// a node of the cluster, about a shard of the cluster config (replica
+    /// changes move replicas, not shards) or one this node hosts. Anything else would grow the store
     /// without bound (one entry per shard id a caller makes up).
     pub fn check_heartbeat(&self, request: &HeartbeatRequest) -> Result<(), ReplicaError> {
         if request.node_id == 0 || self.config.node(request.node_id).is_none() {
             let unknown = format!("heartbeat from unknown node {}", request.node_id);
             return Err(self.counted(ReplicaError::BadRequest(unknown)));
         }
-        let configured = self.config.shards_of(request.node_id).iter().any(|s| s.id == request.shard_id);
+        let configured = self.configured_shards.contains(&request.shard_id);
         if !configured && self.replica(request.shard_id).is_none() {
             return Err(self.counted(ReplicaError::UnknownShard { shard: request.shard_id, node: self.me }));
         }
