@@ -782,7 +782,6 @@ impl Wal {
                 p.tail.lock().truncate(keep_through);
             }
             shared.store.truncate_suffix(shard, keep_through)?;
-            shared.corruption.truncated(shard, keep_through);
             if let Ok(p) = shared.shard(shard) {
                 let mut state = p.producers.lock();
                 let last = shared.store.bounds(shard)?.last_seqno;
@@ -794,7 +793,12 @@ impl Wal {
             }
             Ok(())
         })
-        .await
+        .await?;
+        // Only once the positions say the records are gone: a reader seeing
+        // no damage then never sees the old, longer log with it (a repair
+        // looked finished before its refetch began).
+        self.shared.corruption.truncated(shard, keep_through);
+        Ok(())
     }
 
     /// Discards durable records before `first_kept`, in order with appends,

@@ -146,8 +146,18 @@ impl ReplicationNode {
     /// Where this replica's log stands.
     pub async fn position(&self, shard: ShardId) -> Result<FenceResponse, ReplicaError> {
         let replica = self.replica_or_not_found(shard).map_err(|e| self.counted(e))?;
+        // Damage is looked up before the positions too: a truncation that
+        // cuts it away lowers the positions first, so an answer never pairs
+        // the old, longer log with no damage (a repair that looks finished
+        // before its refetch began).
+        let damaged_before = self.corrupt_from(shard);
         let p = self.wal.positions(shard)?;
         let last_epoch = self.log_rank_epoch(shard, &p).await?;
+        // And after: ranking the log may have read damage and reported it.
+        let corrupt_from = match (damaged_before, self.corrupt_from(shard)) {
+            (Some(a), Some(b)) => Some(a.min(b)),
+            (a, b) => a.or(b),
+        };
         let commit = match replica.leader_state() {
             Some(leader) => leader.core.lock().commit().0,
             None => replica.follower.leader_commit.get().max(replica.readable()),
@@ -161,7 +171,7 @@ impl ReplicationNode {
             epoch_seen: replica.epoch_seen(),
             first_seqno: p.first_seqno,
             disk_full: self.disk_full(),
-            corrupt_from_seqno: self.corrupt_from(shard).unwrap_or(0),
+            corrupt_from_seqno: corrupt_from.unwrap_or(0),
             retained_bytes: self.retained_bytes(shard, &p),
             applied_push_bytes: replica.follower.applied_bytes[Source::Push.index()].load(Ordering::Relaxed),
             applied_stream_bytes: replica.follower.applied_bytes[Source::Stream.index()].load(Ordering::Relaxed),
