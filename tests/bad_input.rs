@@ -535,9 +535,7 @@ fn a_node_refuses_to_start_with_limits_no_record_could_travel_under() {
 
 /// The node's peak resident memory (`VmHWM`), in bytes.
 fn peak_rss(node: &NodeProcess) -> u64 {
-    let status = std::fs::read_to_string(format!("/proc/{}/status", node.child.id())).unwrap();
-    let line = status.lines().find(|l| l.starts_with("VmHWM:")).expect("VmHWM in /proc/<pid>/status");
-    line.split_whitespace().nth(1).unwrap().parse::<u64>().unwrap() * 1024
+    common::proc_status_bytes(node.child.id(), "VmHWM")
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -321,9 +321,7 @@ fn assert_decoding_status(status: &Status, what: &str) {
 
 /// The coordinator's resident set, from `/proc/<pid>/status`.
 fn rss_bytes(pid: u32) -> u64 {
-    let status = std::fs::read_to_string(format!("/proc/{pid}/status")).unwrap();
-    let line = status.lines().find(|l| l.starts_with("VmRSS:")).expect("VmRSS");
-    line.split_whitespace().nth(1).unwrap().parse::<u64>().unwrap() * 1024
+    common::proc_status_bytes(pid, "VmRSS")
 }
 
 /// Waits until the coordinator's `dispatched` counter has not moved for

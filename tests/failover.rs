@@ -10,9 +10,11 @@ use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::time::Duration;
 
 use bytes::Bytes;
-use common::{Cluster, TOKEN, read_all, wait_until};
+use common::{Cluster, TOKEN, append_and_record, read_all, wait_until};
 use rand::{Rng, SeedableRng};
+use tonic::transport::Channel;
 use walship_proto::log::control_client::ControlClient;
+use walship_proto::log::log_client::LogClient;
 use walship_proto::log::{AppendRecord, AppendRequest, Durability, PauseRequest};
 
 /// shard -> seqno -> payload of every acknowledged append.
@@ -173,16 +175,37 @@ fn record_r(i: u32) -> AppendRequest {
     }
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn preview_and_forced_failover_report_the_exact_loss_and_need_the_token() {
+/// Appends `r{i}` to shard 1 for each `i` of `range`, one QUORUM call each
+/// within `timeout`, recording what is acknowledged in `acked`; stops at
+/// the first refusal.
+async fn append_r(
+    leader: &mut LogClient<Channel>,
+    range: std::ops::RangeInclusive<u32>,
+    timeout: Duration,
+    acked: &Acked,
+) -> Result<(), tonic::Status> {
+    for i in range {
+        append_and_record(leader, 1, vec![Bytes::from(format!("r{i}"))], Durability::Quorum, timeout, acked).await?;
+    }
+    Ok(())
+}
+
+/// A 3-node cluster with one coordinator whose shard 1 node 1 leads,
+/// holding `r1..=r10` (recorded in `acked`) on every replica; node 1's
+/// client.
+async fn led_by_node_1_holding_ten(acked: &Acked) -> (Cluster, LogClient<Channel>) {
     let mut cluster = Cluster::start_with(3, 1, 1, FAST, None);
     wait_leading(&mut cluster, 1, 1).await;
     let mut leader = client(&cluster.node(1).grpc.clone()).await.unwrap();
-    let append = record_r;
-    for i in 1..=10 {
-        leader.append(append(i)).await.unwrap();
-    }
+    append_r(&mut leader, 1..=10, WAIT, acked).await.unwrap();
     assert_eq!(converge(&mut cluster, 1).await, 10);
+    (cluster, leader)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn preview_and_forced_failover_report_the_exact_loss_and_need_the_token() {
+    let (mut cluster, mut leader) = led_by_node_1_holding_ten(&Acked::default()).await;
+    let append = record_r;
     // Node 3 stops receiving; 11..=15 are acknowledged by nodes 1 and 2.
     let channel = tonic::transport::Endpoint::from_shared(format!("http://{}", cluster.node(3).grpc))
         .unwrap()
@@ -268,15 +291,8 @@ async fn preview_and_forced_failover_report_the_exact_loss_and_need_the_token() 
 /// assigned, catches up, and every acknowledged record is everywhere.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_wiped_follower_takes_nothing_from_a_leader_until_the_coordinator_assigns_it() {
-    let mut cluster = Cluster::start_with(3, 1, 1, FAST, None);
-    wait_leading(&mut cluster, 1, 1).await;
     let acked: Acked = Arc::default();
-    let mut leader = client(&cluster.node(1).grpc.clone()).await.unwrap();
-    for i in 1..=10 {
-        let r = leader.append(record_r(i)).await.unwrap().into_inner();
-        acked.lock().await.entry(1).or_default().insert(r.first_seqno, Bytes::from(format!("r{i}")));
-    }
-    assert_eq!(converge(&mut cluster, 1).await, 10);
+    let (mut cluster, mut leader) = led_by_node_1_holding_ten(&acked).await;
     cluster.coordinator(1).kill9();
     cluster.node(3).kill9();
     let data = cluster.node(3).data_dir.clone();
@@ -311,20 +327,7 @@ async fn a_wiped_follower_takes_nothing_from_a_leader_until_the_coordinator_assi
             }) else {
                 return false;
             };
-            let mut request = tonic::Request::new(record_r(i));
-            request.set_timeout(Duration::from_secs(2));
-            match leader.append(request).await {
-                Ok(r) => {
-                    acked
-                        .lock()
-                        .await
-                        .entry(1)
-                        .or_default()
-                        .insert(r.into_inner().first_seqno, Bytes::from(format!("r{i}")));
-                    true
-                }
-                Err(_) => false,
-            }
+            append_r(&mut leader, i..=i, Duration::from_secs(2), &acked).await.is_ok()
         }
     })
     .await;
@@ -341,14 +344,8 @@ async fn a_wiped_follower_takes_nothing_from_a_leader_until_the_coordinator_assi
 /// gone); nothing acknowledged is lost.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_coordinator_on_a_kv_restored_from_an_older_copy_raises_past_every_promised_epoch() {
-    let mut cluster = Cluster::start_with(3, 1, 1, FAST, None);
-    wait_leading(&mut cluster, 1, 1).await;
     let acked: Acked = Arc::default();
-    let mut leader = client(&cluster.node(1).grpc.clone()).await.unwrap();
-    for i in 1..=5 {
-        let r = leader.append(record_r(i)).await.unwrap().into_inner();
-        acked.lock().await.entry(1).or_default().insert(r.first_seqno, Bytes::from(format!("r{i}")));
-    }
+    let (mut cluster, _) = led_by_node_1_holding_ten(&acked).await;
     let kv = cluster.dir.path().join("coord").join("kv");
     let copy = cluster.dir.path().join("kv-copy");
     cluster.coordinator(1).kill9();
@@ -370,10 +367,7 @@ async fn a_coordinator_on_a_kv_restored_from_an_older_copy_raises_past_every_pro
     let (leader_now, promised) = cluster.leader_of(1, 1).await.unwrap();
     assert!(promised >= old_epoch + 8, "{promised} {old_epoch}");
     let mut leader = client(&cluster.node(leader_now).grpc.clone()).await.unwrap();
-    for i in 6..=10 {
-        let r = leader.append(record_r(i)).await.unwrap().into_inner();
-        acked.lock().await.entry(1).or_default().insert(r.first_seqno, Bytes::from(format!("r{i}")));
-    }
+    append_r(&mut leader, 11..=15, WAIT, &acked).await.unwrap();
     cluster.coordinator(1).kill9();
     std::fs::remove_dir_all(&kv).unwrap();
     copy_files(&copy, &kv);
@@ -392,10 +386,7 @@ async fn a_coordinator_on_a_kv_restored_from_an_older_copy_raises_past_every_pro
     let (_, after) = cluster.leader_of(1, 1).await.unwrap();
     assert!(after > epoch, "{after} {epoch}");
     let mut leader = client(&cluster.node(next).grpc.clone()).await.unwrap();
-    for i in 11..=15 {
-        let r = leader.append(record_r(i)).await.unwrap().into_inner();
-        acked.lock().await.entry(1).or_default().insert(r.first_seqno, Bytes::from(format!("r{i}")));
-    }
+    append_r(&mut leader, 16..=20, WAIT, &acked).await.unwrap();
     cluster.restart(leader_now);
     let last = converge(&mut cluster, 1).await;
     check_history(&mut cluster, 1, last, &acked).await;
@@ -412,14 +403,8 @@ fn copy_files(from: &std::path::Path, to: &std::path::Path) {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn no_automatic_failover_to_a_replica_missing_committed_records() {
-    let mut cluster = Cluster::start_with(3, 1, 1, FAST, None);
-    wait_leading(&mut cluster, 1, 1).await;
-    let mut leader = client(&cluster.node(1).grpc.clone()).await.unwrap();
+    let (mut cluster, mut leader) = led_by_node_1_holding_ten(&Acked::default()).await;
     let append = record_r;
-    for i in 1..=10 {
-        leader.append(append(i)).await.unwrap();
-    }
-    assert_eq!(converge(&mut cluster, 1).await, 10);
     // Node 3 lags from here; 11..=20 are acknowledged by nodes 1 and 2.
     common::pause_shard(&cluster.node(3).grpc, 1, true).await;
     for i in 11..=20 {

@@ -808,6 +808,16 @@ pub fn assert_refused<T: std::fmt::Debug, W: AsRef<str>>(
     status
 }
 
+/// A `/proc/<pid>/status` memory figure of process `pid` (`VmRSS`,
+/// `VmHWM`, ...), in bytes.
+pub fn proc_status_bytes(pid: u32, field: &str) -> u64 {
+    let status = std::fs::read_to_string(format!("/proc/{pid}/status")).unwrap();
+    let prefix = format!("{field}:");
+    let line =
+        status.lines().find(|l| l.starts_with(&prefix)).unwrap_or_else(|| panic!("{field} in /proc/{pid}/status"));
+    line.split_whitespace().nth(1).unwrap().parse::<u64>().unwrap() * 1024
+}
+
 /// Acknowledged appends per shard (seqno → payload): the history load
 /// generators record and invariant checks read.
 pub type Acked =
