@@ -124,8 +124,8 @@ fn check_append_records<U: 'static>(encoded: &[u8]) -> Result<(), Status> {
 }
 
 /// Sums `count` over the length-delimited occurrences of field `field` at
-/// the top level of `message`; stops early past `usize::MAX / 2`, and gives
-/// `None` where the bytes are not a well-formed message.
+/// the top level of `message` (saturating), or `None` where the bytes are
+/// not a well-formed message.
 fn count_field(mut message: &[u8], field: u64, count: &mut dyn FnMut(&[u8]) -> usize) -> Option<usize> {
     let mut total = 0usize;
     while !message.is_empty() {
