@@ -181,6 +181,8 @@ fn default_listen() -> SocketAddr {
 pub const MAX_RECORD_BYTES_LIMIT: usize = 32 << 20;
 /// The largest `limits.max_batch_bytes` a node accepts.
 pub const MAX_BATCH_BYTES_LIMIT: usize = 1 << 30;
+/// The largest `limits.max_read_bytes` a node accepts.
+pub const MAX_READ_BYTES_LIMIT: usize = 1 << 30;
 /// The largest `limits.max_batch_records` a node accepts.
 pub const MAX_BATCH_RECORDS_LIMIT: usize = 10_000_000;
 
@@ -222,6 +224,25 @@ impl NodeConfig {
                  most {MAX_BATCH_RECORDS_LIMIT}, got {} and {}",
                 l.max_batch_bytes,
                 l.max_batch_records
+            );
+        }
+        if l.max_read_bytes == 0 || l.default_read_bytes == 0 || l.default_read_bytes > l.max_read_bytes {
+            bail!(
+                "limits.default_read_bytes ({}) must be positive and at most limits.max_read_bytes ({})",
+                l.default_read_bytes,
+                l.max_read_bytes
+            );
+        }
+        // A read takes room for its whole answer before reading (u32 counts).
+        if l.max_read_bytes > MAX_READ_BYTES_LIMIT {
+            bail!("limits.max_read_bytes must be at most {MAX_READ_BYTES_LIMIT} (1 GiB), got {}", l.max_read_bytes);
+        }
+        if l.read_memory_bytes < l.max_read_bytes {
+            bail!(
+                "limits.read_memory_bytes ({}) must be at least limits.max_read_bytes ({}): the largest read must fit \
+                 in the node's read memory budget",
+                l.read_memory_bytes,
+                l.max_read_bytes
             );
         }
         if !(1 << 10..=16 << 20).contains(&self.wal.chunk_bytes) {

@@ -61,6 +61,11 @@ pub struct NodeArgs {
     /// Largest key + payload of one record, in bytes.
     #[arg(long)]
     max_record_bytes: Option<usize>,
+    /// Bytes of read answers (Read, Tail) the node holds at once, built or
+    /// not yet taken by their callers (`limits.read_memory_bytes`, default
+    /// 256 MiB).
+    #[arg(long)]
+    read_memory_bytes: Option<usize>,
     /// Zero-fill the WAL file appends go to, at start (`wal.prefill`,
     /// default true): `--wal-prefill false` starts faster and makes early
     /// group commits slower.
@@ -165,6 +170,9 @@ impl NodeArgs {
         }
         if let Some(max) = self.max_record_bytes {
             config.limits.max_record_bytes = max;
+        }
+        if let Some(bytes) = self.read_memory_bytes {
+            config.limits.read_memory_bytes = bytes;
         }
         if let Some(prefill) = self.wal_prefill {
             config.wal.prefill = prefill;
@@ -422,7 +430,9 @@ pub async fn start_node(config: NodeConfig, cluster: Option<ClusterConfig>, dril
         .add_service(health_service)
         .add_service(reflection_v1)
         .add_service(reflection_v1alpha)
-        .add_service(LogServer::new(log).max_decoding_message_size(max_message).max_encoding_message_size(max_message))
+        .add_service(walship_shipping::read_memory::HoldUntilSent(
+            LogServer::new(log).max_decoding_message_size(max_message).max_encoding_message_size(max_message),
+        ))
         .add_service(shipping)
         .add_service(control)
         .add_service(PeerExchangeServer::new(peer_exchange));

@@ -27,6 +27,7 @@ pub mod log_service;
 pub mod metrics;
 pub mod peers;
 pub mod producer_config;
+pub mod read_memory;
 pub mod replica;
 pub mod server;
 

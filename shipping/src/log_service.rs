@@ -52,6 +52,7 @@ use walship_wal::{
     AppendOptions, Frame, NewRecord, ProducerRefusal, ProducerStamp, ShardId, StoreError, Wal, WalError,
 };
 
+use crate::read_memory::{Held, HeldByAnswer, NoRoom, READ_MEMORY_WAIT, ReadMemory};
 use crate::replica::{ReplicationNode, Role, ShardReplica};
 
 /// Request limits a node enforces on its clients.
@@ -68,6 +69,10 @@ pub struct LogLimits {
     pub default_read_bytes: usize,
     /// Upper bound on a read response's size, whatever the client asks.
     pub max_read_bytes: usize,
+    /// Bytes of read answers (`Read`, `Tail` batches) the node holds at
+    /// once, built or waiting for their callers to take them
+    /// ([`crate::read_memory`]).
+    pub read_memory_bytes: usize,
 }
 
 impl Default for LogLimits {
@@ -78,6 +83,7 @@ impl Default for LogLimits {
             max_batch_bytes: 32 << 20,
             default_read_bytes: 4 << 20,
             max_read_bytes: 32 << 20,
+            read_memory_bytes: 256 << 20,
         }
     }
 }
@@ -126,6 +132,7 @@ pub struct LogService {
     wal: Wal,
     limits: LogLimits,
     metrics: LogServiceMetrics,
+    read_memory: ReadMemory,
 }
 
 fn wal_status(error: WalError) -> Status {
@@ -250,7 +257,8 @@ fn read_wait_patience(deadline: Option<Duration>) -> Duration {
 
 impl LogService {
     pub fn new(node: Arc<ReplicationNode>, limits: LogLimits, metrics: LogServiceMetrics) -> LogService {
-        LogService { wal: node.wal.clone(), node, limits, metrics }
+        let read_memory = ReadMemory::new(limits.read_memory_bytes);
+        LogService { wal: node.wal.clone(), node, limits, metrics, read_memory }
     }
 
     fn replica(&self, shard: ShardId) -> Result<Arc<ShardReplica>, Status> {
@@ -470,7 +478,28 @@ impl LogService {
         }
     }
 
-    async fn read_inner(&self, req: ReadRequest, deadline: Option<Duration>) -> Result<ReadResponse, Status> {
+    /// Room for a read of up to `bytes` in the node's read memory budget,
+    /// waiting at most [`READ_MEMORY_WAIT`] (less with a nearer deadline).
+    async fn read_room(&self, bytes: usize, deadline: Option<Duration>) -> Result<Held, Status> {
+        let patience = read_wait_patience(deadline).min(READ_MEMORY_WAIT);
+        self.read_memory.take(bytes, patience).await.map_err(|NoRoom { budget, wanted, waited }| {
+            Status::resource_exhausted(format!(
+                "node {}: its read memory budget (limits.read_memory_bytes = {budget}) is held by answers being \
+                 built or not yet taken by their callers; this read of up to {wanted} bytes waited {} ms for room. \
+                 Retry later, or ask for fewer bytes (max_bytes)",
+                self.node.me,
+                waited.as_millis()
+            ))
+        })
+    }
+
+    /// A read, and the room its answer holds in the read memory budget
+    /// until sent (none for an answer with nothing to read).
+    async fn read_inner(
+        &self,
+        req: ReadRequest,
+        deadline: Option<Duration>,
+    ) -> Result<(ReadResponse, Option<Held>), Status> {
         let shard = req.shard_id;
         if req.last != 0 && req.from_seqno != 0 {
             return Err(Status::invalid_argument(format!(
@@ -500,12 +529,9 @@ impl LogService {
             }
             if to < first {
                 // Nothing retained in range (an empty shard, say).
-                return Ok(ReadResponse {
-                    records: Vec::new(),
-                    next_seqno: first,
-                    durable_seqno: durable,
-                    first_seqno: first,
-                });
+                let empty =
+                    ReadResponse { records: Vec::new(), next_seqno: first, durable_seqno: durable, first_seqno: first };
+                return Ok((empty, None));
             }
             let from = to.saturating_sub(req.last - 1).max(first);
             ReadRequest { from_seqno: from, to_seqno: to, ..req }
@@ -525,15 +551,19 @@ impl LogService {
                 req.from_seqno
             )));
         }
-        let frames =
-            self.wal.read(shard, req.from_seqno, to, self.read_limit(req.max_bytes)).await.map_err(wal_status)?;
+        let limit = self.read_limit(req.max_bytes);
+        let mut room = self.read_room(limit, deadline).await?;
+        let frames = self.wal.read(shard, req.from_seqno, to, limit).await.map_err(wal_status)?;
         let next_seqno = frames.last().map_or(req.from_seqno, |f| f.seqno() + 1);
-        Ok(ReadResponse {
+        let response = ReadResponse {
             records: frames.iter().map(to_record).collect(),
             next_seqno,
             durable_seqno: durable,
             first_seqno,
-        })
+        };
+        drop(frames);
+        room.keep(prost::Message::encoded_len(&response));
+        Ok((response, Some(room)))
     }
 }
 
@@ -557,7 +587,14 @@ impl Log for LogService {
 
     async fn read(&self, request: Request<ReadRequest>) -> Result<Response<ReadResponse>, Status> {
         let deadline = call_deadline(request.metadata());
-        self.read_inner(request.into_inner(), deadline).await.map(Response::new).map_err(|s| self.reject("read", s))
+        let (answer, room) =
+            self.read_inner(request.into_inner(), deadline).await.map_err(|s| self.reject("read", s))?;
+        let mut response = Response::new(answer);
+        if let Some(room) = room {
+            // Held until the answer has left (`read_memory::HoldUntilSent`).
+            response.extensions_mut().insert(HeldByAnswer::new(room));
+        }
+        Ok(response)
     }
 
     type TailStream = TailStream;
@@ -577,8 +614,15 @@ impl Log for LogService {
         }
         let durable = self.replica(shard)?.readable_watch();
         let stop = Stop { node: self.node.me, shutdown: self.node.shutdown.clone() };
-        let stream =
-            tail_stream(self.wal.clone(), shard, durable, req.from_seqno, self.limits.default_read_bytes, stop);
+        let stream = tail_stream(
+            self.wal.clone(),
+            shard,
+            durable,
+            req.from_seqno,
+            self.limits.default_read_bytes,
+            stop,
+            self.read_memory.clone(),
+        );
         Ok(Response::new(Box::pin(stream)))
     }
 }
@@ -618,19 +662,30 @@ fn tail_stream(
     from: u64,
     chunk_bytes: usize,
     stop: Stop,
+    memory: ReadMemory,
 ) -> impl Stream<Item = Result<TailResponse, Status>> + Send {
-    futures::stream::unfold(Some((wal, durable, from)), move |state| {
+    // The room the last batch holds goes back when the stream is polled for
+    // the next one: the transport asks for more only once what it holds has
+    // mostly left (its per-stream send buffer).
+    futures::stream::unfold(Some((wal, durable, from, None::<Held>)), move |state| {
         let stop = stop.clone();
+        let memory = memory.clone();
         async move {
-            let (wal, mut durable, next) = state?;
+            let (wal, mut durable, next, last) = state?;
+            drop(last);
             loop {
                 let newest = *durable.borrow_and_update();
                 if newest >= next {
+                    let mut room = tokio::select! {
+                        room = memory.take_when_free(chunk_bytes) => room,
+                        _ = stop.shutdown.cancelled() => return Some((Err(shutting_down(stop.node)), None)),
+                    };
                     return match wal.read(shard, next, newest, chunk_bytes).await {
                         Ok(frames) => {
                             let after = frames.last().map_or(next, |f| f.seqno() + 1);
                             let response = TailResponse { records: frames.iter().map(to_record).collect() };
-                            Some((Ok(response), Some((wal, durable, after))))
+                            room.keep(prost::Message::encoded_len(&response));
+                            Some((Ok(response), Some((wal, durable, after, Some(room)))))
                         }
                         Err(e) => Some((Err(wal_status(e)), None)),
                     };

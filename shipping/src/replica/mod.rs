@@ -83,8 +83,44 @@ use crate::metrics::ReplicationMetrics;
 use crate::peers::{PeerTransport, Peers};
 use walship_wal::limiter::RateLimiter;
 
+/// Microseconds on a clock that never steps: the wall clock read once, the
+/// first time any caller asks, plus the monotonic time since. A leader's
+/// lease, its followers' contact and silence times, keepalives and lag are
+/// intervals on this clock, so a step of the wall clock (an NTP correction,
+/// an operator's `date -s`) neither stretches a lease past the replication
+/// timeout nor fakes a silence. The values still read as Unix time where a
+/// report shows them: they drift from the wall clock only by the
+/// adjustments made since the process started.
 pub fn now_us() -> u64 {
-    SystemTime::now().duration_since(UNIX_EPOCH).map(|d| d.as_micros() as u64).unwrap_or(0)
+    static ANCHOR: std::sync::OnceLock<(u64, Instant)> = std::sync::OnceLock::new();
+    let (wall_us, at) = ANCHOR.get_or_init(|| {
+        let wall = SystemTime::now().duration_since(UNIX_EPOCH).map_or(0, |d| d.as_micros() as u64);
+        (wall, Instant::now())
+    });
+    wall_us + at.elapsed().as_micros() as u64
+}
+
+#[cfg(test)]
+mod clock_tests {
+    use super::now_us;
+    use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
+
+    #[test]
+    fn now_us_moves_with_the_monotonic_clock_and_reads_as_unix_time() {
+        let (first, started) = (now_us(), Instant::now());
+        let wall = SystemTime::now().duration_since(UNIX_EPOCH).unwrap().as_micros() as u64;
+        assert!(first.abs_diff(wall) < 60_000_000, "now_us {first} is not near the wall clock {wall}");
+        let mut last = first;
+        for _ in 0..1000 {
+            let now = now_us();
+            assert!(now >= last, "now_us went back from {last} to {now}");
+            last = now;
+        }
+        std::thread::sleep(Duration::from_millis(20));
+        let moved = now_us() - first;
+        let elapsed = started.elapsed().as_micros() as u64;
+        assert!(moved >= 20_000 && moved <= elapsed + 1_000, "moved {moved} µs in {elapsed} µs");
+    }
 }
 
 /// Where an inbound segment came from.
