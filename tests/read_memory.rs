@@ -129,6 +129,9 @@ async fn answers_no_caller_takes_hold_at_most_the_read_memory_budget_and_the_res
     // reached; 40 answers held would be 160 MiB.
     assert!(grew < 64 * MIB as u64, "peak RSS grew by {} MiB", grew >> 20);
 
+    let held_bytes = held_gauge(&node).await;
+    assert!(held_bytes > 2 * 4_000_000 && held_bytes <= BUDGET as u64, "held {held_bytes} bytes");
+
     // A well-behaved caller is refused while the budget is held, with a
     // message naming the limit.
     let mut call = tonic::Request::new(ReadRequest { max_bytes: MIB as u64, ..full });
@@ -152,6 +155,23 @@ async fn answers_no_caller_takes_hold_at_most_the_read_memory_budget_and_the_res
         }
     };
     assert_eq!(again, first, "the same answer as before the stalled reads");
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while held_gauge(&node).await != 0 {
+        assert!(Instant::now() < deadline, "the budget still holds {} bytes", held_gauge(&node).await);
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+}
+
+/// `walship_read_memory_held_bytes` of `node`.
+async fn held_gauge(node: &NodeProcess) -> u64 {
+    let (code, body) = common::http_get(&format!("{}/metrics", node.admin)).await;
+    assert_eq!(code, 200);
+    body.lines()
+        .find_map(|l| l.strip_prefix("walship_read_memory_held_bytes "))
+        .expect("walship_read_memory_held_bytes in /metrics")
+        .trim()
+        .parse()
+        .unwrap()
 }
 
 #[test]

@@ -97,6 +97,8 @@ pub struct LogServiceMetrics {
     append_batch_records: Histogram,
     /// Refused requests by RPC and gRPC status code.
     rejected: IntCounterVec,
+    /// Bytes held in the read memory budget.
+    read_memory_held: prometheus::IntGauge,
 }
 
 impl LogServiceMetrics {
@@ -121,7 +123,8 @@ impl LogServiceMetrics {
         registry.register(Box::new(append_batch_records.clone()))?;
         registry.register(Box::new(rejected.clone()))?;
         crate::metrics::UndecodableMessages::register(registry)?;
-        Ok(LogServiceMetrics { append_seconds, append_batch_records, rejected })
+        let read_memory_held = ReadMemory::gauge(registry)?;
+        Ok(LogServiceMetrics { append_seconds, append_batch_records, rejected, read_memory_held })
     }
 }
 
@@ -257,7 +260,7 @@ fn read_wait_patience(deadline: Option<Duration>) -> Duration {
 
 impl LogService {
     pub fn new(node: Arc<ReplicationNode>, limits: LogLimits, metrics: LogServiceMetrics) -> LogService {
-        let read_memory = ReadMemory::new(limits.read_memory_bytes);
+        let read_memory = ReadMemory::new(limits.read_memory_bytes, metrics.read_memory_held.clone());
         LogService { wal: node.wal.clone(), node, limits, metrics, read_memory }
     }
 

@@ -21,6 +21,7 @@ use std::task::{Context, Poll};
 use std::time::Duration;
 
 use parking_lot::Mutex;
+use prometheus::IntGauge;
 use tokio::sync::{OwnedSemaphorePermit, Semaphore};
 
 /// Longest a `Read` waits for room in the budget before it is refused.
@@ -31,21 +32,39 @@ pub const READ_MEMORY_WAIT: Duration = Duration::from_secs(5);
 pub struct ReadMemory {
     room: Arc<Semaphore>,
     bytes: usize,
+    /// `walship_read_memory_held_bytes`: what [`ReadMemory::held`] says.
+    gauge: IntGauge,
 }
 
 /// Room taken out of the budget, given back when dropped.
-pub struct Held(OwnedSemaphorePermit);
+pub struct Held {
+    permit: OwnedSemaphorePermit,
+    gauge: IntGauge,
+}
 
 impl Held {
+    fn new(permit: OwnedSemaphorePermit, gauge: &IntGauge) -> Held {
+        gauge.add(permit.num_permits() as i64);
+        Held { permit, gauge: gauge.clone() }
+    }
+
     /// Gives back all but `used` bytes (an answer smaller than the room it
     /// took before reading).
     pub fn keep(&mut self, used: usize) {
-        let excess = self.0.num_permits().saturating_sub(used.max(1));
-        drop(self.0.split(excess));
+        let excess = self.permit.num_permits().saturating_sub(used.max(1));
+        if let Some(given_back) = self.permit.split(excess) {
+            self.gauge.sub(given_back.num_permits() as i64);
+        }
     }
 
     pub fn bytes(&self) -> usize {
-        self.0.num_permits()
+        self.permit.num_permits()
+    }
+}
+
+impl Drop for Held {
+    fn drop(&mut self) {
+        self.gauge.sub(self.permit.num_permits() as i64);
     }
 }
 
@@ -60,9 +79,20 @@ pub struct NoRoom {
 impl ReadMemory {
     /// A budget of `bytes` (at least one byte; at most what a semaphore
     /// counts).
-    pub fn new(bytes: usize) -> ReadMemory {
+    pub fn new(bytes: usize, gauge: IntGauge) -> ReadMemory {
         let bytes = bytes.clamp(1, Semaphore::MAX_PERMITS);
-        ReadMemory { room: Arc::new(Semaphore::new(bytes)), bytes }
+        ReadMemory { room: Arc::new(Semaphore::new(bytes)), bytes, gauge }
+    }
+
+    /// `walship_read_memory_held_bytes`, registered in `registry`.
+    pub fn gauge(registry: &prometheus::Registry) -> prometheus::Result<IntGauge> {
+        let gauge = IntGauge::new(
+            "walship_read_memory_held_bytes",
+            "Bytes of the node's read memory budget held by Read answers and Tail batches being built or not yet \
+             taken by their callers",
+        )?;
+        registry.register(Box::new(gauge.clone()))?;
+        Ok(gauge)
     }
 
     pub fn budget(&self) -> usize {
@@ -83,10 +113,10 @@ impl ReadMemory {
     pub async fn take(&self, wanted: usize, patience: Duration) -> Result<Held, NoRoom> {
         let n = self.amount(wanted);
         if let Ok(permit) = self.room.clone().try_acquire_many_owned(n) {
-            return Ok(Held(permit));
+            return Ok(Held::new(permit, &self.gauge));
         }
         match tokio::time::timeout(patience, self.room.clone().acquire_many_owned(n)).await {
-            Ok(Ok(permit)) => Ok(Held(permit)),
+            Ok(Ok(permit)) => Ok(Held::new(permit, &self.gauge)),
             // The semaphore is never closed; a timeout is the one way here.
             _ => Err(NoRoom { budget: self.bytes, wanted: n as usize, waited: patience }),
         }
@@ -95,7 +125,7 @@ impl ReadMemory {
     /// Takes `wanted` bytes, waiting as long as it takes.
     pub async fn take_when_free(&self, wanted: usize) -> Held {
         let permit = self.room.clone().acquire_many_owned(self.amount(wanted)).await;
-        Held(permit.expect("the read memory semaphore is never closed"))
+        Held::new(permit.expect("the read memory semaphore is never closed"), &self.gauge)
     }
 }
 
@@ -181,26 +211,30 @@ impl http_body::Body for Holding {
 mod tests {
     use super::*;
 
+    fn gauge() -> IntGauge {
+        IntGauge::new("held", "held").unwrap()
+    }
+
     #[tokio::test]
     async fn room_is_given_back_when_the_holder_is_dropped_and_what_an_answer_did_not_use_at_once() {
-        let memory = ReadMemory::new(1000);
+        let memory = ReadMemory::new(1000, gauge());
         let mut first = memory.take(600, Duration::ZERO).await.expect("room");
-        assert_eq!(memory.held(), 600);
+        assert_eq!((memory.held(), memory.gauge.get()), (600, 600));
         let refused = memory.take(600, Duration::from_millis(20)).await.err().expect("no room");
         assert_eq!(refused, NoRoom { budget: 1000, wanted: 600, waited: Duration::from_millis(20) });
         assert_eq!(memory.held(), 600, "a refused take holds nothing");
         first.keep(100);
-        assert_eq!((memory.held(), first.bytes()), (100, 100));
+        assert_eq!((memory.held(), first.bytes(), memory.gauge.get()), (100, 100, 100));
         let second = memory.take(600, Duration::ZERO).await.expect("room once the excess is back");
         drop(first);
         assert_eq!(memory.held(), 600);
         drop(second);
-        assert_eq!(memory.held(), 0);
+        assert_eq!((memory.held(), memory.gauge.get()), (0, 0));
     }
 
     #[tokio::test]
     async fn a_take_larger_than_the_budget_takes_the_whole_budget_and_a_waiting_take_gets_room_once_freed() {
-        let memory = ReadMemory::new(1000);
+        let memory = ReadMemory::new(1000, gauge());
         let all = memory.take(5000, Duration::ZERO).await.expect("the whole budget");
         assert_eq!(all.bytes(), 1000);
         let waiting = {
@@ -216,7 +250,7 @@ mod tests {
 
     #[tokio::test]
     async fn keep_never_drops_to_zero_nor_grows() {
-        let memory = ReadMemory::new(1000);
+        let memory = ReadMemory::new(1000, gauge());
         let mut held = memory.take(300, Duration::ZERO).await.unwrap();
         held.keep(5000);
         assert_eq!(held.bytes(), 300, "keep never takes more room");
