@@ -8,7 +8,8 @@ mod common;
 
 use std::time::{Duration, Instant};
 
-use common::{Cluster, TOKEN};
+use common::{Acked, Cluster, TOKEN};
+use walship_proto::log::Durability;
 
 const WAIT: Duration = Duration::from_secs(30);
 const REPLICATION: &str = "coordinator_lease_ms = 600\nleader_timeout_ms = 1000\nheartbeat_ms = 50";
@@ -201,4 +202,107 @@ async fn heartbeats_are_published_on_nats_subjects() {
             seen.insert((node, shard));
         }
     }
+}
+
+/// Appends one record to `shard` on `log` at QUORUM (2 s deadline),
+/// recording it in `acked` once acknowledged.
+async fn append_one(
+    log: &mut walship_proto::log::log_client::LogClient<tonic::transport::Channel>,
+    shard: u32,
+    n: u64,
+    acked: &Acked,
+) -> Result<(), tonic::Status> {
+    let payload = bytes::Bytes::from(format!("record {n}"));
+    common::append_and_record(log, shard, vec![payload], Durability::Quorum, Duration::from_secs(2), acked).await
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_nats_outage_stops_no_append_and_the_coordinator_fails_over_again_once_nats_is_back() {
+    let mut nats = nats::NatsServer::start();
+    let t0 = Instant::now();
+    let mut cluster = Cluster::start_with(3, 2, 1, REPLICATION, Some(&nats.url));
+    let term = eventually(&mut cluster, "c1 active", WAIT, async |c| {
+        lease_view(c, 1).await.filter(|(active, holder, _)| *active && holder == "c1").map(|v| v.2)
+    })
+    .await;
+    let (_, epoch) = eventually(&mut cluster, "shard 1 led by node 1", WAIT, async |c| {
+        shard_view(c, 1, 1).await.filter(|(l, _)| *l == Some(1))
+    })
+    .await;
+    let acked = Acked::default();
+    let mut log = cluster.node(1).client().await;
+    let mut n = 0u64;
+    let started = Instant::now();
+    while n < 10 {
+        match append_one(&mut log, 1, n, &acked).await {
+            Ok(()) => n += 1,
+            Err(status) if started.elapsed() < WAIT => {
+                eprintln!("append before the outage: {status}");
+                tokio::time::sleep(Duration::from_millis(50)).await
+            }
+            Err(status) => panic!("no append acknowledged before the outage: {status}"),
+        }
+    }
+
+    // NATS dies. The shard's leader and followers do not depend on it: QUORUM
+    // appends go on being acknowledged for five lease periods.
+    nats.kill();
+    eprintln!("{:>6} ms: nats-server killed; c1 held the lease at term {term}", t0.elapsed().as_millis());
+    let outage = Instant::now();
+    while outage.elapsed() < Duration::from_secs(3) {
+        append_one(&mut log, 1, n, &acked).await.unwrap_or_else(|s| panic!("append {n} during the NATS outage: {s}"));
+        n += 1;
+    }
+    eprintln!("{:>6} ms: {n} records acknowledged, the last {} during the outage", t0.elapsed().as_millis(), n - 10);
+    // The coordinator cannot renew its lease, so it stops acting on it.
+    eventually(&mut cluster, "c1 to stop acting without its KV", WAIT, async |c| {
+        lease_view(c, 1).await.filter(|(active, _, _)| !*active)
+    })
+    .await;
+    let (code, body) = cluster.coord_post(1, "/v1/shards/2/failover", "{}", Some(TOKEN)).await;
+    assert_eq!(code, 503, "a failover without the KV: {body}");
+
+    // NATS returns with its store: the coordinator takes its lease again
+    // and fails a killed leader over.
+    nats.restart();
+    eprintln!("{:>6} ms: nats-server restarted on {}", t0.elapsed().as_millis(), nats.url);
+    eventually(&mut cluster, "c1 active again", WAIT, async |c| {
+        lease_view(c, 1).await.filter(|(active, holder, t)| *active && holder == "c1" && *t >= term)
+    })
+    .await;
+    eprintln!("{:>6} ms: c1 active again", t0.elapsed().as_millis());
+    cluster.node(1).kill9();
+    let (leader, new_epoch) =
+        eventually(&mut cluster, "c1 to fail shard 1 over", WAIT, async |c| match shard_view(c, 1, 1).await? {
+            (Some(leader), e) if leader != 1 && e > epoch => Some((leader, e)),
+            _ => None,
+        })
+        .await;
+    eprintln!("{:>6} ms: shard 1 failed over to node {leader} at epoch {new_epoch}", t0.elapsed().as_millis());
+    let mut log = cluster.node(leader).client().await;
+    let started = Instant::now();
+    let last = loop {
+        match append_one(&mut log, 1, n, &acked).await {
+            Ok(()) => break n,
+            Err(status) if started.elapsed() < WAIT => {
+                eprintln!("append after the failover: {status}");
+                tokio::time::sleep(Duration::from_millis(50)).await
+            }
+            Err(status) => panic!("no append acknowledged by the new leader: {status}"),
+        }
+    };
+    // Every acknowledged record is on the new leader, at its seqno.
+    let acked = acked.lock().await;
+    let shard = &acked[&1];
+    let newest = *shard.keys().next_back().unwrap();
+    let records = common::read_all(&cluster.node(leader).grpc, 1, newest).await;
+    for (seqno, payload) in shard {
+        let record = records.iter().find(|r| r.seqno == *seqno);
+        assert_eq!(record.map(|r| &r.payload), Some(payload), "acknowledged seqno {seqno} on node {leader}");
+    }
+    eprintln!(
+        "{:>6} ms: {} acknowledged records (the last, {last}, after the failover) all on node {leader}",
+        t0.elapsed().as_millis(),
+        shard.len()
+    );
 }

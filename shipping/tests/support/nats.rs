@@ -79,6 +79,44 @@ impl NatsServer {
         panic!("nats-server did not start:\n{}", failures.join("\n"));
     }
 
+    /// SIGKILLs the server (its clients see the connection drop).
+    pub fn kill(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+
+    /// Starts the server again after [`NatsServer::kill`], on the same port
+    /// and store (JetStream recovers its streams and KV buckets from it).
+    pub fn restart(&mut self) {
+        let log = std::fs::File::create(self.dir.path().join("nats-server-restarted.log")).expect("log file");
+        let deadline = Instant::now() + Duration::from_secs(20);
+        loop {
+            let mut child = Command::new(nats_server_bin())
+                .args(["-js", "-a", "127.0.0.1", "-p", &self.port.to_string()])
+                .arg("-sd")
+                .arg(self.store_dir())
+                .stdin(Stdio::null())
+                .stdout(Stdio::null())
+                .stderr(log.try_clone().expect("log file"))
+                .spawn()
+                .expect("spawning nats-server again");
+            match wait_ready(&mut child, self.port, Duration::from_secs(10)) {
+                Ok(()) => {
+                    self.child = child;
+                    return;
+                }
+                // The old listener's port may take a moment to free.
+                Err(why) if Instant::now() < deadline => {
+                    eprintln!("restarting nats-server on {}: {why}; again", self.port);
+                    let _ = child.kill();
+                    let _ = child.wait();
+                    std::thread::sleep(Duration::from_millis(200));
+                }
+                Err(why) => panic!("nats-server did not restart on port {}: {why}", self.port),
+            }
+        }
+    }
+
     pub fn pid(&self) -> u32 {
         self.child.id()
     }
