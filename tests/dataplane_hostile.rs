@@ -529,6 +529,45 @@ async fn a_terminal_export_batch_that_is_not_arrow_fails_job_and_task() {
     );
 }
 
+/// 1b''. A batch carrying an error but not marked terminal, with a
+/// payload: the task fails with that error, the job fails, and the payload
+/// is discarded (the contract sets `err` only on a failed task's terminal
+/// batch, whose partial output the receiver drops).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_batch_with_an_error_fails_its_task_whatever_its_terminal_flag_says() {
+    let lone = Lone::start(&["--task-stall-s", "600"]).await;
+    let admin = lone.admin().to_string();
+    let mut worker = Fake::connect(lone.grpc(), "node-1", 1).await;
+    let (job, _) = submit(&admin, json!({"kind": "export", "shard": 1, "node": "node-1", "from": 1, "to": 10})).await;
+    let dispatch = worker.next_dispatch().await;
+    let Up::ResultBatch(mut failing) = worker.batch(&dispatch, false, 10, &[0xff; 64]) else { unreachable!() };
+    failing.err = "the disk under the export went away".to_string();
+    worker.send(Up::ResultBatch(failing)).await;
+    let report = wait_job(&admin, &job).await;
+    assert_eq!(report["state"], "failed", "{report}");
+    let error = report["error"].as_str().unwrap_or_default();
+    assert!(error.contains("the disk under the export went away"), "the job does not carry the task's error: {report}");
+    assert!(!error.contains("Arrow"), "the failed batch's payload was read: {report}");
+    worker.barrier(&admin).await;
+    let shown = task(&admin, &dispatch.task_id).await;
+    assert_eq!(shown["state"], "failed", "{shown}");
+    assert_eq!(shown["result_rows"].as_u64(), Some(0), "a failed batch's rows were counted: {shown}");
+}
+
+/// The first message down a DataPlane stream is the Welcome, also when
+/// tasks wait to be dispatched the moment a worker connects.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn welcome_comes_first_even_with_tasks_waiting_for_the_worker() {
+    let lone = Lone::start(&[]).await;
+    let admin = lone.admin().to_string();
+    submit(&admin, json!({"kind": "noop", "count": 200})).await;
+    for round in 0..20 {
+        // `connect_with` asserts that the first message is the Welcome.
+        let mut worker = Fake::connect(lone.grpc(), &format!("w{round}"), 4).await;
+        worker.next_dispatch().await;
+    }
+}
+
 async fn wait_job(admin: &str, job: &str) -> Value {
     let deadline = Instant::now() + WAIT;
     loop {

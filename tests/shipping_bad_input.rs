@@ -605,12 +605,20 @@ async fn bad_shipping_requests_are_refused_precisely_and_change_nothing() {
         },
         // 11. Heartbeats from unknown nodes.
         Case {
-            name: "Heartbeat with node_id 0",
+            name: "Heartbeat with node_id 0 (only the seed's fields)",
             node: FOLLOWER,
-            call: Call::Heartbeat(Box::new(HeartbeatRequest { shard_id: SHARD, node_id: 0, ..Default::default() })),
+            call: Call::Heartbeat(Box::new(HeartbeatRequest {
+                shard_id: SHARD,
+                region_id: 1,
+                entity_count: 10,
+                signal_throughput_eps: 2.5,
+                disk_bytes: 4096,
+                last_heartbeat_ns: 1,
+                ..Default::default()
+            })),
             code: Code::InvalidArgument,
-            words: words(&["unknown node"]),
-            numbers: vec![0],
+            words: words(&["without node_id", "field 8", "reporting node"]),
+            numbers: vec![8],
             metadata: vec![],
             reason: Some("bad_request"),
         },

@@ -47,7 +47,7 @@ const REMEMBER_FINISHED: usize = 4096;
 fn progress_of(task: &TaskContext, worker_id: &str) -> TaskProgress {
     TaskProgress {
         query_id: task.query_id.clone(),
-        stage_id: String::new(),
+        stage_id: task.stage_id.clone(),
         task_id: task.task_id.clone(),
         attempt: task.attempt,
         worker_id: worker_id.to_string(),
@@ -64,6 +64,9 @@ pub struct TaskContext {
     /// Which dispatch of the task this is.
     pub attempt: u32,
     pub query_id: String,
+    /// The stage its dispatch named (the task kind): progress names it, so
+    /// the coordinator can watch each stage's progress.
+    pub stage_id: String,
     pub blob: Vec<u8>,
     pub cancel: CancellationToken,
     rows: AtomicI64,
@@ -260,6 +263,7 @@ where
             task_id: dispatch.task_id.clone(),
             attempt: dispatch.attempt,
             query_id: dispatch.query_id.clone(),
+            stage_id: dispatch.stage_id.clone(),
             blob: dispatch.task_blob.to_vec(),
             cancel: cancel.clone(),
             rows: AtomicI64::new(0),
@@ -426,6 +430,7 @@ mod tests {
         let first = tokio::time::timeout(Duration::from_secs(10), sent.recv()).await.unwrap().and_then(|m| m.msg);
         let Some(Up::TaskProgress(progress)) = first else { panic!("expected the last progress first, got {first:?}") };
         assert_eq!((progress.task_id.as_str(), progress.rows_processed), ("t-1", 3), "one per step: 100, 100, 50 ms");
+        assert_eq!(progress.stage_id, "noop", "progress names the dispatch's stage");
         let batch = next_batch(&mut sent).await;
         assert!(batch.terminal && batch.err.is_empty(), "{batch:?}");
     }

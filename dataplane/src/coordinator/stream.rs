@@ -149,12 +149,19 @@ impl Dispatcher {
             self.counters.duplicate_completions.fetch_add(1, Ordering::Relaxed);
             return;
         }
-        task.result_rows += batch.row_count.max(0) as u64;
-        task.result_bytes += batch.payload.len() as u64;
-        let terminal = batch.terminal;
+        // An error ends the task as failed whatever the batch's terminal
+        // flag says, and its output is discarded: the contract sets `err`
+        // only on a failed task's terminal batch, whose partial output the
+        // receiver drops.
         let failed = !batch.err.is_empty();
+        let terminal = batch.terminal || failed;
         let error = failed.then(|| batch.err.clone());
+        if !failed {
+            task.result_rows += batch.row_count.max(0) as u64;
+            task.result_bytes += batch.payload.len() as u64;
+        }
         match job {
+            _ if failed => {}
             Some(job) => {
                 let _ =
                     job.results.send(JobEvent::Batch { task_id: task_id.clone(), worker: worker.to_string(), batch });
@@ -227,6 +234,13 @@ impl DataPlane for DataPlaneService {
         };
         let worker = hello.worker_id.clone();
         let (tx, rx) = mpsc::channel(OUTBOX);
+        // Welcome is the first message down: queued on the fresh outbox
+        // before the worker is listed, where the dispatch loop (another
+        // task) could otherwise queue a TaskDispatch ahead of it.
+        let welcome = Welcome { cluster_id: dispatcher.settings.cluster_id.clone(), server_time: unix_nanos() };
+        tx.try_send(Ok(CoordEnvelope { msg: Some(Down::Welcome(welcome)) }))
+            .map_err(|_| ())
+            .expect("a fresh outbox has room for the Welcome");
         let conn = dispatcher.next_conn.fetch_add(1, Ordering::Relaxed);
         {
             let mut state = dispatcher.state.lock();
@@ -252,8 +266,6 @@ impl DataPlane for DataPlaneService {
                 },
             );
         }
-        let welcome = Welcome { cluster_id: dispatcher.settings.cluster_id.clone(), server_time: unix_nanos() };
-        let _ = tx.send(Ok(CoordEnvelope { msg: Some(Down::Welcome(welcome)) })).await;
         tracing::info!(worker, capacity, build = %hello.build_sha, "worker connected");
         dispatcher.wake.notify_one();
         // Read until the worker goes away or breaks the protocol.

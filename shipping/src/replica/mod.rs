@@ -74,7 +74,9 @@ use walship_wal::{ShardId, Wal};
 pub use self::error::{APPLIED_METADATA_KEY, EPOCH_METADATA_KEY, ReplicaError};
 pub(crate) use self::error::{inline_refusals, refusal_answer};
 pub use self::shard::{Members, ShardReplica};
-pub use self::status::{CorruptRangeStatus, FollowerStatus, ProducersStatus, ReceivedHeartbeat, ReplicaStatus};
+pub use self::status::{
+    CorruptRangeStatus, FollowerStatus, NO_REPORTING_NODE, ProducersStatus, ReceivedHeartbeat, ReplicaStatus,
+};
 use crate::NodeId;
 use crate::config::ClusterConfig;
 use crate::core::leader::LeaderSettings;

@@ -151,6 +151,12 @@ pub struct ReceivedHeartbeat {
     pub received_ms_ago: u64,
 }
 
+/// The refusal of a heartbeat without `node_id` (a sender knowing only the
+/// seed's fields 1..7): walship judges liveness and failover per node, so a
+/// report must name its node.
+pub const NO_REPORTING_NODE: &str =
+    "heartbeat without node_id (field 8): walship needs the reporting node (its liveness and failover are per node)";
+
 impl ReplicationNode {
     pub fn status(&self) -> Vec<ReplicaStatus> {
         let now = now_us();
@@ -220,7 +226,10 @@ impl ReplicationNode {
     /// changes move replicas, not shards) or one this node hosts. Anything else would grow the store
     /// without bound (one entry per shard id a caller makes up).
     pub fn check_heartbeat(&self, request: &HeartbeatRequest) -> Result<(), ReplicaError> {
-        if request.node_id == 0 || self.config.node(request.node_id).is_none() {
+        if request.node_id == 0 {
+            return Err(self.counted(ReplicaError::BadRequest(NO_REPORTING_NODE.to_string())));
+        }
+        if self.config.node(request.node_id).is_none() {
             let unknown = format!("heartbeat from unknown node {}", request.node_id);
             return Err(self.counted(ReplicaError::BadRequest(unknown)));
         }

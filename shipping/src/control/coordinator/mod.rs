@@ -537,6 +537,9 @@ impl Coordinator {
 
     /// Records a heartbeat.
     pub fn on_heartbeat(&self, request: &HeartbeatRequest) -> Result<(), tonic::Status> {
+        if request.node_id == 0 {
+            return Err(tonic::Status::invalid_argument(crate::replica::NO_REPORTING_NODE));
+        }
         if self.config.node(request.node_id).is_none() {
             return Err(tonic::Status::invalid_argument(format!("heartbeat from unknown node {}", request.node_id)));
         }
