@@ -141,9 +141,25 @@ async fn answers_no_caller_takes_hold_at_most_the_read_memory_budget_and_the_res
     assert!(status.message().contains("read_memory_bytes"), "{}", status.message());
     assert!(status.message().contains(&BUDGET.to_string()), "{}", status.message());
 
+    // A Tail's batch takes room in the same budget: it waits for it.
+    let mut tail = client
+        .tail(walship_proto::log::TailRequest { shard_id: 1, from_seqno: 1 })
+        .await
+        .expect("a tail opens")
+        .into_inner();
+    let waited = tokio::time::timeout(Duration::from_millis(500), tail.message()).await;
+    assert!(waited.is_err(), "a tail batch was built with no room in the budget: {:?}", waited.map(|m| m.is_ok()));
+
     // The stalled caller goes: its answers' room comes back.
     drop((stalled, send));
     driver.abort();
+    let batch = tokio::time::timeout(Duration::from_secs(10), tail.message())
+        .await
+        .expect("the tail's batch once room came back")
+        .expect("a tail batch")
+        .expect("the tail goes on");
+    assert_eq!(batch.records.first().map(|r| r.seqno), Some(1));
+    drop(tail);
     let deadline = Instant::now() + Duration::from_secs(10);
     let again = loop {
         match client.read(full).await {
