@@ -29,6 +29,18 @@ fn path(p: &Path) -> &str {
     p.to_str().unwrap()
 }
 
+/// Three nodes, one shard, one coordinator, archiving to a dir store.
+fn archived_cluster() -> Cluster {
+    Cluster::launch(&ClusterSpec {
+        nodes: 3,
+        shards: 1,
+        coordinators: 1,
+        replication: "heartbeat_ms = 50\nleader_timeout_ms = 1000\nkeepalive_ms = 100",
+        cluster_toml: ARCHIVE.into(),
+        ..ClusterSpec::default()
+    })
+}
+
 /// The shard's archive status on node `id` (its leader).
 async fn archive_of(cluster: &Cluster, id: u32) -> serde_json::Value {
     let status = cluster.status(id).await.unwrap_or_default();
@@ -61,14 +73,7 @@ async fn append(cluster: &Cluster, id: u32, n: usize, tag: &str) -> Vec<u64> {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_archive_holds_every_committed_record_once_across_a_leader_crash_and_restores() {
-    let mut cluster = Cluster::launch(&ClusterSpec {
-        nodes: 3,
-        shards: 1,
-        coordinators: 1,
-        replication: "heartbeat_ms = 50\nleader_timeout_ms = 1000\nkeepalive_ms = 100",
-        cluster_toml: ARCHIVE.into(),
-        ..ClusterSpec::default()
-    });
+    let mut cluster = archived_cluster();
     let config = cluster.config_path.clone();
     let archive_dir = cluster.dir.path().join("archive");
     let first_leader = cluster.wait_leader(1, None, WAIT).await;
@@ -594,4 +599,93 @@ async fn a_damaged_segment_the_leader_compacted_is_reported_unrepairable() {
     })
     .await;
     assert_eq!(damaged_count(&cluster, leader, "unrepairable").await, 1, "counted once");
+}
+
+/// A forced failover (`allow_loss`) to a replica whose log ends before the
+/// archive does is refused, naming both positions: new records there would
+/// reuse seqnos the archive holds with the given-up contents, the archiver
+/// would skip them and retention would compact them as archived. Nothing
+/// changes: the shard stays without a leader until the operator promotes a
+/// replica holding the archive's records or re-seeds this one.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_forced_failover_to_a_replica_behind_the_archive_is_refused() {
+    let mut cluster = archived_cluster();
+    let leader = cluster.wait_leader(1, None, WAIT).await;
+    let behind = (1..=3).find(|&n| n != leader).unwrap();
+    let other = (1..=3).find(|&n| n != leader && n != behind).unwrap();
+    cluster.node(behind).kill9();
+    let acked = append(&cluster, leader, 300, "archived").await;
+    assert_eq!(acked.len(), 300, "QUORUM appends with one follower down");
+    let last = *acked.last().unwrap();
+    wait_until("the leader to archive what it committed", WAIT, || async {
+        archive_of(&cluster, leader).await["archived_seqno"].as_u64() >= Some(last)
+    })
+    .await;
+    cluster.node(leader).kill9();
+    cluster.node(other).kill9();
+    cluster.restart(behind);
+
+    let body = format!(r#"{{"target": {behind}, "allow_loss": true}}"#);
+    let (code, refused) = cluster.coord_post(1, "/v1/shards/1/failover", &body, Some(common::TOKEN)).await;
+    assert_eq!(code, 409, "{refused}");
+    assert_eq!(refused["error"]["code"], "archive_ahead", "{refused}");
+    let message = refused["error"]["message"].as_str().unwrap_or_default();
+    // The archive's end as the coordinator last heard it (a floor: the
+    // archive only grows), and the replica's log end.
+    let named: u64 = message
+        .split("through seqno ")
+        .nth(1)
+        .and_then(|rest| rest.split(',').next())
+        .and_then(|n| n.parse().ok())
+        .unwrap_or_else(|| panic!("the archive's end is not named: {message}"));
+    assert!(named > 0 && named <= last, "named {named}, archived {last}: {message}");
+    let ends: u64 = message
+        .split("it ends at ")
+        .nth(1)
+        .and_then(|rest| rest.split(')').next())
+        .and_then(|n| n.trim().parse().ok())
+        .unwrap_or_else(|| panic!("the replica's end is not named: {message}"));
+    assert!(ends < named, "the replica ends at {ends}, the archive at {named}: {message}");
+    assert!(message.contains(&format!("node {behind}")) && message.contains("re-seed"), "{message}");
+    let (_, shard) = cluster.coord_get(1, "/v1/shards/1").await;
+    assert!(shard["leader"].is_null() || shard["leader"] != behind, "node {behind} leads after the refusal: {shard}");
+    let status = cluster.status(behind).await.unwrap_or_default();
+    assert_ne!(status["shards"][0]["role"], "leader", "node {behind} leads: {status}");
+
+    // The way forward the refusal names (ops/runbooks/failover.md): restore
+    // the replica's data dir from the archive and force the failover again.
+    cluster.node(behind).kill9();
+    let data = cluster.node(behind).data_dir.clone();
+    std::fs::rename(&data, data.with_extension("behind")).unwrap();
+    let config = cluster.config_path.clone();
+    let (ok, out, err) = walship(&["restore", "--cluster", path(&config), "--shard", "1", "--into", path(&data)]);
+    assert!(ok, "restore: {out}{err}");
+    cluster.restart(behind);
+    let deadline = Instant::now() + WAIT;
+    let forced = loop {
+        let (code, forced) = cluster.coord_post(1, "/v1/shards/1/failover", &body, Some(common::TOKEN)).await;
+        if code == 200 {
+            break forced;
+        }
+        assert!(Instant::now() < deadline, "the forced failover to the restored replica: {code} {forced}");
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    };
+    assert_eq!(forced["to"], behind, "{forced}");
+    assert_eq!(cluster.wait_leader(1, None, WAIT).await, behind);
+    // The others come back and follow it; the shard commits again.
+    cluster.restart(leader);
+    cluster.restart(other);
+    wait_until("the restored leader to commit what the archive held", WAIT, || async {
+        let status = cluster.status(behind).await.unwrap_or_default();
+        status["shards"][0]["commit_seqno"].as_u64() >= Some(last)
+    })
+    .await;
+    let records = common::read_all(&cluster.node(behind).grpc, 1, last).await;
+    assert_eq!(
+        records.iter().map(|r| r.seqno).collect::<Vec<_>>(),
+        acked,
+        "every archived record on the restored leader"
+    );
+    let after = append(&cluster, behind, 5, "after").await;
+    assert_eq!(after.first(), Some(&(last + 1)), "new records continue past the archive");
 }

@@ -461,7 +461,43 @@ impl Coordinator {
             outcome_label("refused");
             return Err(CoordError::WouldLose { node: chosen.node, from, to });
         }
+        // Not even a forced failover may promote a replica whose log ends
+        // before the archive does: its new records would reuse seqnos the
+        // archive holds with the given-up contents, so its archiver would
+        // skip them (it goes on from the store's end) and retention would
+        // compact them as archived, losing records acknowledged after the
+        // failover. The archive holds what the replica lacks: re-seed it
+        // from there first.
+        let chosen_last = answers.iter().find(|a| a.node_id == chosen.node).map_or(0, |a| a.last_seqno);
+        let archived = self.archived_seqno(shard, &record.members());
+        if archived > chosen_last {
+            outcome_label("refused");
+            return Err(CoordError::Conflict {
+                code: "archive_ahead",
+                message: format!(
+                    "the archive holds shard {shard} through seqno {archived}, past node {}'s log (it ends at \
+                     {chosen_last}): promoting it would reuse seqnos the archive holds, and records acknowledged \
+                     after the failover would be compacted as archived. Promote a replica holding seqno {archived}, \
+                     or re-seed node {} from the archive first",
+                    chosen.node, chosen.node
+                ),
+            });
+        }
         Ok(Chosen { chosen, candidates, commit, answers })
+    }
+
+    /// The newest seqno of `shard` any of `members` reported archived (as
+    /// its archiving leader), in the last heartbeats this coordinator holds:
+    /// an archive only grows, so an old report is a floor. 0: none known.
+    fn archived_seqno(&self, shard: u32, members: &[NodeId]) -> u64 {
+        let reports = self.reports();
+        members
+            .iter()
+            .filter_map(|&n| reports.heartbeat(n, shard))
+            .filter(|h| h.archiving)
+            .map(|h| h.archived_seqno)
+            .max()
+            .unwrap_or(0)
     }
 
     /// Step 5 for one shard: assigns `record` (led by `leader`) to every
