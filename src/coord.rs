@@ -76,6 +76,17 @@ pub async fn run_coord(args: CoordArgs) -> Result<()> {
     walship_wal::failpoints::configure_from_env().map_err(anyhow::Error::msg)?;
     let mut config = ClusterConfig::load(&args.cluster)?;
     args.own_certificate.apply(&mut config)?;
+    let unspread = config.unspread_shards();
+    if let Some((shard, spans, could)) = unspread.first() {
+        tracing::warn!(
+            shards = unspread.len(),
+            first = shard,
+            "{} shard(s) have replicas in fewer regions than the cluster has (shard {shard}: {spans} of {could}): \
+             losing one region can take such a shard's majority. Spread each shard's replicas over the regions \
+             (`walship replica replace` keeps the spread)",
+            unspread.len()
+        );
+    }
     let spec = config
         .coordinators
         .iter()

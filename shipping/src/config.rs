@@ -699,6 +699,25 @@ impl ClusterConfig {
         self.nodes.iter().find(|n| n.id == id)
     }
 
+    /// Shards whose replicas span fewer regions than they could: a shard
+    /// of k replicas in a cluster of R regions should span min(k, R), or
+    /// losing one region can take its majority. Replica changes keep the
+    /// spread (`control/coordinator/members.rs`); a hand-written config
+    /// may not, so the coordinator warns at start. `(shard, regions it
+    /// spans, regions it could span)`, in shard order.
+    pub fn unspread_shards(&self) -> Vec<(u32, usize, usize)> {
+        let region: BTreeMap<NodeId, u32> = self.nodes.iter().map(|n| (n.id, n.region)).collect();
+        let regions = region.values().collect::<BTreeSet<_>>().len();
+        self.shards
+            .iter()
+            .filter_map(|s| {
+                let spans = s.replicas.iter().filter_map(|r| region.get(r)).collect::<BTreeSet<_>>().len();
+                let could = s.replicas.len().min(regions);
+                (spans < could).then_some((s.id, spans, could))
+            })
+            .collect()
+    }
+
     /// The shards `node` holds a replica of.
     pub fn shards_of(&self, node: NodeId) -> Vec<&ShardSpec> {
         self.shards.iter().filter(|s| s.replicas.contains(&node)).collect()
@@ -737,6 +756,19 @@ mod tests {
             archive: None,
             producers: Default::default(),
         }
+    }
+
+    #[test]
+    fn shards_whose_replicas_could_span_more_regions_are_named() {
+        let mut c = three();
+        assert_eq!(c.unspread_shards(), vec![], "one region: nothing to spread over");
+        c.nodes[2].region = 1;
+        assert_eq!(c.unspread_shards(), vec![], "two regions, spanned");
+        c.nodes.push(node(4, 7004));
+        c.nodes[3].region = 2;
+        assert_eq!(c.unspread_shards(), vec![(1, 2, 3)], "three regions, the shard spans two");
+        c.shards.push(ShardSpec { id: 2, replicas: vec![1, 2], leader: 1, epoch: 1 });
+        assert_eq!(c.unspread_shards(), vec![(1, 2, 3), (2, 1, 2)]);
     }
 
     #[test]
