@@ -99,5 +99,15 @@ async fn a_follower_far_behind_catches_up_as_a_task_with_bytes_by_source() {
     assert!(by_source > 1 << 20, "{report}");
     assert!(report["durable_seqno"].as_u64().unwrap() >= report["until_seqno"].as_u64().unwrap(), "{report}");
     assert!(report["until_seqno"].as_u64().unwrap() <= last, "{report}");
-    eprintln!("catch-up task: {report}");
+    // The rate limit held: what the leader streamed came at most at
+    // catchup_rate_bytes_per_s (1 MiB/s after a 100 ms burst; a chunk is
+    // paid for after it is sent, so the last two chunks of 256 KiB may go
+    // unpaid), so the task took at least that long (unthrottled, 4 MiB on
+    // loopback take well under a second).
+    let streamed = report["bytes_stream"].as_u64().unwrap() as f64;
+    let took_s = done["took_us"].as_u64().unwrap_or_else(|| panic!("took_us in {done}")) as f64 / 1e6;
+    let floor_s = (streamed - 2.0 * 262_144.0) / 1_048_576.0 - 0.1;
+    assert!(streamed > 1_048_576.0, "most of it streamed from the leader: {report}");
+    assert!(took_s >= floor_s * 0.95, "{streamed} bytes streamed in {took_s:.2} s, over the 1 MiB/s catch-up rate");
+    eprintln!("catch-up task: {report}, took {took_s:.2} s");
 }
