@@ -216,6 +216,22 @@ async fn append_one(
     common::append_and_record(log, shard, vec![payload], Durability::Quorum, Duration::from_secs(2), acked).await
 }
 
+/// Appends record `n` to shard 1 until it is acknowledged (a shard without
+/// a working leader yet refuses), for at most [`WAIT`].
+async fn append_until_acknowledged(
+    log: &mut walship_proto::log::log_client::LogClient<tonic::transport::Channel>,
+    n: u64,
+    acked: &Acked,
+    when: &str,
+) {
+    let started = Instant::now();
+    while let Err(status) = append_one(log, 1, n, acked).await {
+        assert!(started.elapsed() < WAIT, "no append acknowledged {when}: {status}");
+        eprintln!("append {when}: {status}");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_nats_outage_stops_no_append_and_the_coordinator_fails_over_again_once_nats_is_back() {
     let mut nats = nats::NatsServer::start();
@@ -232,16 +248,9 @@ async fn a_nats_outage_stops_no_append_and_the_coordinator_fails_over_again_once
     let acked = Acked::default();
     let mut log = cluster.node(1).client().await;
     let mut n = 0u64;
-    let started = Instant::now();
     while n < 10 {
-        match append_one(&mut log, 1, n, &acked).await {
-            Ok(()) => n += 1,
-            Err(status) if started.elapsed() < WAIT => {
-                eprintln!("append before the outage: {status}");
-                tokio::time::sleep(Duration::from_millis(50)).await
-            }
-            Err(status) => panic!("no append acknowledged before the outage: {status}"),
-        }
+        append_until_acknowledged(&mut log, n, &acked, "before the outage").await;
+        n += 1;
     }
 
     // NATS dies. The shard's leader and followers do not depend on it: QUORUM
@@ -280,17 +289,8 @@ async fn a_nats_outage_stops_no_append_and_the_coordinator_fails_over_again_once
         .await;
     eprintln!("{:>6} ms: shard 1 failed over to node {leader} at epoch {new_epoch}", t0.elapsed().as_millis());
     let mut log = cluster.node(leader).client().await;
-    let started = Instant::now();
-    let last = loop {
-        match append_one(&mut log, 1, n, &acked).await {
-            Ok(()) => break n,
-            Err(status) if started.elapsed() < WAIT => {
-                eprintln!("append after the failover: {status}");
-                tokio::time::sleep(Duration::from_millis(50)).await
-            }
-            Err(status) => panic!("no append acknowledged by the new leader: {status}"),
-        }
-    };
+    append_until_acknowledged(&mut log, n, &acked, "by the new leader").await;
+    let last = n;
     // Every acknowledged record is on the new leader, at its seqno.
     let acked = acked.lock().await;
     let shard = &acked[&1];

@@ -505,16 +505,35 @@ async fn an_export_batch_that_is_not_arrow_fails_its_job() {
     assert_eq!((report2["state"].as_str(), report2["rows"].as_u64()), (Some("done"), Some(0)), "{report2}");
 }
 
+/// An export job on a lone coordinator whose only worker, `node-1`, is a
+/// fake this test drives, with the job's one task dispatched to it (no
+/// stall redispatches it meanwhile).
+struct ExportOnFake {
+    _lone: Lone,
+    admin: String,
+    worker: Fake,
+    job: String,
+    dispatch: TaskDispatch,
+}
+
+impl ExportOnFake {
+    async fn start() -> ExportOnFake {
+        let lone = Lone::start(&["--task-stall-s", "600"]).await;
+        let admin = lone.admin().to_string();
+        let mut worker = Fake::connect(lone.grpc(), "node-1", 1).await;
+        let (job, _) =
+            submit(&admin, json!({"kind": "export", "shard": 1, "node": "node-1", "from": 1, "to": 10})).await;
+        let dispatch = worker.next_dispatch().await;
+        ExportOnFake { _lone: lone, admin, worker, job, dispatch }
+    }
+}
+
 /// 1b'. The same garbage as the export task's terminal batch: the job
 /// fails naming the payload, and the task is not shown as succeeded (its
 /// only output was refused).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_terminal_export_batch_that_is_not_arrow_fails_job_and_task() {
-    let lone = Lone::start(&["--task-stall-s", "600"]).await;
-    let admin = lone.admin().to_string();
-    let mut worker = Fake::connect(lone.grpc(), "node-1", 1).await;
-    let (job, _) = submit(&admin, json!({"kind": "export", "shard": 1, "node": "node-1", "from": 1, "to": 10})).await;
-    let dispatch = worker.next_dispatch().await;
+    let ExportOnFake { _lone, admin, worker, job, dispatch } = ExportOnFake::start().await;
     worker.send(worker.batch(&dispatch, true, 10, &[0xff; 64])).await;
     let report = wait_job(&admin, &job).await;
     assert_eq!(report["state"], "failed", "{report}");
@@ -535,11 +554,7 @@ async fn a_terminal_export_batch_that_is_not_arrow_fails_job_and_task() {
 /// batch, whose partial output the receiver drops).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_batch_with_an_error_fails_its_task_whatever_its_terminal_flag_says() {
-    let lone = Lone::start(&["--task-stall-s", "600"]).await;
-    let admin = lone.admin().to_string();
-    let mut worker = Fake::connect(lone.grpc(), "node-1", 1).await;
-    let (job, _) = submit(&admin, json!({"kind": "export", "shard": 1, "node": "node-1", "from": 1, "to": 10})).await;
-    let dispatch = worker.next_dispatch().await;
+    let ExportOnFake { _lone, admin, worker, job, dispatch } = ExportOnFake::start().await;
     let Up::ResultBatch(mut failing) = worker.batch(&dispatch, false, 10, &[0xff; 64]) else { unreachable!() };
     failing.err = "the disk under the export went away".to_string();
     worker.send(Up::ResultBatch(failing)).await;

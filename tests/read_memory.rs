@@ -171,11 +171,10 @@ async fn answers_no_caller_takes_hold_at_most_the_read_memory_budget_and_the_res
         }
     };
     assert_eq!(again, first, "the same answer as before the stalled reads");
-    let deadline = Instant::now() + Duration::from_secs(10);
-    while held_gauge(&node).await != 0 {
-        assert!(Instant::now() < deadline, "the budget still holds {} bytes", held_gauge(&node).await);
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    }
+    common::wait_until("the read memory budget to hold nothing", Duration::from_secs(10), || async {
+        held_gauge(&node).await == 0
+    })
+    .await;
 }
 
 /// `walship_read_memory_held_bytes` of `node`.

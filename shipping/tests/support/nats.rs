@@ -55,17 +55,7 @@ impl NatsServer {
             let port = TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port();
             let log_path = dir.path().join(format!("nats-server-{attempt}.log"));
             let log = std::fs::File::create(&log_path).expect("nats-server log file");
-            let mut child = Command::new(&bin)
-                .args(["-js", "-a", "127.0.0.1", "-p", &port.to_string()])
-                .arg("-sd")
-                .arg(dir.path().join("store"))
-                .arg("-P")
-                .arg(dir.path().join("nats-server.pid"))
-                .stdin(Stdio::null())
-                .stdout(Stdio::null())
-                .stderr(log)
-                .spawn()
-                .unwrap_or_else(|e| panic!("spawning {}: {e}", bin.display()));
+            let mut child = spawn(port, dir.path(), log);
             match wait_ready(&mut child, port, Duration::from_secs(10)) {
                 Ok(()) => return NatsServer { child, port, url: format!("nats://127.0.0.1:{port}"), dir },
                 Err(why) => {
@@ -91,15 +81,7 @@ impl NatsServer {
         let log = std::fs::File::create(self.dir.path().join("nats-server-restarted.log")).expect("log file");
         let deadline = Instant::now() + Duration::from_secs(20);
         loop {
-            let mut child = Command::new(nats_server_bin())
-                .args(["-js", "-a", "127.0.0.1", "-p", &self.port.to_string()])
-                .arg("-sd")
-                .arg(self.store_dir())
-                .stdin(Stdio::null())
-                .stdout(Stdio::null())
-                .stderr(log.try_clone().expect("log file"))
-                .spawn()
-                .expect("spawning nats-server again");
+            let mut child = spawn(self.port, self.dir.path(), log.try_clone().expect("log file"));
             match wait_ready(&mut child, self.port, Duration::from_secs(10)) {
                 Ok(()) => {
                     self.child = child;
@@ -124,6 +106,23 @@ impl NatsServer {
     pub fn store_dir(&self) -> PathBuf {
         self.dir.path().join("store")
     }
+}
+
+/// Spawns `nats-server -js` on `port` with its store (and pid file) in
+/// `dir`, logging to `log`.
+fn spawn(port: u16, dir: &Path, log: std::fs::File) -> Child {
+    let bin = nats_server_bin();
+    Command::new(&bin)
+        .args(["-js", "-a", "127.0.0.1", "-p", &port.to_string()])
+        .arg("-sd")
+        .arg(dir.join("store"))
+        .arg("-P")
+        .arg(dir.join("nats-server.pid"))
+        .stdin(Stdio::null())
+        .stdout(Stdio::null())
+        .stderr(log)
+        .spawn()
+        .unwrap_or_else(|e| panic!("spawning {}: {e}", bin.display()))
 }
 
 /// Polls until `port` accepts a TCP connection, the child exits, or
