@@ -75,7 +75,7 @@ pub use self::error::{APPLIED_METADATA_KEY, EPOCH_METADATA_KEY, ReplicaError};
 pub(crate) use self::error::{inline_refusals, refusal_answer};
 pub use self::shard::{Members, ShardReplica};
 pub use self::status::{
-    CorruptRangeStatus, FollowerStatus, NO_REPORTING_NODE, ProducersStatus, ReceivedHeartbeat, ReplicaStatus,
+    CorruptRangeStatus, FollowerStatus, ProducersStatus, ReceivedHeartbeat, ReplicaStatus, reporting_node_refusal,
 };
 use crate::NodeId;
 use crate::config::ClusterConfig;

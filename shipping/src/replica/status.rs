@@ -151,11 +151,20 @@ pub struct ReceivedHeartbeat {
     pub received_ms_ago: u64,
 }
 
-/// The refusal of a heartbeat without `node_id` (a sender knowing only the
-/// seed's fields 1..7): walship judges liveness and failover per node, so a
-/// report must name its node.
-pub const NO_REPORTING_NODE: &str =
-    "heartbeat without node_id (field 8): walship needs the reporting node (its liveness and failover are per node)";
+/// Why a heartbeat of `node` is refused, if it is: no `node_id` (a sender
+/// knowing only the seed's fields 1..7; walship judges liveness and
+/// failover per node, so a report must name its node), or a node `known`
+/// says is not of the cluster. Nodes and the coordinator answer alike.
+pub fn reporting_node_refusal(node: NodeId, known: impl Fn(NodeId) -> bool) -> Option<String> {
+    if node == 0 {
+        return Some(
+            "heartbeat without node_id (field 8): walship needs the reporting node (its liveness and failover are per \
+             node)"
+                .to_string(),
+        );
+    }
+    (!known(node)).then(|| format!("heartbeat from unknown node {node}"))
+}
 
 impl ReplicationNode {
     pub fn status(&self) -> Vec<ReplicaStatus> {
@@ -226,12 +235,8 @@ impl ReplicationNode {
     /// changes move replicas, not shards) or one this node hosts. Anything else would grow the store
     /// without bound (one entry per shard id a caller makes up).
     pub fn check_heartbeat(&self, request: &HeartbeatRequest) -> Result<(), ReplicaError> {
-        if request.node_id == 0 {
-            return Err(self.counted(ReplicaError::BadRequest(NO_REPORTING_NODE.to_string())));
-        }
-        if self.config.node(request.node_id).is_none() {
-            let unknown = format!("heartbeat from unknown node {}", request.node_id);
-            return Err(self.counted(ReplicaError::BadRequest(unknown)));
+        if let Some(refusal) = reporting_node_refusal(request.node_id, |n| self.config.node(n).is_some()) {
+            return Err(self.counted(ReplicaError::BadRequest(refusal)));
         }
         let configured = self.configured_shards.contains(&request.shard_id);
         if !configured && self.replica(request.shard_id).is_none() {

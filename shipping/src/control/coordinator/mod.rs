@@ -537,11 +537,10 @@ impl Coordinator {
 
     /// Records a heartbeat.
     pub fn on_heartbeat(&self, request: &HeartbeatRequest) -> Result<(), tonic::Status> {
-        if request.node_id == 0 {
-            return Err(tonic::Status::invalid_argument(crate::replica::NO_REPORTING_NODE));
-        }
-        if self.config.node(request.node_id).is_none() {
-            return Err(tonic::Status::invalid_argument(format!("heartbeat from unknown node {}", request.node_id)));
+        if let Some(refusal) =
+            crate::replica::reporting_node_refusal(request.node_id, |n| self.config.node(n).is_some())
+        {
+            return Err(tonic::Status::invalid_argument(refusal));
         }
         let timeout = Duration::from_millis(self.config.replication.leader_timeout_ms);
         let mut seen = self.seen.lock();
