@@ -272,7 +272,13 @@ impl ShardTask {
                     receiving = self.receive(message);
                     // Everything already queued joins the open batch before
                     // it can be sent: callers woken together by one answer
-                    // send together.
+                    // send together. The first caller's send woke this task
+                    // straight after itself (tokio runs a task woken by the
+                    // running one next), before the other callers that
+                    // answer woke; one yield lets them queue their records
+                    // first, where a lone caller loses one trip through the
+                    // scheduler.
+                    tokio::task::yield_now().await;
                     while receiving {
                         match rx.try_recv() {
                             Ok(message) => receiving = self.receive(Some(message)),

@@ -2,7 +2,11 @@
 
 mod common;
 
+use std::sync::Arc;
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::Duration;
+
+use bytes::Bytes;
 
 use common::{Harness, zero_linger};
 
@@ -52,4 +56,49 @@ async fn with_a_slot_free_a_zero_linger_batch_goes_at_once() {
     second.written_at(2).await;
     third.written_at(3).await;
     assert_eq!((a.await.unwrap().seqno, b.await.unwrap().seqno, c.await.unwrap().seqno), (1, 2, 3));
+}
+
+/// Callers woken together (as one answer wakes every caller it
+/// acknowledged) and each sending at once go out as one batch, not as a
+/// lone first record followed by the rest. Without a yield, the first
+/// caller's send runs the shard task straight after it (tokio's next-task
+/// slot on a worker thread), before the other callers have queued theirs.
+#[tokio::test(flavor = "multi_thread", worker_threads = 1)]
+async fn callers_woken_together_send_together() {
+    let mut h = Harness::start(zero_linger(16)).await;
+    // The shard's task and its stream to the leader are up.
+    let warm = h.send("warm").await;
+    h.next_request().await.written_at(1).await;
+    assert_eq!(warm.await.unwrap().seqno, 1);
+    let (go, ready) = tokio::sync::watch::channel(false);
+    let waiting = Arc::new(AtomicUsize::new(0));
+    let callers: Vec<_> = (0..8)
+        .map(|i| {
+            let (producer, mut ready, waiting) = (h.producer.clone(), ready.clone(), waiting.clone());
+            tokio::spawn(async move {
+                waiting.fetch_add(1, Ordering::SeqCst);
+                ready.wait_for(|go| *go).await.unwrap();
+                producer.send(1, Bytes::new(), Bytes::from(format!("r{i}"))).await.await
+            })
+        })
+        .collect();
+    // Every caller waits on the watch before it is set (the pause covers
+    // the step from the count to the wait, in the same poll).
+    let deadline = std::time::Instant::now() + Duration::from_secs(10);
+    while waiting.load(Ordering::SeqCst) < 8 {
+        assert!(std::time::Instant::now() < deadline, "the callers never started");
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+    tokio::time::sleep(Duration::from_millis(20)).await;
+    // Woken from a task on the runtime's worker, as an answer wakes them.
+    tokio::spawn(async move { go.send_replace(true) }).await.unwrap();
+    let first = h.next_request().await;
+    assert_eq!(first.payloads().len(), 8, "one batch of every woken caller's record: {:?}", first.payloads());
+    first.written_at(2).await;
+    let mut seqnos = Vec::new();
+    for caller in callers {
+        seqnos.push(caller.await.unwrap().unwrap().seqno);
+    }
+    seqnos.sort();
+    assert_eq!(seqnos, (2..=9).collect::<Vec<_>>());
 }
