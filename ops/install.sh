@@ -103,6 +103,15 @@ install_curl() {
   fi
 }
 
+# valgrind: ops/bench/callgrind.sh counts instructions per append with its
+# callgrind tool, and a test runs it as printed.
+install_valgrind() {
+  if ! command -v valgrind >/dev/null || ! command -v callgrind_control >/dev/null; then
+    echo "installing valgrind (Debian) ..." >&2
+    apt_install valgrind
+  fi
+}
+
 # s3s-fs (crates.io) is the S3-compatible server objstore's tests run
 # S3Store against: a real HTTP server that keeps objects as plain files.
 # 0.14.1 is the last release that builds on our Rust (1.95). Installed with

@@ -32,6 +32,7 @@ install_browser
 install_postgres # the comparison benchmark's smoke test
 install_fonts
 install_curl # the walkthroughs tests run as printed
+install_valgrind # ops/bench/callgrind.sh, run by tests/bench_smoke.rs
 install_s3s_fs # objstore's S3Store runs its conformance suite against it
 
 cargo fmt --all -- --check

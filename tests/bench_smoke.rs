@@ -112,3 +112,42 @@ fn bench_dataplane_prints_every_figure() {
     // The cluster's data is removed at the end.
     assert!(!dir.path().join("data").join("cluster").exists());
 }
+
+/// `ops/bench/callgrind.sh` as `ops/bench/README.md` prints it, with the
+/// walship under test and a few appends: it counts both windows and prints
+/// the per-append figures and the table by crate. It checks figures are
+/// produced, not their values.
+#[test]
+fn the_instruction_count_in_the_bench_readme_runs_as_printed() {
+    let root = env!("CARGO_MANIFEST_DIR");
+    let readme = std::fs::read_to_string(format!("{root}/ops/bench/README.md")).unwrap();
+    let section = readme.split("## Instructions per append").nth(1).expect("an Instructions per append section");
+    let block = section.split("```sh\n").nth(1).and_then(|b| b.split("```").next()).expect("a sh block");
+    let command = block.lines().find(|l| l.starts_with("ops/bench/callgrind.sh")).expect("the script's line");
+    let out_dir = tempfile::tempdir().unwrap();
+    // Later flags win: the built walship, 20 appends, a 1 s idle window.
+    let command = format!(
+        "{command} --walship {} --count 20 --idle-s 1 --out {}",
+        common::walship_bin().display(),
+        out_dir.path().display()
+    );
+    let output = Command::new("bash").arg("-c").arg(&command).current_dir(root).output().unwrap();
+    let stdout = String::from_utf8_lossy(&output.stdout);
+    assert!(output.status.success(), "{command}: {stdout}\n{}", String::from_utf8_lossy(&output.stderr));
+    for window in ["unary", "stream"] {
+        let line = stdout
+            .lines()
+            .find(|l| l.starts_with(&format!("{window}: 20 appends")))
+            .unwrap_or_else(|| panic!("no {window} line in:\n{stdout}"));
+        let per_append: f64 = line
+            .split(", ")
+            .last()
+            .and_then(|s| s.split(' ').next())
+            .map(|n| n.replace(',', ""))
+            .and_then(|n| n.parse().ok())
+            .unwrap_or_else(|| panic!("no per-append figure in {line:?}"));
+        assert!(per_append > 0.0, "{line}");
+        assert!(out_dir.path().join(format!("{window}.callgrind")).exists(), "the {window} dump is kept");
+    }
+    assert!(stdout.contains("| h2 |") && stdout.contains("| **all (after idle)** |"), "{stdout}");
+}
