@@ -77,12 +77,32 @@ async fn run_ship_stream(
         let end = loop {
             tokio::select! {
                 call = calls.recv() => match call {
-                    Some((request, reply)) => {
-                        if req_tx.send(request).await.is_err() {
-                            let _ = reply.send(Err(Status::unavailable("the ShipSegments stream closed")));
-                            break Status::unavailable("the ShipSegments stream closed");
+                    Some(first) => {
+                        // The shipper that sent this ran this task straight
+                        // after itself (tokio runs a task woken by the
+                        // running one next), ahead of the other shards'
+                        // shippers woken with it: one yield lets their
+                        // pushes queue too, and they go to the stream
+                        // together, to be encoded into one write.
+                        tokio::task::yield_now().await;
+                        let mut next = Some(first);
+                        let mut closed = None;
+                        // A bounded turn: answers are read between turns.
+                        let mut turn = 0;
+                        while let Some((request, reply)) =
+                            next.take().or_else(|| (turn < SHIP_TURN).then(|| calls.try_recv().ok()).flatten())
+                        {
+                            turn += 1;
+                            if closed.is_some() || req_tx.send(request).await.is_err() {
+                                let _ = reply.send(Err(Status::unavailable("the ShipSegments stream closed")));
+                                closed = Some(Status::unavailable("the ShipSegments stream closed"));
+                                continue;
+                            }
+                            pending.push_back(reply);
                         }
-                        pending.push_back(reply);
+                        if let Some(end) = closed {
+                            break end;
+                        }
                     }
                     None => return,
                 },
@@ -111,6 +131,10 @@ async fn run_ship_stream(
 
 /// Pushes in flight on one `ShipSegments` stream, at most; more wait.
 const SHIP_STREAM_DEPTH: usize = 256;
+
+/// Pushes handed to the stream in one turn, at most, before its answers
+/// are read again.
+const SHIP_TURN: usize = 32;
 
 /// Unary `ShipSegment` for every push, for a peer without `ShipSegments`.
 async fn ship_unary(
