@@ -70,28 +70,29 @@ async fn callers_woken_together_send_together() {
     let warm = h.send("warm").await;
     h.next_request().await.written_at(1).await;
     assert_eq!(warm.await.unwrap().seqno, 1);
-    let (go, ready) = tokio::sync::watch::channel(false);
+    let go = Arc::new(tokio::sync::Notify::new());
     let waiting = Arc::new(AtomicUsize::new(0));
     let callers: Vec<_> = (0..8)
         .map(|i| {
-            let (producer, mut ready, waiting) = (h.producer.clone(), ready.clone(), waiting.clone());
+            let (producer, go, waiting) = (h.producer.clone(), go.clone(), waiting.clone());
             tokio::spawn(async move {
+                // Registered as a waiter before it is counted.
+                let woken = go.notified();
+                tokio::pin!(woken);
+                woken.as_mut().enable();
                 waiting.fetch_add(1, Ordering::SeqCst);
-                ready.wait_for(|go| *go).await.unwrap();
+                woken.await;
                 producer.send(1, Bytes::new(), Bytes::from(format!("r{i}"))).await.await
             })
         })
         .collect();
-    // Every caller waits on the watch before it is set (the pause covers
-    // the step from the count to the wait, in the same poll).
     let deadline = std::time::Instant::now() + Duration::from_secs(10);
     while waiting.load(Ordering::SeqCst) < 8 {
         assert!(std::time::Instant::now() < deadline, "the callers never started");
         tokio::time::sleep(Duration::from_millis(5)).await;
     }
-    tokio::time::sleep(Duration::from_millis(20)).await;
     // Woken from a task on the runtime's worker, as an answer wakes them.
-    tokio::spawn(async move { go.send_replace(true) }).await.unwrap();
+    tokio::spawn(async move { go.notify_waiters() }).await.unwrap();
     let first = h.next_request().await;
     assert_eq!(first.payloads().len(), 8, "one batch of every woken caller's record: {:?}", first.payloads());
     first.written_at(2).await;
