@@ -74,7 +74,7 @@ async fn run_ship_stream(
         if req_tx.send(first).await.is_ok() {
             pending.push_back(reply);
         }
-        let end = loop {
+        let end = 'stream: loop {
             tokio::select! {
                 call = calls.recv() => match call {
                     Some(first) => {
@@ -85,24 +85,18 @@ async fn run_ship_stream(
                         // pushes queue too, and they go to the stream
                         // together, to be encoded into one write.
                         tokio::task::yield_now().await;
-                        let mut next = Some(first);
-                        let mut closed = false;
                         // A bounded turn: answers are read between turns.
+                        let mut call = Some(first);
                         let mut turn = 0;
-                        while let Some((request, reply)) =
-                            next.take().or_else(|| (turn < SHIP_TURN).then(|| calls.try_recv().ok()).flatten())
-                        {
-                            turn += 1;
+                        while let Some((request, reply)) = call {
                             if req_tx.send(request).await.is_err() {
                                 // The pushes still queued go on the next stream.
                                 let _ = reply.send(Err(Status::unavailable("the ShipSegments stream closed")));
-                                closed = true;
-                                break;
+                                break 'stream Status::unavailable("the ShipSegments stream closed");
                             }
                             pending.push_back(reply);
-                        }
-                        if closed {
-                            break Status::unavailable("the ShipSegments stream closed");
+                            turn += 1;
+                            call = if turn < SHIP_TURN { calls.try_recv().ok() } else { None };
                         }
                     }
                     None => return,
