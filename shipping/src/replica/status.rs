@@ -16,6 +16,7 @@ use walship_wal::ShardId;
 use super::silence::{LastBuild, Standing};
 use super::{ReplicaError, ReplicationNode, now_us};
 use crate::NodeId;
+use crate::config::ClusterConfig;
 use crate::core::leader::{FollowerProgress, Lag};
 use crate::core::replica::Role;
 
@@ -153,9 +154,9 @@ pub struct ReceivedHeartbeat {
 
 /// Why a heartbeat of `node` is refused, if it is: no `node_id` (a sender
 /// knowing only the seed's fields 1..7; walship judges liveness and
-/// failover per node, so a report must name its node), or a node `known`
-/// says is not of the cluster. Nodes and the coordinator answer alike.
-pub fn reporting_node_refusal(node: NodeId, known: impl Fn(NodeId) -> bool) -> Option<String> {
+/// failover per node, so a report must name its node), or a node not of
+/// `cluster`. Nodes and the coordinator answer alike.
+pub fn reporting_node_refusal(node: NodeId, cluster: &ClusterConfig) -> Option<String> {
     if node == 0 {
         return Some(
             "heartbeat without node_id (field 8): walship needs the reporting node (its liveness and failover are per \
@@ -163,7 +164,7 @@ pub fn reporting_node_refusal(node: NodeId, known: impl Fn(NodeId) -> bool) -> O
                 .to_string(),
         );
     }
-    (!known(node)).then(|| format!("heartbeat from unknown node {node}"))
+    cluster.node(node).is_none().then(|| format!("heartbeat from unknown node {node}"))
 }
 
 impl ReplicationNode {
@@ -235,7 +236,7 @@ impl ReplicationNode {
     /// changes move replicas, not shards) or one this node hosts. Anything else would grow the store
     /// without bound (one entry per shard id a caller makes up).
     pub fn check_heartbeat(&self, request: &HeartbeatRequest) -> Result<(), ReplicaError> {
-        if let Some(refusal) = reporting_node_refusal(request.node_id, |n| self.config.node(n).is_some()) {
+        if let Some(refusal) = reporting_node_refusal(request.node_id, &self.config) {
             return Err(self.counted(ReplicaError::BadRequest(refusal)));
         }
         let configured = self.configured_shards.contains(&request.shard_id);

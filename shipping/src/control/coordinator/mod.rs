@@ -537,9 +537,7 @@ impl Coordinator {
 
     /// Records a heartbeat.
     pub fn on_heartbeat(&self, request: &HeartbeatRequest) -> Result<(), tonic::Status> {
-        if let Some(refusal) =
-            crate::replica::reporting_node_refusal(request.node_id, |n| self.config.node(n).is_some())
-        {
+        if let Some(refusal) = crate::replica::reporting_node_refusal(request.node_id, &self.config) {
             return Err(tonic::Status::invalid_argument(refusal));
         }
         let timeout = Duration::from_millis(self.config.replication.leader_timeout_ms);
