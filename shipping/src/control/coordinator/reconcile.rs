@@ -17,19 +17,35 @@ use crate::control::liveness::{self, FollowerReport};
 /// What the next reconcile round looks at. A *full* round looks at every
 /// shard: the first round after this coordinator becomes active, then
 /// every [`FULL_ROUND_EVERY`] (or less often when a full round is costly:
-/// at most 5 % of the time goes to them), and, while a node misses its
-/// heartbeats (its shards' leaders may be lost), as often as keeps full
-/// rounds under a quarter of the time. Between them a round looks only at
-/// the shards a heartbeat reported a change of, those the leadership record
-/// changed for, and those a round left something under way for (a
-/// failover, an assignment not yet taken, a replica change): an idle
-/// cluster's rounds cost nothing per shard.
+/// at most 5 % of the time goes to them). While a node misses its
+/// heartbeats, a *silence* round also looks at every shard it or no node
+/// leads (their leaders may be lost: no heartbeat will say so), as often as
+/// keeps those rounds under a quarter of the time. Otherwise a round looks
+/// only at the shards a heartbeat reported a change of, those the
+/// leadership record changed for, and those a round left something under
+/// way for (an assignment not yet taken, a replica change): an idle
+/// cluster's rounds cost nothing per shard. A shard queued for a failover
+/// or being failed over is looked at again when its failover ends
+/// (`fail_over_lost`), not every round meanwhile.
 #[derive(Default)]
 pub(crate) struct Pending {
     pub(crate) shards: std::collections::BTreeSet<u32>,
     last_full: Option<Instant>,
     /// How long the last full round took.
     full_cost: Duration,
+    last_silence: Option<Instant>,
+    /// How long the last silence round took.
+    silence_cost: Duration,
+}
+
+/// The shards a reconcile round looks at (see [`Pending`]).
+#[derive(Debug, Clone, PartialEq, Eq)]
+enum Scope {
+    Every,
+    /// The pending shards and those one of these (silent) nodes leads, or
+    /// no node does.
+    LedBy(std::collections::BTreeSet<NodeId>),
+    Pending,
 }
 
 /// Bulk failovers running at once. The reconcile loop queues every shard
@@ -73,10 +89,24 @@ const FULL_ROUND_EVERY: Duration = Duration::from_secs(2);
 const SILENT_WATCH: Duration = Duration::from_secs(liveness::MAX_SILENCE_BOUND.as_secs() + 2);
 
 impl Pending {
-    fn full_due(&self, node_silent: bool) -> bool {
-        let Some(last) = self.last_full else { return true };
-        let since = last.elapsed();
-        if node_silent { since >= self.full_cost * 4 } else { since >= FULL_ROUND_EVERY.max(self.full_cost * 20) }
+    /// What the round starting `now` looks at, `silent` the nodes that
+    /// went silent lately (see [`Coordinator::silent_nodes`]); the pending
+    /// shards are taken.
+    fn scope(&mut self, silent: std::collections::BTreeSet<NodeId>, now: Instant) -> Scope {
+        let full_due = self
+            .last_full
+            .is_none_or(|last| now.saturating_duration_since(last) >= FULL_ROUND_EVERY.max(self.full_cost * 20));
+        let silence_due = !silent.is_empty()
+            && self.last_silence.is_none_or(|last| now.saturating_duration_since(last) >= self.silence_cost * 4);
+        if full_due {
+            self.last_full = Some(now);
+            Scope::Every
+        } else if silence_due {
+            self.last_silence = Some(now);
+            Scope::LedBy(silent)
+        } else {
+            Scope::Pending
+        }
     }
 
     /// The next round looks at every shard (a new active term).
@@ -84,21 +114,19 @@ impl Pending {
         self.last_full = None;
     }
 
-    /// The shards to look at: `None` for every shard (a full round).
-    fn take(&mut self, full: bool) -> Option<std::collections::BTreeSet<u32>> {
-        let shards = std::mem::take(&mut self.shards);
-        if full {
-            self.last_full = Some(Instant::now());
-            None
-        } else {
-            Some(shards)
+    /// A round of `scope` took `cost`.
+    fn took(&mut self, scope: &Scope, cost: Duration) {
+        match scope {
+            Scope::Every => self.full_cost = cost,
+            Scope::LedBy(_) => self.silence_cost = cost,
+            Scope::Pending => {}
         }
     }
 }
 
 /// One reconcile round's records, when this coordinator became active, and
-/// whether the round looks at every shard.
-type Round = (Vec<(u32, Arc<ShardRecord>)>, Instant, bool);
+/// what the round looks at.
+type Round = (Vec<(u32, Arc<ShardRecord>)>, Instant, Scope);
 
 impl Coordinator {
     pub(super) async fn run_reconcile(self: Arc<Self>) {
@@ -116,48 +144,78 @@ impl Coordinator {
         }
     }
 
-    /// Which shards this round looks at: all of them in a full round (see
-    /// [`Pending`]), otherwise the pending ones. Their records, when this
-    /// coordinator became active, and whether the round is a full one.
+    /// Which shards this round looks at (see [`Pending`]): their records,
+    /// when this coordinator became active, and the round's scope.
     fn round_records(&self) -> Option<Round> {
         let active = self.active.lock();
-        let a = active.as_ref().filter(|a| Instant::now() < a.lease_until)?;
+        let now = Instant::now();
+        let a = active.as_ref().filter(|a| now < a.lease_until)?;
+        let silent = self.silent_nodes(a.since);
         let mut pending = self.pending.lock();
-        let full = pending.full_due(self.node_silent(a.since));
-        let shards = pending.take(full);
-        let records = match shards {
-            None => a.state.shards.iter().map(|(&id, r)| (id, r.clone())).collect(),
-            Some(ids) => ids.into_iter().filter_map(|id| a.state.shards.get(&id).map(|r| (id, r.clone()))).collect(),
+        let scope = pending.scope(silent, now);
+        let ids = std::mem::take(&mut pending.shards);
+        drop(pending);
+        let listed = |ids: std::collections::BTreeSet<u32>| -> Vec<(u32, Arc<ShardRecord>)> {
+            ids.into_iter().filter_map(|id| a.state.shards.get(&id).map(|r| (id, r.clone()))).collect()
         };
-        Some((records, a.since, full))
+        let records = match &scope {
+            Scope::Every => a.state.shards.iter().map(|(&id, r)| (id, r.clone())).collect(),
+            Scope::LedBy(silent) => {
+                let mut ids = ids;
+                ids.extend(
+                    a.state
+                        .shards
+                        .iter()
+                        .filter(|(_, r)| r.leader.is_none_or(|l| silent.contains(&l)))
+                        .map(|(&id, _)| id),
+                );
+                listed(ids)
+            }
+            Scope::Pending => listed(ids),
+        };
+        Some((records, a.since, scope))
     }
 
-    /// Whether a node went silent lately: it missed two heartbeat periods
+    /// The nodes that went silent lately: each missed two heartbeat periods
     /// (or was never heard from since this coordinator became active at
-    /// `since`) within the last [`SILENT_WATCH`]. Its shards' leaders may be
-    /// lost, so rounds look at every shard as often as they can while it is
-    /// so. Past the watch its shards have been looked at long after any
-    /// silence bound ran out: failed over, or queued again each round while
-    /// a failover waits (a node down for hours made every round a full one,
-    /// a quarter of the coordinator's time at 10,000 shards).
-    fn node_silent(&self, since: Instant) -> bool {
+    /// `since`) within the last [`SILENT_WATCH`]. The leaders among them
+    /// may be lost, and no heartbeat will say so, so silence rounds look at
+    /// the shards they lead while they are so. Past the watch those shards
+    /// have been looked at long after any silence bound ran out: failed
+    /// over, or still queued for a failover (a node down for hours made
+    /// every round a full one, a quarter of the coordinator's time at
+    /// 10,000 shards).
+    fn silent_nodes(&self, since: Instant) -> std::collections::BTreeSet<NodeId> {
         let missed = Duration::from_millis(2 * self.config.replication.heartbeat_ms);
         let seen = self.seen.lock();
-        self.config.nodes.iter().any(|n| {
-            let silent_for = seen.get(&n.id).map_or(since.elapsed(), |s| s.at.elapsed());
-            silent_for > missed && silent_for <= missed + SILENT_WATCH
-        })
+        self.config
+            .nodes
+            .iter()
+            .filter(|n| {
+                let silent_for = seen.get(&n.id).map_or(since.elapsed(), |s| s.at.elapsed());
+                silent_for > missed && silent_for <= missed + SILENT_WATCH
+            })
+            .map(|n| n.id)
+            .collect()
     }
 
     fn reconcile_round(self: &Arc<Self>) {
         let started = Instant::now();
-        let Some((records, since, full)) = self.round_records() else { return };
+        let Some((records, since, scope)) = self.round_records() else { return };
         let timeout = Duration::from_millis(self.config.replication.leader_timeout_ms);
         // Shards to look at again next round: something is under way.
         let mut again = Vec::new();
         let mut queued_lost = false;
+        // Shards queued for a failover or being failed over: looked at
+        // again when it ends. Looked at every round meanwhile, the 3,334
+        // shards of a lost node of a 10,000-shard cluster took most of the
+        // coordinator's CPU while they failed over.
+        let failing_over = self.failing_over.lock().clone();
         for (shard, record) in &records {
             let (shard, record) = (*shard, record);
+            if failing_over.contains(&shard) {
+                continue;
+            }
             let unhealthy = self.leader_unhealthy(shard, record, timeout);
             let reports = self.follower_reports(shard, record, timeout);
             let silence = self.config.replication.replication_timeout().as_millis() as u64;
@@ -280,9 +338,7 @@ impl Coordinator {
         }
         let mut pending = self.pending.lock();
         pending.shards.extend(again);
-        if full {
-            pending.full_cost = started.elapsed();
-        }
+        pending.took(&scope, started.elapsed());
     }
 
     /// Fails over the shards queued as lost, a bulk at a time (see
@@ -313,6 +369,9 @@ impl Coordinator {
             }
             for (shard, outcome) in outcomes {
                 self.failing_over.lock().remove(&shard);
+                // Looked at again, whatever the outcome (the rounds left it
+                // alone while it was queued and failed over).
+                self.pending.lock().shards.insert(shard);
                 match outcome {
                     Err(e @ CoordError::NoMajority { .. }) => {
                         self.retry_after.lock().insert(shard, Instant::now() + NO_MAJORITY_BACKOFF);
@@ -473,5 +532,40 @@ impl Coordinator {
             self.note_leader_told(shard, record.epoch);
         }
         answer
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn nodes(ids: &[NodeId]) -> std::collections::BTreeSet<NodeId> {
+        ids.iter().copied().collect()
+    }
+
+    #[test]
+    fn rounds_look_at_every_shard_on_their_cadence_and_at_silent_leaders_meanwhile() {
+        let t0 = Instant::now();
+        let mut p = Pending::default();
+        assert_eq!(p.scope(nodes(&[]), t0), Scope::Every, "the first round after becoming active");
+        p.took(&Scope::Every, Duration::from_millis(10));
+        assert_eq!(p.scope(nodes(&[]), t0 + Duration::from_millis(20)), Scope::Pending, "nobody silent");
+        // A node goes silent: a silence round at once, then once its
+        // cost four times over has passed.
+        let at = t0 + Duration::from_millis(40);
+        assert_eq!(p.scope(nodes(&[2]), at), Scope::LedBy(nodes(&[2])));
+        p.took(&Scope::LedBy(nodes(&[2])), Duration::from_millis(5));
+        assert_eq!(p.scope(nodes(&[2]), at + Duration::from_millis(19)), Scope::Pending);
+        assert_eq!(p.scope(nodes(&[2, 3]), at + Duration::from_millis(20)), Scope::LedBy(nodes(&[2, 3])));
+        // Full rounds keep their own cadence, silent nodes or not.
+        assert_eq!(p.scope(nodes(&[2]), t0 + FULL_ROUND_EVERY), Scope::Every);
+        assert_eq!(p.scope(nodes(&[]), t0 + FULL_ROUND_EVERY + Duration::from_millis(30)), Scope::Pending);
+        // A costly full round spaces them out (at most 5 % of the time).
+        p.took(&Scope::Every, Duration::from_millis(200));
+        let after = t0 + FULL_ROUND_EVERY + Duration::from_secs(3);
+        assert_eq!(p.scope(nodes(&[]), after), Scope::Pending, "3 s after a 200 ms full round");
+        assert_eq!(p.scope(nodes(&[]), t0 + FULL_ROUND_EVERY + Duration::from_secs(4)), Scope::Every);
+        p.force_full();
+        assert_eq!(p.scope(nodes(&[]), t0 + FULL_ROUND_EVERY + Duration::from_secs(4)), Scope::Every, "forced");
     }
 }
