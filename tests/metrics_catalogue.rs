@@ -91,6 +91,8 @@ async fn catalogue_matches_what_nodes_expose() {
         "walship_catchup_bytes_total",
         "walship_requests_rejected_total",
         "walship_heartbeats_sent_total",
+        "walship_heartbeat_round_seconds",
+        "walship_coordinator_heartbeat_gap_seconds",
         "walship_shard_commit_seqno",
         "walship_assignments_total",
     ] {

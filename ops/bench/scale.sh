@@ -14,7 +14,12 @@
 # has a working leader again (recorded, alive and reporting it leads, in a
 # newer epoch: another node, or node 1 itself once `walship dev` restarted
 # it): p50, p99 and max over those shards, from the coordinator's count of
-# shards without one (`shards_leading` in GET /v1/cluster).
+# shards without one (`shards_leading` in GET /v1/cluster), each the time
+# from which on the count stayed at or under the rest (a count that falls
+# and rises again is timed to its last fall). Beside them: when node 1
+# stopped counting as alive and the first new leader reported
+# (`rose_s`, `first_led_s`), and how often the surviving nodes'
+# heartbeats came late (`survivors_late`).
 #
 # Uses target/release/walship when built, else target/debug/walship.
 set -euo pipefail
@@ -98,6 +103,40 @@ def leaders():
         return {s["shard_id"]: (s.get("leader"), s.get("epoch")) for s in json.load(r)}
 before = leaders()
 led = [s for s, (l, _) in before.items() if l == 1]
+def scrape(url):
+    try:
+        with urllib.request.urlopen(f"{url}metrics", timeout=5) as r:
+            return r.read().decode().splitlines()
+    except Exception:
+        return []
+def over(lines, name, labels, le):
+    # Observations of a histogram series above `le` (count minus that bucket).
+    count = bucket = 0.0
+    for l in lines:
+        if l.startswith(f"{name}_count{{") and labels in l:
+            count = float(l.split()[-1])
+        elif l.startswith(f"{name}_bucket{{") and labels in l and f'le="{le}"' in l:
+            bucket = float(l.split()[-1])
+    return count - bucket
+with urllib.request.urlopen(f"{admin}v1/cluster", timeout=5) as r:
+    survivors = {v["node_id"]: f"http://{v['admin_addr']}/" for v in json.load(r)["nodes"] if v["node_id"] != 1}
+def lateness():
+    # Heartbeats of each surviving node that came more than 100 or 200 ms
+    # after the one before (the coordinator's view), and its heartbeat
+    # rounds whose building or sending took more than 64 or 256 ms (the
+    # node's view).
+    coord = scrape(admin)
+    late = {}
+    for node, url in survivors.items():
+        mine = scrape(url)
+        late[node] = (over(coord, "walship_coordinator_heartbeat_gap_seconds", f'node="{node}"', "0.1"),
+                      over(coord, "walship_coordinator_heartbeat_gap_seconds", f'node="{node}"', "0.2"),
+                      over(mine, "walship_heartbeat_round_seconds", 'phase="build"', "0.064"),
+                      over(mine, "walship_heartbeat_round_seconds", 'phase="build"', "0.256"),
+                      over(mine, "walship_heartbeat_round_seconds", 'phase="send"', "0.064"),
+                      over(mine, "walship_heartbeat_round_seconds", 'phase="send"', "0.256"))
+    return late
+late_before = lateness()
 def leading():
     with urllib.request.urlopen(f"{admin}v1/cluster", timeout=5) as r:
         return json.load(r)["shards_leading"]
@@ -112,7 +151,10 @@ os.kill(pid, signal.SIGKILL)
 # meanwhile: it counts against walship). A light poll: listing every
 # shard every 50 ms (14 MB of JSON at 10,000 shards) took a core of the
 # two the cluster fails over on.
-start, curve, rose = time.monotonic(), [], False
+# The poll goes on until the count has stayed at zero for 2 s: a count
+# that falls to zero and rises again (shards losing the leaders they had
+# just got, or looking led when they were not) is not over.
+start, curve, rose, zero_since = time.monotonic(), [], False, None
 while time.monotonic() - start < 120:
     try:
         missing = n - leading()
@@ -122,20 +164,21 @@ while time.monotonic() - start < 120:
     t = time.monotonic() - start
     curve.append((t, missing))
     rose = rose or missing > 0
-    if rose and missing == 0:
+    zero_since = (zero_since if zero_since is not None else t) if rose and missing == 0 else None
+    if zero_since is not None and t - zero_since >= 2:
         break
     time.sleep(0.02)
 peak = max((m for _, m in curve), default=0)
-# The time the q-th of the led shards had a leader again: the first sample,
-# once the count rose, holding at most the rest of them.
+# The time the q-th of the led shards had a leader again for good: the
+# first sample, once the count rose, after the last one holding more than
+# the rest of them.
 def at(q):
     rest = len(led) - int(q * len(led))
-    rose = False
-    for t, m in curve:
-        rose = rose or m > 0
-        if rose and m <= rest:
-            return round(t, 3)
-    return None
+    first = next((i for i, (_, m) in enumerate(curve) if m > 0), None)
+    if first is None:
+        return None
+    last_over = max((i for i, (_, m) in enumerate(curve) if i >= first and m > rest), default=first - 1)
+    return round(curve[last_over + 1][0], 3) if last_over + 1 < len(curve) else None
 # Each failover's own duration (start to the new leader assigned), from the
 # coordinator's walship_failover_seconds histogram: the bucket holding the
 # median and the 99th percentile. Beside the times above (from the kill),
@@ -155,7 +198,17 @@ def steps():
                 for l in lines if l.startswith(f"walship_failover_step_seconds_{suffix}{{")}
     sums, counts = by_step("sum"), by_step("count")
     return {step: round(sums[step] / counts[step], 4) for step in sums if counts.get(step)}
-print(json.dumps({"shards_led": len(led), "most_without_leader": peak, "p50_s": at(0.5), "p99_s": at(0.99), "max_s": at(1.0),
+# When the count first rose (node 1 no longer alive to the coordinator)
+# and first fell (the first new leader reporting): detection, then the
+# first bulk's own work.
+rose_s = next((round(t, 3) for t, m in curve if m > 0), None)
+first_led_s = next((round(t, 3) for (t, m), (_, m0) in zip(curve[1:], curve) if rose_s is not None and t > rose_s and m < m0), None)
+late_after = lateness()
+late = {str(node): dict(zip(("gaps_over_100ms", "gaps_over_200ms", "builds_over_64ms", "builds_over_256ms",
+                             "sends_over_64ms", "sends_over_256ms"),
+                            (int(a - b) for a, b in zip(late_after[node], late_before[node]))))
+        for node in survivors}
+print(json.dumps({"shards_led": len(led), "most_without_leader": peak, "survivors_late": late, "rose_s": rose_s, "first_led_s": first_led_s, "p50_s": at(0.5), "p99_s": at(0.99), "max_s": at(1.0),
                   "own_p50_s_at_most": own(0.5), "own_p99_s_at_most": own(0.99), "step_mean_s": steps()}))
 PY
 )

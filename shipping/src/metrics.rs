@@ -31,6 +31,9 @@ pub struct ReplicationMetrics {
     pub ship_refused: IntCounterVec,
     pub heartbeats_received: IntCounter,
     pub heartbeats_sent: IntCounterVec,
+    /// Each heartbeat round's phases (`build`: the reports, `send`: the
+    /// calls), the node's side of a late heartbeat.
+    pub heartbeat_round_seconds: prometheus::HistogramVec,
     pub disk_bytes: IntGauge,
     pub append_rate: Gauge,
     /// Per-shard series (`shard` = the shard id); false: one series per
@@ -206,6 +209,18 @@ impl ReplicationMetrics {
                         "Heartbeat calls sent (batches), by outcome (ok, error)",
                     ),
                     &["outcome"],
+                )?,
+            )?,
+            heartbeat_round_seconds: register(
+                registry,
+                prometheus::HistogramVec::new(
+                    HistogramOpts::new(
+                        "walship_heartbeat_round_seconds",
+                        "Time each heartbeat round spent building its reports (phase=build) and sending them \
+                         (phase=send); a round late by more than the leader timeout makes the coordinator wait",
+                    )
+                    .buckets(prometheus::exponential_buckets(0.0005, 2.0, 14)?),
+                    &["phase"],
                 )?,
             )?,
             node_keepalives: register(

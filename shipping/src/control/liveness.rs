@@ -64,6 +64,11 @@ impl Arrivals {
         self.last = Some(at);
     }
 
+    /// Whether a heartbeat arrived before.
+    pub fn heard(&self) -> bool {
+        self.last.is_some()
+    }
+
     /// The worst recent gap as of `now`, decayed.
     fn worst_at_time(&self, now: Instant) -> Duration {
         let Some(at) = self.worst_at else { return Duration::ZERO };

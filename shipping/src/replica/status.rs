@@ -426,15 +426,20 @@ impl ReplicationNode {
                 replica.reported(activity, quiet || unassigned);
                 builds.insert(replica.shard, built);
             }
+            let build_took = building.elapsed();
+            self.metrics.heartbeat_round_seconds.with_label_values(&["build"]).observe(build_took.as_secs_f64());
             if full {
-                full_every = full_report_every(building.elapsed());
+                full_every = full_report_every(build_took);
             }
             unsettled = looked_at.iter().filter(|r| !r.settled()).map(|r| r.shard).collect();
             builds.retain(|shard, _| unsettled.contains(shard));
             self.metrics.append_rate.set(node_rate);
             let timeout = interval.max(Duration::from_millis(200));
+            let sending = Instant::now();
             let sends = targets.iter_mut().map(|t| t.send(self.me, &requests, full, timeout));
-            for outcomes in futures::future::join_all(sends).await {
+            let sent = futures::future::join_all(sends).await;
+            self.metrics.heartbeat_round_seconds.with_label_values(&["send"]).observe(sending.elapsed().as_secs_f64());
+            for outcomes in sent {
                 for ok in outcomes {
                     self.metrics.heartbeats_sent.with_label_values(&[if ok { "ok" } else { "error" }]).inc();
                 }

@@ -148,21 +148,67 @@ struct NodeSeen {
     /// The newest heartbeat of each of its replicas, with when it arrived
     /// (shared: reconcile rounds look at every one of them).
     shards: BTreeMap<u32, (Arc<HeartbeatRequest>, Instant)>,
+    /// The uptime its newest reports gave, and when they arrived: when the
+    /// node started, to tell a restart (see [`NodeSeen::restarted`]).
+    run: Option<(u64, Instant)>,
 }
+
+/// A node whose reports say it started this much later than its earlier
+/// reports did has restarted. Far above how late a batch may arrive (its
+/// call's 200 ms deadline) and how long a heartbeat round takes to build;
+/// far below the time a node takes to restart and report again.
+const RESTART_MARGIN: Duration = Duration::from_secs(1);
 
 impl NodeSeen {
     fn first(now: Instant) -> NodeSeen {
-        NodeSeen { at: now, arrivals: Default::default(), refreshed: None, shards: BTreeMap::new() }
+        NodeSeen { at: now, arrivals: Default::default(), refreshed: None, shards: BTreeMap::new(), run: None }
+    }
+
+    /// Reports with `uptime_ms` arrived at `now`. When they come from a
+    /// new run of the node (their uptime went back, and the start they
+    /// give is past [`RESTART_MARGIN`] after the one given before), the
+    /// reports of its previous run are dropped, and the shards they were
+    /// of answered: until the new run reports a shard, nothing is known of
+    /// it. Kept, they said the node still led the shards it led before it
+    /// died (a restarted leader never leads in its old epoch again), so
+    /// those shards looked led again the moment its first batch came, and
+    /// reconcile rounds read its old positions and roles as current.
+    fn restarted(&mut self, uptime_ms: u64, now: Instant) -> Option<std::collections::BTreeSet<u32>> {
+        if uptime_ms == 0 {
+            return None; // an older build: no uptime in its reports
+        }
+        let uptime = Duration::from_millis(uptime_ms);
+        let restarted = self.run.is_some_and(|(before, at)| {
+            let started_before = at.checked_sub(Duration::from_millis(before));
+            let started_now = now.checked_sub(uptime);
+            uptime_ms < before
+                && match (started_before, started_now) {
+                    (Some(b), Some(n)) => n > b + RESTART_MARGIN,
+                    _ => false,
+                }
+        });
+        if !restarted {
+            if self.run.is_none_or(|(before, _)| uptime_ms >= before) {
+                self.run = Some((uptime_ms, now));
+            }
+            return None;
+        }
+        self.run = Some((uptime_ms, now));
+        let dropped = std::mem::take(&mut self.shards);
+        Some(dropped.into_keys().collect())
     }
 
     /// A heartbeat (a lone one or a batch) arrived at `now`; whether the
     /// node had been silent past `timeout` (reconcile rounds left its
     /// shards alone meanwhile, `reconcile.rs`: the next looks at every one).
-    fn arrived(&mut self, now: Instant, timeout: Duration) -> bool {
-        let back = now.duration_since(self.at) > timeout;
+    fn arrived(&mut self, now: Instant, timeout: Duration, gaps: &HistogramVec, node: NodeId) -> bool {
+        let gap = now.duration_since(self.at);
+        if self.arrivals.heard() {
+            gaps.with_label_values(&[&node.to_string()]).observe(gap.as_secs_f64());
+        }
         self.at = now;
         self.arrivals.arrived(now);
-        back
+        gap > timeout
     }
 
     /// Keeps a batch's reports; answers the shards whose report changed:
@@ -242,6 +288,9 @@ pub struct CoordinatorMetrics {
     replica_changes: IntCounterVec,
     /// Writes of the leadership state (each carries every change queued).
     state_writes: prometheus::IntCounter,
+    /// Time between two heartbeat arrivals of each node: what its silence
+    /// bound adapts to (`control/liveness.rs`).
+    heartbeat_gap_seconds: HistogramVec,
 }
 
 impl CoordinatorMetrics {
@@ -293,6 +342,16 @@ impl CoordinatorMetrics {
             "Compare-and-set writes of the leadership state (lease renewals included); each carries every change queued",
         )?;
         registry.register(Box::new(state_writes.clone()))?;
+        let heartbeat_gap_seconds = HistogramVec::new(
+            HistogramOpts::new(
+                "walship_coordinator_heartbeat_gap_seconds",
+                "Time between two heartbeat arrivals of a node at this coordinator, by node (one series per node); \
+                 gaps past the leader timeout lengthen that node's silence bound",
+            )
+            .buckets(vec![0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 1.0, 2.0, 4.0, 8.0]),
+            &["node"],
+        )?;
+        registry.register(Box::new(heartbeat_gap_seconds.clone()))?;
         crate::metrics::UndecodableMessages::register(registry)?;
         Ok(CoordinatorMetrics {
             active,
@@ -304,6 +363,7 @@ impl CoordinatorMetrics {
             assigns,
             replica_changes,
             state_writes,
+            heartbeat_gap_seconds,
         })
     }
 }
@@ -544,10 +604,19 @@ impl Coordinator {
         let mut seen = self.seen.lock();
         let now = Instant::now();
         let node = seen.entry(request.node_id).or_insert_with(|| NodeSeen::first(now));
-        let back = node.arrived(now, timeout);
+        let back = node.arrived(now, timeout, &self.metrics.heartbeat_gap_seconds, request.node_id);
+        let dropped = node.restarted(request.uptime_ms, now);
         node.shards.insert(request.shard_id, (Arc::new(request.clone()), now));
         drop(seen);
         let mut pending = self.pending.lock();
+        if let Some(dropped) = dropped {
+            tracing::info!(
+                node = request.node_id,
+                shards = dropped.len(),
+                "the node restarted: the reports of its previous run are dropped"
+            );
+            pending.shards.extend(dropped);
+        }
         pending.shards.insert(request.shard_id);
         if back {
             pending.force_full();
@@ -564,14 +633,26 @@ impl Coordinator {
     pub fn on_heartbeat_batch(&self, batch: HeartbeatBatchRequest) -> Result<(), tonic::Status> {
         check_heartbeat_batch(&batch, |n| self.config.node(n).is_some())?;
         self.republish(&batch.shards);
+        let node_id = batch.node_id;
         let now = Instant::now();
         let timeout = Duration::from_millis(self.config.replication.leader_timeout_ms);
         let (changed, back) = {
             let mut seen = self.seen.lock();
-            let node = seen.entry(batch.node_id).or_insert_with(|| NodeSeen::first(now));
-            let back = node.arrived(now, timeout);
+            let node = seen.entry(node_id).or_insert_with(|| NodeSeen::first(now));
+            let back = node.arrived(now, timeout, &self.metrics.heartbeat_gap_seconds, node_id);
             node.refreshed = Some(now);
-            (node.take_reports(batch, now), back)
+            let uptime = batch.shards.iter().map(|s| s.uptime_ms).max().unwrap_or(0);
+            let dropped = node.restarted(uptime, now);
+            let mut changed = node.take_reports(batch, now);
+            if let Some(dropped) = dropped {
+                tracing::info!(
+                    node = node_id,
+                    shards = dropped.len(),
+                    "the node restarted: the reports of its previous run are dropped"
+                );
+                changed.extend(dropped);
+            }
+            (changed, back)
         };
         if back {
             self.pending.lock().force_full();
@@ -721,5 +802,32 @@ mod tests {
         // A batch that is not full drops nothing.
         assert!(node.take_reports(batch(false, vec![report(2, 6, 4010)]), later).is_empty());
         assert!(node.shards.contains_key(&1));
+    }
+
+    #[test]
+    fn a_restarted_nodes_reports_of_its_previous_run_are_dropped() {
+        let t0 = Instant::now();
+        let mut node = NodeSeen::first(t0);
+        assert_eq!(node.restarted(60_000, t0), None, "the first reports heard");
+        node.take_reports(batch(true, vec![report(1, 5, 60_000), report(2, 5, 60_000)]), t0);
+        // The same run, later; and a batch of that run arriving late (its
+        // uptime went back, the start it gives is earlier): no restart.
+        assert_eq!(node.restarted(62_000, t0 + Duration::from_secs(2)), None);
+        assert_eq!(node.restarted(61_800, t0 + Duration::from_millis(2_100)), None, "a late batch");
+        // Built 300 ms before it arrived: a start 300 ms later, not a restart.
+        assert_eq!(node.restarted(62_100, t0 + Duration::from_millis(2_400)), None, "a slow round");
+        assert_eq!(node.shards.len(), 2);
+        // Killed, restarted, reporting 500 ms into its new run.
+        let after = t0 + Duration::from_secs(4);
+        let dropped = node.restarted(500, after).expect("a restart");
+        assert_eq!(dropped.into_iter().collect::<Vec<_>>(), vec![1, 2], "the previous run's shards, answered");
+        assert!(node.shards.is_empty(), "nothing is known of the new run yet");
+        let changed = node.take_reports(batch(false, vec![report(2, 5, 500)]), after);
+        assert_eq!(changed.into_iter().collect::<Vec<_>>(), vec![2]);
+        // The new run goes on: no second restart.
+        assert_eq!(node.restarted(900, after + Duration::from_millis(400)), None);
+        // An older build gives no uptime: nothing is told.
+        assert_eq!(node.restarted(0, after + Duration::from_secs(1)), None);
+        assert_eq!(node.shards.len(), 1);
     }
 }
