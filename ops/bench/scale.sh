@@ -123,8 +123,8 @@ with urllib.request.urlopen(f"{admin}v1/cluster", timeout=5) as r:
 def lateness():
     # Heartbeats of each surviving node that came more than 100 or 200 ms
     # after the one before (the coordinator's view), and its heartbeat
-    # rounds whose building or sending took more than 64 or 256 ms (the
-    # node's view).
+    # rounds whose building or sending took more than 64 or 256 ms, or that
+    # started more than 64 ms after their tick was due (the node's view).
     coord = scrape(admin)
     late = {}
     for node, url in survivors.items():
@@ -134,7 +134,8 @@ def lateness():
                       over(mine, "walship_heartbeat_round_seconds", 'phase="build"', "0.064"),
                       over(mine, "walship_heartbeat_round_seconds", 'phase="build"', "0.256"),
                       over(mine, "walship_heartbeat_round_seconds", 'phase="send"', "0.064"),
-                      over(mine, "walship_heartbeat_round_seconds", 'phase="send"', "0.256"))
+                      over(mine, "walship_heartbeat_round_seconds", 'phase="send"', "0.256"),
+                      over(mine, "walship_heartbeat_round_seconds", 'phase="late"', "0.064"))
     return late
 late_before = lateness()
 def leading():
@@ -205,7 +206,7 @@ rose_s = next((round(t, 3) for t, m in curve if m > 0), None)
 first_led_s = next((round(t, 3) for (t, m), (_, m0) in zip(curve[1:], curve) if rose_s is not None and t > rose_s and m < m0), None)
 late_after = lateness()
 late = {str(node): dict(zip(("gaps_over_100ms", "gaps_over_200ms", "builds_over_64ms", "builds_over_256ms",
-                             "sends_over_64ms", "sends_over_256ms"),
+                             "sends_over_64ms", "sends_over_256ms", "starts_late_over_64ms"),
                             (int(a - b) for a, b in zip(late_after[node], late_before[node]))))
         for node in survivors}
 print(json.dumps({"shards_led": len(led), "most_without_leader": peak, "survivors_late": late, "rose_s": rose_s, "first_led_s": first_led_s, "p50_s": at(0.5), "p99_s": at(0.99), "max_s": at(1.0),

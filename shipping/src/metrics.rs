@@ -31,8 +31,9 @@ pub struct ReplicationMetrics {
     pub ship_refused: IntCounterVec,
     pub heartbeats_received: IntCounter,
     pub heartbeats_sent: IntCounterVec,
-    /// Each heartbeat round's phases (`build`: the reports, `send`: the
-    /// calls), the node's side of a late heartbeat.
+    /// Each heartbeat round's phases (`late`: its start after the tick was
+    /// due, `build`: the reports, `send`: the calls), the node's side of a
+    /// late heartbeat.
     pub heartbeat_round_seconds: prometheus::HistogramVec,
     pub disk_bytes: IntGauge,
     pub append_rate: Gauge,
@@ -216,8 +217,9 @@ impl ReplicationMetrics {
                 prometheus::HistogramVec::new(
                     HistogramOpts::new(
                         "walship_heartbeat_round_seconds",
-                        "Time each heartbeat round spent building its reports (phase=build) and sending them \
-                         (phase=send); a round late by more than the leader timeout makes the coordinator wait",
+                        "Heartbeat rounds: how late each started after its tick was due (phase=late), and the time \
+                         it spent building its reports (phase=build) and sending them (phase=send); a round late \
+                         by more than the leader timeout makes the coordinator wait",
                     )
                     .buckets(prometheus::exponential_buckets(0.0005, 2.0, 14)?),
                     &["phase"],

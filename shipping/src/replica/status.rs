@@ -296,10 +296,14 @@ impl ReplicationNode {
         let mut ticks = 0u64;
         let mut full_every = FULL_HEARTBEAT_EVERY;
         loop {
-            tokio::select! {
-                _ = tick.tick() => {}
+            let due = tokio::select! {
+                due = tick.tick() => due,
                 _ = self.shutdown.cancelled() => return,
-            }
+            };
+            // How late the round starts: a runtime too busy to run this
+            // task on time delays every report as much.
+            let late = tokio::time::Instant::now().saturating_duration_since(due);
+            self.metrics.heartbeat_round_seconds.with_label_values(&["late"]).observe(late.as_secs_f64());
             let disk = (self.disk_bytes)();
             self.metrics.disk_bytes.set(disk as i64);
             let mut node_rate = 0.0;
