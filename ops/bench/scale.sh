@@ -18,8 +18,10 @@
 # from which on the count stayed at or under the rest (a count that falls
 # and rises again is timed to its last fall). Beside them: when node 1
 # stopped counting as alive and the first new leader reported
-# (`rose_s`, `first_led_s`), and how often the surviving nodes'
-# heartbeats came late (`survivors_late`).
+# (`rose_s`, `first_led_s`), how often the surviving nodes' heartbeats
+# came late (`survivors_late`), and the CPU seconds the coordinator used
+# from the kill until the count had stayed at zero for 2 s
+# (`coordinator_cpu_s`).
 #
 # Uses target/release/walship when built, else target/debug/walship.
 set -euo pipefail
@@ -95,9 +97,18 @@ for n in $counts; do
     for p in $pids; do
       tr '\0' ' ' <"/proc/$p/cmdline" | grep -q -- '--node-id 1 ' && node1=$p
     done
-    failover=$(python3 - "$admin" "$n" "$node1" <<'PY'
+    coord=""
+    for p in $pids; do
+      tr '\0' ' ' <"/proc/$p/cmdline" | grep -q ' coord ' && coord=$p
+    done
+    failover=$(python3 - "$admin" "$n" "$node1" "$coord" "$ticks" <<'PY'
 import json, os, signal, sys, time, urllib.request
-admin, n, pid = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
+admin, n, pid, coord, ticks = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4]), int(sys.argv[5])
+def cpu_s(p):
+    # CPU seconds the process has used (user + system).
+    with open(f"/proc/{p}/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / ticks
 def leaders():
     with urllib.request.urlopen(f"{admin}v1/shards?limit={n}", timeout=5) as r:
         return {s["shard_id"]: (s.get("leader"), s.get("epoch")) for s in json.load(r)}
@@ -138,6 +149,7 @@ def lateness():
                       over(mine, "walship_heartbeat_round_seconds", 'phase="late"', "0.064"))
     return late
 late_before = lateness()
+coord_cpu_before = cpu_s(coord)
 def leading():
     with urllib.request.urlopen(f"{admin}v1/cluster", timeout=5) as r:
         return json.load(r)["shards_leading"]
@@ -204,12 +216,14 @@ def steps():
 # first bulk's own work.
 rose_s = next((round(t, 3) for t, m in curve if m > 0), None)
 first_led_s = next((round(t, 3) for (t, m), (_, m0) in zip(curve[1:], curve) if rose_s is not None and t > rose_s and m < m0), None)
+coord_cpu_s = round(cpu_s(coord) - coord_cpu_before, 2)
 late_after = lateness()
 late = {str(node): dict(zip(("gaps_over_100ms", "gaps_over_200ms", "builds_over_64ms", "builds_over_256ms",
                              "sends_over_64ms", "sends_over_256ms", "starts_late_over_64ms"),
                             (int(a - b) for a, b in zip(late_after[node], late_before[node]))))
         for node in survivors}
-print(json.dumps({"shards_led": len(led), "most_without_leader": peak, "survivors_late": late, "rose_s": rose_s, "first_led_s": first_led_s, "p50_s": at(0.5), "p99_s": at(0.99), "max_s": at(1.0),
+print(json.dumps({"shards_led": len(led), "most_without_leader": peak, "survivors_late": late, "rose_s": rose_s, "first_led_s": first_led_s,
+                  "coordinator_cpu_s": coord_cpu_s, "p50_s": at(0.5), "p99_s": at(0.99), "max_s": at(1.0),
                   "own_p50_s_at_most": own(0.5), "own_p99_s_at_most": own(0.99), "step_mean_s": steps()}))
 PY
 )
