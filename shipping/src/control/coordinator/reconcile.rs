@@ -298,20 +298,31 @@ impl Coordinator {
                 if in_line {
                     continue;
                 }
-                again.push(shard);
                 // At most one assignment per replica in flight, at most
                 // ASSIGNMENTS_AT_ONCE in all (a coordinator starting on
                 // thousands of shards would otherwise open tens of
                 // thousands of calls at once), and none again within 200 ms.
-                let due = {
+                let (due, in_flight) = {
                     let mut assigned = self.assigned.lock();
-                    let due = assigned.get(&(replica, shard)).is_none_or(|t| t.elapsed() > Duration::from_millis(200))
-                        && self.assigning.lock().insert((replica, shard));
+                    let mut assigning = self.assigning.lock();
+                    let in_flight = assigning.contains(&(replica, shard));
+                    let due = !in_flight
+                        && assigned.get(&(replica, shard)).is_none_or(|t| t.elapsed() > Duration::from_millis(200))
+                        && assigning.insert((replica, shard));
                     if due {
                         assigned.insert((replica, shard), Instant::now());
                     }
-                    due
+                    (due, in_flight)
                 };
+                // An assignment sent now or still in flight (queued for a
+                // slot, say) puts the shard back in the pending set when it
+                // ends; otherwise (assigned within 200 ms, not in line yet)
+                // it is looked at again next round. Looked at every round
+                // while their assignments queued, the thousands of shards
+                // of a failover or a start-up kept the coordinator busy.
+                if !due && !in_flight {
+                    again.push(shard);
+                }
                 if due {
                     let me = self.clone();
                     let record = record.clone();
