@@ -177,6 +177,30 @@ where
     }
 }
 
+/// Blocks until the coordinator at `admin` (`http://host:port`) says it
+/// holds the lease, for at most `within`; whether it did. For the
+/// synchronous cluster launch, so a plain HTTP/1.0 GET.
+fn wait_active_blocking(admin: &str, within: Duration) -> bool {
+    use std::io::{Read, Write};
+    let addr = admin.trim_start_matches("http://").trim_end_matches('/');
+    let deadline = Instant::now() + within;
+    while Instant::now() < deadline {
+        if let Ok(mut socket) = std::net::TcpStream::connect(addr) {
+            let _ = socket.set_read_timeout(Some(Duration::from_secs(2)));
+            let request = format!("GET /v1/cluster HTTP/1.0\r\nHost: {addr}\r\n\r\n");
+            let mut answer = String::new();
+            if socket.write_all(request.as_bytes()).is_ok() && socket.read_to_string(&mut answer).is_ok() {
+                let body = answer.split_once("\r\n\r\n").map_or("", |(_, body)| body);
+                if serde_json::from_str::<serde_json::Value>(body).is_ok_and(|v| v["coordinator"]["active"] == true) {
+                    return true;
+                }
+            }
+        }
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    false
+}
+
 /// Plain HTTP GET over loopback (no client crate needed): status and body.
 pub async fn http_get(addr_and_path: &str) -> (u16, String) {
     http_request("GET", addr_and_path, None).await
@@ -463,6 +487,14 @@ impl Cluster {
         };
         for c in 1..=coordinators {
             let coordinator = cluster.spawn_coordinator(c);
+            if c == 1 && coordinators > 1 {
+                // Coordinator 1 takes the lease before the next one starts:
+                // tests name it the active one, and on a loaded machine a
+                // standby started at once can win the race for the lease
+                // (a DataPlane test then waited a minute for workers that
+                // had connected to coordinator 2).
+                wait_active_blocking(&coordinator.admin, Duration::from_secs(20));
+            }
             cluster.coordinators.push(coordinator);
         }
         cluster
