@@ -36,15 +36,17 @@ use crate::control::failover::{self, Candidate};
 use crate::control::kv::{Kv, KvError};
 use crate::control::state::{ClusterState, FailoverRecord, LeaseAction, ShardRecord, Stored, lease_action};
 use crate::peers::{PeerTransport, Peers};
-use crate::replica::same_report;
 
 mod batch;
 mod members;
 mod promote;
 mod reconcile;
+mod seen;
 mod write;
 
 pub use members::{ReplicaAction, ReplicaChange, ReplicaChangeRequest, ReplicaChanges};
+use seen::NodeSeen;
+pub use seen::Reports;
 
 pub fn now_ms() -> u64 {
     SystemTime::now().duration_since(UNIX_EPOCH).map(|d| d.as_millis() as u64).unwrap_or(0)
@@ -136,133 +138,6 @@ pub struct FailoverOutcome {
     /// Replicas that did not answer.
     pub unreachable: Vec<NodeId>,
     pub commit_seqno: u64,
-}
-
-struct NodeSeen {
-    at: Instant,
-    /// Its heartbeats' arrivals: how long its silence must last to count.
-    arrivals: crate::control::liveness::Arrivals,
-    /// The last batch from the node: every shard it holds counts as
-    /// reported unchanged then (kept once per node, not per shard).
-    refreshed: Option<Instant>,
-    /// The newest heartbeat of each of its replicas, with when it arrived
-    /// (shared: reconcile rounds look at every one of them).
-    shards: BTreeMap<u32, (Arc<HeartbeatRequest>, Instant)>,
-    /// The uptime its newest reports gave, and when they arrived: when the
-    /// node started, to tell a restart (see [`NodeSeen::restarted`]).
-    run: Option<(u64, Instant)>,
-}
-
-/// A node whose reports say it started this much later than its earlier
-/// reports did has restarted. Far above how late a batch may arrive (its
-/// call's 200 ms deadline) and how long a heartbeat round takes to build;
-/// far below the time a node takes to restart and report again.
-const RESTART_MARGIN: Duration = Duration::from_secs(1);
-
-impl NodeSeen {
-    fn first(now: Instant) -> NodeSeen {
-        NodeSeen { at: now, arrivals: Default::default(), refreshed: None, shards: BTreeMap::new(), run: None }
-    }
-
-    /// Reports with `uptime_ms` arrived at `now`. When they come from a
-    /// new run of the node (their uptime went back, and the start they
-    /// give is past [`RESTART_MARGIN`] after the one given before), the
-    /// reports of its previous run are dropped, and the shards they were
-    /// of answered: until the new run reports a shard, nothing is known of
-    /// it. Kept, they said the node still led the shards it led before it
-    /// died (a restarted leader never leads in its old epoch again), so
-    /// those shards looked led again the moment its first batch came, and
-    /// reconcile rounds read its old positions and roles as current.
-    fn restarted(&mut self, uptime_ms: u64, now: Instant) -> Option<std::collections::BTreeSet<u32>> {
-        if uptime_ms == 0 {
-            return None; // an older build: no uptime in its reports
-        }
-        let uptime = Duration::from_millis(uptime_ms);
-        let restarted = self.run.is_some_and(|(before, at)| {
-            let started_before = at.checked_sub(Duration::from_millis(before));
-            let started_now = now.checked_sub(uptime);
-            uptime_ms < before
-                && match (started_before, started_now) {
-                    (Some(b), Some(n)) => n > b + RESTART_MARGIN,
-                    _ => false,
-                }
-        });
-        if !restarted {
-            if self.run.is_none_or(|(before, _)| uptime_ms >= before) {
-                self.run = Some((uptime_ms, now));
-            }
-            return None;
-        }
-        self.run = Some((uptime_ms, now));
-        let dropped = std::mem::take(&mut self.shards);
-        Some(dropped.into_keys().collect())
-    }
-
-    /// A heartbeat (a lone one or a batch) arrived at `now`; whether the
-    /// node had been silent past `timeout` (reconcile rounds left its
-    /// shards alone meanwhile, `reconcile.rs`: the next looks at every one).
-    fn arrived(&mut self, now: Instant, timeout: Duration, gaps: &HistogramVec, node: NodeId) -> bool {
-        let gap = now.duration_since(self.at);
-        if self.arrivals.heard() {
-            gaps.with_label_values(&[&node.to_string()]).observe(gap.as_secs_f64());
-        }
-        self.at = now;
-        self.arrivals.arrived(now);
-        gap > timeout
-    }
-
-    /// Keeps a batch's reports; answers the shards whose report changed:
-    /// new, different from the last one (see `same_report`), or no longer
-    /// reported by a full batch (dropped).
-    fn take_reports(&mut self, batch: HeartbeatBatchRequest, now: Instant) -> std::collections::BTreeSet<u32> {
-        let mut changed = std::collections::BTreeSet::new();
-        if batch.full {
-            let hosted: std::collections::BTreeSet<u32> = batch.shards.iter().map(|s| s.shard_id).collect();
-            let gone: Vec<u32> = self.shards.keys().filter(|id| !hosted.contains(id)).copied().collect();
-            for id in gone {
-                self.shards.remove(&id);
-                changed.insert(id);
-            }
-        }
-        for s in batch.shards {
-            let (id, s) = (s.shard_id, Arc::new(s));
-            let old = self.shards.insert(id, (s.clone(), now));
-            if old.is_none_or(|(old, _)| !same_report(&old, &s)) {
-                changed.insert(id);
-            }
-        }
-        changed
-    }
-}
-
-/// The replicas' newest heartbeats, locked (see [`Coordinator::reports`]).
-pub struct Reports<'a>(parking_lot::MutexGuard<'a, BTreeMap<NodeId, NodeSeen>>);
-
-impl Reports<'_> {
-    /// The newest heartbeat of a replica.
-    pub fn heartbeat(&self, node: NodeId, shard: u32) -> Option<Arc<HeartbeatRequest>> {
-        self.0.get(&node).and_then(|n| n.shards.get(&shard).map(|(hb, _)| hb.clone()))
-    }
-
-    /// The newest heartbeat of a replica, with milliseconds since it
-    /// arrived (or since its node's last batch, which repeats it).
-    pub fn heartbeat_aged(&self, node: NodeId, shard: u32) -> Option<(Arc<HeartbeatRequest>, u64)> {
-        self.0.get(&node).and_then(|n| {
-            let (hb, at) = n.shards.get(&shard)?;
-            let at = n.refreshed.map_or(*at, |r| r.max(*at));
-            Some((hb.clone(), at.elapsed().as_millis() as u64))
-        })
-    }
-
-    /// Whether `node` was heard from within `timeout`.
-    pub fn heard_within(&self, node: NodeId, timeout: Duration) -> bool {
-        self.0.get(&node).is_some_and(|n| n.at.elapsed() <= timeout)
-    }
-
-    /// The newest heartbeat of every replica `node` reported.
-    pub fn of_node(&self, node: NodeId) -> impl Iterator<Item = &HeartbeatRequest> {
-        self.0.get(&node).into_iter().flat_map(|n| n.shards.values().map(|(hb, _)| &**hb))
-    }
 }
 
 struct Active {
@@ -604,19 +479,12 @@ impl Coordinator {
         let mut seen = self.seen.lock();
         let now = Instant::now();
         let node = seen.entry(request.node_id).or_insert_with(|| NodeSeen::first(now));
-        let back = node.arrived(now, timeout, &self.metrics.heartbeat_gap_seconds, request.node_id);
-        let dropped = node.restarted(request.uptime_ms, now);
+        let (back, dropped) =
+            node.heard(request.node_id, request.uptime_ms, now, timeout, &self.metrics.heartbeat_gap_seconds);
         node.shards.insert(request.shard_id, (Arc::new(request.clone()), now));
         drop(seen);
         let mut pending = self.pending.lock();
-        if let Some(dropped) = dropped {
-            tracing::info!(
-                node = request.node_id,
-                shards = dropped.len(),
-                "the node restarted: the reports of its previous run are dropped"
-            );
-            pending.shards.extend(dropped);
-        }
+        pending.shards.extend(dropped.into_iter().flatten());
         pending.shards.insert(request.shard_id);
         if back {
             pending.force_full();
@@ -639,19 +507,11 @@ impl Coordinator {
         let (changed, back) = {
             let mut seen = self.seen.lock();
             let node = seen.entry(node_id).or_insert_with(|| NodeSeen::first(now));
-            let back = node.arrived(now, timeout, &self.metrics.heartbeat_gap_seconds, node_id);
-            node.refreshed = Some(now);
             let uptime = batch.shards.iter().map(|s| s.uptime_ms).max().unwrap_or(0);
-            let dropped = node.restarted(uptime, now);
+            let (back, dropped) = node.heard(node_id, uptime, now, timeout, &self.metrics.heartbeat_gap_seconds);
+            node.refreshed = Some(now);
             let mut changed = node.take_reports(batch, now);
-            if let Some(dropped) = dropped {
-                tracing::info!(
-                    node = node_id,
-                    shards = dropped.len(),
-                    "the node restarted: the reports of its previous run are dropped"
-                );
-                changed.extend(dropped);
-            }
+            changed.extend(dropped.into_iter().flatten());
             (changed, back)
         };
         if back {
@@ -763,71 +623,5 @@ impl Coordinator {
         self.metrics.active.set(1);
         self.metrics.lease_term.set(state.lease.term as i64);
         *active = Some(Active { state, revision, since, lease_until });
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    fn report(shard: u32, durable: u64, uptime_ms: u64) -> HeartbeatRequest {
-        HeartbeatRequest {
-            shard_id: shard,
-            node_id: 1,
-            epoch: 1,
-            durable_seqno: durable,
-            uptime_ms,
-            ..Default::default()
-        }
-    }
-
-    fn batch(full: bool, shards: Vec<HeartbeatRequest>) -> HeartbeatBatchRequest {
-        HeartbeatBatchRequest { node_id: 1, shards, full }
-    }
-
-    #[test]
-    fn only_changed_reports_are_looked_at_again() {
-        let now = Instant::now();
-        let mut node = NodeSeen::first(now);
-        let first = node.take_reports(batch(true, vec![report(1, 5, 10), report(2, 5, 10), report(3, 5, 10)]), now);
-        assert_eq!(first.into_iter().collect::<Vec<_>>(), vec![1, 2, 3], "new reports are changes");
-        // The next full batch repeats them, clocks moved, shard 2 grew, and
-        // shard 3 is no longer hosted.
-        let later = now + Duration::from_secs(2);
-        let changed = node.take_reports(batch(true, vec![report(1, 5, 2010), report(2, 6, 2010)]), later);
-        assert_eq!(changed.into_iter().collect::<Vec<_>>(), vec![2, 3]);
-        assert!(!node.shards.contains_key(&3), "a shard a full batch leaves out is dropped");
-        let (kept, at) = &node.shards[&1];
-        assert_eq!((kept.uptime_ms, *at), (2010, later), "an unchanged report is still kept, with its arrival");
-        // A batch that is not full drops nothing.
-        assert!(node.take_reports(batch(false, vec![report(2, 6, 4010)]), later).is_empty());
-        assert!(node.shards.contains_key(&1));
-    }
-
-    #[test]
-    fn a_restarted_nodes_reports_of_its_previous_run_are_dropped() {
-        let t0 = Instant::now();
-        let mut node = NodeSeen::first(t0);
-        assert_eq!(node.restarted(60_000, t0), None, "the first reports heard");
-        node.take_reports(batch(true, vec![report(1, 5, 60_000), report(2, 5, 60_000)]), t0);
-        // The same run, later; and a batch of that run arriving late (its
-        // uptime went back, the start it gives is earlier): no restart.
-        assert_eq!(node.restarted(62_000, t0 + Duration::from_secs(2)), None);
-        assert_eq!(node.restarted(61_800, t0 + Duration::from_millis(2_100)), None, "a late batch");
-        // Built 300 ms before it arrived: a start 300 ms later, not a restart.
-        assert_eq!(node.restarted(62_100, t0 + Duration::from_millis(2_400)), None, "a slow round");
-        assert_eq!(node.shards.len(), 2);
-        // Killed, restarted, reporting 500 ms into its new run.
-        let after = t0 + Duration::from_secs(4);
-        let dropped = node.restarted(500, after).expect("a restart");
-        assert_eq!(dropped.into_iter().collect::<Vec<_>>(), vec![1, 2], "the previous run's shards, answered");
-        assert!(node.shards.is_empty(), "nothing is known of the new run yet");
-        let changed = node.take_reports(batch(false, vec![report(2, 5, 500)]), after);
-        assert_eq!(changed.into_iter().collect::<Vec<_>>(), vec![2]);
-        // The new run goes on: no second restart.
-        assert_eq!(node.restarted(900, after + Duration::from_millis(400)), None);
-        // An older build gives no uptime: nothing is told.
-        assert_eq!(node.restarted(0, after + Duration::from_secs(1)), None);
-        assert_eq!(node.shards.len(), 1);
     }
 }
