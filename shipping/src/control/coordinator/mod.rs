@@ -288,7 +288,7 @@ pub struct Coordinator {
     lost: Mutex<Vec<promote::Lost>>,
     /// Bulk failovers running at once (see
     /// `reconcile::BULK_FAILOVERS_AT_ONCE`).
-    failover_slots: tokio::sync::Semaphore,
+    failover_slots: Arc<tokio::sync::Semaphore>,
     /// Fence and Assign calls, coalesced per node (`batch.rs`).
     fences: batch::Lanes<walship_proto::log::FenceRequest>,
     assigns: batch::Lanes<walship_proto::log::AssignRequest>,
@@ -407,7 +407,7 @@ impl Coordinator {
             pending: Mutex::default(),
             failing_over: Mutex::default(),
             lost: Mutex::default(),
-            failover_slots: tokio::sync::Semaphore::new(reconcile::BULK_FAILOVERS_AT_ONCE),
+            failover_slots: Arc::new(tokio::sync::Semaphore::new(reconcile::BULK_FAILOVERS_AT_ONCE)),
             assigning: Mutex::default(),
             assign_slots: tokio::sync::Semaphore::new(reconcile::ASSIGNMENTS_AT_ONCE),
             leader_told: Mutex::default(),

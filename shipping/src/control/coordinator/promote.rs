@@ -250,7 +250,7 @@ impl Coordinator {
     pub(super) async fn failover_bulk(
         &self,
         lost: Vec<Lost>,
-        slot: Option<tokio::sync::SemaphorePermit<'_>>,
+        slot: Option<tokio::sync::OwnedSemaphorePermit>,
     ) -> Vec<(u32, Result<FailoverOutcome, CoordError>)> {
         let mut out = Vec::new();
         let mut batch = Vec::with_capacity(lost.len());
@@ -296,7 +296,7 @@ impl Coordinator {
     async fn failover_together(
         &self,
         batch: Vec<Failing<'_>>,
-        slot: Option<tokio::sync::SemaphorePermit<'_>>,
+        slot: Option<tokio::sync::OwnedSemaphorePermit>,
     ) -> Vec<(u32, Result<FailoverOutcome, CoordError>)> {
         let started = Instant::now();
         let mut steps = Steps::new();

@@ -352,11 +352,16 @@ impl Coordinator {
         pending.took(&scope, started.elapsed());
     }
 
-    /// Fails over the shards queued as lost, a bulk at a time (see
-    /// [`BULK_FAILOVERS_AT_ONCE`]), until none is queued.
+    /// Fails over the shards queued as lost, bulk after bulk, until none
+    /// is queued: each bulk runs as a task of its own, and the next starts
+    /// as soon as a slot frees (see [`BULK_FAILOVERS_AT_ONCE`]), when a
+    /// running bulk has recorded its new leaders, not when its assignments
+    /// end. Awaited here, the 3,334 shards of a lost node went through
+    /// their seven bulks one at a time, each waiting for the assignments of
+    /// the one before.
     async fn fail_over_lost(self: Arc<Self>) {
         loop {
-            let Ok(slot) = self.failover_slots.acquire().await else { return };
+            let Ok(slot) = self.failover_slots.clone().acquire_owned().await else { return };
             let lost: Vec<Lost> = {
                 let mut queue = self.lost.lock();
                 let take = queue.len().min(BULK_FAILOVER_SHARDS);
@@ -365,35 +370,36 @@ impl Coordinator {
             if lost.is_empty() {
                 return;
             }
-            let bulk = lost.len();
-            self.metrics.bulk_failover_shards.observe(bulk as f64);
-            let started = Instant::now();
-            let outcomes = self.failover_bulk(lost, Some(slot)).await;
-            let failed_over = outcomes.iter().filter(|(_, o)| o.is_ok()).count();
-            if bulk > 1 {
-                tracing::info!(
-                    shards = bulk,
-                    failed_over,
-                    took_ms = started.elapsed().as_millis() as u64,
-                    "bulk failover"
-                );
-            }
-            for (shard, outcome) in outcomes {
-                self.failing_over.lock().remove(&shard);
-                // Looked at again, whatever the outcome (the rounds left it
-                // alone while it was queued and failed over).
-                self.pending.lock().shards.insert(shard);
-                match outcome {
-                    Err(e @ CoordError::NoMajority { .. }) => {
-                        self.retry_after.lock().insert(shard, Instant::now() + NO_MAJORITY_BACKOFF);
-                        self.log_no_majority(shard, &e);
-                    }
-                    Ok(outcome) => {
-                        tracing::info!(shard, to = ?outcome.to, epoch = outcome.epoch, took_ms = outcome.took_ms, "automatic failover")
-                    }
-                    Err(CoordError::Busy(_)) => {}
-                    Err(e) => tracing::warn!(shard, error = %e, "automatic failover"),
+            tokio::spawn(self.clone().fail_over_one_bulk(lost, slot));
+        }
+    }
+
+    /// One bulk of [`Coordinator::fail_over_lost`]; `slot` is given back
+    /// once its new leaders are recorded.
+    async fn fail_over_one_bulk(self: Arc<Self>, lost: Vec<Lost>, slot: tokio::sync::OwnedSemaphorePermit) {
+        let bulk = lost.len();
+        self.metrics.bulk_failover_shards.observe(bulk as f64);
+        let started = Instant::now();
+        let outcomes = self.failover_bulk(lost, Some(slot)).await;
+        let failed_over = outcomes.iter().filter(|(_, o)| o.is_ok()).count();
+        if bulk > 1 {
+            tracing::info!(shards = bulk, failed_over, took_ms = started.elapsed().as_millis() as u64, "bulk failover");
+        }
+        for (shard, outcome) in outcomes {
+            self.failing_over.lock().remove(&shard);
+            // Looked at again, whatever the outcome (the rounds left it
+            // alone while it was queued and failed over).
+            self.pending.lock().shards.insert(shard);
+            match outcome {
+                Err(e @ CoordError::NoMajority { .. }) => {
+                    self.retry_after.lock().insert(shard, Instant::now() + NO_MAJORITY_BACKOFF);
+                    self.log_no_majority(shard, &e);
                 }
+                Ok(outcome) => {
+                    tracing::info!(shard, to = ?outcome.to, epoch = outcome.epoch, took_ms = outcome.took_ms, "automatic failover")
+                }
+                Err(CoordError::Busy(_)) => {}
+                Err(e) => tracing::warn!(shard, error = %e, "automatic failover"),
             }
         }
     }
