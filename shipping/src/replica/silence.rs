@@ -3,9 +3,10 @@
 //! A replica whose leader or follower is silent is never settled, so the
 //! heartbeat loop (`status.rs`) looks at it every tick. Between what
 //! happens to it (its activity), its report changes only with its peers'
-//! silences, and the coordinator tells those apart only in quarter seconds
-//! and, past twice the replication timeout it compares them with, not at
-//! all. A tick that would build the same report skips it.
+//! silences, and the coordinator tells those apart only as
+//! [`silence_class`] does and, past twice the replication timeout it
+//! compares them with, not at all. A tick that would build the same report
+//! skips it.
 
 use std::collections::BTreeMap;
 use std::time::{Duration, Instant};
@@ -103,6 +104,18 @@ impl LastBuild {
     }
 }
 
+/// A silence (ms) as the coordinator tells silences apart, `timeout_ms` the
+/// replication timeout its liveness rules compare them with
+/// (`control/liveness.rs`): in quarter seconds, and on either side of the
+/// timeout. A report changes, and goes out at the next tick, when a
+/// silence crosses the timeout: in quarter seconds alone, a follower's
+/// report that its leader had been silent past the default 600 ms reached
+/// the coordinator only once the silence reached 750 ms, a sixth of a
+/// second more before a crashed leader's shards failed over.
+pub(crate) fn silence_class(ms: u64, timeout_ms: u64) -> u64 {
+    ms / 250 * 2 + u64::from(ms > timeout_ms)
+}
+
 /// How long a replica's peers have been silent: a follower's leader, a
 /// leader's followers (those it ever heard from).
 pub(super) struct Silences {
@@ -111,13 +124,14 @@ pub(super) struct Silences {
 }
 
 impl Silences {
-    /// The silences as the coordinator tells them apart: in quarter seconds
-    /// (as heartbeat digests compare them), and all alike once past
-    /// `long_ms`, twice the replication timeout the coordinator compares
-    /// them with. A silence that ends (the peer heard again) changes it.
+    /// The silences as the coordinator tells them apart: by
+    /// [`silence_class`] (as heartbeat digests compare them), and all alike
+    /// once past `long_ms`, twice the replication timeout the coordinator
+    /// compares them with. A silence that ends (the peer heard again)
+    /// changes it.
     fn key(&self, long_ms: u64) -> u64 {
         use std::hash::{Hash, Hasher};
-        let bucket = |ms: u64| if ms >= long_ms { u64::MAX } else { ms / 250 };
+        let bucket = |ms: u64| if ms >= long_ms { u64::MAX } else { silence_class(ms, long_ms / 2) };
         let mut hasher = std::collections::hash_map::DefaultHasher::new();
         bucket(self.leader_ms).hash(&mut hasher);
         for (id, &ms) in &self.followers {
@@ -176,6 +190,11 @@ mod tests {
         let key = |s: Silences| s.key(long);
         assert_eq!(key(silences(10, &[])), key(silences(240, &[])));
         assert_ne!(key(silences(240, &[])), key(silences(250, &[])));
+        // Crossing the replication timeout (half of `long`) within a
+        // quarter second counts too: the coordinator compares with it.
+        assert_eq!(key(silences(500, &[])), key(silences(600, &[])));
+        assert_ne!(key(silences(600, &[])), key(silences(601, &[])));
+        assert_ne!(key(silences(0, &[(2, 600)])), key(silences(0, &[(2, 601)])));
         // Past `long` all alike, until the peer is heard again.
         assert_eq!(key(silences(1_200, &[])), key(silences(90_000, &[])));
         assert_ne!(key(silences(90_000, &[])), key(silences(0, &[])));

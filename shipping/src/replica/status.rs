@@ -13,7 +13,7 @@ use serde::{Deserialize, Serialize};
 use walship_proto::replication::HeartbeatRequest;
 use walship_wal::ShardId;
 
-use super::silence::{LastBuild, Standing};
+use super::silence::{LastBuild, Standing, silence_class};
 use super::{ReplicaError, ReplicationNode, now_us};
 use crate::NodeId;
 use crate::config::ClusterConfig;
@@ -440,7 +440,8 @@ impl ReplicationNode {
             self.metrics.append_rate.set(node_rate);
             let timeout = interval.max(Duration::from_millis(200));
             let sending = Instant::now();
-            let sends = targets.iter_mut().map(|t| t.send(self.me, &requests, full, timeout));
+            let silence_ms = self.config.replication.replication_timeout().as_millis() as u64;
+            let sends = targets.iter_mut().map(|t| t.send(self.me, &requests, full, timeout, silence_ms));
             let sent = futures::future::join_all(sends).await;
             self.metrics.heartbeat_round_seconds.with_label_values(&["send"]).observe(sending.elapsed().as_secs_f64());
             for outcomes in sent {
@@ -596,8 +597,16 @@ impl HeartbeatTarget {
     /// `full`), in batches; one (possibly empty) batch at least, which
     /// keeps the node alive to the receiver. Answers each call's success.
     /// `reports` holds every shard when `full`; otherwise the shards left
-    /// out are unchanged since this target last heard of them.
-    async fn send(&mut self, me: NodeId, reports: &[HeartbeatRequest], full: bool, timeout: Duration) -> Vec<bool> {
+    /// out are unchanged since this target last heard of them. `silence_ms`
+    /// is the replication timeout (see [`comparable`]).
+    async fn send(
+        &mut self,
+        me: NodeId,
+        reports: &[HeartbeatRequest],
+        full: bool,
+        timeout: Duration,
+        silence_ms: u64,
+    ) -> Vec<bool> {
         use walship_proto::replication::HeartbeatBatchRequest;
         use walship_proto::replication::wal_shipping_client::WalShippingClient;
         let mut client = WalShippingClient::new(self.channel.clone());
@@ -612,7 +621,7 @@ impl HeartbeatTarget {
         }
         let changed: Vec<(&HeartbeatRequest, u64)> = reports
             .iter()
-            .map(|r| (r, report_digest(r)))
+            .map(|r| (r, report_digest(r, silence_ms)))
             .filter(|(r, digest)| full || self.last.get(&r.shard_id) != Some(digest))
             .collect();
         let chunks: Vec<&[(&HeartbeatRequest, u64)]> =
@@ -655,27 +664,29 @@ impl HeartbeatTarget {
 
 /// Whether two reports of a shard say the same (see [`comparable`]): the
 /// node sends only changed reports between full ones, and the coordinator
-/// looks again only at shards whose report changed.
-pub(crate) fn same_report(a: &HeartbeatRequest, b: &HeartbeatRequest) -> bool {
-    comparable(a) == comparable(b)
+/// looks again only at shards whose report changed. `silence_ms` is the
+/// replication timeout.
+pub(crate) fn same_report(a: &HeartbeatRequest, b: &HeartbeatRequest, silence_ms: u64) -> bool {
+    comparable(a, silence_ms) == comparable(b, silence_ms)
 }
 
 /// A digest of a shard's report in its [`comparable`] form: equal for two
 /// reports that say the same (maps encode in key order). A collision, one
 /// in 2^64, would hold a change back until the next full report.
-fn report_digest(r: &HeartbeatRequest) -> u64 {
+fn report_digest(r: &HeartbeatRequest, silence_ms: u64) -> u64 {
     use prost::Message;
     use std::hash::{Hash, Hasher};
     let mut hasher = std::collections::hash_map::DefaultHasher::new();
-    comparable(r).encode_to_vec().hash(&mut hasher);
+    comparable(r, silence_ms).encode_to_vec().hash(&mut hasher);
     hasher.finish()
 }
 
 /// A shard's report without what moves while nothing happens to the
-/// shard (clocks, the node's disk figures, rates; silences kept in quarter
-/// seconds): two reports say the same when these are equal.
-fn comparable(r: &HeartbeatRequest) -> HeartbeatRequest {
-    let quarter = |ms: u64| ms / 250;
+/// shard (clocks, the node's disk figures, rates; silences kept as
+/// [`silence_class`] tells them apart, `silence_ms` the replication
+/// timeout): two reports say the same when these are equal.
+fn comparable(r: &HeartbeatRequest, silence_ms: u64) -> HeartbeatRequest {
+    let quarter = |ms: u64| silence_class(ms, silence_ms);
     HeartbeatRequest {
         last_heartbeat_ns: 0,
         uptime_ms: 0,
@@ -703,17 +714,17 @@ mod heartbeat_tests {
             replication_lag: [(2, 5), (3, 0)].into_iter().collect(),
             ..Default::default()
         };
-        let base = report_digest(&report(&[(2, 100), (3, 40)], 1));
+        let base = report_digest(&report(&[(2, 100), (3, 40)], 1), 600);
         // Map entries in another order, a clock moved, a silence within
         // its quarter second: the same.
-        assert_eq!(report_digest(&report(&[(3, 40), (2, 100)], 9_000)), base);
-        assert_eq!(report_digest(&report(&[(2, 240), (3, 0)], 1)), base);
+        assert_eq!(report_digest(&report(&[(3, 40), (2, 100)], 9_000), 600), base);
+        assert_eq!(report_digest(&report(&[(2, 240), (3, 0)], 1), 600), base);
         // A silence into the next quarter second, a follower more: changed.
-        assert_ne!(report_digest(&report(&[(2, 250), (3, 40)], 1)), base);
-        assert_ne!(report_digest(&report(&[(2, 100), (3, 40), (4, 0)], 1)), base);
+        assert_ne!(report_digest(&report(&[(2, 250), (3, 40)], 1), 600), base);
+        assert_ne!(report_digest(&report(&[(2, 100), (3, 40), (4, 0)], 1), 600), base);
         let mut lagging = report(&[(2, 100), (3, 40)], 1);
         lagging.replication_lag.insert(3, 1);
-        assert_ne!(report_digest(&lagging), base);
+        assert_ne!(report_digest(&lagging, 600), base);
     }
 
     #[test]
@@ -736,14 +747,24 @@ mod heartbeat_tests {
             leader_silent_ms: 180,
             ..base.clone()
         };
-        assert!(same_report(&base, &ticked), "clocks and disk figures alone change nothing");
-        assert!(!same_report(&base, &HeartbeatRequest { durable_seqno: 11, ..base.clone() }));
-        assert!(!same_report(&base, &HeartbeatRequest { is_leader: true, ..base.clone() }));
-        assert!(!same_report(&base, &HeartbeatRequest { epoch: 3, ..base.clone() }));
-        assert!(!same_report(&base, &HeartbeatRequest { disk_full: true, ..base.clone() }));
+        assert!(same_report(&base, &ticked, 600), "clocks and disk figures alone change nothing");
+        assert!(!same_report(&base, &HeartbeatRequest { durable_seqno: 11, ..base.clone() }, 600));
+        assert!(!same_report(&base, &HeartbeatRequest { is_leader: true, ..base.clone() }, 600));
+        assert!(!same_report(&base, &HeartbeatRequest { epoch: 3, ..base.clone() }, 600));
+        assert!(!same_report(&base, &HeartbeatRequest { disk_full: true, ..base.clone() }, 600));
         assert!(
-            !same_report(&base, &HeartbeatRequest { leader_silent_ms: 900, ..base.clone() }),
+            !same_report(&base, &HeartbeatRequest { leader_silent_ms: 900, ..base.clone() }, 600),
             "a leader going silent"
         );
+        // A silence crossing the replication timeout (600 ms) within its
+        // quarter second changes the report: the coordinator's rules
+        // compare silences with the timeout, and must see it crossed at
+        // the next tick, not at 750 ms.
+        let silent = |ms: u64| HeartbeatRequest { leader_silent_ms: ms, ..base.clone() };
+        assert!(same_report(&silent(500), &silent(600), 600));
+        assert!(!same_report(&silent(600), &silent(601), 600), "past the timeout");
+        assert!(same_report(&silent(601), &silent(749), 600));
+        assert!(!same_report(&silent(749), &silent(750), 600));
+        assert!(!same_report(&silent(100), &silent(101), 100), "the timeout as configured");
     }
 }

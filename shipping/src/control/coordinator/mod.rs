@@ -510,7 +510,8 @@ impl Coordinator {
             let uptime = batch.shards.iter().map(|s| s.uptime_ms).max().unwrap_or(0);
             let (back, dropped) = node.heard(node_id, uptime, now, timeout, &self.metrics.heartbeat_gap_seconds);
             node.refreshed = Some(now);
-            let mut changed = node.take_reports(batch, now);
+            let silence_ms = self.config.replication.replication_timeout().as_millis() as u64;
+            let mut changed = node.take_reports(batch, now, silence_ms);
             changed.extend(dropped.into_iter().flatten());
             (changed, back)
         };

@@ -110,9 +110,15 @@ impl NodeSeen {
     }
 
     /// Keeps a batch's reports; answers the shards whose report changed:
-    /// new, different from the last one (see `same_report`), or no longer
-    /// reported by a full batch (dropped).
-    pub(super) fn take_reports(&mut self, batch: HeartbeatBatchRequest, now: Instant) -> BTreeSet<u32> {
+    /// new, different from the last one (see `same_report`; `silence_ms`
+    /// the replication timeout), or no longer reported by a full batch
+    /// (dropped).
+    pub(super) fn take_reports(
+        &mut self,
+        batch: HeartbeatBatchRequest,
+        now: Instant,
+        silence_ms: u64,
+    ) -> BTreeSet<u32> {
         let mut changed = std::collections::BTreeSet::new();
         if batch.full {
             let hosted: BTreeSet<u32> = batch.shards.iter().map(|s| s.shard_id).collect();
@@ -125,7 +131,7 @@ impl NodeSeen {
         for s in batch.shards {
             let (id, s) = (s.shard_id, Arc::new(s));
             let old = self.shards.insert(id, (s.clone(), now));
-            if old.is_none_or(|(old, _)| !same_report(&old, &s)) {
+            if old.is_none_or(|(old, _)| !same_report(&old, &s, silence_ms)) {
                 changed.insert(id);
             }
         }
@@ -186,18 +192,19 @@ mod tests {
     fn only_changed_reports_are_looked_at_again() {
         let now = Instant::now();
         let mut node = NodeSeen::first(now);
-        let first = node.take_reports(batch(true, vec![report(1, 5, 10), report(2, 5, 10), report(3, 5, 10)]), now);
+        let first =
+            node.take_reports(batch(true, vec![report(1, 5, 10), report(2, 5, 10), report(3, 5, 10)]), now, 600);
         assert_eq!(first.into_iter().collect::<Vec<_>>(), vec![1, 2, 3], "new reports are changes");
         // The next full batch repeats them, clocks moved, shard 2 grew, and
         // shard 3 is no longer hosted.
         let later = now + Duration::from_secs(2);
-        let changed = node.take_reports(batch(true, vec![report(1, 5, 2010), report(2, 6, 2010)]), later);
+        let changed = node.take_reports(batch(true, vec![report(1, 5, 2010), report(2, 6, 2010)]), later, 600);
         assert_eq!(changed.into_iter().collect::<Vec<_>>(), vec![2, 3]);
         assert!(!node.shards.contains_key(&3), "a shard a full batch leaves out is dropped");
         let (kept, at) = &node.shards[&1];
         assert_eq!((kept.uptime_ms, *at), (2010, later), "an unchanged report is still kept, with its arrival");
         // A batch that is not full drops nothing.
-        assert!(node.take_reports(batch(false, vec![report(2, 6, 4010)]), later).is_empty());
+        assert!(node.take_reports(batch(false, vec![report(2, 6, 4010)]), later, 600).is_empty());
         assert!(node.shards.contains_key(&1));
     }
 
@@ -206,7 +213,7 @@ mod tests {
         let t0 = Instant::now();
         let mut node = NodeSeen::first(t0);
         assert_eq!(node.restarted(60_000, t0), None, "the first reports heard");
-        node.take_reports(batch(true, vec![report(1, 5, 60_000), report(2, 5, 60_000)]), t0);
+        node.take_reports(batch(true, vec![report(1, 5, 60_000), report(2, 5, 60_000)]), t0, 600);
         // The same run, later; and a batch of that run arriving late (its
         // uptime went back, the start it gives is earlier): no restart.
         assert_eq!(node.restarted(62_000, t0 + Duration::from_secs(2)), None);
@@ -219,7 +226,7 @@ mod tests {
         let dropped = node.restarted(500, after).expect("a restart");
         assert_eq!(dropped.into_iter().collect::<Vec<_>>(), vec![1, 2], "the previous run's shards, answered");
         assert!(node.shards.is_empty(), "nothing is known of the new run yet");
-        let changed = node.take_reports(batch(false, vec![report(2, 5, 500)]), after);
+        let changed = node.take_reports(batch(false, vec![report(2, 5, 500)]), after, 600);
         assert_eq!(changed.into_iter().collect::<Vec<_>>(), vec![2]);
         // The new run goes on: no second restart.
         assert_eq!(node.restarted(900, after + Duration::from_millis(400)), None);
