@@ -223,7 +223,6 @@ pub(crate) fn shard_view(
     last_failover: Option<walship_shipping::control::state::FailoverRecord>,
 ) -> ShardView {
     let c = &admin.coordinator;
-    let timeout = c.config.replication.leader_timeout_ms;
     let membership = |node: u32| {
         let (new, old) = (record.replicas.contains(&node), record.joint.contains(&node));
         match (new, old) {
@@ -241,7 +240,7 @@ pub(crate) fn shard_view(
             let aged = c.heartbeat_aged(node, id);
             let hb = aged.as_ref().map(|(h, _)| h);
             let seen = c.last_seen_ms(node);
-            let alive = seen.is_some_and(|ms| ms <= timeout);
+            let alive = c.node_alive(node);
             let lag = shown_lag(admin, id, node, record.leader, led.as_ref(), alive, || aged.clone());
             ReplicaView {
                 node_id: node,
@@ -329,8 +328,7 @@ async fn sample_lag(admin: Arc<CoordAdmin>) {
 /// The nodes heard from within the leader timeout. Taken before
 /// [`Coordinator::reports`]: the look-up locks what that guard holds.
 fn alive_nodes(c: &Coordinator) -> std::collections::BTreeSet<u32> {
-    let timeout = c.config.replication.leader_timeout_ms;
-    c.config.nodes.iter().map(|n| n.id).filter(|&n| c.last_seen_ms(n).is_some_and(|ms| ms <= timeout)).collect()
+    c.config.nodes.iter().map(|n| n.id).filter(|&n| c.node_alive(n)).collect()
 }
 
 /// What a lag pass found: see [`lag_pass`].
@@ -463,7 +461,7 @@ async fn cluster(State(admin): State<Arc<CoordAdmin>>) -> Response {
         Err(e) => return e.into_response(),
     };
     let c = &admin.coordinator;
-    let timeout = c.config.replication.leader_timeout_ms;
+    let timeout = std::time::Duration::from_millis(c.config.replication.leader_timeout_ms);
     let view = ClusterView {
         cluster_id: c.config.cluster_id.clone(),
         coordinator: CoordinatorView {
@@ -490,7 +488,7 @@ async fn cluster(State(admin): State<Arc<CoordAdmin>>) -> Response {
                     admin_addr: n.admin_addr.to_string(),
                     region: n.region,
                     last_heartbeat_ms_ago: seen,
-                    alive: seen.is_some_and(|ms| ms <= timeout),
+                    alive: reports.alive(n.id, timeout),
                     uptime_seconds: newest
                         .filter(|h| h.uptime_ms > 0)
                         .map(|h| (h.uptime_ms + seen.unwrap_or(0)) / 1_000),

@@ -110,9 +110,10 @@ pub struct ClusterView {
     pub nodes: Vec<NodeView>,
     pub shards: usize,
     pub shards_without_leader: usize,
-    /// Shards whose recorded leader, heard within the leader timeout,
-    /// reports leading them in the recorded epoch: every shard once a
-    /// cluster has started and settled.
+    /// Shards whose recorded leader, alive (heard within its silence bound:
+    /// the leader timeout, longer while its heartbeats have lately come
+    /// late), reports leading them in the recorded epoch: every shard once
+    /// a cluster has started and settled.
     pub shards_leading: usize,
     pub recent_failovers: Vec<FailoverRecord>,
     /// Nodes connected to this coordinator's DataPlane as workers.
@@ -163,7 +164,9 @@ pub struct NodeView {
     pub admin_addr: String,
     pub region: u32,
     pub last_heartbeat_ms_ago: Option<u64>,
-    /// Heard from within the leader timeout.
+    /// Heard from within its silence bound: the leader timeout, or longer
+    /// (at most 4 s) while its heartbeats have lately come late; past it
+    /// the coordinator counts the shards it leads as lost.
     pub alive: bool,
     /// How long its process has run, as of its last heartbeat plus that
     /// heartbeat's age; none until heard from.
@@ -233,8 +236,9 @@ pub struct ReplicaView {
     /// voting set only) or `leaving` (in the old one only).
     #[serde(default)]
     pub membership: String,
-    /// `leader`, `follower`, `unassigned`, `down` (no heartbeat within the
-    /// leader timeout) or `unknown` (never heard from).
+    /// `leader`, `follower`, `unassigned`, `down` (its node not alive: no
+    /// heartbeat within its silence bound, see `NodeView::alive`) or
+    /// `unknown` (never heard from).
     pub role: String,
     pub alive: bool,
     /// Milliseconds since this coordinator heard from the node (any shard).

@@ -99,6 +99,13 @@ impl NodeSeen {
         (back, dropped)
     }
 
+    /// Whether the node is alive at `now` as the coordinator acts on it:
+    /// heard within its silence bound (the leader `timeout`, or longer
+    /// while its heartbeats have lately come late; `liveness::Arrivals`).
+    pub(super) fn alive(&self, timeout: Duration, now: Instant) -> bool {
+        now.saturating_duration_since(self.at) <= self.arrivals.silence_bound(timeout, now)
+    }
+
     fn arrived(&mut self, now: Instant, timeout: Duration, gaps: &HistogramVec, node: NodeId) -> bool {
         let gap = now.duration_since(self.at);
         if self.arrivals.heard() {
@@ -143,6 +150,12 @@ impl NodeSeen {
 pub struct Reports<'a>(pub(super) parking_lot::MutexGuard<'a, BTreeMap<NodeId, NodeSeen>>);
 
 impl Reports<'_> {
+    /// Whether `node` is alive as the coordinator acts on it (see
+    /// [`NodeSeen::alive`]), `timeout` the leader timeout.
+    pub fn alive(&self, node: NodeId, timeout: Duration) -> bool {
+        self.0.get(&node).is_some_and(|n| n.alive(timeout, Instant::now()))
+    }
+
     /// The newest heartbeat of a replica.
     pub fn heartbeat(&self, node: NodeId, shard: u32) -> Option<Arc<HeartbeatRequest>> {
         self.0.get(&node).and_then(|n| n.shards.get(&shard).map(|(hb, _)| hb.clone()))
@@ -233,5 +246,27 @@ mod tests {
         // An older build gives no uptime: nothing is told.
         assert_eq!(node.restarted(0, after + Duration::from_secs(1)), None);
         assert_eq!(node.shards.len(), 1);
+    }
+
+    #[test]
+    fn a_node_whose_heartbeats_came_late_stays_alive_within_its_bound() {
+        let gaps = HistogramVec::new(prometheus::HistogramOpts::new("g", "g"), &["node"]).expect("histogram");
+        let timeout = Duration::from_millis(200);
+        let t0 = Instant::now();
+        let mut on_time = NodeSeen::first(t0);
+        for i in 1..=20 {
+            on_time.arrived(t0 + Duration::from_millis(50 * i), timeout, &gaps, 1);
+        }
+        let last = t0 + Duration::from_millis(1_000);
+        assert!(on_time.alive(timeout, last + Duration::from_millis(200)));
+        assert!(!on_time.alive(timeout, last + Duration::from_millis(201)), "on time: the leader timeout");
+        // One heartbeat 300 ms after the one before: silence counts from
+        // twice that, decaying.
+        let mut late = NodeSeen::first(t0);
+        late.arrived(t0 + Duration::from_millis(50), timeout, &gaps, 2);
+        late.arrived(t0 + Duration::from_millis(350), timeout, &gaps, 2);
+        let last = t0 + Duration::from_millis(350);
+        assert!(late.alive(timeout, last + Duration::from_millis(250)), "a 250 ms gap after a 300 ms one");
+        assert!(!late.alive(timeout, last + Duration::from_millis(700)), "past twice the late gap");
     }
 }
