@@ -8,6 +8,7 @@
 #   ops/bench/scale.sh --shards "10 100" --idle-s 5      # quicker
 #   ops/bench/scale.sh --walship /tmp/old/walship        # another build
 #   ops/bench/scale.sh --shards 1000 --kill              # then kill -9 node 1
+#   ops/bench/scale.sh --shards 1000 --kill --keep /tmp/s # and keep the logs
 #
 # With --kill, after the idle window node 1 (leading about a third of the
 # shards) is killed with SIGKILL and the shards it led are timed until each
@@ -23,6 +24,11 @@
 # from the kill until the count had stayed at zero for 2 s
 # (`coordinator_cpu_s`).
 #
+# With --keep DIR, each count's cluster log is kept as DIR/dev-N.log and,
+# with --kill, the polled count as DIR/curve-N.json (seconds from the kill,
+# shards without a working leader; `kill_unix_s` is the kill's wall-clock
+# time, to set beside the log's timestamps).
+#
 # Uses target/release/walship when built, else target/debug/walship.
 set -euo pipefail
 cd "$(dirname "$0")/../.."
@@ -31,12 +37,14 @@ counts="10 1000"
 idle_s=30
 walship=""
 kill_node=0
+keep=""
 while [ $# -gt 0 ]; do
   case "$1" in
     --shards) counts="$2"; shift 2 ;;
     --idle-s) idle_s="$2"; shift 2 ;;
     --walship) walship="$2"; shift 2 ;;
     --kill) kill_node=1; shift ;;
+    --keep) keep="$2"; mkdir -p "$keep"; shift 2 ;;
     *) echo "unknown argument $1 (see the header of $0)" >&2; exit 2 ;;
   esac
 done
@@ -101,9 +109,9 @@ for n in $counts; do
     for p in $pids; do
       tr '\0' ' ' <"/proc/$p/cmdline" | grep -q ' coord ' && coord=$p
     done
-    failover=$(python3 - "$admin" "$n" "$node1" "$coord" "$ticks" <<'PY'
+    failover=$(python3 - "$admin" "$n" "$node1" "$coord" "$ticks" "$keep" <<'PY'
 import json, os, signal, sys, time, urllib.request
-admin, n, pid, coord, ticks = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4]), int(sys.argv[5])
+admin, n, pid, coord, ticks, keep = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4]), int(sys.argv[5]), sys.argv[6]
 def cpu_s(p):
     # CPU seconds the process has used (user + system).
     with open(f"/proc/{p}/stat") as f:
@@ -153,6 +161,7 @@ coord_cpu_before = cpu_s(coord)
 def leading():
     with urllib.request.urlopen(f"{admin}v1/cluster", timeout=5) as r:
         return json.load(r)["shards_leading"]
+killed_at = time.time()
 os.kill(pid, signal.SIGKILL)
 # Polled: how many shards lack a working leader (the coordinator's
 # `shards_leading`: the recorded leader is alive and reports leading in the
@@ -218,6 +227,9 @@ rose_s = next((round(t, 3) for t, m in curve if m > 0), None)
 first_led_s = next((round(t, 3) for (t, m), (_, m0) in zip(curve[1:], curve) if rose_s is not None and t > rose_s and m < m0), None)
 coord_cpu_s = round(cpu_s(coord) - coord_cpu_before, 2)
 late_after = lateness()
+if keep:
+    with open(os.path.join(keep, f"curve-{n}.json"), "w") as f:
+        json.dump({"kill_unix_s": killed_at, "curve": [(round(t, 3), m) for t, m in curve]}, f)
 late = {str(node): dict(zip(("gaps_over_100ms", "gaps_over_200ms", "builds_over_64ms", "builds_over_256ms",
                              "sends_over_64ms", "sends_over_256ms", "starts_late_over_64ms"),
                             (int(a - b) for a, b in zip(late_after[node], late_before[node]))))
@@ -231,6 +243,7 @@ PY
   echo "{\"shards\": $n, \"seconds_to_all_leaders\": $leaders_s, \"idle_s\": $idle_s, \"processes\": [${procs%,}], \"failover\": $failover}"
   kill "$dev" 2>/dev/null || true
   wait "$dev" 2>/dev/null || true
+  [ -z "$keep" ] || cp "$log" "$keep/dev-$n.log"
   rm -rf "$dir"
   trap - EXIT
   unset before
