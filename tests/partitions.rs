@@ -57,6 +57,9 @@ struct Scenario {
 struct Held {
     /// When the coordinator was first seen to record a newer epoch.
     failover_seen_at: Option<Instant>,
+    /// `GET /v1/cluster` once counted every shard led while node 1 was not
+    /// alive to the coordinator (its followers vouching for it).
+    led_while_node_1_unheard: bool,
 }
 
 impl Scenario {
@@ -116,6 +119,12 @@ impl Scenario {
                 && epoch > self.epoch0
             {
                 held.failover_seen_at.get_or_insert_with(Instant::now);
+            }
+            let (_, view) = self.cluster.coord_get(1, "/v1/cluster").await;
+            let node_1_alive =
+                view["nodes"].as_array().and_then(|n| n.iter().find(|n| n["node_id"] == 1)).map(|n| n["alive"].clone());
+            if node_1_alive == Some(serde_json::Value::Bool(false)) && view["shards_leading"] == view["shards"] {
+                held.led_while_node_1_unheard = true;
             }
             tokio::time::sleep(Duration::from_millis(20)).await;
         }
@@ -323,7 +332,13 @@ async fn leader_cut_from_the_coordinator_loses_nothing() {
     let mut s = Scenario::start().await;
     s.partition.cut(Party::Node(1), Party::Coordinator(1));
     s.mark_cut();
-    s.hold(CUT).await;
+    let held = s.hold(CUT).await;
+    // The coordinator cannot hear the leader, its followers can: the
+    // cluster view counts the shard as led, as the coordinator acts on it.
+    assert!(
+        held.failover_seen_at.is_some() || held.led_while_node_1_unheard,
+        "{case}: /v1/cluster never counted shard 1 led while node 1 was unheard and nothing failed over"
+    );
     let report = s.heal_and_check(case).await;
     assert!(report.failovers <= 1, "{case}: {} failovers for one cut", report.failovers);
     assert!(report.gap < GAP_BOUND, "{case}: no writable leader for {:?} (bound {GAP_BOUND:?})", report.gap);

@@ -110,10 +110,13 @@ pub struct ClusterView {
     pub nodes: Vec<NodeView>,
     pub shards: usize,
     pub shards_without_leader: usize,
-    /// Shards whose recorded leader, alive (heard within its silence bound:
-    /// the leader timeout, longer while its heartbeats have lately come
-    /// late), reports leading them in the recorded epoch: every shard once
-    /// a cluster has started and settled.
+    /// Shards whose recorded leader reports leading them in the recorded
+    /// epoch and is not lost to the coordinator: alive (heard within its
+    /// silence bound: the leader timeout, longer while its heartbeats have
+    /// lately come late), or, unheard, still heard by followers that make
+    /// a majority with it (the coordinator fails nothing over then). Every
+    /// shard once a cluster has started and settled; a crashed leader's
+    /// shards leave the count when the coordinator counts them lost.
     pub shards_leading: usize,
     pub recent_failovers: Vec<FailoverRecord>,
     /// Nodes connected to this coordinator's DataPlane as workers.

@@ -9,20 +9,23 @@
 #   ops/bench/scale.sh --walship /tmp/old/walship        # another build
 #   ops/bench/scale.sh --shards 1000 --kill              # then kill -9 node 1
 #   ops/bench/scale.sh --shards 1000 --kill --keep /tmp/s # and keep the logs
+#   ops/bench/scale.sh --shards 1000 --kill --no-restart  # node 1 stays down
 #
 # With --kill, after the idle window node 1 (leading about a third of the
 # shards) is killed with SIGKILL and the shards it led are timed until each
-# has a working leader again (recorded, alive and reporting it leads, in a
-# newer epoch: another node, or node 1 itself once `walship dev` restarted
-# it): p50, p99 and max over those shards, from the coordinator's count of
-# shards without one (`shards_leading` in GET /v1/cluster), each the time
+# has a working leader again (recorded, reporting it leads, in a newer
+# epoch: another node, or node 1 itself once `walship dev` restarted it):
+# p50, p99 and max over those shards, from the coordinator's count of
+# shards without one (`shards_leading` in GET /v1/cluster: a recorded
+# leader reporting it leads, not lost to the coordinator), each the time
 # from which on the count stayed at or under the rest (a count that falls
-# and rises again is timed to its last fall). Beside them: when node 1
-# stopped counting as alive and the first new leader reported
-# (`rose_s`, `first_led_s`), how often the surviving nodes' heartbeats
-# came late (`survivors_late`), and the CPU seconds the coordinator used
-# from the kill until the count had stayed at zero for 2 s
-# (`coordinator_cpu_s`).
+# and rises again is timed to its last fall). Beside them: when the count
+# rose (`rose_s`: the coordinator counts node 1's shards lost, about the
+# replication timeout after the kill) and the first new leader reported
+# (`first_led_s`), how often the surviving nodes' heartbeats came late
+# (`survivors_late`), and the CPU seconds the coordinator used from the
+# kill until the count had stayed at zero for 2 s (`coordinator_cpu_s`).
+# With --no-restart, `walship dev` leaves node 1 down.
 #
 # With --keep DIR, each count's cluster log is kept as DIR/dev-N.log and,
 # with --kill, the polled count as DIR/curve-N.json (seconds from the kill,
@@ -38,6 +41,7 @@ idle_s=30
 walship=""
 kill_node=0
 keep=""
+restart=""
 while [ $# -gt 0 ]; do
   case "$1" in
     --shards) counts="$2"; shift 2 ;;
@@ -45,6 +49,7 @@ while [ $# -gt 0 ]; do
     --walship) walship="$2"; shift 2 ;;
     --kill) kill_node=1; shift ;;
     --keep) keep="$2"; mkdir -p "$keep"; shift 2 ;;
+    --no-restart) restart="--no-restart"; shift ;;
     *) echo "unknown argument $1 (see the header of $0)" >&2; exit 2 ;;
   esac
 done
@@ -62,7 +67,7 @@ for n in $counts; do
   dir=$(mktemp -d)
   log="$dir/dev.log"
   start=$(date +%s.%N)
-  "$walship" dev --shards "$n" --data-dir "$dir/data" --base-port 0 >"$log" 2>&1 &
+  "$walship" dev --shards "$n" --data-dir "$dir/data" --base-port 0 $restart >"$log" 2>&1 &
   dev=$!
   trap 'kill $dev 2>/dev/null; wait $dev 2>/dev/null; rm -rf "$dir"' EXIT
   admin=""
@@ -164,9 +169,10 @@ def leading():
 killed_at = time.time()
 os.kill(pid, signal.SIGKILL)
 # Polled: how many shards lack a working leader (the coordinator's
-# `shards_leading`: the recorded leader is alive and reports leading in the
-# recorded epoch). Node 1 stops counting as alive within the leader timeout,
-# so the count rises to the shards it led, then falls as their new leaders
+# `shards_leading`: the recorded leader reports leading in the recorded
+# epoch and the coordinator does not count it lost). Node 1's shards count
+# as lost once its followers stop hearing it (the replication timeout), so
+# the count rises to the shards it led, then falls as their new leaders
 # (another node, or node 1 itself once `walship dev` restarted it after 1 s)
 # report leading. Shards in that count over time are the led shards without
 # a leader again yet (and any other shard whose leader stepped down

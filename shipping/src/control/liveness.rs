@@ -123,8 +123,15 @@ pub fn majority_cannot_hear_leader(
 /// (within `silence_ms`) do not make a majority with it.
 pub fn leader_silence_means_lost(followers: &[FollowerReport], replicas: usize, silence_ms: u64) -> bool {
     let hears_a_follower = followers.iter().any(|f| f.fresh);
+    hears_a_follower && !followers_vouch(followers, replicas, silence_ms)
+}
+
+/// The fresh followers that hear the leader (within `silence_ms`) make a
+/// majority of the replica set with it: it works, whatever the coordinator
+/// hears of it. Followers not heard just now vouch for nothing.
+pub fn followers_vouch(followers: &[FollowerReport], replicas: usize, silence_ms: u64) -> bool {
     let vouching = followers.iter().filter(|f| f.fresh && f.follows_leader && f.leader_silent_ms <= silence_ms).count();
-    hears_a_follower && !is_majority(vouching + 1, replicas)
+    is_majority(vouching + 1, replicas)
 }
 
 #[cfg(test)]
@@ -248,5 +255,19 @@ mod tests {
         let stale = [report(false, true, 0), report(false, true, 0)];
         assert!(!leader_silence_means_lost(&stale, 3, SILENCE));
         assert!(!leader_silence_means_lost(&[], 1, SILENCE), "a lone replica has no witness");
+        // Not lost is not vouched for: nobody fresh vouches for the leader.
+        assert!(!followers_vouch(&stale, 3, SILENCE));
+    }
+
+    #[test]
+    fn followers_vouch_for_a_leader_only_as_a_fresh_majority_that_hears_it() {
+        assert!(followers_vouch(&[report(true, true, 40), report(true, true, 5_000)], 3, SILENCE));
+        assert!(followers_vouch(&[report(true, true, SILENCE), report(false, true, 0)], 3, SILENCE));
+        assert!(!followers_vouch(&[report(true, true, SILENCE + 1), report(true, true, 5_000)], 3, SILENCE));
+        assert!(!followers_vouch(&[report(true, false, 0), report(true, true, 5_000)], 3, SILENCE), "another leader's");
+        // Five replicas: the leader and two hearing followers.
+        let five = [report(true, true, 10), report(true, true, 10), report(true, true, 5_000), report(false, true, 0)];
+        assert!(followers_vouch(&five, 5, SILENCE));
+        assert!(!followers_vouch(&five[1..], 5, SILENCE));
     }
 }

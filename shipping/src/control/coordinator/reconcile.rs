@@ -458,6 +458,18 @@ impl Coordinator {
         record.replicas.iter().filter(|&&r| r != leader).any(takes_over).then_some(reason)
     }
 
+    /// Whether the fresh followers of `shard` that still hear its recorded
+    /// leader make a majority with it ([`liveness::followers_vouch`]): then
+    /// its silence towards this coordinator alone does not make it lost,
+    /// and the cluster view counts it as working, as the reconcile rounds
+    /// do.
+    pub fn followers_vouch(&self, shard: u32, record: &ShardRecord) -> bool {
+        let timeout = Duration::from_millis(self.config.replication.leader_timeout_ms);
+        let silence = self.config.replication.replication_timeout().as_millis() as u64;
+        let reports = self.follower_reports(shard, record, timeout);
+        liveness::followers_vouch(&reports, record.replicas.len(), silence)
+    }
+
     /// What each follower of `shard` (every replica but the recorded
     /// leader) last reported, for `control/liveness.rs`: "fresh" within
     /// three heartbeat intervals (at most half the leader timeout), "recent"
