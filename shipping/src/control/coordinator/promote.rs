@@ -238,20 +238,14 @@ impl Coordinator {
             record,
             _guard: guard,
         };
-        let (_, outcome) = self.failover_together(vec![failing], None).await.pop().expect("one shard in, one out");
+        let (_, outcome) = self.failover_together(vec![failing]).await.pop().expect("one shard in, one out");
         outcome
     }
 
     /// Fails over every shard of `lost` together (a bulk failover: the
     /// reconcile loop's automatic ones). A shard whose failover is already
-    /// running is answered [`CoordError::Busy`]. `slot` (the bulk's place
-    /// among those running at once) is given back once the new leaders are
-    /// recorded.
-    pub(super) async fn failover_bulk(
-        &self,
-        lost: Vec<Lost>,
-        slot: Option<tokio::sync::OwnedSemaphorePermit>,
-    ) -> Vec<(u32, Result<FailoverOutcome, CoordError>)> {
+    /// running is answered [`CoordError::Busy`].
+    pub(super) async fn failover_bulk(&self, lost: Vec<Lost>) -> Vec<(u32, Result<FailoverOutcome, CoordError>)> {
         let mut out = Vec::new();
         let mut batch = Vec::with_capacity(lost.len());
         for l in lost {
@@ -277,7 +271,7 @@ impl Coordinator {
             }
         }
         if !batch.is_empty() {
-            out.extend(self.failover_together(batch, slot).await);
+            out.extend(self.failover_together(batch).await);
         }
         out
     }
@@ -288,16 +282,12 @@ impl Coordinator {
     /// 2. fence every member of each shard (FenceMany calls per node); a
     ///    majority of each voting set must answer;
     /// 3. choose each shard's new leader from its own answers;
-    /// 4. record every new leader in one KV write (`slot` is given back);
+    /// 4. record every new leader in one KV write;
     /// 5. assign leaders and followers (AssignMany calls per node).
     ///
     /// A shard that fails a step is answered with its error and goes no
     /// further; the others go on.
-    async fn failover_together(
-        &self,
-        batch: Vec<Failing<'_>>,
-        slot: Option<tokio::sync::OwnedSemaphorePermit>,
-    ) -> Vec<(u32, Result<FailoverOutcome, CoordError>)> {
+    async fn failover_together(&self, batch: Vec<Failing<'_>>) -> Vec<(u32, Result<FailoverOutcome, CoordError>)> {
         let started = Instant::now();
         let mut steps = Steps::new();
         let mut out = Vec::with_capacity(batch.len());
@@ -377,7 +367,6 @@ impl Coordinator {
             })
             .await;
         steps.done("record");
-        drop(slot);
         let recorded = match recorded {
             Ok(recorded) => recorded,
             Err(e) => {

@@ -54,9 +54,16 @@ enum Scope {
 /// (`promote.rs`): one KV write raises their epochs, their fences reach
 /// each node as a few FenceMany calls (`batch.rs`), each node makes the
 /// epochs durable with one fsync (the WAL's group commit of epoch raises),
-/// and one KV write records the new leaders. Shards found lost meanwhile
-/// queue for the next bulk, which starts as soon as one of these has
-/// recorded its leaders (its assignments go on without its slot).
+/// and one KV write records the new leaders, whose assignments end the
+/// bulk. Shards found lost meanwhile queue for the next bulk, which starts
+/// as soon as one of these has ended. A bulk holds its slot through its
+/// assignments: with the next bulk started as soon as one had recorded its
+/// leaders, a lost node's 3,334 shards went through the failover about
+/// half a second sooner, but their assignments piled up on the two
+/// surviving nodes, and in 2 of 24 runs on two cores those nodes answered
+/// each other so late that thousands of the new leaders stepped down
+/// (CheckQuorum) and failed over again, for seven seconds
+/// (ops/bench/RESULTS.md).
 pub(crate) const BULK_FAILOVERS_AT_ONCE: usize = 2;
 
 /// The most shards one bulk failover takes. Bulks of 4,096 (everything
@@ -353,12 +360,10 @@ impl Coordinator {
     }
 
     /// Fails over the shards queued as lost, bulk after bulk, until none
-    /// is queued: each bulk runs as a task of its own, and the next starts
-    /// as soon as a slot frees (see [`BULK_FAILOVERS_AT_ONCE`]), when a
-    /// running bulk has recorded its new leaders, not when its assignments
-    /// end. Awaited here, the 3,334 shards of a lost node went through
-    /// their seven bulks one at a time, each waiting for the assignments of
-    /// the one before.
+    /// is queued: each bulk runs as a task of its own, the next started as
+    /// soon as a slot frees (see [`BULK_FAILOVERS_AT_ONCE`]). Awaited here
+    /// one by one, the 3,334 shards of a lost node went through their seven
+    /// bulks one at a time, though two slots were there.
     async fn fail_over_lost(self: Arc<Self>) {
         loop {
             let Ok(slot) = self.failover_slots.clone().acquire_owned().await else { return };
@@ -375,12 +380,13 @@ impl Coordinator {
     }
 
     /// One bulk of [`Coordinator::fail_over_lost`]; `slot` is given back
-    /// once its new leaders are recorded.
+    /// once its new leaders are assigned.
     async fn fail_over_one_bulk(self: Arc<Self>, lost: Vec<Lost>, slot: tokio::sync::OwnedSemaphorePermit) {
         let bulk = lost.len();
         self.metrics.bulk_failover_shards.observe(bulk as f64);
         let started = Instant::now();
-        let outcomes = self.failover_bulk(lost, Some(slot)).await;
+        let outcomes = self.failover_bulk(lost).await;
+        drop(slot);
         let failed_over = outcomes.iter().filter(|(_, o)| o.is_ok()).count();
         if bulk > 1 {
             tracing::info!(shards = bulk, failed_over, took_ms = started.elapsed().as_millis() as u64, "bulk failover");
