@@ -325,7 +325,7 @@ async fn sample_lag(admin: Arc<CoordAdmin>) {
     }
 }
 
-/// The nodes heard from within the leader timeout. Taken before
+/// The nodes alive to the coordinator ([`Coordinator::node_alive`]). Taken before
 /// [`Coordinator::reports`]: the look-up locks what that guard holds.
 fn alive_nodes(c: &Coordinator) -> std::collections::BTreeSet<u32> {
     c.config.nodes.iter().map(|n| n.id).filter(|&n| c.node_alive(n)).collect()

@@ -290,7 +290,10 @@ impl ReplicationNode {
         // Unsettled replicas' last builds, to skip those that would say
         // the same (see [`LastBuild`]).
         let mut builds: std::collections::HashMap<ShardId, LastBuild> = Default::default();
-        let long_silence_ms = 2 * self.config.replication.replication_timeout().as_millis() as u64;
+        // The replication timeout, which the coordinator compares silences
+        // with (see `comparable`), and twice it.
+        let silence_ms = self.config.replication.replication_timeout().as_millis() as u64;
+        let long_silence_ms = 2 * silence_ms;
         // Resting replicas' silences are looked at every quarter second.
         let resting_look_every = (250 / self.config.replication.heartbeat_ms.max(1)).max(1);
         let mut ticks = 0u64;
@@ -440,7 +443,6 @@ impl ReplicationNode {
             self.metrics.append_rate.set(node_rate);
             let timeout = interval.max(Duration::from_millis(200));
             let sending = Instant::now();
-            let silence_ms = self.config.replication.replication_timeout().as_millis() as u64;
             let sends = targets.iter_mut().map(|t| t.send(self.me, &requests, full, timeout, silence_ms));
             let sent = futures::future::join_all(sends).await;
             self.metrics.heartbeat_round_seconds.with_label_values(&["send"]).observe(sending.elapsed().as_secs_f64());
@@ -686,7 +688,7 @@ fn report_digest(r: &HeartbeatRequest, silence_ms: u64) -> u64 {
 /// [`silence_class`] tells them apart, `silence_ms` the replication
 /// timeout): two reports say the same when these are equal.
 fn comparable(r: &HeartbeatRequest, silence_ms: u64) -> HeartbeatRequest {
-    let quarter = |ms: u64| silence_class(ms, silence_ms);
+    let class = |ms: u64| silence_class(ms, silence_ms);
     HeartbeatRequest {
         last_heartbeat_ns: 0,
         uptime_ms: 0,
@@ -695,8 +697,8 @@ fn comparable(r: &HeartbeatRequest, silence_ms: u64) -> HeartbeatRequest {
         signal_throughput_eps: 0.0,
         replication_lag_seconds: Default::default(),
         archive_lag_seconds: r.archive_lag_seconds.floor(),
-        leader_silent_ms: quarter(r.leader_silent_ms),
-        follower_silent_ms: r.follower_silent_ms.iter().map(|(&n, &ms)| (n, quarter(ms))).collect(),
+        leader_silent_ms: class(r.leader_silent_ms),
+        follower_silent_ms: r.follower_silent_ms.iter().map(|(&n, &ms)| (n, class(ms))).collect(),
         ..r.clone()
     }
 }
