@@ -219,6 +219,54 @@ async fn a_node_keepalive_for_what_the_follower_does_not_follow_or_malformed_cha
     wait_all_quiet(&mut cluster, &[1, 2, 3], f64::from(SHARDS * 2)).await;
 }
 
+/// A follower re-checks the quiet shards it already holds only when some
+/// replica's rules changed since it last looked (`Touched::rules_changes`):
+/// a shard fenced after the keepalives that announced it must be refused
+/// by the next keepalive that merely names nothing, never credited.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_quiet_shard_fenced_after_it_was_announced_is_refused_by_the_next_keepalive() {
+    let mut cluster = Cluster::start_with(3, SHARDS, 1, "leader_timeout_ms = 1000", None);
+    for shard in 1..=SHARDS {
+        cluster.wait_leader(shard, None, Duration::from_secs(60)).await;
+    }
+    wait_all_quiet(&mut cluster, &[1, 2, 3], f64::from(SHARDS * 2)).await;
+    let led_by_1: Vec<(u32, u64)> = epochs(&mut cluster)
+        .await
+        .iter()
+        .enumerate()
+        .filter(|(_, (leader, _))| *leader == 1)
+        .map(|(i, (_, epoch))| (i as u32 + 1, *epoch))
+        .collect();
+    assert!(!led_by_1.is_empty(), "node 1 leads some shards");
+    let mut led: Vec<u32> = led_by_1.iter().map(|(shard, _)| *shard).collect();
+    led.sort_unstable();
+
+    let endpoint = tonic::transport::Endpoint::from_shared(format!("http://{}", cluster.node(2).grpc)).unwrap();
+    let mut client = WalShippingClient::new(common::as_member(endpoint.connect().await.unwrap()));
+    let as_node_1 =
+        |quiet: Vec<QuietShard>| NodeKeepaliveRequest { leader_node_id: 1, quiet, woke: vec![], full: false };
+    let announce: Vec<QuietShard> =
+        led_by_1.iter().map(|&(shard_id, epoch)| QuietShard { shard_id, epoch, commit_seqno: 0 }).collect();
+    // Announced twice while node 2 follows node 1 in all of them: the
+    // second call finds no rules changed and checks only what it names.
+    for _ in 0..2 {
+        let answer = client.node_keepalive(as_node_1(announce.clone())).await.expect("answered").into_inner();
+        assert!(answer.refused.iter().all(|s| !led.contains(s)), "{answer:?}");
+        assert!(answer.quiet_count >= led.len() as u64, "{answer:?}");
+    }
+    // Node 1 dies; the coordinator fences node 2's replicas of its shards
+    // and they fail over. Node 1's own keepalives stopped with it.
+    cluster.node(1).kill9();
+    for &shard in &led {
+        cluster.wait_leader(shard, Some(1), Duration::from_secs(30)).await;
+    }
+    let answer = client.node_keepalive(as_node_1(vec![])).await.expect("answered").into_inner();
+    let mut refused = answer.refused.clone();
+    refused.sort_unstable();
+    assert_eq!(refused, led, "every shard fenced since is refused: {answer:?}");
+    assert_eq!(answer.quiet_count, 0, "nothing is quiet from a leader node 2 follows in no shard: {answer:?}");
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn without_per_shard_metrics_a_scrape_has_one_series_per_follower() {
     let mut cluster = Cluster::start_with(3, 6, 1, "per_shard_metrics = false", None);

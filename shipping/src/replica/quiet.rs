@@ -156,6 +156,9 @@ struct FromLeader {
     contact_us: u64,
     /// Its shards were unsettled for a silence of the leader since that.
     silence_reported: bool,
+    /// The node's [`rules_changes`](super::shard::Touched::rules_changes)
+    /// when every shard in `shards` was last checked against its rules.
+    checked_at: Option<u64>,
 }
 
 /// The follower side: shards quiet from each leader node.
@@ -234,29 +237,43 @@ impl ReplicationNode {
                 forgotten.push(*shard);
             }
         }
+        // A positive answer is lease contact, so it must not cover a shard
+        // whose rules no longer follow this leader in that epoch. The shards
+        // already held were checked when `checked_at` was read; they are
+        // checked again, all of them under one read of the replica map, only
+        // if some replica's rules changed since (replicas are never removed
+        // from the map). The count is read before any check: a change
+        // finishing during them is seen by the next call.
+        let changes = self.touched.rules_changes();
         for q in &request.quiet {
-            f.shards.insert(q.shard_id, q.epoch);
-            if let Some(replica) = self.replica(q.shard_id)
-                && replica.rules.lock().follows(Epoch(q.epoch), leader)
-            {
-                replica.follower.leader_commit.raise(q.epoch, q.commit_seqno);
-                if let Ok(p) = self.wal.positions(q.shard_id) {
-                    replica.publish_follower(p.durable_seqno);
+            // Named again (maybe at another epoch): checked below as new.
+            f.shards.remove(&q.shard_id);
+        }
+        if f.checked_at != Some(changes) {
+            let replicas = self.replicas.read();
+            f.shards.retain(|&shard, &mut epoch| {
+                let follows = replicas.get(&shard).is_some_and(|r| r.rules.lock().follows(Epoch(epoch), leader));
+                if !follows {
+                    refused.push(shard);
                 }
+                follows
+            });
+            drop(replicas);
+            f.checked_at = Some(changes);
+        }
+        // The shards this call adds are checked one by one.
+        for q in &request.quiet {
+            let replica = self.replica(q.shard_id).filter(|r| r.rules.lock().follows(Epoch(q.epoch), leader));
+            let Some(replica) = replica else {
+                refused.push(q.shard_id);
+                continue;
+            };
+            f.shards.insert(q.shard_id, q.epoch);
+            replica.follower.leader_commit.raise(q.epoch, q.commit_seqno);
+            if let Ok(p) = self.wal.positions(q.shard_id) {
+                replica.publish_follower(p.durable_seqno);
             }
         }
-        // Every quiet shard is checked on every call (a positive answer is
-        // lease contact, so it must not cover a shard fenced since), under
-        // one read of the replica map.
-        let replicas = self.replicas.read();
-        f.shards.retain(|&shard, &mut epoch| {
-            let follows = replicas.get(&shard).is_some_and(|r| r.rules.lock().follows(Epoch(epoch), leader));
-            if !follows {
-                refused.push(shard);
-            }
-            follows
-        });
-        drop(replicas);
         f.contact_us = now_us();
         f.silence_reported = false;
         let quiet_count = f.shards.len() as u64;

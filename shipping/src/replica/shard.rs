@@ -131,7 +131,7 @@ pub struct ShardReplica {
     /// Who holds the shard; changed by assignments.
     pub(crate) members: Mutex<Members>,
     /// The role and epoch rules; every decision about them is taken here.
-    pub(crate) rules: Mutex<ReplicaCore>,
+    pub(crate) rules: Rules,
     /// What reads may return through: the commit position (leader) or
     /// `min(durable, leader's commit)` (follower).
     pub(crate) readable: watch::Sender,
@@ -175,9 +175,21 @@ pub struct ShardReplica {
 pub(crate) struct Touched {
     heartbeats: Mutex<std::collections::BTreeSet<ShardId>>,
     gauges: Mutex<std::collections::BTreeSet<ShardId>>,
+    /// Bumped by every change to any replica's [`Rules`] on this node, while
+    /// that replica's rules are still locked: see [`Touched::rules_changes`].
+    rules_changes: AtomicU64,
 }
 
 impl Touched {
+    /// How many times any replica's rules changed on this node. A reader
+    /// that saw the same count twice knows no rules change finished in
+    /// between (a change bumps it before it releases the rules' lock), so
+    /// whatever it judged by the rules then still holds: a node keepalive
+    /// re-checks its quiet shards only when this moved (`super::quiet`).
+    pub(crate) fn rules_changes(&self) -> u64 {
+        self.rules_changes.load(Ordering::SeqCst)
+    }
+
     fn mark(&self, shard: ShardId) {
         self.heartbeats.lock().insert(shard);
         self.gauges.lock().insert(shard);
@@ -191,6 +203,50 @@ impl Touched {
     /// The shards touched since the gauge loop last took them.
     pub(crate) fn take_gauges(&self) -> std::collections::BTreeSet<ShardId> {
         std::mem::take(&mut self.gauges.lock())
+    }
+}
+
+/// A replica's [`ReplicaCore`] behind its lock. Locking it for a change
+/// (any `&mut` use of the guard) bumps the node's
+/// [`Touched::rules_changes`] before the lock is released.
+pub(crate) struct Rules {
+    core: Mutex<ReplicaCore>,
+    touched: Arc<Touched>,
+}
+
+impl Rules {
+    pub(crate) fn lock(&self) -> RulesGuard<'_> {
+        RulesGuard { core: self.core.lock(), touched: &self.touched, changed: false }
+    }
+}
+
+/// The locked rules; see [`Rules`].
+pub(crate) struct RulesGuard<'a> {
+    core: parking_lot::MutexGuard<'a, ReplicaCore>,
+    touched: &'a Touched,
+    changed: bool,
+}
+
+impl std::ops::Deref for RulesGuard<'_> {
+    type Target = ReplicaCore;
+    fn deref(&self) -> &ReplicaCore {
+        &self.core
+    }
+}
+
+impl std::ops::DerefMut for RulesGuard<'_> {
+    fn deref_mut(&mut self) -> &mut ReplicaCore {
+        self.changed = true;
+        &mut self.core
+    }
+}
+
+impl Drop for RulesGuard<'_> {
+    fn drop(&mut self) {
+        // Runs before the fields drop: the lock is still held here.
+        if self.changed {
+            self.touched.rules_changes.fetch_add(1, Ordering::SeqCst);
+        }
     }
 }
 
@@ -210,7 +266,10 @@ impl ShardReplica {
         ShardReplica {
             shard,
             members: Mutex::new(Members { voters: replicas.to_vec(), ..Members::default() }),
-            rules: Mutex::new(ReplicaCore::new(me, replicas.to_vec(), coordinated, Epoch(promised))),
+            rules: Rules {
+                core: Mutex::new(ReplicaCore::new(me, replicas.to_vec(), coordinated, Epoch(promised))),
+                touched: touched.clone(),
+            },
             readable: watch::Sender::new(0),
             all_durable: watch::Sender::new(0),
             generation: watch::Sender::new(0),
