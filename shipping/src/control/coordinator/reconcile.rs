@@ -17,7 +17,7 @@ use crate::control::liveness::{self, FollowerReport};
 /// What the next reconcile round looks at. A *full* round looks at every
 /// shard: the first round after this coordinator becomes active, then
 /// every [`FULL_ROUND_EVERY`] (or less often when a full round is costly:
-/// at most 5 % of the time goes to them). While a node misses its
+/// at most 1 % of the time goes to them, see [`full_round_every`]). While a node misses its
 /// heartbeats, a *silence* round also looks at every shard it or no node
 /// leads (their leaders may be lost: no heartbeat will say so), as often as
 /// keeps those rounds under a quarter of the time. Otherwise a round looks
@@ -81,13 +81,24 @@ pub(crate) const BULK_FAILOVER_SHARDS: usize = 512;
 /// longer (32 s to every leader, against 16 s with 128).
 pub(crate) const ASSIGNMENTS_AT_ONCE: usize = 128;
 
-/// A round that looks at every shard runs at least this often (unless it
-/// costs more than 5 % of the time). It is a safety net: every change a
-/// round acts on also reaches the pending set, and a silent node makes
-/// every round a full one. At 10,000 shards a full round costs about
-/// 14 ms (release build); once a second it was a sixth of an idle
-/// coordinator's CPU.
+/// A round that looks at every shard runs this often, or less often when
+/// it is costly: see [`full_round_every`]. It is a safety net: every change
+/// a round acts on also reaches the pending set, and a silent node brings
+/// the shards it led to silence rounds. At 10,000 shards a full round
+/// costs 14-40 ms (release build, by the machine's load); once a second it
+/// was a sixth of an idle coordinator's CPU, and at 5 % of the time (every
+/// 2 s) still a quarter of it (2026-12-06).
 const FULL_ROUND_EVERY: Duration = Duration::from_secs(2);
+
+/// The longest wait between full rounds, however costly they are.
+const MAX_FULL_ROUND_EVERY: Duration = Duration::from_secs(10);
+
+/// How long after a full round that took `cost` the next one is due:
+/// [`FULL_ROUND_EVERY`], or longer so that full rounds take at most 1 % of
+/// a core, up to [`MAX_FULL_ROUND_EVERY`].
+fn full_round_every(cost: Duration) -> Duration {
+    (cost * 100).clamp(FULL_ROUND_EVERY, MAX_FULL_ROUND_EVERY)
+}
 
 /// How long after a node goes silent rounds keep looking at every shard
 /// (see [`Coordinator::node_silent`]): past the longest a node may be
@@ -100,9 +111,8 @@ impl Pending {
     /// went silent lately (see [`Coordinator::silent_nodes`]); the pending
     /// shards are taken.
     fn scope(&mut self, silent: std::collections::BTreeSet<NodeId>, now: Instant) -> Scope {
-        let full_due = self
-            .last_full
-            .is_none_or(|last| now.saturating_duration_since(last) >= FULL_ROUND_EVERY.max(self.full_cost * 20));
+        let full_due =
+            self.last_full.is_none_or(|last| now.saturating_duration_since(last) >= full_round_every(self.full_cost));
         let silence_due = !silent.is_empty()
             && self.last_silence.is_none_or(|last| now.saturating_duration_since(last) >= self.silence_cost * 4);
         if full_due {
@@ -595,12 +605,17 @@ mod tests {
         // Full rounds keep their own cadence, silent nodes or not.
         assert_eq!(p.scope(nodes(&[2]), t0 + FULL_ROUND_EVERY), Scope::Every);
         assert_eq!(p.scope(nodes(&[]), t0 + FULL_ROUND_EVERY + Duration::from_millis(30)), Scope::Pending);
-        // A costly full round spaces them out (at most 5 % of the time).
-        p.took(&Scope::Every, Duration::from_millis(200));
-        let after = t0 + FULL_ROUND_EVERY + Duration::from_secs(3);
-        assert_eq!(p.scope(nodes(&[]), after), Scope::Pending, "3 s after a 200 ms full round");
-        assert_eq!(p.scope(nodes(&[]), t0 + FULL_ROUND_EVERY + Duration::from_secs(4)), Scope::Every);
+        // A costly full round spaces them out (at most 1 % of the time).
+        let t1 = t0 + FULL_ROUND_EVERY;
+        p.took(&Scope::Every, Duration::from_millis(40));
+        assert_eq!(p.scope(nodes(&[]), t1 + Duration::from_millis(3_999)), Scope::Pending, "4 s after 40 ms");
+        assert_eq!(p.scope(nodes(&[]), t1 + Duration::from_secs(4)), Scope::Every);
+        // However costly, at least every 10 s.
+        let t2 = t1 + Duration::from_secs(4);
+        p.took(&Scope::Every, Duration::from_millis(500));
+        assert_eq!(p.scope(nodes(&[]), t2 + Duration::from_millis(9_999)), Scope::Pending);
+        assert_eq!(p.scope(nodes(&[]), t2 + MAX_FULL_ROUND_EVERY), Scope::Every, "500 ms rounds");
         p.force_full();
-        assert_eq!(p.scope(nodes(&[]), t0 + FULL_ROUND_EVERY + Duration::from_secs(4)), Scope::Every, "forced");
+        assert_eq!(p.scope(nodes(&[]), t2 + MAX_FULL_ROUND_EVERY), Scope::Every, "forced");
     }
 }
