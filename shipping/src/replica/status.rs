@@ -436,7 +436,7 @@ impl ReplicationNode {
             let build_took = building.elapsed();
             self.metrics.heartbeat_round_seconds.with_label_values(&["build"]).observe(build_took.as_secs_f64());
             if full {
-                full_every = full_report_every(build_took);
+                full_every = full_report_every(build_took, looked_at.len());
             }
             unsettled = looked_at.iter().filter(|r| !r.settled()).map(|r| r.shard).collect();
             builds.retain(|shard, _| unsettled.contains(shard));
@@ -558,13 +558,23 @@ const FULL_HEARTBEAT_EVERY: Duration = Duration::from_secs(2);
 /// stuck follower's lag in seconds) is never older than this.
 const MAX_FULL_HEARTBEAT_EVERY: Duration = Duration::from_secs(10);
 
-/// How long to wait after a full report that took `cost` to build:
-/// [`FULL_HEARTBEAT_EVERY`], or longer when building every shard's report
-/// is costly, so that full reports take at most 1 % of a core, up to
-/// [`MAX_FULL_HEARTBEAT_EVERY`]. At 10,000 shards building them every 2 s
-/// was about a third of an idle node's CPU.
-fn full_report_every(cost: Duration) -> Duration {
-    (cost * 100).clamp(FULL_HEARTBEAT_EVERY, MAX_FULL_HEARTBEAT_EVERY)
+/// Shard reports a node's full reports carry per second, on average, at
+/// most: each costs every receiver (the coordinators decode and compare
+/// it) about what it costs the node to build. At 10,000 shards three
+/// nodes' full reports every 2-3 s were a quarter of an idle coordinator's
+/// CPU (2026-12-06).
+const FULL_REPORTS_PER_SECOND: u32 = 2_000;
+
+/// How long to wait after a full report of `shards` replicas that took
+/// `cost` to build: [`FULL_HEARTBEAT_EVERY`], or longer when building
+/// every shard's report is costly (so that full reports take at most 1 %
+/// of the node's core) or they are many (at most
+/// [`FULL_REPORTS_PER_SECOND`]), up to [`MAX_FULL_HEARTBEAT_EVERY`]. At
+/// 10,000 shards building them every 2 s was about a third of an idle
+/// node's CPU.
+fn full_report_every(cost: Duration, shards: usize) -> Duration {
+    let by_count = Duration::from_secs(shards as u64) / FULL_REPORTS_PER_SECOND;
+    (cost * 100).max(by_count).clamp(FULL_HEARTBEAT_EVERY, MAX_FULL_HEARTBEAT_EVERY)
 }
 
 /// Shards per heartbeat batch (a full report of more goes out as several
@@ -731,9 +741,13 @@ mod heartbeat_tests {
 
     #[test]
     fn costly_full_reports_go_less_often_within_a_bound() {
-        assert_eq!(full_report_every(Duration::from_millis(3)), FULL_HEARTBEAT_EVERY);
-        assert_eq!(full_report_every(Duration::from_millis(40)), Duration::from_secs(4), "1 % of a core");
-        assert_eq!(full_report_every(Duration::from_secs(1)), MAX_FULL_HEARTBEAT_EVERY);
+        assert_eq!(full_report_every(Duration::from_millis(3), 4), FULL_HEARTBEAT_EVERY);
+        assert_eq!(full_report_every(Duration::from_millis(3), 1_000), FULL_HEARTBEAT_EVERY);
+        assert_eq!(full_report_every(Duration::from_millis(40), 10), Duration::from_secs(4), "1 % of a core");
+        assert_eq!(full_report_every(Duration::from_millis(3), 10_000), Duration::from_secs(5), "2,000 a second");
+        assert_eq!(full_report_every(Duration::from_millis(60), 10_000), Duration::from_secs(6));
+        assert_eq!(full_report_every(Duration::from_secs(1), 10), MAX_FULL_HEARTBEAT_EVERY);
+        assert_eq!(full_report_every(Duration::ZERO, 100_000), MAX_FULL_HEARTBEAT_EVERY);
     }
 
     #[test]
