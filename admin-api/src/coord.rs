@@ -310,6 +310,7 @@ async fn sample_lag(admin: Arc<CoordAdmin>) {
         let Ok(state) = state(&admin).await else { continue };
         let (samples, needed) = lag_pass(&admin, &state);
         admin.lag_history.record_pass(samples);
+        drop(state);
         admin.lag_history.set_interval(crate::history::sample_interval(pass.elapsed()));
         let mut times = std::collections::BTreeMap::new();
         for ((shard, seqno), leader) in needed {
