@@ -626,6 +626,17 @@ impl Coordinator {
         }
     }
 
+    /// The lease alone was renewed (written at `revision`): the state
+    /// written before stands.
+    fn renewed(&self, lease: crate::control::state::Lease, revision: u64, lease_until: Instant) {
+        let mut active = self.active.lock();
+        let Some(a) = active.as_mut() else { return };
+        self.metrics.lease_term.set(lease.term as i64);
+        a.state.lease = lease;
+        a.revision = revision;
+        a.lease_until = lease_until;
+    }
+
     fn become_active(&self, state: ClusterState, revision: u64, lease_until: Instant) {
         let mut active = self.active.lock();
         let since = active.as_ref().map_or_else(Instant::now, |a| a.since);

@@ -200,17 +200,30 @@ impl Coordinator {
     async fn renew(&self) -> Result<(), CoordError> {
         let started = Instant::now();
         let lease_until = started + Duration::from_millis(self.lease_ms);
-        let (state, upto, revision, puts) = {
+        // With nothing queued only the lease is written, and the state
+        // is not copied: at 10,000 shards copying and comparing every
+        // record on each renewal was a tenth of an idle coordinator.
+        let (next, lease, upto, revision, puts) = {
             let queued = self.queued.lock();
             let active = self.active.lock();
             let Some(a) = active.as_ref() else { return Ok(()) };
-            let (mut state, upto) = match &queued.state {
-                Some(working) => (working.clone(), Some(queued.applied)),
-                None => (a.state.clone(), None),
-            };
-            state.lease.expires_unix_ms = now_ms() + self.lease_ms;
-            let puts = state.changes_from(&a.state);
-            (state, upto, a.revision, puts)
+            let mut lease = a.state.lease.clone();
+            lease.expires_unix_ms = now_ms() + self.lease_ms;
+            match &queued.state {
+                Some(working) => {
+                    let mut state = working.clone();
+                    state.lease = lease.clone();
+                    let puts = state.changes_from(&a.state);
+                    (Some(state), lease, Some(queued.applied), a.revision, puts)
+                }
+                None => {
+                    let puts = vec![(
+                        LEASE_KEY.to_string(),
+                        Bytes::from(serde_json::to_vec(&lease).expect("a lease serialises")),
+                    )];
+                    (None, lease, None, a.revision, puts)
+                }
+            }
         };
         self.metrics.state_writes.inc();
         match self.kv.write_batch(revision, puts).await {
@@ -221,10 +234,13 @@ impl Coordinator {
                 }
                 // The working copy carries the renewed lease too.
                 if let Some(working) = queued.state.as_mut() {
-                    working.lease = state.lease.clone();
+                    working.lease = lease.clone();
                 }
                 drop(queued);
-                self.become_active(state, new_revision, lease_until);
+                match next {
+                    Some(state) => self.become_active(state, new_revision, lease_until),
+                    None => self.renewed(lease, new_revision, lease_until),
+                }
                 Ok(())
             }
             Err(KvError::Conflict { .. }) => {
