@@ -155,7 +155,8 @@ pub async fn watch(admin: Arc<CoordAdmin>) {
             if record.leader != Some(leader) {
                 continue;
             }
-            let view = crate::coord::shard_view(&admin, shard, &record, None);
+            let nodes = crate::coord::NodesNow::read(&admin.coordinator);
+            let view = crate::coord::shard_view(&admin, &nodes, shard, &record, None);
             for r in &view.replicas {
                 let behind = r.alive && !r.lag_stale && r.lag_bytes.is_some_and(|b| b >= threshold);
                 let room = admin.catchups.lock().len() < AUTO_AT_ONCE;
