@@ -493,7 +493,10 @@ impl Cluster {
                 // standby started at once can win the race for the lease
                 // (a DataPlane test then waited a minute for workers that
                 // had connected to coordinator 2).
-                wait_active_blocking(&coordinator.admin, Duration::from_secs(20));
+                assert!(
+                    wait_active_blocking(&coordinator.admin, Duration::from_secs(20)),
+                    "coordinator 1 did not take the lease within 20 s"
+                );
             }
             cluster.coordinators.push(coordinator);
         }
