@@ -207,16 +207,17 @@ impl Coordinator {
             let queued = self.queued.lock();
             let active = self.active.lock();
             let Some(a) = active.as_ref() else { return Ok(()) };
-            let mut lease = a.state.lease.clone();
-            lease.expires_unix_ms = now_ms() + self.lease_ms;
+            let expires_unix_ms = now_ms() + self.lease_ms;
             match &queued.state {
                 Some(working) => {
                     let mut state = working.clone();
-                    state.lease = lease.clone();
+                    state.lease.expires_unix_ms = expires_unix_ms;
                     let puts = state.changes_from(&a.state);
+                    let lease = state.lease.clone();
                     (Some(state), lease, Some(queued.applied), a.revision, puts)
                 }
                 None => {
+                    let lease = Lease { expires_unix_ms, ..a.state.lease.clone() };
                     let puts = vec![(
                         LEASE_KEY.to_string(),
                         Bytes::from(serde_json::to_vec(&lease).expect("a lease serialises")),
