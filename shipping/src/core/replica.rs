@@ -53,6 +53,17 @@ impl Role {
     }
 }
 
+/// What [`ReplicaCore::follows`] reads, copied.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct FollowsInputs {
+    view: View,
+    promised: Epoch,
+    repaired: Epoch,
+    paused: bool,
+    disk_full: bool,
+    promise_lost: bool,
+}
+
 /// A replica's role and the epoch it holds it in.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct View {
@@ -393,6 +404,7 @@ impl ReplicaCore {
     /// node-level keepalive checks in place of a per-shard keepalive
     /// ([`ReplicaCore::inbound`] would admit it and change nothing).
     pub fn follows(&self, epoch: Epoch, from: NodeId) -> bool {
+        // Reads only what `follows_inputs` copies: keep the two together.
         self.view.role == Role::Follower { leader: from }
             && self.view.epoch == epoch
             && self.promised <= epoch
@@ -400,6 +412,20 @@ impl ReplicaCore {
             && !self.paused
             && !self.disk_full
             && !self.promise_lost
+    }
+
+    /// Everything [`ReplicaCore::follows`] reads: while these are equal,
+    /// so is every answer it gives (the node counts changes to them, see
+    /// `replica/shard.rs`, `Rules`).
+    pub fn follows_inputs(&self) -> FollowsInputs {
+        FollowsInputs {
+            view: self.view,
+            promised: self.promised,
+            repaired: self.repaired,
+            paused: self.paused,
+            disk_full: self.disk_full,
+            promise_lost: self.promise_lost,
+        }
     }
 
     /// A follower answered this leader with a newer epoch: it was deposed.

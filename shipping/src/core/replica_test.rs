@@ -360,3 +360,33 @@ fn an_epoch_past_the_ceiling_is_refused_everywhere_and_promises_nothing() {
     assert_eq!(r.promised(), Epoch(5), "nothing promised");
     assert!(r.fence(Epoch(Epoch::CEILING - 1)).is_ok(), "the largest epoch is still taken");
 }
+
+/// Whatever changes an answer of `follows` changes `follows_inputs` (the
+/// node skips re-checking its quiet shards while those stay equal); an
+/// admitted shipment or a disk report that changes nothing leaves them.
+#[test]
+fn every_change_to_what_follows_answers_changes_its_inputs() {
+    let r = following(3);
+    let before = r.follows_inputs();
+    assert!(r.follows(Epoch(3), 2));
+    type Change = fn(&mut ReplicaCore);
+    let changes: Vec<(&str, Change)> = vec![
+        ("a fence", |r| _ = r.fence(Epoch(4))),
+        ("a pause", |r| _ = r.pause(true)),
+        ("a full disk", |r| _ = r.disk(true)),
+        ("a lost promise", |r| r.promise_lost()),
+        ("an assignment to lead", |r| _ = r.assign(Epoch(4), ME)),
+        ("a shipment of a newer leader", |r| _ = r.inbound(Epoch(5), 3)),
+    ];
+    for (what, change) in changes {
+        let mut r = following(3);
+        change(&mut r);
+        assert!(!r.follows(Epoch(3), 2), "{what}");
+        assert_ne!(r.follows_inputs(), before, "{what}");
+    }
+    let mut r = following(3);
+    assert_eq!(r.inbound(Epoch(3), 2).outcome, Ok(()));
+    assert_eq!(r.disk(false), vec![]);
+    assert_eq!(r.follows_inputs(), before, "an admitted shipment and an unchanged disk");
+    assert!(r.follows(Epoch(3), 2));
+}

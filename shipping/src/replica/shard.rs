@@ -175,17 +175,21 @@ pub struct ShardReplica {
 pub(crate) struct Touched {
     heartbeats: Mutex<std::collections::BTreeSet<ShardId>>,
     gauges: Mutex<std::collections::BTreeSet<ShardId>>,
-    /// Bumped by every change to any replica's [`Rules`] on this node, while
-    /// that replica's rules are still locked: see [`Touched::rules_changes`].
+    /// Bumped by every change to what any replica's rules' `follows` reads
+    /// on this node, while that replica's rules are still locked: see
+    /// [`Touched::rules_changes`].
     rules_changes: AtomicU64,
 }
 
 impl Touched {
-    /// How many times any replica's rules changed on this node. A reader
-    /// that saw the same count twice knows no rules change finished in
-    /// between (a change bumps it before it releases the rules' lock), so
-    /// whatever it judged by the rules then still holds: a node keepalive
-    /// re-checks its quiet shards only when this moved (`super::quiet`).
+    /// How many times what any replica's rules' `follows` reads
+    /// ([`ReplicaCore::follows_inputs`]) changed on this node. A reader that
+    /// saw the same count twice knows no such change finished in between (a
+    /// change bumps it before it releases the rules' lock), so whatever
+    /// `follows` answered then still holds: a node keepalive re-checks its
+    /// quiet shards only when this moved (`super::quiet`). Shipments lock
+    /// the rules for a change on every push; they bump it only when they
+    /// change a role, an epoch or what else `follows` reads.
     pub(crate) fn rules_changes(&self) -> u64 {
         self.rules_changes.load(Ordering::SeqCst)
     }
@@ -206,9 +210,9 @@ impl Touched {
     }
 }
 
-/// A replica's [`ReplicaCore`] behind its lock. Locking it for a change
-/// (any `&mut` use of the guard) bumps the node's
-/// [`Touched::rules_changes`] before the lock is released.
+/// A replica's [`ReplicaCore`] behind its lock. A change through the guard
+/// (any `&mut` use of it) that changes what `follows` reads bumps the
+/// node's [`Touched::rules_changes`] before the lock is released.
 pub(crate) struct Rules {
     core: Mutex<ReplicaCore>,
     touched: Arc<Touched>,
@@ -216,7 +220,7 @@ pub(crate) struct Rules {
 
 impl Rules {
     pub(crate) fn lock(&self) -> RulesGuard<'_> {
-        RulesGuard { core: self.core.lock(), touched: &self.touched, changed: false }
+        RulesGuard { core: self.core.lock(), touched: &self.touched, before: None }
     }
 }
 
@@ -224,7 +228,8 @@ impl Rules {
 pub(crate) struct RulesGuard<'a> {
     core: parking_lot::MutexGuard<'a, ReplicaCore>,
     touched: &'a Touched,
-    changed: bool,
+    /// What `follows` read when the guard was first used for a change.
+    before: Option<crate::core::replica::FollowsInputs>,
 }
 
 impl std::ops::Deref for RulesGuard<'_> {
@@ -236,7 +241,9 @@ impl std::ops::Deref for RulesGuard<'_> {
 
 impl std::ops::DerefMut for RulesGuard<'_> {
     fn deref_mut(&mut self) -> &mut ReplicaCore {
-        self.changed = true;
+        if self.before.is_none() {
+            self.before = Some(self.core.follows_inputs());
+        }
         &mut self.core
     }
 }
@@ -244,7 +251,7 @@ impl std::ops::DerefMut for RulesGuard<'_> {
 impl Drop for RulesGuard<'_> {
     fn drop(&mut self) {
         // Runs before the fields drop: the lock is still held here.
-        if self.changed {
+        if self.before.is_some_and(|before| before != self.core.follows_inputs()) {
             self.touched.rules_changes.fetch_add(1, Ordering::SeqCst);
         }
     }
