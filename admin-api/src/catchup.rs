@@ -150,12 +150,15 @@ pub async fn watch(admin: Arc<CoordAdmin>) {
                 })
                 .collect()
         };
+        if lagging.is_empty() {
+            continue;
+        }
+        let nodes = crate::coord::NodesNow::read(&admin.coordinator);
         for (shard, leader) in lagging {
             let Ok(record) = admin.coordinator.shard_record(shard) else { continue };
             if record.leader != Some(leader) {
                 continue;
             }
-            let nodes = crate::coord::NodesNow::read(&admin.coordinator);
             let view = crate::coord::shard_view(&admin, &nodes, shard, &record, None);
             for r in &view.replicas {
                 let behind = r.alive && !r.lag_stale && r.lag_bytes.is_some_and(|b| b >= threshold);
