@@ -62,13 +62,25 @@ async fn epochs(cluster: &mut Cluster) -> Vec<(u32, u64)> {
     all
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn idle_shards_go_quiet_keep_their_leaders_and_wake_on_the_first_append() {
+/// Three nodes and `SHARDS` shards (leader timeout 1 s), every shard led.
+async fn led_cluster() -> Cluster {
     let mut cluster = Cluster::start_with(3, SHARDS, 1, "leader_timeout_ms = 1000", None);
     for shard in 1..=SHARDS {
         cluster.wait_leader(shard, None, Duration::from_secs(60)).await;
     }
+    cluster
+}
+
+/// [`led_cluster`], with every (shard, follower) pair quiet.
+async fn quiet_cluster() -> Cluster {
+    let mut cluster = led_cluster().await;
     wait_all_quiet(&mut cluster, &[1, 2, 3], f64::from(SHARDS * 2)).await;
+    cluster
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn idle_shards_go_quiet_keep_their_leaders_and_wake_on_the_first_append() {
+    let mut cluster = quiet_cluster().await;
     let before = epochs(&mut cluster).await;
     let links_before = metric(&mut cluster, 1, "walship_node_keepalives_total{outcome=\"ok\"}").await;
 
@@ -109,10 +121,7 @@ async fn idle_shards_go_quiet_keep_their_leaders_and_wake_on_the_first_append() 
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_dead_leaders_quiet_shards_fail_over_and_lose_nothing_acknowledged() {
-    let mut cluster = Cluster::start_with(3, SHARDS, 1, "leader_timeout_ms = 1000", None);
-    for shard in 1..=SHARDS {
-        cluster.wait_leader(shard, None, Duration::from_secs(60)).await;
-    }
+    let mut cluster = led_cluster().await;
     let acked = Acked::default();
     for shard in 1..=SHARDS {
         let leader = cluster.leader_of(1, shard).await.unwrap().0;
@@ -151,11 +160,7 @@ async fn a_dead_leaders_quiet_shards_fail_over_and_lose_nothing_acknowledged() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_node_keepalive_for_what_the_follower_does_not_follow_or_malformed_changes_nothing() {
-    let mut cluster = Cluster::start_with(3, SHARDS, 1, "leader_timeout_ms = 1000", None);
-    for shard in 1..=SHARDS {
-        cluster.wait_leader(shard, None, Duration::from_secs(60)).await;
-    }
-    wait_all_quiet(&mut cluster, &[1, 2, 3], f64::from(SHARDS * 2)).await;
+    let mut cluster = quiet_cluster().await;
     let before = epochs(&mut cluster).await;
     // A shard node 1 leads, a shard node 2 (the receiver) leads itself.
     let (led_by_1, epoch_1) =
@@ -225,11 +230,7 @@ async fn a_node_keepalive_for_what_the_follower_does_not_follow_or_malformed_cha
 /// by the next keepalive that merely names nothing, never credited.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_quiet_shard_fenced_after_it_was_announced_is_refused_by_the_next_keepalive() {
-    let mut cluster = Cluster::start_with(3, SHARDS, 1, "leader_timeout_ms = 1000", None);
-    for shard in 1..=SHARDS {
-        cluster.wait_leader(shard, None, Duration::from_secs(60)).await;
-    }
-    wait_all_quiet(&mut cluster, &[1, 2, 3], f64::from(SHARDS * 2)).await;
+    let mut cluster = quiet_cluster().await;
     let led_by_1: Vec<(u32, u64)> = epochs(&mut cluster)
         .await
         .iter()
