@@ -242,8 +242,8 @@ impl ReplicationNode {
         // already held were checked when `checked_at` was read; they are
         // checked again, all of them under one read of the replica map, only
         // if what some replica's `follows` reads changed since (replicas are
-        // never removed from the map). The count is read before any check: a change
-        // finishing during them is seen by the next call.
+        // never removed from the map). The count is read before any check:
+        // a change finishing during them is seen by the next call.
         let changes = self.touched.rules_changes();
         for q in &request.quiet {
             // Named again (maybe at another epoch): checked below as new.

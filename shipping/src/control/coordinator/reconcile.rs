@@ -17,10 +17,11 @@ use crate::control::liveness::{self, FollowerReport};
 /// What the next reconcile round looks at. A *full* round looks at every
 /// shard: the first round after this coordinator becomes active, then
 /// every [`FULL_ROUND_EVERY`] (or less often when a full round is costly:
-/// at most 1 % of the time goes to them, see [`full_round_every`]). While a node misses its
-/// heartbeats, a *silence* round also looks at every shard it or no node
-/// leads (their leaders may be lost: no heartbeat will say so), as often as
-/// keeps those rounds under a quarter of the time. Otherwise a round looks
+/// at most 1 % of the time goes to them, see [`full_round_every`]). While
+/// a node misses its heartbeats, a *silence* round also looks at every
+/// shard it or no node leads (their leaders may be lost: no heartbeat will
+/// say so), as often as keeps those rounds under a quarter of the time.
+/// Otherwise a round looks
 /// only at the shards a heartbeat reported a change of, those the
 /// leadership record changed for, and those a round left something under
 /// way for (an assignment not yet taken, a replica change): an idle
