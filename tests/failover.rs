@@ -728,3 +728,52 @@ async fn assert_records_on_leader(
     let payloads: Vec<Bytes> = records.iter().map(|r| r.payload.clone()).collect();
     assert_eq!(payloads, expected, "shard {shard} on node {node}");
 }
+
+/// The shards a lost node led are spread over the survivors: among
+/// replicas equally caught up (idle shards all are), the one leading the
+/// fewest shards is promoted, not the lowest node id. Before, every idle
+/// shard of a lost node went to node 1, and a cluster whose nodes came up
+/// one by one ended with node 1 leading all 1,000 shards of a benchmark.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_lost_nodes_idle_shards_are_spread_over_the_survivors() {
+    const SHARDS: u32 = 12;
+    let mut cluster = Cluster::start_with(3, SHARDS, 1, FAST, None);
+    let leaders = |v: &serde_json::Value| -> Vec<Option<u64>> {
+        v.as_array().expect("a list of shards").iter().map(|s| s["leader"].as_u64()).collect()
+    };
+    let deadline = std::time::Instant::now() + WAIT;
+    let before = loop {
+        let (code, shards) = cluster.coord_get(1, &format!("/v1/shards?limit={SHARDS}")).await;
+        // 503 until the coordinator wrote its first state.
+        assert!(code == 200 || code == 503, "{code}: {shards}");
+        let led = if code == 200 { leaders(&shards) } else { Vec::new() };
+        if led.len() == SHARDS as usize && led.iter().all(Option::is_some) {
+            break led.into_iter().map(Option::unwrap).collect::<Vec<u64>>();
+        }
+        poll_again(deadline, "every shard led").await;
+    };
+    let count = |led: &[u64], node: u64| led.iter().filter(|&&l| l == node).count();
+    // The node leading the most goes (a third of the shards, as placed).
+    let victim = (1..=3).max_by_key(|&n| (count(&before, n), n)).unwrap();
+    let lost = count(&before, victim);
+    assert!(lost >= 2, "node {victim} leads {lost} of {before:?}");
+    let survivors: Vec<u64> = (1..=3).filter(|&n| n != victim).collect();
+    cluster.node(victim as u32).kill9();
+
+    let after = loop {
+        let (_, shards) = cluster.coord_get(1, &format!("/v1/shards?limit={SHARDS}")).await;
+        let led = leaders(&shards);
+        if led.len() == SHARDS as usize && led.iter().all(|l| l.is_some_and(|l| l != victim)) {
+            break led.into_iter().map(Option::unwrap).collect::<Vec<u64>>();
+        }
+        poll_again(deadline, &format!("every shard of node {victim} led by a survivor")).await;
+    };
+    let (a, b) = (survivors[0], survivors[1]);
+    let gained = |n: u64| count(&after, n) - count(&before, n);
+    assert_eq!(gained(a) + gained(b), lost, "before {before:?}, after {after:?}");
+    // Every tie went to the survivor leading fewer: each took some, and the
+    // difference between them did not grow past one.
+    let gap = |led: &[u64]| count(led, a).abs_diff(count(led, b));
+    assert!(gained(a) > 0 && gained(b) > 0, "node {victim}'s {lost} shards all went one way: {before:?} -> {after:?}");
+    assert!(gap(&after) <= gap(&before).max(1), "{before:?} -> {after:?}");
+}

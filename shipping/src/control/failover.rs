@@ -60,21 +60,36 @@ impl Candidate {
 /// The replica with the most up-to-date log; among equally up-to-date ones,
 /// a healthy one before an unhealthy one, then the lowest node id.
 pub fn best(candidates: &[Candidate]) -> Option<Candidate> {
-    candidates.iter().copied().max_by_key(|c| (c.rank(), c.healthy(), std::cmp::Reverse(c.node)))
+    best_spread(candidates, |_| 0)
 }
 
-/// The replica an automatic failover promotes: [`best`], unless that one is
-/// unhealthy and a healthy replica holds every acknowledged record
-/// (`loses_acknowledged` says it would not); then the most up-to-date such
-/// healthy replica.
-pub fn promote(candidates: &[Candidate], loses_acknowledged: impl Fn(&Candidate) -> bool) -> Option<Candidate> {
-    let top = best(candidates)?;
+/// [`best`], except that among equally up-to-date replicas of equal health
+/// the one leading the fewest shards (`leads`) wins before the lowest node
+/// id. Rank still comes first, so the choice holds every record the
+/// most up-to-date replica holds; only a tie is spread.
+fn best_spread(candidates: &[Candidate], leads: impl Fn(NodeId) -> usize) -> Option<Candidate> {
+    use std::cmp::Reverse;
+    candidates.iter().copied().max_by_key(|c| (c.rank(), c.healthy(), Reverse(leads(c.node)), Reverse(c.node)))
+}
+
+/// The replica an automatic failover promotes: the best (ties going to
+/// the replica leading the fewest shards now, `leads`, so that the shards
+/// of a lost node, or every idle shard of a start-up, do not all land on
+/// the lowest node id), unless that one is unhealthy and a healthy replica
+/// holds every acknowledged record (`loses_acknowledged` says it would
+/// not); then the most up-to-date such healthy replica.
+pub fn promote(
+    candidates: &[Candidate],
+    loses_acknowledged: impl Fn(&Candidate) -> bool,
+    leads: impl Fn(NodeId) -> usize,
+) -> Option<Candidate> {
+    let top = best_spread(candidates, &leads)?;
     if top.healthy() {
         return Some(top);
     }
     let healthy: Vec<Candidate> =
         candidates.iter().copied().filter(|c| c.healthy() && !loses_acknowledged(c)).collect();
-    Some(best(&healthy).unwrap_or(top))
+    Some(best_spread(&healthy, &leads).unwrap_or(top))
 }
 
 /// The seqnos `best` holds that `candidate` does not, given where
@@ -166,9 +181,9 @@ mod tests {
         let old = Candidate { replaced: true, ..c(1, 3, 90) };
         // Cut off from its followers, it holds an unacknowledged tail: a
         // follower with everything acknowledged takes over.
-        assert_eq!(promote(&[old, c(2, 3, 80), c(3, 3, 85)], |c| c.last_seqno < 80).unwrap().node, 3);
+        assert_eq!(promote(&[old, c(2, 3, 80), c(3, 3, 85)], |c| c.last_seqno < 80, |_| 0).unwrap().node, 3);
         // Only it holds acknowledged records: it leads again.
-        assert_eq!(promote(&[old, c(2, 3, 80)], |c| c.last_seqno < 88).unwrap().node, 1);
+        assert_eq!(promote(&[old, c(2, 3, 80)], |c| c.last_seqno < 88, |_| 0).unwrap().node, 1);
     }
 
     fn corrupt(node: NodeId, last_epoch: u64, last_seqno: u64, from: u64) -> Candidate {
@@ -182,10 +197,10 @@ mod tests {
         // The corrupt one is ahead by unacknowledged records only: the
         // intact one still.
         let candidates = [corrupt(1, 3, 90, 40), c(2, 3, 85), c(3, 3, 70)];
-        assert_eq!(promote(&candidates, |c| c.last_seqno < 80).unwrap().node, 2);
+        assert_eq!(promote(&candidates, |c| c.last_seqno < 80, |_| 0).unwrap().node, 2);
         // No intact replica holds everything acknowledged: the corrupt one
         // leads, serving what is below the damage.
-        assert_eq!(promote(&candidates, |c| c.last_seqno < 88).unwrap().node, 1);
+        assert_eq!(promote(&candidates, |c| c.last_seqno < 88, |_| 0).unwrap().node, 1);
         assert!(!corrupt(1, 3, 90, 40).healthy());
     }
 
@@ -199,25 +214,43 @@ mod tests {
         assert_eq!(best(&[full(1, 2, 50), c(2, 2, 40), c(3, 2, 50)]).unwrap().node, 3);
         // Rank still comes first: a longer log wins even on a full disk.
         assert_eq!(best(&[full(1, 2, 51), c(3, 2, 50)]).unwrap().node, 1);
-        assert_eq!(promote(&[full(1, 2, 50), c(3, 2, 50)], |_| true).unwrap().node, 3);
+        assert_eq!(promote(&[full(1, 2, 50), c(3, 2, 50)], |_| true, |_| 0).unwrap().node, 3);
     }
 
     #[test]
     fn promote_skips_a_disk_full_best_when_a_healthy_one_holds_every_acknowledged_record() {
         let candidates = [full(1, 2, 60), c(2, 2, 55), c(3, 2, 50)];
         // Both healthy ones hold everything acknowledged: the longer one.
-        assert_eq!(promote(&candidates, |_| false).unwrap().node, 2);
+        assert_eq!(promote(&candidates, |_| false, |_| 0).unwrap().node, 2);
         // Only node 3 does not... cannot happen with logs that agree, but
         // the rule follows what it is told: never an acknowledged loss.
-        assert_eq!(promote(&candidates, |c| c.node == 2).unwrap().node, 3);
+        assert_eq!(promote(&candidates, |c| c.node == 2, |_| 0).unwrap().node, 3);
         // No healthy replica without an acknowledged loss: the best, full
         // disk or not (it refuses to lead, and the coordinator retries).
-        assert_eq!(promote(&candidates, |c| !c.disk_full).unwrap().node, 1);
+        assert_eq!(promote(&candidates, |c| !c.disk_full, |_| 0).unwrap().node, 1);
         // Every replica full: the best.
-        assert_eq!(promote(&[full(1, 2, 60), full(2, 2, 60)], |_| false).unwrap().node, 1);
+        assert_eq!(promote(&[full(1, 2, 60), full(2, 2, 60)], |_| false, |_| 0).unwrap().node, 1);
         // A healthy best needs no help.
-        assert_eq!(promote(&[c(1, 2, 60), full(2, 2, 60)], |_| false).unwrap().node, 1);
-        assert_eq!(promote(&[], |_| false), None);
+        assert_eq!(promote(&[c(1, 2, 60), full(2, 2, 60)], |_| false, |_| 0).unwrap().node, 1);
+        assert_eq!(promote(&[], |_| false, |_| 0), None);
+    }
+
+    #[test]
+    fn a_tie_goes_to_the_replica_leading_the_fewest_shards_and_never_past_rank_or_health() {
+        let leads = |n: NodeId| [0, 40, 10, 25][n as usize];
+        // Equally caught up: node 2 leads the fewest.
+        assert_eq!(promote(&[c(1, 2, 50), c(2, 2, 50), c(3, 2, 50)], |_| false, leads).unwrap().node, 2);
+        // One record ahead wins, however many shards it leads.
+        assert_eq!(promote(&[c(1, 2, 51), c(2, 2, 50), c(3, 2, 50)], |_| false, leads).unwrap().node, 1);
+        assert_eq!(promote(&[c(1, 3, 1), c(2, 2, 50)], |_| false, leads).unwrap().node, 1);
+        // Health before load: the full disk leading nothing loses the tie.
+        let leads_none = |n: NodeId| [0, 40, 0, 25][n as usize];
+        assert_eq!(promote(&[c(1, 2, 50), full(2, 2, 50)], |_| false, leads_none).unwrap().node, 1);
+        // Among the healthy ones promote falls back to, the least loaded.
+        let candidates = [full(1, 2, 60), c(2, 2, 55), c(3, 2, 55)];
+        assert_eq!(promote(&candidates, |_| false, leads).unwrap().node, 2);
+        // Equal load: the lowest node id, as before.
+        assert_eq!(promote(&[c(3, 2, 50), c(1, 2, 50)], |_| false, |_| 7).unwrap().node, 1);
     }
 
     #[test]
@@ -265,7 +298,7 @@ mod tests {
         let old = Candidate { replaced: true, ..c(2, 1, 5) };
         let follower = c(1, 1, 4);
         let loses = |x: &Candidate| acknowledged(loss(x, &old, 5), through).is_some();
-        assert_eq!(promote(&[follower, old], loses).unwrap().node, 2);
+        assert_eq!(promote(&[follower, old], loses, |_| 0).unwrap().node, 2);
     }
 
     #[test]

@@ -457,6 +457,17 @@ impl Coordinator {
         a.state.shards.get(&shard).cloned().ok_or(CoordError::UnknownShard(shard))
     }
 
+    /// How many shards each node leads, as recorded (none while not active).
+    fn leads_now(&self) -> BTreeMap<NodeId, usize> {
+        let mut leads = BTreeMap::new();
+        if let Some(a) = self.active.lock().as_ref() {
+            for leader in a.state.shards.values().filter_map(|r| r.leader) {
+                *leads.entry(leader).or_default() += 1;
+            }
+        }
+        leads
+    }
+
     pub fn is_active(&self) -> bool {
         self.active.lock().as_ref().is_some_and(|a| Instant::now() < a.lease_until)
     }

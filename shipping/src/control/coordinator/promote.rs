@@ -343,9 +343,11 @@ impl Coordinator {
         )
         .await;
         steps.done("fence");
-        // 3. Choose.
+        // 3. Choose, spreading ties over the nodes by how many shards each
+        // leads, counting this batch's choices as they are made.
+        let leads = Mutex::new(self.leads_now());
         let chosen = futures::future::join_all(
-            fencing.iter().zip(fenced).map(|((f, _), (fenced, silent))| self.choose(f, fenced, silent)),
+            fencing.iter().zip(fenced).map(|((f, _), (fenced, silent))| self.choose(f, fenced, silent, &leads)),
         )
         .await;
         steps.done("choose");
@@ -409,12 +411,14 @@ impl Coordinator {
     }
 
     /// Step 3 for one shard: its new leader, from the fence answers
-    /// (`fenced`; `silent` says why the others did not answer).
+    /// (`fenced`; `silent` says why the others did not answer). `leads`
+    /// counts the shards each node leads, this choice included once made.
     async fn choose(
         &self,
         f: &Failing<'_>,
         fenced: Vec<FenceResponse>,
         silent: Vec<String>,
+        leads: &Mutex<BTreeMap<NodeId, usize>>,
     ) -> Result<Chosen, CoordError> {
         let (shard, record) = (f.shard, &f.record);
         let voters = record.failover_voters();
@@ -439,7 +443,11 @@ impl Coordinator {
                     .iter()
                     .map(|a| Candidate { replaced: Some(a.node_id) == f.replaced, ..candidate(a) })
                     .collect();
-                let node = failover::promote(&ranked, loses_acknowledged).expect("answers are non-empty").node;
+                let mut leads = leads.lock();
+                let node = failover::promote(&ranked, loses_acknowledged, |n| leads.get(&n).copied().unwrap_or(0))
+                    .expect("answers are non-empty")
+                    .node;
+                *leads.entry(node).or_default() += 1;
                 candidates.iter().find(|c| c.node == node).expect("every answer has a preview")
             }
         }
