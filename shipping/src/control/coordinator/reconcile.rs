@@ -27,10 +27,15 @@ use crate::control::liveness::{self, FollowerReport};
 /// way for (an assignment not yet taken, a replica change): an idle
 /// cluster's rounds cost nothing per shard. A shard queued for a failover
 /// or being failed over is looked at again when its failover ends
-/// (`fail_over_lost`), not every round meanwhile.
+/// (`fail_over_lost`), not every round meanwhile; one whose replica was
+/// just assigned and does not report it yet is looked at again when the
+/// assignment may be repeated ([`REASSIGN_AFTER`], `later`), or when a
+/// report of it changes, not every round meanwhile.
 #[derive(Default)]
 pub(crate) struct Pending {
     pub(crate) shards: std::collections::BTreeSet<u32>,
+    /// Shards to look at once their time comes (see the type's docs).
+    later: std::collections::BTreeSet<(Instant, u32)>,
     last_full: Option<Instant>,
     /// How long the last full round took.
     full_cost: Duration,
@@ -100,6 +105,10 @@ const MAX_FULL_ROUND_EVERY: Duration = Duration::from_secs(10);
 fn full_round_every(cost: Duration) -> Duration {
     (cost * 100).clamp(FULL_ROUND_EVERY, MAX_FULL_ROUND_EVERY)
 }
+
+/// How long after an assignment to a replica that does not report it yet
+/// the assignment is sent again.
+const REASSIGN_AFTER: Duration = Duration::from_millis(200);
 
 /// How long after a node goes silent rounds keep looking at every shard
 /// (see [`Coordinator::node_silent`]): past the longest a node may be
@@ -171,7 +180,13 @@ impl Coordinator {
         let silent = self.silent_nodes(a.since);
         let mut pending = self.pending.lock();
         let scope = pending.scope(silent, now);
-        let ids = std::mem::take(&mut pending.shards);
+        let mut ids = std::mem::take(&mut pending.shards);
+        while let Some(&(at, shard)) = pending.later.first()
+            && at <= now
+        {
+            pending.later.pop_first();
+            ids.insert(shard);
+        }
         drop(pending);
         let listed = |ids: std::collections::BTreeSet<u32>| -> Vec<(u32, Arc<ShardRecord>)> {
             ids.into_iter().filter_map(|id| a.state.shards.get(&id).map(|r| (id, r.clone()))).collect()
@@ -223,6 +238,8 @@ impl Coordinator {
         let timeout = Duration::from_millis(self.config.replication.leader_timeout_ms);
         // Shards to look at again next round: something is under way.
         let mut again = Vec::new();
+        // Shards to look at again once an assignment may be repeated.
+        let mut later = Vec::new();
         let mut queued_lost = false;
         // Shards queued for a failover or being failed over: looked at
         // again when it ends. Looked at every round meanwhile, the 3,334
@@ -319,27 +336,34 @@ impl Coordinator {
                 // At most one assignment per replica in flight, at most
                 // ASSIGNMENTS_AT_ONCE in all (a coordinator starting on
                 // thousands of shards would otherwise open tens of
-                // thousands of calls at once), and none again within 200 ms.
-                let (due, in_flight) = {
+                // thousands of calls at once), and none again within
+                // REASSIGN_AFTER (a failover's own assignments count).
+                let (due, in_flight, repeat_at) = {
                     let mut assigned = self.assigned.lock();
                     let mut assigning = self.assigning.lock();
                     let in_flight = assigning.contains(&(replica, shard));
+                    let repeat_at = assigned.get(&(replica, shard)).map(|&t| t + REASSIGN_AFTER);
                     let due = !in_flight
-                        && assigned.get(&(replica, shard)).is_none_or(|t| t.elapsed() > Duration::from_millis(200))
+                        && repeat_at.is_none_or(|at| Instant::now() > at)
                         && assigning.insert((replica, shard));
                     if due {
                         assigned.insert((replica, shard), Instant::now());
                     }
-                    (due, in_flight)
+                    (due, in_flight, repeat_at)
                 };
                 // An assignment sent now or still in flight (queued for a
                 // slot, say) puts the shard back in the pending set when it
-                // ends; otherwise (assigned within 200 ms, not in line yet)
-                // it is looked at again next round. Looked at every round
-                // while their assignments queued, the thousands of shards
-                // of a failover or a start-up kept the coordinator busy.
+                // ends; otherwise (assigned lately, not in line yet) it is
+                // looked at again when the assignment may be repeated, or
+                // sooner if a report of it changes. Looked at every round
+                // while their assignments queued or their reports were on
+                // the way, the thousands of shards of a failover or a
+                // start-up kept the coordinator busy.
                 if !due && !in_flight {
-                    again.push(shard);
+                    match repeat_at {
+                        Some(at) => later.push((at + Duration::from_millis(1), shard)),
+                        None => again.push(shard),
+                    }
                 }
                 if due {
                     let me = self.clone();
@@ -367,6 +391,7 @@ impl Coordinator {
         }
         let mut pending = self.pending.lock();
         pending.shards.extend(again);
+        pending.later.extend(later);
         pending.took(&scope, started.elapsed());
     }
 
@@ -554,6 +579,8 @@ impl Coordinator {
         leader: NodeId,
         replica: NodeId,
     ) -> Option<walship_proto::log::AssignResponse> {
+        // Rounds repeat it only if it is not reported taken by then.
+        self.assigned.lock().insert((replica, shard), Instant::now());
         let request = AssignRequest {
             shard_id: shard,
             epoch: record.epoch,
