@@ -192,7 +192,10 @@ pub(crate) struct Router {
 
 impl Router {
     pub(crate) async fn open(target: &Target, appenders: usize, transport: Transport) -> Result<Router> {
-        let mut addresses: Vec<String> = target.leaders.clone();
+        // Every node, not only the configured leaders: a shard's leader
+        // may move to any of them (a 1-shard cell whose leader moved at
+        // start-up followed its hint nowhere and gave up).
+        let mut addresses: Vec<String> = target.nodes.clone();
         addresses.sort();
         addresses.dedup();
         let per_node = appenders.div_ceil(addresses.len()).clamp(1, 4);
@@ -405,6 +408,8 @@ async fn wal_cell(dir: &Path, size: usize, shards: u32, appenders: usize, args: 
 pub(crate) struct Target {
     /// gRPC address of shard i's leader at index i-1.
     pub(crate) leaders: Vec<String>,
+    /// gRPC address of every node: a leader may move to any of them.
+    pub(crate) nodes: Vec<String>,
     children: Vec<std::process::Child>,
     /// How appenders connect when the cluster serves TLS.
     pub(crate) client_tls: Option<ClientTlsConfig>,
@@ -475,7 +480,13 @@ fn single_node(data: &Path, shards: u32, spare_bytes: u64) -> Result<Target> {
         .chain([format!("1-{shards}"), "--wal-spare-bytes".into(), spare_bytes.to_string()])
         .collect();
     let (child, grpc) = spawn_listening("node", &args, data)?;
-    Ok(Target { leaders: vec![grpc; shards as usize], children: vec![child], client_tls: None, coord_admin: None })
+    Ok(Target {
+        leaders: vec![grpc.clone(); shards as usize],
+        nodes: vec![grpc],
+        children: vec![child],
+        client_tls: None,
+        coord_admin: None,
+    })
 }
 
 /// Attempts at starting a three-node cluster: its ports are picked before
@@ -559,7 +570,8 @@ fn start_three_nodes(
     config.save(&file).with_context(|| format!("writing {}", file.display()))?;
     // Every process started is in `target` at once, so an early return
     // stops it (Target's drop) instead of leaving it running.
-    let mut target = Target { leaders, children: Vec::new(), client_tls: None, coord_admin };
+    let nodes = config.nodes.iter().map(|n| n.grpc_addr.to_string()).collect();
+    let mut target = Target { leaders, nodes, children: Vec::new(), client_tls: None, coord_admin };
     if let Some(c) = &certificates {
         let read = |p: &Path| std::fs::read(p).with_context(|| format!("reading {}", p.display()));
         target.client_tls = Some(
