@@ -359,11 +359,13 @@ impl Coordinator {
                 // while their assignments queued or their reports were on
                 // the way, the thousands of shards of a failover or a
                 // start-up kept the coordinator busy.
-                if !due && !in_flight {
-                    match repeat_at {
-                        Some(at) => later.push((at + Duration::from_millis(1), shard)),
-                        None => again.push(shard),
-                    }
+                // (Neither due nor in flight: assigned lately, so
+                // `repeat_at` is there.)
+                if !due
+                    && !in_flight
+                    && let Some(at) = repeat_at
+                {
+                    later.push((at + Duration::from_millis(1), shard));
                 }
                 if due {
                     let me = self.clone();
