@@ -738,20 +738,8 @@ async fn assert_records_on_leader(
 async fn a_lost_nodes_idle_shards_are_spread_over_the_survivors() {
     const SHARDS: u32 = 12;
     let mut cluster = Cluster::start_with(3, SHARDS, 1, FAST, None);
-    let leaders = |v: &serde_json::Value| -> Vec<Option<u64>> {
-        v.as_array().expect("a list of shards").iter().map(|s| s["leader"].as_u64()).collect()
-    };
     let deadline = std::time::Instant::now() + WAIT;
-    let before = loop {
-        let (code, shards) = cluster.coord_get(1, &format!("/v1/shards?limit={SHARDS}")).await;
-        // 503 until the coordinator wrote its first state.
-        assert!(code == 200 || code == 503, "{code}: {shards}");
-        let led = if code == 200 { leaders(&shards) } else { Vec::new() };
-        if led.len() == SHARDS as usize && led.iter().all(Option::is_some) {
-            break led.into_iter().map(Option::unwrap).collect::<Vec<u64>>();
-        }
-        poll_again(deadline, "every shard led").await;
-    };
+    let before = leaders_once(&mut cluster, SHARDS, deadline, "every shard led", |_| true).await;
     let count = |led: &[u64], node: u64| led.iter().filter(|&&l| l == node).count();
     // The node leading the most goes (a third of the shards, as placed).
     let victim = (1..=3).max_by_key(|&n| (count(&before, n), n)).unwrap();
@@ -760,14 +748,8 @@ async fn a_lost_nodes_idle_shards_are_spread_over_the_survivors() {
     let survivors: Vec<u64> = (1..=3).filter(|&n| n != victim).collect();
     cluster.node(victim as u32).kill9();
 
-    let after = loop {
-        let (_, shards) = cluster.coord_get(1, &format!("/v1/shards?limit={SHARDS}")).await;
-        let led = leaders(&shards);
-        if led.len() == SHARDS as usize && led.iter().all(|l| l.is_some_and(|l| l != victim)) {
-            break led.into_iter().map(Option::unwrap).collect::<Vec<u64>>();
-        }
-        poll_again(deadline, &format!("every shard of node {victim} led by a survivor")).await;
-    };
+    let what = format!("every shard of node {victim} led by a survivor");
+    let after = leaders_once(&mut cluster, SHARDS, deadline, &what, |l| l != victim).await;
     let (a, b) = (survivors[0], survivors[1]);
     let gained = |n: u64| count(&after, n) - count(&before, n);
     assert_eq!(gained(a) + gained(b), lost, "before {before:?}, after {after:?}");
@@ -776,4 +758,28 @@ async fn a_lost_nodes_idle_shards_are_spread_over_the_survivors() {
     let gap = |led: &[u64]| count(led, a).abs_diff(count(led, b));
     assert!(gained(a) > 0 && gained(b) > 0, "node {victim}'s {lost} shards all went one way: {before:?} -> {after:?}");
     assert!(gap(&after) <= gap(&before).max(1), "{before:?} -> {after:?}");
+}
+
+/// Every shard's recorded leader (shard i's at i-1), once all `shards`
+/// have one that `ready` accepts; polled until `deadline`.
+async fn leaders_once(
+    cluster: &mut Cluster,
+    shards: u32,
+    deadline: std::time::Instant,
+    what: &str,
+    ready: impl Fn(u64) -> bool,
+) -> Vec<u64> {
+    loop {
+        let (code, list) = cluster.coord_get(1, &format!("/v1/shards?limit={shards}")).await;
+        // 503 until the coordinator wrote its first state.
+        assert!(code == 200 || code == 503, "{code}: {list}");
+        let led: Vec<Option<u64>> = match code {
+            200 => list.as_array().expect("a list of shards").iter().map(|s| s["leader"].as_u64()).collect(),
+            _ => Vec::new(),
+        };
+        if led.len() == shards as usize && led.iter().all(|l| l.is_some_and(&ready)) {
+            return led.into_iter().map(Option::unwrap).collect();
+        }
+        poll_again(deadline, what).await;
+    }
 }
