@@ -5,6 +5,7 @@ mod archive;
 mod bench;
 mod bench_dataplane;
 mod bench_drills;
+mod bench_target;
 mod catchup;
 mod client;
 mod client_config;
