@@ -351,11 +351,17 @@ impl Bench<'_> {
     /// 16 concurrent appenders, after the leader's first acknowledged one.
     async fn fill(&mut self, records: u64, body: &Bytes) -> Result<()> {
         let one = || vec![AppendRecord { key: Bytes::new(), payload: body.clone() }];
-        // Under a coordinator the leader takes its role a moment after start.
+        // Under a coordinator the leader takes its role a moment after
+        // start, and not always on the configured node: a refusal naming
+        // another leader moves the connection there.
         let deadline = Instant::now() + Duration::from_secs(30);
         while let Err(status) = self.leader.append(self.request(one())).await {
             if Instant::now() > deadline {
                 bail!("shard 1 never accepted an append: {status}");
+            }
+            let hint = status.metadata().get(walship_proto::LEADER_METADATA_KEY).and_then(|v| v.to_str().ok());
+            if let Some((_, address)) = hint.and_then(|h| h.split_once('@')) {
+                self.leader = Connection::open(address, Transport::Stream, None).await?;
             }
             tokio::time::sleep(Duration::from_millis(20)).await;
         }
