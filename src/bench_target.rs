@@ -67,7 +67,7 @@ fn spawn(command: &str, args: &[String], data: &Path) -> Result<std::process::Ch
         .args(args)
         .arg("--data-dir")
         .arg(data)
-        .env("WALSHIP_LOG", "warn")
+        .env("WALSHIP_LOG", std::env::var("WALSHIP_BENCH_LOG").unwrap_or("warn".into()))
         .stdout(Stdio::piped())
         .spawn()
         .with_context(|| format!("spawning walship {command}"))

@@ -362,6 +362,10 @@ pub struct ClusterSpec<'a> {
     pub shard_replicas: Vec<(u32, Vec<u32>)>,
     /// Regions of some nodes, instead of node i in region i.
     pub regions: Vec<(u32, u32)>,
+    /// Starts the coordinators first, waits until one is active and then
+    /// this long, and only then starts the nodes (as an operator bringing
+    /// a cluster up may); none: the nodes first.
+    pub coordinators_first: Option<Duration>,
 }
 
 impl Default for ClusterSpec<'_> {
@@ -382,6 +386,7 @@ impl Default for ClusterSpec<'_> {
             cluster_toml: String::new(),
             shard_replicas: Vec::new(),
             regions: Vec::new(),
+            coordinators_first: None,
         }
     }
 }
@@ -466,27 +471,43 @@ impl Cluster {
         toml += &spec.cluster_toml;
         let config_path = dir.path().join("cluster.toml");
         std::fs::write(&config_path, toml).unwrap();
-        let nodes = (1..=nodes)
-            .map(|id| {
-                let extra = spec.node_args.iter().find(|(n, _)| *n == id).map_or(&[][..], |(_, a)| &a[..]);
-                let env = spec.node_env.iter().find(|(n, _)| *n == id).map_or(&[][..], |(_, e)| &e[..]);
-                let data = spec.data_dirs.iter().find(|(n, _)| *n == id).map(|(_, d)| d.clone());
-                let data = data.unwrap_or_else(|| dir.path().join(format!("node-{id}")));
-                let log = spec.stderr_logs.iter().find(|(n, _)| *n == id).map(|(_, l)| l.as_path());
-                Self::spawn(&config_path, &data, id, extra, env, log, spec.separate_users)
-            })
-            .collect();
         let mut cluster = Cluster {
             dir,
             config_path,
-            nodes,
+            nodes: Vec::new(),
             coordinators: Vec::new(),
             nats: nats.map(str::to_string),
             separate_users: spec.separate_users,
             coord_args: spec.coord_args.clone(),
         };
+        if let Some(wait) = spec.coordinators_first {
+            cluster.spawn_coordinators(coordinators);
+            assert!(
+                wait_active_blocking(&cluster.coordinators[0].admin, Duration::from_secs(20)),
+                "no coordinator took the lease within 20 s"
+            );
+            std::thread::sleep(wait);
+        }
+        let (dir, config_path) = (cluster.dir.path(), &cluster.config_path);
+        cluster.nodes = (1..=nodes)
+            .map(|id| {
+                let extra = spec.node_args.iter().find(|(n, _)| *n == id).map_or(&[][..], |(_, a)| &a[..]);
+                let env = spec.node_env.iter().find(|(n, _)| *n == id).map_or(&[][..], |(_, e)| &e[..]);
+                let data = spec.data_dirs.iter().find(|(n, _)| *n == id).map(|(_, d)| d.clone());
+                let data = data.unwrap_or_else(|| dir.join(format!("node-{id}")));
+                let log = spec.stderr_logs.iter().find(|(n, _)| *n == id).map(|(_, l)| l.as_path());
+                Self::spawn(config_path, &data, id, extra, env, log, spec.separate_users)
+            })
+            .collect();
+        if spec.coordinators_first.is_none() {
+            cluster.spawn_coordinators(coordinators);
+        }
+        cluster
+    }
+
+    fn spawn_coordinators(&mut self, coordinators: u32) {
         for c in 1..=coordinators {
-            let coordinator = cluster.spawn_coordinator(c);
+            let coordinator = self.spawn_coordinator(c);
             if c == 1 && coordinators > 1 {
                 // Coordinator 1 takes the lease before the next one starts:
                 // tests name it the active one, and on a loaded machine a
@@ -498,9 +519,8 @@ impl Cluster {
                     "coordinator 1 did not take the lease within 20 s"
                 );
             }
-            cluster.coordinators.push(coordinator);
+            self.coordinators.push(coordinator);
         }
-        cluster
     }
 
     fn spawn_coordinator(&self, c: u32) -> CoordProcess {

@@ -14,6 +14,8 @@ use crate::replica::same_report;
 
 pub(super) struct NodeSeen {
     pub(super) at: Instant,
+    /// When this coordinator first heard from the node.
+    pub(super) first: Instant,
     /// Its heartbeats' arrivals: how long its silence must last to count.
     pub(super) arrivals: crate::control::liveness::Arrivals,
     /// The last batch from the node: every shard it holds counts as
@@ -35,7 +37,14 @@ const RESTART_MARGIN: Duration = Duration::from_secs(1);
 
 impl NodeSeen {
     pub(super) fn first(now: Instant) -> NodeSeen {
-        NodeSeen { at: now, arrivals: Default::default(), refreshed: None, shards: BTreeMap::new(), run: None }
+        NodeSeen {
+            at: now,
+            first: now,
+            arrivals: Default::default(),
+            refreshed: None,
+            shards: BTreeMap::new(),
+            run: None,
+        }
     }
 
     /// Reports with `uptime_ms` arrived at `now`. When they come from a
