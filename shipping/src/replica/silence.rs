@@ -50,11 +50,20 @@ pub(super) struct Standing {
 }
 
 /// When an unsettled replica's report was last built, and what then: a
-/// tick finding the same activity and the same [`Silences::key`] within
+/// tick finding the same activity, the same [`Silences::key`] and, past
+/// [`PROGRESS_REPORT_EVERY`], the same progress within
 /// [`LONG_SILENT_REPORT_EVERY`] would build a report that says the same
-/// (what else it says moves only with the activity), and skips it.
+/// (what else it says moves only with those), and skips it.
 pub(super) struct LastBuild {
     activity: u64,
+    /// What the replica has made readable (a leader's commit). A leader's
+    /// appends and its followers' acknowledgements move no activity (they
+    /// would unsettle it on every write); this is how its progress reaches
+    /// the coordinator every quarter second, as a follower's (whose
+    /// shipments move its activity) does. Compared only, it stood for a
+    /// second while a follower was heard, and a catch-up task started from
+    /// a commit a second old.
+    progress: u64,
     standing: Standing,
     silences: u64,
     /// See [`Silences::resting`]: its silences are looked at only every
@@ -64,10 +73,17 @@ pub(super) struct LastBuild {
 }
 
 impl LastBuild {
-    /// A report built now, at `activity`, with `silences`.
-    pub(super) fn new(activity: u64, standing: Standing, silences: &Silences, long_ms: u64) -> LastBuild {
+    /// A report built now, at `activity` and `progress`, with `silences`.
+    pub(super) fn new(
+        activity: u64,
+        progress: u64,
+        standing: Standing,
+        silences: &Silences,
+        long_ms: u64,
+    ) -> LastBuild {
         LastBuild {
             activity,
+            progress,
             standing,
             silences: silences.key(long_ms),
             resting: silences.resting(long_ms),
@@ -87,19 +103,24 @@ impl LastBuild {
         self.standing == standing && self.at.elapsed() < PROGRESS_REPORT_EVERY && self.silences == now().key(long_ms)
     }
 
-    /// Whether a report built now would say the same as this one: the
-    /// activity did not move, it is under [`LONG_SILENT_REPORT_EVERY`] old,
-    /// and the silences (`now`, looked at only on a `resting_look` tick
-    /// when it rests) are alike.
+    /// Whether a report built now would say the same as this one (or
+    /// differ only in progress it reports later): the activity did not
+    /// move, nor the `progress` once this one is [`PROGRESS_REPORT_EVERY`]
+    /// old, it is under [`LONG_SILENT_REPORT_EVERY`] old, and the silences
+    /// (`now`, looked at only on a `resting_look` tick when it rests) are
+    /// alike.
     pub(super) fn says_the_same<'s>(
         &self,
         activity: u64,
+        progress: u64,
         resting_look: bool,
         long_ms: u64,
         now: impl FnOnce() -> &'s Silences,
     ) -> bool {
+        let age = self.at.elapsed();
         self.activity == activity
-            && self.at.elapsed() < LONG_SILENT_REPORT_EVERY
+            && (self.progress == progress || age < PROGRESS_REPORT_EVERY)
+            && age < LONG_SILENT_REPORT_EVERY
             && ((self.resting && !resting_look) || self.silences == now().key(long_ms))
     }
 }
@@ -225,7 +246,7 @@ mod tests {
         let long = 1_200;
         let heard = Silences { leader_ms: 10, followers: BTreeMap::new() };
         let leader_silent = Silences { leader_ms: 300, followers: BTreeMap::new() };
-        let built = LastBuild::new(7, following(), &heard, long);
+        let built = LastBuild::new(7, 40, following(), &heard, long);
         assert!(built.only_progress_since(following(), long, || &heard), "appends alone: not yet");
         for changed in [
             Standing { epoch: 5, ..following() },
@@ -252,16 +273,37 @@ mod tests {
         let long = 1_200;
         let quiet_follower = Silences { leader_ms: 100, followers: BTreeMap::new() };
         let later = Silences { leader_ms: 300, followers: BTreeMap::new() };
-        let built = LastBuild::new(7, following(), &quiet_follower, long);
-        assert!(built.says_the_same(7, false, long, || &quiet_follower));
-        assert!(!built.says_the_same(8, false, long, || &quiet_follower), "activity moved");
-        assert!(!built.says_the_same(7, false, long, || &later));
+        let built = LastBuild::new(7, 40, following(), &quiet_follower, long);
+        assert!(built.says_the_same(7, 40, false, long, || &quiet_follower));
+        assert!(!built.says_the_same(8, 40, false, long, || &quiet_follower), "activity moved");
+        assert!(!built.says_the_same(7, 40, false, long, || &later));
         // A resting replica's silences are looked at only on a resting look.
         let dead_leader = Silences { leader_ms: 5_000, followers: BTreeMap::new() };
         let long_dead = Silences { leader_ms: 60_000, followers: BTreeMap::new() };
-        let resting = LastBuild::new(7, following(), &dead_leader, long);
-        assert!(resting.says_the_same(7, false, long, || unreachable!("not looked at between looks")));
-        assert!(!resting.says_the_same(7, true, long, || &quiet_follower), "its leader was heard again");
-        assert!(resting.says_the_same(7, true, long, || &long_dead));
+        let resting = LastBuild::new(7, 40, following(), &dead_leader, long);
+        assert!(resting.says_the_same(7, 40, false, long, || unreachable!("not looked at between looks")));
+        assert!(!resting.says_the_same(7, 40, true, long, || &quiet_follower), "its leader was heard again");
+        assert!(resting.says_the_same(7, 40, true, long, || &long_dead));
+    }
+
+    /// A leader's appends and acknowledgements move its commit, not its
+    /// activity: its report goes out again once the commit moved and the
+    /// last one is a quarter second old, resting or not.
+    #[test]
+    fn a_moved_commit_is_reported_every_quarter_second() {
+        let long = 1_200;
+        let heard = Silences { leader_ms: 0, followers: BTreeMap::from([(2, 10), (3, 20)]) };
+        let built = LastBuild::new(7, 40, following(), &heard, long);
+        assert!(built.says_the_same(7, 90, false, long, || &heard), "under a quarter second: later");
+        let old = LastBuild { at: Instant::now() - PROGRESS_REPORT_EVERY, ..built };
+        assert!(old.says_the_same(7, 40, false, long, || &heard), "nothing moved");
+        assert!(!old.says_the_same(7, 90, false, long, || &heard), "the commit moved");
+        assert!(!old.only_progress_since(following(), long, || &heard), "and it is built");
+        let dead_follower = Silences { leader_ms: 0, followers: BTreeMap::from([(2, 10), (3, 60_000)]) };
+        let resting = LastBuild {
+            at: Instant::now() - PROGRESS_REPORT_EVERY,
+            ..LastBuild::new(7, 40, following(), &dead_follower, long)
+        };
+        assert!(!resting.says_the_same(7, 90, false, long, || &dead_follower), "resting, with a follower silent");
     }
 }

@@ -329,12 +329,15 @@ impl ReplicationNode {
                     continue;
                 }
                 let activity = replica.activity();
+                let progress = replica.readable();
                 // The peers' silences, looked at once per replica, and only
                 // when a check below or the report needs them.
                 let silences = std::sync::OnceLock::new();
                 let silences_now = || silences.get_or_init(|| self.silences(&replica, now_us()));
                 let last_build = if full { None } else { builds.get(&replica.shard) };
-                if last_build.is_some_and(|b| b.says_the_same(activity, resting_look, long_silence_ms, silences_now)) {
+                if last_build
+                    .is_some_and(|b| b.says_the_same(activity, progress, resting_look, long_silence_ms, silences_now))
+                {
                     continue;
                 }
                 let quiet = self.is_quiet(&replica);
@@ -374,7 +377,7 @@ impl ReplicationNode {
                 let mut lag_records = std::collections::BTreeMap::new();
                 let mut lag_bytes = std::collections::BTreeMap::new();
                 let mut lag_seconds = std::collections::BTreeMap::new();
-                let built = LastBuild::new(activity, standing, &silences, long_silence_ms);
+                let built = LastBuild::new(activity, progress, standing, &silences, long_silence_ms);
                 let commit = match replica.leader_state() {
                     Some(leader) => {
                         let core = leader.core.lock();
