@@ -13,7 +13,7 @@ use serde::{Deserialize, Serialize};
 use walship_proto::replication::HeartbeatRequest;
 use walship_wal::ShardId;
 
-use super::silence::{LastBuild, Standing, silence_class};
+use super::silence::{LastBuild, Standing, follower_silence_class, silence_class};
 use super::{ReplicaError, ReplicationNode, now_us};
 use crate::NodeId;
 use crate::config::ClusterConfig;
@@ -687,6 +687,7 @@ impl HeartbeatTarget {
 /// their [`comparable`] forms, which a test checks field by field.
 pub(crate) fn same_report(a: &HeartbeatRequest, b: &HeartbeatRequest, silence_ms: u64) -> bool {
     let class = |ms: u64| silence_class(ms, silence_ms);
+    let follower_class = |ms: u64| follower_silence_class(ms, silence_ms);
     // Exhaustive on purpose: a field added to the report fails to compile
     // here until it is compared or named as moving while nothing happens
     // (as `comparable` leaves it out).
@@ -739,9 +740,9 @@ pub(crate) fn same_report(a: &HeartbeatRequest, b: &HeartbeatRequest, silence_ms
         && *corrupt_from_seqno == b.corrupt_from_seqno
         && class(*leader_silent_ms) == class(b.leader_silent_ms)
         && follower_silent_ms.len() == b.follower_silent_ms.len()
-        && follower_silent_ms
-            .iter()
-            .all(|(n, &ms)| b.follower_silent_ms.get(n).is_some_and(|&other| class(ms) == class(other)))
+        && follower_silent_ms.iter().all(|(n, &ms)| {
+            b.follower_silent_ms.get(n).is_some_and(|&other| follower_class(ms) == follower_class(other))
+        })
         && *archiving == b.archiving
         && *archived_seqno == b.archived_seqno
         && archive_lag_seconds.floor() == b.archive_lag_seconds.floor()
@@ -762,8 +763,9 @@ fn report_digest(r: &HeartbeatRequest, silence_ms: u64) -> u64 {
 
 /// A shard's report without what moves while nothing happens to the
 /// shard (clocks, the node's disk figures, rates; silences kept as
-/// [`silence_class`] tells them apart, `silence_ms` the replication
-/// timeout): two reports say the same when these are equal.
+/// [`silence_class`] and [`follower_silence_class`] tell them apart,
+/// `silence_ms` the replication timeout): two reports say the same when
+/// these are equal.
 fn comparable(r: &HeartbeatRequest, silence_ms: u64) -> HeartbeatRequest {
     let class = |ms: u64| silence_class(ms, silence_ms);
     HeartbeatRequest {
@@ -775,7 +777,11 @@ fn comparable(r: &HeartbeatRequest, silence_ms: u64) -> HeartbeatRequest {
         replication_lag_seconds: Default::default(),
         archive_lag_seconds: r.archive_lag_seconds.floor(),
         leader_silent_ms: class(r.leader_silent_ms),
-        follower_silent_ms: r.follower_silent_ms.iter().map(|(&n, &ms)| (n, class(ms))).collect(),
+        follower_silent_ms: r
+            .follower_silent_ms
+            .iter()
+            .map(|(&n, &ms)| (n, follower_silence_class(ms, silence_ms)))
+            .collect(),
         ..r.clone()
     }
 }

@@ -67,7 +67,8 @@ fn same_report_agrees_with_the_comparable_forms_for_every_field() {
         ("leader_silent_ms to the next class", |r| r.leader_silent_ms = 250),
         ("leader_silent_ms past the timeout", |r| r.leader_silent_ms = 601),
         ("follower_silent_ms within its class", |r| _ = r.follower_silent_ms.insert(3, 0)),
-        ("follower_silent_ms to the next class", |r| _ = r.follower_silent_ms.insert(3, 260)),
+        ("follower_silent_ms a quarter second on", |r| _ = r.follower_silent_ms.insert(3, 260)),
+        ("follower_silent_ms past the timeout", |r| _ = r.follower_silent_ms.insert(3, 601)),
         ("follower_silent_ms, a follower more", |r| _ = r.follower_silent_ms.insert(4, 0)),
         ("follower_silent_ms, a follower less", |r| _ = r.follower_silent_ms.remove(&3)),
         ("uptime_ms", |r| r.uptime_ms += 1),
@@ -101,12 +102,13 @@ fn reports_that_say_the_same_share_a_digest_and_changes_do_not() {
         ..Default::default()
     };
     let base = report_digest(&report(&[(2, 100), (3, 40)], 1), 600);
-    // Map entries in another order, a clock moved, a silence within
-    // its quarter second: the same.
+    // Map entries in another order, a clock moved, a follower's silence
+    // moving within the timeout: the same.
     assert_eq!(report_digest(&report(&[(3, 40), (2, 100)], 9_000), 600), base);
     assert_eq!(report_digest(&report(&[(2, 240), (3, 0)], 1), 600), base);
-    // A silence into the next quarter second, a follower more: changed.
-    assert_ne!(report_digest(&report(&[(2, 250), (3, 40)], 1), 600), base);
+    assert_eq!(report_digest(&report(&[(2, 600), (3, 40)], 1), 600), base);
+    // A follower's silence past the timeout, a follower more: changed.
+    assert_ne!(report_digest(&report(&[(2, 601), (3, 40)], 1), 600), base);
     assert_ne!(report_digest(&report(&[(2, 100), (3, 40), (4, 0)], 1), 600), base);
     let mut lagging = report(&[(2, 100), (3, 40)], 1);
     lagging.replication_lag.insert(3, 1);
