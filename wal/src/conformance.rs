@@ -53,6 +53,22 @@ pub(crate) fn new_shard_is_empty(h: &mut dyn Harness) {
     assert_eq!(h.store().bounds(1).unwrap(), LogBounds::EMPTY);
 }
 
+pub(crate) fn shards_created_together_are_durable_and_leave_known_ones_alone(h: &mut dyn Harness) {
+    h.store().create_shard(2).unwrap();
+    append(h, 2, 1, 3, 1).unwrap();
+    h.store().create_shards(&[5, 2, 1, 5]).unwrap();
+    assert_eq!(h.store().shards(), vec![1, 2, 5]);
+    assert_eq!(h.store().bounds(1).unwrap(), LogBounds::EMPTY);
+    assert_eq!(h.store().bounds(5).unwrap(), LogBounds::EMPTY);
+    assert_eq!(all(h, 2), frames(1, 3, 1), "a known shard is not created again");
+    h.store().create_shards(&[]).unwrap();
+    h.restart();
+    assert_eq!(h.store().shards(), vec![1, 2, 5]);
+    assert_eq!(all(h, 2), frames(1, 3, 1));
+    append(h, 5, 1, 2, 1).unwrap();
+    assert_eq!(all(h, 5), frames(1, 2, 1));
+}
+
 pub(crate) fn append_and_read_back(h: &mut dyn Harness) {
     h.store().create_shard(1).unwrap();
     append(h, 1, 1, 10, 1).unwrap();
@@ -399,6 +415,10 @@ macro_rules! conformance_suite {
         #[test]
         fn new_shard_is_empty() {
             crate::conformance::new_shard_is_empty(&mut $harness);
+        }
+        #[test]
+        fn shards_created_together_are_durable_and_leave_known_ones_alone() {
+            crate::conformance::shards_created_together_are_durable_and_leave_known_ones_alone(&mut $harness);
         }
         #[test]
         fn append_and_read_back() {

@@ -741,16 +741,29 @@ impl Taken {
 
 impl LogStore for EngineStore {
     fn create_shard(&self, shard: ShardId) -> StoreResult<()> {
-        if self.shards.lock().contains_key(&shard) {
+        self.create_shards(&[shard])
+    }
+
+    /// The new shards' first keys in one batch, written with one fsync.
+    fn create_shards(&self, shards: &[ShardId]) -> StoreResult<()> {
+        let new: std::collections::BTreeSet<ShardId> = {
+            let known = self.shards.lock();
+            shards.iter().copied().filter(|s| !known.contains_key(s)).collect()
+        };
+        if new.is_empty() {
             return Ok(());
         }
         let mut batch = LogBatch::default();
-        put_u64(&mut batch, region(shard), FIRST_KEY, 1)?;
+        for &shard in &new {
+            put_u64(&mut batch, region(shard), FIRST_KEY, 1)?;
+        }
         self.write(&mut batch, true)?;
-        self.insert_state(
-            shard,
-            ShardState { bounds: LogBounds::EMPTY, chunks: Chunks::empty(1), tail: Some(KnownTail::default()) },
-        );
+        for shard in new {
+            self.insert_state(
+                shard,
+                ShardState { bounds: LogBounds::EMPTY, chunks: Chunks::empty(1), tail: Some(KnownTail::default()) },
+            );
+        }
         Ok(())
     }
 

@@ -168,6 +168,14 @@ pub trait LogStore: Send + Sync + 'static {
     /// Registers a shard (idempotent, durable on return).
     fn create_shard(&self, shard: ShardId) -> StoreResult<()>;
 
+    /// Registers every shard of `shards` not registered yet (idempotent,
+    /// durable on return). A store that can makes them durable together:
+    /// one by one, a node hosting 10,000 new shards started with 10,000
+    /// fsyncs (about 2 s of its start).
+    fn create_shards(&self, shards: &[ShardId]) -> StoreResult<()> {
+        shards.iter().try_for_each(|&shard| self.create_shard(shard))
+    }
+
     /// Every shard registered, in ascending order.
     fn shards(&self) -> Vec<ShardId>;
 

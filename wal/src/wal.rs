@@ -497,12 +497,33 @@ impl Wal {
 
     /// Hosts a shard on this node (idempotent). Blocks on one small fsync.
     pub fn create_shard(&self, shard: ShardId) -> WalResult<()> {
-        if self.shared.shards.read().contains_key(&shard) {
+        self.create_shards(&[shard])
+    }
+
+    /// Hosts every shard of `shards` on this node (idempotent). Blocks on
+    /// one small fsync for all the new ones (the store permitting).
+    pub fn create_shards(&self, shards: &[ShardId]) -> WalResult<()> {
+        let new: Vec<ShardId> = {
+            let hosted = self.shared.shards.read();
+            shards.iter().copied().filter(|s| !hosted.contains_key(s)).collect()
+        };
+        if new.is_empty() {
             return Ok(());
         }
         let store = &self.shared.store;
-        fatal_on_panic(|| format!("creating shard {shard}"), || store.create_shard(shard))
-            .map_err(|e| fatal_if(&format!("creating shard {shard}"), e))?;
+        let what = || match new.as_slice() {
+            [one] => format!("creating shard {one}"),
+            many => format!("creating {} shards", many.len()),
+        };
+        fatal_on_panic(what, || store.create_shards(&new)).map_err(|e| fatal_if(&what(), e))?;
+        for shard in new {
+            self.host(shard)?;
+        }
+        Ok(())
+    }
+
+    /// Keeps the positions of `shard`, registered in the store.
+    fn host(&self, shard: ShardId) -> WalResult<()> {
         let bounds = self.shared.store.bounds(shard)?;
         let producers =
             rebuild_producers(self.shared.store.as_ref(), &self.shared.producer_limits, shard, bounds.last_seqno)?;

@@ -238,8 +238,9 @@ impl ReplicationNode {
                  it before it takes anything from a leader (an epoch it promised may have been cut with them)"
             );
         }
+        // Registered together: one fsync, not one per shard.
+        wal.create_shards(&config.shards_of(me).iter().map(|s| s.id).collect::<Vec<_>>())?;
         for spec in config.shards_of(me) {
-            wal.create_shard(spec.id)?;
             let last = wal.positions(spec.id)?.last_seqno;
             let promised = wal.epoch(spec.id)?;
             let replica =
