@@ -363,8 +363,9 @@ pub struct ClusterSpec<'a> {
     /// Regions of some nodes, instead of node i in region i.
     pub regions: Vec<(u32, u32)>,
     /// Starts the coordinators first, waits until one is active and then
-    /// this long, and only then starts the nodes (as an operator bringing
-    /// a cluster up may); none: the nodes first.
+    /// this long, and only then starts the nodes, all at once (as an
+    /// operator bringing a cluster up may); none: the nodes first, one
+    /// after another.
     pub coordinators_first: Option<Duration>,
 }
 
@@ -489,16 +490,25 @@ impl Cluster {
             std::thread::sleep(wait);
         }
         let (dir, config_path) = (cluster.dir.path(), &cluster.config_path);
-        cluster.nodes = (1..=nodes)
-            .map(|id| {
-                let extra = spec.node_args.iter().find(|(n, _)| *n == id).map_or(&[][..], |(_, a)| &a[..]);
-                let env = spec.node_env.iter().find(|(n, _)| *n == id).map_or(&[][..], |(_, e)| &e[..]);
-                let data = spec.data_dirs.iter().find(|(n, _)| *n == id).map(|(_, d)| d.clone());
-                let data = data.unwrap_or_else(|| dir.join(format!("node-{id}")));
-                let log = spec.stderr_logs.iter().find(|(n, _)| *n == id).map(|(_, l)| l.as_path());
-                Self::spawn(config_path, &data, id, extra, env, log, spec.separate_users)
-            })
-            .collect();
+        let spawn_node = |id: u32| {
+            let extra = spec.node_args.iter().find(|(n, _)| *n == id).map_or(&[][..], |(_, a)| &a[..]);
+            let env = spec.node_env.iter().find(|(n, _)| *n == id).map_or(&[][..], |(_, e)| &e[..]);
+            let data = spec.data_dirs.iter().find(|(n, _)| *n == id).map(|(_, d)| d.clone());
+            let data = data.unwrap_or_else(|| dir.join(format!("node-{id}")));
+            let log = spec.stderr_logs.iter().find(|(n, _)| *n == id).map(|(_, l)| l.as_path());
+            Self::spawn(config_path, &data, id, extra, env, log, spec.separate_users)
+        };
+        cluster.nodes = match spec.coordinators_first {
+            None => (1..=nodes).map(spawn_node).collect(),
+            // Under a running coordinator the nodes start together, as an
+            // operator's would: one after another, on a loaded machine the
+            // last came up past the leader timeout after the first.
+            Some(_) => std::thread::scope(|scope| {
+                let spawn_node = &spawn_node;
+                let started: Vec<_> = (1..=nodes).map(|id| scope.spawn(move || spawn_node(id))).collect();
+                started.into_iter().map(|s| s.join().unwrap_or_else(|e| std::panic::resume_unwind(e))).collect()
+            }),
+        };
         if spec.coordinators_first.is_none() {
             cluster.spawn_coordinators(coordinators);
         }
