@@ -228,8 +228,7 @@ impl Router {
     /// Follows the leader hint `status` carries (`<id>@<address>`) for
     /// `shard`; whether there was one to follow.
     pub(crate) fn followed(&self, shard: u32, status: &tonic::Status) -> bool {
-        let hint = status.metadata().get(walship_proto::LEADER_METADATA_KEY).and_then(|v| v.to_str().ok());
-        let Some(address) = hint.and_then(|h| h.split_once('@')).map(|(_, a)| a) else { return false };
+        let Some(address) = walship_proto::leader_address(status) else { return false };
         match (self.nodes.iter().position(|(a, _)| a == address), self.leaders.get(shard as usize - 1)) {
             (Some(node), Some(slot)) => {
                 slot.store(node, Ordering::Relaxed);

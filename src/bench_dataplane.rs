@@ -359,8 +359,7 @@ impl Bench<'_> {
             if Instant::now() > deadline {
                 bail!("shard 1 never accepted an append: {status}");
             }
-            let hint = status.metadata().get(walship_proto::LEADER_METADATA_KEY).and_then(|v| v.to_str().ok());
-            if let Some((_, address)) = hint.and_then(|h| h.split_once('@')) {
+            if let Some(address) = walship_proto::leader_address(&status) {
                 self.leader = Connection::open(address, Transport::Stream, None).await?;
             }
             tokio::time::sleep(Duration::from_millis(20)).await;

@@ -383,8 +383,7 @@ fn leader_hint(status: &tonic::Status) -> Option<String> {
     if status.code() != tonic::Code::FailedPrecondition {
         return None;
     }
-    let hint = status.metadata().get(walship_proto::LEADER_METADATA_KEY)?.to_str().ok()?;
-    hint.split_once('@').map(|(_, addr)| addr.to_string())
+    walship_proto::leader_address(status).map(str::to_string)
 }
 
 /// Whether a failed append certainly was not applied: a not-leader

@@ -601,11 +601,7 @@ impl ShardTask {
                 if !not_applied(&status) {
                     self.queue[at].maybe_written = true;
                 }
-                self.hint = status
-                    .metadata()
-                    .get(walship_proto::LEADER_METADATA_KEY)
-                    .and_then(|v| v.to_str().ok())
-                    .and_then(|v| v.split_once('@').map(|(_, addr)| addr.to_string()));
+                self.hint = walship_proto::leader_address(&status).map(str::to_string);
                 self.repair().reconnect = true;
             }
             _ => {

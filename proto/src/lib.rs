@@ -36,6 +36,12 @@ pub const FILE_DESCRIPTOR_SET: &[u8] = tonic::include_file_descriptor_set!("wals
 /// shard (`<node_id>@<grpc address>`) on a not-leader refusal.
 pub const LEADER_METADATA_KEY: &str = "walship-leader";
 
+/// The gRPC address of the leader a not-leader refusal names (its
+/// `LEADER_METADATA_KEY` value after the `@`), if it names one.
+pub fn leader_address(status: &tonic::Status) -> Option<&str> {
+    status.metadata().get(LEADER_METADATA_KEY)?.to_str().ok()?.split_once('@').map(|(_, address)| address)
+}
+
 /// Name of the response metadata key set to `unknown` on an append whose
 /// outcome the node cannot know (it stopped leading while waiting for the
 /// durability asked for).

@@ -195,6 +195,8 @@ mod tests {
         assert_eq!((status.code(), status.message()), (Code::FailedPrecondition, "not the leader"));
         assert!(!crate::outcome_unknown(&status));
         assert_eq!(append_failure(&status), failure);
+        assert_eq!(crate::leader_address(&status), Some("127.0.0.1:7001"));
+        assert_eq!(crate::leader_address(&Status::failed_precondition("no hint")), None);
     }
 
     #[test]
