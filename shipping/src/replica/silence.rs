@@ -60,9 +60,9 @@ pub(super) struct LastBuild {
     /// appends and its followers' acknowledgements move no activity (they
     /// would unsettle it on every write); this is how its progress reaches
     /// the coordinator every quarter second, as a follower's (whose
-    /// shipments move its activity) does. Compared only, it stood for a
-    /// second while a follower was heard, and a catch-up task started from
-    /// a commit a second old.
+    /// shipments move its activity) does. Without it, a busy leader's
+    /// report was rebuilt about once a second, and a catch-up task could
+    /// start from a commit a second old.
     progress: u64,
     standing: Standing,
     silences: u64,
