@@ -338,10 +338,17 @@ struct ShardPositions {
     gauges: Option<ShardGauges>,
     /// Changed under the sequencer lock, with the frames it applies.
     producers: parking_lot::Mutex<ProducerState>,
+    /// The log epoch as the store holds it: read from the store when the
+    /// shard is first hosted, raised once each raise through this WAL is
+    /// durable (nothing else writes it, and it never moves back). Read from
+    /// the store each time, it was a raft-engine key lookup for every
+    /// heartbeat report and fence answer: 5 % of a surviving node's CPU
+    /// while it took over a lost node's 3,334 shards.
+    log_epoch: AtomicU64,
 }
 
 impl ShardPositions {
-    fn new(bounds: LogBounds, gauges: Option<ShardGauges>, tail: Arc<TailBudget>) -> ShardPositions {
+    fn new(bounds: LogBounds, log_epoch: u64, gauges: Option<ShardGauges>, tail: Arc<TailBudget>) -> ShardPositions {
         let positions = ShardPositions {
             first: AtomicU64::new(bounds.first_seqno),
             last: AtomicU64::new(bounds.last_seqno),
@@ -354,6 +361,7 @@ impl ShardPositions {
             durable: watch::Sender::new(bounds.durable_seqno),
             gauges,
             producers: parking_lot::Mutex::new(ProducerState::empty(bounds.last_seqno)),
+            log_epoch: AtomicU64::new(log_epoch),
         };
         positions.publish(bounds);
         positions
@@ -440,7 +448,8 @@ impl Wal {
         let mut shards = HashMap::new();
         for shard in store.shards() {
             let bounds = store.bounds(shard)?;
-            let positions = ShardPositions::new(bounds, metrics.shard(shard), tail_budget.clone());
+            let positions =
+                ShardPositions::new(bounds, store.log_epoch(shard)?, metrics.shard(shard), tail_budget.clone());
             *positions.producers.lock() =
                 rebuild_producers(store.as_ref(), &config.producers, shard, bounds.last_seqno)?;
             shards.insert(shard, Arc::new(positions));
@@ -525,11 +534,16 @@ impl Wal {
     /// Keeps the positions of `shard`, registered in the store.
     fn host(&self, shard: ShardId) -> WalResult<()> {
         let bounds = self.shared.store.bounds(shard)?;
+        let log_epoch = self.shared.store.log_epoch(shard)?;
         let producers =
             rebuild_producers(self.shared.store.as_ref(), &self.shared.producer_limits, shard, bounds.last_seqno)?;
         self.shared.shards.write().entry(shard).or_insert_with(|| {
-            let positions =
-                ShardPositions::new(bounds, self.shared.metrics.shard(shard), self.shared.tail_budget.clone());
+            let positions = ShardPositions::new(
+                bounds,
+                log_epoch,
+                self.shared.metrics.shard(shard),
+                self.shared.tail_budget.clone(),
+            );
             *positions.producers.lock() = producers;
             Arc::new(positions)
         });
@@ -580,13 +594,15 @@ impl Wal {
     /// Records the shard's log epoch durably (see
     /// [`LogStore::set_log_epoch`]); a lower value is ignored.
     pub async fn set_log_epoch(&self, shard: ShardId, epoch: u64) -> WalResult<()> {
-        self.shared.shard(shard)?;
-        self.raise(Raise { shard, counter: Counter::LogEpoch, value: epoch }).await
+        let positions = self.shared.shard(shard)?;
+        self.raise(Raise { shard, counter: Counter::LogEpoch, value: epoch }).await?;
+        positions.log_epoch.fetch_max(epoch, Ordering::AcqRel);
+        Ok(())
     }
 
-    /// The shard's log epoch (0 if never recorded).
+    /// The shard's log epoch (0 if never recorded), as durable in the store.
     pub fn log_epoch(&self, shard: ShardId) -> WalResult<u64> {
-        Ok(self.shared.store.log_epoch(shard)?)
+        Ok(self.shared.shard(shard)?.log_epoch.load(Ordering::Acquire))
     }
 
     /// The epoch of the record at `seqno`.

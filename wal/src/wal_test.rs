@@ -395,6 +395,36 @@ async fn epochs_fence_leader_appends_and_locate_epoch_ends() {
     wal.append(1, 8, records(1)).await.unwrap();
 }
 
+/// The WAL answers the log epoch from memory: it must be the store's, as
+/// read when the shard is hosted (a restart, a shard created meanwhile) and
+/// after every raise, a lower one ignored.
+#[tokio::test]
+async fn the_log_epoch_is_the_stores_after_raises_and_restarts() {
+    let store = Arc::new(MemStore::new());
+    let wal = Wal::start(store.clone(), WalConfig::default(), WalMetrics::unregistered()).unwrap();
+    wal.create_shards(&[1, 2]).unwrap();
+    assert_eq!((wal.log_epoch(1).unwrap(), wal.log_epoch(2).unwrap()), (0, 0));
+    wal.set_log_epoch(1, 4).await.unwrap();
+    wal.set_log_epoch(1, 2).await.unwrap();
+    wal.set_log_epoch(2, 3).await.unwrap();
+    assert_eq!((wal.log_epoch(1).unwrap(), wal.log_epoch(2).unwrap()), (4, 3), "a lower raise is ignored");
+    assert!(matches!(wal.log_epoch(9), Err(WalError::Store(StoreError::UnknownShard(9)))));
+    wal.shutdown_clean().await.unwrap();
+    drop(wal);
+    store.crash();
+    // Raised in the store while no WAL runs over it (as a migration would):
+    // a restarted WAL reads it, and a shard hosted later reads its own.
+    store.set_log_epoch(2, 6).unwrap();
+    let wal = Wal::start(store.clone(), WalConfig::default(), WalMetrics::unregistered()).unwrap();
+    assert_eq!((wal.log_epoch(1).unwrap(), wal.log_epoch(2).unwrap()), (4, 6));
+    store.create_shard(3).unwrap();
+    store.set_log_epoch(3, 5).unwrap();
+    wal.create_shard(3).unwrap();
+    assert_eq!(wal.log_epoch(3).unwrap(), 5);
+    wal.set_log_epoch(3, 7).await.unwrap();
+    assert_eq!((wal.log_epoch(3).unwrap(), store.log_epoch(3).unwrap()), (7, 7));
+}
+
 /// The record crc32 path (a damaged frame behind an intact store):
 /// a typed, non-fatal error naming the run of bad seqnos, recorded once,
 /// trimmed and then cleared by truncations.

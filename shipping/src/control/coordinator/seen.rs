@@ -170,6 +170,12 @@ impl Reports<'_> {
         self.0.get(&node).and_then(|n| n.shards.get(&shard).map(|(hb, _)| hb.clone()))
     }
 
+    /// Whether `node` last reported leading `shard` in `epoch` (no copy of
+    /// the report).
+    pub fn leads(&self, node: NodeId, shard: u32, epoch: u64) -> bool {
+        self.0.get(&node).and_then(|n| n.shards.get(&shard)).is_some_and(|(hb, _)| hb.is_leader && hb.epoch == epoch)
+    }
+
     /// The newest heartbeat of a replica, with milliseconds since it
     /// arrived (or since its node's last batch, which repeats it).
     pub fn heartbeat_aged(&self, node: NodeId, shard: u32) -> Option<(Arc<HeartbeatRequest>, u64)> {
