@@ -91,6 +91,12 @@ impl LastBuild {
         }
     }
 
+    /// Whether it rests (see [`Silences::resting`]): the heartbeat loop
+    /// looks at it again on the next quarter-second tick, or once touched.
+    pub(super) fn rests(&self) -> bool {
+        self.resting
+    }
+
     /// Whether a report built now would differ from this one only in its
     /// positions, and this one is under [`PROGRESS_REPORT_EVERY`] old: the
     /// same `standing` and silences alike (`now`).
