@@ -158,6 +158,37 @@ async fn a_dead_leaders_quiet_shards_fail_over_and_lose_nothing_acknowledged() {
     wait_all_quiet(&mut cluster, &[2, 3], f64::from(SHARDS * 2)).await;
 }
 
+/// A follower whose node is down holds everything an idle shard has, but
+/// its shippers do not go quiet towards it: they would, and the node link's
+/// failed call would wake them, every keepalive period, for as long as the
+/// node stays down. Enough shards that most of those towards the dead node
+/// never make a call of their own (one probes for the node at a time once
+/// it counts as down): those are the ones that went quiet.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn shards_do_not_go_quiet_towards_a_dead_follower() {
+    const MANY: u32 = 60;
+    let mut cluster = Cluster::start_with(3, MANY, 1, "leader_timeout_ms = 1000", None);
+    for shard in 1..=MANY {
+        cluster.wait_leader(shard, None, Duration::from_secs(60)).await;
+    }
+    wait_all_quiet(&mut cluster, &[1, 2, 3], f64::from(MANY * 2)).await;
+    cluster.node(3).kill9();
+    for shard in 1..=MANY {
+        cluster.wait_leader(shard, Some(3), Duration::from_secs(30)).await;
+    }
+    // Every shard's pair towards its live follower goes quiet; none towards
+    // node 3.
+    wait_all_quiet(&mut cluster, &[1, 2], f64::from(MANY)).await;
+    let failed = "walship_node_keepalives_total{outcome=\"error\"}";
+    let before = [metric(&mut cluster, 1, failed).await, metric(&mut cluster, 2, failed).await];
+    for _ in 0..10 {
+        tokio::time::sleep(Duration::from_millis(200)).await;
+        assert_eq!(quiet_pairs(&mut cluster, &[1, 2]).await, f64::from(MANY), "quiet towards the live follower only");
+    }
+    let after = [metric(&mut cluster, 1, failed).await, metric(&mut cluster, 2, failed).await];
+    assert_eq!(after, before, "no node keepalive to the dead node: no shard is quiet towards it");
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_node_keepalive_for_what_the_follower_does_not_follow_or_malformed_changes_nothing() {
     let mut cluster = quiet_cluster().await;

@@ -356,7 +356,13 @@ impl ReplicationNode {
                     ShipDecision::Idle => break,
                 }
             }
-            if in_flight.is_empty() && self.may_go_quiet(&replica, &leader, follower, told_commit) {
+            // Never towards a follower whose last call failed or was
+            // refused: an empty shard's dead follower holds "everything" it
+            // has, and its shippers went quiet, had the node link's failed
+            // call wake them, and went quiet again every keepalive period,
+            // touching their replicas each time (with one node of a
+            // 10,000-shard cluster down, a quarter of each survivor's core).
+            if in_flight.is_empty() && failures == 0 && self.may_go_quiet(&replica, &leader, follower, told_commit) {
                 let link = self.quiet_links.link(&self, follower);
                 let commit = leader.core.lock().commit().0;
                 let wake = link.quiet(replica.shard, leader.epoch, commit);
