@@ -49,6 +49,7 @@ mod contact;
 mod damage;
 pub mod drill_partition;
 pub mod error;
+mod heartbeats;
 mod leadership;
 pub mod peer_tier;
 mod probe;
@@ -60,7 +61,7 @@ mod send;
 pub mod shard;
 mod silence;
 mod status;
-pub(crate) use status::same_report;
+pub(crate) use heartbeats::same_report;
 mod wipe;
 
 use std::collections::BTreeMap;

@@ -1,7 +1,7 @@
 //! Which unsettled replicas' heartbeat reports need building again.
 //!
 //! A replica whose leader or follower is silent is never settled, so the
-//! heartbeat loop (`status.rs`) looks at it every tick. Between what
+//! heartbeat loop (`heartbeats.rs`) looks at it every tick. Between what
 //! happens to it (its activity), its report changes only with its peers'
 //! silences, and the coordinator tells those apart only as
 //! [`silence_class`] does and, past twice the replication timeout it
