@@ -579,7 +579,7 @@ async fn a_node_stops_on_sigterm_with_a_tail_and_an_append_stream_open() {
     assert_eq!(ended.code(), tonic::Code::Unavailable, "{ended:?}");
 }
 
-/// A follower holds its leader's `ShipSegments` stream open for as long as
+/// A follower holds its leader's ship stream (`ShipBatches`) open for as long as
 /// the leader ships; SIGTERM must still stop it promptly (its gRPC server's
 /// graceful shutdown waits for every open stream), and the leader after it.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

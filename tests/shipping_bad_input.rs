@@ -944,3 +944,107 @@ async fn a_stream_with_refusals_in_place_answers_each_refusal_and_goes_on() {
 
     assert_eq!(positions(&mut cluster, FOLLOWER).await, before, "the refusals changed nothing on the follower");
 }
+
+/// `ShipBatches` (many pushes to a message, what walship leaders send):
+/// each batch is answered by one message with an answer per push, in
+/// order, every refusal in its place with the status `ShipSegment` would
+/// have returned, so one push's refusal costs the others nothing. A batch
+/// of no push or more than 256 ends the stream with `INVALID_ARGUMENT`
+/// naming the count (counted as `bad_request`), none of it applied, as does
+/// a message that does not decode. The follower's positions are unchanged
+/// throughout, and the leader's own shipping (over `ShipBatches`) still
+/// replicates afterwards.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_ship_batch_answers_each_push_in_place_and_bad_batches_change_nothing() {
+    use walship_proto::replication::ShipBatch;
+    let mut cluster = Cluster::start(3, 2, "");
+    let follower_grpc = cluster.node(FOLLOWER).grpc.clone();
+    let follower_admin = cluster.node(FOLLOWER).admin.clone();
+    let before = positions(&mut cluster, FOLLOWER).await;
+    let refused_before = refused_counts(&follower_admin).await;
+    let stale = ShipSegmentRequest { epoch: EPOCH - 1, ..ship_of(&fake_segment(SHARD, 1, 2), 0) };
+    let unknown = with_id(ship_of(&fake_segment(999, 1, 1), 0), 999, 1);
+    let keepalive = ShipSegmentRequest {
+        id: Some(WalSegmentId { region_id: LEADER, shard_id: SHARD, seqno: 0 }),
+        epoch: EPOCH,
+        leader_node_id: LEADER,
+        ..Default::default()
+    };
+    let mut client = shipping_client(connect(&follower_grpc).await);
+    let open = async |client: &mut WalShippingClient<common::Member>, batches: Vec<ShipBatch>| {
+        tokio::time::timeout(CALL_TIMEOUT, client.ship_batches(tokio_stream::iter(batches)))
+            .await
+            .expect("ShipBatches opened in time")
+            .expect("ShipBatches opened")
+            .into_inner()
+    };
+
+    // One batch: a stale push, a push for a shard not hosted, a keepalive.
+    let mut answers =
+        open(&mut client, vec![ShipBatch { pushes: vec![stale.clone(), unknown, keepalive.clone()] }]).await;
+    let answer = tokio::time::timeout(CALL_TIMEOUT, answers.message())
+        .await
+        .expect("answered in time")
+        .expect("no stream error")
+        .expect("one answer for the batch");
+    assert_eq!(answer.answers.len(), 3, "an answer per push: {answer:?}");
+    let [first, second, third] = &answer.answers[..] else { unreachable!() };
+    assert!(!first.accepted, "{first:?}");
+    assert_eq!(first.refusal_code, Code::FailedPrecondition as u32, "{first:?}");
+    assert!(first.refusal_message.contains("older than epoch"), "{first:?}");
+    assert_eq!(first.refusal_metadata.get(EPOCH_METADATA_KEY).map(String::as_str), Some("1"), "{first:?}");
+    assert_eq!(second.refusal_code, Code::NotFound as u32, "{second:?}");
+    assert!(second.refusal_message.contains("999"), "{second:?}");
+    assert!(third.accepted && third.refusal_code == 0, "the keepalive after two refusals: {third:?}");
+    assert_eq!(third.epoch, EPOCH, "{third:?}");
+    assert!(answers.message().await.expect("no stream error").is_none(), "ends once the batches end");
+
+    // Bad batches: refused whole, the stream ends with the status, after
+    // the answers to the batches before them.
+    let pushes = |n: u64| (1..=n).map(|s| ship_of(&fake_segment(SHARD, s, 1), 0)).collect::<Vec<_>>();
+    for (name, batch, count) in
+        [("an empty batch", ShipBatch { pushes: vec![] }, 0u64), ("257 pushes", ShipBatch { pushes: pushes(257) }, 257)]
+    {
+        let mut answers = open(&mut client, vec![ShipBatch { pushes: vec![keepalive.clone()] }, batch]).await;
+        let ok = tokio::time::timeout(CALL_TIMEOUT, answers.message()).await.expect("in time");
+        let ok = ok.expect("the good batch before it is answered").expect("an answer");
+        assert!(ok.answers.len() == 1 && ok.answers[0].accepted, "{name}: the batch before: {ok:?}");
+        let ended = tokio::time::timeout(CALL_TIMEOUT, answers.message()).await.expect("in time");
+        let status = ended.expect_err(&format!("{name}: refused"));
+        assert_eq!(status.code(), Code::InvalidArgument, "{name}: {status:?}");
+        let numbers = numbers_in(status.message());
+        assert!(numbers.contains(&count) && numbers.contains(&256), "{name}: names {count} and 256: {status:?}");
+    }
+    // A message that does not decode (field 1 says 100 bytes follow; 1 does).
+    let path = "/tidal.replication.v1.WalShipping/ShipBatches";
+    let garbage = common::raw_stream_first(connect(&follower_grpc).await, path, &[0x0a, 0x64, 0x01]).await;
+    let status = garbage.expect_err("a message that does not decode is refused");
+    assert_eq!(status.code(), Code::InvalidArgument, "{status:?}");
+
+    assert_eq!(positions(&mut cluster, FOLLOWER).await, before, "the batches changed nothing on the follower");
+    let refused_after = refused_counts(&follower_admin).await;
+    let grew = |reason: &str| {
+        refused_after.get(reason).copied().unwrap_or(0.0) - refused_before.get(reason).copied().unwrap_or(0.0)
+    };
+    assert_eq!(grew("bad_request"), 2.0, "the two bad batches counted: {refused_after:?}");
+    assert_eq!(grew("unknown_shard"), 1.0, "{refused_after:?}");
+    assert_eq!(grew("stale_epoch"), 1.0, "{refused_after:?}");
+
+    // The leader's own pushes (ShipBatches) still reach the follower.
+    let leader_grpc = cluster.node(LEADER).grpc.clone();
+    let mut log = LogClient::new(connect(&leader_grpc).await);
+    let request = AppendRequest {
+        shard_id: SHARD,
+        records: vec![AppendRecord { key: Bytes::new(), payload: Bytes::from_static(b"after the batches") }],
+        durability: Durability::All as i32,
+        ..Default::default()
+    };
+    let appended = tokio::time::timeout(CALL_TIMEOUT, log.append(request)).await.expect("in time").expect("appended");
+    let seqno = appended.into_inner().last_seqno;
+    let admin = follower_admin.clone();
+    wait_until("the follower holds the new record", Duration::from_secs(10), || {
+        let admin = admin.clone();
+        async move { shard_field(admin, SHARD, "durable_seqno").await.is_some_and(|d| d >= seqno) }
+    })
+    .await;
+}

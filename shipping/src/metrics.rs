@@ -18,6 +18,7 @@ pub struct ReplicationMetrics {
     in_flight: IntGaugeVec,
     /// Records per ShipSegment sent.
     pub ship_batch_records: Histogram,
+    pub ship_message_pushes: Histogram,
     pub segments_shipped: IntCounter,
     pub bytes_shipped: IntCounter,
     pub ship_errors: IntCounterVec,
@@ -150,6 +151,16 @@ impl ReplicationMetrics {
                 Histogram::with_opts(
                     HistogramOpts::new("walship_ship_batch_records", "Records carried by one ShipSegment")
                         .buckets(prometheus::exponential_buckets(1.0, 4.0, 10)?),
+                )?,
+            )?,
+            ship_message_pushes: register(
+                registry,
+                Histogram::with_opts(
+                    HistogramOpts::new(
+                        "walship_ship_message_pushes",
+                        "Pushes (segments and keepalives) carried by one ShipBatches message to a follower node",
+                    )
+                    .buckets(prometheus::exponential_buckets(1.0, 2.0, 9)?),
                 )?,
             )?,
             segments_shipped: register(

@@ -15,7 +15,11 @@
 //! `ShipSegments` (walship's streaming form of `ShipSegment`, see the proto)
 //! answers each push in order with what `ShipSegment` would; a refusal ends
 //! the stream with the same status, after the answers to the pushes before
-//! it.
+//! it (or, asked for, is answered in place). `ShipBatches` carries many
+//! pushes to a message and answers each message with one holding every
+//! push's answer in order, refusals in place; a batch of no push or more
+//! than [`SHIP_BATCH_MAX_PUSHES`] ends the stream (`INVALID_ARGUMENT`),
+//! none of it applied.
 
 use std::pin::Pin;
 use std::sync::Arc;
@@ -32,10 +36,11 @@ use walship_proto::log::{
 };
 use walship_proto::replication::wal_shipping_server::WalShipping;
 use walship_proto::replication::{
-    HeartbeatBatchRequest, HeartbeatRequest, HeartbeatResponse, ShipSegmentRequest, ShipSegmentResponse, StreamRequest,
+    HeartbeatBatchRequest, HeartbeatRequest, HeartbeatResponse, ShipBatch, ShipBatchAnswer, ShipSegmentRequest,
+    ShipSegmentResponse, StreamRequest,
 };
 
-use crate::replica::{Members, ReplicationNode, Source};
+use crate::replica::{Members, ReplicationNode, SHIP_BATCH_MAX_PUSHES, Source};
 
 /// The WalShipping service over a node's replication runtime.
 #[derive(Clone)]
@@ -67,6 +72,23 @@ async fn answer_push(node: &Arc<ReplicationNode>, request: ShipSegmentRequest) -
     Ok(ShipSegmentResponse { accepted: true, applied_seqno: applied, epoch, archived_seqno, ..Default::default() })
 }
 type AnswerStream = Pin<Box<dyn Stream<Item = Result<ShipSegmentResponse, Status>> + Send>>;
+
+/// Answers one `ShipBatches` message: its pushes applied together, as the
+/// pushes in flight on a `ShipSegments` stream are (a shard's later push
+/// may wait a moment for its earlier one, see `queue_inbound`), each
+/// answered as `ShipSegment` would, a refusal in its place.
+async fn answer_batch(node: Arc<ReplicationNode>, batch: ShipBatch) -> ShipBatchAnswer {
+    let node = &node;
+    let answers = futures::future::join_all(batch.pushes.into_iter().map(|push| async move {
+        answer_push(node, push).await.unwrap_or_else(|status| crate::replica::refusal_answer(&status))
+    }))
+    .await;
+    ShipBatchAnswer { answers }
+}
+
+/// One `ShipBatches` message's answer being worked out, and its pushes.
+type BatchAnswer = Pin<Box<dyn std::future::Future<Output = (usize, Result<ShipBatchAnswer, Status>)> + Send>>;
+type BatchAnswerStream = Pin<Box<dyn Stream<Item = Result<ShipBatchAnswer, Status>> + Send>>;
 
 #[tonic::async_trait]
 impl WalShipping for WalShippingService {
@@ -125,6 +147,64 @@ impl WalShipping for WalShippingService {
                     // The stream lives as long as the leader keeps it; a
                     // stopping node ends it, or its graceful shutdown would
                     // wait for the leader forever.
+                    _ = node.shutdown.cancelled() => return,
+                    else => return,
+                }
+            }
+        });
+        Ok(Response::new(Box::pin(ReceiverStream::new(rx))))
+    }
+
+    type ShipBatchesStream = BatchAnswerStream;
+
+    async fn ship_batches(
+        &self,
+        request: Request<tonic::Streaming<ShipBatch>>,
+    ) -> Result<Response<BatchAnswerStream>, Status> {
+        use futures::StreamExt;
+        // Pushes being applied at once on one stream, over all its batches
+        // (a leader keeps at most 256 in flight to a node); past it the
+        // stream is not read.
+        const IN_FLIGHT: usize = 256;
+        let mut inbound = request.into_inner();
+        let node = self.node.clone();
+        let (tx, rx) = tokio::sync::mpsc::channel(16);
+        tokio::spawn(async move {
+            let mut in_flight = futures::stream::FuturesOrdered::<BatchAnswer>::new();
+            let mut pushes = 0;
+            let mut reading = true;
+            loop {
+                if !reading && in_flight.is_empty() {
+                    return;
+                }
+                tokio::select! {
+                    next = inbound.message(), if reading && pushes < IN_FLIGHT => match next {
+                        Ok(Some(batch)) if (1..=SHIP_BATCH_MAX_PUSHES).contains(&batch.pushes.len()) => {
+                            let count = batch.pushes.len();
+                            pushes += count;
+                            let answer = answer_batch(node.clone(), batch);
+                            in_flight.push_back(Box::pin(async move { (count, Ok(answer.await)) }));
+                        }
+                        // Refused whole, after the batches before it are
+                        // answered, as the stream's last word.
+                        Ok(Some(batch)) => {
+                            reading = false;
+                            let status = node.refuse_batch(batch.pushes.len());
+                            in_flight.push_back(Box::pin(async move { (0, Err(status)) }));
+                        }
+                        Ok(None) => reading = false,
+                        Err(status) => {
+                            reading = false;
+                            in_flight.push_back(Box::pin(async move { (0, Err(status)) }));
+                        }
+                    },
+                    Some((count, answer)) = in_flight.next(), if !in_flight.is_empty() => {
+                        pushes -= count;
+                        let failed = answer.is_err();
+                        if tx.send(answer).await.is_err() || failed {
+                            return;
+                        }
+                    }
                     _ = node.shutdown.cancelled() => return,
                     else => return,
                 }

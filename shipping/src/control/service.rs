@@ -8,7 +8,8 @@ use futures::Stream;
 use tonic::{Request, Response, Status};
 use walship_proto::replication::wal_shipping_server::WalShipping;
 use walship_proto::replication::{
-    HeartbeatBatchRequest, HeartbeatRequest, HeartbeatResponse, ShipSegmentRequest, ShipSegmentResponse, StreamRequest,
+    HeartbeatBatchRequest, HeartbeatRequest, HeartbeatResponse, ShipBatch, ShipBatchAnswer, ShipSegmentRequest,
+    ShipSegmentResponse, StreamRequest,
 };
 
 use crate::control::Coordinator;
@@ -42,6 +43,15 @@ impl WalShipping for CoordinatorHeartbeats {
         &self,
         _: Request<tonic::Streaming<ShipSegmentRequest>>,
     ) -> Result<Response<Self::ShipSegmentsStream>, Status> {
+        Err(not_a_node())
+    }
+
+    type ShipBatchesStream = Pin<Box<dyn Stream<Item = Result<ShipBatchAnswer, Status>> + Send>>;
+
+    async fn ship_batches(
+        &self,
+        _: Request<tonic::Streaming<ShipBatch>>,
+    ) -> Result<Response<Self::ShipBatchesStream>, Status> {
         Err(not_a_node())
     }
 

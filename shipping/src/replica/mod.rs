@@ -12,7 +12,7 @@
 //! * `send`: the leader side: a driver folds the WAL's durable (and, under
 //!   a coordinator, flushing) watch into the leader core, one shipper per
 //!   follower keeps up to `ship_window` `ShipSegment`s in flight over one
-//!   `ShipSegments` stream per follower node;
+//!   `ShipBatches` stream per follower node (many pushes to a message);
 //! * `receive`: the follower side: inbound segments (pushed or streamed)
 //!   pass the envelope check, the role gate and [`classify`](crate::core::follower::classify),
 //!   then are queued to the WAL in order under a per-shard lock held only
@@ -73,6 +73,11 @@ use tokio_util::sync::CancellationToken;
 use walship_wal::{ShardId, Wal};
 
 pub use self::error::{APPLIED_METADATA_KEY, EPOCH_METADATA_KEY, ReplicaError};
+
+/// Pushes one `ShipBatches` message carries, at most (the contract's
+/// limit: a follower refuses a larger batch whole, and a leader's ship
+/// stream never sends one).
+pub const SHIP_BATCH_MAX_PUSHES: usize = 256;
 pub(crate) use self::error::{inline_refusals, refusal_answer};
 pub use self::shard::{Members, ShardReplica};
 pub use self::status::{
@@ -175,8 +180,8 @@ pub struct ReplicationNode {
     configured_shards: std::collections::HashSet<ShardId>,
     disk_bytes: Box<dyn Fn() -> u64 + Send + Sync>,
     pub shutdown: CancellationToken,
-    /// One `ShipSegments` stream per follower node, opened by the first push
-    /// (see `send::run_ship_stream`).
+    /// One ship stream per follower node, opened by the first push (see
+    /// `send::run_ship_stream`).
     ship_streams: Mutex<BTreeMap<NodeId, tokio::sync::mpsc::Sender<pushes::ShipCall>>>,
     /// Peers a partition drill cuts replication traffic with, for a while.
     drill_partition: Arc<drill_partition::DrillPartition>,
@@ -357,6 +362,14 @@ impl ReplicationNode {
             Some(spec) => format!("{node}@{}", spec.grpc_addr),
             None => node.to_string(),
         }
+    }
+
+    /// A `ShipBatches` message with no push or more than
+    /// [`SHIP_BATCH_MAX_PUSHES`]: refused whole (`INVALID_ARGUMENT`,
+    /// counted as `bad_request`), none of it applied.
+    pub fn refuse_batch(&self, pushes: usize) -> tonic::Status {
+        let detail = format!("a ShipBatch carries 1 to {SHIP_BATCH_MAX_PUSHES} pushes, this one {pushes}");
+        self.counted(ReplicaError::BadRequest(detail)).into()
     }
 
     /// Counts a refusal under its reason (`walship_ship_refused_total`) and
