@@ -689,3 +689,72 @@ async fn a_forced_failover_to_a_replica_behind_the_archive_is_refused() {
     let after = append(&cluster, behind, 5, "after").await;
     assert_eq!(after.first(), Some(&(last + 1)), "new records continue past the archive");
 }
+
+/// A shard with no committed record is not listed in the archive, when its
+/// leadership starts nor when it moves: a failover of a node leading
+/// thousands of empty shards listed each one (thousands of `LIST` requests
+/// to an S3 bucket at once). Its first committed record brings the listing
+/// and the upload, as before.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn empty_shards_are_not_listed_until_their_first_committed_record() {
+    const SHARDS: u32 = 6;
+    let mut cluster = Cluster::launch(&ClusterSpec {
+        nodes: 3,
+        shards: SHARDS,
+        coordinators: 1,
+        replication: "heartbeat_ms = 50\nleader_timeout_ms = 1000\nkeepalive_ms = 100",
+        cluster_toml: ARCHIVE.into(),
+        ..ClusterSpec::default()
+    });
+    // Summed over the live nodes (a killed one had listed nothing).
+    let listings = async |cluster: &Cluster, dead: Option<u32>| {
+        let mut total = 0.0;
+        for (i, node) in cluster.nodes.iter().enumerate() {
+            if dead != Some(i as u32 + 1) {
+                total += common::metric(&node.admin, "walship_archive_listings_total").await;
+            }
+        }
+        total
+    };
+    let mut leaders = Vec::new();
+    for shard in 1..=SHARDS {
+        leaders.push(cluster.wait_leader(shard, None, WAIT).await);
+    }
+    // Every leader's archive loop has run many ticks (200 ms) by now.
+    tokio::time::sleep(Duration::from_millis(1500)).await;
+    assert_eq!(listings(&cluster, None).await, 0.0, "no shard has a committed record: nothing listed");
+
+    // A leader of an empty shard dies: the new leaders list nothing either.
+    let victim = leaders[1];
+    let moved: Vec<u32> = (1..=SHARDS).filter(|s| leaders[*s as usize - 1] == victim).collect();
+    cluster.node(victim).kill9();
+    for shard in &moved {
+        cluster.wait_leader(*shard, Some(victim), WAIT).await;
+    }
+    tokio::time::sleep(Duration::from_millis(1000)).await;
+    assert_eq!(listings(&cluster, Some(victim)).await, 0.0, "shards {moved:?} moved, empty: nothing listed");
+
+    // The first committed record: its leader lists the archive and uploads.
+    let shard = moved[0];
+    let leader = cluster.wait_leader(shard, Some(victim), WAIT).await;
+    let mut log = common::history::client(&cluster.nodes[leader as usize - 1].grpc).await.expect("leader client");
+    let request = AppendRequest {
+        shard_id: shard,
+        records: vec![AppendRecord { key: b"k".to_vec().into(), payload: b"first".to_vec().into() }],
+        durability: Durability::Quorum as i32,
+        ..Default::default()
+    };
+    log.append(request).await.expect("appended");
+    let archived = async |cluster: &Cluster| {
+        let status = cluster.status(leader).await.unwrap_or_default();
+        let shards = status["shards"].as_array().cloned().unwrap_or_default();
+        let entry = shards.iter().find(|s| s["shard_id"].as_u64() == Some(shard as u64)).cloned();
+        entry.and_then(|s| s["archive"]["archived_seqno"].as_u64()).unwrap_or(0)
+    };
+    let deadline = Instant::now() + WAIT;
+    while archived(&cluster).await < 1 {
+        assert!(Instant::now() < deadline, "shard {shard}'s first record was not archived within {WAIT:?}");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    assert_eq!(listings(&cluster, Some(victim)).await, 1.0, "one listing: shard {shard}'s, once it had a record");
+}

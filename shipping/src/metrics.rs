@@ -50,6 +50,7 @@ pub struct ReplicationMetrics {
     pub quiet_pairs: IntGauge,
     /// Shards whose archive loop runs on this node (0 without `[archive]`).
     pub archive_loops: IntGauge,
+    pub archive_listings: IntCounter,
     /// Leader side: leases lapsed past CheckQuorum's grace, by outcome.
     pub check_quorum: IntCounterVec,
 }
@@ -258,6 +259,14 @@ impl ReplicationMetrics {
                 IntGauge::new(
                     "walship_quiet_followers",
                     "(shard, follower) pairs this node leads that are quiet: no per-shard keepalives",
+                )?,
+            )?,
+            archive_listings: register(
+                registry,
+                IntCounter::new(
+                    "walship_archive_listings_total",
+                    "Listings of a shard's archived segments this node made (a new archiving term, scrub passes); a \
+                     shard with no committed record lists nothing",
                 )?,
             )?,
             archive_loops: register(

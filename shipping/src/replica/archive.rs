@@ -4,7 +4,9 @@
 //! * **Who.** The shard's leader (it knows the commit position and is the
 //!   one replica guaranteed to hold every committed record). After a
 //!   failover the new leader lists the archive and goes on from what it
-//!   holds ([`crate::archive::chain`]), so nothing is skipped; a segment
+//!   holds ([`crate::archive::chain`]), so nothing is skipped (a shard
+//!   with no committed record is listed only once it has one:
+//!   `walship_archive_listings_total`); a segment
 //!   the old leader uploaded without the new one seeing it only overlaps
 //!   records the new one uploads again, which are the same committed
 //!   records, and readers take each seqno once.
@@ -503,7 +505,9 @@ impl ReplicationNode {
             };
             if Instant::now() >= scrub_at {
                 scrub_at = Instant::now() + archive.scrub_interval;
-                if scrubbing.as_ref().is_none_or(|pass| pass.is_finished()) {
+                // A shard with no committed record has nothing of its own
+                // in the store to check, nor to repair it from.
+                if commit > 0 && scrubbing.as_ref().is_none_or(|pass| pass.is_finished()) {
                     scrubbing = Some(tokio::spawn(self.clone().scrub_pass(replica.clone(), archive.clone())));
                 }
             }
@@ -523,6 +527,15 @@ impl ReplicationNode {
                     if Instant::now() < retry_at {
                         return Ok(false);
                     }
+                    // Nothing committed, nothing to upload: the listing
+                    // waits for the first committed record (the commit's
+                    // move wakes this loop). A failover of a node leading
+                    // thousands of empty shards listed each one: thousands
+                    // of LIST requests to an S3 bucket at once.
+                    if commit == 0 {
+                        return Ok(false);
+                    }
+                    self.metrics.archive_listings.inc();
                     let prefix = archive.layout.segments_prefix(shard);
                     let listed = self.showing_lag(&archive, shard, commit, archive.store.list(&prefix)).await?;
                     let segments = listed.iter().filter_map(|m| SegmentRef::parse(m.key.as_str(), m.size));

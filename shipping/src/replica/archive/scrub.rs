@@ -53,6 +53,7 @@ impl ReplicationNode {
         // below it is missing from the store; one at or past it may be
         // uploads still in flight (they end out of order).
         let uploaded_before = self.archive_status.lock().get(&shard).map_or(0, |s| s.archived_seqno);
+        self.metrics.archive_listings.inc();
         let listing = restore::list(archive.store.as_ref(), &archive.layout, shard).await?;
         let mut all: Vec<SegmentRef> = listing.chain.iter().chain(&listing.unused).cloned().collect();
         all.sort_by_key(|s| (s.first, s.last));
