@@ -59,6 +59,7 @@ mod receive;
 mod retention;
 mod send;
 pub mod shard;
+mod ship_stream;
 mod silence;
 mod status;
 pub(crate) use heartbeats::same_report;
@@ -181,7 +182,7 @@ pub struct ReplicationNode {
     disk_bytes: Box<dyn Fn() -> u64 + Send + Sync>,
     pub shutdown: CancellationToken,
     /// One ship stream per follower node, opened by the first push (see
-    /// `send::run_ship_stream`).
+    /// `ship_stream::run_ship_stream`).
     ship_streams: Mutex<BTreeMap<NodeId, tokio::sync::mpsc::Sender<pushes::ShipCall>>>,
     /// Peers a partition drill cuts replication traffic with, for a while.
     drill_partition: Arc<drill_partition::DrillPartition>,

@@ -1,7 +1,7 @@
 //! One shipper's pushes in flight to one follower, oldest first.
 //!
 //! A push is handed to the follower node's ship stream task
-//! (`send.rs`, `run_ship_stream`) with a oneshot for its answer. The stream
+//! (`ship_stream.rs`, `run_ship_stream`) with a oneshot for its answer. The stream
 //! answers in the order it sent, so a shipper's pushes are answered in the
 //! order it made them (unary calls to an older peer may finish out of
 //! order; they are still taken oldest first). So the shipper only ever

@@ -2,12 +2,15 @@
 //! nodes on loopback.
 
 use std::pin::Pin;
+use std::sync::Arc;
 
 use futures::Stream;
 use tonic::{Request, Response};
 use walship_proto::replication::wal_shipping_client::WalShippingClient;
 use walship_proto::replication::wal_shipping_server::{WalShipping, WalShippingServer};
-use walship_proto::replication::{HeartbeatRequest, HeartbeatResponse, ShipBatchAnswer, StreamRequest};
+use walship_proto::replication::{
+    HeartbeatRequest, HeartbeatResponse, ShipBatchAnswer, ShipSegmentRequest, StreamRequest, WalSegmentId,
+};
 
 use super::*;
 
