@@ -6,7 +6,7 @@
 //! | condition | status |
 //! | --- | --- |
 //! | shard not hosted here | `NOT_FOUND` |
-//! | corrupt segment (crc, truncation), envelope not matching the segment, `from_seqno` 0, unknown heartbeat node | `INVALID_ARGUMENT` |
+//! | corrupt segment (crc, truncation), envelope not matching the segment, `from_seqno` 0, unknown heartbeat node, a `ShipBatch` of no push or more than 256 (ends the stream) | `INVALID_ARGUMENT` |
 //! | older epoch than seen (metadata `walship-epoch`), sent to the leader, from a node that is not the leader | `FAILED_PRECONDITION` |
 //! | gap (metadata `walship-applied-seqno`), catch-up from a compacted seqno (needs re-seed) | `OUT_OF_RANGE` |
 //! | message over the size limit | `OUT_OF_RANGE` (tonic's frame check) |
