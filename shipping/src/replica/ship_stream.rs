@@ -28,14 +28,22 @@ use super::pushes::ShipCall;
 /// A peer without `ShipBatches` (an older node) answers `UNIMPLEMENTED`; the
 /// pushes then go over a `ShipSegments` stream, one to a message
 /// ([`run_segment_stream`]), or unary `ShipSegment` calls for a peer older
-/// still.
+/// still. Once that `ShipSegments` stream ends (the peer restarted: in a
+/// rolling upgrade, maybe as a newer node), the next push asks for
+/// `ShipBatches` again.
 pub(super) async fn run_ship_stream(
     client: WalShippingClient<crate::peers::PeerChannel>,
-    calls: tokio::sync::mpsc::Receiver<ShipCall>,
+    mut calls: tokio::sync::mpsc::Receiver<ShipCall>,
     pushes_per_message: prometheus::Histogram,
 ) {
-    if let Some((calls, first)) = run_batch_stream(client.clone(), calls, pushes_per_message).await {
-        run_segment_stream(client, first, calls).await;
+    loop {
+        let Some((rest, first)) = run_batch_stream(client.clone(), calls, pushes_per_message.clone()).await else {
+            return;
+        };
+        match run_segment_stream(client.clone(), first, rest).await {
+            Some(rest) => calls = rest,
+            None => return,
+        }
     }
 }
 
@@ -143,9 +151,10 @@ async fn run_batch_stream(
 }
 
 /// Carries one follower node's pushes over one `ShipSegments` stream, one
-/// to a message, each answered in order by the call that sent it, and
-/// reopens the stream on the next push after it ends (the follower
-/// restarted). The stream asks for refusals in place: a refused push is
+/// to a message, each answered in order by the call that sent it, until
+/// the stream ends (the follower restarted): then answers the calls for
+/// [`run_ship_stream`] to try `ShipBatches` again; none once the calls end
+/// or for a peer on unary calls. The stream asks for refusals in place: a refused push is
 /// answered with its status and the stream goes on. (A follower that ends
 /// the stream on a refusal instead, as the contract allows without that
 /// metadata, fails the later pushes in flight; they are shipped again.
@@ -159,15 +168,13 @@ async fn run_segment_stream(
     mut client: WalShippingClient<crate::peers::PeerChannel>,
     first: ShipCall,
     mut calls: tokio::sync::mpsc::Receiver<ShipCall>,
-) {
+) -> Option<tokio::sync::mpsc::Receiver<ShipCall>> {
     use std::collections::VecDeque;
     let mut carried = Some(first);
     loop {
-        let Some((first, reply)) = (match carried.take() {
-            Some(call) => Some(call),
-            None => calls.recv().await,
-        }) else {
-            return;
+        let (first, reply) = match carried.take() {
+            Some(call) => call,
+            None => calls.recv().await?,
         };
         let (req_tx, req_rx) = tokio::sync::mpsc::channel(SHIP_STREAM_DEPTH);
         let mut call = tonic::Request::new(tokio_stream::wrappers::ReceiverStream::new(req_rx));
@@ -176,7 +183,8 @@ async fn run_segment_stream(
             Ok(r) => r.into_inner(),
             Err(status) if status.code() == tonic::Code::Unimplemented => {
                 tracing::info!(%status, "peer has no ShipSegments stream; shipping with unary ShipSegment");
-                return ship_unary(client, (first, reply), calls).await;
+                ship_unary(client, (first, reply), calls).await;
+                return None;
             }
             Err(status) => {
                 let _ = reply.send(Err(status));
@@ -212,7 +220,7 @@ async fn run_segment_stream(
                             call = if turn < SHIP_TURN { calls.try_recv().ok() } else { None };
                         }
                     }
-                    None => return,
+                    None => return None,
                 },
                 answer = answers.message() => match answer {
                     Ok(Some(response)) => {
@@ -234,6 +242,7 @@ async fn run_segment_stream(
         for reply in pending.drain(..) {
             let _ = reply.send(Err(end.clone()));
         }
+        return Some(calls);
     }
 }
 

@@ -21,7 +21,11 @@ use super::*;
 struct FakePeer {
     mode: Mode,
     streams: Arc<std::sync::atomic::AtomicUsize>,
+    /// Of them, `ShipBatches` streams.
+    batch_streams: Arc<std::sync::atomic::AtomicUsize>,
     messages: Arc<std::sync::atomic::AtomicUsize>,
+    /// In `Mode::Upgrading`: the peer has `ShipBatches` now.
+    upgraded: Arc<std::sync::atomic::AtomicBool>,
 }
 
 #[derive(Clone, Copy)]
@@ -36,11 +40,20 @@ enum Mode {
     Segments { per_stream: usize },
     /// A peer from before both streams.
     Unary,
+    /// `ShipSegments` as in `Segments`, and `ShipBatches` too once
+    /// `upgraded` (a peer restarted as a newer node).
+    Upgrading { per_stream: usize },
 }
 
 impl FakePeer {
     fn new(mode: Mode) -> FakePeer {
-        FakePeer { mode, streams: Arc::default(), messages: Arc::default() }
+        FakePeer {
+            mode,
+            streams: Arc::default(),
+            batch_streams: Arc::default(),
+            messages: Arc::default(),
+            upgraded: Arc::default(),
+        }
     }
 }
 
@@ -70,7 +83,7 @@ impl WalShipping for FakePeer {
         &self,
         request: Request<tonic::Streaming<ShipSegmentRequest>>,
     ) -> Result<Response<Answers>, Status> {
-        let Mode::Segments { per_stream } = self.mode else {
+        let (Mode::Segments { per_stream } | Mode::Upgrading { per_stream }) = self.mode else {
             return Err(Status::unimplemented("unknown method ShipSegments"));
         };
         self.streams.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
@@ -89,9 +102,13 @@ impl WalShipping for FakePeer {
         let (per_stream, extra) = match self.mode {
             Mode::Batches { per_stream } => (per_stream, false),
             Mode::BatchesMiscounted => (usize::MAX, true),
-            Mode::Segments { .. } | Mode::Unary => return Err(Status::unimplemented("unknown method ShipBatches")),
+            Mode::Upgrading { .. } if self.upgraded.load(std::sync::atomic::Ordering::SeqCst) => (usize::MAX, false),
+            Mode::Segments { .. } | Mode::Upgrading { .. } | Mode::Unary => {
+                return Err(Status::unimplemented("unknown method ShipBatches"));
+            }
         };
         self.streams.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+        self.batch_streams.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
         let messages = self.messages.clone();
         // Batches until `per_stream` pushes have come (the last one whole).
         let mut taken = 0;
@@ -256,6 +273,25 @@ async fn a_peer_without_ship_batches_gets_ship_segments() {
     assert_eq!(streams.load(std::sync::atomic::Ordering::SeqCst), 1, "one ShipSegments stream carried them all");
     assert_eq!(messages.load(std::sync::atomic::Ordering::SeqCst), 200, "one push to a message");
     push_until_answered(&calls, 201).await;
+    assert_eq!(streams.load(std::sync::atomic::Ordering::SeqCst), 2);
+    server.abort();
+}
+
+/// A peer upgraded under a running leader (it restarts as a newer node):
+/// its `ShipSegments` stream ends, and the next push asks for
+/// `ShipBatches` again and gets it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn after_a_ship_segments_stream_ends_the_next_push_asks_for_ship_batches_again() {
+    let peer = FakePeer::new(Mode::Upgrading { per_stream: 5 });
+    let (streams, batch_streams, upgraded) = (peer.streams.clone(), peer.batch_streams.clone(), peer.upgraded.clone());
+    let (calls, server) = ship_stream_to(peer).await;
+    push_and_check(&calls, 1, 5).await;
+    assert_eq!(streams.load(std::sync::atomic::Ordering::SeqCst), 1, "one ShipSegments stream");
+    assert_eq!(batch_streams.load(std::sync::atomic::Ordering::SeqCst), 0, "no ShipBatches before the upgrade");
+    // The peer took its 5 pushes and ended the stream; now it has ShipBatches.
+    upgraded.store(true, std::sync::atomic::Ordering::SeqCst);
+    push_until_answered(&calls, 6).await;
+    assert_eq!(batch_streams.load(std::sync::atomic::Ordering::SeqCst), 1, "the next stream is ShipBatches");
     assert_eq!(streams.load(std::sync::atomic::Ordering::SeqCst), 2);
     server.abort();
 }
