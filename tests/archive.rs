@@ -29,11 +29,11 @@ fn path(p: &Path) -> &str {
     p.to_str().unwrap()
 }
 
-/// Three nodes, one shard, one coordinator, archiving to a dir store.
-fn archived_cluster() -> Cluster {
+/// Three nodes, `shards` shards, one coordinator, archiving to a dir store.
+fn archived_cluster(shards: u32) -> Cluster {
     Cluster::launch(&ClusterSpec {
         nodes: 3,
-        shards: 1,
+        shards,
         coordinators: 1,
         replication: "heartbeat_ms = 50\nleader_timeout_ms = 1000\nkeepalive_ms = 100",
         cluster_toml: ARCHIVE.into(),
@@ -43,8 +43,7 @@ fn archived_cluster() -> Cluster {
 
 /// The shard's archive status on node `id` (its leader).
 async fn archive_of(cluster: &Cluster, id: u32) -> serde_json::Value {
-    let status = cluster.status(id).await.unwrap_or_default();
-    status["shards"][0]["archive"].clone()
+    shard_archive(cluster, id, 1).await
 }
 
 /// Appends `n` records of about 300 bytes through node `id`, QUORUM;
@@ -73,7 +72,7 @@ async fn append(cluster: &Cluster, id: u32, n: usize, tag: &str) -> Vec<u64> {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_archive_holds_every_committed_record_once_across_a_leader_crash_and_restores() {
-    let mut cluster = archived_cluster();
+    let mut cluster = archived_cluster(1);
     let config = cluster.config_path.clone();
     let archive_dir = cluster.dir.path().join("archive");
     let first_leader = cluster.wait_leader(1, None, WAIT).await;
@@ -609,7 +608,7 @@ async fn a_damaged_segment_the_leader_compacted_is_reported_unrepairable() {
 /// replica holding the archive's records or re-seeds this one.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_forced_failover_to_a_replica_behind_the_archive_is_refused() {
-    let mut cluster = archived_cluster();
+    let mut cluster = archived_cluster(1);
     let leader = cluster.wait_leader(1, None, WAIT).await;
     let behind = (1..=3).find(|&n| n != leader).unwrap();
     let other = (1..=3).find(|&n| n != leader && n != behind).unwrap();
@@ -698,14 +697,7 @@ async fn a_forced_failover_to_a_replica_behind_the_archive_is_refused() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn empty_shards_are_not_listed_until_their_first_committed_record() {
     const SHARDS: u32 = 6;
-    let mut cluster = Cluster::launch(&ClusterSpec {
-        nodes: 3,
-        shards: SHARDS,
-        coordinators: 1,
-        replication: "heartbeat_ms = 50\nleader_timeout_ms = 1000\nkeepalive_ms = 100",
-        cluster_toml: ARCHIVE.into(),
-        ..ClusterSpec::default()
-    });
+    let mut cluster = archived_cluster(SHARDS);
     // Summed over the live nodes (a killed one had listed nothing).
     let listings = async |cluster: &Cluster, dead: Option<u32>| {
         let mut total = 0.0;
@@ -716,27 +708,37 @@ async fn empty_shards_are_not_listed_until_their_first_committed_record() {
         }
         total
     };
+    // Waits until `node`'s archive loop for `shard` has shown a tick as its
+    // archiver (a tick lists, if it lists at all, before it shows itself).
+    let archiving = async |cluster: &Cluster, node: u32, shard: u32| {
+        wait_until(&format!("node {node} archives shard {shard}"), WAIT, || async move {
+            shard_archive(cluster, node, shard).await["archiver"].as_u64() == Some(node as u64)
+        })
+        .await;
+    };
     let mut leaders = Vec::new();
     for shard in 1..=SHARDS {
         leaders.push(cluster.wait_leader(shard, None, WAIT).await);
     }
-    // Every leader's archive loop has run many ticks (200 ms) by now.
-    tokio::time::sleep(Duration::from_millis(1500)).await;
+    for shard in 1..=SHARDS {
+        archiving(&cluster, leaders[shard as usize - 1], shard).await;
+    }
     assert_eq!(listings(&cluster, None).await, 0.0, "no shard has a committed record: nothing listed");
 
     // A leader of an empty shard dies: the new leaders list nothing either.
     let victim = leaders[1];
     let moved: Vec<u32> = (1..=SHARDS).filter(|s| leaders[*s as usize - 1] == victim).collect();
     cluster.node(victim).kill9();
-    for shard in &moved {
-        cluster.wait_leader(*shard, Some(victim), WAIT).await;
+    let mut new_leaders = Vec::new();
+    for &shard in &moved {
+        let leader = cluster.wait_leader(shard, Some(victim), WAIT).await;
+        archiving(&cluster, leader, shard).await;
+        new_leaders.push(leader);
     }
-    tokio::time::sleep(Duration::from_millis(1000)).await;
     assert_eq!(listings(&cluster, Some(victim)).await, 0.0, "shards {moved:?} moved, empty: nothing listed");
 
     // The first committed record: its leader lists the archive and uploads.
-    let shard = moved[0];
-    let leader = cluster.wait_leader(shard, Some(victim), WAIT).await;
+    let (shard, leader) = (moved[0], new_leaders[0]);
     let mut log = common::history::client(&cluster.nodes[leader as usize - 1].grpc).await.expect("leader client");
     let request = AppendRequest {
         shard_id: shard,
@@ -745,16 +747,19 @@ async fn empty_shards_are_not_listed_until_their_first_committed_record() {
         ..Default::default()
     };
     log.append(request).await.expect("appended");
-    let archived = async |cluster: &Cluster| {
-        let status = cluster.status(leader).await.unwrap_or_default();
-        let shards = status["shards"].as_array().cloned().unwrap_or_default();
-        let entry = shards.iter().find(|s| s["shard_id"].as_u64() == Some(shard as u64)).cloned();
-        entry.and_then(|s| s["archive"]["archived_seqno"].as_u64()).unwrap_or(0)
-    };
-    let deadline = Instant::now() + WAIT;
-    while archived(&cluster).await < 1 {
-        assert!(Instant::now() < deadline, "shard {shard}'s first record was not archived within {WAIT:?}");
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    }
+    wait_until(&format!("shard {shard}'s first record archived"), WAIT, || async {
+        shard_archive(&cluster, leader, shard).await["archived_seqno"].as_u64() >= Some(1)
+    })
+    .await;
     assert_eq!(listings(&cluster, Some(victim)).await, 1.0, "one listing: shard {shard}'s, once it had a record");
+}
+
+/// `shard`'s archive status on node `node` (null while it shows none).
+async fn shard_archive(cluster: &Cluster, node: u32, shard: u32) -> serde_json::Value {
+    let status = cluster.status(node).await.unwrap_or_default();
+    let shards = status["shards"].as_array().cloned().unwrap_or_default();
+    shards
+        .iter()
+        .find(|s| s["shard_id"].as_u64() == Some(shard as u64))
+        .map_or(serde_json::Value::Null, |s| s["archive"].clone())
 }
