@@ -24,7 +24,9 @@ use tonic::transport::{Channel, Endpoint};
 use walship_proto::log::log_client::LogClient;
 use walship_proto::log::{AppendRecord, AppendRequest, Durability, ReadRequest, Record};
 use walship_proto::replication::wal_shipping_client::WalShippingClient;
-use walship_proto::replication::{HeartbeatRequest, ShipSegmentRequest, StreamRequest, WalSegmentId};
+use walship_proto::replication::{
+    HeartbeatRequest, ShipSegmentRequest, ShipSegmentResponse, StreamRequest, WalSegmentId,
+};
 use walship_wal::segment::SEGMENT_HEADER_LEN;
 use walship_wal::{Frame, RecordFields, Segment};
 
@@ -890,6 +892,37 @@ async fn bad_shipping_requests_are_refused_precisely_and_change_nothing() {
     }
 }
 
+/// Three pushes to the follower: one in an epoch older than it has seen,
+/// one for a shard no node hosts, and a keepalive from the shard's leader
+/// in its epoch (nothing to apply).
+fn refused_twice_then_a_keepalive() -> [ShipSegmentRequest; 3] {
+    let stale = ShipSegmentRequest { epoch: EPOCH - 1, ..ship_of(&fake_segment(SHARD, 1, 2), 0) };
+    let unknown = with_id(ship_of(&fake_segment(999, 1, 1), 0), 999, 1);
+    let keepalive = ShipSegmentRequest {
+        id: Some(WalSegmentId { region_id: LEADER, shard_id: SHARD, seqno: 0 }),
+        epoch: EPOCH,
+        leader_node_id: LEADER,
+        ..Default::default()
+    };
+    [stale, unknown, keepalive]
+}
+
+/// The answers to [`refused_twice_then_a_keepalive`] with refusals in
+/// place: each refusal in its push's place with the status `ShipSegment`
+/// would have returned, and the keepalive after them accepted.
+fn assert_answered_in_place(answers: &[ShipSegmentResponse]) {
+    let [first, second, third] = answers else { panic!("an answer per push, three: {answers:?}") };
+    assert!(!first.accepted, "{first:?}");
+    assert_eq!(first.refusal_code, Code::FailedPrecondition as u32, "{first:?}");
+    assert!(first.refusal_message.contains("older than epoch"), "{first:?}");
+    assert_eq!(first.refusal_metadata.get(EPOCH_METADATA_KEY).map(String::as_str), Some("1"), "{first:?}");
+    assert_eq!(first.refusal_metadata.get("walship-refused").map(String::as_str), Some("1"), "{first:?}");
+    assert_eq!(second.refusal_code, Code::NotFound as u32, "{second:?}");
+    assert!(second.refusal_message.contains("999"), "{second:?}");
+    assert!(third.accepted && third.refusal_code == 0, "went on after two refusals: {third:?}");
+    assert_eq!(third.epoch, EPOCH, "{third:?}");
+}
+
 /// A `ShipSegments` stream opened with `walship-inline-refusals: 1` (what
 /// leaders open) answers a refused push in its place, with the status
 /// `ShipSegment` would have returned in `refusal_code`, `refusal_message`
@@ -901,15 +934,7 @@ async fn a_stream_with_refusals_in_place_answers_each_refusal_and_goes_on() {
     let mut cluster = Cluster::start(3, 2, "");
     let follower_grpc = cluster.node(FOLLOWER).grpc.clone();
     let before = positions(&mut cluster, FOLLOWER).await;
-    let stale = ShipSegmentRequest { epoch: EPOCH - 1, ..ship_of(&fake_segment(SHARD, 1, 2), 0) };
-    let unknown = with_id(ship_of(&fake_segment(999, 1, 1), 0), 999, 1);
-    // A keepalive from the shard's leader in its epoch: nothing to apply.
-    let keepalive = ShipSegmentRequest {
-        id: Some(WalSegmentId { region_id: LEADER, shard_id: SHARD, seqno: 0 }),
-        epoch: EPOCH,
-        leader_node_id: LEADER,
-        ..Default::default()
-    };
+    let [stale, unknown, keepalive] = refused_twice_then_a_keepalive();
 
     let mut client = shipping_client(connect(&follower_grpc).await);
     let mut call = tonic::Request::new(tokio_stream::iter(vec![stale.clone(), unknown, keepalive]));
@@ -922,18 +947,11 @@ async fn a_stream_with_refusals_in_place_answers_each_refusal_and_goes_on() {
     let mut next = async || {
         tokio::time::timeout(CALL_TIMEOUT, answers.message()).await.expect("answer in time").expect("no stream error")
     };
-    let first = next().await.expect("an answer for the stale push");
-    assert!(!first.accepted, "{first:?}");
-    assert_eq!(first.refusal_code, Code::FailedPrecondition as u32, "{first:?}");
-    assert!(first.refusal_message.contains("older than epoch"), "{first:?}");
-    assert_eq!(first.refusal_metadata.get(EPOCH_METADATA_KEY).map(String::as_str), Some("1"), "{first:?}");
-    assert_eq!(first.refusal_metadata.get("walship-refused").map(String::as_str), Some("1"), "{first:?}");
-    let second = next().await.expect("an answer for the unknown shard");
-    assert_eq!(second.refusal_code, Code::NotFound as u32, "{second:?}");
-    assert!(second.refusal_message.contains("999"), "{second:?}");
-    let third = next().await.expect("an answer for the keepalive after two refusals");
-    assert!(third.accepted && third.refusal_code == 0, "the stream went on: {third:?}");
-    assert_eq!(third.epoch, EPOCH, "{third:?}");
+    let mut three = Vec::new();
+    for push in ["the stale push", "the unknown shard", "the keepalive after two refusals"] {
+        three.push(next().await.unwrap_or_else(|| panic!("no answer for {push}")));
+    }
+    assert_answered_in_place(&three);
     assert!(next().await.is_none(), "the stream ends cleanly once the pushes end");
 
     // Without the metadata: the first refusal ends the stream with its status.
@@ -962,14 +980,7 @@ async fn a_ship_batch_answers_each_push_in_place_and_bad_batches_change_nothing(
     let follower_admin = cluster.node(FOLLOWER).admin.clone();
     let before = positions(&mut cluster, FOLLOWER).await;
     let refused_before = refused_counts(&follower_admin).await;
-    let stale = ShipSegmentRequest { epoch: EPOCH - 1, ..ship_of(&fake_segment(SHARD, 1, 2), 0) };
-    let unknown = with_id(ship_of(&fake_segment(999, 1, 1), 0), 999, 1);
-    let keepalive = ShipSegmentRequest {
-        id: Some(WalSegmentId { region_id: LEADER, shard_id: SHARD, seqno: 0 }),
-        epoch: EPOCH,
-        leader_node_id: LEADER,
-        ..Default::default()
-    };
+    let [stale, unknown, keepalive] = refused_twice_then_a_keepalive();
     let mut client = shipping_client(connect(&follower_grpc).await);
     let open = async |client: &mut WalShippingClient<common::Member>, batches: Vec<ShipBatch>| {
         tokio::time::timeout(CALL_TIMEOUT, client.ship_batches(tokio_stream::iter(batches)))
@@ -987,16 +998,7 @@ async fn a_ship_batch_answers_each_push_in_place_and_bad_batches_change_nothing(
         .expect("answered in time")
         .expect("no stream error")
         .expect("one answer for the batch");
-    assert_eq!(answer.answers.len(), 3, "an answer per push: {answer:?}");
-    let [first, second, third] = &answer.answers[..] else { unreachable!() };
-    assert!(!first.accepted, "{first:?}");
-    assert_eq!(first.refusal_code, Code::FailedPrecondition as u32, "{first:?}");
-    assert!(first.refusal_message.contains("older than epoch"), "{first:?}");
-    assert_eq!(first.refusal_metadata.get(EPOCH_METADATA_KEY).map(String::as_str), Some("1"), "{first:?}");
-    assert_eq!(second.refusal_code, Code::NotFound as u32, "{second:?}");
-    assert!(second.refusal_message.contains("999"), "{second:?}");
-    assert!(third.accepted && third.refusal_code == 0, "the keepalive after two refusals: {third:?}");
-    assert_eq!(third.epoch, EPOCH, "{third:?}");
+    assert_answered_in_place(&answer.answers);
     assert!(answers.message().await.expect("no stream error").is_none(), "ends once the batches end");
 
     // Bad batches: refused whole, the stream ends with the status, after
