@@ -74,6 +74,8 @@ enum Command {
     Status(status::StatusArgs),
     /// Preview or perform a shard failover through the coordinator.
     Failover(failover::FailoverArgs),
+    /// Move leaderships from nodes leading more than their share to those leading less (after a failover).
+    Rebalance(failover::RebalanceArgs),
     /// Run a failover or catch-up drill on the live cluster through the coordinator.
     Drill(drill::DrillArgs),
     /// Add, remove or replace a shard's replica under load through the coordinator.
@@ -195,6 +197,7 @@ fn run() -> Result<()> {
             Command::Drill(args) => drill::run(args).await,
             Command::Status(args) => status::run(args).await,
             Command::Failover(args) => failover::run(args).await,
+            Command::Rebalance(args) => failover::rebalance(args).await,
             Command::Replica(args) => replica::run(args).await,
             Command::BenchDrills(args) => bench_drills::run(args).await,
             Command::BenchDataplane(args) => bench_dataplane::run(args).await,

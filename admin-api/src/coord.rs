@@ -16,6 +16,7 @@ use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
 use axum::{Json, Router};
 use prometheus::{Encoder, Registry, TextEncoder};
+use walship_shipping::control::coordinator::{RebalanceOutcome, RebalanceRequest};
 use walship_shipping::control::{CoordError, Coordinator, FailoverOutcome, FailoverRequest};
 
 use crate::body::{ObjectJson, PathId};
@@ -58,6 +59,7 @@ pub fn coord_router(admin: Arc<CoordAdmin>) -> Router {
         .route("/v1/shards", get(shards))
         .route("/v1/shards/{id}", get(shard))
         .route("/v1/shards/{id}/failover", post(failover))
+        .route("/v1/rebalance", post(rebalance))
         .route("/v1/shards/{id}/replicas", post(crate::replicas::start))
         .route("/v1/replica-changes", get(crate::replicas::list))
         .route("/v1/replica-changes/{id}", get(crate::replicas::show))
@@ -778,6 +780,38 @@ async fn failover(
     tracing::info!(%who, shard = id, ?request, "admin: failover requested");
     let reason = if request.allow_loss { "forced" } else { "manual" };
     match admin.coordinator.failover(id, request, reason).await {
+        Ok(outcome) => Json(outcome).into_response(),
+        Err(e) => coord_error(e).into_response(),
+    }
+}
+
+#[utoipa::path(post, path = "/v1/rebalance", tag = "shards",
+    request_body = RebalanceRequest,
+    security(("bearer" = [])),
+    responses((status = 200, description = "the moves made (each moved shard failed over, preferring the replica planned), or the preview", body = RebalanceOutcome),
+        (status = 400, description = "malformed body, unknown field, or max_moves 0", body = crate::models::ErrorBody),
+        (status = 401, description = "no token", body = crate::models::ErrorBody), (status = 403, description = "wrong token", body = crate::models::ErrorBody),
+        (status = 409, description = "a rebalance is already running", body = crate::models::ErrorBody),
+        (status = 413, description = "body over 64 KiB", body = crate::models::ErrorBody),
+        (status = 415, description = "not application/json", body = crate::models::ErrorBody),
+        (status = 503, description = "not the active coordinator", body = crate::models::ErrorBody)))]
+/// Moves leaderships from the nodes leading more than their share to the
+/// replicas leading less (`rebalance.rs` in the shipping crate).
+async fn rebalance(
+    State(admin): State<Arc<CoordAdmin>>,
+    ConnectInfo(who): ConnectInfo<std::net::SocketAddr>,
+    headers: HeaderMap,
+    body: Result<ObjectJson<RebalanceRequest>, ApiError>,
+) -> Response {
+    if let Err(e) = authorize(&headers, &admin.token) {
+        return e.into_response();
+    }
+    let ObjectJson(request) = match body {
+        Ok(body) => body,
+        Err(refused) => return refused.into_response(),
+    };
+    tracing::info!(%who, ?request, "admin: leadership rebalance requested");
+    match admin.coordinator.rebalance(request).await {
         Ok(outcome) => Json(outcome).into_response(),
         Err(e) => coord_error(e).into_response(),
     }

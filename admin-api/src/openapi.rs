@@ -50,7 +50,7 @@ impl Modify for Bearer {
     info(title = "walship coordinator admin API", description = "Cluster, shards, failover, drills and DataPlane tasks. Mutating endpoints need a bearer token."),
     paths(
         crate::coord::healthz, crate::coord::readyz, crate::coord::metrics, crate::coord::openapi,
-        crate::coord::cluster, crate::coord::shards, crate::coord::shard, crate::coord::failover,
+        crate::coord::cluster, crate::coord::shards, crate::coord::shard, crate::coord::failover, crate::coord::rebalance,
         crate::coord::lag_history, crate::replicas::start, crate::replicas::list, crate::replicas::show,
         crate::drills::drills, crate::drills::drill, crate::drills::failover_drill, crate::drills::catchup_drill,
         crate::drills::corruption_drill, crate::drills::partition_drill, crate::drills::reseed_drill,
@@ -63,6 +63,8 @@ impl Modify for Bearer {
         walship_shipping::control::state::FailoverRecord,
         walship_shipping::control::FailoverRequest, walship_shipping::control::FailoverOutcome,
         walship_shipping::control::coordinator::CandidatePreview,
+        walship_shipping::control::coordinator::RebalanceRequest, walship_shipping::control::coordinator::RebalanceOutcome,
+        walship_shipping::control::coordinator::RebalanceMove,
         walship_shipping::control::drills::FailoverDrillRequest, walship_shipping::control::drills::CatchupDrillRequest,
         walship_shipping::control::drills::DrillReport, walship_shipping::control::drills::FailoverDrillResult,
         walship_shipping::control::drills::CatchupDrillResult,

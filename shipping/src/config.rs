@@ -165,6 +165,14 @@ pub struct ReplicationConfig {
     /// last pause call (the drill renews it every sixth of it), so a
     /// drill whose coordinator dies cannot leave it paused for good.
     pub pause_lease_ms: u64,
+    /// Coordinator: how often it checks whether some node leads more than
+    /// its share of the shards (after a failover, say) and moves
+    /// leaderships to the nodes leading less (ops/README "Leadership
+    /// rebalancing"); 0: never on its own (`walship rebalance` still does).
+    pub rebalance_interval_ms: u64,
+    /// Coordinator: a node's leaderships past its fair share that start an
+    /// automatic rebalance, in percent of the share (at least one shard).
+    pub rebalance_slack_percent: u64,
 }
 
 impl Default for ReplicationConfig {
@@ -188,6 +196,8 @@ impl Default for ReplicationConfig {
             quiesce: true,
             per_shard_metrics: true,
             pause_lease_ms: 60_000,
+            rebalance_interval_ms: 300_000,
+            rebalance_slack_percent: 10,
         }
     }
 }

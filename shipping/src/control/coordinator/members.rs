@@ -192,6 +192,11 @@ impl ReplicaChanges {
         self.reports.lock().get(id).cloned()
     }
 
+    /// Shards whose replica change is running.
+    pub fn shards_changing(&self) -> BTreeSet<u32> {
+        self.running.lock().clone()
+    }
+
     pub fn list(&self) -> Vec<ReplicaChange> {
         let mut all: Vec<_> = self.reports.lock().values().cloned().collect();
         all.sort_by_key(|c| c.started_unix_ms);

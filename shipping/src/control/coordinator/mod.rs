@@ -40,11 +40,13 @@ use crate::peers::{PeerTransport, Peers};
 mod batch;
 mod members;
 mod promote;
+mod rebalance;
 mod reconcile;
 mod seen;
 mod write;
 
 pub use members::{ReplicaAction, ReplicaChange, ReplicaChangeRequest, ReplicaChanges};
+pub use rebalance::{RebalanceMove, RebalanceOutcome, RebalanceRequest};
 use seen::NodeSeen;
 pub use seen::Reports;
 
@@ -299,6 +301,8 @@ pub struct Coordinator {
     /// When each shard's leader was told it leads, and in which epoch: its
     /// followers' silence counts from then (`control/liveness.rs`).
     leader_told: Mutex<std::collections::HashMap<u32, (u64, Instant)>>,
+    /// Held by the one rebalance running (`rebalance.rs`).
+    rebalancing: tokio::sync::Mutex<()>,
 }
 
 /// Mints a PeerExchange fetch token: `(task id, shard, time to live)`.
@@ -418,9 +422,11 @@ impl Coordinator {
             assigns: Default::default(),
             token_minter: Default::default(),
             changes: Default::default(),
+            rebalancing: Default::default(),
         });
         tokio::spawn(coordinator.clone().run_lease());
         tokio::spawn(coordinator.clone().run_reconcile());
+        tokio::spawn(coordinator.clone().run_rebalance());
         coordinator
     }
 

@@ -232,6 +232,7 @@ impl Coordinator {
         let failing = Failing {
             shard,
             target: request.target,
+            prefer: None,
             allow_loss: request.allow_loss,
             reason: reason.to_string(),
             replaced,
@@ -261,6 +262,7 @@ impl Coordinator {
                 Ok(record) => batch.push(Failing {
                     shard: l.shard,
                     target: None,
+                    prefer: None,
                     allow_loss: false,
                     reason: l.reason.to_string(),
                     replaced: l.replaced,
@@ -287,7 +289,10 @@ impl Coordinator {
     ///
     /// A shard that fails a step is answered with its error and goes no
     /// further; the others go on.
-    async fn failover_together(&self, batch: Vec<Failing<'_>>) -> Vec<(u32, Result<FailoverOutcome, CoordError>)> {
+    pub(super) async fn failover_together(
+        &self,
+        batch: Vec<Failing<'_>>,
+    ) -> Vec<(u32, Result<FailoverOutcome, CoordError>)> {
         let started = Instant::now();
         let mut steps = Steps::new();
         let mut out = Vec::with_capacity(batch.len());
@@ -434,9 +439,21 @@ impl Coordinator {
         let answers: Vec<FenceResponse> = fenced.into_iter().filter(|a| voters.contains(&a.node_id)).collect();
         let commit = answers.iter().map(|a| a.commit_seqno).fold(record.commit_floor, u64::max);
         let candidates = self.previews(shard, &answers, voters.len(), commit).await;
-        let chosen = match f.target {
-            Some(target) => candidates.iter().find(|c| c.node == target).ok_or(CoordError::Unreachable(target))?,
-            None => {
+        let preferred = f.prefer.and_then(|p| {
+            let answer = answers.iter().find(|a| a.node_id == p)?;
+            let preview = candidates.iter().find(|c| c.node == p)?;
+            let takes_over = candidate(answer).healthy()
+                && preview.would_lose_acknowledged.is_none()
+                && answer.last_seqno >= self.archived_seqno(shard, &record.members());
+            takes_over.then_some(preview)
+        });
+        let chosen = match (f.target, preferred) {
+            (Some(target), _) => candidates.iter().find(|c| c.node == target).ok_or(CoordError::Unreachable(target))?,
+            (None, Some(preferred)) => {
+                *leads.lock().entry(preferred.node).or_default() += 1;
+                preferred
+            }
+            (None, None) => {
                 let loses_acknowledged =
                     |c: &Candidate| candidates.iter().any(|p| p.node == c.node && p.would_lose_acknowledged.is_some());
                 let ranked: Vec<Candidate> = answers
@@ -520,16 +537,20 @@ pub(super) struct Lost {
 
 /// One shard's part in a failover, its lock held until the failover ends
 /// (one failover of a shard at a time).
-struct Failing<'a> {
-    shard: u32,
+pub(super) struct Failing<'a> {
+    pub(super) shard: u32,
     /// Replica to promote; none: the best one.
-    target: Option<NodeId>,
-    allow_loss: bool,
-    reason: String,
-    replaced: Option<NodeId>,
+    pub(super) target: Option<NodeId>,
+    /// Replica to promote when it holds every acknowledged record and is
+    /// healthy (a rebalance, `rebalance.rs`); otherwise the best one, as
+    /// without it.
+    pub(super) prefer: Option<NodeId>,
+    pub(super) allow_loss: bool,
+    pub(super) reason: String,
+    pub(super) replaced: Option<NodeId>,
     /// The shard's record when its lock was taken.
-    record: Arc<ShardRecord>,
-    _guard: tokio::sync::MutexGuard<'a, ()>,
+    pub(super) record: Arc<ShardRecord>,
+    pub(super) _guard: tokio::sync::MutexGuard<'a, ()>,
 }
 
 /// The replica step 3 chose, and what it was chosen from.
