@@ -146,14 +146,29 @@ pub async fn rebalance(args: RebalanceArgs) -> Result<()> {
     } else {
         println!("moved {} of {} shards in {} ms:", outcome["moved"], moves.len(), outcome["took_ms"]);
     }
+    // One line per pair of nodes (thousands of shards move at once), then
+    // each shard that did not end where planned.
+    let mut pairs: std::collections::BTreeMap<(String, String), (usize, usize)> = Default::default();
     for m in &moves {
-        let result = match (&m["leader"], &m["error"]) {
-            (_, serde_json::Value::String(error)) => format!("  FAILED: {error}"),
-            (serde_json::Value::Null, _) => String::new(),
-            (leader, _) if *leader == m["to"] => "  done".into(),
-            (leader, _) => format!("  node {leader} took it (node {} lacked records at the fence)", m["to"]),
-        };
-        println!("  shard {}: node {} -> node {}{result}", m["shard"], m["from"], m["to"]);
+        let pair = pairs.entry((m["from"].to_string(), m["to"].to_string())).or_default();
+        pair.0 += 1;
+        pair.1 += usize::from(m["leader"] == m["to"]);
+    }
+    for ((from, to), (planned, moved)) in pairs {
+        match outcome["preview"] == true {
+            true => println!("  node {from} -> node {to}: {planned} shards"),
+            false => println!("  node {from} -> node {to}: {moved} of {planned} shards moved"),
+        }
+    }
+    for m in moves.iter().filter(|m| !m["leader"].is_null() || !m["error"].is_null()) {
+        match (&m["leader"], &m["error"]) {
+            (_, serde_json::Value::String(error)) => println!("  shard {}: not moved: {error}", m["shard"]),
+            (leader, _) if *leader != m["to"] => println!(
+                "  shard {}: node {leader} leads it (node {} lacked records at the fence; the next rebalance tries again)",
+                m["shard"], m["to"]
+            ),
+            _ => {}
+        }
     }
     println!("leading after: {}", leads(&outcome["leads_after"]));
     Ok(())

@@ -168,6 +168,7 @@ fn run() -> Result<()> {
             | Command::Tail(_)
             | Command::Status(_)
             | Command::Failover(_)
+            | Command::Rebalance(_)
             | Command::Drill(_)
             | Command::Replica(_)
             | Command::BenchDrills(_)
@@ -180,7 +181,12 @@ fn run() -> Result<()> {
     }
     if matches!(
         cli.command,
-        Command::Append(_) | Command::Read(_) | Command::Tail(_) | Command::Status(_) | Command::Failover(_)
+        Command::Append(_)
+            | Command::Read(_)
+            | Command::Tail(_)
+            | Command::Status(_)
+            | Command::Failover(_)
+            | Command::Rebalance(_)
     ) {
         exit_quietly_on_closed_pipe();
     }

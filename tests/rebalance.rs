@@ -191,7 +191,10 @@ async fn bad_rebalance_requests_are_refused_and_change_nothing() {
     let out = common::cli::run(preview, None).await;
     assert!(out.status.success(), "{}", common::cli::describe(&out));
     let printed = String::from_utf8_lossy(&out.stdout).to_string();
+    assert!(printed.contains("leading before: node 1: 0, node 2: 3, node 3: 3 (fair share 2)"), "{printed}");
     assert!(printed.contains("would move 2 shards (nothing changed)"), "{printed}");
+    assert!(printed.contains("node 2 -> node 1: 1 shards") && printed.contains("node 3 -> node 1: 1 shards"), "{printed}");
+    assert!(printed.contains("leading after: node 1: 2, node 2: 2, node 3: 2"), "{printed}");
     assert_eq!(leads(&mut cluster).await, before);
     let out = common::cli::run(cli(&["--max-moves", "0"]), None).await;
     assert!(!out.status.success(), "{}", common::cli::describe(&out));
