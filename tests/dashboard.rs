@@ -52,6 +52,12 @@ async fn dashboard_shows_the_leader_and_runs_a_drill() {
     assert_eq!(report["failover"]["old_leader"], 1);
     assert_eq!(report["failover"]["lost"], 0);
     assert_eq!(report["failover"]["divergent_replicas"], 0);
+    // The rebalance preview: one shard over three nodes is within the
+    // share whoever leads it, and a preview moves nothing.
+    let rebalance = &result["rebalance"];
+    assert_eq!(rebalance["preview"], true, "{rebalance}");
+    assert_eq!(rebalance["fair_share"], 1, "{rebalance}");
+    assert_eq!(rebalance["moves"], serde_json::json!([]), "{rebalance}");
     // The drill really moved leadership.
     let (leader, epoch) = cluster.leader_of(1, 1).await.unwrap();
     assert_ne!(leader, 1);

@@ -1,7 +1,8 @@
 // Drives the coordinator's dashboard in headless Chromium the way an
 // operator would: checks the shard table shows `leader` for `shard`, runs a
 // failover drill with the page's button (answering the token prompt), waits
-// for the report, saves a screenshot, and prints the report as JSON.
+// for the report, previews a rebalance with its button, saves a
+// screenshot, and prints the report and the preview as JSON.
 // Usage: node dashboard.mjs <dashboard url> <token> <shard> <leader> <screenshot.png>
 import { launch } from "./launch.mjs";
 
@@ -29,8 +30,15 @@ try {
   const output = await page.textContent("#action-output");
   // The drills table shows it too once the page refreshes.
   await page.waitForSelector("#drills tbody tr[data-drill]", { timeout: 10000 });
+  // Then a rebalance preview with its button.
+  await page.click("#rebalance-preview-btn");
+  await page.waitForFunction(() => {
+    const t = document.querySelector("#action-output").textContent;
+    return t.includes('"fair_share"') || t.includes("refused");
+  }, null, { timeout: 30000 });
+  const rebalance = await page.textContent("#action-output");
   await page.screenshot({ path: shot, fullPage: true });
-  console.log(JSON.stringify({ summary, errors, report: JSON.parse(output) }));
+  console.log(JSON.stringify({ summary, errors, report: JSON.parse(output), rebalance: JSON.parse(rebalance) }));
 } finally {
   await browser.close();
 }
