@@ -10,6 +10,7 @@
 #   ops/bench/scale.sh --shards 1000 --kill              # then kill -9 node 1
 #   ops/bench/scale.sh --shards 1000 --kill --keep /tmp/s # and keep the logs
 #   ops/bench/scale.sh --shards 1000 --kill --no-restart  # node 1 stays down
+#   ops/bench/scale.sh --shards 1000 --kill --rebalance   # then move leaderships back
 #
 # With --kill, after the idle window node 1 (leading about a third of the
 # shards) is killed with SIGKILL and the shards it led are timed until each
@@ -27,6 +28,15 @@
 # kill until the count had stayed at zero for 2 s (`coordinator_cpu_s`).
 # With --no-restart, `walship dev` leaves node 1 down.
 #
+# With --rebalance (after --kill, node 1 restarted), once node 1 follows
+# again (a rebalance preview plans the same moves for 2 s) a rebalance
+# (`POST /v1/rebalance`) moves leaderships back: `rebalance` holds the
+# moves planned and made, the coordinator's own time for them (`took_ms`),
+# the time until every shard had a working leader again for 2 s
+# (`settled_s`), the shards each node leads before and after, and the
+# failovers other than the rebalance's meanwhile (`other_failovers`: none
+# expected).
+#
 # With --keep DIR, each count's cluster log is kept as DIR/dev-N.log and,
 # with --kill, the polled count as DIR/curve-N.json (seconds from the kill,
 # shards without a working leader; `kill_unix_s` is the kill's wall-clock
@@ -42,6 +52,7 @@ walship=""
 kill_node=0
 keep=""
 restart=""
+rebalance=0
 while [ $# -gt 0 ]; do
   case "$1" in
     --shards) counts="$2"; shift 2 ;;
@@ -50,6 +61,7 @@ while [ $# -gt 0 ]; do
     --kill) kill_node=1; shift ;;
     --keep) keep="$2"; mkdir -p "$keep"; shift 2 ;;
     --no-restart) restart="--no-restart"; shift ;;
+    --rebalance) rebalance=1; kill_node=1; shift ;;
     *) echo "unknown argument $1 (see the header of $0)" >&2; exit 2 ;;
   esac
 done
@@ -246,7 +258,56 @@ print(json.dumps({"shards_led": len(led), "most_without_leader": peak, "survivor
 PY
 )
   fi
-  echo "{\"shards\": $n, \"seconds_to_all_leaders\": $leaders_s, \"idle_s\": $idle_s, \"processes\": [${procs%,}], \"failover\": $failover}"
+  moved_back=null
+  if [ "$rebalance" = 1 ] && [ -z "$restart" ]; then
+    token=$(grep -o 'WALSHIP_TOKEN=[0-9a-f]*' "$log" | head -1 | cut -d= -f2)
+    moved_back=$(python3 - "$admin" "$n" "$token" <<'PY'
+import json, sys, time, urllib.request
+admin, n, token = sys.argv[1], int(sys.argv[2]), sys.argv[3]
+def post(body):
+    request = urllib.request.Request(f"{admin}v1/rebalance", data=json.dumps(body).encode(), method="POST",
+                                     headers={"Authorization": f"Bearer {token}", "Content-Type": "application/json"})
+    with urllib.request.urlopen(request, timeout=120) as r:
+        return json.load(r)
+def leading():
+    with urllib.request.urlopen(f"{admin}v1/cluster", timeout=5) as r:
+        return json.load(r)["shards_leading"]
+def failovers():
+    with urllib.request.urlopen(f"{admin}metrics", timeout=5) as r:
+        lines = [l for l in r.read().decode().splitlines() if l.startswith("walship_failovers_total{")]
+    return sum(float(l.split()[-1]) for l in lines if 'reason="rebalance"' not in l)
+# Node 1 follows every shard again, caught up, once the moves a preview
+# plans stop growing (each follower counts once its report says so).
+start, planned, same_since = time.monotonic(), -1, None
+while time.monotonic() - start < 120:
+    preview = post({"preview": True})
+    now = len(preview["moves"])
+    same_since = same_since if now == planned else time.monotonic()
+    planned = now
+    # (Or nothing to move: node 1 got its shards back as it restarted.)
+    balanced = min(preview["leads_before"].values()) + 1 >= preview["fair_share"]
+    if (planned > 0 or balanced) and time.monotonic() - same_since >= 2:
+        break
+    time.sleep(0.2)
+other_before = failovers()
+t0 = time.monotonic()
+outcome = post({})
+zero_since = None
+while time.monotonic() - t0 < 120:
+    missing = n - leading()
+    t = time.monotonic() - t0
+    zero_since = (zero_since if zero_since is not None else t) if missing == 0 else None
+    if zero_since is not None and t - zero_since >= 2:
+        break
+    time.sleep(0.02)
+print(json.dumps({"planned": len(outcome["moves"]), "moved": outcome["moved"], "took_ms": outcome["took_ms"],
+                  "settled_s": round(zero_since, 3) if zero_since is not None else None,
+                  "leads_before": outcome["leads_before"], "leads_after": outcome["leads_after"],
+                  "other_failovers": int(failovers() - other_before)}))
+PY
+)
+  fi
+  echo "{\"shards\": $n, \"seconds_to_all_leaders\": $leaders_s, \"idle_s\": $idle_s, \"processes\": [${procs%,}], \"failover\": $failover, \"rebalance\": $moved_back}"
   kill "$dev" 2>/dev/null || true
   wait "$dev" 2>/dev/null || true
   [ -z "$keep" ] || cp "$log" "$keep/dev-$n.log"
