@@ -109,6 +109,13 @@ pub async fn run(args: StatusArgs) -> Result<()> {
         cell(&c["lease_term"]),
         cell(&c["kv"])
     );
+    let leads: Vec<String> = cluster["nodes"]
+        .as_array()
+        .into_iter()
+        .flatten()
+        .map(|n| format!("node {} {}", cell(&n["node_id"]), cell(&n["leads"])))
+        .collect();
+    println!("leaderships: {} (of {})", leads.join(", "), cell(&cluster["shards"]));
     let header = [
         "shard",
         "leader",

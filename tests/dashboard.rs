@@ -155,12 +155,14 @@ async fn dashboard_draws_the_lag_history_on_open_with_a_time_axis_nodes_and_catc
     assert!(legend.iter().any(|l| l.starts_with(&format!("node 2 ({grpc2})")) && l.ends_with("(stale)")), "{legend:?}");
     let colours = page["legend_colours"].as_array().unwrap();
     assert!(colours.len() == 2 && colours[0] != colours[1], "{colours:?}");
-    // The node panel: addresses, uptime, WAL bytes, heartbeat age, state.
+    // The node panel: addresses, shards led, uptime, WAL bytes, heartbeat
+    // age, state.
     let node1: Vec<&str> = page["nodes"]["1"].as_array().unwrap().iter().map(|c| c.as_str().unwrap()).collect();
     assert_eq!(node1[1], cluster.node(1).grpc, "{node1:?}");
-    assert!(node1[4] != "-" && node1[5].ends_with('B') && node1[7] != "-" && node1[8] == "ok", "{node1:?}");
+    assert_eq!(node1[4], "1", "node 1 leads the shard: {node1:?}");
+    assert!(node1[5] != "-" && node1[6].ends_with('B') && node1[8] != "-" && node1[9] == "ok", "{node1:?}");
     let node2: Vec<&str> = page["nodes"]["2"].as_array().unwrap().iter().map(|c| c.as_str().unwrap()).collect();
-    assert!(node2[3] == "NO" && node2[8].contains("down"), "{node2:?}");
+    assert!(node2[3] == "NO" && node2[4] == "0" && node2[9].contains("down"), "{node2:?}");
     // The shard table marks node 2's lag as stale, from its last position.
     let row2: Vec<&str> = page["shard_rows"]["2"].as_array().unwrap().iter().map(|c| c.as_str().unwrap()).collect();
     assert!(row2.last().unwrap().starts_with("stale: from "), "{row2:?}");

@@ -193,7 +193,10 @@ async fn bad_rebalance_requests_are_refused_and_change_nothing() {
     let printed = String::from_utf8_lossy(&out.stdout).to_string();
     assert!(printed.contains("leading before: node 1: 0, node 2: 3, node 3: 3 (fair share 2)"), "{printed}");
     assert!(printed.contains("would move 2 shards (nothing changed)"), "{printed}");
-    assert!(printed.contains("node 2 -> node 1: 1 shards") && printed.contains("node 3 -> node 1: 1 shards"), "{printed}");
+    assert!(
+        printed.contains("node 2 -> node 1: 1 shards") && printed.contains("node 3 -> node 1: 1 shards"),
+        "{printed}"
+    );
     assert!(printed.contains("leading after: node 1: 2, node 2: 2, node 3: 2"), "{printed}");
     assert_eq!(leads(&mut cluster).await, before);
     let out = common::cli::run(cli(&["--max-moves", "0"]), None).await;
@@ -205,4 +208,15 @@ async fn bad_rebalance_requests_are_refused_and_change_nothing() {
     assert_eq!(outcome["moves"][0]["to"], 1, "{outcome}");
     let after = leads(&mut cluster).await;
     assert_eq!(after[&1], usize::from(outcome["moved"] == 1), "{outcome}: {after:?}");
+    // The cluster view and `walship status` count each node's leaderships.
+    let (_, view) = cluster.coord_get(1, "/v1/cluster").await;
+    for node in view["nodes"].as_array().expect("nodes") {
+        let id = node["node_id"].as_u64().expect("an id");
+        assert_eq!(node["leads"].as_u64(), Some(after[&id] as u64), "{view}");
+    }
+    let out = common::cli::run(common::cli::walship(&["status", "--admin", coord.as_str()]), None).await;
+    assert!(out.status.success(), "{}", common::cli::describe(&out));
+    let expected =
+        format!("leaderships: node 1 {}, node 2 {}, node 3 {} (of {SHARDS})", after[&1], after[&2], after[&3]);
+    assert!(String::from_utf8_lossy(&out.stdout).contains(&expected), "{expected}: {}", common::cli::describe(&out));
 }

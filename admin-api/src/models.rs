@@ -187,6 +187,10 @@ pub struct NodeView {
     /// Shards whose replica on this node reports a corrupt range.
     #[serde(default)]
     pub corrupt_shards: Vec<u32>,
+    /// Shards the KV records this node as leader of (a node back from a
+    /// failover leads none until a rebalance moves some back).
+    #[serde(default)]
+    pub leads: u64,
 }
 
 /// `GET /v1/shards/{id}` on the coordinator.
