@@ -184,11 +184,12 @@ impl Coordinator {
         let state = self.state().filter(|_| self.is_active()).ok_or(CoordError::NotActive)?;
         let timeout = Duration::from_millis(self.config.replication.leader_timeout_ms);
         let plan = {
+            // Taken before the reports' lock, never under it.
+            let failing_over = self.failing_over.lock().clone();
+            let changing = self.changes.shards_changing();
             let reports = self.reports();
             let live: BTreeSet<NodeId> =
                 self.config.nodes.iter().map(|n| n.id).filter(|&n| reports.alive(n, timeout)).collect();
-            let failing_over = self.failing_over.lock().clone();
-            let changing = self.changes.shards_changing();
             let can_lead = |shard: u32, record: &ShardRecord, node: NodeId| {
                 if failing_over.contains(&shard) || changing.contains(&shard) {
                     return false;
