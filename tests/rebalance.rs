@@ -220,3 +220,58 @@ async fn bad_rebalance_requests_are_refused_and_change_nothing() {
         format!("leaderships: node 1 {}, node 2 {}, node 3 {} (of {SHARDS})", after[&1], after[&2], after[&3]);
     assert!(String::from_utf8_lossy(&out.stdout).contains(&expected), "{expected}: {}", common::cli::describe(&out));
 }
+
+/// The planned replica lacks acknowledged records (its replica of every
+/// shard paused while the others took QUORUM appends): each move's failover
+/// passes it over for the most up-to-date replica, the old leader keeps
+/// the shard, and no acknowledged record is lost. Were the preference taken
+/// without that check, node 1 would lead with a shorter log and the others
+/// would truncate to it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_planned_replica_missing_acknowledged_records_is_passed_over() {
+    let mut cluster = Cluster::start_with(3, SHARDS, 1, &format!("{FAST}\nrebalance_interval_ms = 0"), None);
+    survivors_lead_everything(&mut cluster).await;
+    let node1 = cluster.node(1).grpc.clone();
+    for shard in 1..=SHARDS {
+        common::pause_shard(&node1, shard, true).await;
+    }
+    let acked: Acked = Arc::default();
+    for shard in 1..=SHARDS {
+        let (leader, _) = cluster.leader_of(1, shard).await.expect("a leader");
+        let mut log = common::history::client(&cluster.node(leader).grpc.clone()).await.expect("the leader answers");
+        for n in 0..5 {
+            let payload = bytes::Bytes::from(format!("shard{shard}-{n}"));
+            common::append_and_record(
+                &mut log,
+                shard,
+                vec![payload],
+                walship_proto::log::Durability::Quorum,
+                std::time::Duration::from_secs(5),
+                &acked,
+            )
+            .await
+            .expect("a QUORUM append with node 1 paused");
+        }
+    }
+    let before = leads(&mut cluster).await;
+    let (code, outcome) = cluster.coord_post(1, "/v1/rebalance", "{}", Some(TOKEN)).await;
+    assert_eq!(code, 200, "{outcome}");
+    let moves = outcome["moves"].as_array().expect("moves");
+    assert_eq!(moves.len(), 2, "node 1 looks caught up by its own reports, so moves are planned: {outcome}");
+    for m in moves {
+        assert_eq!(m["to"], 1, "{outcome}");
+        assert!(m["error"].is_null(), "{outcome}");
+        assert_eq!(m["leader"], m["from"], "the old leader, holding everything, keeps the shard: {outcome}");
+    }
+    assert_eq!(outcome["moved"], 0, "{outcome}");
+    assert_eq!(leads(&mut cluster).await, before, "{outcome}");
+    for shard in 1..=SHARDS {
+        common::pause_shard(&node1, shard, false).await;
+    }
+    let mut total = 0;
+    for shard in 1..=SHARDS {
+        let last = converge(&mut cluster, shard).await;
+        total += check_history(&mut cluster, shard, last, &acked).await;
+    }
+    assert_eq!(total, 5 * SHARDS as usize);
+}
