@@ -25,17 +25,16 @@
 //! Who moves ([`plan`]): the fair share is the led shards over the live
 //! nodes, rounded up. A shard moves when its leader leads more than that,
 //! to the replica of it (a voter, live, its last report a follower's in
-//! the shard's epoch, healthy and holding the commit it knew) that leads fewest, if
-//! that one leads less than the fair share. Shards whose replica set is
-//! changing are left alone.
+//! the shard's epoch, healthy and holding the commit it knew) that leads
+//! fewest, if that one leads less than the fair share. Shards whose
+//! replica set is changing, or that are failing over, are left alone.
 //!
 //! When: on request (`POST /v1/rebalance`, `walship rebalance`), and by
 //! the coordinator itself every `replication.rebalance_interval_ms` (5
 //! minutes by default; 0: never) when a node leads more or less than its
 //! share by over `replication.rebalance_slack_percent` of it (at least one
-//! shard),
-//! no node is silent and no automatic failover is queued or running. Both
-//! take the same lock: one rebalance at a time.
+//! shard), no node is silent and no automatic failover is queued or
+//! running. Both take the same lock: one rebalance at a time.
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::sync::Arc;
