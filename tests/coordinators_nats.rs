@@ -168,6 +168,13 @@ async fn standby_takes_over_a_stopped_coordinator_which_is_fenced_on_resume() {
     eprintln!("{:>6} ms: c{a} POST /v1/shards/2/failover -> {code} {body}", t0.elapsed().as_millis());
     assert_eq!(code, 503, "{body}");
     assert_eq!(body["error"]["code"], "not_active", "{body}");
+    // Nor does it rebalance leaderships, or plan a rebalance from reports
+    // it no longer receives.
+    for request in ["{}", r#"{"preview": true}"#] {
+        let (code, body) = cluster.coord_post(a, "/v1/rebalance", request, Some(TOKEN)).await;
+        assert_eq!(code, 503, "{request}: {body}");
+        assert_eq!(body["error"]["code"], "not_active", "{request}: {body}");
+    }
 
     // Nothing changed: B still holds the lease and shard 2 is as it was.
     let shard_2_after = shard_view(&mut cluster, b, 2).await.unwrap_or_else(|| panic!("c{b} does not show shard 2"));
