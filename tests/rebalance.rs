@@ -30,6 +30,22 @@ async fn leads(cluster: &mut Cluster) -> BTreeMap<u64, usize> {
     leads
 }
 
+/// Waits until the coordinator's `walship_coordinator_shards_led` gauges
+/// (set every lease round) say `leads`.
+async fn wait_for_led_gauges(admin: &str, leads: &BTreeMap<u64, usize>) {
+    let url = format!("{admin}/metrics");
+    let expected: Vec<String> =
+        leads.iter().map(|(node, n)| format!("walship_coordinator_shards_led{{node=\"{node}\"}} {n}")).collect();
+    wait_until(&format!("the shards-led gauges to say {leads:?}"), WAIT, || {
+        let (url, expected) = (url.clone(), expected.clone());
+        async move {
+            let metrics = common::http_get(&url).await.1;
+            expected.iter().all(|line| metrics.lines().any(|l| l == line))
+        }
+    })
+    .await;
+}
+
 /// Kills node 1 (leading shards 1 and 4 as placed), waits until the
 /// survivors lead everything, restarts it and waits until it follows
 /// every shard, caught up.
@@ -73,6 +89,7 @@ async fn a_rebalance_under_load_gives_a_returned_node_its_share_and_loses_no_ack
         .collect();
     survivors_lead_everything(&mut cluster).await;
     let before = leads(&mut cluster).await;
+    wait_for_led_gauges(&admin, &before).await;
 
     // A preview plans the moves and changes nothing.
     let (code, preview) = cluster.coord_post(1, "/v1/rebalance", r#"{"preview": true}"#, Some(TOKEN)).await;
@@ -108,6 +125,7 @@ async fn a_rebalance_under_load_gives_a_returned_node_its_share_and_loses_no_ack
         })
         .await;
     }
+    wait_for_led_gauges(&admin, &leads(&mut cluster).await).await;
     // Balanced: another rebalance has nothing to move.
     let (code, again) = cluster.coord_post(1, "/v1/rebalance", "{}", Some(TOKEN)).await;
     assert_eq!(code, 200, "{again}");

@@ -168,6 +168,9 @@ pub struct CoordinatorMetrics {
     /// Time between two heartbeat arrivals of each node: what its silence
     /// bound adapts to (`control/liveness.rs`).
     heartbeat_gap_seconds: HistogramVec,
+    /// Shards the KV records each node as leader of (the active
+    /// coordinator's view; 0 on a standby): how balanced leadership is.
+    shards_led: prometheus::IntGaugeVec,
 }
 
 impl CoordinatorMetrics {
@@ -229,6 +232,15 @@ impl CoordinatorMetrics {
             &["node"],
         )?;
         registry.register(Box::new(heartbeat_gap_seconds.clone()))?;
+        let shards_led = prometheus::IntGaugeVec::new(
+            Opts::new(
+                "walship_coordinator_shards_led",
+                "Shards the leadership state records each node as leader of, by node (the active coordinator's \
+                 view, updated every lease round; 0 on a standby)",
+            ),
+            &["node"],
+        )?;
+        registry.register(Box::new(shards_led.clone()))?;
         crate::metrics::UndecodableMessages::register(registry)?;
         Ok(CoordinatorMetrics {
             active,
@@ -241,6 +253,7 @@ impl CoordinatorMetrics {
             replica_changes,
             state_writes,
             heartbeat_gap_seconds,
+            shards_led,
         })
     }
 }
@@ -640,6 +653,17 @@ impl Coordinator {
             if let Err(e) = self.lease_round().await {
                 tracing::warn!(id = %self.id, error = %e, "lease round");
             }
+            self.publish_leads();
+        }
+    }
+
+    /// `walship_coordinator_shards_led`: every configured node's count,
+    /// zeros while this coordinator is not the active one.
+    fn publish_leads(&self) {
+        let leads = if self.is_active() { self.leads_now() } else { BTreeMap::new() };
+        for node in &self.config.nodes {
+            let led = leads.get(&node.id).copied().unwrap_or(0);
+            self.metrics.shards_led.with_label_values(&[&node.id.to_string()]).set(led as i64);
         }
     }
 
