@@ -539,10 +539,7 @@ async fn cluster(State(admin): State<Arc<CoordAdmin>>) -> Response {
     };
     let c = &admin.coordinator;
     let timeout = std::time::Duration::from_millis(c.config.replication.leader_timeout_ms);
-    let mut leads: std::collections::BTreeMap<u32, u64> = std::collections::BTreeMap::new();
-    for leader in state.shards.values().filter_map(|r| r.leader) {
-        *leads.entry(leader).or_default() += 1;
-    }
+    let leads = walship_shipping::control::state::leads(&state.shards);
     let view = ClusterView {
         cluster_id: c.config.cluster_id.clone(),
         coordinator: CoordinatorView {
@@ -580,7 +577,7 @@ async fn cluster(State(admin): State<Arc<CoordAdmin>>) -> Response {
                     disk_free_bytes: summary.newest.map(|h| h.disk_free_bytes),
                     disk_full: summary.disk_full,
                     corrupt_shards: summary.corrupt_shards,
-                    leads: leads.get(&n.id).copied().unwrap_or(0),
+                    leads: leads.get(&n.id).copied().unwrap_or(0) as u64,
                 }
             })
             .collect(),

@@ -134,6 +134,15 @@ pub struct ClusterState {
     pub failovers: VecDeque<FailoverRecord>,
 }
 
+/// How many of `shards` each node leads (nodes leading none are absent).
+pub fn leads(shards: &BTreeMap<u32, Arc<ShardRecord>>) -> BTreeMap<NodeId, usize> {
+    let mut leads = BTreeMap::new();
+    for leader in shards.values().filter_map(|r| r.leader) {
+        *leads.entry(leader).or_default() += 1;
+    }
+    leads
+}
+
 impl ClusterState {
     /// The first state: leaders and epochs from the cluster config.
     pub fn bootstrap(config: &ClusterConfig, holder: &str, now_ms: u64, lease_ms: u64) -> ClusterState {

@@ -478,13 +478,7 @@ impl Coordinator {
 
     /// How many shards each node leads, as recorded (none while not active).
     fn leads_now(&self) -> BTreeMap<NodeId, usize> {
-        let mut leads = BTreeMap::new();
-        if let Some(a) = self.active.lock().as_ref() {
-            for leader in a.state.shards.values().filter_map(|r| r.leader) {
-                *leads.entry(leader).or_default() += 1;
-            }
-        }
-        leads
+        self.active.lock().as_ref().map(|a| crate::control::state::leads(&a.state.shards)).unwrap_or_default()
     }
 
     pub fn is_active(&self) -> bool {

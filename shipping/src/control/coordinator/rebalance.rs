@@ -101,6 +101,8 @@ pub struct RebalanceOutcome {
 pub struct Plan {
     pub fair_share: usize,
     pub leads_before: BTreeMap<NodeId, usize>,
+    /// What each live node would lead once the moves are made.
+    pub leads_after: BTreeMap<NodeId, usize>,
     /// `(shard, from, to)`, in shard order.
     pub moves: Vec<(u32, NodeId, NodeId)>,
 }
@@ -118,19 +120,15 @@ pub fn plan(
     slack: impl Fn(usize) -> usize,
     max_moves: usize,
 ) -> Plan {
-    let mut leads: BTreeMap<NodeId, usize> = live.iter().map(|&n| (n, 0)).collect();
-    for leader in shards.values().filter_map(|r| r.leader) {
-        if let Some(n) = leads.get_mut(&leader) {
-            *n += 1;
-        }
-    }
+    let all = crate::control::state::leads(shards);
+    let mut leads: BTreeMap<NodeId, usize> = live.iter().map(|n| (*n, all.get(n).copied().unwrap_or(0))).collect();
     let led: usize = leads.values().sum();
     let fair_share = if live.is_empty() { 0 } else { led.div_ceil(live.len()) };
     let leads_before = leads.clone();
     let mut moves = Vec::new();
     let slack = slack(fair_share);
     if leads.values().all(|&n| n <= fair_share + slack && n + slack >= fair_share) {
-        return Plan { fair_share, leads_before, moves };
+        return Plan { fair_share, leads_before, leads_after: leads, moves };
     }
     for (&shard, record) in shards {
         if moves.len() >= max_moves {
@@ -152,7 +150,7 @@ pub fn plan(
             moves.push((shard, from, to));
         }
     }
-    Plan { fair_share, leads_before, moves }
+    Plan { fair_share, leads_before, leads_after: leads, moves }
 }
 
 impl Coordinator {
@@ -216,22 +214,8 @@ impl Coordinator {
                 self.move_bulk(bulk, reason).await;
             }
         }
-        let mut leads_after: BTreeMap<NodeId, u64> = plan.leads_before.keys().map(|&n| (n, 0)).collect();
-        if preview {
-            for (&n, &l) in &plan.leads_before {
-                leads_after.insert(n, l as u64);
-            }
-            for m in &moves {
-                *leads_after.entry(m.from).or_default() -= 1;
-                *leads_after.entry(m.to).or_default() += 1;
-            }
-        } else {
-            for (leader, n) in self.leads_now() {
-                if let Some(l) = leads_after.get_mut(&leader) {
-                    *l = n as u64;
-                }
-            }
-        }
+        let now = if preview { plan.leads_after.clone() } else { self.leads_now() };
+        let leads_after = plan.leads_before.keys().map(|n| (*n, now.get(n).copied().unwrap_or(0) as u64)).collect();
         Ok(RebalanceOutcome {
             preview,
             fair_share: plan.fair_share as u64,
@@ -359,15 +343,6 @@ mod tests {
         ids.iter().copied().collect()
     }
 
-    fn leads_after(plan: &Plan) -> BTreeMap<NodeId, usize> {
-        let mut leads = plan.leads_before.clone();
-        for &(_, from, to) in &plan.moves {
-            *leads.get_mut(&from).unwrap() -= 1;
-            *leads.get_mut(&to).unwrap() += 1;
-        }
-        leads
-    }
-
     #[test]
     fn a_returned_node_gets_its_share_back_from_the_survivors() {
         // Node 3 came back after its shards failed over to 1 and 2.
@@ -376,7 +351,7 @@ mod tests {
         let plan = plan(&shards, &nodes(&[1, 2, 3]), |_, _, _| true, |_| 0, usize::MAX);
         assert_eq!(plan.fair_share, 3);
         assert_eq!(plan.leads_before, BTreeMap::from([(1, 5), (2, 4), (3, 0)]));
-        assert_eq!(leads_after(&plan), BTreeMap::from([(1, 3), (2, 3), (3, 3)]));
+        assert_eq!(plan.leads_after, BTreeMap::from([(1, 3), (2, 3), (3, 3)]));
         assert!(plan.moves.iter().all(|&(_, _, to)| to == 3), "{:?}", plan.moves);
         for &(shard, from, _) in &plan.moves {
             assert_eq!(shards[&shard].leader, Some(from));
@@ -395,10 +370,10 @@ mod tests {
         // share by more than the slack of 1.
         let one_empty: BTreeMap<u32, Arc<ShardRecord>> = (0..6).map(|s| (s, record(s % 2 + 1, &[1, 2, 3]))).collect();
         let plan_ = plan(&one_empty, &nodes(&[1, 2, 3]), |_, _, _| true, |_| 1, usize::MAX);
-        assert_eq!(leads_after(&plan_), BTreeMap::from([(1, 2), (2, 2), (3, 2)]));
+        assert_eq!(plan_.leads_after, BTreeMap::from([(1, 2), (2, 2), (3, 2)]));
         let plan = plan(&skewed, &nodes(&[1, 2, 3]), |_, _, _| true, |_| 0, usize::MAX);
         assert_eq!(plan.moves.len(), 1);
-        assert_eq!(leads_after(&plan), BTreeMap::from([(1, 4), (2, 4), (3, 3)]));
+        assert_eq!(plan.leads_after, BTreeMap::from([(1, 4), (2, 4), (3, 3)]));
     }
 
     #[test]
@@ -408,7 +383,7 @@ mod tests {
         let plan_ = plan(&shards, &nodes(&[1, 2, 4]), |_, _, _| true, |_| 0, usize::MAX);
         assert!(plan_.moves.iter().all(|&(_, from, to)| from == 1 && to == 2), "{:?}", plan_.moves);
         assert_eq!(plan_.fair_share, 3);
-        assert_eq!(leads_after(&plan_)[&2], 3);
+        assert_eq!(plan_.leads_after[&2], 3);
         // Shard 0 has no replica fit to lead but its leader.
         let plan_ = plan(&shards, &nodes(&[1, 2, 3]), |s, _, _| s != 0, |_| 0, usize::MAX);
         assert!(plan_.moves.iter().all(|&(s, _, _)| s != 0));
