@@ -10,16 +10,15 @@ use std::sync::Arc;
 use std::time::Instant;
 
 use axum::extract::rejection::QueryRejection;
-use axum::extract::{ConnectInfo, Query, State};
+use axum::extract::{Query, State};
 use axum::http::{HeaderMap, StatusCode, header};
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
 use axum::{Json, Router};
 use prometheus::{Encoder, Registry, TextEncoder};
-use walship_shipping::control::coordinator::{RebalanceOutcome, RebalanceRequest};
-use walship_shipping::control::{CoordError, Coordinator, FailoverOutcome, FailoverRequest};
+use walship_shipping::control::{CoordError, Coordinator};
 
-use crate::body::{ObjectJson, PathId};
+use crate::body::PathId;
 use crate::history::{LagHistory, MAX_SAMPLES, SAMPLE_INTERVAL};
 use crate::models::{
     ApiError, ClusterView, CoordinatorView, LagHistoryView, LagSample, LagSeries, NodeView, ReplicaView, ShardView,
@@ -58,8 +57,8 @@ pub fn coord_router(admin: Arc<CoordAdmin>) -> Router {
         .route("/v1/cluster", get(cluster))
         .route("/v1/shards", get(shards))
         .route("/v1/shards/{id}", get(shard))
-        .route("/v1/shards/{id}/failover", post(failover))
-        .route("/v1/rebalance", post(rebalance))
+        .route("/v1/shards/{id}/failover", post(crate::leadership::failover))
+        .route("/v1/rebalance", post(crate::leadership::rebalance))
         .route("/v1/shards/{id}/replicas", post(crate::replicas::start))
         .route("/v1/replica-changes", get(crate::replicas::list))
         .route("/v1/replica-changes/{id}", get(crate::replicas::show))
@@ -747,76 +746,6 @@ pub fn coord_error(e: CoordError) -> ApiError {
         CoordError::Conflict { code, .. } => code,
     };
     ApiError::new(status, code, e.to_string())
-}
-
-#[utoipa::path(post, path = "/v1/shards/{id}/failover", tag = "shards",
-    params(("id" = u32, Path, description = "shard id")),
-    request_body = FailoverRequest,
-    security(("bearer" = [])),
-    responses((status = 200, description = "done, or the preview", body = FailoverOutcome),
-        (status = 400, description = "malformed body or bad shard id", body = crate::models::ErrorBody),
-        (status = 401, description = "no token", body = crate::models::ErrorBody), (status = 403, description = "wrong token", body = crate::models::ErrorBody),
-        (status = 404, description = "unknown shard, or the target holds no replica of it", body = crate::models::ErrorBody),
-        (status = 409, description = "would lose acknowledged records, or a failover is running", body = crate::models::ErrorBody),
-        (status = 413, description = "body over 64 KiB", body = crate::models::ErrorBody),
-        (status = 415, description = "not application/json", body = crate::models::ErrorBody),
-        (status = 503, description = "not the active coordinator, no majority, target unreachable", body = crate::models::ErrorBody)))]
-async fn failover(
-    State(admin): State<Arc<CoordAdmin>>,
-    ConnectInfo(who): ConnectInfo<std::net::SocketAddr>,
-    PathId(id): PathId,
-    headers: HeaderMap,
-    body: Result<ObjectJson<FailoverRequest>, ApiError>,
-) -> Response {
-    if let Err(e) = authorize(&headers, &admin.token) {
-        return e.into_response();
-    }
-    let id = match parse_shard(&id) {
-        Ok(id) => id,
-        Err(e) => return e.into_response(),
-    };
-    let ObjectJson(request) = match body {
-        Ok(body) => body,
-        Err(refused) => return refused.into_response(),
-    };
-    tracing::info!(%who, shard = id, ?request, "admin: failover requested");
-    let reason = if request.allow_loss { "forced" } else { "manual" };
-    match admin.coordinator.failover(id, request, reason).await {
-        Ok(outcome) => Json(outcome).into_response(),
-        Err(e) => coord_error(e).into_response(),
-    }
-}
-
-#[utoipa::path(post, path = "/v1/rebalance", tag = "shards",
-    request_body = RebalanceRequest,
-    security(("bearer" = [])),
-    responses((status = 200, description = "the moves made (each moved shard failed over, preferring the replica planned), or the preview", body = RebalanceOutcome),
-        (status = 400, description = "malformed body, unknown field, or max_moves 0", body = crate::models::ErrorBody),
-        (status = 401, description = "no token", body = crate::models::ErrorBody), (status = 403, description = "wrong token", body = crate::models::ErrorBody),
-        (status = 409, description = "a rebalance is already running", body = crate::models::ErrorBody),
-        (status = 413, description = "body over 64 KiB", body = crate::models::ErrorBody),
-        (status = 415, description = "not application/json", body = crate::models::ErrorBody),
-        (status = 503, description = "not the active coordinator", body = crate::models::ErrorBody)))]
-/// Moves leaderships from the nodes leading more than their share to the
-/// replicas leading less (`rebalance.rs` in the shipping crate).
-async fn rebalance(
-    State(admin): State<Arc<CoordAdmin>>,
-    ConnectInfo(who): ConnectInfo<std::net::SocketAddr>,
-    headers: HeaderMap,
-    body: Result<ObjectJson<RebalanceRequest>, ApiError>,
-) -> Response {
-    if let Err(e) = authorize(&headers, &admin.token) {
-        return e.into_response();
-    }
-    let ObjectJson(request) = match body {
-        Ok(body) => body,
-        Err(refused) => return refused.into_response(),
-    };
-    tracing::info!(%who, ?request, "admin: leadership rebalance requested");
-    match admin.coordinator.rebalance(request).await {
-        Ok(outcome) => Json(outcome).into_response(),
-        Err(e) => coord_error(e).into_response(),
-    }
 }
 
 #[utoipa::path(get, path = "/healthz", tag = "health", responses((status = 200, description = "the process is up", body = String)))]

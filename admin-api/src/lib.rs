@@ -13,6 +13,7 @@ pub mod coord;
 pub mod drills;
 pub mod history;
 pub mod jobs;
+pub mod leadership;
 pub mod models;
 pub mod openapi;
 pub mod replicas;

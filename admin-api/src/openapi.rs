@@ -50,7 +50,7 @@ impl Modify for Bearer {
     info(title = "walship coordinator admin API", description = "Cluster, shards, failover, drills and DataPlane tasks. Mutating endpoints need a bearer token."),
     paths(
         crate::coord::healthz, crate::coord::readyz, crate::coord::metrics, crate::coord::openapi,
-        crate::coord::cluster, crate::coord::shards, crate::coord::shard, crate::coord::failover, crate::coord::rebalance,
+        crate::coord::cluster, crate::coord::shards, crate::coord::shard, crate::leadership::failover, crate::leadership::rebalance,
         crate::coord::lag_history, crate::replicas::start, crate::replicas::list, crate::replicas::show,
         crate::drills::drills, crate::drills::drill, crate::drills::failover_drill, crate::drills::catchup_drill,
         crate::drills::corruption_drill, crate::drills::partition_drill, crate::drills::reseed_drill,
