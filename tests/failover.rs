@@ -19,7 +19,7 @@ use walship_proto::log::{AppendRecord, AppendRequest, Durability, PauseRequest};
 
 /// shard -> seqno -> payload of every acknowledged append.
 use common::Acked;
-use common::history::{FAST, WAIT, check_history, client, converge, entry, load, wait_leading};
+use common::history::{FAST, WAIT, check_history, client, converge, entry, load, wait_for_more_appends, wait_leading};
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn repeated_leader_kills_lose_no_acknowledged_record() {
@@ -47,12 +47,7 @@ async fn repeated_leader_kills_lose_no_acknowledged_record() {
     let mut round = 0;
     while failovers < 20 {
         round += 1;
-        let before = count.load(Ordering::Relaxed);
-        wait_until("appends to flow", WAIT, || {
-            let c = count.clone();
-            async move { c.load(Ordering::Relaxed) >= before + 50 }
-        })
-        .await;
+        wait_for_more_appends(&count, 50, "appends to flow").await;
         let (Some((l1, e1)), Some((l2, e2))) = epochs(&mut cluster) else { panic!("no leaders recorded") };
         // Kill one of the current leaders, chosen by the seed.
         let victim = if rng.gen_bool(0.5) { l1 } else { l2 };
@@ -590,12 +585,7 @@ async fn a_leader_that_lost_shipped_records_never_leads_their_epoch_again() {
     cluster.restart(1);
     let (_, epoch_at_fault) = cluster.leader_of(1, 1).await.unwrap_or((0, 1));
 
-    let before = count.load(Ordering::Relaxed);
-    wait_until("appends to flow again", WAIT, || {
-        let c = count.clone();
-        async move { c.load(Ordering::Relaxed) >= before + 200 }
-    })
-    .await;
+    wait_for_more_appends(&count, 200, "appends to flow again").await;
     stop.store(true, Ordering::Relaxed);
     for t in tasks {
         t.await.unwrap();

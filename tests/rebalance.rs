@@ -10,7 +10,7 @@ use std::collections::BTreeMap;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 
-use common::history::{FAST, WAIT, check_history, converge, entry, load};
+use common::history::{FAST, WAIT, check_history, converge, entry, load, wait_for_more_appends};
 use common::{Acked, Cluster, TOKEN, wait_until};
 
 const SHARDS: u32 = 6;
@@ -107,7 +107,6 @@ async fn a_rebalance_under_load_gives_a_returned_node_its_share_and_loses_no_ack
     let mut rounds = 0;
     loop {
         rounds += 1;
-        let appended = count.load(Ordering::Relaxed);
         let (code, outcome) = cluster.coord_post(1, "/v1/rebalance", "{}", Some(TOKEN)).await;
         assert_eq!(code, 200, "{outcome}");
         eprintln!("rebalance {rounds}: {outcome}");
@@ -119,11 +118,7 @@ async fn a_rebalance_under_load_gives_a_returned_node_its_share_and_loses_no_ack
             break;
         }
         assert!(rounds < 10, "still unbalanced after {rounds} rebalances: {:?}", leads(&mut cluster).await);
-        wait_until("appends to flow again", WAIT, || {
-            let c = count.clone();
-            async move { c.load(Ordering::Relaxed) >= appended + 20 }
-        })
-        .await;
+        wait_for_more_appends(&count, 20, "appends to flow again").await;
     }
     wait_for_led_gauges(&admin, &leads(&mut cluster).await).await;
     // Balanced: another rebalance has nothing to move.
@@ -132,12 +127,7 @@ async fn a_rebalance_under_load_gives_a_returned_node_its_share_and_loses_no_ack
     assert_eq!(again["moves"], serde_json::json!([]), "{again}");
 
     // Appends go on at the new leaders.
-    let appended = count.load(Ordering::Relaxed);
-    wait_until("appends after the rebalance", WAIT, || {
-        let c = count.clone();
-        async move { c.load(Ordering::Relaxed) >= appended + 60 }
-    })
-    .await;
+    wait_for_more_appends(&count, 60, "appends after the rebalance").await;
     stop.store(true, Ordering::Relaxed);
     for t in tasks {
         t.await.unwrap();

@@ -130,6 +130,17 @@ pub fn load_timed(
     })
 }
 
+/// Waits until `count` (the acknowledged appends a [`load`] counts) has
+/// grown by `more` from now: the load flows (`what` names the wait).
+pub async fn wait_for_more_appends(count: &Arc<AtomicU64>, more: u64, what: &str) {
+    let target = count.load(Ordering::Relaxed) + more;
+    wait_until(what, WAIT, || {
+        let c = count.clone();
+        async move { c.load(Ordering::Relaxed) >= target }
+    })
+    .await;
+}
+
 /// Waits until the coordinator names `node` leader of `shard` and the node
 /// itself has taken the role.
 pub async fn wait_leading(cluster: &mut Cluster, shard: u32, node: u32) {
