@@ -189,6 +189,95 @@ async fn shards_do_not_go_quiet_towards_a_dead_follower() {
     assert_eq!(after, before, "no node keepalive to the dead node: no shard is quiet towards it");
 }
 
+/// A replica of `shard` in the coordinator's view (`GET /v1/shards/{id}`),
+/// or null while it has none.
+async fn replica_view(cluster: &mut Cluster, shard: u32, node: u64) -> serde_json::Value {
+    let (_, view) = cluster.coord_get(1, &format!("/v1/shards/{shard}")).await;
+    view["replicas"].as_array().and_then(|r| r.iter().find(|r| r["node_id"] == node)).cloned().unwrap_or_default()
+}
+
+/// Node 1's dormant replicas woken for `reason` so far.
+async fn wakes(cluster: &mut Cluster, reason: &str) -> f64 {
+    metric(cluster, 1, &format!("walship_dormant_wakes_total{{reason=\"{reason}\"}}")).await
+}
+
+/// A leader whose follower's node is down holds those shards dormant: their
+/// reports can change only with what happens to them or that node's return,
+/// so the heartbeat loop looks at them in two loads a quarter second and
+/// never rebuilds them meanwhile. Still, an append to one is reported with
+/// the dead follower's lag grown, and the node's return is reported (the
+/// follower caught up and no longer stale, as the leader's report counts
+/// it) because it woke them: a dormant replica left asleep would show the
+/// old figures until a full report (a minute here).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_dead_followers_shards_go_dormant_and_report_appends_and_its_return() {
+    // Full reports (which look at every replica) only after a minute: what
+    // the coordinator learns here, the wakes told it.
+    let mut cluster = Cluster::start_with(3, SHARDS, 1, "leader_timeout_ms = 1000\nfull_report_ms = 60000", None);
+    for shard in 1..=SHARDS {
+        cluster.wait_leader(shard, None, Duration::from_secs(60)).await;
+    }
+    let mut led = Vec::new();
+    for shard in 1..=SHARDS {
+        if cluster.leader_of(1, shard).await.unwrap().0 == 1 {
+            led.push(shard);
+        }
+    }
+    assert!(!led.is_empty());
+    cluster.node(3).kill9();
+    // Every shard node 1 leads has node 3 as a follower (RF=3 on 3 nodes),
+    // and so do those of node 3's it may take over.
+    let want = led.len() as f64;
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(30);
+    while metric(&mut cluster, 1, "walship_dormant_replicas").await < want {
+        assert!(tokio::time::Instant::now() < deadline, "node 1's shards did not go dormant");
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    let shard = led[0];
+    let (_, before) = cluster.coord_get(1, &format!("/v1/shards/{shard}")).await;
+    let known = before["replicas"].as_array().unwrap().iter().find(|r| r["node_id"] == 1).unwrap()["durable_seqno"]
+        .as_u64()
+        .unwrap_or(0);
+    let woken_by_appends = wakes(&mut cluster, "activity").await + wakes(&mut cluster, "progress").await;
+    let acked = Acked::default();
+    let mut log = cluster.node(1).client().await;
+    let records: Vec<Bytes> = (0..5).map(|i| Bytes::from(format!("dormant {i}"))).collect();
+    append_and_record(&mut log, shard, records, Durability::Quorum, Duration::from_secs(5), &acked)
+        .await
+        .expect("QUORUM with one follower down");
+    let last = known + 5;
+    wait_until("the leader's new records and the dead follower's grown lag", Duration::from_secs(10), || {
+        let (leader, dead) = futures::executor::block_on(async {
+            (replica_view(&mut cluster, shard, 1).await, replica_view(&mut cluster, shard, 3).await)
+        });
+        async move { leader["durable_seqno"] == last && dead["lag_records"].as_u64().is_some_and(|l| l >= 5) }
+    })
+    .await;
+    assert!(
+        wakes(&mut cluster, "activity").await + wakes(&mut cluster, "progress").await > woken_by_appends,
+        "the append woke its dormant leader"
+    );
+    let woken = wakes(&mut cluster, "peer_contact").await + wakes(&mut cluster, "activity").await;
+    cluster.restart(3);
+    wait_until("node 3 caught up and fresh in shard {shard}'s view", Duration::from_secs(30), || {
+        let dead = futures::executor::block_on(replica_view(&mut cluster, shard, 3));
+        async move { dead["durable_seqno"] == last && dead["lag_records"] == 0 && dead["lag_stale"] == false }
+    })
+    .await;
+    // Its return moves the node contact (`peer_contact`) and, once its
+    // leaders ship to it again, their activity: whichever a dormant
+    // replica sees first woke it.
+    assert!(
+        wakes(&mut cluster, "peer_contact").await + wakes(&mut cluster, "activity").await > woken,
+        "node 3's return woke node 1's dormant shards"
+    );
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(30);
+    while metric(&mut cluster, 1, "walship_dormant_replicas").await > 0.0 {
+        assert!(tokio::time::Instant::now() < deadline, "node 1 still holds shards dormant with every node up");
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_node_keepalive_for_what_the_follower_does_not_follow_or_malformed_changes_nothing() {
     let mut cluster = quiet_cluster().await;

@@ -140,6 +140,13 @@ pub struct ReplicationConfig {
     pub retention_interval_ms: u64,
     /// How often a node sends Heartbeat.
     pub heartbeat_ms: u64,
+    /// How often, at least, a node's heartbeat carries every replica's
+    /// report (between them only changed reports go; longer at thousands
+    /// of shards, see docs/replication.md "Heartbeats and status"). What a
+    /// report leaves out of its comparison, and what a settled or dormant
+    /// replica would report without anything happening to it, is never
+    /// older than this.
+    pub full_report_ms: u64,
     /// Where heartbeats go besides every coordinator (e.g. a node's gRPC
     /// address in a static cluster); none = coordinators only.
     pub heartbeat_to: Option<SocketAddr>,
@@ -189,6 +196,7 @@ impl Default for ReplicationConfig {
             max_retain_bytes: 4 << 30,
             retention_interval_ms: 5_000,
             heartbeat_ms: 50,
+            full_report_ms: 2_000,
             heartbeat_to: None,
             leader_timeout_ms: 200,
             coordinator_lease_ms: 2_000,
@@ -687,6 +695,12 @@ impl ClusterConfig {
             return bad(
                 "replication: ship_window, ship_batch_bytes, keepalive_ms and heartbeat_ms must be positive".into()
             );
+        }
+        if !(r.heartbeat_ms..=3_600_000).contains(&r.full_report_ms) {
+            return bad(format!(
+                "replication: full_report_ms must be within heartbeat_ms ({}) ..= 3600000 (an hour), got {}",
+                r.heartbeat_ms, r.full_report_ms
+            ));
         }
         if !(600..=86_400_000).contains(&r.pause_lease_ms) {
             return bad(format!(

@@ -124,6 +124,8 @@ fn each_mistake_is_named() {
         (|c| c.shards[0].epoch = 0, "epochs start at 1"),
         (|c| c.shards.push(c.shards[0].clone()), "shard 1 appears twice"),
         (|c| c.replication.ship_window = 0, "ship_window"),
+        (|c| c.replication.full_report_ms = 10, "full_report_ms must be within heartbeat_ms (50)"),
+        (|c| c.replication.full_report_ms = 3_600_001, "full_report_ms must be within"),
     ];
     for (mutate, expected) in cases {
         let mut config = three();

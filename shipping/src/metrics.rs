@@ -48,6 +48,10 @@ pub struct ReplicationMetrics {
     pub quiet_refused: IntCounter,
     /// Leader side: (shard, follower) pairs quiet now.
     pub quiet_pairs: IntGauge,
+    /// Replicas the heartbeat loop holds dormant (a peer node silent).
+    pub dormant_replicas: IntGauge,
+    /// Dormant replicas woken, by what woke them.
+    pub dormant_wakes: IntCounterVec,
     /// Shards whose archive loop runs on this node (0 without `[archive]`).
     pub archive_loops: IntGauge,
     pub archive_listings: IntCounter,
@@ -259,6 +263,25 @@ impl ReplicationMetrics {
                 IntGauge::new(
                     "walship_quiet_followers",
                     "(shard, follower) pairs this node leads that are quiet: no per-shard keepalives",
+                )?,
+            )?,
+            dormant_replicas: register(
+                registry,
+                IntGauge::new(
+                    "walship_dormant_replicas",
+                    "Replicas whose heartbeat report waits, at two loads a look, for its activity or progress to \
+                     move or a silent peer node to be heard again (a peer node down)",
+                )?,
+            )?,
+            dormant_wakes: register(
+                registry,
+                IntCounterVec::new(
+                    Opts::new(
+                        "walship_dormant_wakes_total",
+                        "Dormant replicas the heartbeat loop looked at again, by reason (activity, progress, \
+                         peer_contact, full_report)",
+                    ),
+                    &["reason"],
                 )?,
             )?,
             archive_listings: register(

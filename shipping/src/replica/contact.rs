@@ -13,13 +13,17 @@
 //!   acknowledges nothing (the lease alone gates acknowledgements);
 //! * a follower reports its leader silent (`leader_silent_ms`, which the
 //!   coordinator's partition rule reads) only when the leader's *node* has
-//!   not reached it.
+//!   not reached it;
+//! * a replica waiting only on nodes not heard from at all is dormant in
+//!   the heartbeat loop (`silence.rs`): the [`Contact`] it compares moves
+//!   when one of those nodes is heard from again or another falls silent.
 //!
 //! Only traffic a partition drill lets through counts (the drill's checks
 //! come first), and an answer counts from when its request was sent, as a
 //! shipment reply counts for the lease.
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, BTreeSet};
+use std::sync::atomic::{AtomicU64, Ordering};
 
 use parking_lot::Mutex;
 
@@ -31,18 +35,72 @@ pub(crate) struct NodeContact {
     answered: Mutex<BTreeMap<NodeId, u64>>,
     /// Per peer node: when a request from it last arrived (µs).
     heard: Mutex<BTreeMap<NodeId, u64>>,
+    /// Silent peer nodes that dormant replicas wait on (see
+    /// [`NodeContact::await_return`]). Locked after `answered` and `heard`.
+    awaited: Mutex<BTreeSet<NodeId>>,
+    /// How many times an awaited node answered or was heard from.
+    returns: AtomicU64,
 }
 
 impl NodeContact {
     /// `node` answered a request this node sent at `sent_us` (refusals
     /// included: it was reachable; transport failures are not answers).
     pub(crate) fn answered(&self, node: NodeId, sent_us: u64) {
-        raise(&self.answered, node, sent_us);
+        self.raise(&self.answered, node, sent_us);
     }
 
     /// A request from `node` arrived at `at_us`.
     pub(crate) fn heard(&self, node: NodeId, at_us: u64) {
-        raise(&self.heard, node, at_us);
+        self.raise(&self.heard, node, at_us);
+    }
+
+    /// Whether `node` has neither answered a request sent after
+    /// `silent_since_us` nor been heard from since: if so, it is awaited
+    /// from now on, and the next answer from it or request from it counts
+    /// one more [`NodeContact::returns`]. A replica whose every long-silent
+    /// peer is such a node can say nothing new until one of them returns
+    /// (see `silence.rs`, dormant replicas).
+    pub(crate) fn await_return(&self, node: NodeId, silent_since_us: u64) -> bool {
+        // Both times and the awaited set under their locks at once: an
+        // answer raised before this looks is seen here, one raised after
+        // finds the node awaited.
+        let answered = self.answered.lock();
+        let heard = self.heard.lock();
+        let last = answered.get(&node).copied().max(heard.get(&node).copied()).unwrap_or(0);
+        if last >= silent_since_us {
+            return false;
+        }
+        self.awaited.lock().insert(node);
+        true
+    }
+
+    /// What dormant replicas compare (see [`Contact`]), with nodes silent
+    /// since before `silent_since_us`: read before awaiting, a value that
+    /// differs later says an awaited node may be back or another went
+    /// silent.
+    pub(crate) fn contact(&self, silent_since_us: u64) -> Contact {
+        use std::hash::{Hash, Hasher};
+        let returns = self.returns.load(Ordering::Acquire);
+        let mut hasher = std::collections::hash_map::DefaultHasher::new();
+        let answered = self.answered.lock();
+        let heard = self.heard.lock();
+        for node in answered.keys().chain(heard.keys()).collect::<BTreeSet<_>>() {
+            let last = answered.get(node).copied().max(heard.get(node).copied()).unwrap_or(0);
+            (node, last < silent_since_us).hash(&mut hasher);
+        }
+        Contact { returns, silent: hasher.finish() }
+    }
+
+    /// Moves `node`'s time in `times` forward to `at_us` (never back: a late
+    /// reply to an older request changes nothing), and counts a return of
+    /// an awaited node (any answer or arrival: it is reachable again).
+    fn raise(&self, times: &Mutex<BTreeMap<NodeId, u64>>, node: NodeId, at_us: u64) {
+        let mut times = times.lock();
+        let at = times.entry(node).or_default();
+        *at = (*at).max(at_us);
+        if self.awaited.lock().remove(&node) {
+            self.returns.fetch_add(1, Ordering::AcqRel);
+        }
     }
 
     /// When the newest request `node` answered was sent.
@@ -56,12 +114,16 @@ impl NodeContact {
     }
 }
 
-/// Moves `node`'s time in `times` forward to `at_us` (never back: a late
-/// reply to an older request changes nothing).
-fn raise(times: &Mutex<BTreeMap<NodeId, u64>>, node: NodeId, at_us: u64) {
-    let mut times = times.lock();
-    let at = times.entry(node).or_default();
-    *at = (*at).max(at_us);
+/// The node-level contact a dormant replica waits to see move: how many
+/// times an awaited node returned ([`NodeContact::await_return`]), and a
+/// digest of which peer nodes have been silent past the replication
+/// timeout. A dormant leader's report names its live followers' silences
+/// as within or past that timeout, so one of them going silent (the whole
+/// node: a quiet follower is heard through its node's keepalives) wakes it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) struct Contact {
+    pub(crate) returns: u64,
+    pub(crate) silent: u64,
 }
 
 /// Whether a call's outcome is the peer node's own answer: a success or a
@@ -94,6 +156,43 @@ mod tests {
         assert_eq!(c.heard_at(3), Some(700));
         assert_eq!(c.heard_at(2), None, "answers and arrivals are kept apart");
         assert_eq!(c.answered_at(3), None);
+    }
+
+    #[test]
+    fn an_awaited_silent_node_counts_a_return_when_it_answers_or_is_heard() {
+        let c = NodeContact::default();
+        c.answered(2, 1_000);
+        c.heard(3, 1_000);
+        assert!(!c.await_return(2, 900), "answered since: not silent");
+        assert!(!c.await_return(3, 1_000), "heard since: not silent");
+        let returns = |c: &NodeContact| c.returns.load(Ordering::Acquire);
+        let before = returns(&c);
+        assert!(c.await_return(2, 5_000));
+        assert!(c.await_return(4, 5_000), "never heard from: silent");
+        c.answered(3, 6_000);
+        assert_eq!(returns(&c), before, "a node nobody awaits returns nothing");
+        c.answered(2, 900);
+        assert_eq!(returns(&c), before + 1, "any answer from an awaited node counts, even to an old request");
+        c.answered(2, 7_000);
+        assert_eq!(returns(&c), before + 1, "counted once until awaited again");
+        c.heard(4, 7_000);
+        assert_eq!(returns(&c), before + 2, "a request from it counts too");
+    }
+
+    #[test]
+    fn the_contact_moves_with_a_return_or_a_node_going_silent_not_with_traffic() {
+        let c = NodeContact::default();
+        c.answered(2, 1_000);
+        c.heard(3, 1_000);
+        let seen = c.contact(500);
+        c.answered(2, 1_100);
+        c.heard(3, 1_200);
+        assert_eq!(c.contact(600), seen, "traffic from live nodes changes nothing");
+        assert_ne!(c.contact(1_150), seen, "node 2 silent since before 1,150");
+        assert!(c.await_return(2, 1_150));
+        let awaiting = c.contact(1_150);
+        c.heard(2, 1_300);
+        assert_ne!(c.contact(1_150), awaiting, "node 2 returned");
     }
 
     #[test]

@@ -54,6 +54,14 @@ impl ReplicationNode {
         // tick to learn nothing, the 5,000 leaders of a survivor whose
         // follower's node was down took it a fifth of a core.
         let mut resting: BTreeMap<ShardId, Watched> = BTreeMap::new();
+        // Resting replicas found dormant (see `ReplicationNode::dormancy`:
+        // every peer they find silent is a node not heard from at all):
+        // looked at every quarter second too, but in place, at two loads
+        // each (`LastBuild::stays_dormant`), and never rebuilt while they
+        // stay so. Rebuilt every second as resting replicas are, the 5,000
+        // leaders of a survivor whose followers' node was down took it a
+        // tenth of a core at 10,000 shards, to say the same.
+        let mut dormant: BTreeMap<ShardId, Watched> = BTreeMap::new();
         // The replication timeout, which the coordinator compares silences
         // with (see `comparable`), and twice it.
         let silence_ms = self.config.replication.replication_timeout().as_millis() as u64;
@@ -61,7 +69,8 @@ impl ReplicationNode {
         // Resting replicas' silences are looked at every quarter second.
         let resting_look_every = (250 / self.config.replication.heartbeat_ms.max(1)).max(1);
         let mut ticks = 0u64;
-        let mut full_every = FULL_HEARTBEAT_EVERY;
+        let least_full_every = Duration::from_millis(self.config.replication.full_report_ms);
+        let mut full_every = least_full_every;
         loop {
             let due = tokio::select! {
                 due = tick.tick() => due,
@@ -90,11 +99,27 @@ impl ReplicationNode {
             if full || resting_look {
                 unsettled.append(&mut resting);
             }
+            if full {
+                self.wake(&mut dormant, &mut unsettled, |_| Some("full_report"));
+            } else if resting_look && !dormant.is_empty() {
+                let contact = self.node_contact(long_silence_ms);
+                self.wake(&mut dormant, &mut unsettled, |w| {
+                    let build = w.build.as_ref()?;
+                    if build.stays_dormant(w.replica.activity(), w.replica.readable(), contact) {
+                        return None;
+                    }
+                    Some(build.woken_by(w.replica.activity(), contact))
+                });
+            }
             match full {
                 true => self.replicas().into_iter().for_each(|r| watch(&mut unsettled, r)),
                 false => {
                     for shard in touched {
                         if let Some(watched) = resting.remove(&shard) {
+                            unsettled.insert(shard, watched);
+                        } else if let Some(mut watched) = dormant.remove(&shard) {
+                            self.metrics.dormant_wakes.with_label_values(&["activity"]).inc();
+                            watched.build.as_mut().map(LastBuild::wake);
                             unsettled.insert(shard, watched);
                         } else if !unsettled.contains_key(&shard)
                             && let Some(replica) = self.replica(shard)
@@ -176,6 +201,18 @@ impl ReplicationNode {
                 };
                 // Leader only: the archive status exists while it leads.
                 let archive = if view.role == Role::Leader { self.archive_status(replica.shard) } else { None };
+                // Nothing of its own in flight: what it wrote is durable, a
+                // leader's commit reached it and every follower not silent
+                // holds it, and its archive (if it archives) has it. What
+                // else its report says then moves only with its activity,
+                // its progress or a silent peer's return (see `dormancy`).
+                let at_rest = p.durable_seqno >= last_seqno
+                    && (view.role != Role::Leader || commit >= last_seqno)
+                    && lag_records.iter().all(|(id, &lag)| {
+                        lag == 0 || silences.followers.get(id).is_some_and(|&ms| ms >= long_silence_ms)
+                    })
+                    && archive.as_ref().is_none_or(|a| a.archived_seqno >= commit && a.lag_seconds == 0.0);
+                let built = built.dormant_from(self.dormancy(&silences, long_silence_ms, at_rest));
                 requests.push(HeartbeatRequest {
                     shard_id: replica.shard,
                     region_id: self.region,
@@ -221,10 +258,12 @@ impl ReplicationNode {
             let build_took = building.elapsed();
             self.metrics.heartbeat_round_seconds.with_label_values(&["build"]).observe(build_took.as_secs_f64());
             if full {
-                full_every = full_report_every(build_took, looked_at);
+                full_every = full_report_every(build_took, looked_at, least_full_every);
             }
             unsettled.retain(|_, w| !w.replica.settled());
+            dormant.extend(unsettled.extract_if(.., |_, w| w.build.as_ref().is_some_and(LastBuild::dormant)));
             resting.extend(unsettled.extract_if(.., |_, w| w.build.as_ref().is_some_and(LastBuild::rests)));
+            self.metrics.dormant_replicas.set(dormant.len() as i64);
             self.metrics.append_rate.set(node_rate);
             let timeout = interval.max(Duration::from_millis(200));
             let sending = Instant::now();
@@ -240,13 +279,37 @@ impl ReplicationNode {
     }
 }
 
-/// How often a node sends every shard's report (a `full` batch), at most;
-/// between them, a batch holds only the shards whose report changed.
-const FULL_HEARTBEAT_EVERY: Duration = Duration::from_secs(2);
+impl ReplicationNode {
+    /// Moves the `dormant` replicas that `woken` names a reason for (the
+    /// wake counter's label) to `unsettled`, as resting ones: the next
+    /// report built decides again whether they are dormant.
+    fn wake(
+        &self,
+        dormant: &mut BTreeMap<ShardId, Watched>,
+        unsettled: &mut BTreeMap<ShardId, Watched>,
+        mut woken: impl FnMut(&Watched) -> Option<&'static str>,
+    ) {
+        let mut reasons: BTreeMap<&'static str, u64> = BTreeMap::new();
+        unsettled.extend(dormant.extract_if(.., |_, w| match woken(w) {
+            Some(reason) => {
+                *reasons.entry(reason).or_default() += 1;
+                w.build.as_mut().map(LastBuild::wake);
+                true
+            }
+            None => false,
+        }));
+        for (reason, count) in reasons {
+            self.metrics.dormant_wakes.with_label_values(&[reason]).inc_by(count);
+        }
+    }
+}
 
-/// The longest wait between full reports, however costly they are: what a
-/// report leaves out of its comparison (clocks, disk figures, rates, a
-/// stuck follower's lag in seconds) is never older than this.
+/// The longest wait between full reports (a `full` batch, every shard's
+/// report; between them a batch holds only the shards whose report
+/// changed), however costly they are, unless `replication.full_report_ms`
+/// (2 s by default, the shortest wait) is longer: what a report leaves out
+/// of its comparison (clocks, disk figures, rates, a stuck follower's lag
+/// in seconds) is never older than this.
 const MAX_FULL_HEARTBEAT_EVERY: Duration = Duration::from_secs(10);
 
 /// Shard reports a node's full reports carry per second, on average, at
@@ -257,15 +320,15 @@ const MAX_FULL_HEARTBEAT_EVERY: Duration = Duration::from_secs(10);
 const FULL_REPORTS_PER_SECOND: u32 = 2_000;
 
 /// How long to wait after a full report of `shards` replicas that took
-/// `cost` to build: [`FULL_HEARTBEAT_EVERY`], or longer when building
+/// `cost` to build: `least` (`replication.full_report_ms`), or longer when building
 /// every shard's report is costly (so that full reports take at most 1 %
 /// of the node's core) or they are many (at most
 /// [`FULL_REPORTS_PER_SECOND`]), up to [`MAX_FULL_HEARTBEAT_EVERY`]. At
 /// 10,000 shards building them every 2 s was about a third of an idle
 /// node's CPU.
-fn full_report_every(cost: Duration, shards: usize) -> Duration {
+fn full_report_every(cost: Duration, shards: usize, least: Duration) -> Duration {
     let by_count = Duration::from_secs(shards as u64) / FULL_REPORTS_PER_SECOND;
-    (cost * 100).max(by_count).clamp(FULL_HEARTBEAT_EVERY, MAX_FULL_HEARTBEAT_EVERY)
+    (cost * 100).max(by_count).clamp(least, MAX_FULL_HEARTBEAT_EVERY.max(least))
 }
 
 /// Shards per heartbeat batch (a full report of more goes out as several

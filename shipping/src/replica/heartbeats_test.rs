@@ -117,13 +117,17 @@ fn reports_that_say_the_same_share_a_digest_and_changes_do_not() {
 
 #[test]
 fn costly_full_reports_go_less_often_within_a_bound() {
-    assert_eq!(full_report_every(Duration::from_millis(3), 4), FULL_HEARTBEAT_EVERY);
-    assert_eq!(full_report_every(Duration::from_millis(3), 1_000), FULL_HEARTBEAT_EVERY);
-    assert_eq!(full_report_every(Duration::from_millis(40), 10), Duration::from_secs(4), "1 % of a core");
-    assert_eq!(full_report_every(Duration::from_millis(3), 10_000), Duration::from_secs(5), "2,000 a second");
-    assert_eq!(full_report_every(Duration::from_millis(60), 10_000), Duration::from_secs(6));
-    assert_eq!(full_report_every(Duration::from_secs(1), 10), MAX_FULL_HEARTBEAT_EVERY);
-    assert_eq!(full_report_every(Duration::ZERO, 100_000), MAX_FULL_HEARTBEAT_EVERY);
+    let least = Duration::from_secs(2);
+    assert_eq!(full_report_every(Duration::from_millis(3), 4, least), least);
+    assert_eq!(full_report_every(Duration::from_millis(3), 1_000, least), least);
+    assert_eq!(full_report_every(Duration::from_millis(40), 10, least), Duration::from_secs(4), "1 % of a core");
+    assert_eq!(full_report_every(Duration::from_millis(3), 10_000, least), Duration::from_secs(5), "2,000 a second");
+    assert_eq!(full_report_every(Duration::from_millis(60), 10_000, least), Duration::from_secs(6));
+    assert_eq!(full_report_every(Duration::from_secs(1), 10, least), MAX_FULL_HEARTBEAT_EVERY);
+    assert_eq!(full_report_every(Duration::ZERO, 100_000, least), MAX_FULL_HEARTBEAT_EVERY);
+    // A configured shortest wait past the bound is the wait.
+    let hour = Duration::from_secs(3_600);
+    assert_eq!(full_report_every(Duration::from_secs(1), 10, hour), hour);
 }
 
 #[test]

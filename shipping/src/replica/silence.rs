@@ -11,8 +11,9 @@
 use std::collections::BTreeMap;
 use std::time::{Duration, Instant};
 
-use super::ReplicationNode;
+use super::contact::Contact;
 use super::shard::ShardReplica;
+use super::{ReplicationNode, now_us};
 use crate::NodeId;
 use crate::core::replica::Role;
 
@@ -69,6 +70,9 @@ pub(super) struct LastBuild {
     /// See [`Silences::resting`]: its silences are looked at only every
     /// quarter second.
     resting: bool,
+    /// See [`ReplicationNode::dormancy`]: the node contact when it was
+    /// found dormant.
+    dormant: Option<Contact>,
     at: Instant,
 }
 
@@ -87,8 +91,51 @@ impl LastBuild {
             standing,
             silences: silences.key(long_ms),
             resting: silences.resting(long_ms),
+            dormant: None,
             at: Instant::now(),
         }
+    }
+
+    /// This build, found dormant (see [`ReplicationNode::dormancy`]) or not.
+    pub(super) fn dormant_from(self, dormancy: Option<Contact>) -> LastBuild {
+        LastBuild { dormant: dormancy, ..self }
+    }
+
+    /// Whether it was found dormant.
+    pub(super) fn dormant(&self) -> bool {
+        self.dormant.is_some()
+    }
+
+    /// What woke a dormant build that no longer
+    /// [stays dormant](LastBuild::stays_dormant): a peer node's return or
+    /// silence, its activity, or else its progress (the wake counter's
+    /// label).
+    pub(super) fn woken_by(&self, activity: u64, contact: Contact) -> &'static str {
+        match () {
+            _ if self.dormant != Some(contact) => "peer_contact",
+            _ if self.activity != activity => "activity",
+            _ => "progress",
+        }
+    }
+
+    /// Woken: a resting build again, until the next build decides anew.
+    pub(super) fn wake(&mut self) {
+        self.dormant = None;
+    }
+
+    /// Whether a dormant build still says what a report built now would:
+    /// the node `contact` did not move (no peer it waits on was heard from,
+    /// no other went silent), nor did its activity, and its
+    /// `progress` did not move or waits its turn ([`PROGRESS_REPORT_EVERY`]).
+    /// Two loads and a comparison: a node down leaves thousands of them,
+    /// and this is all a look at one costs. Unlike a resting build, it has
+    /// no [`LONG_SILENT_REPORT_EVERY`]: the only fields that could move
+    /// without any of these (retention's first seqno; a disk filling up,
+    /// as for a settled replica) wait for the next full report.
+    pub(super) fn stays_dormant(&self, activity: u64, progress: u64, contact: Contact) -> bool {
+        self.dormant == Some(contact)
+            && self.activity == activity
+            && (self.progress == progress || self.at.elapsed() < PROGRESS_REPORT_EVERY)
     }
 
     /// Whether it rests (see [`Silences::resting`]): the heartbeat loop
@@ -159,6 +206,11 @@ pub(crate) fn follower_silence_class(ms: u64, timeout_ms: u64) -> u64 {
 /// How long a replica's peers have been silent: a follower's leader, a
 /// leader's followers (those it ever heard from).
 pub(super) struct Silences {
+    /// A follower's leader (0 on a leader, or with none).
+    pub(super) leader: NodeId,
+    /// A leader's followers never heard from in its leadership: left out
+    /// of its report (nothing to say yet), counted for dormancy.
+    pub(super) unheard: Vec<NodeId>,
     pub(super) leader_ms: u64,
     pub(super) followers: BTreeMap<NodeId, u64>,
 }
@@ -192,28 +244,62 @@ impl Silences {
         let long = |ms: u64| ms >= long_ms;
         long(self.leader_ms) || (self.leader_ms == 0 && self.followers.values().any(|&ms| long(ms)))
     }
+
+    /// The peers silent past `long_ms`: its leader, or its followers.
+    fn long_silent(&self, long_ms: u64) -> impl Iterator<Item = NodeId> + '_ {
+        let leader = (self.leader != 0 && self.leader_ms >= long_ms).then_some(self.leader);
+        leader.into_iter().chain(self.followers.iter().filter(move |(_, ms)| **ms >= long_ms).map(|(&id, _)| id))
+    }
 }
 
 impl ReplicationNode {
     /// `replica`'s [`Silences`] as of `now` (µs since the epoch).
     pub(super) fn silences(&self, replica: &ShardReplica, now: u64) -> Silences {
         let mut followers = BTreeMap::new();
+        let mut unheard = Vec::new();
         if let Some(leader) = replica.leader_state() {
             let quiet = leader.quiet.lock().clone();
             let core = leader.core.lock();
             for (id, progress) in core.followers() {
                 // A quiet follower was last heard by its link.
                 let link = quiet.get(&id).and_then(|l| l.credit(replica.shard));
-                if let Some(heard) = progress.last_reply_us.max(link) {
-                    followers.insert(id, now.saturating_sub(heard) / 1_000);
+                match progress.last_reply_us.max(link) {
+                    Some(heard) => _ = followers.insert(id, now.saturating_sub(heard) / 1_000),
+                    None => unheard.push(id),
                 }
             }
         }
-        let leader_ms = match replica.view().role {
-            Role::Follower { .. } => now.saturating_sub(self.leader_heard_us(replica)) / 1_000,
-            _ => 0,
+        let (leader, leader_ms) = match replica.view().role {
+            Role::Follower { leader } => (leader, now.saturating_sub(self.leader_heard_us(replica)) / 1_000),
+            _ => (0, 0),
         };
-        Silences { leader_ms, followers }
+        Silences { leader, unheard, leader_ms, followers }
+    }
+
+    /// Whether `replica`, just reported with `silences` and `at_rest`
+    /// (nothing of its own in flight: see the heartbeat loop), is dormant:
+    /// some peer is silent past `long_ms` (or, a follower, never heard
+    /// from), and every such peer is a node this node has not heard from at
+    /// all for as long. Its report can then change only with its activity,
+    /// its progress, or the node contact (one of those nodes heard from
+    /// again, another node silent past the replication timeout, half of
+    /// `long_ms`); answers that contact, to compare with.
+    pub(super) fn dormancy(&self, silences: &Silences, long_ms: u64, at_rest: bool) -> Option<Contact> {
+        let waits = silences.resting(long_ms) || !silences.unheard.is_empty();
+        if !at_rest || !waits {
+            return None;
+        }
+        // Read before awaiting: a return after it moves the count.
+        let contact = self.node_contact(long_ms);
+        let silent_since = now_us().saturating_sub(long_ms * 1_000);
+        let mut peers = silences.long_silent(long_ms).chain(silences.unheard.iter().copied());
+        peers.all(|node| self.contact.await_return(node, silent_since)).then_some(contact)
+    }
+
+    /// The node contact dormant replicas compare, `long_ms` twice the
+    /// replication timeout.
+    pub(super) fn node_contact(&self, long_ms: u64) -> Contact {
+        self.contact.contact(now_us().saturating_sub(long_ms / 2 * 1_000))
     }
 }
 
@@ -224,6 +310,8 @@ mod tests {
     #[test]
     fn silences_differ_in_quarter_seconds_or_at_the_timeout_until_long_then_only_when_one_ends() {
         let silences = |leader_ms: u64, followers: &[(u32, u64)]| Silences {
+            leader: 2,
+            unheard: vec![],
             leader_ms,
             followers: followers.iter().copied().collect(),
         };
@@ -267,8 +355,8 @@ mod tests {
     #[test]
     fn progress_alone_waits_its_turn_and_anything_else_is_reported_at_once() {
         let long = 1_200;
-        let heard = Silences { leader_ms: 10, followers: BTreeMap::new() };
-        let leader_silent = Silences { leader_ms: 300, followers: BTreeMap::new() };
+        let heard = Silences { leader: 2, unheard: vec![], leader_ms: 10, followers: BTreeMap::new() };
+        let leader_silent = Silences { leader: 2, unheard: vec![], leader_ms: 300, followers: BTreeMap::new() };
         let built = LastBuild::new(7, 40, following(), &heard, long);
         assert!(built.only_progress_since(following(), long, || &heard), "appends alone: not yet");
         for changed in [
@@ -294,19 +382,54 @@ mod tests {
     #[test]
     fn a_build_says_the_same_until_its_activity_or_silences_move() {
         let long = 1_200;
-        let quiet_follower = Silences { leader_ms: 100, followers: BTreeMap::new() };
-        let later = Silences { leader_ms: 300, followers: BTreeMap::new() };
+        let quiet_follower = Silences { leader: 2, unheard: vec![], leader_ms: 100, followers: BTreeMap::new() };
+        let later = Silences { leader: 2, unheard: vec![], leader_ms: 300, followers: BTreeMap::new() };
         let built = LastBuild::new(7, 40, following(), &quiet_follower, long);
         assert!(built.says_the_same(7, 40, false, long, || &quiet_follower));
         assert!(!built.says_the_same(8, 40, false, long, || &quiet_follower), "activity moved");
         assert!(!built.says_the_same(7, 40, false, long, || &later));
         // A resting replica's silences are looked at only on a resting look.
-        let dead_leader = Silences { leader_ms: 5_000, followers: BTreeMap::new() };
-        let long_dead = Silences { leader_ms: 60_000, followers: BTreeMap::new() };
+        let dead_leader = Silences { leader: 2, unheard: vec![], leader_ms: 5_000, followers: BTreeMap::new() };
+        let long_dead = Silences { leader: 2, unheard: vec![], leader_ms: 60_000, followers: BTreeMap::new() };
         let resting = LastBuild::new(7, 40, following(), &dead_leader, long);
         assert!(resting.says_the_same(7, 40, false, long, || unreachable!("not looked at between looks")));
         assert!(!resting.says_the_same(7, 40, true, long, || &quiet_follower), "its leader was heard again");
         assert!(resting.says_the_same(7, 40, true, long, || &long_dead));
+    }
+
+    /// A dormant build stays so, at any age, until its activity moves, its
+    /// progress moves and waited its quarter second, or a peer returns (the
+    /// contact's count moved); woken, it is a resting build again.
+    #[test]
+    fn a_dormant_build_waits_for_its_activity_its_progress_or_a_return() {
+        let long = 1_200;
+        let seen = Contact { returns: 5, silent: 1 };
+        let moved = Contact { returns: 6, silent: 1 };
+        let silent = Contact { returns: 5, silent: 2 };
+        let dead_follower =
+            Silences { leader: 0, unheard: vec![], leader_ms: 0, followers: BTreeMap::from([(2, 10), (3, 60_000)]) };
+        assert_eq!(dead_follower.long_silent(long).collect::<Vec<_>>(), [3]);
+        let dead_leader = Silences { leader: 2, unheard: vec![], leader_ms: 5_000, followers: BTreeMap::new() };
+        assert_eq!(dead_leader.long_silent(long).collect::<Vec<_>>(), [2]);
+        let built = LastBuild {
+            at: Instant::now() - LONG_SILENT_REPORT_EVERY * 60,
+            ..LastBuild::new(7, 40, following(), &dead_follower, long).dormant_from(Some(seen))
+        };
+        assert!(built.dormant() && built.rests());
+        assert!(built.stays_dormant(7, 40, seen), "a minute old and nothing moved: no rebuild");
+        assert!(!built.stays_dormant(8, 40, seen));
+        assert_eq!(built.woken_by(8, seen), "activity");
+        assert!(!built.stays_dormant(7, 41, seen));
+        assert_eq!(built.woken_by(7, seen), "progress");
+        assert!(!built.stays_dormant(7, 40, moved));
+        assert_eq!(built.woken_by(8, moved), "peer_contact");
+        assert!(!built.stays_dormant(7, 40, silent), "another node went silent");
+        let fresh = LastBuild::new(7, 40, following(), &dead_follower, long).dormant_from(Some(seen));
+        assert!(fresh.stays_dormant(7, 41, seen), "progress waits its quarter second");
+        let mut woken = built;
+        woken.wake();
+        assert!(!woken.dormant() && woken.rests());
+        assert!(!LastBuild::new(7, 40, following(), &dead_follower, long).dormant(), "not found dormant");
     }
 
     /// A leader's appends and acknowledgements move its commit, not its
@@ -315,14 +438,16 @@ mod tests {
     #[test]
     fn a_moved_commit_is_reported_every_quarter_second() {
         let long = 1_200;
-        let heard = Silences { leader_ms: 0, followers: BTreeMap::from([(2, 10), (3, 20)]) };
+        let heard =
+            Silences { leader: 0, unheard: vec![], leader_ms: 0, followers: BTreeMap::from([(2, 10), (3, 20)]) };
         let built = LastBuild::new(7, 40, following(), &heard, long);
         assert!(built.says_the_same(7, 90, false, long, || &heard), "under a quarter second: later");
         let old = LastBuild { at: Instant::now() - PROGRESS_REPORT_EVERY, ..built };
         assert!(old.says_the_same(7, 40, false, long, || &heard), "nothing moved");
         assert!(!old.says_the_same(7, 90, false, long, || &heard), "the commit moved");
         assert!(!old.only_progress_since(following(), long, || &heard), "and it is built");
-        let dead_follower = Silences { leader_ms: 0, followers: BTreeMap::from([(2, 10), (3, 60_000)]) };
+        let dead_follower =
+            Silences { leader: 0, unheard: vec![], leader_ms: 0, followers: BTreeMap::from([(2, 10), (3, 60_000)]) };
         let resting = LastBuild {
             at: Instant::now() - PROGRESS_REPORT_EVERY,
             ..LastBuild::new(7, 40, following(), &dead_follower, long)
