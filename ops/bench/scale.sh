@@ -26,7 +26,10 @@
 # (`first_led_s`), how often the surviving nodes' heartbeats came late
 # (`survivors_late`), and the CPU seconds the coordinator used from the
 # kill until the count had stayed at zero for 2 s (`coordinator_cpu_s`).
-# With --no-restart, `walship dev` leaves node 1 down.
+# With --no-restart, `walship dev` leaves node 1 down, and once the
+# failover is over (5 s after it) the survivors and the coordinator are
+# measured idle again over the same window: `down` holds each one's CPU
+# (share of one core) with a node down for good.
 #
 # With --rebalance (after --kill, node 1 restarted), once node 1 follows
 # again (a rebalance preview plans the same moves for 2 s) a rebalance
@@ -74,6 +77,13 @@ fi
 ticks=$(getconf CLK_TCK)
 cpu_ticks() { awk '{print $14 + $15}' "/proc/$1/stat" 2>/dev/null || echo 0; }
 rss_kib() { awk '/^VmRSS/ {print $2}' "/proc/$1/status" 2>/dev/null || echo 0; }
+# node-N, coord or dev, from a process's command line.
+process_name() {
+  local what id
+  what=$(tr '\0' ' ' <"/proc/$1/cmdline" | awk '{for (i = 2; i <= NF; i++) if ($i == "node" || $i == "coord" || $i == "dev") {print $i; exit}}')
+  id=$(tr '\0' ' ' <"/proc/$1/cmdline" | grep -o -- '--node-id [0-9]*' | awk '{print $2}' || true)
+  echo "$what${id:+-$id}"
+}
 
 for n in $counts; do
   dir=$(mktemp -d)
@@ -111,10 +121,8 @@ for n in $counts; do
   sleep "$idle_s"
   procs=""
   for p in $pids; do
-    what=$(tr '\0' ' ' <"/proc/$p/cmdline" | awk '{for (i = 2; i <= NF; i++) if ($i == "node" || $i == "coord" || $i == "dev") {print $i; exit}}')
-    id=$(tr '\0' ' ' <"/proc/$p/cmdline" | grep -o -- '--node-id [0-9]*' | awk '{print $2}' || true)
     cpu=$(awk "BEGIN {printf \"%.3f\", ($(cpu_ticks "$p") - ${before[$p]}) / $ticks / $idle_s}")
-    procs="$procs{\"process\": \"$what${id:+-$id}\", \"cpu_cores\": $cpu, \"rss_mib\": $(( $(rss_kib "$p") / 1024 ))},"
+    procs="$procs{\"process\": \"$(process_name "$p")\", \"cpu_cores\": $cpu, \"rss_mib\": $(( $(rss_kib "$p") / 1024 ))},"
   done
   failover=null
   if [ "$kill_node" = 1 ]; then
@@ -258,6 +266,21 @@ print(json.dumps({"shards_led": len(led), "most_without_leader": peak, "survivor
 PY
 )
   fi
+  down=null
+  if [ "$kill_node" = 1 ] && [ -n "$restart" ]; then
+    sleep 5
+    declare -A before_down=()
+    alive=""
+    for p in $pids; do [ -e "/proc/$p" ] && [ "$p" != "$node1" ] && alive="$alive $p"; done
+    for p in $alive; do before_down[$p]=$(cpu_ticks "$p"); done
+    sleep "$idle_s"
+    down=""
+    for p in $alive; do
+      cpu=$(awk "BEGIN {printf \"%.3f\", ($(cpu_ticks "$p") - ${before_down[$p]}) / $ticks / $idle_s}")
+      down="$down{\"process\": \"$(process_name "$p")\", \"cpu_cores\": $cpu},"
+    done
+    down="[${down%,}]"
+  fi
   moved_back=null
   if [ "$rebalance" = 1 ] && [ -z "$restart" ]; then
     token=$(grep -o 'WALSHIP_TOKEN=[0-9a-f]*' "$log" | head -1 | cut -d= -f2)
@@ -307,7 +330,7 @@ print(json.dumps({"planned": len(outcome["moves"]), "moved": outcome["moved"], "
 PY
 )
   fi
-  echo "{\"shards\": $n, \"seconds_to_all_leaders\": $leaders_s, \"idle_s\": $idle_s, \"processes\": [${procs%,}], \"failover\": $failover, \"rebalance\": $moved_back}"
+  echo "{\"shards\": $n, \"seconds_to_all_leaders\": $leaders_s, \"idle_s\": $idle_s, \"processes\": [${procs%,}], \"failover\": $failover, \"down\": $down, \"rebalance\": $moved_back}"
   kill "$dev" 2>/dev/null || true
   wait "$dev" 2>/dev/null || true
   [ -z "$keep" ] || cp "$log" "$keep/dev-$n.log"
