@@ -217,6 +217,12 @@ async fn a_dead_followers_shards_go_dormant_and_report_appends_and_its_return() 
     for shard in 1..=SHARDS {
         cluster.wait_leader(shard, None, Duration::from_secs(60)).await;
     }
+    cluster.node(3).kill9();
+    for shard in 1..=SHARDS {
+        cluster.wait_leader(shard, Some(3), Duration::from_secs(30)).await;
+    }
+    // Every shard node 1 leads now (its own and those of node 3's it took
+    // over) has node 3 as a follower (RF=3 on 3 nodes): each goes dormant.
     let mut led = Vec::new();
     for shard in 1..=SHARDS {
         if cluster.leader_of(1, shard).await.unwrap().0 == 1 {
@@ -224,9 +230,6 @@ async fn a_dead_followers_shards_go_dormant_and_report_appends_and_its_return() 
         }
     }
     assert!(!led.is_empty());
-    cluster.node(3).kill9();
-    // Every shard node 1 leads has node 3 as a follower (RF=3 on 3 nodes),
-    // and so do those of node 3's it may take over.
     let want = led.len() as f64;
     let deadline = tokio::time::Instant::now() + Duration::from_secs(30);
     while metric(&mut cluster, 1, "walship_dormant_replicas").await < want {

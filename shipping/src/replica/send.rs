@@ -19,7 +19,7 @@ use walship_wal::Segment;
 use walship_wal::position as watch;
 
 use super::error::{APPLIED_METADATA_KEY, EPOCH_METADATA_KEY, metadata_u64, refused_by_replica};
-use super::probe::{PROBE_FAILURES_BEFORE_BACKOFF, PeerProbe, probe_backoff_us};
+use super::probe::{NOT_MY_TURN_US, PROBE_FAILURES_BEFORE_BACKOFF, PeerProbe, probe_backoff_us};
 use super::pushes::{Outcome, Pushes, Sent};
 use super::shard::{LeaderState, ShardReplica};
 use super::ship_stream::{SHIP_STREAM_DEPTH, run_ship_stream};
@@ -188,6 +188,9 @@ impl ReplicationNode {
         let peer = self.peer_probe(follower);
         let mut peer_back = peer.back.subscribe();
         let mut pulled = leader.pulled.subscribe();
+        // The probe window of a down follower node this shipper opened
+        // last (see `PeerProbe::may_probe`).
+        let mut my_probe_window = 0u64;
         let stopped = stop.cancelled();
         tokio::pin!(stopped);
         loop {
@@ -201,14 +204,23 @@ impl ReplicationNode {
             }
             // Issue everything the core allows right now (nothing while a
             // push waits for room on the stream: pushes go in order).
+            let mut not_my_turn = false;
             while !in_flight.is_blocked() {
                 let decision = leader.core.lock().poll_ship(follower, now_us());
                 // A node that is down is probed by one shard at a time
-                // (see `PeerProbe`); this one waits its turn.
-                if decision != ShipDecision::Idle && !peer.may_probe(now_us()) {
-                    failures += 1;
-                    last_failure_us = now_us();
-                    break;
+                // (see `PeerProbe`); this one waits its turn: a window it
+                // opened itself ends with its backoff, another shard's
+                // probe leaves it asleep for long.
+                if decision != ShipDecision::Idle {
+                    match peer.may_probe(now_us()) {
+                        Ok(window) => my_probe_window = window,
+                        Err(window) => {
+                            failures += 1;
+                            last_failure_us = now_us();
+                            not_my_turn = window != my_probe_window;
+                            break;
+                        }
+                    }
                 }
                 // A follower awaiting its assignment takes nothing: new
                 // records wait with the rest for its catch-up pull.
@@ -274,6 +286,10 @@ impl ReplicationNode {
             // the CPU the live followers' answers need.
             let backing_off = failures > PROBE_FAILURES_BEFORE_BACKOFF;
             let due = if backing_off { due.max(last_failure_us + probe_backoff_us(failures)) } else { due };
+            // Another shard probes the down node: this one sleeps long
+            // (see `NOT_MY_TURN_US`); the node's return wakes it.
+            let due =
+                if not_my_turn && backing_off && !refused { due.max(last_failure_us + NOT_MY_TURN_US) } else { due };
             let due = if awaiting { due.max(last_failure_us + AWAITING_PROBE.as_micros() as u64) } else { due };
             let keepalive = Duration::from_micros(due.saturating_sub(now_us()).max(1_000));
             let woken = quiet.as_ref().map(|(_, wake)| wake.clone());
