@@ -66,8 +66,7 @@ impl NodeContact {
         // finds the node awaited.
         let answered = self.answered.lock();
         let heard = self.heard.lock();
-        let last = answered.get(&node).copied().max(heard.get(&node).copied()).unwrap_or(0);
-        if last >= silent_since_us {
+        if latest(&answered, &heard, node) >= silent_since_us {
             return false;
         }
         self.awaited.lock().insert(node);
@@ -84,9 +83,8 @@ impl NodeContact {
         let mut hasher = std::collections::hash_map::DefaultHasher::new();
         let answered = self.answered.lock();
         let heard = self.heard.lock();
-        for node in answered.keys().chain(heard.keys()).collect::<BTreeSet<_>>() {
-            let last = answered.get(node).copied().max(heard.get(node).copied()).unwrap_or(0);
-            (node, last < silent_since_us).hash(&mut hasher);
+        for &node in answered.keys().chain(heard.keys()).collect::<BTreeSet<_>>() {
+            (node, latest(&answered, &heard, node) < silent_since_us).hash(&mut hasher);
         }
         Contact { returns, silent: hasher.finish() }
     }
@@ -112,6 +110,11 @@ impl NodeContact {
     pub(crate) fn heard_at(&self, node: NodeId) -> Option<u64> {
         self.heard.lock().get(&node).copied()
     }
+}
+
+/// When `node` last answered or was heard from (µs; 0: never).
+fn latest(answered: &BTreeMap<NodeId, u64>, heard: &BTreeMap<NodeId, u64>, node: NodeId) -> u64 {
+    answered.get(&node).copied().max(heard.get(&node).copied()).unwrap_or(0)
 }
 
 /// The node-level contact a dormant replica waits to see move: how many

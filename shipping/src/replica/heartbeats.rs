@@ -57,7 +57,7 @@ impl ReplicationNode {
         // Resting replicas found dormant (see `ReplicationNode::dormancy`:
         // every peer they find silent is a node not heard from at all):
         // looked at every quarter second too, but in place, at two loads
-        // each (`LastBuild::stays_dormant`), and never rebuilt while they
+        // each (`LastBuild::wakes`), and never rebuilt while they
         // stay so. Rebuilt every second as resting replicas are, the 5,000
         // leaders of a survivor whose followers' node was down took it a
         // tenth of a core at 10,000 shards, to say the same.
@@ -104,11 +104,7 @@ impl ReplicationNode {
             } else if resting_look && !dormant.is_empty() {
                 let contact = self.node_contact(long_silence_ms);
                 self.wake(&mut dormant, &mut unsettled, |w| {
-                    let build = w.build.as_ref()?;
-                    if build.stays_dormant(w.replica.activity(), w.replica.readable(), contact) {
-                        return None;
-                    }
-                    Some(build.woken_by(w.replica.activity(), contact))
+                    w.build.as_ref()?.wakes(w.replica.activity(), w.replica.readable(), contact)
                 });
             }
             match full {

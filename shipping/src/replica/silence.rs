@@ -106,36 +106,28 @@ impl LastBuild {
         self.dormant.is_some()
     }
 
-    /// What woke a dormant build that no longer
-    /// [stays dormant](LastBuild::stays_dormant): a peer node's return or
-    /// silence, its activity, or else its progress (the wake counter's
-    /// label).
-    pub(super) fn woken_by(&self, activity: u64, contact: Contact) -> &'static str {
-        match () {
-            _ if self.dormant != Some(contact) => "peer_contact",
-            _ if self.activity != activity => "activity",
-            _ => "progress",
-        }
-    }
-
     /// Woken: a resting build again, until the next build decides anew.
     pub(super) fn wake(&mut self) {
         self.dormant = None;
     }
 
-    /// Whether a dormant build still says what a report built now would:
-    /// the node `contact` did not move (no peer it waits on was heard from,
-    /// no other went silent), nor did its activity, and its
-    /// `progress` did not move or waits its turn ([`PROGRESS_REPORT_EVERY`]).
-    /// Two loads and a comparison: a node down leaves thousands of them,
-    /// and this is all a look at one costs. Unlike a resting build, it has
-    /// no [`LONG_SILENT_REPORT_EVERY`]: the only fields that could move
-    /// without any of these (retention's first seqno; a disk filling up,
-    /// as for a settled replica) wait for the next full report.
-    pub(super) fn stays_dormant(&self, activity: u64, progress: u64, contact: Contact) -> bool {
-        self.dormant == Some(contact)
-            && self.activity == activity
-            && (self.progress == progress || self.at.elapsed() < PROGRESS_REPORT_EVERY)
+    /// What wakes a dormant build, if anything (the wake counter's label):
+    /// the node `contact` moved (a peer it waits on was heard from, or
+    /// another went silent), its activity moved, or its `progress` moved
+    /// and waited its turn ([`PROGRESS_REPORT_EVERY`]). None: it still says
+    /// what a report built now would. Two loads and a comparison: a node
+    /// down leaves thousands of them, and this is all a look at one costs.
+    /// Unlike a resting build, it has no [`LONG_SILENT_REPORT_EVERY`]: the
+    /// only fields that could move without any of these (retention's first
+    /// seqno; a disk filling up, as for a settled replica) wait for the next
+    /// full report.
+    pub(super) fn wakes(&self, activity: u64, progress: u64, contact: Contact) -> Option<&'static str> {
+        match () {
+            _ if self.dormant != Some(contact) => Some("peer_contact"),
+            _ if self.activity != activity => Some("activity"),
+            _ if self.progress != progress && self.at.elapsed() >= PROGRESS_REPORT_EVERY => Some("progress"),
+            _ => None,
+        }
     }
 
     /// Whether it rests (see [`Silences::resting`]): the heartbeat loop
@@ -416,16 +408,14 @@ mod tests {
             ..LastBuild::new(7, 40, following(), &dead_follower, long).dormant_from(Some(seen))
         };
         assert!(built.dormant() && built.rests());
-        assert!(built.stays_dormant(7, 40, seen), "a minute old and nothing moved: no rebuild");
-        assert!(!built.stays_dormant(8, 40, seen));
-        assert_eq!(built.woken_by(8, seen), "activity");
-        assert!(!built.stays_dormant(7, 41, seen));
-        assert_eq!(built.woken_by(7, seen), "progress");
-        assert!(!built.stays_dormant(7, 40, moved));
-        assert_eq!(built.woken_by(8, moved), "peer_contact");
-        assert!(!built.stays_dormant(7, 40, silent), "another node went silent");
+        assert_eq!(built.wakes(7, 40, seen), None, "a minute old and nothing moved: no rebuild");
+        assert_eq!(built.wakes(8, 40, seen), Some("activity"));
+        assert_eq!(built.wakes(7, 41, seen), Some("progress"));
+        assert_eq!(built.wakes(7, 40, moved), Some("peer_contact"));
+        assert_eq!(built.wakes(8, 40, moved), Some("peer_contact"), "a moved contact is named first");
+        assert_eq!(built.wakes(7, 40, silent), Some("peer_contact"), "another node went silent");
         let fresh = LastBuild::new(7, 40, following(), &dead_follower, long).dormant_from(Some(seen));
-        assert!(fresh.stays_dormant(7, 41, seen), "progress waits its quarter second");
+        assert_eq!(fresh.wakes(7, 41, seen), None, "progress waits its quarter second");
         let mut woken = built;
         woken.wake();
         assert!(!woken.dormant() && woken.rests());
