@@ -21,7 +21,12 @@ const SHARDS: u32 = 12;
 
 /// The value of one series (`name{labels}` exactly as exposed) on a node.
 async fn metric(cluster: &mut Cluster, id: u32, series: &str) -> f64 {
-    let body = common::http_get(&format!("{}/metrics", cluster.node(id).admin)).await.1;
+    metric_at(&cluster.node(id).admin, series).await
+}
+
+/// The value of one series on the node whose admin address is `admin`.
+async fn metric_at(admin: &str, series: &str) -> f64 {
+    let body = common::http_get(&format!("{admin}/metrics")).await.1;
     body.lines().find_map(|l| l.strip_prefix(series).and_then(|v| v.trim().parse().ok())).unwrap_or(0.0)
 }
 
@@ -196,6 +201,16 @@ async fn replica_view(cluster: &mut Cluster, shard: u32, node: u64) -> serde_jso
     view["replicas"].as_array().and_then(|r| r.iter().find(|r| r["node_id"] == node)).cloned().unwrap_or_default()
 }
 
+/// Waits until node 1's count of dormant replicas satisfies `ok`.
+async fn wait_dormant(cluster: &mut Cluster, what: &str, ok: impl Fn(f64) -> bool) {
+    let admin = cluster.node(1).admin.clone();
+    wait_until(what, Duration::from_secs(30), || {
+        let (admin, ok) = (&admin, &ok);
+        async move { ok(metric_at(admin, "walship_dormant_replicas").await) }
+    })
+    .await;
+}
+
 /// Node 1's dormant replicas woken for `reason` so far.
 async fn wakes(cluster: &mut Cluster, reason: &str) -> f64 {
     metric(cluster, 1, &format!("walship_dormant_wakes_total{{reason=\"{reason}\"}}")).await
@@ -231,11 +246,7 @@ async fn a_dead_followers_shards_go_dormant_and_report_appends_and_its_return() 
     }
     assert!(!led.is_empty());
     let want = led.len() as f64;
-    let deadline = tokio::time::Instant::now() + Duration::from_secs(30);
-    while metric(&mut cluster, 1, "walship_dormant_replicas").await < want {
-        assert!(tokio::time::Instant::now() < deadline, "node 1's shards did not go dormant");
-        tokio::time::sleep(Duration::from_millis(100)).await;
-    }
+    wait_dormant(&mut cluster, "node 1's shards dormant", |n| n >= want).await;
     let shard = led[0];
     let (_, before) = cluster.coord_get(1, &format!("/v1/shards/{shard}")).await;
     let known = before["replicas"].as_array().unwrap().iter().find(|r| r["node_id"] == 1).unwrap()["durable_seqno"]
@@ -274,11 +285,7 @@ async fn a_dead_followers_shards_go_dormant_and_report_appends_and_its_return() 
         wakes(&mut cluster, "peer_contact").await + wakes(&mut cluster, "activity").await > woken,
         "node 3's return woke node 1's dormant shards"
     );
-    let deadline = tokio::time::Instant::now() + Duration::from_secs(30);
-    while metric(&mut cluster, 1, "walship_dormant_replicas").await > 0.0 {
-        assert!(tokio::time::Instant::now() < deadline, "node 1 still holds shards dormant with every node up");
-        tokio::time::sleep(Duration::from_millis(100)).await;
-    }
+    wait_dormant(&mut cluster, "no shard dormant on node 1 with every node up", |n| n == 0.0).await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
