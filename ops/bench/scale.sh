@@ -11,6 +11,7 @@
 #   ops/bench/scale.sh --shards 1000 --kill --keep /tmp/s # and keep the logs
 #   ops/bench/scale.sh --shards 1000 --kill --no-restart  # node 1 stays down
 #   ops/bench/scale.sh --shards 1000 --kill --rebalance   # then move leaderships back
+#   ops/bench/scale.sh --shards 1000 --kill --load 32     # under load, acknowledged records checked
 #
 # With --kill, after the idle window node 1 (leading about a third of the
 # shards) is killed with SIGKILL and the shards it led are timed until each
@@ -40,6 +41,18 @@
 # failovers other than the rebalance's meanwhile (`other_failovers`: none
 # expected).
 #
+# With --load N (implies --kill), N sampled shards (half of them led by
+# node 1, the rest by the others) take QUORUM appends from
+# `walship-history` (one client a shard, one record in flight, unique
+# payloads) from 2 s before the kill until the failover is over; then
+# every acknowledged record is read back from every node and must be
+# there, at its seqno, with its payload (`history`: acknowledged, before
+# the kill, unknown outcomes, refused, lost, the (shard, node) pairs
+# checked and unchecked; a restarted node 1 is read once it has caught
+# up). `walship-history` is looked for beside the walship binary (`cargo
+# build --release -p walship-compare --bin walship-history`). A loss, or a
+# shard no node could be read for, makes the script exit 1 after printing.
+#
 # With --keep DIR, each count's cluster log is kept as DIR/dev-N.log and,
 # with --kill, the polled count as DIR/curve-N.json (seconds from the kill,
 # shards without a working leader; `kill_unix_s` is the kill's wall-clock
@@ -56,6 +69,7 @@ kill_node=0
 keep=""
 restart=""
 rebalance=0
+load=0
 while [ $# -gt 0 ]; do
   case "$1" in
     --shards) counts="$2"; shift 2 ;;
@@ -65,6 +79,7 @@ while [ $# -gt 0 ]; do
     --keep) keep="$2"; mkdir -p "$keep"; shift 2 ;;
     --no-restart) restart="--no-restart"; shift ;;
     --rebalance) rebalance=1; kill_node=1; shift ;;
+    --load) load="$2"; kill_node=1; shift 2 ;;
     *) echo "unknown argument $1 (see the header of $0)" >&2; exit 2 ;;
   esac
 done
@@ -73,6 +88,12 @@ if [ -z "$walship" ]; then
   [ -x "$walship" ] || walship=target/debug/walship
 fi
 [ -x "$walship" ] || { echo "no walship binary at $walship: cargo build --release" >&2; exit 1; }
+history_bin="$(dirname "$walship")/walship-history"
+if [ "$load" != 0 ]; then
+  [[ "$load" =~ ^[1-9][0-9]*$ ]] || { echo "--load takes a number of shards (at least 1), not $load" >&2; exit 2; }
+  [ -x "$history_bin" ] || { echo "no walship-history beside $walship: cargo build --release -p walship-compare --bin walship-history" >&2; exit 1; }
+fi
+failed=0
 
 ticks=$(getconf CLK_TCK)
 cpu_ticks() { awk '{print $14 + $15}' "/proc/$1/stat" 2>/dev/null || echo 0; }
@@ -134,9 +155,33 @@ for n in $counts; do
     for p in $pids; do
       tr '\0' ' ' <"/proc/$p/cmdline" | grep -q ' coord ' && coord=$p
     done
-    failover=$(python3 - "$admin" "$n" "$node1" "$coord" "$ticks" "$keep" <<'PY'
+    history_pid=""
+    mark="$dir/history.mark"
+    if [ "$load" != 0 ]; then
+      # The sample: half led by node 1, the rest by the other nodes; and
+      # every node's gRPC address.
+      read -r sample servers < <(python3 - "$admin" "$n" "$load" <<'PY'
+import json, sys, urllib.request
+admin, n, k = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
+with urllib.request.urlopen(f"{admin}v1/shards?limit={n}", timeout=30) as r:
+    shards = json.load(r)
+with urllib.request.urlopen(f"{admin}v1/cluster", timeout=5) as r:
+    nodes = json.load(r)["nodes"]
+by_node1 = [s["shard_id"] for s in shards if s.get("leader") == 1]
+others = [s["shard_id"] for s in shards if s.get("leader") not in (None, 1)]
+take1 = min(len(by_node1), (k + 1) // 2)
+sample = by_node1[:take1] + others[:k - take1]
+print(",".join(map(str, sample)), ",".join(v["grpc_addr"] for v in nodes))
+PY
+)
+      "$history_bin" --servers "$servers" --shards "$sample" --stop-file "$dir/history.stop" --mark-file "$mark" \
+        >"$dir/history.json" 2>"$dir/history.err" &
+      history_pid=$!
+      sleep 2
+    fi
+    failover=$(python3 - "$admin" "$n" "$node1" "$coord" "$ticks" "$keep" "$mark" <<'PY'
 import json, os, signal, sys, time, urllib.request
-admin, n, pid, coord, ticks, keep = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4]), int(sys.argv[5]), sys.argv[6]
+admin, n, pid, coord, ticks, keep, mark = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4]), int(sys.argv[5]), sys.argv[6], sys.argv[7]
 def cpu_s(p):
     # CPU seconds the process has used (user + system).
     with open(f"/proc/{p}/stat") as f:
@@ -187,6 +232,7 @@ def leading():
     with urllib.request.urlopen(f"{admin}v1/cluster", timeout=5) as r:
         return json.load(r)["shards_leading"]
 killed_at = time.time()
+open(mark, "w").close()
 os.kill(pid, signal.SIGKILL)
 # Polled: how many shards lack a working leader (the coordinator's
 # `shards_leading`: the recorded leader reports leading in the recorded
@@ -265,6 +311,15 @@ print(json.dumps({"shards_led": len(led), "most_without_leader": peak, "survivor
                   "own_p50_s_at_most": own(0.5), "own_p99_s_at_most": own(0.99), "step_mean_s": steps()}))
 PY
 )
+    history=null
+    if [ -n "$history_pid" ]; then
+      touch "$dir/history.stop"
+      if wait "$history_pid"; then history=$(tail -1 "$dir/history.json"); else
+        failed=1
+        history=$(tail -1 "$dir/history.json" 2>/dev/null || true)
+        [ -n "$history" ] || history="{\"error\": \"$(tail -1 "$dir/history.err" | tr -d '"\\')\"}"
+      fi
+    fi
   fi
   down=null
   if [ "$kill_node" = 1 ] && [ -n "$restart" ]; then
@@ -330,7 +385,7 @@ print(json.dumps({"planned": len(outcome["moves"]), "moved": outcome["moved"], "
 PY
 )
   fi
-  echo "{\"shards\": $n, \"seconds_to_all_leaders\": $leaders_s, \"idle_s\": $idle_s, \"processes\": [${procs%,}], \"failover\": $failover, \"down\": $down, \"rebalance\": $moved_back}"
+  echo "{\"shards\": $n, \"seconds_to_all_leaders\": $leaders_s, \"idle_s\": $idle_s, \"processes\": [${procs%,}], \"failover\": $failover, \"history\": ${history:-null}, \"down\": $down, \"rebalance\": $moved_back}"
   kill "$dev" 2>/dev/null || true
   wait "$dev" 2>/dev/null || true
   [ -z "$keep" ] || cp "$log" "$keep/dev-$n.log"
@@ -338,3 +393,4 @@ PY
   trap - EXIT
   unset before
 done
+exit "$failed"

@@ -3,17 +3,21 @@
 //! synchronous standbys), child processes that never outlive the harness,
 //! the load drivers, and the reports.
 //!
-//! Three binaries use them: `walship-compare` (`src/main.rs`, walship against
+//! Four binaries use them: `walship-compare` (`src/main.rs`, walship against
 //! JetStream and PostgreSQL), `walship-memory` (`src/bin/walship-memory.rs`,
 //! a node's resident memory per retained record and single-record read
-//! latency; see [`memory`]) and `walship-rebuild`
+//! latency; see [`memory`]), `walship-rebuild`
 //! (`src/bin/walship-rebuild.rs`, re-seeding a replica from the archive
 //! against `pg_basebackup` and a JetStream replica's catch-up; see
-//! [`rebuild`] and [`nats_rebuild`]). `ops/bench/README.md`
+//! [`rebuild`] and [`nats_rebuild`]) and `walship-history`
+//! (`src/bin/walship-history.rs`, acknowledged records of a sample of
+//! shards checked on every node after a failover under load; see
+//! [`history`]). `ops/bench/README.md`
 //! describes them.
 
 pub mod chart;
 pub mod failover;
+pub mod history;
 pub mod load;
 pub mod memory;
 pub mod nats;

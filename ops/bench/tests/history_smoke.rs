@@ -1,0 +1,116 @@
+//! `ops/bench/scale.sh --kill --load N` end to end on a small cluster:
+//! `walship-history` appends QUORUM records to a sample of shards while
+//! node 1 (leading some of them) is killed with SIGKILL, then every
+//! acknowledged record is read back from every node. Nothing acknowledged
+//! may be lost, the load must have run before the kill, and every shard
+//! must have been read on every node (node 1 restarted and caught up).
+//! Bad arguments are refused before anything starts.
+
+use std::path::{Path, PathBuf};
+use std::process::Command;
+
+mod common;
+
+fn walship_binary() -> PathBuf {
+    common::walship_beside(env!("CARGO_BIN_EXE_walship-history"))
+}
+
+fn root() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("../..")
+}
+
+/// The load-and-check command `ops/README.md` prints under "Many shards"
+/// (its second `sh` block).
+fn printed_command() -> String {
+    let readme = std::fs::read_to_string(root().join("ops/README.md")).unwrap();
+    let section = readme.split("### Many shards").nth(1).expect("a Many shards section");
+    let command = section.split("```sh\n").nth(2).and_then(|b| b.split("```").next()).expect("a second sh block");
+    command.trim().to_string()
+}
+
+#[test]
+fn a_node_killed_under_load_loses_no_acknowledged_record_of_the_sample() {
+    // Run as printed, with the binaries cargo built for this test (the
+    // script's own choice is target/release, else target/debug).
+    let command = printed_command();
+    assert_eq!(command, "ops/bench/scale.sh --shards 30 --idle-s 1 --load 8");
+    let run = Command::new("bash")
+        .arg("-c")
+        .arg(format!("{command} --walship {}", walship_binary().display()))
+        .current_dir(root())
+        .output()
+        .unwrap();
+    let stdout = String::from_utf8_lossy(&run.stdout);
+    let stderr = String::from_utf8_lossy(&run.stderr);
+    assert!(run.status.success(), "scale.sh --load failed:\n{stdout}\n{stderr}");
+    let line: serde_json::Value = serde_json::from_str(stdout.lines().last().unwrap_or("")).expect("one JSON line");
+    let failover = &line["failover"];
+    assert!(failover["shards_led"].as_u64().unwrap() > 0, "node 1 led shards: {line}");
+    assert!(failover["p99_s"].as_f64().is_some(), "its shards got leaders again: {line}");
+    let history = &line["history"];
+    assert_eq!(history["shards"], 8, "{history}");
+    assert_eq!(history["lost"], 0, "{history}");
+    assert_eq!(history["shards_unread"], 0, "{history}");
+    let acked = history["acked"].as_u64().unwrap();
+    let before = history["acked_before_mark"].as_u64().unwrap();
+    assert!(before > 0 && acked > before, "appends acknowledged before and after the kill: {history}");
+    // Every shard on all three nodes: node 1 came back and caught up.
+    assert_eq!(history["checked"], 24, "{history}");
+    assert_eq!(history["unchecked"], 0, "{history}");
+    assert!(
+        common::processes_mentioning("walship-history").is_empty(),
+        "walship-history left running: {:?}",
+        common::processes_mentioning("walship-history")
+    );
+}
+
+#[test]
+fn bad_arguments_are_refused_before_anything_starts() {
+    let scale = Command::new("bash")
+        .arg("ops/bench/scale.sh")
+        .arg("--walship")
+        .arg(walship_binary())
+        .args(["--shards", "10", "--load", "some"])
+        .current_dir(root())
+        .output()
+        .unwrap();
+    assert_eq!(scale.status.code(), Some(2), "{scale:?}");
+    assert!(String::from_utf8_lossy(&scale.stderr).contains("--load takes a number of shards"), "{scale:?}");
+    assert!(scale.stdout.is_empty(), "nothing measured: {scale:?}");
+
+    let stop = tempfile::NamedTempFile::new().unwrap();
+    for (shards, why) in [("0", "shard ids start at 1"), ("1,x", "shard id"), ("", "names no shard")] {
+        let run = Command::new(env!("CARGO_BIN_EXE_walship-history"))
+            .args(["--servers", "127.0.0.1:1", "--shards", shards, "--stop-file"])
+            .arg(stop.path())
+            .env("RUST_BACKTRACE", "0")
+            .output()
+            .unwrap();
+        assert!(!run.status.success(), "--shards {shards:?} accepted");
+        assert!(String::from_utf8_lossy(&run.stderr).contains(why), "--shards {shards:?}: {run:?}");
+        assert!(run.stdout.is_empty(), "--shards {shards:?}: {run:?}");
+    }
+    let run = Command::new(env!("CARGO_BIN_EXE_walship-history"))
+        .args(["--servers", "127.0.0.1:1", "--shards", "1", "--max-seconds", "0", "--stop-file"])
+        .arg(stop.path())
+        .env("RUST_BACKTRACE", "0")
+        .output()
+        .unwrap();
+    assert!(!run.status.success(), "--max-seconds 0 accepted: {run:?}");
+    assert!(String::from_utf8_lossy(&run.stderr).contains("must be positive"), "{run:?}");
+}
+
+#[test]
+fn a_check_without_a_reachable_node_fails() {
+    // The stop file exists: no append is made, nothing is acknowledged,
+    // and a history that showed nothing does not pass.
+    let stop = tempfile::NamedTempFile::new().unwrap();
+    let run = Command::new(env!("CARGO_BIN_EXE_walship-history"))
+        .args(["--servers", "127.0.0.1:1", "--shards", "1,2", "--wait-seconds", "1", "--stop-file"])
+        .arg(stop.path())
+        .output()
+        .unwrap();
+    assert_eq!(run.status.code(), Some(1), "{run:?}");
+    let verdict: serde_json::Value = serde_json::from_slice(&run.stdout).expect("the verdict is printed");
+    assert_eq!(verdict["acked"], 0, "{verdict}");
+}
