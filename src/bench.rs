@@ -264,6 +264,12 @@ struct Cell {
     /// An archiving cell's records/s ÷ the same cell without the archive.
     #[serde(skip_serializing_if = "Option::is_none")]
     vs_unarchived: Option<f64>,
+    /// A cell over more than one shard: its records/s ÷ the same path,
+    /// record size and appenders on one shard, when both were measured
+    /// (`--shards 1,1000`: what spreading the appenders over many shards
+    /// costs).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    vs_one_shard: Option<f64>,
     /// Archiving cells: segment MiB/s uploaded over the cell (warm-up
     /// included), and the archive lag (seconds, worst shard) at its end.
     #[serde(skip_serializing_if = "Option::is_none")]
@@ -330,6 +336,7 @@ fn cell(
         vs_local: None,
         vs_plaintext: None,
         vs_unarchived: None,
+        vs_one_shard: None,
         archive_mib_per_s: archive.map(|a| a.0),
         archive_lag_s: archive.map(|a| a.1),
         p99_ratio: f.p99_us / base.fdatasync_4k_p99_us,
@@ -541,19 +548,20 @@ fn print_table(base: &Baseline, cells: &[Cell]) {
     );
     println!();
     println!(
-        "| path | record B | shards | appenders | records/s | MiB/s | p50 µs | p99 µs | p999 µs | disk MiB/s ÷ disk limit | p99 ÷ fsync p99 | ÷ local | ÷ plaintext | ÷ unarchived | archive MiB/s | archive lag s | server CPU µs/rec | client CPU µs/rec |"
+        "| path | record B | shards | appenders | records/s | MiB/s | p50 µs | p99 µs | p999 µs | disk MiB/s ÷ disk limit | p99 ÷ fsync p99 | ÷ local | ÷ plaintext | ÷ unarchived | ÷ 1 shard | archive MiB/s | archive lag s | server CPU µs/rec | client CPU µs/rec |"
     );
-    println!("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|");
+    println!("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|");
     for c in cells {
         let vs_local = c.vs_local.map_or("".to_string(), |r| format!("{r:.2}"));
         let vs_plaintext = c.vs_plaintext.map_or("".to_string(), |r| format!("{r:.2}"));
         let vs_unarchived = c.vs_unarchived.map_or("".to_string(), |r| format!("{r:.2}"));
+        let vs_one_shard = c.vs_one_shard.map_or("".to_string(), |r| format!("{r:.2}"));
         let archive_mib = c.archive_mib_per_s.map_or("".to_string(), |r| format!("{r:.1}"));
         let archive_lag = c.archive_lag_s.map_or("".to_string(), |r| format!("{r:.1}"));
         let server_cpu = c.server_cpu_us_per_record.map_or("".to_string(), |r| format!("{r:.1}"));
         let client_cpu = c.client_cpu_us_per_record.map_or("".to_string(), |r| format!("{r:.1}"));
         println!(
-            "| {} | {} | {} | {} | {:.0} | {:.1} | {:.0} | {:.0} | {:.0} | {:.2} | {:.2} | {} | {} | {} | {} | {} | {} | {} |",
+            "| {} | {} | {} | {} | {:.0} | {:.1} | {:.0} | {:.0} | {:.0} | {:.2} | {:.2} | {} | {} | {} | {} | {} | {} | {} | {} |",
             c.path,
             c.record_bytes,
             c.shards,
@@ -568,6 +576,7 @@ fn print_table(base: &Baseline, cells: &[Cell]) {
             vs_local,
             vs_plaintext,
             vs_unarchived,
+            vs_one_shard,
             archive_mib,
             archive_lag,
             server_cpu,
@@ -646,6 +655,13 @@ pub async fn run(args: BenchArgs) -> Result<()> {
                 .find(|p| (p.record_bytes, p.shards, p.appenders) == (c.record_bytes, c.shards, c.appenders))
                 .map(|p| c.records_per_s / p.records_per_s);
         }
+    }
+    let one_shard: Vec<Cell> = cells.iter().filter(|c| c.shards == 1).cloned().collect();
+    for c in cells.iter_mut().filter(|c| c.shards > 1) {
+        c.vs_one_shard = one_shard
+            .iter()
+            .find(|o| (o.path, o.record_bytes, o.appenders) == (c.path, c.record_bytes, c.appenders))
+            .map(|o| c.records_per_s / o.records_per_s);
     }
     print_table(&base, &cells);
     if let Some(path) = &args.json {

@@ -61,6 +61,41 @@ fn bench_prints_figures_and_ratios() {
     }
 }
 
+/// Cells over several shards report their records/s ÷ the same cell on one
+/// shard (`vs_one_shard`, the table's "÷ 1 shard"); one-shard cells do not.
+#[test]
+fn bench_prints_many_shards_against_one() {
+    let dir = tempfile::tempdir().unwrap();
+    let json = dir.path().join("out.json");
+    let output = Command::new(common::walship_bin())
+        .args(["bench", "--paths", "quorum", "--sizes", "100", "--appenders", "2", "--shards", "1,4"])
+        .args(["--duration", "0.5", "--warmup", "0.2", "--wal-spare-bytes", "0"])
+        .arg("--dir")
+        .arg(dir.path().join("data"))
+        .arg("--json")
+        .arg(&json)
+        .env("WALSHIP_LOG", "warn")
+        .output()
+        .unwrap();
+    let stdout = String::from_utf8_lossy(&output.stdout);
+    assert!(output.status.success(), "bench failed: {}", String::from_utf8_lossy(&output.stderr));
+    assert!(stdout.contains("| ÷ 1 shard |"), "{stdout}");
+    let report: serde_json::Value = serde_json::from_slice(&std::fs::read(json).unwrap()).unwrap();
+    let cells = report["cells"].as_array().unwrap();
+    assert_eq!(cells.len(), 2, "{report}");
+    for cell in cells {
+        let ratio = cell["vs_one_shard"].as_f64();
+        match cell["shards"].as_u64().unwrap() {
+            1 => assert!(ratio.is_none(), "{cell}"),
+            _ => {
+                let records = cell["records_per_s"].as_f64().unwrap();
+                let one = cells[0]["records_per_s"].as_f64().unwrap();
+                assert!(ratio.is_some_and(|r| (r - records / one).abs() < 1e-9), "{cell}");
+            }
+        }
+    }
+}
+
 /// `walship bench-dataplane` on a 4 MiB shard with 1 s windows: every
 /// figure is printed and lands in the JSON, and the ratios are positive
 /// finite numbers. The page cache is left alone (`--keep-cache`): a test
