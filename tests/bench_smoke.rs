@@ -6,26 +6,14 @@ mod common;
 
 use std::process::Command;
 
-#[test]
-fn bench_prints_figures_and_ratios() {
+/// `walship bench` with `paths` and `shards`, 100 B records, 2 appenders,
+/// half-second cells: its stdout and its `--json` report.
+fn bench(paths: &str, shards: &str) -> (String, serde_json::Value) {
     let dir = tempfile::tempdir().unwrap();
     let json = dir.path().join("out.json");
     let output = Command::new(common::walship_bin())
-        .args([
-            "bench",
-            "--paths",
-            "wal,local,quorum,quorum-tls,all",
-            "--sizes",
-            "100",
-            "--appenders",
-            "2",
-            "--shards",
-            "1",
-            "--duration",
-            "0.5",
-            "--warmup",
-            "0.2",
-        ])
+        .args(["bench", "--paths", paths, "--sizes", "100", "--appenders", "2", "--shards", shards])
+        .args(["--duration", "0.5", "--warmup", "0.2"])
         // Its half-second cells stay inside each node's first WAL file.
         .args(["--wal-spare-bytes", "0"])
         .arg("--dir")
@@ -35,13 +23,18 @@ fn bench_prints_figures_and_ratios() {
         .env("WALSHIP_LOG", "warn")
         .output()
         .unwrap();
-    let stdout = String::from_utf8_lossy(&output.stdout);
+    let stdout = String::from_utf8_lossy(&output.stdout).into_owned();
     assert!(output.status.success(), "bench failed: {}", String::from_utf8_lossy(&output.stderr));
+    (stdout, serde_json::from_slice(&std::fs::read(json).unwrap()).unwrap())
+}
+
+#[test]
+fn bench_prints_figures_and_ratios() {
+    let (stdout, report) = bench("wal,local,quorum,quorum-tls,all", "1");
     assert!(stdout.contains("raw disk: 4 KiB write+fdatasync"), "{stdout}");
     for path in ["wal", "local", "rf3-quorum", "rf3-quorum-tls", "rf3-all"] {
         assert!(stdout.contains(&format!("| {path} | 100 | 1 | 2 |")), "no {path} row in:\n{stdout}");
     }
-    let report: serde_json::Value = serde_json::from_slice(&std::fs::read(json).unwrap()).unwrap();
     assert!(report["baseline"]["seq_write_mib_s"].as_f64().unwrap() > 0.0);
     let cells = report["cells"].as_array().unwrap();
     assert_eq!(cells.len(), 5);
@@ -65,22 +58,8 @@ fn bench_prints_figures_and_ratios() {
 /// shard (`vs_one_shard`, the table's "÷ 1 shard"); one-shard cells do not.
 #[test]
 fn bench_prints_many_shards_against_one() {
-    let dir = tempfile::tempdir().unwrap();
-    let json = dir.path().join("out.json");
-    let output = Command::new(common::walship_bin())
-        .args(["bench", "--paths", "quorum", "--sizes", "100", "--appenders", "2", "--shards", "1,4"])
-        .args(["--duration", "0.5", "--warmup", "0.2", "--wal-spare-bytes", "0"])
-        .arg("--dir")
-        .arg(dir.path().join("data"))
-        .arg("--json")
-        .arg(&json)
-        .env("WALSHIP_LOG", "warn")
-        .output()
-        .unwrap();
-    let stdout = String::from_utf8_lossy(&output.stdout);
-    assert!(output.status.success(), "bench failed: {}", String::from_utf8_lossy(&output.stderr));
+    let (stdout, report) = bench("quorum", "1,4");
     assert!(stdout.contains("| ÷ 1 shard |"), "{stdout}");
-    let report: serde_json::Value = serde_json::from_slice(&std::fs::read(json).unwrap()).unwrap();
     let cells = report["cells"].as_array().unwrap();
     assert_eq!(cells.len(), 2, "{report}");
     for cell in cells {
