@@ -12,6 +12,7 @@
 #   ops/bench/scale.sh --shards 1000 --kill --no-restart  # node 1 stays down
 #   ops/bench/scale.sh --shards 1000 --kill --rebalance   # then move leaderships back
 #   ops/bench/scale.sh --shards 1000 --kill --load 32     # under load, acknowledged records checked
+#   ops/bench/scale.sh --shards "10 1000 10000" --kill --load 64 --throughput 1000  # every figure of issue 18
 #
 # With --kill, after the idle window node 1 (leading about a third of the
 # shards) is killed with SIGKILL and the shards it led are timed until each
@@ -53,6 +54,13 @@
 # build --release -p walship-compare --bin walship-history`). A loss, or a
 # shard no node could be read for, makes the script exit 1 after printing.
 #
+# With --throughput M, one more JSON line follows the shard counts':
+# `walship bench` QUORUM, 100 B records, 64 appenders (each one append in
+# flight), on one shard and spread over M shards (`--throughput-s`
+# measured seconds each, 10 by default, after 2 s of warm-up), and M
+# shards' records/s ÷ one shard's (the bench's `vs_one_shard`), with the
+# cluster's CPU µs a record for each.
+#
 # With --keep DIR, each count's cluster log is kept as DIR/dev-N.log and,
 # with --kill, the polled count as DIR/curve-N.json (seconds from the kill,
 # shards without a working leader; `kill_unix_s` is the kill's wall-clock
@@ -70,6 +78,8 @@ keep=""
 restart=""
 rebalance=0
 load=0
+throughput=0
+throughput_s=10
 while [ $# -gt 0 ]; do
   case "$1" in
     --shards) counts="$2"; shift 2 ;;
@@ -80,6 +90,8 @@ while [ $# -gt 0 ]; do
     --no-restart) restart="--no-restart"; shift ;;
     --rebalance) rebalance=1; kill_node=1; shift ;;
     --load) load="$2"; kill_node=1; shift 2 ;;
+    --throughput) throughput="$2"; shift 2 ;;
+    --throughput-s) throughput_s="$2"; shift 2 ;;
     *) echo "unknown argument $1 (see the header of $0)" >&2; exit 2 ;;
   esac
 done
@@ -92,6 +104,12 @@ history_bin="$(dirname "$walship")/walship-history"
 if [ "$load" != 0 ]; then
   [[ "$load" =~ ^[1-9][0-9]*$ ]] || { echo "--load takes a number of shards (at least 1), not $load" >&2; exit 2; }
   [ -x "$history_bin" ] || { echo "no walship-history beside $walship: cargo build --release -p walship-compare --bin walship-history" >&2; exit 1; }
+fi
+if [ "$throughput" != 0 ]; then
+  [[ "$throughput" =~ ^[1-9][0-9]*$ ]] && [ "$throughput" -gt 1 ] ||
+    { echo "--throughput takes a shard count above 1, not $throughput" >&2; exit 2; }
+  [[ "$throughput_s" =~ ^[0-9]+(\.[0-9]+)?$ ]] && awk "BEGIN {exit !($throughput_s > 0)}" ||
+    { echo "--throughput-s takes a positive number of seconds, not $throughput_s" >&2; exit 2; }
 fi
 failed=0
 
@@ -393,4 +411,28 @@ PY
   trap - EXIT
   unset before
 done
+if [ "$throughput" != 0 ]; then
+  dir=$(mktemp -d)
+  trap 'rm -rf "$dir"' EXIT
+  if "$walship" bench --paths quorum --sizes 100 --appenders 64 --shards "1,$throughput" \
+      --duration "$throughput_s" --warmup 2 --wal-spare-bytes 0 --dir "$dir/bench" --json "$dir/bench.json" \
+      >"$dir/bench.out" 2>&1; then
+    python3 - "$dir/bench.json" "$throughput" <<'PY'
+import json, sys
+cells = {c["shards"]: c for c in json.load(open(sys.argv[1]))["cells"]}
+one, many = cells[1], cells[int(sys.argv[2])]
+print(json.dumps({"throughput": {
+    "path": "rf3-quorum", "record_bytes": 100, "appenders": 64, "shards": many["shards"],
+    "one_shard_records_per_s": round(one["records_per_s"]), "many_shards_records_per_s": round(many["records_per_s"]),
+    "ratio": round(many["vs_one_shard"], 3),
+    "server_cpu_us_per_record": {"one_shard": one.get("server_cpu_us_per_record"), "many_shards": many.get("server_cpu_us_per_record")},
+    "p50_us": {"one_shard": round(one["p50_us"]), "many_shards": round(many["p50_us"])}}}))
+PY
+  else
+    echo "{\"throughput\": {\"error\": \"$(tail -1 "$dir/bench.out" | tr -d '"\\')\"}}"
+    failed=1
+  fi
+  rm -rf "$dir"
+  trap - EXIT
+fi
 exit "$failed"

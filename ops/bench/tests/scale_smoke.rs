@@ -1,9 +1,13 @@
-//! `ops/bench/scale.sh --kill --load N` end to end on a small cluster:
-//! `walship-history` appends QUORUM records to a sample of shards while
-//! node 1 (leading some of them) is killed with SIGKILL, then every
-//! acknowledged record is read back from every node. Nothing acknowledged
-//! may be lost, the load must have run before the kill, and every shard
-//! must have been read on every node (node 1 restarted and caught up).
+//! `ops/bench/scale.sh` end to end on small clusters:
+//! - `--kill --load N`: `walship-history` appends QUORUM records to a
+//!   sample of shards while node 1 (leading some of them) is killed with
+//!   SIGKILL, then every acknowledged record is read back from every node.
+//!   Nothing acknowledged may be lost, the load must have run before the
+//!   kill, and every shard must have been read on every node (node 1
+//!   restarted and caught up);
+//! - `--throughput M`: the QUORUM bench on one shard and over M, and their
+//!   ratio.
+//!
 //! Bad arguments are refused before anything starts.
 
 use std::path::{Path, PathBuf};
@@ -65,6 +69,30 @@ fn a_node_killed_under_load_loses_no_acknowledged_record_of_the_sample() {
 }
 
 #[test]
+fn the_throughput_line_gives_many_shards_against_one() {
+    let run = Command::new("bash")
+        .arg("ops/bench/scale.sh")
+        .arg("--walship")
+        .arg(walship_binary())
+        .args(["--shards", "", "--throughput", "4", "--throughput-s", "0.5"])
+        .current_dir(root())
+        .output()
+        .unwrap();
+    let stdout = String::from_utf8_lossy(&run.stdout);
+    assert!(run.status.success(), "scale.sh --throughput failed:\n{stdout}\n{}", String::from_utf8_lossy(&run.stderr));
+    let line: serde_json::Value = serde_json::from_str(stdout.lines().last().unwrap_or("")).expect("one JSON line");
+    let figures = &line["throughput"];
+    assert_eq!(figures["shards"], 4, "{line}");
+    let one = figures["one_shard_records_per_s"].as_f64().unwrap();
+    let many = figures["many_shards_records_per_s"].as_f64().unwrap();
+    assert!(one > 0.0 && many > 0.0, "{line}");
+    let ratio = figures["ratio"].as_f64().unwrap();
+    // Rounded rates and ratio: within a rounding of each other.
+    assert!((ratio - many / one).abs() < 0.01, "{line}");
+    assert!(figures["server_cpu_us_per_record"]["many_shards"].as_f64().is_some(), "{line}");
+}
+
+#[test]
 fn bad_arguments_are_refused_before_anything_starts() {
     let scale = Command::new("bash")
         .arg("ops/bench/scale.sh")
@@ -77,6 +105,26 @@ fn bad_arguments_are_refused_before_anything_starts() {
     assert_eq!(scale.status.code(), Some(2), "{scale:?}");
     assert!(String::from_utf8_lossy(&scale.stderr).contains("--load takes a number of shards"), "{scale:?}");
     assert!(scale.stdout.is_empty(), "nothing measured: {scale:?}");
+    for (flag, value, why) in [
+        ("--throughput", "1", "--throughput takes a shard count above 1"),
+        ("--throughput", "x", "--throughput takes a shard count above 1"),
+        ("--throughput-s", "0", "--throughput-s takes a positive number"),
+        ("--throughput-s", "-3", "--throughput-s takes a positive number"),
+    ] {
+        let mut args = vec!["--shards", "10", "--throughput", "4"];
+        args.extend([flag, value]);
+        let scale = Command::new("bash")
+            .arg("ops/bench/scale.sh")
+            .arg("--walship")
+            .arg(walship_binary())
+            .args(&args)
+            .current_dir(root())
+            .output()
+            .unwrap();
+        assert_eq!(scale.status.code(), Some(2), "{flag} {value}: {scale:?}");
+        assert!(String::from_utf8_lossy(&scale.stderr).contains(why), "{flag} {value}: {scale:?}");
+        assert!(scale.stdout.is_empty(), "{flag} {value}: nothing measured: {scale:?}");
+    }
 
     let stop = tempfile::NamedTempFile::new().unwrap();
     for (shards, why) in [("0", "shard ids start at 1"), ("1,x", "shard id"), ("", "names no shard")] {
