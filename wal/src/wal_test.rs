@@ -313,6 +313,48 @@ async fn a_truncation_waits_for_the_staged_appends_before_it() {
     assert_eq!(epochs, vec![1, 1, 2]);
 }
 
+/// Group commit across shards, at scale: appends to a thousand shards
+/// staged while one commit is held are made durable by the next commit,
+/// one store write and one fsync for all of them, however many shards
+/// they touch.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn appends_to_a_thousand_shards_staged_during_a_commit_share_the_next_fsync() {
+    let metrics = WalMetrics::unregistered();
+    let (wal, store, open) = gated(WalConfig::default(), metrics.clone());
+    let others: Vec<ShardId> = (2..=1_000).collect();
+    wal.create_shards(&others).unwrap();
+    let append = |shard| {
+        let wal = wal.clone();
+        tokio::spawn(async move { wal.append(shard, 1, records(1)).await })
+    };
+    let first = append(1);
+    store.wait_held(1).await;
+    // One record on each of the other 999 shards, all staged (written)
+    // while the first commit is held.
+    let appends: Vec<_> = others.iter().map(|&shard| append(shard)).collect();
+    for &shard in &others {
+        let mut written = wal.written_watch(shard).unwrap();
+        tokio::time::timeout(Duration::from_secs(10), written.wait_for(|w| *w == 1)).await.unwrap().unwrap();
+    }
+    assert!(appends.iter().all(|a| !a.is_finished()), "none durable before its commit");
+    open.send(()).unwrap();
+    assert_eq!(first.await.unwrap().unwrap(), Appended { first_seqno: 1, last_seqno: 1 });
+    // The second commit holds all 999: one more syncing write.
+    store.wait_held(2).await;
+    open.send(()).unwrap();
+    for a in appends {
+        // Bounded: commits of their own would wait at the gate for ever.
+        let appended = tokio::time::timeout(Duration::from_secs(10), a).await.expect("durable in the second commit");
+        assert_eq!(appended.unwrap().unwrap(), Appended { first_seqno: 1, last_seqno: 1 });
+    }
+    assert_eq!(*store.held.borrow(), 2, "two syncing writes for 1,000 appends");
+    assert_eq!(metrics.group_commit_records.get_sample_count(), 2);
+    assert_eq!(metrics.group_commit_records.get_sample_sum(), 1_000.0);
+    for shard in 1..=1_000 {
+        assert_eq!(wal.positions(shard).unwrap().durable_seqno, 1, "shard {shard}");
+    }
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn durable_never_passes_flushing_nor_flushing_written() {
     let wal = Wal::start(Arc::new(MemStore::new()), WalConfig::default(), WalMetrics::unregistered()).unwrap();
