@@ -841,21 +841,38 @@ impl Wal {
         // the corrupt range (the records before it read with `to` below it)
         // and records the range.
         let what = move || format!("reading shard {shard} [{from}, {to}]");
-        tokio::task::spawn_blocking(move || {
-            fatal_on_panic(what, || {
-                let generation = shared.corruption.generation();
-                let stored = shared.store.bounds(shard)?.last_seqno;
-                let read = shared.store.read(shard, from, to.min(stored.max(from)), max_bytes);
-                if let Err(e) = &read {
-                    shared.corruption.record_error(e, Detection::Read, shared.store.location(), generation);
-                }
-                read
-            })
+        read_blocking(shared, what, Detection::Read, move |shared| {
+            let stored = shared.store.bounds(shard)?.last_seqno;
+            shared.store.read(shard, from, to.min(stored.max(from)), max_bytes)
         })
         .await
-        .map_err(|_| WalError::Closed)?
-        .map_err(|e| fatal_if(&what(), e).into())
     }
+}
+
+/// Runs `read` of the store on a blocking thread under [`fatal_on_panic`]
+/// (`what` names it), records the damage it meets in the corruption
+/// registry as found by `detection`, and ends the process on a storage
+/// failure ([`fatal_if`]).
+async fn read_blocking<T: Send + 'static>(
+    shared: Arc<Shared>,
+    what: impl Fn() -> String + Send + 'static,
+    detection: Detection,
+    read: impl FnOnce(&Shared) -> Result<T, StoreError> + Send + 'static,
+) -> WalResult<T> {
+    tokio::task::spawn_blocking(move || {
+        let read = fatal_on_panic(&what, || {
+            let generation = shared.corruption.generation();
+            let read = read(&shared);
+            if let Err(e) = &read {
+                shared.corruption.record_error(e, detection, shared.store.location(), generation);
+            }
+            read
+        });
+        read.map_err(|e| fatal_if(&what(), e))
+    })
+    .await
+    .map_err(|_| WalError::Closed)?
+    .map_err(Into::into)
 }
 
 fn now_us() -> u64 {

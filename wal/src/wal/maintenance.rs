@@ -161,19 +161,10 @@ impl Wal {
     pub async fn verify_range(&self, shard: ShardId, from: u64, to: u64) -> WalResult<()> {
         let shared = self.shared.clone();
         let what = move || format!("verifying shard {shard} [{from}, {to}]");
-        tokio::task::spawn_blocking(move || {
-            fatal_on_panic(what, || {
-                let generation = shared.corruption.generation();
-                let read = shared.store.read(shard, from, to, usize::MAX).map(|_| ());
-                if let Err(e) = &read {
-                    shared.corruption.record_error(e, Detection::Scrub, shared.store.location(), generation);
-                }
-                read
-            })
+        read_blocking(shared, what, Detection::Scrub, move |shared| {
+            shared.store.read(shard, from, to, usize::MAX).map(|_| ())
         })
         .await
-        .map_err(|_| WalError::Closed)?
-        .map_err(|e| fatal_if(&what(), e).into())
     }
 
     /// Graceful shutdown: waits until everything sequenced is durable, then
