@@ -13,8 +13,9 @@
 //! that answers must hold every acknowledged record at its seqno with its
 //! payload: one it misses or holds differently is *lost* on that node. A
 //! node that cannot answer (down, or still catching up when the wait runs
-//! out) is counted as unchecked for that shard, not as losing anything;
-//! every shard must be checked on at least one node.
+//! out) is counted as unchecked for that shard, not as losing anything,
+//! and is not asked again for the other shards; every shard must be
+//! checked on at least one node.
 
 use std::collections::HashMap;
 use std::sync::Arc;
@@ -158,6 +159,10 @@ pub async fn read_node(
 /// docs).
 pub async fn check(histories: &[ShardHistory], nodes: &[String], wait: Duration, acked_before_mark: u64) -> Verdict {
     let mut verdict = Verdict { shards: histories.len(), acked_before_mark, ..Default::default() };
+    // A node that could not be read once (down, or not caught up within
+    // `wait`) is not asked again: the check stays within about `wait` per
+    // node, however many shards.
+    let mut unreadable = std::collections::HashSet::new();
     for history in histories {
         verdict.acked += history.acked.len() as u64;
         verdict.unknown += history.unknown;
@@ -169,7 +174,12 @@ pub async fn check(histories: &[ShardHistory], nodes: &[String], wait: Duration,
         }
         let mut read_any = false;
         for node in nodes {
-            let Some(held) = read_node(node, history.shard, through, unnamed, wait).await else {
+            let held = match unreadable.contains(node) {
+                true => None,
+                false => read_node(node, history.shard, through, unnamed, wait).await,
+            };
+            let Some(held) = held else {
+                unreadable.insert(node);
                 verdict.unchecked += 1;
                 continue;
             };

@@ -5,13 +5,14 @@
 //!   Nothing acknowledged may be lost, the load must have run before the
 //!   kill, and every shard must have been read on every node (node 1
 //!   restarted and caught up);
+//!   With node 1 left down, it is unchecked, not a loss;
 //! - `--throughput M`: the QUORUM bench on one shard and over M, and their
 //!   ratio.
 //!
 //! Bad arguments are refused before anything starts.
 
 use std::path::{Path, PathBuf};
-use std::process::Command;
+use std::process::{Command, Output};
 
 mod common;
 
@@ -21,6 +22,25 @@ fn walship_binary() -> PathBuf {
 
 fn root() -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR")).join("../..")
+}
+
+/// `ops/bench/scale.sh --walship <the walship cargo built> args...`.
+fn scale(args: &[&str]) -> Output {
+    Command::new("bash")
+        .arg("ops/bench/scale.sh")
+        .arg("--walship")
+        .arg(walship_binary())
+        .args(args)
+        .current_dir(root())
+        .output()
+        .unwrap()
+}
+
+/// A successful run's last line, its JSON object.
+fn last_line(run: &Output) -> serde_json::Value {
+    let stdout = String::from_utf8_lossy(&run.stdout);
+    assert!(run.status.success(), "scale.sh failed:\n{stdout}\n{}", String::from_utf8_lossy(&run.stderr));
+    serde_json::from_str(stdout.lines().last().unwrap_or("")).expect("one JSON line")
 }
 
 /// The load-and-check command `ops/README.md` prints under "Many shards"
@@ -44,10 +64,7 @@ fn a_node_killed_under_load_loses_no_acknowledged_record_of_the_sample() {
         .current_dir(root())
         .output()
         .unwrap();
-    let stdout = String::from_utf8_lossy(&run.stdout);
-    let stderr = String::from_utf8_lossy(&run.stderr);
-    assert!(run.status.success(), "scale.sh --load failed:\n{stdout}\n{stderr}");
-    let line: serde_json::Value = serde_json::from_str(stdout.lines().last().unwrap_or("")).expect("one JSON line");
+    let line = last_line(&run);
     let failover = &line["failover"];
     assert!(failover["shards_led"].as_u64().unwrap() > 0, "node 1 led shards: {line}");
     assert!(failover["p99_s"].as_f64().is_some(), "its shards got leaders again: {line}");
@@ -69,18 +86,18 @@ fn a_node_killed_under_load_loses_no_acknowledged_record_of_the_sample() {
 }
 
 #[test]
+fn a_node_left_down_is_unchecked_not_lost() {
+    let line = last_line(&scale(&["--shards", "30", "--idle-s", "1", "--load", "8", "--no-restart"]));
+    let history = &line["history"];
+    assert_eq!(history["lost"], 0, "{history}");
+    // Node 1 stayed down: each of the 8 shards read on the two others only.
+    assert_eq!((history["checked"].as_u64(), history["unchecked"].as_u64()), (Some(16), Some(8)), "{history}");
+    assert_eq!(history["shards_unread"], 0, "{history}");
+}
+
+#[test]
 fn the_throughput_line_gives_many_shards_against_one() {
-    let run = Command::new("bash")
-        .arg("ops/bench/scale.sh")
-        .arg("--walship")
-        .arg(walship_binary())
-        .args(["--shards", "", "--throughput", "4", "--throughput-s", "0.5"])
-        .current_dir(root())
-        .output()
-        .unwrap();
-    let stdout = String::from_utf8_lossy(&run.stdout);
-    assert!(run.status.success(), "scale.sh --throughput failed:\n{stdout}\n{}", String::from_utf8_lossy(&run.stderr));
-    let line: serde_json::Value = serde_json::from_str(stdout.lines().last().unwrap_or("")).expect("one JSON line");
+    let line = last_line(&scale(&["--shards", "", "--throughput", "4", "--throughput-s", "0.5"]));
     let figures = &line["throughput"];
     assert_eq!(figures["shards"], 4, "{line}");
     let one = figures["one_shard_records_per_s"].as_f64().unwrap();
@@ -94,17 +111,10 @@ fn the_throughput_line_gives_many_shards_against_one() {
 
 #[test]
 fn bad_arguments_are_refused_before_anything_starts() {
-    let scale = Command::new("bash")
-        .arg("ops/bench/scale.sh")
-        .arg("--walship")
-        .arg(walship_binary())
-        .args(["--shards", "10", "--load", "some"])
-        .current_dir(root())
-        .output()
-        .unwrap();
-    assert_eq!(scale.status.code(), Some(2), "{scale:?}");
-    assert!(String::from_utf8_lossy(&scale.stderr).contains("--load takes a number of shards"), "{scale:?}");
-    assert!(scale.stdout.is_empty(), "nothing measured: {scale:?}");
+    let refused = scale(&["--shards", "10", "--load", "some"]);
+    assert_eq!(refused.status.code(), Some(2), "{refused:?}");
+    assert!(String::from_utf8_lossy(&refused.stderr).contains("--load takes a number of shards"), "{refused:?}");
+    assert!(refused.stdout.is_empty(), "nothing measured: {refused:?}");
     for (flag, value, why) in [
         ("--throughput", "1", "--throughput takes a shard count above 1"),
         ("--throughput", "x", "--throughput takes a shard count above 1"),
@@ -113,17 +123,10 @@ fn bad_arguments_are_refused_before_anything_starts() {
     ] {
         let mut args = vec!["--shards", "10", "--throughput", "4"];
         args.extend([flag, value]);
-        let scale = Command::new("bash")
-            .arg("ops/bench/scale.sh")
-            .arg("--walship")
-            .arg(walship_binary())
-            .args(&args)
-            .current_dir(root())
-            .output()
-            .unwrap();
-        assert_eq!(scale.status.code(), Some(2), "{flag} {value}: {scale:?}");
-        assert!(String::from_utf8_lossy(&scale.stderr).contains(why), "{flag} {value}: {scale:?}");
-        assert!(scale.stdout.is_empty(), "{flag} {value}: nothing measured: {scale:?}");
+        let refused = scale(&args);
+        assert_eq!(refused.status.code(), Some(2), "{flag} {value}: {refused:?}");
+        assert!(String::from_utf8_lossy(&refused.stderr).contains(why), "{flag} {value}: {refused:?}");
+        assert!(refused.stdout.is_empty(), "{flag} {value}: nothing measured: {refused:?}");
     }
 
     let stop = tempfile::NamedTempFile::new().unwrap();
