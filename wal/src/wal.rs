@@ -309,112 +309,24 @@ impl Default for WalConfig {
 mod fatal;
 mod maintenance;
 mod persister;
+mod positions;
 mod producers_rebuild;
+mod read;
 mod sequencer;
 mod staged;
 
 pub(crate) use fatal::fatal_on_panic;
 use fatal::{fatal, fatal_if};
 use maintenance::scrubber;
+use positions::ShardPositions;
 use producers_rebuild::{rebuild_producers, replay};
+use read::read_blocking;
 use staged::StagedBytes;
 
 use persister::{Persister, Staged, Waiter};
 use sequencer::{SequenceResult, Sequenced, Sequencer};
 
 type Reply = oneshot::Sender<WalResult<Appended>>;
-
-/// Per-shard positions shared between the writer and readers.
-struct ShardPositions {
-    first: AtomicU64,
-    last: AtomicU64,
-    /// Counted before `durable` is published, so a reader that has seen a
-    /// durable seqno also sees at least the bytes that brought it there.
-    records: AtomicU64,
-    bytes: AtomicU64,
-    /// Leader appends in an older epoch are refused (set on fencing, so an
-    /// append queued before a leadership change cannot land after it).
-    min_epoch: AtomicU64,
-    /// The newest written frames, contiguous, oldest first.
-    tail: parking_lot::Mutex<TailCache>,
-    /// Newest seqno sequenced (in the tail cache, maybe not in the store
-    /// yet); never behind `flushing`.
-    written: watch::Sender,
-    /// Newest seqno handed to the store: the commit in progress ends here.
-    /// Between `durable` and `written`.
-    flushing: watch::Sender,
-    durable: watch::Sender,
-    /// Its position series; none without per-shard metrics.
-    gauges: Option<ShardGauges>,
-    /// Changed under the sequencer lock, with the frames it applies.
-    producers: parking_lot::Mutex<ProducerState>,
-    /// The log epoch as the store holds it: read from the store when the
-    /// shard is first hosted, raised once each raise through this WAL is
-    /// durable (nothing else writes it, and it never moves back). Read from
-    /// the store each time, it was a raft-engine key lookup for every
-    /// heartbeat report and fence answer: 5 % of a surviving node's CPU
-    /// while it took over a lost node's 3,334 shards.
-    log_epoch: AtomicU64,
-}
-
-impl ShardPositions {
-    fn new(bounds: LogBounds, log_epoch: u64, gauges: Option<ShardGauges>, tail: Arc<TailBudget>) -> ShardPositions {
-        let positions = ShardPositions {
-            first: AtomicU64::new(bounds.first_seqno),
-            last: AtomicU64::new(bounds.last_seqno),
-            records: AtomicU64::new(0),
-            bytes: AtomicU64::new(0),
-            min_epoch: AtomicU64::new(0),
-            tail: parking_lot::Mutex::new(TailCache::new(tail)),
-            written: watch::Sender::new(bounds.last_seqno),
-            flushing: watch::Sender::new(bounds.last_seqno),
-            durable: watch::Sender::new(bounds.durable_seqno),
-            gauges,
-            producers: parking_lot::Mutex::new(ProducerState::empty(bounds.last_seqno)),
-            log_epoch: AtomicU64::new(log_epoch),
-        };
-        positions.publish(bounds);
-        positions
-    }
-
-    /// Publishes `seqno` as written (sequenced and in the tail cache).
-    fn publish_written(&self, seqno: u64) {
-        set_watch(&self.written, seqno);
-    }
-
-    /// Publishes `seqno` as flushing (the persister is committing it).
-    fn publish_flushing(&self, seqno: u64) {
-        set_watch(&self.flushing, seqno);
-    }
-
-    /// Publishes the store's bounds after a commit. Written and flushing are
-    /// not touched: the sequencer may already be ahead of the store.
-    fn publish_durable(&self, bounds: LogBounds) {
-        self.first.store(bounds.first_seqno, Ordering::Release);
-        self.last.store(bounds.last_seqno, Ordering::Release);
-        set_watch(&self.durable, bounds.durable_seqno);
-        if let Some(gauges) = &self.gauges {
-            gauges.first_seqno.set(bounds.first_seqno as i64);
-            gauges.last_seqno.set(bounds.last_seqno as i64);
-            gauges.durable_seqno.set(bounds.durable_seqno as i64);
-        }
-    }
-
-    /// Publishes every position as the store has it, written included: at
-    /// start and after a truncation or compaction, when nothing is staged.
-    fn publish(&self, bounds: LogBounds) {
-        // Written first: readers never see durable ahead of flushing, nor
-        // flushing ahead of written.
-        self.publish_written(bounds.last_seqno);
-        self.publish_flushing(bounds.last_seqno);
-        self.publish_durable(bounds);
-    }
-}
-
-/// Sets a position watch to `seqno`, waking its receivers only on a change.
-fn set_watch(watch: &watch::Sender, seqno: u64) {
-    watch.send_if_modified(|v| std::mem::replace(v, seqno) != seqno);
-}
 
 struct Shared {
     store: Arc<dyn LogStore>,
@@ -816,63 +728,6 @@ impl Wal {
     pub fn disk_space(&self) -> Option<&Arc<DiskSpace>> {
         self.shared.disk.as_ref()
     }
-
-    /// Reads frames `[from, to]` (see [`LogStore::read`]) on a blocking
-    /// thread. Callers bound `to` by the position they may expose (durable or
-    /// committed).
-    pub async fn read(&self, shard: ShardId, from: u64, to: u64, max_bytes: usize) -> WalResult<Vec<Frame>> {
-        if let Some(frames) = self.shared.shard(shard)?.tail.lock().read(from, to, max_bytes) {
-            return Ok(frames);
-        }
-        self.read_stored(shard, from, to, max_bytes).await
-    }
-
-    /// Like [`Wal::read`], but from the store only, never the tail cache
-    /// (which holds intact copies of the newest records even when their
-    /// stored bytes are damaged): what a cross-replica verify compares.
-    /// Records not yet in the store are not returned (a short read).
-    pub async fn read_stored(&self, shard: ShardId, from: u64, to: u64, max_bytes: usize) -> WalResult<Vec<Frame>> {
-        self.shared.shard(shard)?;
-        let shared = self.shared.clone();
-        // Frames past the store's last are staged and cached (the cache never
-        // evicts them), so a range that missed the cache and runs past the
-        // store's end is read up to that end: a short read, as `max_bytes`
-        // may also make it. A read that meets damage fails as a whole with
-        // the corrupt range (the records before it read with `to` below it)
-        // and records the range.
-        let what = move || format!("reading shard {shard} [{from}, {to}]");
-        read_blocking(shared, what, Detection::Read, move |shared| {
-            let stored = shared.store.bounds(shard)?.last_seqno;
-            shared.store.read(shard, from, to.min(stored.max(from)), max_bytes)
-        })
-        .await
-    }
-}
-
-/// Runs `read` of the store on a blocking thread under [`fatal_on_panic`]
-/// (`what` names it), records the damage it meets in the corruption
-/// registry as found by `detection`, and ends the process on a storage
-/// failure ([`fatal_if`]).
-async fn read_blocking<T: Send + 'static>(
-    shared: Arc<Shared>,
-    what: impl Fn() -> String + Send + 'static,
-    detection: Detection,
-    read: impl FnOnce(&Shared) -> Result<T, StoreError> + Send + 'static,
-) -> WalResult<T> {
-    tokio::task::spawn_blocking(move || {
-        let read = fatal_on_panic(&what, || {
-            let generation = shared.corruption.generation();
-            let read = read(&shared);
-            if let Err(e) = &read {
-                shared.corruption.record_error(e, detection, shared.store.location(), generation);
-            }
-            read
-        });
-        read.map_err(|e| fatal_if(&what(), e))
-    })
-    .await
-    .map_err(|_| WalError::Closed)?
-    .map_err(Into::into)
 }
 
 fn now_us() -> u64 {
