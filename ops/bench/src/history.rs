@@ -25,8 +25,10 @@ use std::time::Duration;
 use anyhow::{Context, Result};
 use bytes::Bytes;
 use serde::Serialize;
+use tonic::transport::Channel;
 use walship_client::{Acked, ProduceError, Producer};
 use walship_proto::log::ReadRequest;
+use walship_proto::log::log_client::LogClient;
 
 /// What one sampled shard's client saw.
 #[derive(Debug, Default)]
@@ -113,21 +115,27 @@ pub async fn append_until(
     history
 }
 
-/// What `node` holds of `shard` from seqno 1 up to `through`, once it has
-/// committed that far (waiting up to `wait`): seqno -> payload. A node
-/// that says there is no acknowledged record that far (`OUT_OF_RANGE`: a
-/// leader whose log ends before it) holds what it returned until then.
-/// `None` when it cannot be read (down, or not caught up in time). With
-/// `beyond`, the read goes on past `through` to the newest committed record.
+/// A `Log` client of `node` (`host:port`), connected within `wait`; `None`
+/// when it cannot be reached.
+async fn connect(node: &str, wait: Duration) -> Option<LogClient<Channel>> {
+    let addr = node.parse().ok()?;
+    tokio::time::timeout(wait, crate::walship::connect(addr)).await.ok()?.ok()
+}
+
+/// What the node behind `client` holds of `shard` from seqno 1 up to
+/// `through`, once it has committed that far (waiting up to `wait`): seqno
+/// -> payload. A node that says there is no acknowledged record that far
+/// (`OUT_OF_RANGE`: a leader whose log ends before it) holds what it
+/// returned until then. `None` when it cannot be read (down, or not caught
+/// up in time). With `beyond`, the read goes on past `through` to the
+/// newest committed record.
 pub async fn read_node(
-    node: &str,
+    client: &mut LogClient<Channel>,
     shard: u32,
     through: u64,
     beyond: bool,
     wait: Duration,
 ) -> Option<HashMap<u64, Bytes>> {
-    let addr = node.parse().ok()?;
-    let mut client = tokio::time::timeout(wait, crate::walship::connect(addr)).await.ok()?.ok()?;
     let mut held = HashMap::new();
     let mut from = 1;
     while beyond || from <= through {
@@ -159,10 +167,14 @@ pub async fn read_node(
 /// docs).
 pub async fn check(histories: &[ShardHistory], nodes: &[String], wait: Duration, acked_before_mark: u64) -> Verdict {
     let mut verdict = Verdict { shards: histories.len(), acked_before_mark, ..Default::default() };
-    // A node that could not be read once (down, or not caught up within
-    // `wait`) is not asked again: the check stays within about `wait` per
-    // node, however many shards.
-    let mut unreadable = std::collections::HashSet::new();
+    // One client per node, connected once. A node that could not be read
+    // once (down, or not caught up within `wait`) is dropped and not asked
+    // again: the check stays within about `wait` per node, however many
+    // shards.
+    let mut clients = Vec::with_capacity(nodes.len());
+    for node in nodes {
+        clients.push((node, connect(node, wait).await));
+    }
     for history in histories {
         verdict.acked += history.acked.len() as u64;
         verdict.unknown += history.unknown;
@@ -173,13 +185,13 @@ pub async fn check(histories: &[ShardHistory], nodes: &[String], wait: Duration,
             continue;
         }
         let mut read_any = false;
-        for node in nodes {
-            let held = match unreadable.contains(node) {
-                true => None,
-                false => read_node(node, history.shard, through, unnamed, wait).await,
+        for (node, client) in &mut clients {
+            let held = match client.as_mut() {
+                Some(c) => read_node(c, history.shard, through, unnamed, wait).await,
+                None => None,
             };
             let Some(held) = held else {
-                unreadable.insert(node);
+                *client = None;
                 verdict.unchecked += 1;
                 continue;
             };

@@ -204,6 +204,19 @@ pub async fn connect(addr: SocketAddr) -> Result<LogClient<Channel>> {
     Ok(LogClient::new(channel))
 }
 
+/// How a [`walship_client::Producer`] opens a node's client: [`connect`]
+/// to its `host:port`.
+pub fn producer_connect() -> Connect {
+    Arc::new(|server: String| -> BoxFuture<'static, Result<_, ConnectError>> {
+        Box::pin(async move {
+            let addr = server.parse::<SocketAddr>().map_err(|e| Arc::new(e) as ConnectError)?;
+            connect(addr)
+                .await
+                .map_err(|e| Arc::from(Box::<dyn std::error::Error + Send + Sync>::from(e)) as ConnectError)
+        })
+    })
+}
+
 impl WalshipCluster {
     /// Makes each client of [`Cluster::appenders`] a producer session of its
     /// own (a random non-zero id, epoch 1, sequences from 1 up by the records
@@ -313,16 +326,8 @@ impl Cluster for WalshipCluster {
             // The leader first: the producer tries the servers in turn.
             let mut servers = vec![addr.to_string()];
             servers.extend(self.nodes.iter().filter(|a| **a != addr).map(ToString::to_string));
-            let connect: Connect = Arc::new(|server: String| -> BoxFuture<'static, Result<_, ConnectError>> {
-                Box::pin(async move {
-                    let addr = server.parse::<SocketAddr>().map_err(|e| Arc::new(e) as ConnectError)?;
-                    connect(addr)
-                        .await
-                        .map_err(|e| Arc::from(Box::<dyn std::error::Error + Send + Sync>::from(e)) as ConnectError)
-                })
-            });
             let config = ProducerConfig { durability: self.durability, ..BATCHING };
-            let producer = Arc::new(walship_client::Producer::new(servers, connect, config));
+            let producer = Arc::new(walship_client::Producer::new(servers, producer_connect(), config));
             return Ok((0..clients)
                 .map(|_| Arc::new(BatchedAppender { producer: producer.clone() }) as Arc<dyn Appender>)
                 .collect());

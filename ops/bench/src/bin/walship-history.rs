@@ -13,8 +13,7 @@ use std::time::{Duration, Instant};
 
 use anyhow::{Result, bail};
 use clap::Parser;
-use futures::future::BoxFuture;
-use walship_client::{Connect, ConnectError, Producer, ProducerConfig};
+use walship_client::{Producer, ProducerConfig};
 use walship_compare::history;
 use walship_proto::log::Durability;
 
@@ -63,14 +62,6 @@ async fn main() -> Result<()> {
     {
         bail!("--max-seconds and --wait-seconds must be positive");
     }
-    let connect: Connect = Arc::new(|server: String| -> BoxFuture<'static, Result<_, ConnectError>> {
-        Box::pin(async move {
-            let addr = server.parse::<std::net::SocketAddr>().map_err(|e| Arc::new(e) as ConnectError)?;
-            walship_compare::walship::connect(addr)
-                .await
-                .map_err(|e| Arc::from(Box::<dyn std::error::Error + Send + Sync>::from(e)) as ConnectError)
-        })
-    });
     // One record at a time per shard: each acknowledgement names its own
     // seqno, and a failover finds at most one record in flight per shard.
     let config = ProducerConfig {
@@ -81,7 +72,7 @@ async fn main() -> Result<()> {
         request_timeout: Duration::from_secs(2),
         ..ProducerConfig::default()
     };
-    let producer = Arc::new(Producer::new(args.servers.clone(), connect, config));
+    let producer = Arc::new(Producer::new(args.servers.clone(), walship_compare::walship::producer_connect(), config));
     let run = rand::random::<u64>();
     let (stop, marked) = (Arc::new(AtomicBool::new(false)), Arc::new(AtomicBool::new(false)));
     let acked_before_mark = Arc::new(AtomicU64::new(0));
