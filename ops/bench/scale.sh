@@ -123,6 +123,25 @@ process_name() {
   id=$(tr '\0' ' ' <"/proc/$1/cmdline" | grep -o -- '--node-id [0-9]*' | awk '{print $2}' || true)
   echo "$what${id:+-$id}"
 }
+# Each of the processes PIDS... over an idle window of $idle_s: one JSON
+# object apiece, comma-separated, with its name and CPU (share of one
+# core), and its resident size too when WITH_RSS is 1.
+idle_window() {
+  local with_rss=$1 p cpu rss out=""
+  shift
+  local -A start=()
+  for p in "$@"; do start[$p]=$(cpu_ticks "$p"); done
+  sleep "$idle_s"
+  for p in "$@"; do
+    cpu=$(awk "BEGIN {printf \"%.3f\", ($(cpu_ticks "$p") - ${start[$p]}) / $ticks / $idle_s}")
+    rss=""
+    [ "$with_rss" = 1 ] && rss=", \"rss_mib\": $(( $(rss_kib "$p") / 1024 ))"
+    out="$out{\"process\": \"$(process_name "$p")\", \"cpu_cores\": $cpu$rss},"
+  done
+  echo "${out%,}"
+}
+# A JSON object whose `error` is the last line of FILE.
+error_json() { echo "{\"error\": \"$(tail -1 "$1" | tr -d '"\\')\"}"; }
 
 for n in $counts; do
   dir=$(mktemp -d)
@@ -155,14 +174,8 @@ for n in $counts; do
   [ -n "$leaders_s" ] || leaders_s=null
   sleep 5 # let start-up work (assignments, first catch-ups) settle
   pids="$dev $(pgrep -P "$dev" | tr '\n' ' ')"
-  declare -A before=()
-  for p in $pids; do before[$p]=$(cpu_ticks "$p"); done
-  sleep "$idle_s"
-  procs=""
-  for p in $pids; do
-    cpu=$(awk "BEGIN {printf \"%.3f\", ($(cpu_ticks "$p") - ${before[$p]}) / $ticks / $idle_s}")
-    procs="$procs{\"process\": \"$(process_name "$p")\", \"cpu_cores\": $cpu, \"rss_mib\": $(( $(rss_kib "$p") / 1024 ))},"
-  done
+  # shellcheck disable=SC2086 # one argument per PID
+  procs=$(idle_window 1 $pids)
   failover=null
   if [ "$kill_node" = 1 ]; then
     node1=""
@@ -335,24 +348,17 @@ PY
       if wait "$history_pid"; then history=$(tail -1 "$dir/history.json"); else
         failed=1
         history=$(tail -1 "$dir/history.json" 2>/dev/null || true)
-        [ -n "$history" ] || history="{\"error\": \"$(tail -1 "$dir/history.err" | tr -d '"\\')\"}"
+        [ -n "$history" ] || history=$(error_json "$dir/history.err")
       fi
     fi
   fi
   down=null
   if [ "$kill_node" = 1 ] && [ -n "$restart" ]; then
     sleep 5
-    declare -A before_down=()
     alive=""
     for p in $pids; do [ -e "/proc/$p" ] && [ "$p" != "$node1" ] && alive="$alive $p"; done
-    for p in $alive; do before_down[$p]=$(cpu_ticks "$p"); done
-    sleep "$idle_s"
-    down=""
-    for p in $alive; do
-      cpu=$(awk "BEGIN {printf \"%.3f\", ($(cpu_ticks "$p") - ${before_down[$p]}) / $ticks / $idle_s}")
-      down="$down{\"process\": \"$(process_name "$p")\", \"cpu_cores\": $cpu},"
-    done
-    down="[${down%,}]"
+    # shellcheck disable=SC2086 # one argument per PID
+    down="[$(idle_window 0 $alive)]"
   fi
   moved_back=null
   if [ "$rebalance" = 1 ] && [ -z "$restart" ]; then
@@ -403,13 +409,12 @@ print(json.dumps({"planned": len(outcome["moves"]), "moved": outcome["moved"], "
 PY
 )
   fi
-  echo "{\"shards\": $n, \"seconds_to_all_leaders\": $leaders_s, \"idle_s\": $idle_s, \"processes\": [${procs%,}], \"failover\": $failover, \"history\": ${history:-null}, \"down\": $down, \"rebalance\": $moved_back}"
+  echo "{\"shards\": $n, \"seconds_to_all_leaders\": $leaders_s, \"idle_s\": $idle_s, \"processes\": [$procs], \"failover\": $failover, \"history\": ${history:-null}, \"down\": $down, \"rebalance\": $moved_back}"
   kill "$dev" 2>/dev/null || true
   wait "$dev" 2>/dev/null || true
   [ -z "$keep" ] || cp "$log" "$keep/dev-$n.log"
   rm -rf "$dir"
   trap - EXIT
-  unset before
 done
 if [ "$throughput" != 0 ]; then
   dir=$(mktemp -d)
@@ -429,7 +434,7 @@ print(json.dumps({"throughput": {
     "p50_us": {"one_shard": round(one["p50_us"]), "many_shards": round(many["p50_us"])}}}))
 PY
   else
-    echo "{\"throughput\": {\"error\": \"$(tail -1 "$dir/bench.out" | tr -d '"\\')\"}}"
+    echo "{\"throughput\": $(error_json "$dir/bench.out")}"
     failed=1
   fi
   rm -rf "$dir"
