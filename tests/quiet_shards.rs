@@ -248,10 +248,9 @@ async fn a_dead_followers_shards_go_dormant_and_report_appends_and_its_return() 
     let want = led.len() as f64;
     wait_dormant(&mut cluster, "node 1's shards dormant", |n| n >= want).await;
     let shard = led[0];
-    let (_, before) = cluster.coord_get(1, &format!("/v1/shards/{shard}")).await;
-    let known = before["replicas"].as_array().unwrap().iter().find(|r| r["node_id"] == 1).unwrap()["durable_seqno"]
-        .as_u64()
-        .unwrap_or(0);
+    let leader = replica_view(&mut cluster, shard, 1).await;
+    assert!(!leader.is_null(), "node 1 holds shard {shard}");
+    let known = leader["durable_seqno"].as_u64().unwrap_or(0);
     let woken_by_appends = wakes(&mut cluster, "activity").await + wakes(&mut cluster, "progress").await;
     let acked = Acked::default();
     let mut log = cluster.node(1).client().await;
@@ -273,7 +272,7 @@ async fn a_dead_followers_shards_go_dormant_and_report_appends_and_its_return() 
     );
     let woken = wakes(&mut cluster, "peer_contact").await + wakes(&mut cluster, "activity").await;
     cluster.restart(3);
-    wait_until("node 3 caught up and fresh in shard {shard}'s view", Duration::from_secs(30), || {
+    wait_until(&format!("node 3 caught up and fresh in shard {shard}'s view"), Duration::from_secs(30), || {
         let dead = futures::executor::block_on(replica_view(&mut cluster, shard, 3));
         async move { dead["durable_seqno"] == last && dead["lag_records"] == 0 && dead["lag_stale"] == false }
     })
