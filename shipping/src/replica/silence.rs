@@ -299,13 +299,21 @@ impl ReplicationNode {
 mod tests {
     use super::*;
 
+    /// A follower's silences: its leader, node 2, silent `leader_ms`.
+    fn follower(leader_ms: u64) -> Silences {
+        Silences { leader: 2, unheard: vec![], leader_ms, followers: BTreeMap::new() }
+    }
+
+    /// A leader's silences: each follower's (node, ms).
+    fn leader(followers: &[(NodeId, u64)]) -> Silences {
+        Silences { leader: 0, unheard: vec![], leader_ms: 0, followers: followers.iter().copied().collect() }
+    }
+
     #[test]
     fn silences_differ_in_quarter_seconds_or_at_the_timeout_until_long_then_only_when_one_ends() {
         let silences = |leader_ms: u64, followers: &[(u32, u64)]| Silences {
-            leader: 2,
-            unheard: vec![],
-            leader_ms,
             followers: followers.iter().copied().collect(),
+            ..follower(leader_ms)
         };
         let long = 1_200;
         let key = |s: Silences| s.key(long);
@@ -347,8 +355,8 @@ mod tests {
     #[test]
     fn progress_alone_waits_its_turn_and_anything_else_is_reported_at_once() {
         let long = 1_200;
-        let heard = Silences { leader: 2, unheard: vec![], leader_ms: 10, followers: BTreeMap::new() };
-        let leader_silent = Silences { leader: 2, unheard: vec![], leader_ms: 300, followers: BTreeMap::new() };
+        let heard = follower(10);
+        let leader_silent = follower(300);
         let built = LastBuild::new(7, 40, following(), &heard, long);
         assert!(built.only_progress_since(following(), long, || &heard), "appends alone: not yet");
         for changed in [
@@ -374,15 +382,15 @@ mod tests {
     #[test]
     fn a_build_says_the_same_until_its_activity_or_silences_move() {
         let long = 1_200;
-        let quiet_follower = Silences { leader: 2, unheard: vec![], leader_ms: 100, followers: BTreeMap::new() };
-        let later = Silences { leader: 2, unheard: vec![], leader_ms: 300, followers: BTreeMap::new() };
+        let quiet_follower = follower(100);
+        let later = follower(300);
         let built = LastBuild::new(7, 40, following(), &quiet_follower, long);
         assert!(built.says_the_same(7, 40, false, long, || &quiet_follower));
         assert!(!built.says_the_same(8, 40, false, long, || &quiet_follower), "activity moved");
         assert!(!built.says_the_same(7, 40, false, long, || &later));
         // A resting replica's silences are looked at only on a resting look.
-        let dead_leader = Silences { leader: 2, unheard: vec![], leader_ms: 5_000, followers: BTreeMap::new() };
-        let long_dead = Silences { leader: 2, unheard: vec![], leader_ms: 60_000, followers: BTreeMap::new() };
+        let dead_leader = follower(5_000);
+        let long_dead = follower(60_000);
         let resting = LastBuild::new(7, 40, following(), &dead_leader, long);
         assert!(resting.says_the_same(7, 40, false, long, || unreachable!("not looked at between looks")));
         assert!(!resting.says_the_same(7, 40, true, long, || &quiet_follower), "its leader was heard again");
@@ -398,10 +406,9 @@ mod tests {
         let seen = Contact { returns: 5, silent: 1 };
         let moved = Contact { returns: 6, silent: 1 };
         let silent = Contact { returns: 5, silent: 2 };
-        let dead_follower =
-            Silences { leader: 0, unheard: vec![], leader_ms: 0, followers: BTreeMap::from([(2, 10), (3, 60_000)]) };
+        let dead_follower = leader(&[(2, 10), (3, 60_000)]);
         assert_eq!(dead_follower.long_silent(long).collect::<Vec<_>>(), [3]);
-        let dead_leader = Silences { leader: 2, unheard: vec![], leader_ms: 5_000, followers: BTreeMap::new() };
+        let dead_leader = follower(5_000);
         assert_eq!(dead_leader.long_silent(long).collect::<Vec<_>>(), [2]);
         let built = LastBuild {
             at: Instant::now() - LONG_SILENT_REPORT_EVERY * 60,
@@ -428,16 +435,14 @@ mod tests {
     #[test]
     fn a_moved_commit_is_reported_every_quarter_second() {
         let long = 1_200;
-        let heard =
-            Silences { leader: 0, unheard: vec![], leader_ms: 0, followers: BTreeMap::from([(2, 10), (3, 20)]) };
+        let heard = leader(&[(2, 10), (3, 20)]);
         let built = LastBuild::new(7, 40, following(), &heard, long);
         assert!(built.says_the_same(7, 90, false, long, || &heard), "under a quarter second: later");
         let old = LastBuild { at: Instant::now() - PROGRESS_REPORT_EVERY, ..built };
         assert!(old.says_the_same(7, 40, false, long, || &heard), "nothing moved");
         assert!(!old.says_the_same(7, 90, false, long, || &heard), "the commit moved");
         assert!(!old.only_progress_since(following(), long, || &heard), "and it is built");
-        let dead_follower =
-            Silences { leader: 0, unheard: vec![], leader_ms: 0, followers: BTreeMap::from([(2, 10), (3, 60_000)]) };
+        let dead_follower = leader(&[(2, 10), (3, 60_000)]);
         let resting = LastBuild {
             at: Instant::now() - PROGRESS_REPORT_EVERY,
             ..LastBuild::new(7, 40, following(), &dead_follower, long)
