@@ -585,6 +585,38 @@ fn print_table(base: &Baseline, cells: &[Cell]) {
     }
 }
 
+/// Each cell's ratios to the cell measured beside it: a replicated cell's
+/// records/s ÷ the `local` cell's, a TLS or archiving cell's ÷ the plain
+/// `rf3-quorum` cell's (same record size, shards and appenders), and a cell
+/// over several shards ÷ the same path on one shard; none when that cell
+/// was not measured.
+fn set_ratios(cells: &mut [Cell]) {
+    let ratio = |c: &Cell, base: &dyn Fn(&Cell) -> bool| {
+        cells.iter().find(|o| base(o)).map(|o| c.records_per_s / o.records_per_s)
+    };
+    let ratios: Vec<_> = cells
+        .iter()
+        .map(|c| {
+            let alike = |o: &Cell| (o.record_bytes, o.shards, o.appenders) == (c.record_bytes, c.shards, c.appenders);
+            let beside = |path: &str| ratio(c, &|o| o.path == path && alike(o));
+            let one_shard = || {
+                ratio(c, &|o| {
+                    o.shards == 1 && (o.path, o.record_bytes, o.appenders) == (c.path, c.record_bytes, c.appenders)
+                })
+            };
+            (
+                c.path.starts_with("rf3").then(|| beside("local")).flatten(),
+                (c.path == "rf3-quorum-tls").then(|| beside("rf3-quorum")).flatten(),
+                c.path.starts_with("rf3-quorum-archive").then(|| beside("rf3-quorum")).flatten(),
+                (c.shards > 1).then(one_shard).flatten(),
+            )
+        })
+        .collect();
+    for (c, (local, plaintext, unarchived, one_shard)) in cells.iter_mut().zip(ratios) {
+        (c.vs_local, c.vs_plaintext, c.vs_unarchived, c.vs_one_shard) = (local, plaintext, unarchived, one_shard);
+    }
+}
+
 pub async fn run(args: BenchArgs) -> Result<()> {
     if args.paths.is_empty()
         || args.sizes.is_empty()
@@ -630,39 +662,7 @@ pub async fn run(args: BenchArgs) -> Result<()> {
         }
     }
     bar.finish_and_clear();
-    let local: Vec<Cell> = cells.iter().filter(|c| c.path == "local").cloned().collect();
-    for c in &mut cells {
-        if c.path.starts_with("rf3") {
-            c.vs_local = local
-                .iter()
-                .find(|l| (l.record_bytes, l.shards, l.appenders) == (c.record_bytes, c.shards, c.appenders))
-                .map(|l| c.records_per_s / l.records_per_s);
-        }
-    }
-    let plain: Vec<Cell> = cells.iter().filter(|c| c.path == "rf3-quorum").cloned().collect();
-    for c in &mut cells {
-        if c.path == "rf3-quorum-tls" {
-            c.vs_plaintext = plain
-                .iter()
-                .find(|p| (p.record_bytes, p.shards, p.appenders) == (c.record_bytes, c.shards, c.appenders))
-                .map(|p| c.records_per_s / p.records_per_s);
-        }
-    }
-    for c in &mut cells {
-        if c.path.starts_with("rf3-quorum-archive") {
-            c.vs_unarchived = plain
-                .iter()
-                .find(|p| (p.record_bytes, p.shards, p.appenders) == (c.record_bytes, c.shards, c.appenders))
-                .map(|p| c.records_per_s / p.records_per_s);
-        }
-    }
-    let one_shard: Vec<Cell> = cells.iter().filter(|c| c.shards == 1).cloned().collect();
-    for c in cells.iter_mut().filter(|c| c.shards > 1) {
-        c.vs_one_shard = one_shard
-            .iter()
-            .find(|o| (o.path, o.record_bytes, o.appenders) == (c.path, c.record_bytes, c.appenders))
-            .map(|o| c.records_per_s / o.records_per_s);
-    }
+    set_ratios(&mut cells);
     print_table(&base, &cells);
     if let Some(path) = &args.json {
         let mut file = std::fs::File::create(path)?;
