@@ -611,7 +611,8 @@ pub struct ShardQuery {
     /// Only shards needing attention: no leader, or a member down, lagging
     /// on a stale position, with a full disk or a known corrupt record.
     unhealthy: Option<bool>,
-    /// Only shards this node holds (as voter, learner or leaving member).
+    /// Only shards this node holds (as voter, learner or leaving member);
+    /// a node the cluster does not have is refused (400).
     #[param(value_type = Option<i64>, minimum = 0, maximum = 4294967295.0)]
     node: Option<u32>,
     /// Only shards with a follower at least this many records behind.
@@ -647,6 +648,12 @@ async fn shards(State(admin): State<Arc<CoordAdmin>>, query: Result<Query<ShardQ
     if query.offset.is_some_and(|o| o < 0) || query.min_lag_records.is_some_and(|m| m < 0) {
         return ApiError::new(StatusCode::BAD_REQUEST, "bad_query", "offset and min_lag_records are at least 0")
             .into_response();
+    }
+    // A node the cluster does not have is a typo, not an empty filter.
+    if let Some(node) = query.node.filter(|&n| admin.coordinator.config.node(n).is_none()) {
+        let known: Vec<String> = admin.coordinator.config.nodes.iter().map(|n| n.id.to_string()).collect();
+        let why = format!("node {node} is not in the cluster (its nodes: {})", known.join(", "));
+        return ApiError::new(StatusCode::BAD_REQUEST, "bad_query", why).into_response();
     }
     match state(&admin).await {
         Ok(state) => {
