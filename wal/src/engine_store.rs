@@ -92,10 +92,8 @@
 //! damage) are classified by [`crate::recovery_log`].
 
 use std::collections::BTreeMap;
-use std::io::Write;
-use std::path::{Path, PathBuf};
+use std::path::PathBuf;
 use std::sync::Arc;
-use std::sync::atomic::AtomicUsize;
 
 use parking_lot::Mutex;
 use raft_engine::{Command, Config, LogBatch, MessageExt, ReadableSize};
@@ -172,60 +170,6 @@ impl MessageExt for ChunkEntry {
     }
 }
 
-/// Tuning for the raft-engine store.
-#[derive(Debug, Clone)]
-pub struct EngineStoreConfig {
-    /// Target size of one raft-engine log file before rotation.
-    pub target_file_bytes: u64,
-    /// Compress a write batch larger than this with LZ4; 0 disables
-    /// compression (the default: records are often already compressed, and
-    /// the CPU is better spent elsewhere on a small node).
-    pub compression_threshold_bytes: u64,
-    /// Zero-fill a fresh store's first log file while it opens, and a
-    /// reopened store's active file behind its recovered end, so a group
-    /// commit's fdatasync overwrites written blocks instead of converting
-    /// fresh ones ([`crate::zero_fill`]; later files are recycled ones once
-    /// compaction purges). Costs up to one file of zeros written and synced
-    /// at every open. Off here (tests open many stores); a node turns it
-    /// on by default (`wal.prefill`).
-    pub prefill: bool,
-    /// With `prefill`: bytes of spare log files of zeros, written and synced
-    /// when the store opens with fewer, that rotations take instead of
-    /// allocating a new file ([`crate::zero_fill::spare_files`]; rounded down
-    /// to the whole files raft-engine's recycle pool holds). 0 lays out none.
-    pub spare_bytes: u64,
-    /// Frame bytes per stored chunk (a single larger record makes a chunk
-    /// of its own). The index costs [`chunk::CHUNK_INDEX_BYTES`] of memory
-    /// per chunk, and reading one record reads its whole chunk: 64 KiB
-    /// keeps the index near 0.3 % of the log and a one-record read from the
-    /// middle of the log within about 1.5x of the one-entry-per-record
-    /// store's (`ops/bench/results/memory.md`; 128 KiB halves the index and
-    /// costs reads more).
-    pub chunk_bytes: u64,
-    /// Bytes of the shards' unsealed tails (their small chunks not yet
-    /// merged) kept in memory together, so a merge writes them without
-    /// reading them back. Past it a shard's tail is read back from the log
-    /// at its next merge. Without a bound a node holds up to `chunk_bytes`
-    /// for every shard written small appends (64 MiB at 1,000 shards).
-    pub tail_frames_bytes: usize,
-}
-
-/// A node's default [`EngineStoreConfig::spare_bytes`] (`wal.spare_bytes`).
-pub const DEFAULT_SPARE_BYTES: u64 = 2 << 30;
-
-impl Default for EngineStoreConfig {
-    fn default() -> Self {
-        EngineStoreConfig {
-            target_file_bytes: 128 << 20,
-            compression_threshold_bytes: 0,
-            prefill: false,
-            spare_bytes: 0,
-            chunk_bytes: DEFAULT_CHUNK_BYTES,
-            tail_frames_bytes: 16 << 20,
-        }
-    }
-}
-
 type Engine = raft_engine::Engine<ZeroFilledFs>;
 
 #[derive(Debug, Clone)]
@@ -293,123 +237,6 @@ struct Plan {
 }
 
 impl EngineStore {
-    /// Opens (or creates) the store under `dir`, converts shards written one
-    /// entry per record, and recovers every shard's positions. Everything
-    /// recovered is synced before this returns, so it counts as durable.
-    pub fn open(dir: &Path, config: &EngineStoreConfig) -> StoreResult<EngineStore> {
-        let cfg = Config {
-            dir: dir.to_string_lossy().into_owned(),
-            target_file_size: ReadableSize(config.target_file_bytes),
-            batch_compression_threshold: ReadableSize(config.compression_threshold_bytes),
-            ..Config::default()
-        };
-        let spares = if config.prefill { config.spare_bytes } else { 0 };
-        let cfg = crate::zero_fill::with_spare_files(cfg, spares);
-        let fs = Arc::new(ZeroFilledFs::new(if config.prefill { config.target_file_bytes } else { 0 }));
-        let clean = dir.join(CLEAN_SHUTDOWN_FILE).exists();
-        crate::recovery_log::watch(dir, clean);
-        let engine = Engine::open_with_file_system(cfg, fs.clone());
-        let recovery = crate::recovery_log::unwatch(dir);
-        let engine = engine.map_err(io)?;
-        let created = fs.opened();
-        if config.prefill && !created {
-            crate::zero_fill::refill_active_tail(dir, config.target_file_bytes)
-                .map_err(|e| StoreError::Io(format!("zero-filling the WAL file's tail: {e}")))?;
-        }
-        if spares > 0 {
-            let expected = crate::zero_fill::spare_files(spares, config.target_file_bytes);
-            crate::zero_fill::sync_spare_files(dir, config.target_file_bytes, expected)
-                .map_err(|e| StoreError::Io(format!("syncing the spare WAL files: {e}")))?;
-        }
-        let mut shards = BTreeMap::new();
-        for group in engine.raft_groups() {
-            let Some(shard) = shard_of(group) else { continue };
-            if let Some(state) = load_shard(&engine, shard)? {
-                shards.insert(shard, state);
-            }
-        }
-        let mut store = EngineStore {
-            engine,
-            rotations: fs.rotations(),
-            shards: Mutex::new(shards),
-            write_lock: Mutex::new(()),
-            epoch_locks: (0..EPOCH_LOCK_STRIPES).map(|_| Mutex::new(())).collect(),
-            dir: dir.to_path_buf(),
-            chunk_bytes: config.chunk_bytes.clamp(1, u64::from(u32::MAX)) as usize,
-            tail_frames: TailFrames { used: AtomicUsize::new(0), limit: config.tail_frames_bytes },
-            unsynced: Mutex::new(Default::default()),
-            startup_damage: Vec::new(),
-            recovery,
-        };
-        store.convert_legacy_shards()?;
-        // Whatever recovery found may still sit in the page cache only.
-        store.write(&mut Self::sync_marker(), true)?;
-        let files = log_files(dir, ".raftlog");
-        if !clean {
-            let since = std::fs::read_to_string(dir.join(TAIL_CHECK_FILE)).ok().and_then(|s| s.trim().parse().ok());
-            store.startup_damage = store.check_tail(&files, since);
-        }
-        // From here on, only the newest file and later ones can change.
-        let newest = files.last().map_or(0, |f| f.0);
-        write_durably(dir, TAIL_CHECK_FILE, newest.to_string().as_bytes())
-            .map_err(|e| StoreError::Io(format!("recording the WAL tail check: {e}")))?;
-        if clean {
-            std::fs::remove_file(dir.join(CLEAN_SHUTDOWN_FILE))
-                .and_then(|()| sync_dir(dir))
-                .map_err(|e| StoreError::Io(format!("removing the clean-shutdown marker: {e}")))?;
-        }
-        Ok(store)
-    }
-
-    /// Reads and verifies every chunk held in log files `since` and newer
-    /// (the newest file alone without `since`), returning the damage.
-    fn check_tail(&self, files: &[(u64, PathBuf)], since: Option<u64>) -> Vec<StartupDamage> {
-        let newest = files.last().map_or(0, |f| f.0);
-        let since = since.unwrap_or(newest);
-        let mut spans: BTreeMap<ShardId, (u64, u64)> = BTreeMap::new();
-        for (_, path) in files.iter().filter(|f| f.0 >= since) {
-            for (group, (lo, hi)) in entries_in_file(path) {
-                let Some(shard) = shard_of(group) else { continue };
-                let Some(seqnos) = self.seqnos_of_chunks(shard, lo, hi) else { continue };
-                let span = spans.entry(shard).or_insert(seqnos);
-                *span = (span.0.min(seqnos.0), span.1.max(seqnos.1));
-            }
-        }
-        let mut damage = Vec::new();
-        for (shard, (first, last)) in spans {
-            let Ok(bounds) = self.bounds(shard) else { continue };
-            let (mut from, to) = (first.max(bounds.first_seqno), last.min(bounds.last_seqno));
-            tracing::info!(shard, from, to, "verifying the WAL tail written before an unclean stop");
-            while from <= to {
-                match self.read(shard, from, to, CHECK_READ_BYTES) {
-                    Ok(frames) => from += frames.len().max(1) as u64,
-                    Err(StoreError::Corrupt { first_seqno, last_seqno, file, detail, .. }) => {
-                        damage.push(StartupDamage { shard, first_seqno, last_seqno, file, detail });
-                        from = last_seqno.max(from) + 1;
-                    }
-                    Err(e) => {
-                        tracing::warn!(shard, from, to, error = %e, "could not verify the WAL tail");
-                        break;
-                    }
-                }
-            }
-        }
-        damage
-    }
-
-    /// The seqnos held by `shard`'s chunks at indexes `[lo, hi]` (clamped
-    /// to the chunks it still has).
-    fn seqnos_of_chunks(&self, shard: ShardId, lo: u64, hi: u64) -> Option<(u64, u64)> {
-        let shards = self.shards.lock();
-        let chunks = &shards.get(&shard)?.chunks;
-        if chunks.is_empty() {
-            return None;
-        }
-        let lo = lo.max(chunks.first_index());
-        let hi = hi.min(chunks.next_index() - 1);
-        (lo <= hi).then(|| (chunks.span(lo).expect("in range").0, chunks.span(hi).expect("in range").1))
-    }
-
     /// What raft-engine's recovery truncated when this store opened.
     pub fn recovery_findings(&self) -> &[RecoveryFinding] {
         &self.recovery
@@ -671,74 +498,6 @@ impl EngineStore {
 }
 
 /// Recovers one shard's positions and chunk map from its region.
-fn load_shard(engine: &Engine, shard: ShardId) -> StoreResult<Option<ShardState>> {
-    let group = region(shard);
-    let Some(first) = get_u64(engine, group, FIRST_KEY) else { return Ok(None) };
-    let inconsistent = |what: String| StoreError::Io(format!("shard {shard}: the WAL's chunk directory {what}"));
-    let mut directory = Vec::new();
-    let mut bad_key = None;
-    let (lo, hi) = chunk::key_range();
-    engine
-        .scan_raw_messages(group, Some(&lo), Some(&hi), false, |key, value| {
-            match (chunk::index_of_key(key), ChunkMeta::decode(value)) {
-                (Some(index), Some(meta)) => directory.push((index, meta)),
-                _ => bad_key = Some(key.to_vec()),
-            }
-            true
-        })
-        .map_err(io)?;
-    if let Some(key) = bad_key {
-        return Err(inconsistent(format!("holds an unreadable key {key:?}")));
-    }
-    let mut chunks = Chunks::from_directory(&directory).map_err(|e| inconsistent(format!("has a gap: {e}")))?;
-    match (engine.first_index(group), engine.last_index(group)) {
-        (Some(lo), Some(hi)) if !chunks.is_empty() && lo == chunks.first_index() && hi + 1 == chunks.next_index() => {}
-        (None, None) if chunks.is_empty() => {
-            chunks = Chunks::empty(get_u64(engine, group, NEXT_CHUNK_KEY).unwrap_or(1));
-        }
-        (lo, hi) => {
-            return Err(inconsistent(format!(
-                "names chunks [{}, {}) but the log holds entries {lo:?}..={hi:?}",
-                chunks.first_index(),
-                chunks.next_index()
-            )));
-        }
-    }
-    let last = chunks.last_seqno().unwrap_or(first - 1).max(first - 1);
-    let bounds = LogBounds { first_seqno: first, last_seqno: last, durable_seqno: last };
-    Ok(Some(ShardState { bounds, chunks, tail: None }))
-}
-
-/// The frames a read has taken so far, against its size limit.
-struct Taken {
-    frames: Vec<Frame>,
-    size: usize,
-    /// The seqno the read continues from.
-    next: u64,
-    max_bytes: usize,
-}
-
-impl Taken {
-    /// Takes `got` in order until the next would pass the size limit (the
-    /// first frame is always taken); true when the limit stopped it.
-    fn take(&mut self, got: Vec<Frame>) -> bool {
-        for frame in got {
-            if self.size + frame.len() > self.max_bytes && !self.frames.is_empty() {
-                return true;
-            }
-            self.size += frame.len();
-            self.next = frame.seqno() + 1;
-            self.frames.push(frame);
-        }
-        false
-    }
-
-    /// Bytes still allowed (all of them until a frame is taken).
-    fn budget(&self) -> usize {
-        if self.frames.is_empty() { self.max_bytes } else { self.max_bytes - self.size }
-    }
-}
-
 impl LogStore for EngineStore {
     fn create_shard(&self, shard: ShardId) -> StoreResult<()> {
         self.create_shards(&[shard])
@@ -842,194 +601,15 @@ impl LogStore for EngineStore {
     }
 
     fn read(&self, shard: ShardId, from: u64, to: u64, max_bytes: usize) -> StoreResult<Vec<Frame>> {
-        let bounds = self.state(shard)?;
-        check_range(shard, bounds, from, to)?;
-        let mut taken = Taken { frames: Vec::new(), size: 0, next: from, max_bytes };
-        let mut retries = 0;
-        // Past its retries (or with its range gone since the range check) a
-        // read lost a race with a compaction or truncation: a refusal like
-        // any range outside the log, not a storage failure.
-        let out_of_range = || {
-            let now = self.state(shard).unwrap_or(bounds);
-            StoreError::OutOfRange { shard, from, to, first: now.first_seqno, last: now.last_seqno }
-        };
-        // A chunk found replaced (merged, or cut by a truncation) between the
-        // lookup and the fetch: wait for the write in flight, then look
-        // again, a bounded number of times.
-        let retry = |retries: &mut usize| {
-            *retries += 1;
-            if *retries > READ_RETRIES {
-                return Err(out_of_range());
-            }
-            drop(self.write_lock.lock());
-            Ok(())
-        };
-        while taken.next <= to {
-            let next = taken.next;
-            let found = {
-                let shards = self.shards.lock();
-                let chunks = &shards.get(&shard).ok_or(StoreError::UnknownShard(shard))?.chunks;
-                chunks.find(next).map(|index| (index, chunks.span(index).expect("found")))
-            };
-            let Some((index, (chunk_first, chunk_last))) = found else { return Err(out_of_range()) };
-            let bytes = match self.fetch_chunk(shard, index) {
-                Ok(bytes) => bytes,
-                // An I/O error is the device's, not damage this store can name.
-                Err(e @ raft_engine::Error::Io(_)) => return Err(io(e)),
-                Err(raft_engine::Error::EntryCompacted | raft_engine::Error::EntryNotFound) => {
-                    retry(&mut retries)?;
-                    continue;
-                }
-                Err(e) => match self.read_damaged(shard, index, next, to.min(chunk_last), io(e)) {
-                    // The chunk holds none of them: replaced since the lookup.
-                    Ok(got) if got.is_empty() => {
-                        retry(&mut retries)?;
-                        continue;
-                    }
-                    Ok(got) => {
-                        if taken.take(got) {
-                            return Ok(taken.frames);
-                        }
-                        continue;
-                    }
-                    Err(e) if retries < READ_RETRIES && self.replaced(shard, index, chunk_first) => {
-                        tracing::debug!(shard, index, error = %e, "a chunk changed under a read; reading again");
-                        retry(&mut retries)?;
-                        continue;
-                    }
-                    Err(e) => return Err(e),
-                },
-            };
-            match Segment::frames_in(&bytes, next, to, taken.budget()) {
-                Ok((header, _)) if header.shard_id != shard => {
-                    let what = format!("shard {shard}: chunk {index} holds records of shard {}", header.shard_id);
-                    return Err(self.find_damage(shard, index, StoreError::Io(what)));
-                }
-                Ok((header, got)) if header.first_seqno != chunk_first || got.is_empty() => retry(&mut retries)?,
-                Ok((_, got)) => {
-                    if taken.take(got) || taken.size >= max_bytes {
-                        return Ok(taken.frames);
-                    }
-                }
-                // A chunk a truncation replaced (by a tombstone, or by its
-                // prefix) since the lookup is not damage: look again.
-                Err(_) if retries < READ_RETRIES && self.replaced(shard, index, chunk_first) => retry(&mut retries)?,
-                Err(e) => {
-                    let what = StoreError::Io(format!("shard {shard}: chunk {index}: {e}"));
-                    return Err(self.find_damage(shard, index, what));
-                }
-            }
-        }
-        Ok(taken.frames)
+        self.read_chunks(shard, from, to, max_bytes)
     }
 
     fn truncate_suffix(&self, shard: ShardId, keep_through: u64) -> StoreResult<()> {
-        let _writer = self.write_lock.lock();
-        let bounds = self.state(shard)?;
-        check_truncate(shard, bounds, keep_through)?;
-        if keep_through >= bounds.last_seqno {
-            return Ok(());
-        }
-        let (cut, cut_first, next) = {
-            let shards = self.shards.lock();
-            let chunks = &shards.get(&shard).expect("checked").chunks;
-            let cut = chunks.find(keep_through + 1).expect("a retained seqno is in a chunk");
-            (cut, chunks.get(cut).expect("found").first_seqno, chunks.next_index())
-        };
-        let group = region(shard);
-        let mut batch = LogBatch::default();
-        let prefix_from = cut_first.max(bounds.first_seqno);
-        let plan = if prefix_from <= keep_through {
-            // The cut chunk keeps its records up to `keep_through`.
-            let prefix = match self.fetch_chunk(shard, cut) {
-                Ok(bytes) => Segment::frames_in(&bytes, prefix_from, keep_through, usize::MAX)
-                    .map(|(_, frames)| frames)
-                    .map_err(|e| {
-                        self.find_damage(shard, cut, StoreError::Io(format!("shard {shard}: chunk {cut}: {e}")))
-                    })?,
-                // The chunk is damaged after the cut (a repair): its intact
-                // records before the cut are kept.
-                Err(e) => self.read_damaged(shard, cut, prefix_from, keep_through, io(e))?,
-            };
-            let prefix: Vec<&Frame> = prefix.iter().collect();
-            let (written, _) =
-                self.add_chunks(&mut batch, shard, cut, split(Vec::new(), prefix_from, &prefix, usize::MAX), false)?;
-            for index in cut + 1..next {
-                batch.delete(group, chunk::key(index));
-            }
-            Plan { shard, write_from: cut, written, seal_old_tail: false, tail_after: None }
-        } else {
-            // The cut falls between chunks: a tombstone replaces the first
-            // chunk removed, and with it every later one, without reading
-            // any record (those before the cut may be damaged: this is
-            // how a damaged range is repaired).
-            let tombstone = ChunkMeta::tombstone(keep_through + 1);
-            batch
-                .add_entries::<ChunkEntry>(
-                    group,
-                    &[Entry { index: cut, data: bytes::Bytes::new(), ..Entry::default() }],
-                )
-                .map_err(io)?;
-            batch.put(group, chunk::key(cut), tombstone.encode()).map_err(io)?;
-            for index in cut + 1..next {
-                batch.delete(group, chunk::key(index));
-            }
-            Plan { shard, write_from: cut, written: vec![tombstone], seal_old_tail: false, tail_after: None }
-        };
-        for (seqno, _) in self.snapshot_keys(shard)? {
-            if seqno > keep_through {
-                batch.delete(group, producers_key(seqno));
-            }
-        }
-        self.write(&mut batch, true)?;
-        let mut shards = self.shards.lock();
-        let state = shards.get_mut(&shard).expect("checked");
-        self.apply(state, plan);
-        state.bounds.last_seqno = keep_through;
-        state.bounds.durable_seqno = state.bounds.durable_seqno.min(keep_through);
-        Ok(())
+        self.cut_suffix(shard, keep_through)
     }
 
     fn compact_prefix(&self, shard: ShardId, first_kept: u64) -> StoreResult<()> {
-        let _writer = self.write_lock.lock();
-        let bounds = self.state(shard)?;
-        check_compact(shard, bounds, first_kept)?;
-        if first_kept <= bounds.first_seqno {
-            return Ok(());
-        }
-        let group = region(shard);
-        let (keep_from, first_index, next) = {
-            let shards = self.shards.lock();
-            let chunks = &shards.get(&shard).expect("checked").chunks;
-            (chunks.find(first_kept).unwrap_or(chunks.next_index()), chunks.first_index(), chunks.next_index())
-        };
-        let mut batch = LogBatch::default();
-        put_u64(&mut batch, group, FIRST_KEY, first_kept)?;
-        for (seqno, _) in self.snapshot_keys(shard)? {
-            if seqno + 1 < first_kept {
-                batch.delete(group, producers_key(seqno));
-            }
-        }
-        if keep_from > first_index && first_index < next {
-            batch.add_command(group, Command::Compact { index: keep_from });
-            for index in first_index..keep_from {
-                batch.delete(group, chunk::key(index));
-            }
-            if keep_from == next {
-                put_u64(&mut batch, group, NEXT_CHUNK_KEY, next)?;
-            }
-        }
-        self.write(&mut batch, true)?;
-        {
-            let mut shards = self.shards.lock();
-            let state = shards.get_mut(&shard).expect("checked");
-            state.chunks.compact_to(keep_from);
-            self.tail_frames.set(state, None);
-            state.bounds.first_seqno = first_kept;
-        }
-        // Drop whole log files no shard needs any more.
-        self.engine.purge_expired_files().map_err(io)?;
-        Ok(())
+        self.cut_prefix(shard, first_kept)
     }
 
     fn set_epoch(&self, shard: ShardId, epoch: u64) -> StoreResult<()> {
@@ -1137,21 +717,6 @@ impl LogStore for EngineStore {
     }
 }
 
-/// Writes `name` under `dir` atomically and durably (temporary file, fsync,
-/// rename, fsync of the directory).
-fn write_durably(dir: &Path, name: &str, contents: &[u8]) -> std::io::Result<()> {
-    let tmp = dir.join(format!("{name}.tmp"));
-    let mut file = std::fs::File::create(&tmp)?;
-    file.write_all(contents)?;
-    file.sync_all()?;
-    std::fs::rename(&tmp, dir.join(name))?;
-    sync_dir(dir)
-}
-
-fn sync_dir(dir: &Path) -> std::io::Result<()> {
-    std::fs::File::open(dir)?.sync_all()
-}
-
 #[cfg(test)]
 #[path = "engine_store_test.rs"]
 mod tests;
@@ -1164,7 +729,18 @@ mod damage;
 
 #[path = "engine_store_tail.rs"]
 mod tail;
+
+#[path = "engine_store_open.rs"]
+mod open;
+
+#[path = "engine_store_read.rs"]
+mod read;
+
+#[path = "engine_store_cut.rs"]
+mod cut;
 use damage::{entries_in_file, file_names_entry, log_files};
+use open::write_durably;
+pub use open::{DEFAULT_SPARE_BYTES, EngineStoreConfig};
 use tail::{KnownTail, Piece, TailChunk, TailFrames, holds_tail, split};
 
 #[cfg(test)]

@@ -1,5 +1,6 @@
 //! Unit tests of the raft-engine store: damage located to shard, seqnos and file, the start-up tail check, torn tails.
 
+use std::path::Path;
 use std::sync::Arc;
 
 use super::*;
