@@ -24,7 +24,13 @@
 //!   is no longer assigned to are dropped and counted (duplicate
 //!   completions after a redispatch), and the stream stays up. A terminal
 //!   batch ends its task; one with `err` fails it and its job discards the
-//!   partial output.
+//!   partial output. A job takes its results at its own pace: the bytes of
+//!   the batches it has not taken yet are bounded ([`JOB_QUEUE_BYTES`]),
+//!   and past that the worker's stream is not read until it takes some
+//!   (HTTP/2 flow control then holds the worker back; its other tasks'
+//!   progress and results wait with it), so a job slower
+//!   than its worker (an export to a slow disk) holds a bounded amount of
+//!   the coordinator's memory, not its whole output.
 //! * **Liveness.** A worker that goes away has its running tasks requeued
 //!   (redispatched elsewhere or to it when it returns); a task whose
 //!   counters stop growing for the stall time is cancelled and requeued;
@@ -48,7 +54,7 @@ use std::time::Duration;
 
 use futures::Stream;
 use parking_lot::Mutex;
-use tokio::sync::{Notify, mpsc};
+use tokio::sync::{Notify, OwnedSemaphorePermit, Semaphore, mpsc};
 use tokio_stream::StreamExt;
 use tokio_stream::wrappers::ReceiverStream;
 use tonic::{Request, Response, Status, Streaming};
@@ -92,6 +98,11 @@ const MAX_BUILD_SHA: usize = 256;
 
 /// Tasks kept after they finished (the newest), for the admin API.
 const KEEP_FINISHED: usize = 10_000;
+
+/// Result bytes one job may have queued and not yet taken; a batch past it
+/// waits, with the rest of its worker's stream, until the job takes some.
+/// (A batch larger than this waits for the whole of it.)
+pub const JOB_QUEUE_BYTES: usize = 64 << 20;
 
 /// What to do with a worker whose build differs from the coordinator's.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
@@ -146,13 +157,18 @@ struct Worker {
 /// A job waiting for its tasks' results.
 struct Job {
     results: mpsc::UnboundedSender<JobEvent>,
+    /// Room for the result bytes queued in `results` ([`JOB_QUEUE_BYTES`]);
+    /// closed when the job is.
+    room: Arc<Semaphore>,
 }
 
 /// What a job hears about its tasks.
 #[derive(Debug)]
 pub enum JobEvent {
-    /// A batch of task `task_id`'s output (from `worker`).
-    Batch { task_id: String, worker: String, batch: ResultBatch },
+    /// A batch of task `task_id`'s output (from `worker`). `room` is the
+    /// batch's share of the job's queue, given back when the event is
+    /// dropped.
+    Batch { task_id: String, worker: String, batch: ResultBatch, room: Option<OwnedSemaphorePermit> },
     /// Task `task_id` ended in `state` (with its error).
     Finished { task_id: String, state: TaskState, error: Option<String> },
 }
@@ -280,7 +296,10 @@ impl Dispatcher {
         let (tx, rx) = mpsc::unbounded_channel();
         {
             let mut state = self.state.lock();
-            state.jobs.insert(query_id.to_string(), Job { results: tx });
+            let room = Arc::new(Semaphore::new(JOB_QUEUE_BYTES));
+            if let Some(replaced) = state.jobs.insert(query_id.to_string(), Job { results: tx, room }) {
+                replaced.room.close();
+            }
             for spec in tasks {
                 if state.tasks.contains_key(&spec.task_id) {
                     continue;
@@ -311,7 +330,10 @@ impl Dispatcher {
 
     /// Forgets a job's result routing (its tasks stay listed).
     pub fn close_job(&self, query_id: &str) {
-        self.state.lock().jobs.remove(query_id);
+        // A batch waiting for room in its queue goes on (and is dropped).
+        if let Some(job) = self.state.lock().jobs.remove(query_id) {
+            job.room.close();
+        }
     }
 
     /// Lists a task the coordinator runs itself (a drill) as running on
@@ -386,6 +408,10 @@ impl Dispatcher {
         self.state.lock().workers.contains_key(worker)
     }
 }
+
+#[cfg(test)]
+#[path = "results_test.rs"]
+mod results_test;
 
 #[cfg(test)]
 mod tests {

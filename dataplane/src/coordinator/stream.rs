@@ -79,8 +79,10 @@ impl Dispatcher {
         self.wake.notify_one();
     }
 
-    /// One message from `worker` (connection `conn`).
-    pub(super) fn on_message(&self, worker: &str, conn: u64, msg: Up) -> Result<(), Status> {
+    /// One message from `worker` (connection `conn`). A result batch
+    /// waits for room in its job's queue first ([`Dispatcher::room_for`]):
+    /// the stream is not read meanwhile.
+    pub(super) async fn on_message(&self, worker: &str, conn: u64, msg: Up) -> Result<(), Status> {
         match msg {
             Up::Hello(_) => Err(Status::invalid_argument("a second Hello on one stream; reconnect to introduce again")),
             Up::TaskProgress(p) => {
@@ -88,7 +90,8 @@ impl Dispatcher {
                 Ok(())
             }
             Up::ResultBatch(batch) => {
-                self.on_batch(worker, conn, batch);
+                let room = self.room_for(&batch).await;
+                self.on_batch(worker, conn, batch, room);
                 Ok(())
             }
         }
@@ -118,7 +121,27 @@ impl Dispatcher {
         task.report(p.rows_processed, p.bytes_processed, (p.timestamp_unix_nano / 1_000_000).max(0) as u64);
     }
 
-    pub(super) fn on_batch(&self, worker: &str, conn: u64, batch: ResultBatch) {
+    /// Room for `batch` in the queue of the job it belongs to, waited for
+    /// (see [`JOB_QUEUE_BYTES`]); `None` at once when no job listens, or
+    /// when the batch carries an error (its output is discarded).
+    pub(super) async fn room_for(&self, batch: &ResultBatch) -> Option<OwnedSemaphorePermit> {
+        if !batch.err.is_empty() {
+            return None;
+        }
+        let room = {
+            let state = self.state.lock();
+            let job = state.jobs.get(&batch.query_id).filter(|job| !job.results.is_closed())?;
+            job.room.clone()
+        };
+        let bytes = batch.payload.len().clamp(1, JOB_QUEUE_BYTES) as u32;
+        if room.available_permits() < bytes as usize {
+            tracing::debug!(query_id = %batch.query_id, bytes, "a job's result queue is full: its worker waits");
+        }
+        // Closed: the job ended while this waited; the batch is dropped.
+        room.acquire_many_owned(bytes).await.ok()
+    }
+
+    pub(super) fn on_batch(&self, worker: &str, conn: u64, batch: ResultBatch, room: Option<OwnedSemaphorePermit>) {
         let mut state = self.state.lock();
         let state = &mut *state;
         // No job listens to a task re-driven from the dead letters (its job
@@ -163,8 +186,12 @@ impl Dispatcher {
         match job {
             _ if failed => {}
             Some(job) => {
-                let _ =
-                    job.results.send(JobEvent::Batch { task_id: task_id.clone(), worker: worker.to_string(), batch });
+                let _ = job.results.send(JobEvent::Batch {
+                    task_id: task_id.clone(),
+                    worker: worker.to_string(),
+                    batch,
+                    room,
+                });
             }
             None => {
                 self.counters.dropped_results.fetch_add(1, Ordering::Relaxed);
@@ -286,7 +313,7 @@ impl DataPlane for DataPlaneService {
                         break Some(status.to_string());
                     }
                     Some(Ok(WorkerEnvelope { msg: Some(msg) })) => {
-                        if let Err(status) = reader.on_message(&worker, conn, msg) {
+                        if let Err(status) = reader.on_message(&worker, conn, msg).await {
                             let _ = tx.send(Err(status.clone())).await;
                             break Some(status.to_string());
                         }
