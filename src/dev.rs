@@ -3,8 +3,11 @@
 //! processes on loopback (a real gRPC hop between them), several shards at
 //! RF=3 with leaders spread over the nodes, no other setup. A node that dies
 //! (a crash drill, a kill) is restarted after [`RESTART_DELAY`] and rejoins
-//! as a follower (`--no-restart` leaves it down). Runs until Ctrl-C, then
-//! stops its children.
+//! as a follower (`--no-restart` leaves it down). A node that dies again
+//! before it is listening (killed while it recovers, its port taken by
+//! another process meanwhile) is restarted again, each time waiting twice
+//! as long, up to [`MAX_RESTART_DELAY`]; the rest of the cluster runs on.
+//! Runs until Ctrl-C, then stops its children.
 //!
 //! The nodes start first and the coordinator after them, so that it hears
 //! every replica from its first rounds: a fresh dev cluster keeps the
@@ -91,12 +94,20 @@ const TOKEN_FILE: &str = "admin-token";
 /// How long a dead node stays down before `walship dev` restarts it.
 const RESTART_DELAY: Duration = Duration::from_secs(1);
 
+/// The longest a node that keeps dying before it listens waits for its
+/// next restart.
+const MAX_RESTART_DELAY: Duration = Duration::from_secs(16);
+
 /// Child processes, stopped (SIGTERM, then SIGKILL) when dropped.
 struct Children(Vec<(u32, Child)>);
 
 impl Drop for Children {
     fn drop(&mut self) {
         for (_, child) in &mut self.0 {
+            // An exited child is reaped: its pid may be another process's now.
+            if matches!(child.try_wait(), Ok(Some(_))) {
+                continue;
+            }
             // SAFETY: plain kill(2) on a pid this process spawned and has not reaped.
             unsafe { libc::kill(child.id() as i32, libc::SIGTERM) };
         }
@@ -293,6 +304,53 @@ fn die_with_parent(command: &mut Command) -> &mut Command {
     }
 }
 
+/// A restarted node's stdout read on a thread of its own (it reads to the
+/// end, so the node never writes into a full pipe): says when the node is
+/// listening again. True at once for a node already seen listening.
+struct Listening(std::sync::Arc<std::sync::atomic::AtomicBool>);
+
+impl Listening {
+    fn already() -> Listening {
+        Listening(std::sync::Arc::new(std::sync::atomic::AtomicBool::new(true)))
+    }
+
+    fn watch(child: &mut Child, id: u32) -> Listening {
+        let flag = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+        if let Some(stdout) = child.stdout.take() {
+            let seen = flag.clone();
+            std::thread::spawn(move || {
+                for line in BufReader::new(stdout).lines().map_while(Result::ok) {
+                    if line.contains("listening") && !seen.swap(true, std::sync::atomic::Ordering::SeqCst) {
+                        println!("node {id} is back (listening)");
+                    }
+                }
+            });
+        }
+        Listening(flag)
+    }
+
+    fn is_listening(&self) -> bool {
+        self.0.load(std::sync::atomic::Ordering::SeqCst)
+    }
+}
+
+/// A node waiting to be restarted: when, and how long it was given.
+struct Restart {
+    at: tokio::time::Instant,
+    delay: Duration,
+}
+
+/// How long a node that exited waits for its restart: [`RESTART_DELAY`]
+/// after it had been listening, else twice its last wait (up to
+/// [`MAX_RESTART_DELAY`]): a node that keeps failing to start is not
+/// restarted in a tight loop.
+fn restart_delay(was_listening: bool, last: Option<Duration>) -> Duration {
+    match last {
+        Some(last) if !was_listening => (last * 2).min(MAX_RESTART_DELAY),
+        _ => RESTART_DELAY,
+    }
+}
+
 /// Waits for a child's "listening" line on stdout.
 fn wait_listening(child: &mut Child, what: &str) -> Result<()> {
     let stdout = child.stdout.take().context("child stdout")?;
@@ -347,11 +405,6 @@ pub async fn run_dev(args: DevArgs) -> Result<()> {
             .stdout(Stdio::piped())
             .spawn()
             .context("starting a node")
-    };
-    let spawn_node = |id: u32| -> Result<Child> {
-        let mut child = start_node(id)?;
-        wait_listening(&mut child, &format!("node {id}"))?;
-        Ok(child)
     };
     // Nodes first, then the coordinator: it then hears every replica from
     // its first rounds and keeps the leaders of the cluster file, instead
@@ -444,29 +497,54 @@ pub async fn run_dev(args: DevArgs) -> Result<()> {
     let mut term = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate())?;
     let mut check = tokio::time::interval(Duration::from_millis(500));
     let mut left_down = std::collections::BTreeSet::new();
+    let mut listening: std::collections::BTreeMap<u32, Listening> =
+        cluster.nodes.iter().map(|n| (n.id, Listening::already())).collect();
+    let mut restarts: std::collections::BTreeMap<u32, Restart> = std::collections::BTreeMap::new();
+    let mut last_delay: std::collections::BTreeMap<u32, Duration> = std::collections::BTreeMap::new();
     loop {
         tokio::select! {
             _ = tokio::signal::ctrl_c() => break,
             _ = term.recv() => break,
             _ = check.tick() => {
+                let now = tokio::time::Instant::now();
                 for (id, child) in &mut children.0 {
-                    if let Ok(Some(status)) = child.try_wait() {
-                        if *id == 0 {
-                            bail!("the coordinator exited ({status}); stopping the dev cluster");
-                        }
-                        if args.no_restart {
-                            if left_down.insert(*id) {
-                                println!("node {id} exited ({status}); left down (--no-restart)");
-                            }
+                    if let Some(restart) = restarts.get(id) {
+                        if now < restart.at {
                             continue;
                         }
-                        // Restart only after the coordinator has noticed the
-                        // loss (leader_timeout_ms), so a crash drill sees a
-                        // real failover rather than the same leader back.
-                        println!("node {id} exited ({status}); restarting it in {}s", RESTART_DELAY.as_secs());
-                        tokio::time::sleep(RESTART_DELAY).await;
-                        *child = spawn_node(*id)?;
+                        last_delay.insert(*id, restart.delay);
+                        restarts.remove(id);
+                        match start_node(*id) {
+                            Ok(mut fresh) => {
+                                listening.insert(*id, Listening::watch(&mut fresh, *id));
+                                *child = fresh;
+                            }
+                            Err(e) => {
+                                let delay = restart_delay(false, last_delay.get(id).copied());
+                                println!("node {id} could not be started ({e:#}); trying again in {}s", delay.as_secs());
+                                restarts.insert(*id, Restart { at: now + delay, delay });
+                            }
+                        }
+                        continue;
                     }
+                    let Ok(Some(status)) = child.try_wait() else { continue };
+                    if *id == 0 {
+                        bail!("the coordinator exited ({status}); stopping the dev cluster");
+                    }
+                    if args.no_restart {
+                        if left_down.insert(*id) {
+                            println!("node {id} exited ({status}); left down (--no-restart)");
+                        }
+                        continue;
+                    }
+                    // Restart only after the coordinator has noticed the
+                    // loss (leader_timeout_ms), so a crash drill sees a
+                    // real failover rather than the same leader back.
+                    let was_listening = listening.get(id).is_some_and(Listening::is_listening);
+                    let delay = restart_delay(was_listening, last_delay.get(id).copied());
+                    let when = if was_listening { "" } else { " before it was listening" };
+                    println!("node {id} exited{when} ({status}); restarting it in {}s", delay.as_secs());
+                    restarts.insert(*id, Restart { at: now + delay, delay });
                 }
             }
         }
@@ -494,6 +572,17 @@ fn led_shards(shards: &[u32]) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_node_failing_to_start_waits_twice_as_long_each_time_up_to_the_cap() {
+        let seconds = |d: Duration| d.as_secs();
+        assert_eq!(seconds(restart_delay(true, None)), 1, "a first exit");
+        assert_eq!(seconds(restart_delay(false, None)), 1, "dead before its first restart was seen");
+        assert_eq!(seconds(restart_delay(false, Some(RESTART_DELAY))), 2);
+        assert_eq!(seconds(restart_delay(false, Some(Duration::from_secs(8)))), 16);
+        assert_eq!(seconds(restart_delay(false, Some(MAX_RESTART_DELAY))), 16, "capped");
+        assert_eq!(seconds(restart_delay(true, Some(MAX_RESTART_DELAY))), 1, "it had started: back to 1 s");
+    }
 
     #[test]
     fn a_node_line_lists_few_shards_whole_and_many_by_their_ends() {

@@ -135,6 +135,40 @@ async fn a_killed_node_comes_back_unless_no_restart() {
     }
 }
 
+/// A node that cannot start again (another process took its gRPC port
+/// while it was down) does not take the dev cluster with it: the other
+/// nodes keep serving, its restarts wait longer each time (1 s, 2 s, 4 s),
+/// and it comes back once its port is free. (Before, the first failed
+/// restart stopped the whole dev cluster.)
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_node_that_fails_to_restart_is_retried_while_the_cluster_runs_on() {
+    let dir = tempfile::tempdir().unwrap();
+    let data = dir.path().join("dev");
+    let mut dev = DevProcess::start(&data, &["--shards", "1"]);
+    let (grpc3, node1, node3) = (dev.node_grpc(3), dev.node_admin(1), dev.node_admin(3));
+    let pid = dev::node_pid(&data, 3).expect("node 3's process");
+    // SAFETY: kill(2) on a process this test's dev cluster started.
+    assert_eq!(unsafe { libc::kill(pid, libc::SIGKILL) }, 0);
+    // Its port, taken before the restart (1 s after dev notices the exit).
+    let deadline = std::time::Instant::now() + Duration::from_millis(900);
+    let squatter = loop {
+        match std::net::TcpListener::bind(&grpc3) {
+            Ok(listener) => break listener,
+            Err(e) if std::time::Instant::now() > deadline => panic!("node 3's port {grpc3} stayed taken: {e}"),
+            Err(_) => std::thread::sleep(Duration::from_millis(5)),
+        }
+    };
+    dev.wait_printed("node 3 exited (signal: 9 (SIGKILL)); restarting it in 1s", WAIT);
+    dev.wait_printed("node 3 exited before it was listening (exit status: 1); restarting it in 2s", WAIT);
+    dev.wait_printed("node 3 exited before it was listening (exit status: 1); restarting it in 4s", WAIT);
+    assert!(matches!(dev.child.try_wait(), Ok(None)), "walship dev stopped:\n{}", dev.output());
+    assert_eq!(http_get_quick(&node1).await, Some(200), "node 1 stopped serving:\n{}", dev.output());
+    assert!(!dev.printed("node 3 is back"), "{}", dev.output());
+    drop(squatter);
+    dev.wait_printed("node 3 is back (listening)", WAIT);
+    wait_until("node 3 answers again", WAIT, || async { http_get_quick(&node3).await == Some(200) }).await;
+}
+
 /// The status code at `url` (`http://host:port/path`), or None when
 /// nothing listens there.
 async fn http_get_quick(url: &str) -> Option<u16> {
