@@ -49,8 +49,8 @@
 # every acknowledged record is read back from every node and must be
 # there, at its seqno, with its payload (`history`: acknowledged, before
 # the kill, unknown outcomes, refused, lost, the (shard, node) pairs
-# checked and unchecked; a restarted node 1 is read once it has caught
-# up). `walship-history` is looked for beside the walship binary (`cargo
+# checked and unchecked, and why each node that could not be read could
+# not (`unreadable`); a restarted node 1 is read once it has caught up). `walship-history` is looked for beside the walship binary (`cargo
 # build --release -p walship-compare --bin walship-history`). A loss, or a
 # shard no node could be read for, makes the script exit 1 after printing.
 #

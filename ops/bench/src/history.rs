@@ -63,6 +63,9 @@ pub struct Verdict {
     pub unchecked: u64,
     /// Shards no node could be read for (must be 0).
     pub shards_unread: u64,
+    /// Why each node that could not be read could not: "ADDR: why" (the
+    /// connection, or the first refused read).
+    pub unreadable: Vec<String>,
     /// The first few losses, for the report: "shard S seqno Q on node ADDR: why".
     pub examples: Vec<String>,
 }
@@ -115,27 +118,36 @@ pub async fn append_until(
     history
 }
 
-/// A `Log` client of `node` (`host:port`), connected within `wait`; `None`
-/// when it cannot be reached.
-async fn connect(node: &str, wait: Duration) -> Option<LogClient<Channel>> {
-    let addr = node.parse().ok()?;
-    tokio::time::timeout(wait, crate::walship::connect(addr)).await.ok()?.ok()
+/// Payload bytes a check's read asks for at most: well within the client's
+/// 4 MiB message limit (a node answers up to 32 MiB by default, which the
+/// client would refuse to decode once a shard holds that much).
+pub const READ_BYTES: u64 = 1 << 20;
+
+/// A `Log` client of `node` (`host:port`), connected within `wait`; why
+/// not when it cannot be reached.
+async fn connect(node: &str, wait: Duration) -> Result<LogClient<Channel>, String> {
+    let addr = node.parse().map_err(|e| format!("{e}"))?;
+    match tokio::time::timeout(wait, crate::walship::connect(addr)).await {
+        Ok(Ok(client)) => Ok(client),
+        Ok(Err(e)) => Err(format!("connecting: {e:#}")),
+        Err(_) => Err(format!("no connection within {wait:?}")),
+    }
 }
 
 /// What the node behind `client` holds of `shard` from seqno 1 up to
 /// `through`, once it has committed that far (waiting up to `wait`): seqno
 /// -> payload. A node that says there is no acknowledged record that far
 /// (`OUT_OF_RANGE`: a leader whose log ends before it) holds what it
-/// returned until then. `None` when it cannot be read (down, or not caught
-/// up in time). With `beyond`, the read goes on past `through` to the
-/// newest committed record.
+/// returned until then. `Err` (the refusal) when it cannot be read (down,
+/// or not caught up in time). With `beyond`, the read goes on past `through` to the
+/// newest committed record. Each answer carries at most [`READ_BYTES`].
 pub async fn read_node(
     client: &mut LogClient<Channel>,
     shard: u32,
     through: u64,
     beyond: bool,
     wait: Duration,
-) -> Option<HashMap<u64, Bytes>> {
+) -> Result<HashMap<u64, Bytes>, String> {
     let mut held = HashMap::new();
     let mut from = 1;
     while beyond || from <= through {
@@ -144,13 +156,14 @@ pub async fn read_node(
             from_seqno: from,
             to_seqno: if beyond { 0 } else { through },
             min_seqno: through,
+            max_bytes: READ_BYTES,
             ..Default::default()
         });
         request.set_timeout(wait);
         let answer = match client.read(request).await {
             Ok(answer) => answer.into_inner(),
             Err(status) if status.code() == tonic::Code::OutOfRange => break,
-            Err(_) => return None,
+            Err(status) => return Err(format!("reading shard {shard} from {from}: {status}")),
         };
         if answer.records.is_empty() || answer.next_seqno <= from {
             break;
@@ -160,7 +173,7 @@ pub async fn read_node(
         }
         from = answer.next_seqno;
     }
-    Some(held)
+    Ok(held)
 }
 
 /// Compares `histories` with what each of `nodes` holds (see the module
@@ -173,7 +186,11 @@ pub async fn check(histories: &[ShardHistory], nodes: &[String], wait: Duration,
     // shards.
     let mut clients = Vec::with_capacity(nodes.len());
     for node in nodes {
-        clients.push((node, connect(node, wait).await));
+        let client = connect(node, wait).await;
+        if let Err(why) = &client {
+            verdict.unreadable.push(format!("{node}: {why}"));
+        }
+        clients.push((node, client.ok()));
     }
     for history in histories {
         verdict.acked += history.acked.len() as u64;
@@ -188,12 +205,17 @@ pub async fn check(histories: &[ShardHistory], nodes: &[String], wait: Duration,
         for (node, client) in &mut clients {
             let held = match client.as_mut() {
                 Some(c) => read_node(c, history.shard, through, unnamed, wait).await,
-                None => None,
+                None => Err(String::new()),
             };
-            let Some(held) = held else {
-                *client = None;
-                verdict.unchecked += 1;
-                continue;
+            let held = match held {
+                Ok(held) => held,
+                Err(why) => {
+                    if client.take().is_some() {
+                        verdict.unreadable.push(format!("{node}: {why}"));
+                    }
+                    verdict.unchecked += 1;
+                    continue;
+                }
             };
             read_any = true;
             verdict.checked += 1;

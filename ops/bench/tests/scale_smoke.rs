@@ -7,7 +7,9 @@
 //!   restarted and caught up);
 //!   With node 1 left down, it is unchecked, not a loss;
 //! - `--throughput M`: the QUORUM bench on one shard and over M, and their
-//!   ratio.
+//!   ratio;
+//! - `walship-history` alone: a shard larger than a client message is read
+//!   back whole.
 //!
 //! Bad arguments are refused before anything starts.
 
@@ -92,6 +94,7 @@ fn a_node_left_down_is_unchecked_not_lost() {
     assert_eq!(history["lost"], 0, "{history}");
     // Node 1 stayed down: each of the 8 shards read on the two others only.
     assert_eq!((history["checked"].as_u64(), history["unchecked"].as_u64()), (Some(16), Some(8)), "{history}");
+    assert_eq!(history["unreadable"].as_array().map(Vec::len), Some(1), "node 1, and why: {history}");
     assert_eq!(history["shards_unread"], 0, "{history}");
 }
 
@@ -164,4 +167,57 @@ fn a_check_without_a_reachable_node_fails() {
     assert_eq!(run.status.code(), Some(1), "{run:?}");
     let verdict: serde_json::Value = serde_json::from_slice(&run.stdout).expect("the verdict is printed");
     assert_eq!(verdict["acked"], 0, "{verdict}");
+    // Why the node could not be read is said.
+    let unreadable = verdict["unreadable"].as_array().expect("unreadable listed");
+    assert!(unreadable.len() == 1 && unreadable[0].as_str().unwrap().starts_with("127.0.0.1:1: "), "{verdict}");
+}
+
+/// A shard holding more than a client message (4 MiB) is still read back
+/// whole on every node: the check reads it a page at a time. (It asked for
+/// the node's default page, up to 32 MiB, which the client then refused to
+/// decode; every node of such a shard counted as unreadable.)
+#[test]
+fn a_shard_larger_than_a_client_message_is_checked_on_every_node() {
+    use std::io::BufRead;
+    let data = tempfile::tempdir().unwrap();
+    let mut dev = Command::new(walship_binary())
+        .args(["dev", "--shards", "1", "--base-port", "0", "--data-dir"])
+        .arg(data.path().join("dev"))
+        .env("WALSHIP_LOG", "warn")
+        .stdout(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    let mut servers = Vec::new();
+    let mut lines = std::io::BufReader::new(dev.stdout.take().unwrap()).lines().map_while(Result::ok);
+    for line in lines.by_ref() {
+        let words: Vec<&str> = line.split_whitespace().collect();
+        if let [node, _, grpc, address, ..] = words[..]
+            && node == "node"
+            && grpc == "gRPC"
+        {
+            servers.push(address.to_string());
+        }
+        if line.starts_with("dashboard:") {
+            break;
+        }
+    }
+    assert_eq!(servers.len(), 3, "the dev cluster printed its nodes");
+    // Read to the end, so the dev cluster never writes into a closed pipe.
+    std::thread::spawn(move || lines.for_each(drop));
+    let never = data.path().join("stop");
+    let run = Command::new(env!("CARGO_BIN_EXE_walship-history"))
+        .args(["--servers", &servers.join(","), "--shards", "1", "--size", "100000", "--max-seconds", "4"])
+        .arg("--stop-file")
+        .arg(&never)
+        .output()
+        .unwrap();
+    // SAFETY: kill(2) on the dev cluster this test started; it stops its nodes.
+    unsafe { libc::kill(dev.id() as i32, libc::SIGTERM) };
+    let _ = dev.wait();
+    let verdict: serde_json::Value = serde_json::from_slice(&run.stdout).expect("the verdict is printed");
+    assert!(run.status.success(), "{verdict}\n{}", String::from_utf8_lossy(&run.stderr));
+    let acked = verdict["acked"].as_u64().unwrap();
+    assert!(acked * 100_000 > 6 << 20, "only {acked} records of 100 kB: the shard must outgrow a 4 MiB message");
+    assert_eq!((verdict["checked"].as_u64(), verdict["lost"].as_u64()), (Some(3), Some(0)), "{verdict}");
+    assert_eq!(verdict["unreadable"], serde_json::json!([]), "{verdict}");
 }
