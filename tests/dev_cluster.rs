@@ -250,3 +250,114 @@ async fn nothing_outlives_a_killed_dev_cluster() {
     wait_until("every node and the coordinator to stop", WAIT, || async { dev::processes_under(&data).is_empty() })
         .await;
 }
+
+/// `walship append` to `server`: the last seqno it acknowledged, or its
+/// error.
+fn append_16(server: &str) -> Result<u64, String> {
+    let out = std::process::Command::new(common::walship_bin())
+        .args(["append", "--json", "--server", server, "--shard", "1", "--count", "16", "--size", "262144"])
+        .env("WALSHIP_LOG", "warn")
+        .output()
+        .unwrap();
+    if !out.status.success() {
+        return Err(String::from_utf8_lossy(&out.stderr).into_owned());
+    }
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    let last = stdout.lines().filter_map(|l| serde_json::from_str::<serde_json::Value>(l).ok());
+    Ok(last.filter_map(|v| v["last_seqno"].as_u64()).max().expect("an acknowledged batch names its last seqno"))
+}
+
+/// Whether `server` serves shard 1's records 1..=`through`, every one,
+/// having committed `through` (read-your-writes); why not otherwise.
+fn serves_through(server: &str, through: u64) -> Result<(), String> {
+    let out = std::process::Command::new(common::walship_bin())
+        .args(["read", "--json", "--server", server, "--shard", "1", "--to", &through.to_string()])
+        .args(["--after-write", &through.to_string(), "--request-timeout", "3s", "--deadline", "4s"])
+        .env("WALSHIP_LOG", "warn")
+        .output()
+        .unwrap();
+    if !out.status.success() {
+        return Err(format!("{server}: {}", String::from_utf8_lossy(&out.stderr).trim()));
+    }
+    let seqnos: Vec<u64> = String::from_utf8_lossy(&out.stdout)
+        .lines()
+        .map(|l| serde_json::from_str::<serde_json::Value>(l).unwrap()["seqno"].as_u64().unwrap())
+        .collect();
+    match seqnos == (1..=through).collect::<Vec<_>>() {
+        true => Ok(()),
+        false => {
+            Err(format!("{server} served seqnos {:?}..{:?} ({} records)", seqnos.first(), seqnos.last(), seqnos.len()))
+        }
+    }
+}
+
+/// The node shard 1's coordinator record names as leader, when that node
+/// reports leading it.
+async fn working_leader(admin: &str) -> Option<u32> {
+    let (code, body) = http_get(&format!("{}/v1/shards/1", admin.trim_start_matches("http://"))).await;
+    let shard: serde_json::Value = serde_json::from_str(&body).ok().filter(|_| code == 200)?;
+    let leader = shard["leader"].as_u64()? as u32;
+    let replicas = shard["replicas"].as_array()?;
+    replicas.iter().any(|r| r["node_id"] == leader && r["role"] == "leader").then_some(leader)
+}
+
+/// Every disk of the cluster full (the dev cap holds the whole cluster, so
+/// its nodes fill up together): appends are refused, yet the shard keeps a
+/// working leader and every replica serves every acknowledged record
+/// (read-your-writes), and so it stays after its leader is killed and
+/// restarts on its full disk. (A full replica used to refuse every
+/// leadership and every shipment: the shard lost its leader as the disks
+/// filled, and the followers never learnt the last acknowledged records
+/// were committed.)
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_cluster_whose_every_disk_is_full_keeps_a_leader_and_serves_what_it_acknowledged() {
+    let dir = tempfile::tempdir().unwrap();
+    let data = dir.path().join("dev");
+    let mut dev = DevProcess::start(&data, &["--shards", "1", "--max-disk-mib", "48"]);
+    let servers: Vec<String> = (1..=3).map(|id| dev.node_grpc(id)).collect();
+    let admins: Vec<String> = (1..=3).map(|id| dev.node_admin(id).trim_start_matches("http://").to_string()).collect();
+    let mut acked = 0;
+    for _ in 0..40 {
+        match append_16(&servers[0]) {
+            Ok(last) => acked = last,
+            Err(_) => break,
+        }
+    }
+    assert!(acked > 0, "nothing was acknowledged before the disks filled");
+    wait_until("every node to report its disk full", WAIT, || async {
+        let mut full = 0;
+        for admin in &admins {
+            let (_, body) = http_get(admin).await;
+            full +=
+                serde_json::from_str::<serde_json::Value>(&body).is_ok_and(|s| s["disk"]["disk_full"] == true) as usize;
+        }
+        full == 3
+    })
+    .await;
+    assert!(append_16(&servers[0]).is_err(), "an append was taken on full disks");
+    let coordinator = dev.admin.clone();
+    let every_replica_serves = |why: &'static str| {
+        let (servers, admin) = (servers.clone(), coordinator.clone());
+        async move {
+            let mut last_error = String::new();
+            let deadline = std::time::Instant::now() + WAIT;
+            while std::time::Instant::now() < deadline {
+                let served: Result<Vec<()>, String> = servers.iter().map(|s| serves_through(s, acked)).collect();
+                match (working_leader(&admin).await, served) {
+                    (Some(leader), Ok(_)) => return leader,
+                    (None, _) => last_error = "shard 1 has no working leader".into(),
+                    (_, Err(e)) => last_error = e,
+                }
+                tokio::time::sleep(Duration::from_millis(500)).await;
+            }
+            panic!("{why}: records 1..={acked} are not served by every replica: {last_error}");
+        }
+    };
+    let leader = every_replica_serves("full disks").await;
+
+    let pid = dev::node_pid(&data, leader).expect("the leader's process");
+    // SAFETY: kill(2) on a process this test's dev cluster started.
+    assert_eq!(unsafe { libc::kill(pid, libc::SIGKILL) }, 0);
+    dev.wait_printed(&format!("node {leader} is back (listening)"), WAIT);
+    every_replica_serves("the leader killed and restarted on its full disk").await;
+}

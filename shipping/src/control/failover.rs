@@ -8,16 +8,17 @@
 //! and logs agree on every record up to where their epochs agree, so that
 //! replica holds every acknowledged record.
 //!
-//! A replica whose disk is full (below `wal.min_free_bytes`) refuses to lead,
-//! and a replica holding a known-corrupt record cannot serve it; either is
-//! *unhealthy*, and promoted only when no healthy replica can take over
+//! A replica whose disk is full (below `wal.min_free_bytes`) refuses
+//! appends, and a replica holding a known-corrupt record cannot serve it;
+//! either is *unhealthy*, and promoted only when no healthy replica can take over
 //! without losing an acknowledged record: among replicas of equal rank the
 //! healthy one wins ([`best`]), and when the most up-to-date replica is
 //! unhealthy, the most up-to-date healthy one that holds every acknowledged
 //! record is promoted instead ([`promote`]); it loses at most records no
 //! client was told were written. When none can, the unhealthy one leads: a
 //! corrupt leader serves everything below the damage and refuses the
-//! damaged seqnos with `DATA_LOSS`. Which records may have been
+//! damaged seqnos with `DATA_LOSS`; a full one serves every record and
+//! refuses appends until it has room. Which records may have been
 //! acknowledged is judged from where the logs end, not only from the commit
 //! positions replicas know ([`maybe_acknowledged_through`]).
 
@@ -226,7 +227,7 @@ mod tests {
         // the rule follows what it is told: never an acknowledged loss.
         assert_eq!(promote(&candidates, |c| c.node == 2, |_| 0).unwrap().node, 3);
         // No healthy replica without an acknowledged loss: the best, full
-        // disk or not (it refuses to lead, and the coordinator retries).
+        // disk or not (it leads, refusing appends until it has room).
         assert_eq!(promote(&candidates, |c| !c.disk_full, |_| 0).unwrap().node, 1);
         // Every replica full: the best.
         assert_eq!(promote(&[full(1, 2, 60), full(2, 2, 60)], |_| false, |_| 0).unwrap().node, 1);

@@ -22,8 +22,15 @@
 //! * a follower applies nothing of an epoch before its log is reconciled
 //!   with that epoch's leader (EpochEnd repair): until then shipments are
 //!   refused as retryable and a catch-up is asked for;
-//! * a replica whose disk is full takes no new leadership and accepts no
-//!   shipments (the coordinator moves the shards it leads);
+//! * a full disk changes no role: the replica reports it (the coordinator
+//!   leads elsewhere when a healthy caught-up replica exists), still takes
+//!   the leadership it is assigned and admits shipments, and only what needs
+//!   room is refused, by its WAL: new records (`RESOURCE_EXHAUSTED`). The
+//!   epoch promises, keepalives and commit positions go on, so a shard
+//!   whose every replica is full keeps a leader and serves every
+//!   acknowledged record from every replica; refusing the leadership instead
+//!   left such a shard with none, and restarted replicas unable to learn
+//!   its commit;
 //! * a follower that finds corruption in its own log truncates from the
 //!   first bad seqno and refetches; a leader reports it (the coordinator
 //!   fails over when an intact caught-up replica exists) and keeps serving
@@ -60,7 +67,6 @@ pub struct FollowsInputs {
     promised: Epoch,
     repaired: Epoch,
     paused: bool,
-    disk_full: bool,
     promise_lost: bool,
 }
 
@@ -114,8 +120,6 @@ pub enum Refusal {
     Reconciling { epoch: Epoch },
     /// Pausing the leader.
     LeaderCannotPause,
-    /// The node's disk is below its reserve.
-    DiskFull,
     /// Its epoch promise may have been lost (a data dir without one, or
     /// records its WAL's recovery cut away): it takes nothing from a leader
     /// until its coordinator fences or assigns it again (retryable).
@@ -138,7 +142,6 @@ impl Refusal {
             Refusal::Paused => "paused",
             Refusal::Reconciling { .. } => "reconciling",
             Refusal::LeaderCannotPause => "bad_request",
-            Refusal::DiskFull => "disk_full",
             Refusal::AwaitingAssignment => "awaiting_assignment",
             Refusal::EpochTooLarge { .. } => "bad_request",
         }
@@ -146,7 +149,7 @@ impl Refusal {
 
     /// Whether the same request may succeed if sent again later.
     pub fn retryable(self) -> bool {
-        matches!(self, Refusal::Paused | Refusal::Reconciling { .. } | Refusal::DiskFull | Refusal::AwaitingAssignment)
+        matches!(self, Refusal::Paused | Refusal::Reconciling { .. } | Refusal::AwaitingAssignment)
     }
 }
 
@@ -323,9 +326,6 @@ impl ReplicaCore {
             if epoch == self.stepped_down_in {
                 return Err(Refusal::SteppedDown { epoch });
             }
-            if self.disk_full {
-                return Err(Refusal::DiskFull);
-            }
         }
         Ok(self.take(epoch, wanted))
     }
@@ -384,8 +384,6 @@ impl ReplicaCore {
         }
         let outcome = if self.paused {
             Err(Refusal::Paused)
-        } else if self.disk_full {
-            Err(Refusal::DiskFull)
         } else if !self.is_repaired_for(epoch) {
             if !commands.contains(&Command::CatchUp) {
                 commands.push(Command::CatchUp);
@@ -400,7 +398,7 @@ impl ReplicaCore {
     /// Whether a shipment from `from` in `epoch` would be admitted now
     /// without changing anything: this replica follows `from` in exactly
     /// that epoch, with nothing newer promised, its log reconciled with
-    /// that leader, not paused and its disk not full. What a quiet shard's
+    /// that leader and not paused. What a quiet shard's
     /// node-level keepalive checks in place of a per-shard keepalive
     /// ([`ReplicaCore::inbound`] would admit it and change nothing).
     pub fn follows(&self, epoch: Epoch, from: NodeId) -> bool {
@@ -410,7 +408,6 @@ impl ReplicaCore {
             && self.promised <= epoch
             && self.is_repaired_for(epoch)
             && !self.paused
-            && !self.disk_full
             && !self.promise_lost
     }
 
@@ -423,7 +420,6 @@ impl ReplicaCore {
             promised: self.promised,
             repaired: self.repaired,
             paused: self.paused,
-            disk_full: self.disk_full,
             promise_lost: self.promise_lost,
         }
     }
@@ -467,10 +463,10 @@ impl ReplicaCore {
         Ok(if paused { Vec::new() } else { vec![Command::CatchUp] })
     }
 
-    /// The node's disk filled up, or has room again. A full disk refuses
-    /// new leadership and shipments; a leader keeps its role (serving reads,
-    /// refusing appends) until the coordinator moves it, so the shard is
-    /// never leaderless in between. Room again lets a follower catch up.
+    /// The node's disk filled up, or has room again. A full disk changes
+    /// no role and refuses nothing here (the WAL refuses the records it has
+    /// no room for, see the module docs); room again lets a follower catch
+    /// up on what it refused meanwhile.
     pub fn disk(&mut self, full: bool) -> Vec<Command> {
         let was = std::mem::replace(&mut self.disk_full, full);
         if was && !full && matches!(self.view.role, Role::Follower { .. }) {

@@ -217,17 +217,26 @@ fn a_paused_follower_refuses_shipments_and_a_leader_cannot_be_paused() {
     assert_eq!(leading(3).pause(true), Err(Refusal::LeaderCannotPause));
 }
 
+/// A full disk changes no role: a full follower still admits its leader's
+/// shipments (its WAL refuses the records it has no room for, not the
+/// keepalives and commit positions) and still takes a leadership it is
+/// assigned (the coordinator assigns a full replica only when no healthy one
+/// holds every acknowledged record); room again starts a catch-up.
 #[test]
-fn a_full_disk_refuses_leadership_and_shipments_until_room_returns() {
+fn a_full_disk_takes_its_assignments_and_shipments_and_catches_up_when_room_returns() {
     let mut r = following(3);
     assert_eq!(r.disk(true), vec![]);
-    assert_eq!(r.inbound(Epoch(3), 2).outcome, Err(Refusal::DiskFull));
-    assert!(Refusal::DiskFull.retryable());
-    assert_eq!(r.assign(Epoch(4), ME), Err(Refusal::DiskFull));
-    assert_eq!(r.promised(), Epoch(3), "a refused assignment promises nothing");
-    assert_eq!(r.disk(false), vec![Command::CatchUp]);
     assert_eq!(r.inbound(Epoch(3), 2).outcome, Ok(()));
-    assert!(r.assign(Epoch(4), ME).is_ok());
+    assert!(r.follows(Epoch(3), 2), "a quiet shard's node keepalive is enough");
+    assert_eq!(r.disk(false), vec![Command::CatchUp], "room again: fetch what was refused");
+    r.disk(true);
+    assert_eq!(
+        r.assign(Epoch(4), ME).unwrap(),
+        vec![Command::PersistEpoch(Epoch(4)), Command::StopLeading, Command::StartLeading { epoch: Epoch(4) }]
+    );
+    r.started_leading(Epoch(4));
+    assert_eq!(r.view().role, Role::Leader);
+    assert_eq!(r.disk(false), vec![], "a leader has nothing to catch up");
 }
 
 #[test]
@@ -308,7 +317,7 @@ fn a_quiet_shard_is_followed_only_in_its_exact_epoch_from_its_leader_while_healt
 
     let mut full = following(4);
     full.disk(true);
-    assert!(!full.follows(Epoch(4), 2), "disk full");
+    assert!(full.follows(Epoch(4), 2), "a full disk still follows");
 
     assert!(!leading(4).follows(Epoch(4), 2), "a leader follows nobody");
     assert!(!replica(4).follows(Epoch(4), 2), "unassigned");
@@ -363,7 +372,7 @@ fn an_epoch_past_the_ceiling_is_refused_everywhere_and_promises_nothing() {
 
 /// Whatever changes an answer of `follows` changes `follows_inputs` (the
 /// node skips re-checking its quiet shards while those stay equal); an
-/// admitted shipment or a disk report that changes nothing leaves them.
+/// admitted shipment or a disk report leaves them.
 #[test]
 fn every_change_to_what_follows_answers_changes_its_inputs() {
     let r = following(3);
@@ -373,7 +382,6 @@ fn every_change_to_what_follows_answers_changes_its_inputs() {
     let changes: Vec<(&str, Change)> = vec![
         ("a fence", |r| _ = r.fence(Epoch(4))),
         ("a pause", |r| _ = r.pause(true)),
-        ("a full disk", |r| _ = r.disk(true)),
         ("a lost promise", |r| r.promise_lost()),
         ("an assignment to lead", |r| _ = r.assign(Epoch(4), ME)),
         ("a shipment of a newer leader", |r| _ = r.inbound(Epoch(5), 3)),
@@ -387,6 +395,7 @@ fn every_change_to_what_follows_answers_changes_its_inputs() {
     let mut r = following(3);
     assert_eq!(r.inbound(Epoch(3), 2).outcome, Ok(()));
     assert_eq!(r.disk(false), vec![]);
-    assert_eq!(r.follows_inputs(), before, "an admitted shipment and an unchanged disk");
+    r.disk(true);
+    assert_eq!(r.follows_inputs(), before, "an admitted shipment and a disk report");
     assert!(r.follows(Epoch(3), 2));
 }

@@ -178,7 +178,6 @@ fn refusal_message(shard: ShardId, node: NodeId, refusal: &Refusal) -> String {
             format!("shard {shard}: reconciling with the leader of epoch {epoch} before applying its segments")
         }
         Refusal::LeaderCannotPause => format!("node {node} leads shard {shard}: pause a follower"),
-        Refusal::DiskFull => format!("shard {shard}: the disk of node {node} is full; it takes no records"),
         Refusal::AwaitingAssignment => format!(
             "shard {shard}: node {node} holds no epoch promise it can trust (a new or wiped data dir, or records \
              lost to WAL damage at start) and waits for its coordinator to assign it before it takes any"
@@ -287,7 +286,6 @@ fn status_of(error: ReplicaError) -> Status {
                 Refusal::AwaitingAssignment => {
                     with_metadata(Status::unavailable(message), AWAITING_ASSIGNMENT_METADATA_KEY, 1)
                 }
-                Refusal::DiskFull => Status::resource_exhausted(message),
                 Refusal::ForeignLeader { .. }
                 | Refusal::RestartedEpoch { .. }
                 | Refusal::SteppedDown { .. }
@@ -352,7 +350,7 @@ mod tests {
             assert_eq!(error.reason(), None);
             assert_eq!(Status::from(error).code(), tonic::Code::Unavailable);
         }
-        let full = ReplicaError::Refused { shard: 1, node: 1, refusal: Refusal::DiskFull };
+        let full = ReplicaError::NoSpace("the WAL's disk is full".into());
         assert!(full.retryable());
         assert_eq!(full.reason(), Some("disk_full"));
         assert_eq!(Status::from(full).code(), tonic::Code::ResourceExhausted);

@@ -36,11 +36,6 @@ use crate::core::{Epoch, Seqno};
 impl ReplicationNode {
     /// Refusal of `refusal` for `replica`'s shard.
     pub(crate) fn refused(&self, replica: &ShardReplica, refusal: Refusal) -> ReplicaError {
-        if refusal == Refusal::DiskFull
-            && let Some(full) = self.wal.disk_space().map(|d| d.refusal())
-        {
-            return ReplicaError::NoSpace(format!("node {} refuses shard {}: {full}", self.me, replica.shard));
-        }
         ReplicaError::Refused { shard: replica.shard, node: self.me, refusal }
     }
 
