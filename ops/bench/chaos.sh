@@ -1,0 +1,165 @@
+#!/usr/bin/env bash
+# Random faults under load, every acknowledged record checked. Starts
+# `walship dev --shards N` (3 nodes, RF=3; a node that exits is restarted
+# after 1 s), runs `walship-history` on a sample of the shards (one QUORUM
+# client a shard, one record in flight, unique payloads), and for
+# --seconds hits a random node every 3 to 7 s with one of:
+#   kill     SIGKILL
+#   term     SIGTERM (a graceful stop)
+#   freeze   SIGSTOP for 1 to 4 s, then SIGCONT (a stalled process: its
+#            peers and the coordinator see it silent, then it wakes up
+#            holding the leaderships it had)
+#   kill2    SIGKILL of it and the next node together (a majority gone:
+#            nothing can be acknowledged until one returns)
+# Then the load stops and every acknowledged record is read back from every
+# node, once that node has committed it. Prints one JSON line: the faults
+# made, and `history` (acknowledged, unknown outcomes, refused, lost, the
+# (shard, node) pairs checked and unchecked, and why any node could not be
+# read). Exits 1 on a loss, a shard read on no node, or nothing
+# acknowledged.
+#
+#   ops/bench/chaos.sh                                    # 300 shards, 32 sampled, 120 s
+#   ops/bench/chaos.sh --shards 30 --sample 8 --seconds 20 --seed 7
+#   ops/bench/chaos.sh --faults kill,freeze               # only these
+#   ops/bench/chaos.sh --max-disk-mib 100                 # every disk fills up meanwhile
+#   ops/bench/chaos.sh --keep /tmp/chaos                  # keep the data, the log, the faults
+#
+# The same --seed gives the same faults at the same moments (the cluster's
+# timing still differs run to run). --max-disk-mib is `walship dev`'s cap
+# (0, the default here: none); with a small cap the nodes fill their disks
+# during the run, refuse appends, and must still serve every acknowledged
+# record. Uses target/release/walship when built, else target/debug/walship,
+# and `walship-history` beside it (`cargo build --release -p walship-compare
+# --bin walship-history`).
+set -euo pipefail
+cd "$(dirname "$0")/../.."
+
+shards=300
+sample=32
+seconds=120
+seed=$$
+faults="kill,term,freeze,kill2"
+cap=0
+walship=""
+keep=""
+while [ $# -gt 0 ]; do
+  case "$1" in
+    --shards) shards="$2"; shift 2 ;;
+    --sample) sample="$2"; shift 2 ;;
+    --seconds) seconds="$2"; shift 2 ;;
+    --seed) seed="$2"; shift 2 ;;
+    --faults) faults="$2"; shift 2 ;;
+    --max-disk-mib) cap="$2"; shift 2 ;;
+    --walship) walship="$2"; shift 2 ;;
+    --keep) keep="$2"; shift 2 ;;
+    *) echo "unknown argument $1 (see the header of $0)" >&2; exit 2 ;;
+  esac
+done
+number() { [[ "$2" =~ ^[0-9]+$ ]] && [ "$2" -ge "$3" ] || { echo "$1 takes a whole number of at least $3, not $2" >&2; exit 2; }; }
+number --shards "$shards" 1
+number --sample "$sample" 1
+number --seconds "$seconds" 1
+number --seed "$seed" 0
+number --max-disk-mib "$cap" 0
+[ "$sample" -le "$shards" ] || { echo "--sample $sample is more than the $shards shards" >&2; exit 2; }
+IFS=, read -r -a kinds <<<"$faults"
+[ "${#kinds[@]}" -gt 0 ] || { echo "--faults names none" >&2; exit 2; }
+for kind in "${kinds[@]}"; do
+  case "$kind" in kill | term | freeze | kill2) ;; *) echo "--faults: $kind is not one of kill, term, freeze, kill2" >&2; exit 2 ;; esac
+done
+if [ -z "$walship" ]; then
+  walship=target/release/walship
+  [ -x "$walship" ] || walship=target/debug/walship
+fi
+[ -x "$walship" ] || { echo "no walship binary at $walship: cargo build --release" >&2; exit 1; }
+history_bin="$(dirname "$walship")/walship-history"
+[ -x "$history_bin" ] || { echo "no walship-history beside $walship: cargo build --release -p walship-compare --bin walship-history" >&2; exit 1; }
+
+if [ -n "$keep" ]; then
+  mkdir -p "$keep"
+  dir="$keep"
+else
+  dir=$(mktemp -d)
+fi
+log="$dir/dev.log"
+"$walship" dev --shards "$shards" --max-disk-mib "$cap" --data-dir "$dir/data" --base-port 0 >"$log" 2>&1 &
+dev=$!
+history_pid=""
+stopped=""
+cleanup() {
+  # A frozen node is woken first, so that it can stop.
+  [ -n "$stopped" ] && kill -CONT "$stopped" 2>/dev/null
+  [ -n "$history_pid" ] && kill "$history_pid" 2>/dev/null
+  kill "$dev" 2>/dev/null
+  wait 2>/dev/null
+  [ -n "$keep" ] || rm -rf "$dir"
+}
+trap cleanup EXIT
+fail() { echo "{\"error\": \"$1\"}"; exit 1; }
+
+admin=""
+for _ in $(seq 1 3000); do
+  admin=$(grep -o 'dashboard: http://[0-9.:]*/' "$log" | head -1 | sed 's/dashboard: //' || true)
+  [ -n "$admin" ] && break
+  kill -0 "$dev" 2>/dev/null || break
+  sleep 0.2
+done
+[ -n "$admin" ] || fail "dev did not come up: $(tail -1 "$log" | tr -d '"')"
+servers=$(curl -sf "${admin}v1/cluster" | python3 -c 'import json,sys; print(",".join(n["grpc_addr"] for n in json.load(sys.stdin)["nodes"]))')
+# The sample: shards spread evenly over 1..N.
+picked=$(python3 -c "import sys; n, k = $shards, $sample; print(','.join(str(1 + i * n // k) for i in range(k)))")
+"$history_bin" --servers "$servers" --shards "$picked" --stop-file "$dir/history.stop" \
+  >"$dir/history.json" 2>"$dir/history.err" &
+history_pid=$!
+
+# The node's process under `walship dev`, if it runs.
+node_pid() {
+  local p
+  for p in $(pgrep -P "$dev"); do
+    tr '\0' ' ' <"/proc/$p/cmdline" 2>/dev/null | grep -q -- "--node-id $1 " && echo "$p" && return
+  done
+  return 0
+}
+RANDOM=$seed
+declare -A made=([kill]=0 [term]=0 [freeze]=0 [kill2]=0 [missed]=0)
+: >"$dir/faults.txt"
+end=$(($(date +%s) + seconds))
+while [ "$(date +%s)" -lt "$end" ]; do
+  sleep $((3 + RANDOM % 5))
+  node=$((1 + RANDOM % 3))
+  kind=${kinds[$((RANDOM % ${#kinds[@]}))]}
+  hold=$((1 + RANDOM % 4))
+  pid=$(node_pid "$node")
+  # A node `walship dev` has not restarted yet: nothing to hit this time.
+  if [ -z "$pid" ]; then
+    made[missed]=$((made[missed] + 1))
+    continue
+  fi
+  echo "$(date +%T.%N | cut -c1-12) $kind node $node" >>"$dir/faults.txt"
+  case "$kind" in
+    kill) kill -KILL "$pid" 2>/dev/null || true ;;
+    term) kill -TERM "$pid" 2>/dev/null || true ;;
+    freeze)
+      stopped=$pid
+      kill -STOP "$pid" 2>/dev/null || true
+      sleep "$hold"
+      kill -CONT "$pid" 2>/dev/null || true
+      stopped=""
+      ;;
+    kill2)
+      other=$(node_pid $((node % 3 + 1)))
+      kill -KILL "$pid" $other 2>/dev/null || true
+      ;;
+  esac
+  made[$kind]=$((made[$kind] + 1))
+done
+# Every node back before the load stops, then the check.
+sleep 3
+touch "$dir/history.stop"
+status=0
+wait "$history_pid" || status=$?
+history_pid=""
+verdict=$(cat "$dir/history.json")
+[ -n "$verdict" ] || fail "walship-history printed no verdict: $(tail -1 "$dir/history.err" | tr -d '"')"
+echo "{\"shards\": $shards, \"sample\": $sample, \"seconds\": $seconds, \"seed\": $seed, \"max_disk_mib\": $cap, \"faults\": {\"kill\": ${made[kill]}, \"term\": ${made[term]}, \"freeze\": ${made[freeze]}, \"kill2\": ${made[kill2]}, \"missed\": ${made[missed]}}, \"history\": $verdict}"
+exit "$status"
