@@ -28,7 +28,8 @@
 # timing still differs run to run). --max-disk-mib is `walship dev`'s cap
 # (0, the default here: none); with a small cap the nodes fill their disks
 # during the run, refuse appends, and must still serve every acknowledged
-# record. Uses target/release/walship when built, else target/debug/walship,
+# record they hold (a replica that missed records before its disk filled
+# cannot fetch them, and is unchecked for that shard). Uses target/release/walship when built, else target/debug/walship,
 # and `walship-history` beside it (`cargo build --release -p walship-compare
 # --bin walship-history`).
 set -euo pipefail
