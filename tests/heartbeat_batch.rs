@@ -86,9 +86,9 @@ async fn batched_heartbeats_keep_every_replica_current_and_a_bad_batch_changes_n
     assert_eq!((code, ids(&page)), (200, vec![21, 22, 23, 24]));
     let (_, on_node) = cluster.coord_get(1, "/v1/shards?node=2&limit=3").await;
     assert_eq!(ids(&on_node), vec![1, 2, 3]);
-    // A node the cluster does not have is refused, naming the ones it has.
+    // A node the cluster does not have is not found, naming the ones it has.
     let (code, unknown) = cluster.coord_get(1, "/v1/shards?node=9").await;
-    assert_eq!((code, unknown["error"]["code"].as_str()), (400, Some("bad_query")), "{unknown}");
+    assert_eq!((code, unknown["error"]["code"].as_str()), (404, Some("not_found")), "{unknown}");
     assert!(unknown["error"]["message"].as_str().unwrap().contains("node 9 is not in the cluster"), "{unknown}");
     let (_, healthy) = cluster.coord_get(1, "/v1/shards?unhealthy=true").await;
     assert_eq!(ids(&healthy), Vec::<u64>::new(), "nothing needs attention: {healthy}");

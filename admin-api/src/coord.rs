@@ -612,7 +612,7 @@ pub struct ShardQuery {
     /// on a stale position, with a full disk or a known corrupt record.
     unhealthy: Option<bool>,
     /// Only shards this node holds (as voter, learner or leaving member);
-    /// a node the cluster does not have is refused (400).
+    /// a node the cluster does not have is answered 404.
     #[param(value_type = Option<i64>, minimum = 0, maximum = 4294967295.0)]
     node: Option<u32>,
     /// Only shards with a follower at least this many records behind.
@@ -634,6 +634,7 @@ fn unhealthy(view: &ShardView) -> bool {
 #[utoipa::path(get, path = "/v1/shards", tag = "shards", params(ShardQuery),
     responses((status = 200, body = Vec<ShardView>, headers(("x-total-count" = u64, description = "shards matching the filters, before limit and offset"))),
         (status = 400, description = "bad query", body = crate::models::ErrorBody),
+        (status = 404, description = "`node` names a node the cluster does not have", body = crate::models::ErrorBody),
         (status = 503, body = crate::models::ErrorBody)))]
 async fn shards(State(admin): State<Arc<CoordAdmin>>, query: Result<Query<ShardQuery>, QueryRejection>) -> Response {
     let Query(query) = match query {
@@ -649,11 +650,12 @@ async fn shards(State(admin): State<Arc<CoordAdmin>>, query: Result<Query<ShardQ
         return ApiError::new(StatusCode::BAD_REQUEST, "bad_query", "offset and min_lag_records are at least 0")
             .into_response();
     }
-    // A node the cluster does not have is a typo, not an empty filter.
+    // A node the cluster does not have is a typo, not an empty filter: 404,
+    // as the task API answers for one.
     if let Some(node) = query.node.filter(|&n| admin.coordinator.config.node(n).is_none()) {
         let known: Vec<String> = admin.coordinator.config.nodes.iter().map(|n| n.id.to_string()).collect();
         let why = format!("node {node} is not in the cluster (its nodes: {})", known.join(", "));
-        return ApiError::new(StatusCode::BAD_REQUEST, "bad_query", why).into_response();
+        return ApiError::new(StatusCode::NOT_FOUND, "not_found", why).into_response();
     }
     match state(&admin).await {
         Ok(state) => {
