@@ -3,10 +3,12 @@
 //! processes on loopback (a real gRPC hop between them), several shards at
 //! RF=3 with leaders spread over the nodes, no other setup. A node that dies
 //! (a crash drill, a kill) is restarted after [`RESTART_DELAY`] and rejoins
-//! as a follower (`--no-restart` leaves it down). A node that dies again
-//! before it is listening (killed while it recovers, its port taken by
-//! another process meanwhile) is restarted again, each time waiting twice
-//! as long, up to [`MAX_RESTART_DELAY`]; the rest of the cluster runs on.
+//! as a follower, and so is the coordinator, which finds its leases and
+//! shard records in its file KV (`--no-restart` leaves either down). One
+//! that dies again before it is listening (killed while it recovers, its
+//! port taken by another process meanwhile) is restarted again, each time
+//! waiting twice as long, up to [`MAX_RESTART_DELAY`]; the rest of the
+//! cluster runs on.
 //! Runs until Ctrl-C, then stops its children.
 //!
 //! The nodes start first and the coordinator after them, so that it hears
@@ -314,14 +316,14 @@ impl Listening {
         Listening(std::sync::Arc::new(std::sync::atomic::AtomicBool::new(true)))
     }
 
-    fn watch(child: &mut Child, id: u32) -> Listening {
+    fn watch(child: &mut Child, name: String) -> Listening {
         let flag = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
         if let Some(stdout) = child.stdout.take() {
             let seen = flag.clone();
             std::thread::spawn(move || {
                 for line in BufReader::new(stdout).lines().map_while(Result::ok) {
                     if line.contains("listening") && !seen.swap(true, std::sync::atomic::Ordering::SeqCst) {
-                        println!("node {id} is back (listening)");
+                        println!("{name} is back (listening)");
                     }
                 }
             });
@@ -332,6 +334,11 @@ impl Listening {
     fn is_listening(&self) -> bool {
         self.0.load(std::sync::atomic::Ordering::SeqCst)
     }
+}
+
+/// How `walship dev` names its child `id` (0: the coordinator).
+fn child_name(id: u32) -> String {
+    if id == 0 { "the coordinator".into() } else { format!("node {id}") }
 }
 
 /// A node waiting to be restarted: when, and how long it was given.
@@ -418,16 +425,20 @@ pub async fn run_dev(args: DevArgs) -> Result<()> {
     for (id, child) in children.0.iter_mut() {
         wait_listening(child, &format!("node {id}"))?;
     }
-    let coordinator = die_with_parent(&mut Command::new(&exe))
-        .args(["coord", "--id", "dev", "--admin-token", &token, "--cluster"])
-        .arg(&cluster_file)
-        .arg("--data-dir")
-        .arg(args.data_dir.join("coord"))
-        .env("WALSHIP_LOG", &log)
-        .stdout(Stdio::piped())
-        .spawn()
-        .context("starting the coordinator")?;
-    children.0.push((0, coordinator));
+    let start_coordinator = || -> Result<Child> {
+        die_with_parent(&mut Command::new(&exe))
+            .args(["coord", "--id", "dev", "--admin-token", &token, "--cluster"])
+            .arg(&cluster_file)
+            .arg("--data-dir")
+            .arg(args.data_dir.join("coord"))
+            .env("WALSHIP_LOG", &log)
+            .stdout(Stdio::piped())
+            .spawn()
+            .context("starting the coordinator")
+    };
+    // The coordinator is child 0.
+    let start_child = |id: u32| if id == 0 { start_coordinator() } else { start_node(id) };
+    children.0.push((0, start_coordinator()?));
     wait_listening(&mut children.0.last_mut().expect("just pushed").1, "the coordinator")?;
     let coord = &cluster.coordinators[0];
     let admin = format!("{scheme}://{}", coord.admin_addr);
@@ -477,10 +488,10 @@ pub async fn run_dev(args: DevArgs) -> Result<()> {
         );
     }
     if args.no_restart {
-        println!("restarts: off (--no-restart): a node that exits stays down");
+        println!("restarts: off (--no-restart): a node or the coordinator that exits stays down");
     } else {
         println!(
-            "restarts: a node that exits (a crash drill, a kill) is restarted after {}s; --no-restart leaves it down",
+            "restarts: a node or the coordinator that exits (a crash drill, a kill) is restarted after {}s; --no-restart leaves it down",
             RESTART_DELAY.as_secs()
         );
     }
@@ -498,7 +509,7 @@ pub async fn run_dev(args: DevArgs) -> Result<()> {
     let mut check = tokio::time::interval(Duration::from_millis(500));
     let mut left_down = std::collections::BTreeSet::new();
     let mut listening: std::collections::BTreeMap<u32, Listening> =
-        cluster.nodes.iter().map(|n| (n.id, Listening::already())).collect();
+        children.0.iter().map(|(id, _)| (*id, Listening::already())).collect();
     let mut restarts: std::collections::BTreeMap<u32, Restart> = std::collections::BTreeMap::new();
     let mut last_delay: std::collections::BTreeMap<u32, Duration> = std::collections::BTreeMap::new();
     loop {
@@ -514,26 +525,24 @@ pub async fn run_dev(args: DevArgs) -> Result<()> {
                         }
                         last_delay.insert(*id, restart.delay);
                         restarts.remove(id);
-                        match start_node(*id) {
+                        match start_child(*id) {
                             Ok(mut fresh) => {
-                                listening.insert(*id, Listening::watch(&mut fresh, *id));
+                                listening.insert(*id, Listening::watch(&mut fresh, child_name(*id)));
                                 *child = fresh;
                             }
                             Err(e) => {
                                 let delay = restart_delay(false, last_delay.get(id).copied());
-                                println!("node {id} could not be started ({e:#}); trying again in {}s", delay.as_secs());
+                                println!("{} could not be started ({e:#}); trying again in {}s", child_name(*id), delay.as_secs());
                                 restarts.insert(*id, Restart { at: now + delay, delay });
                             }
                         }
                         continue;
                     }
                     let Ok(Some(status)) = child.try_wait() else { continue };
-                    if *id == 0 {
-                        bail!("the coordinator exited ({status}); stopping the dev cluster");
-                    }
+                    let name = child_name(*id);
                     if args.no_restart {
                         if left_down.insert(*id) {
-                            println!("node {id} exited ({status}); left down (--no-restart)");
+                            println!("{name} exited ({status}); left down (--no-restart)");
                         }
                         continue;
                     }
@@ -543,7 +552,7 @@ pub async fn run_dev(args: DevArgs) -> Result<()> {
                     let was_listening = listening.get(id).is_some_and(Listening::is_listening);
                     let delay = restart_delay(was_listening, last_delay.get(id).copied());
                     let when = if was_listening { "" } else { " before it was listening" };
-                    println!("node {id} exited{when} ({status}); restarting it in {}s", delay.as_secs());
+                    println!("{name} exited{when} ({status}); restarting it in {}s", delay.as_secs());
                     restarts.insert(*id, Restart { at: now + delay, delay });
                 }
             }

@@ -169,6 +169,40 @@ async fn a_node_that_fails_to_restart_is_retried_while_the_cluster_runs_on() {
     wait_until("node 3 answers again", WAIT, || async { http_get_quick(&node3).await == Some(200) }).await;
 }
 
+/// A killed coordinator is restarted like a node, and takes up where it
+/// left off from its file KV: every shard keeps its leader, and a node lost
+/// afterwards is still failed over. (The first exit of the coordinator
+/// used to stop the whole dev cluster.)
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_killed_coordinator_comes_back_and_still_fails_over() {
+    let dir = tempfile::tempdir().unwrap();
+    let data = dir.path().join("dev");
+    let mut dev = DevProcess::start(&data, &["--shards", "1"]);
+    let before = working_leader(&dev.admin).await.expect("shard 1 led at start");
+    let pid = dev::coordinator_pid(&data).expect("the coordinator's process");
+    // SAFETY: kill(2) on a process this test's dev cluster started.
+    assert_eq!(unsafe { libc::kill(pid, libc::SIGKILL) }, 0);
+    dev.wait_printed("the coordinator exited (signal: 9 (SIGKILL)); restarting it in 1s", WAIT);
+    dev.wait_printed("the coordinator is back (listening)", WAIT);
+    assert!(matches!(dev.child.try_wait(), Ok(None)), "walship dev stopped:\n{}", dev.output());
+    let admin = dev.admin.clone();
+    wait_until("the restarted coordinator to report shard 1 led", WAIT, || {
+        let admin = admin.clone();
+        async move { working_leader(&admin).await.is_some() }
+    })
+    .await;
+    let leader = working_leader(&admin).await.unwrap();
+    assert_eq!(leader, before, "a coordinator restart moved no leadership");
+    let pid = dev::node_pid(&data, leader).expect("the leader's process");
+    // SAFETY: as above.
+    assert_eq!(unsafe { libc::kill(pid, libc::SIGKILL) }, 0);
+    wait_until("shard 1 failed over by the restarted coordinator", WAIT, || {
+        let admin = admin.clone();
+        async move { working_leader(&admin).await.is_some_and(|l| l != leader) }
+    })
+    .await;
+}
+
 /// The status code at `url` (`http://host:port/path`), or None when
 /// nothing listens there.
 async fn http_get_quick(url: &str) -> Option<u16> {

@@ -11,6 +11,8 @@
 #            holding the leaderships it had)
 #   kill2    SIGKILL of it and the next node together (a majority gone:
 #            nothing can be acknowledged until one returns)
+#   coord    SIGKILL of the coordinator instead (no failover until it is
+#            back, 1 s later, from its file KV)
 # Then the load stops and every acknowledged record is read back from every
 # node, once that node has committed it. Prints one JSON line: the faults
 # made, and `history` (acknowledged, unknown outcomes, refused, lost, the
@@ -39,7 +41,7 @@ shards=300
 sample=32
 seconds=120
 seed=$$
-faults="kill,term,freeze,kill2"
+faults="kill,term,freeze,kill2,coord"
 cap=0
 walship=""
 keep=""
@@ -66,7 +68,7 @@ number --max-disk-mib "$cap" 0
 IFS=, read -r -a kinds <<<"$faults"
 [ "${#kinds[@]}" -gt 0 ] || { echo "--faults names none" >&2; exit 2; }
 for kind in "${kinds[@]}"; do
-  case "$kind" in kill | term | freeze | kill2) ;; *) echo "--faults: $kind is not one of kill, term, freeze, kill2" >&2; exit 2 ;; esac
+  case "$kind" in kill | term | freeze | kill2 | coord) ;; *) echo "--faults: $kind is not one of kill, term, freeze, kill2, coord" >&2; exit 2 ;; esac
 done
 if [ -z "$walship" ]; then
   walship=target/release/walship
@@ -113,16 +115,17 @@ picked=$(python3 -c "import sys; n, k = $shards, $sample; print(','.join(str(1 +
   >"$dir/history.json" 2>"$dir/history.err" &
 history_pid=$!
 
-# The node's process under `walship dev`, if it runs.
-node_pid() {
+# The process under `walship dev` whose command line has PATTERN, if it runs.
+child_pid() {
   local p
   for p in $(pgrep -P "$dev"); do
-    tr '\0' ' ' <"/proc/$p/cmdline" 2>/dev/null | grep -q -- "--node-id $1 " && echo "$p" && return
+    tr '\0' ' ' <"/proc/$p/cmdline" 2>/dev/null | grep -q -- "$1" && echo "$p" && return
   done
   return 0
 }
+node_pid() { child_pid "--node-id $1 "; }
 RANDOM=$seed
-declare -A made=([kill]=0 [term]=0 [freeze]=0 [kill2]=0 [missed]=0)
+declare -A made=([kill]=0 [term]=0 [freeze]=0 [kill2]=0 [coord]=0 [missed]=0)
 : >"$dir/faults.txt"
 end=$(($(date +%s) + seconds))
 while [ "$(date +%s)" -lt "$end" ]; do
@@ -130,16 +133,23 @@ while [ "$(date +%s)" -lt "$end" ]; do
   node=$((1 + RANDOM % 3))
   kind=${kinds[$((RANDOM % ${#kinds[@]}))]}
   hold=$((1 + RANDOM % 4))
-  pid=$(node_pid "$node")
+  if [ "$kind" = coord ]; then
+    pid=$(child_pid " coord ")
+  else
+    pid=$(node_pid "$node")
+  fi
   # A node `walship dev` has not restarted yet: nothing to hit this time.
   if [ -z "$pid" ]; then
     made[missed]=$((made[missed] + 1))
     continue
   fi
-  echo "$(date +%T.%N | cut -c1-12) $kind node $node" >>"$dir/faults.txt"
+  what="node $node"
+  [ "$kind" = coord ] && what="the coordinator"
+  echo "$(date +%T.%N | cut -c1-12) $kind $what" >>"$dir/faults.txt"
   case "$kind" in
     kill) kill -KILL "$pid" 2>/dev/null || true ;;
     term) kill -TERM "$pid" 2>/dev/null || true ;;
+    coord) kill -KILL "$pid" 2>/dev/null || true ;;
     freeze)
       stopped=$pid
       kill -STOP "$pid" 2>/dev/null || true
@@ -162,5 +172,5 @@ wait "$history_pid" || status=$?
 history_pid=""
 verdict=$(cat "$dir/history.json")
 [ -n "$verdict" ] || fail "walship-history printed no verdict: $(tail -1 "$dir/history.err" | tr -d '"')"
-echo "{\"shards\": $shards, \"sample\": $sample, \"seconds\": $seconds, \"seed\": $seed, \"max_disk_mib\": $cap, \"faults\": {\"kill\": ${made[kill]}, \"term\": ${made[term]}, \"freeze\": ${made[freeze]}, \"kill2\": ${made[kill2]}, \"missed\": ${made[missed]}}, \"history\": $verdict}"
+echo "{\"shards\": $shards, \"sample\": $sample, \"seconds\": $seconds, \"seed\": $seed, \"max_disk_mib\": $cap, \"faults\": {\"kill\": ${made[kill]}, \"term\": ${made[term]}, \"freeze\": ${made[freeze]}, \"kill2\": ${made[kill2]}, \"coord\": ${made[coord]}, \"missed\": ${made[missed]}}, \"history\": $verdict}"
 exit "$status"

@@ -187,13 +187,25 @@ pub fn processes_under(data: &Path) -> Vec<i32> {
 /// The pid of the `walship node` process that dev started for node `id`
 /// under `data` (found by its command line), if one runs.
 pub fn node_pid(data: &Path, id: u32) -> Option<i32> {
-    let wanted = data.join(format!("node-{id}"));
+    child_pid(data, "node", &format!("node-{id}"))
+}
+
+/// The pid of the `walship coord` process that dev started under `data`,
+/// if one runs.
+pub fn coordinator_pid(data: &Path) -> Option<i32> {
+    child_pid(data, "coord", "coord")
+}
+
+/// The pid of dev's `walship <subcommand>` child whose data dir is
+/// `data/<dir>`, if one runs.
+fn child_pid(data: &Path, subcommand: &str, dir: &str) -> Option<i32> {
+    let wanted = data.join(dir);
     let wanted = wanted.to_string_lossy();
     for entry in std::fs::read_dir("/proc").ok()?.flatten() {
         let Ok(pid) = entry.file_name().to_string_lossy().parse::<i32>() else { continue };
         let Ok(cmdline) = std::fs::read(entry.path().join("cmdline")) else { continue };
         let args: Vec<String> = cmdline.split(|&b| b == 0).map(|a| String::from_utf8_lossy(a).into_owned()).collect();
-        if args.iter().any(|a| a == "node") && args.iter().any(|a| *a == wanted) {
+        if args.iter().any(|a| a == subcommand) && args.iter().any(|a| *a == wanted) {
             // A zombie (killed, not yet reaped) no longer runs.
             let stat = std::fs::read_to_string(entry.path().join("stat")).unwrap_or_default();
             if stat.rsplit_once(')').is_some_and(|(_, rest)| rest.trim_start().starts_with('Z')) {

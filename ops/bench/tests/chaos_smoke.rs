@@ -46,7 +46,7 @@ fn random_faults_under_load_lose_no_acknowledged_record() {
     assert!(run.status.success(), "chaos.sh failed:\n{stdout}\n{}", String::from_utf8_lossy(&run.stderr));
     let line: serde_json::Value = serde_json::from_str(stdout.lines().last().unwrap_or("")).expect("one JSON line");
     let faults = &line["faults"];
-    let made: u64 = ["kill", "term", "freeze", "kill2"].iter().map(|k| faults[k].as_u64().unwrap()).sum();
+    let made: u64 = ["kill", "term", "freeze", "kill2", "coord"].iter().map(|k| faults[k].as_u64().unwrap()).sum();
     assert!(made >= 2, "a 20 s run makes a fault every 3 to 7 s: {line}");
     let listed = std::fs::read_to_string(kept.join("faults.txt")).unwrap();
     assert_eq!(listed.lines().count() as u64, made, "every fault made is listed:\n{listed}");
