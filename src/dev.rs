@@ -65,7 +65,8 @@ pub struct DevArgs {
     /// default 256 MiB reserve only).
     #[arg(long, default_value_t = DEFAULT_MAX_DISK_MIB)]
     max_disk_mib: u64,
-    /// Leave a node that exits down instead of restarting it after 1 s.
+    /// Leave a node or the coordinator that exits down instead of
+    /// restarting it after 1 s.
     #[arg(long)]
     no_restart: bool,
     /// Serve TLS on every listener, with mutual TLS between members and on
