@@ -342,12 +342,6 @@ fn child_name(id: u32) -> String {
     if id == 0 { "the coordinator".into() } else { format!("node {id}") }
 }
 
-/// A node waiting to be restarted: when, and how long it was given.
-struct Restart {
-    at: tokio::time::Instant,
-    delay: Duration,
-}
-
 /// How long a node that exited waits for its restart: [`RESTART_DELAY`]
 /// after it had been listening, else twice its last wait (up to
 /// [`MAX_RESTART_DELAY`]): a node that keeps failing to start is not
@@ -511,7 +505,9 @@ pub async fn run_dev(args: DevArgs) -> Result<()> {
     let mut left_down = std::collections::BTreeSet::new();
     let mut listening: std::collections::BTreeMap<u32, Listening> =
         children.0.iter().map(|(id, _)| (*id, Listening::already())).collect();
-    let mut restarts: std::collections::BTreeMap<u32, Restart> = std::collections::BTreeMap::new();
+    // When each child waiting for a restart is due, and the wait each was
+    // last given (the next failed start doubles it).
+    let mut restarts: std::collections::BTreeMap<u32, tokio::time::Instant> = std::collections::BTreeMap::new();
     let mut last_delay: std::collections::BTreeMap<u32, Duration> = std::collections::BTreeMap::new();
     loop {
         tokio::select! {
@@ -520,11 +516,10 @@ pub async fn run_dev(args: DevArgs) -> Result<()> {
             _ = check.tick() => {
                 let now = tokio::time::Instant::now();
                 for (id, child) in &mut children.0 {
-                    if let Some(restart) = restarts.get(id) {
-                        if now < restart.at {
+                    if let Some(&due) = restarts.get(id) {
+                        if now < due {
                             continue;
                         }
-                        last_delay.insert(*id, restart.delay);
                         restarts.remove(id);
                         match start_child(*id) {
                             Ok(mut fresh) => {
@@ -534,7 +529,8 @@ pub async fn run_dev(args: DevArgs) -> Result<()> {
                             Err(e) => {
                                 let delay = restart_delay(false, last_delay.get(id).copied());
                                 println!("{} could not be started ({e:#}); trying again in {}s", child_name(*id), delay.as_secs());
-                                restarts.insert(*id, Restart { at: now + delay, delay });
+                                last_delay.insert(*id, delay);
+                                restarts.insert(*id, now + delay);
                             }
                         }
                         continue;
@@ -554,7 +550,8 @@ pub async fn run_dev(args: DevArgs) -> Result<()> {
                     let delay = restart_delay(was_listening, last_delay.get(id).copied());
                     let when = if was_listening { "" } else { " before it was listening" };
                     println!("{name} exited{when} ({status}); restarting it in {}s", delay.as_secs());
-                    restarts.insert(*id, Restart { at: now + delay, delay });
+                    last_delay.insert(*id, delay);
+                    restarts.insert(*id, now + delay);
                 }
             }
         }
