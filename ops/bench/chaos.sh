@@ -70,13 +70,10 @@ IFS=, read -r -a kinds <<<"$faults"
 for kind in "${kinds[@]}"; do
   case "$kind" in kill | term | freeze | kill2 | coord) ;; *) echo "--faults: $kind is not one of kill, term, freeze, kill2, coord" >&2; exit 2 ;; esac
 done
-if [ -z "$walship" ]; then
-  walship=target/release/walship
-  [ -x "$walship" ] || walship=target/debug/walship
-fi
-[ -x "$walship" ] || { echo "no walship binary at $walship: cargo build --release" >&2; exit 1; }
-history_bin="$(dirname "$walship")/walship-history"
-[ -x "$history_bin" ] || { echo "no walship-history beside $walship: cargo build --release -p walship-compare --bin walship-history" >&2; exit 1; }
+# shellcheck source=ops/bench/dev-lib.sh
+. ops/bench/dev-lib.sh
+pick_walship
+need_history
 
 if [ -n "$keep" ]; then
   mkdir -p "$keep"
@@ -100,13 +97,7 @@ cleanup() {
 trap cleanup EXIT
 fail() { echo "{\"error\": \"$1\"}"; exit 1; }
 
-admin=""
-for _ in $(seq 1 3000); do
-  admin=$(grep -o 'dashboard: http://[0-9.:]*/' "$log" | head -1 | sed 's/dashboard: //' || true)
-  [ -n "$admin" ] && break
-  kill -0 "$dev" 2>/dev/null || break
-  sleep 0.2
-done
+admin=$(dev_dashboard "$log" "$dev")
 [ -n "$admin" ] || fail "dev did not come up: $(tail -1 "$log" | tr -d '"')"
 servers=$(curl -sf "${admin}v1/cluster" | python3 -c 'import json,sys; print(",".join(n["grpc_addr"] for n in json.load(sys.stdin)["nodes"]))')
 # The sample: shards spread evenly over 1..N.

@@ -95,15 +95,12 @@ while [ $# -gt 0 ]; do
     *) echo "unknown argument $1 (see the header of $0)" >&2; exit 2 ;;
   esac
 done
-if [ -z "$walship" ]; then
-  walship=target/release/walship
-  [ -x "$walship" ] || walship=target/debug/walship
-fi
-[ -x "$walship" ] || { echo "no walship binary at $walship: cargo build --release" >&2; exit 1; }
-history_bin="$(dirname "$walship")/walship-history"
+# shellcheck source=ops/bench/dev-lib.sh
+. ops/bench/dev-lib.sh
+pick_walship
 if [ "$load" != 0 ]; then
   [[ "$load" =~ ^[1-9][0-9]*$ ]] || { echo "--load takes a number of shards (at least 1), not $load" >&2; exit 2; }
-  [ -x "$history_bin" ] || { echo "no walship-history beside $walship: cargo build --release -p walship-compare --bin walship-history" >&2; exit 1; }
+  need_history
 fi
 if [ "$throughput" != 0 ]; then
   [[ "$throughput" =~ ^[1-9][0-9]*$ ]] && [ "$throughput" -gt 1 ] ||
@@ -150,13 +147,7 @@ for n in $counts; do
   "$walship" dev --shards "$n" --data-dir "$dir/data" --base-port 0 $restart >"$log" 2>&1 &
   dev=$!
   trap 'kill $dev 2>/dev/null; wait $dev 2>/dev/null; rm -rf "$dir"' EXIT
-  admin=""
-  for _ in $(seq 1 3000); do
-    admin=$(grep -o 'dashboard: http://[0-9.:]*/' "$log" | head -1 | sed 's/dashboard: //' || true)
-    [ -n "$admin" ] && break
-    kill -0 "$dev" 2>/dev/null || break
-    sleep 0.2
-  done
+  admin=$(dev_dashboard "$log" "$dev")
   if [ -z "$admin" ] || ! kill -0 "$dev" 2>/dev/null; then
     echo "{\"shards\": $n, \"error\": \"dev did not come up: $(tail -1 "$log" | tr -d '"')\"}"
     kill "$dev" 2>/dev/null || true; wait "$dev" 2>/dev/null || true; rm -rf "$dir"; trap - EXIT
