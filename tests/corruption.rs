@@ -80,6 +80,39 @@ fn damage(data_dir: &Path, seqno: u64) -> PathBuf {
     file
 }
 
+/// raft-engine's log file header (magic, version, alignment) and the
+/// header of each log batch: its length (shifted left 8, over the
+/// compression byte) and the offset of its item metadata, big-endian.
+const FILE_HEADER_LEN: usize = 69;
+const BATCH_HEADER_LEN: usize = 16;
+
+/// Flips a byte of the item metadata of the log batch holding the newest
+/// copy of record `seqno`, in place: raft-engine's recovery then cuts the
+/// file at that batch, dropping it and every batch after it. (Damage to a
+/// record's bytes alone leaves recovery alone: the read or the scrubber
+/// finds it.) Walks the file's batches from its header to find the batch.
+fn damage_batch(data_dir: &Path, seqno: u64) -> PathBuf {
+    let (file, offset) = find_payload(data_dir, &payload(seqno));
+    let bytes = std::fs::read(&file).unwrap();
+    let mut at = FILE_HEADER_LEN;
+    let item_metadata = loop {
+        let header: [u8; BATCH_HEADER_LEN] = bytes[at..at + BATCH_HEADER_LEN].try_into().unwrap();
+        let len = (u64::from_be_bytes(header[..8].try_into().unwrap()) >> 8) as usize;
+        let footer = u64::from_be_bytes(header[8..].try_into().unwrap()) as usize;
+        assert!(len > BATCH_HEADER_LEN && footer < len, "a batch header at {at} of {}", file.display());
+        if (at..at + len).contains(&(offset as usize)) {
+            break at + footer;
+        }
+        at += len;
+    };
+    let handle = std::fs::OpenOptions::new().read(true).write(true).open(&file).unwrap();
+    let mut byte = [0u8; 1];
+    handle.read_exact_at(&mut byte, item_metadata as u64).unwrap();
+    handle.write_all_at(&[byte[0] ^ 0x5a], item_metadata as u64).unwrap();
+    handle.sync_all().unwrap();
+    file
+}
+
 /// Node `id`'s view of shard 1 in its `/v1/status`.
 async fn shard_status(cluster: &Cluster, id: u32) -> Option<serde_json::Value> {
     let status = cluster.status(id).await?;
@@ -319,17 +352,18 @@ async fn a_replica_whose_newest_record_is_damaged_still_answers_fences() {
     assert_repaired(&mut cluster, 3, leader, 310, &acked).await;
 }
 
-/// (a'') A follower's record 100 of 300 is damaged while it is cleanly
-/// stopped. raft-engine's recovery cuts its log file at the damaged batch,
-/// and every batch after it: records that had been durable there are gone,
-/// and maybe an epoch it promised. The node says so (an ERROR, the
-/// `recovery` count), takes nothing from a leader until its coordinator
-/// assigns it again, then refetches what was cut, byte-identical.
+/// (a'') The log batch holding a follower's record 100 of 300 is damaged
+/// (its item metadata) while the follower is cleanly stopped.
+/// raft-engine's recovery cuts its log file at the damaged batch, and every
+/// batch after it: records that had been durable there are gone, and maybe
+/// an epoch it promised. The node says so (an ERROR, the `recovery` count),
+/// takes nothing from a leader until its coordinator assigns it again, then
+/// refetches what was cut, byte-identical.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn records_cut_by_the_wals_recovery_are_reported_and_refetched() {
     let (_dir, _log, mut cluster) = cluster_logging_node_1();
     let acked = node_3_stopped_cleanly_holding_300(&mut cluster).await;
-    damage(&cluster.node(3).data_dir.clone(), DAMAGED);
+    damage_batch(&cluster.node(3).data_dir.clone(), DAMAGED);
     cluster.restart(3);
     wait_until("node 3 to count the records its recovery cut", WAIT, || async {
         metric(&cluster, 3, "walship_wal_corruption_detected_total{how=\"recovery\"}").await == 1

@@ -101,7 +101,7 @@ use raft_proto::eraftpb::Entry;
 
 use crate::chunk::{self, Chunk, ChunkMeta, Chunks, MAX_TAIL_CHUNKS};
 use crate::record::Frame;
-use crate::recovery_log::RecoveryFinding;
+use crate::recovery_log::{CleanEnd, RecoveryFinding};
 use crate::segment::Segment;
 use crate::store::{
     Counter, Earlier, LogBounds, LogStore, Raise, ShardAppend, ShardId, SnapshotChanges, StartupDamage, StoreError,
@@ -189,6 +189,9 @@ struct ShardState {
 pub struct EngineStore {
     engine: Engine,
     rotations: Arc<crate::zero_fill::Rotations>,
+    /// Where the newest log file's written bytes end (for the clean-shutdown
+    /// marker).
+    written_end: Arc<crate::zero_fill::WrittenEnd>,
     shards: Mutex<BTreeMap<ShardId, ShardState>>,
     /// Serialises the calls that change chunks (append, truncate, compact):
     /// each plans from the chunk map, writes, then applies its plan.
@@ -644,7 +647,7 @@ impl LogStore for EngineStore {
             .iter()
             .filter_map(|f| match f {
                 RecoveryFinding::Corruption { file, offset, detail } => Some((file.clone(), *offset, detail.clone())),
-                RecoveryFinding::TornTail { .. } => None,
+                RecoveryFinding::TornTail { .. } | RecoveryFinding::CleanEnd { .. } => None,
             })
             .collect()
     }
@@ -702,9 +705,16 @@ impl LogStore for EngineStore {
         Ok(get_u64(&self.engine, region(shard), LOG_EPOCH_KEY).unwrap_or(0))
     }
 
+    /// Records the end of the newest log file with the marker: the next
+    /// open tells recovery's cut there (of the space behind it) from damage
+    /// (`crate::recovery_log`).
     fn mark_clean_shutdown(&self) -> StoreResult<()> {
         self.engine.sync().map_err(io)?;
-        write_durably(&self.dir, CLEAN_SHUTDOWN_FILE, b"clean\n")
+        let end = self
+            .written_end
+            .get()
+            .and_then(|(file, end)| Some(CleanEnd { file: file.file_name()?.to_str()?.to_owned(), end }));
+        write_durably(&self.dir, CLEAN_SHUTDOWN_FILE, CleanEnd::marker(end.as_ref()).as_bytes())
             .map_err(|e| StoreError::Io(format!("writing the clean-shutdown marker: {e}")))
     }
 

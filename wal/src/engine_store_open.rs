@@ -80,8 +80,9 @@ impl EngineStore {
         let spares = if config.prefill { config.spare_bytes } else { 0 };
         let cfg = crate::zero_fill::with_spare_files(cfg, spares);
         let fs = Arc::new(ZeroFilledFs::new(if config.prefill { config.target_file_bytes } else { 0 }));
-        let clean = dir.join(CLEAN_SHUTDOWN_FILE).exists();
-        crate::recovery_log::watch(dir, clean);
+        let marker = std::fs::read_to_string(dir.join(CLEAN_SHUTDOWN_FILE)).ok();
+        let clean = marker.is_some();
+        crate::recovery_log::watch(dir, marker.as_deref().map(CleanEnd::parse));
         let engine = Engine::open_with_file_system(cfg, fs.clone());
         let recovery = crate::recovery_log::unwatch(dir);
         let engine = engine.map_err(io)?;
@@ -105,6 +106,7 @@ impl EngineStore {
         let mut store = EngineStore {
             engine,
             rotations: fs.rotations(),
+            written_end: fs.written_end(),
             shards: Mutex::new(shards),
             write_lock: Mutex::new(()),
             epoch_locks: (0..EPOCH_LOCK_STRIPES).map(|_| Mutex::new(())).collect(),

@@ -168,6 +168,80 @@ async fn a_crash_copy_reports_a_torn_tail_and_no_corruption() {
     assert_eq!((report.records, report.new_ranges), (40, 0));
 }
 
+/// A node exits after its clean shutdown without dropping raft-engine's
+/// `Engine`, so its newest log file goes on past the written end (the zeros
+/// of `fallocate`, or of a prefill): a copy of the files then is what the
+/// next start finds. Recovery's cut at the end the marker recorded is not
+/// corruption, with either layout, and nothing is lost.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_clean_shutdown_leaves_no_corruption_behind_the_end_of_the_log() {
+    let _ = crate::recovery_log::install();
+    for config in [EngineStoreConfig::default(), prefilled()] {
+        let dir = tempfile::tempdir().unwrap();
+        let store = EngineStore::open(dir.path(), &config).unwrap();
+        store.create_shard(1).unwrap();
+        append(&store, 1, 1, 30);
+        store.mark_clean_shutdown().unwrap();
+        let exited = crate::conformance::crash_copy(dir.path());
+        drop(store);
+        let marker = std::fs::read_to_string(exited.path().join(CLEAN_SHUTDOWN_FILE)).unwrap();
+        let end = CleanEnd::parse(&marker).expect("the end recorded");
+        let file = only_log_file(exited.path());
+        assert_eq!(end.file, file.file_name().unwrap().to_str().unwrap());
+        assert!(std::fs::metadata(&file).unwrap().len() > end.end, "space behind the end ({config:?})");
+
+        let store = Arc::new(EngineStore::open(exited.path(), &config).unwrap());
+        let findings = store.recovery_findings().to_vec();
+        assert!(
+            matches!(findings.as_slice(), [RecoveryFinding::CleanEnd { offset, .. }] if *offset == end.end),
+            "{findings:?}"
+        );
+        assert!(store.recovery_cuts().is_empty());
+        let wal = Wal::start(store, no_scrub(), WalMetrics::unregistered()).unwrap();
+        assert!(wal.corruption().is_empty());
+        assert!(!wal.recovery_cut());
+        assert_eq!(seqnos(&wal.read(1, 1, 30, usize::MAX).await.unwrap()), (1..=30).collect::<Vec<_>>());
+    }
+}
+
+/// Behind a clean shutdown's recorded end, the cut must be exactly there:
+/// a synced batch lost from the end of the log (its bytes zeros now) is
+/// corruption, although nothing but zeros follows the cut. A marker of an
+/// earlier build, which records no end, takes a cut followed by zeros for
+/// the end of the log.
+#[test]
+fn a_clean_log_cut_before_its_recorded_end_is_corruption() {
+    let _ = crate::recovery_log::install();
+    let dir = tempfile::tempdir().unwrap();
+    let store = EngineStore::open(dir.path(), &Default::default()).unwrap();
+    store.create_shard(1).unwrap();
+    append(&store, 1, 1, 30);
+    store.mark_clean_shutdown().unwrap();
+    let lost_write = crate::conformance::crash_copy(dir.path());
+    let old_marker = crate::conformance::crash_copy(dir.path());
+    drop(store);
+
+    let marker = std::fs::read_to_string(lost_write.path().join(CLEAN_SHUTDOWN_FILE)).unwrap();
+    let end = CleanEnd::parse(&marker).unwrap();
+    let file = only_log_file(lost_write.path());
+    let mut bytes = std::fs::read(&file).unwrap();
+    bytes[end.end as usize - 8..end.end as usize].fill(0);
+    std::fs::write(&file, bytes).unwrap();
+    let store = EngineStore::open(lost_write.path(), &Default::default()).unwrap();
+    let findings = store.recovery_findings().to_vec();
+    assert!(
+        matches!(findings.as_slice(), [RecoveryFinding::Corruption { offset, .. }] if *offset < end.end),
+        "{findings:?}"
+    );
+    assert_eq!(store.bounds(1).unwrap().last_seqno, 29, "the last batch is gone");
+
+    std::fs::write(old_marker.path().join(CLEAN_SHUTDOWN_FILE), "clean\n").unwrap();
+    let store = EngineStore::open(old_marker.path(), &Default::default()).unwrap();
+    let findings = store.recovery_findings().to_vec();
+    assert!(matches!(findings.as_slice(), [RecoveryFinding::CleanEnd { .. }]), "{findings:?}");
+    assert_eq!(store.bounds(1).unwrap().last_seqno, 30);
+}
+
 /// Damage to a batch's metadata in the newest file makes raft-engine's
 /// recovery drop the rest of the file: that is reported as corruption
 /// (data follows the cut), never as a torn tail.

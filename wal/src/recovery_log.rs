@@ -22,8 +22,14 @@
 //!
 //! The classification (see [`is_torn_tail`]) only sees files of stores that
 //! are opening ([`watch`]); a message about another file keeps its WARN. A
-//! store whose last shutdown was clean has no torn tail: anything cut there
-//! is corruption.
+//! store whose last shutdown was clean has no torn tail, but its newest file
+//! goes on past its written end: the zeros of a prefill or of raft-engine's
+//! `fallocate` (only an `Engine` drop cuts those, and a node exits without
+//! one), or a recycled file's earlier bytes. Its clean-shutdown marker
+//! records that end ([`CleanEnd`]), and recovery's cut exactly there is
+//! the end of the log, reported at INFO. Anything else cut in a clean store
+//! is corruption. (A marker of an earlier build records no end: there a cut
+//! followed by nothing but zeros is taken for the end.)
 //!
 //! Invariant: every message is emitted exactly once, at a level no lower
 //! than INFO, and nothing raft-engine does is changed, only reported.
@@ -31,26 +37,58 @@
 use std::path::{Path, PathBuf};
 use std::sync::Mutex;
 
+/// Where a clean shutdown left the end of the log: the newest log file's
+/// name and the offset past its last written byte. The clean-shutdown
+/// marker holds it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct CleanEnd {
+    pub file: String,
+    pub end: u64,
+}
+
+impl CleanEnd {
+    /// The clean-shutdown marker's text: `clean`, then the end when known
+    /// (`clean\n0000000000000003.raftlog 54330131\n`).
+    pub fn marker(end: Option<&CleanEnd>) -> String {
+        match end {
+            Some(e) => format!("clean\n{} {}\n", e.file, e.end),
+            None => "clean\n".to_owned(),
+        }
+    }
+
+    /// The end a marker's text records; `None` when it records none (a
+    /// marker of an earlier build) or cannot be parsed.
+    pub fn parse(marker: &str) -> Option<CleanEnd> {
+        let (file, end) = marker.lines().nth(1)?.split_once(' ')?;
+        let valid = file.ends_with(".raftlog") && !file.contains('/');
+        valid.then(|| Some(CleanEnd { file: file.to_owned(), end: end.trim().parse().ok()? })).flatten()
+    }
+}
+
 /// What a raft-engine recovery truncation was.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum RecoveryFinding {
     /// The unfinished end of the log an unclean stop leaves.
     TornTail { file: PathBuf, offset: u64 },
+    /// What lies behind the end of the log a clean shutdown recorded.
+    CleanEnd { file: PathBuf, offset: u64 },
     /// Damaged bytes recovery cut, with what came after them in the file.
     Corruption { file: PathBuf, offset: u64, detail: String },
 }
 
 struct Watched {
     dir: PathBuf,
-    clean: bool,
+    /// `Some` after a clean shutdown, with the end it recorded if any.
+    clean: Option<Option<CleanEnd>>,
     findings: Vec<RecoveryFinding>,
 }
 
 static WATCHED: Mutex<Vec<Watched>> = Mutex::new(Vec::new());
 
 /// Classifies raft-engine's truncations of files under `dir` from now on
-/// (while the store there opens); `clean` says the last shutdown was clean.
-pub(crate) fn watch(dir: &Path, clean: bool) {
+/// (while the store there opens); `clean` is `Some` when the last shutdown
+/// was clean, with the end of the log it recorded.
+pub(crate) fn watch(dir: &Path, clean: Option<Option<CleanEnd>>) {
     let mut watched = WATCHED.lock().unwrap_or_else(|e| e.into_inner());
     watched.retain(|w| w.dir != dir);
     watched.push(Watched { dir: dir.to_path_buf(), clean, findings: Vec::new() });
@@ -97,6 +135,16 @@ pub fn is_torn_tail(rest: &[u8]) -> bool {
     zeros(&rest[len - BATCH_CHECKSUM_LEN..len]) && zeros(&rest[len..])
 }
 
+/// Whether a cut at `offset` of file `name`, with `rest` behind it, is the
+/// end of the log a clean shutdown recorded (`end`): exactly there; or,
+/// when the shutdown recorded none, with nothing but zeros behind it.
+pub fn is_clean_end(end: Option<&CleanEnd>, name: &str, offset: u64, rest: &[u8]) -> bool {
+    match end {
+        Some(end) => end.file == name && end.end == offset,
+        None => rest.iter().all(|b| *b == 0),
+    }
+}
+
 /// Parses raft-engine's "Truncating log file due to broken ... (queue=Append,
 /// seq=3,offset=4096): ..." into the file name and the offset.
 fn parse_truncation(message: &str) -> Option<(String, u64)> {
@@ -130,7 +178,17 @@ fn intercept(message: &str) -> bool {
         Ok(bytes) => bytes.get(offset as usize..).map(<[u8]>::to_vec).unwrap_or_default(),
         Err(_) => return false,
     };
-    if !w.clean && is_torn_tail(&rest) {
+    if let Some(end) = &w.clean
+        && is_clean_end(end.as_ref(), &name, offset, &rest)
+    {
+        tracing::info!(
+            file = %file.display(),
+            offset,
+            bytes = rest.len(),
+            "the end of the log a clean shutdown left: WAL recovery cuts the unwritten space behind it"
+        );
+        w.findings.push(RecoveryFinding::CleanEnd { file, offset });
+    } else if w.clean.is_none() && is_torn_tail(&rest) {
         tracing::info!(
             file = %file.display(),
             offset,
@@ -143,7 +201,7 @@ fn intercept(message: &str) -> bool {
         tracing::error!(
             file = %file.display(),
             offset,
-            clean_shutdown = w.clean,
+            clean_shutdown = w.clean.is_some(),
             raft_engine = message,
             "corruption: WAL recovery truncates a log file at damaged bytes; the records after them in this file \
              are lost on this node and must come back from a replica"
@@ -200,6 +258,30 @@ mod tests {
         let m = "Truncating log file due to broken header (queue=Rewrite,seq=12): Corruption: y";
         assert_eq!(parse_truncation(m), Some(("0000000000000012.rewrite".into(), 0)));
         assert_eq!(parse_truncation("Recovering raft logs takes 3ms"), None);
+    }
+
+    #[test]
+    fn clean_ends_are_recorded_and_recognised() {
+        let end = CleanEnd { file: "0000000000000003.raftlog".into(), end: 4096 };
+        let marker = CleanEnd::marker(Some(&end));
+        assert_eq!(marker, "clean\n0000000000000003.raftlog 4096\n");
+        assert_eq!(CleanEnd::parse(&marker), Some(end.clone()));
+        for old_or_bad in
+            ["clean\n", "", "clean\n0000000000000003.raftlog\n", "clean\n../x.raftlog 1\n", "clean\nx.rewrite 1\n"]
+        {
+            assert_eq!(CleanEnd::parse(old_or_bad), None, "{old_or_bad:?}");
+        }
+        let junk = [0x5au8; 64];
+        // Exactly at the recorded end, whatever lies behind it (a recycled
+        // file's earlier bytes).
+        assert!(is_clean_end(Some(&end), "0000000000000003.raftlog", 4096, &junk));
+        // Anywhere else, even with zeros behind it: written data is gone.
+        assert!(!is_clean_end(Some(&end), "0000000000000003.raftlog", 4000, &[0; 64]));
+        assert!(!is_clean_end(Some(&end), "0000000000000003.raftlog", 5000, &[0; 64]));
+        assert!(!is_clean_end(Some(&end), "0000000000000002.raftlog", 4096, &[0; 64]));
+        // Without a recorded end: zeros only.
+        assert!(is_clean_end(None, "0000000000000003.raftlog", 10, &[0; 64]));
+        assert!(!is_clean_end(None, "0000000000000003.raftlog", 10, &junk));
     }
 
     #[test]

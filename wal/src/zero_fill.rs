@@ -47,10 +47,15 @@
 //! Every write and sync of a log file goes through this file system's
 //! [`LogHandle`] and [`LogWriter`], so that is where the `testing` feature's
 //! failpoints sit (`wal::write`, `wal::sync`: [`crate::failpoints`]). Without
-//! the feature both only delegate.
+//! the feature both only delegate, and the writer of the newest log file
+//! keeps [`WrittenEnd`]: where its written bytes end. Behind that end lie the
+//! zeros of a prefill or of raft-engine's `fallocate` (which only its
+//! `Engine` drop cuts, and a node exits without dropping it), or the bytes
+//! of a recycled file's previous life: a clean shutdown records the end, so
+//! that the next open can tell the cut recovery makes there from damage.
 
 use std::io::{Result, Seek, SeekFrom, Write};
-use std::path::Path;
+use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 
@@ -71,6 +76,7 @@ pub struct ZeroFilledFs {
     /// A log file was created (and a fill tried) while the engine opened.
     created: AtomicBool,
     rotations: Arc<Rotations>,
+    written_end: Arc<WrittenEnd>,
 }
 
 /// WAL file rotations since the store opened, by the file rotated into.
@@ -82,6 +88,47 @@ pub struct Rotations {
     /// pool was empty): its group commits' fdatasyncs also write extent
     /// metadata.
     pub new: AtomicU64,
+}
+
+/// Where the append queue's newest log file ends: the file its current
+/// writer writes and the offset past the last byte written (or sought to)
+/// there. Shared by the file system and the store.
+#[derive(Debug, Default)]
+pub struct WrittenEnd {
+    state: parking_lot::Mutex<EndState>,
+}
+
+#[derive(Debug, Default)]
+struct EndState {
+    /// The writer whose positions count (the newest one made).
+    writer: u64,
+    file: Option<PathBuf>,
+    end: u64,
+}
+
+impl WrittenEnd {
+    /// The newest log file's path and the end of what was written to it.
+    pub fn get(&self) -> Option<(PathBuf, u64)> {
+        let state = self.state.lock();
+        state.file.clone().map(|f| (f, state.end))
+    }
+
+    /// A new writer of `file`: it is the newest from now on; its id.
+    fn start(&self, file: PathBuf) -> u64 {
+        let mut state = self.state.lock();
+        state.writer += 1;
+        state.file = Some(file);
+        state.end = 0;
+        state.writer
+    }
+
+    /// Writer `id` is at `at`: the end, if it is still the newest.
+    fn at(&self, id: u64, at: u64) {
+        let mut state = self.state.lock();
+        if state.writer == id {
+            state.end = at;
+        }
+    }
 }
 
 /// Write zeros in pieces of this size.
@@ -98,7 +145,13 @@ impl ZeroFilledFs {
             opening: AtomicBool::new(true),
             created: AtomicBool::new(false),
             rotations: Arc::default(),
+            written_end: Arc::default(),
         }
+    }
+
+    /// Where the newest log file's written bytes end (shared).
+    pub fn written_end(&self) -> Arc<WrittenEnd> {
+        self.written_end.clone()
     }
 
     /// The rotation counts, shared (the node's `/metrics` reads them).
@@ -271,8 +324,16 @@ pub fn sync_spare_files(dir: &Path, file_bytes: u64, expected: u64) -> Result<u6
     Ok(whole)
 }
 
-/// A log file's handle: raft-engine syncs every log file through it.
-pub struct LogHandle(Arc<<Inner as FileSystem>::Handle>);
+/// A log file's handle: raft-engine syncs every log file through it. Holds
+/// the path of an append-queue log file (`*.raftlog`), whose writer keeps
+/// the [`WrittenEnd`].
+pub struct LogHandle(Arc<<Inner as FileSystem>::Handle>, Option<PathBuf>);
+
+impl LogHandle {
+    fn new(inner: <Inner as FileSystem>::Handle, path: &Path) -> LogHandle {
+        LogHandle(Arc::new(inner), is_log_file(path).then(|| path.to_path_buf()))
+    }
+}
 
 impl Handle for LogHandle {
     fn truncate(&self, offset: usize) -> Result<()> {
@@ -292,8 +353,18 @@ impl Handle for LogHandle {
     }
 }
 
-/// A log file's writer: every byte raft-engine writes to a log file.
-pub struct LogWriter(<Inner as FileSystem>::Writer);
+/// A log file's writer: every byte raft-engine writes to a log file. The
+/// writer of an append-queue file keeps [`WrittenEnd`] at its position.
+pub struct LogWriter(<Inner as FileSystem>::Writer, Option<(u64, Arc<WrittenEnd>)>, u64);
+
+impl LogWriter {
+    fn moved_to(&mut self, at: u64) {
+        self.2 = at;
+        if let Some((id, end)) = &self.1 {
+            end.at(*id, at);
+        }
+    }
+}
 
 impl Write for LogWriter {
     fn write(&mut self, buf: &[u8]) -> Result<usize> {
@@ -301,7 +372,9 @@ impl Write for LogWriter {
         // back), and the WAL treats it as fatal.
         #[cfg(feature = "testing")]
         fail::fail_point!("wal::write", |_| Err(crate::failpoints::injected("wal::write")));
-        self.0.write(buf)
+        let written = self.0.write(buf)?;
+        self.moved_to(self.2 + written as u64);
+        Ok(written)
     }
 
     fn flush(&mut self) -> Result<()> {
@@ -311,7 +384,9 @@ impl Write for LogWriter {
 
 impl Seek for LogWriter {
     fn seek(&mut self, pos: SeekFrom) -> Result<u64> {
-        self.0.seek(pos)
+        let at = self.0.seek(pos)?;
+        self.moved_to(at);
+        Ok(at)
     }
 }
 
@@ -334,7 +409,7 @@ impl FileSystem for ZeroFilledFs {
         let path = path.as_ref();
         self.count_rotation(path, &self.rotations.new);
         if !self.fills(path) {
-            return Ok(LogHandle(Arc::new(self.inner.create(path)?)));
+            return Ok(LogHandle::new(self.inner.create(path)?, path));
         }
         // raft-engine creates a log file only where none is in use, and
         // resets its header right after.
@@ -345,7 +420,8 @@ impl FileSystem for ZeroFilledFs {
     }
 
     fn open<P: AsRef<Path>>(&self, path: P, perm: Permission) -> Result<Self::Handle> {
-        Ok(LogHandle(Arc::new(self.inner.open(path, perm)?)))
+        let path = path.as_ref();
+        Ok(LogHandle::new(self.inner.open(path, perm)?, path))
     }
 
     fn delete<P: AsRef<Path>>(&self, path: P) -> Result<()> {
@@ -367,6 +443,7 @@ impl FileSystem for ZeroFilledFs {
     }
 
     fn new_writer(&self, handle: Arc<Self::Handle>) -> Result<Self::Writer> {
-        Ok(LogWriter(self.inner.new_writer(handle.0.clone())?))
+        let tracked = handle.1.clone().map(|path| (self.written_end.start(path), self.written_end.clone()));
+        Ok(LogWriter(self.inner.new_writer(handle.0.clone())?, tracked, 0))
     }
 }
