@@ -13,6 +13,13 @@
 #            nothing can be acknowledged until one returns)
 #   coord    SIGKILL of the coordinator instead (no failover until it is
 #            back, 1 s later, from its file KV)
+#   corrupt  one random byte of the node's WAL files flipped (a byte
+#            already written, in a `*.raftlog` file); every other time the
+#            node is SIGKILLed first, so that its restart reads the damage.
+#            Not among the defaults: name it in --faults. The node must
+#            find the damage (by a read, the scrubber or its restart) and
+#            repair it from another replica; a record damaged on one node
+#            is served by the others meanwhile.
 # Then the load stops and every acknowledged record is read back from every
 # node, once that node has committed it. Prints one JSON line: the faults
 # made, and `history` (acknowledged, unknown outcomes, refused, lost, the
@@ -68,7 +75,7 @@ number --max-disk-mib "$cap" 0
 IFS=, read -r -a kinds <<<"$faults"
 [ "${#kinds[@]}" -gt 0 ] || { echo "--faults names none" >&2; exit 2; }
 for kind in "${kinds[@]}"; do
-  case "$kind" in kill | term | freeze | kill2 | coord) ;; *) echo "--faults: $kind is not one of kill, term, freeze, kill2, coord" >&2; exit 2 ;; esac
+  case "$kind" in kill | term | freeze | kill2 | coord | corrupt) ;; *) echo "--faults: $kind is not one of kill, term, freeze, kill2, coord, corrupt" >&2; exit 2 ;; esac
 done
 # shellcheck source=ops/bench/dev-lib.sh
 . ops/bench/dev-lib.sh
@@ -116,7 +123,41 @@ child_pid() {
 }
 node_pid() { child_pid "--node-id $1 "; }
 RANDOM=$seed
-declare -A made=([kill]=0 [term]=0 [freeze]=0 [kill2]=0 [coord]=0 [missed]=0)
+declare -A made=([kill]=0 [term]=0 [freeze]=0 [kill2]=0 [coord]=0 [corrupt]=0 [missed]=0)
+# Flips one byte of NODE's WAL: a random `*.raftlog` file, a random offset,
+# moved on to the next byte that is not zero (what lies past a file's
+# written end is zeros); prints the file, the offset and the bytes.
+flip_byte() {
+  python3 - "$dir/data/node-$1/wal" "$2" <<'PY'
+import os, random, sys
+wal, seed = sys.argv[1], int(sys.argv[2])
+rng = random.Random(seed)
+files = sorted(f for f in os.listdir(wal) if f.endswith(".raftlog"))
+if not files:
+    print("no WAL file")
+    sys.exit(0)
+path = os.path.join(wal, rng.choice(files))
+with open(path, "r+b") as f:
+    size = os.fstat(f.fileno()).st_size
+    for _ in range(64):
+        at = rng.randrange(size) if size else 0
+        f.seek(at)
+        window = f.read(1 << 16)
+        nonzero = next((i for i, b in enumerate(window) if b), None)
+        if nonzero is not None:
+            at += nonzero
+            old = window[nonzero]
+            new = old ^ (1 << rng.randrange(8))
+            f.seek(at)
+            f.write(bytes([new]))
+            f.flush()
+            os.fsync(f.fileno())
+            print(f"{os.path.basename(path)} at {at}: {old:#04x} -> {new:#04x}")
+            break
+    else:
+        print(f"{os.path.basename(path)}: no written byte found")
+PY
+}
 : >"$dir/faults.txt"
 end=$(($(date +%s) + seconds))
 while [ "$(date +%s)" -lt "$end" ]; do
@@ -136,7 +177,7 @@ while [ "$(date +%s)" -lt "$end" ]; do
   fi
   what="node $node"
   [ "$kind" = coord ] && what="the coordinator"
-  echo "$(date +%T.%N | cut -c1-12) $kind $what" >>"$dir/faults.txt"
+  line="$(date +%T.%N | cut -c1-12) $kind $what"
   case "$kind" in
     kill) kill -KILL "$pid" 2>/dev/null || true ;;
     term) kill -TERM "$pid" 2>/dev/null || true ;;
@@ -152,7 +193,16 @@ while [ "$(date +%s)" -lt "$end" ]; do
       other=$(node_pid $((node % 3 + 1)))
       kill -KILL "$pid" $other 2>/dev/null || true
       ;;
+    corrupt)
+      if [ $((RANDOM % 2)) -eq 0 ]; then
+        line="$line (killed first)"
+        kill -KILL "$pid" 2>/dev/null || true
+        while kill -0 "$pid" 2>/dev/null; do sleep 0.05; done
+      fi
+      line="$line: $(flip_byte "$node" "$RANDOM")"
+      ;;
   esac
+  echo "$line" >>"$dir/faults.txt"
   made[$kind]=$((made[$kind] + 1))
 done
 # Every node back before the load stops, then the check.
@@ -163,5 +213,5 @@ wait "$history_pid" || status=$?
 history_pid=""
 verdict=$(cat "$dir/history.json")
 [ -n "$verdict" ] || fail "walship-history printed no verdict: $(tail -1 "$dir/history.err" | tr -d '"')"
-echo "{\"shards\": $shards, \"sample\": $sample, \"seconds\": $seconds, \"seed\": $seed, \"max_disk_mib\": $cap, \"faults\": {\"kill\": ${made[kill]}, \"term\": ${made[term]}, \"freeze\": ${made[freeze]}, \"kill2\": ${made[kill2]}, \"coord\": ${made[coord]}, \"missed\": ${made[missed]}}, \"history\": $verdict}"
+echo "{\"shards\": $shards, \"sample\": $sample, \"seconds\": $seconds, \"seed\": $seed, \"max_disk_mib\": $cap, \"faults\": {\"kill\": ${made[kill]}, \"term\": ${made[term]}, \"freeze\": ${made[freeze]}, \"kill2\": ${made[kill2]}, \"coord\": ${made[coord]}, \"corrupt\": ${made[corrupt]}, \"missed\": ${made[missed]}}, \"history\": $verdict}"
 exit "$status"

@@ -15,7 +15,11 @@
 //! node that cannot answer (down, or still catching up when the wait runs
 //! out) is counted as unchecked for that shard, not as losing anything,
 //! and is not asked again for the other shards; every shard must be
-//! checked on at least one node.
+//! checked on at least one node. A node that answers `DATA_LOSS` for a
+//! shard (a record it holds is damaged, found by that read or before) is
+//! asked again until it has repaired the shard from another replica, within
+//! the same wait; if it has not by then, that pair alone is unchecked and
+//! the node is still asked for the other shards.
 
 use std::collections::HashMap;
 use std::sync::Arc;
@@ -66,6 +70,10 @@ pub struct Verdict {
     /// Why each node that could not be read could not: "ADDR: why" (the
     /// connection, or the first refused read).
     pub unreadable: Vec<String>,
+    /// (shard, node) pairs that first answered `DATA_LOSS` (a damaged
+    /// record), then were read once the node had repaired them (and counted
+    /// in `checked`).
+    pub repaired: u64,
     /// The first few losses, for the report: "shard S seqno Q on node ADDR: why".
     pub examples: Vec<String>,
 }
@@ -134,12 +142,21 @@ async fn connect(node: &str, wait: Duration) -> Result<LogClient<Channel>, Strin
     }
 }
 
+/// Why a node's records of a shard could not be read.
+#[derive(Debug)]
+pub struct Unread {
+    pub why: String,
+    /// The node answered `DATA_LOSS`: a record of this shard is damaged
+    /// there (it repairs itself from another replica).
+    pub damaged: bool,
+}
+
 /// What the node behind `client` holds of `shard` from seqno 1 up to
 /// `through`, once it has committed that far (waiting up to `wait`): seqno
 /// -> payload. A node that says there is no acknowledged record that far
 /// (`OUT_OF_RANGE`: a leader whose log ends before it) holds what it
 /// returned until then. `Err` (the refusal) when it cannot be read (down,
-/// or not caught up in time). With `beyond`, the read goes on past `through` to the
+/// damaged, or not caught up in time). With `beyond`, the read goes on past `through` to the
 /// newest committed record. Each answer carries at most [`READ_BYTES`].
 pub async fn read_node(
     client: &mut LogClient<Channel>,
@@ -147,7 +164,7 @@ pub async fn read_node(
     through: u64,
     beyond: bool,
     wait: Duration,
-) -> Result<HashMap<u64, Bytes>, String> {
+) -> Result<HashMap<u64, Bytes>, Unread> {
     let mut held = HashMap::new();
     let mut from = 1;
     while beyond || from <= through {
@@ -163,7 +180,10 @@ pub async fn read_node(
         let answer = match client.read(request).await {
             Ok(answer) => answer.into_inner(),
             Err(status) if status.code() == tonic::Code::OutOfRange => break,
-            Err(status) => return Err(format!("reading shard {shard} from {from}: {status}")),
+            Err(status) => {
+                let damaged = status.code() == tonic::Code::DataLoss;
+                return Err(Unread { why: format!("reading shard {shard} from {from}: {status}"), damaged });
+            }
         };
         if answer.records.is_empty() || answer.next_seqno <= from {
             break;
@@ -203,15 +223,19 @@ pub async fn check(histories: &[ShardHistory], nodes: &[String], wait: Duration,
         }
         let mut read_any = false;
         for (node, client) in &mut clients {
-            let held = match client.as_mut() {
-                Some(c) => read_node(c, history.shard, through, unnamed, wait).await,
-                None => Err(String::new()),
+            let Some(c) = client.as_mut() else {
+                verdict.unchecked += 1;
+                continue;
             };
-            let held = match held {
-                Ok(held) => held,
-                Err(why) => {
-                    if client.take().is_some() {
-                        verdict.unreadable.push(format!("{node}: {why}"));
+            let held = match read_repaired(c, history.shard, through, unnamed, wait).await {
+                Ok((held, repaired)) => {
+                    verdict.repaired += u64::from(repaired);
+                    held
+                }
+                Err(unread) => {
+                    verdict.unreadable.push(format!("{node}: {}", unread.why));
+                    if !unread.damaged {
+                        *client = None;
                     }
                     verdict.unchecked += 1;
                     continue;
@@ -231,6 +255,32 @@ pub async fn check(histories: &[ShardHistory], nodes: &[String], wait: Duration,
         }
     }
     verdict
+}
+
+/// [`read_node`], asked again every half second while the node answers
+/// `DATA_LOSS` (it truncates the damaged record and refetches from another
+/// replica; the read then waits for it to commit that far again), for up
+/// to `wait` in all; with whether it first answered `DATA_LOSS`.
+async fn read_repaired(
+    client: &mut LogClient<Channel>,
+    shard: u32,
+    through: u64,
+    beyond: bool,
+    wait: Duration,
+) -> Result<(HashMap<u64, Bytes>, bool), Unread> {
+    let deadline = tokio::time::Instant::now() + wait;
+    let mut damaged = false;
+    loop {
+        let left = deadline.saturating_duration_since(tokio::time::Instant::now());
+        match read_node(client, shard, through, beyond, left.max(Duration::from_millis(100))).await {
+            Ok(held) => return Ok((held, damaged)),
+            Err(unread) if unread.damaged && left > Duration::from_millis(500) => {
+                damaged = true;
+                tokio::time::sleep(Duration::from_millis(500)).await;
+            }
+            Err(unread) => return Err(unread),
+        }
+    }
 }
 
 /// The acknowledged records (seqno, payload) of `acked` that `held`
@@ -267,6 +317,10 @@ pub fn parse_shards(list: &str) -> Result<Vec<u32>> {
     anyhow::ensure!(shards.iter().all(|s| *s > 0), "shard ids start at 1");
     Ok(shards)
 }
+
+#[cfg(test)]
+#[path = "history_test.rs"]
+mod check_test;
 
 #[cfg(test)]
 mod tests {
