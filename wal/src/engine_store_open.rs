@@ -48,6 +48,13 @@ pub struct EngineStoreConfig {
     /// at its next merge. Without a bound a node holds up to `chunk_bytes`
     /// for every shard written small appends (64 MiB at 1,000 shards).
     pub tail_frames_bytes: usize,
+    /// Log bytes past which raft-engine rewrites what still pins old files
+    /// (the shards' small keys), so that they can be purged; purged files
+    /// are recycled for later rotations, their earlier bytes left in place
+    /// ([`crate::recovery_log`] tells those from damage). At least one log
+    /// file more than `target_file_bytes` (raft-engine's rule with
+    /// recycling); raft-engine's default, 10 GiB.
+    pub purge_threshold_bytes: u64,
 }
 
 /// A node's default [`EngineStoreConfig::spare_bytes`] (`wal.spare_bytes`).
@@ -62,6 +69,7 @@ impl Default for EngineStoreConfig {
             spare_bytes: 0,
             chunk_bytes: DEFAULT_CHUNK_BYTES,
             tail_frames_bytes: 16 << 20,
+            purge_threshold_bytes: 10 << 30,
         }
     }
 }
@@ -75,6 +83,7 @@ impl EngineStore {
             dir: dir.to_string_lossy().into_owned(),
             target_file_size: ReadableSize(config.target_file_bytes),
             batch_compression_threshold: ReadableSize(config.compression_threshold_bytes),
+            purge_threshold: ReadableSize(config.purge_threshold_bytes.max(config.target_file_bytes + 1)),
             ..Config::default()
         };
         let spares = if config.prefill { config.spare_bytes } else { 0 };

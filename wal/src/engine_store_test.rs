@@ -242,6 +242,56 @@ fn a_clean_log_cut_before_its_recorded_end_is_corruption() {
     assert_eq!(store.bounds(1).unwrap().last_seqno, 30);
 }
 
+/// Compaction purges log files and later rotations recycle them with their
+/// earlier bytes in place, behind the new life's end. A crash then leaves
+/// those behind the last batch: a torn tail, not corruption (every crash of
+/// a node that had purged files was reported as corruption). A batch of
+/// this life dropped behind a damaged one is still corruption.
+#[test]
+fn a_crash_in_a_recycled_log_file_is_a_torn_tail() {
+    let _ = crate::recovery_log::install();
+    let dir = tempfile::tempdir().unwrap();
+    let config = EngineStoreConfig {
+        target_file_bytes: 64 << 10,
+        prefill: true,
+        spare_bytes: 512 << 10,
+        purge_threshold_bytes: 256 << 10,
+        ..Default::default()
+    };
+    let store = EngineStore::open(dir.path(), &config).unwrap();
+    store.create_shard(1).unwrap();
+    let mut next = 1;
+    while log_files(dir.path(), ".raftlog")[0].0 < 3 {
+        append(&store, 1, next, next + 99);
+        next += 100;
+        store.compact_prefix(1, next - 20).unwrap();
+        assert!(next < 20_000, "nothing purged: {:?}", log_files(dir.path(), ".raftlog"));
+    }
+    // Into a file with an earlier life, part way.
+    let recycled = log_files(dir.path(), ".raftlog").last().unwrap().1.clone();
+    append(&store, 1, next, next + 4);
+    let last = next + 4;
+    let bytes = std::fs::read(&recycled).unwrap();
+    assert!(bytes[bytes.len() / 2..].iter().any(|b| *b != 0), "the newest file holds an earlier life");
+    let crashed = crate::conformance::crash_copy(dir.path());
+    let damaged = crate::conformance::crash_copy(dir.path());
+    drop(store);
+
+    let store = EngineStore::open(crashed.path(), &config).unwrap();
+    let findings = store.recovery_findings().to_vec();
+    assert!(findings.iter().all(|f| matches!(f, RecoveryFinding::TornTail { .. })), "{findings:?}");
+    assert!(store.recovery_cuts().is_empty());
+    assert_eq!(store.bounds(1).unwrap().last_seqno, last);
+
+    // The next-to-last record's payload damaged where raft-engine's recovery
+    // checks it (its batch's items): the last batch, of this life, is dropped
+    // behind it.
+    flip(&log_files(damaged.path(), ".raftlog").last().unwrap().1, last - 1, payload(last - 1).len() + 4);
+    let store = EngineStore::open(damaged.path(), &config).unwrap();
+    let findings = store.recovery_findings().to_vec();
+    assert!(findings.iter().any(|f| matches!(f, RecoveryFinding::Corruption { .. })), "{findings:?}");
+}
+
 /// Damage to a batch's metadata in the newest file makes raft-engine's
 /// recovery drop the rest of the file: that is reported as corruption
 /// (data follows the cut), never as a torn tail.

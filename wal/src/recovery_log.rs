@@ -6,7 +6,8 @@
 //! due to broken batch (queue=Append,seq=3,offset=4096): Corruption: ...").
 //! The common case is harmless: every kill -9 or crash leaves the end of the
 //! newest log file unfinished (a batch cut short, or the zeros of
-//! `wal.prefill`/`fallocate` behind the last batch), and recovery drops it.
+//! `wal.prefill`/`fallocate` behind the last batch, or in a file raft-engine
+//! recycled, the bytes of its earlier life), and recovery drops it.
 //! A WARN with "Corruption" after every restart teaches operators to ignore
 //! the one that matters.
 //!
@@ -106,33 +107,81 @@ const BATCH_HEADER_LEN: usize = 16;
 /// The checksum that ends every complete batch.
 const BATCH_CHECKSUM_LEN: usize = 4;
 
-/// Whether the bytes from a truncation point to the end of the file are a
-/// torn tail: a batch that never finished writing, followed by nothing but
-/// zeros. Writes are sequential and a batch's checksum is its last bytes, so:
-/// * an unreadable header: torn if nothing but zeros follows it (the zeros
-///   of a prefilled or fallocated file, or a header cut short);
+/// A log batch header at the start of `bytes`, if it is one that could
+/// be: its length (header included) and the offset of its item metadata.
+fn batch_header(bytes: &[u8]) -> Option<(usize, usize)> {
+    let header = bytes.get(..BATCH_HEADER_LEN)?;
+    let len_and_type = u64::from_be_bytes(header[0..8].try_into().expect("8 bytes"));
+    let footer = u64::from_be_bytes(header[8..16].try_into().expect("8 bytes")) as usize;
+    let len = (len_and_type >> 8) as usize;
+    let compression = len_and_type & 0xff;
+    let valid = compression <= 1 && len >= BATCH_HEADER_LEN && (BATCH_HEADER_LEN..=len).contains(&footer);
+    valid.then_some((len, footer))
+}
+
+/// The signature a complete batch at the start of `bytes` was written
+/// with (raft-engine signs each batch's item checksum with the low 32 bits
+/// of its file's sequence number: checksum = crc32 ^ signature); `None`
+/// when no batch ends within `bytes` there.
+fn batch_signature(bytes: &[u8]) -> Option<u32> {
+    let (len, footer) = batch_header(bytes)?;
+    if len > bytes.len() || len < footer + BATCH_CHECKSUM_LEN + 1 {
+        return None;
+    }
+    let items = &bytes[footer..len - BATCH_CHECKSUM_LEN];
+    let stored = u32::from_le_bytes(bytes[len - BATCH_CHECKSUM_LEN..len].try_into().expect("4 bytes"));
+    Some(stored ^ crc32fast::hash(items))
+}
+
+/// Whether the bytes from a truncation point of log file `seq` to the end
+/// of the file are a torn tail: a batch that never finished writing,
+/// followed by what the file held before (zeros, or a recycled file's
+/// earlier life). Writes are sequential and a batch's checksum is its last
+/// bytes, so with nothing but zeros behind the cut:
+/// * an unreadable header: torn (the zeros of a prefilled or fallocated
+///   file, or a header cut short);
 /// * a batch running past the end of the file: torn (its write stopped);
 /// * a batch within the file: torn only if its trailing checksum was never
-///   written (still zeros) and only zeros follow it. A complete batch that
-///   fails its checksum is damage, and so is anything non-zero after the
-///   truncation point, which is data raft-engine drops.
-pub fn is_torn_tail(rest: &[u8]) -> bool {
+///   written (still zeros). A complete batch that fails its checksum is
+///   damage.
+///
+/// raft-engine recycles purged log files without clearing them, so behind
+/// this life's end lie the bytes of the file's earlier life. raft-engine
+/// signs each batch's checksum with the low 32 bits of its file's sequence
+/// number, which tells the lives apart: a batch behind the cut signed with
+/// `seq` is this life's data that raft-engine drops, so damage. Without one,
+/// the tail is torn when what the cut leaves shows an earlier life: an
+/// unreadable header with a batch of an earlier life (signed with a smaller
+/// sequence number) somewhere behind it, or such a batch right at the cut.
+/// Anything else stays damage: a batch of this life at the cut that fails
+/// its checksum cannot be told from a torn one in a recycled file, and
+/// damage is the safe call (the node refetches; it does not forget).
+pub fn is_torn_tail(rest: &[u8], seq: u64) -> bool {
     let zeros = |bytes: &[u8]| bytes.iter().all(|b| *b == 0);
     if rest.len() < BATCH_HEADER_LEN {
         return true;
     }
-    let len_and_type = u64::from_be_bytes(rest[0..8].try_into().expect("8 bytes"));
-    let footer = u64::from_be_bytes(rest[8..16].try_into().expect("8 bytes")) as usize;
-    let len = (len_and_type >> 8) as usize;
-    let compression = len_and_type & 0xff;
-    let valid = compression <= 1 && len >= BATCH_HEADER_LEN && (BATCH_HEADER_LEN..=len).contains(&footer);
-    if !valid {
-        return zeros(&rest[BATCH_HEADER_LEN..]);
+    let at_cut = batch_header(rest);
+    match at_cut {
+        None if zeros(&rest[BATCH_HEADER_LEN..]) => return true,
+        Some((len, _)) if len > rest.len() => return true,
+        Some((len, _)) if zeros(&rest[len - BATCH_CHECKSUM_LEN..len]) && zeros(&rest[len..]) => return true,
+        _ => {}
     }
-    if len > rest.len() {
-        return true;
+    let this_life = seq as u32;
+    let earlier = |signature: u32| signature != 0 && signature < this_life;
+    let mut earlier_life = false;
+    for at in 1..rest.len() {
+        match batch_signature(&rest[at..]) {
+            Some(signature) if signature == this_life => return false,
+            Some(signature) if earlier(signature) => earlier_life = true,
+            _ => {}
+        }
     }
-    zeros(&rest[len - BATCH_CHECKSUM_LEN..len]) && zeros(&rest[len..])
+    match at_cut {
+        None => earlier_life,
+        Some(_) => batch_signature(rest).is_some_and(earlier),
+    }
 }
 
 /// Whether a cut at `offset` of file `name`, with `rest` behind it, is the
@@ -146,8 +195,9 @@ pub fn is_clean_end(end: Option<&CleanEnd>, name: &str, offset: u64, rest: &[u8]
 }
 
 /// Parses raft-engine's "Truncating log file due to broken ... (queue=Append,
-/// seq=3,offset=4096): ..." into the file name and the offset.
-fn parse_truncation(message: &str) -> Option<(String, u64)> {
+/// seq=3,offset=4096): ..." into the file name, its sequence number and the
+/// offset.
+fn parse_truncation(message: &str) -> Option<(String, u64, u64)> {
     if !message.starts_with("Truncating log file due to broken ") {
         return None;
     }
@@ -164,13 +214,13 @@ fn parse_truncation(message: &str) -> Option<(String, u64)> {
     };
     // A broken file header has no offset: the whole file is cut.
     let offset = field("offset=").map_or(Some(0), |o| o.parse().ok())?;
-    Some((format!("{seq:016}.{suffix}"), offset))
+    Some((format!("{seq:016}.{suffix}"), seq, offset))
 }
 
 /// Classifies and reports one raft-engine truncation; false if the message
 /// is not one, or names no watched file.
 fn intercept(message: &str) -> bool {
-    let Some((name, offset)) = parse_truncation(message) else { return false };
+    let Some((name, seq, offset)) = parse_truncation(message) else { return false };
     let mut watched = WATCHED.lock().unwrap_or_else(|e| e.into_inner());
     let Some(w) = watched.iter_mut().find(|w| w.dir.join(&name).exists()) else { return false };
     let file = w.dir.join(&name);
@@ -188,7 +238,7 @@ fn intercept(message: &str) -> bool {
             "the end of the log a clean shutdown left: WAL recovery cuts the unwritten space behind it"
         );
         w.findings.push(RecoveryFinding::CleanEnd { file, offset });
-    } else if w.clean.is_none() && is_torn_tail(&rest) {
+    } else if w.clean.is_none() && is_torn_tail(&rest, seq) {
         tracing::info!(
             file = %file.display(),
             offset,
@@ -254,9 +304,9 @@ mod tests {
     #[test]
     fn truncation_messages_name_the_file_and_offset() {
         let m = "Truncating log file due to broken batch (queue=Append,seq=3,offset=4096): Corruption: x";
-        assert_eq!(parse_truncation(m), Some(("0000000000000003.raftlog".into(), 4096)));
+        assert_eq!(parse_truncation(m), Some(("0000000000000003.raftlog".into(), 3, 4096)));
         let m = "Truncating log file due to broken header (queue=Rewrite,seq=12): Corruption: y";
-        assert_eq!(parse_truncation(m), Some(("0000000000000012.rewrite".into(), 0)));
+        assert_eq!(parse_truncation(m), Some(("0000000000000012.rewrite".into(), 12, 0)));
         assert_eq!(parse_truncation("Recovering raft logs takes 3ms"), None);
     }
 
@@ -286,28 +336,70 @@ mod tests {
 
     #[test]
     fn torn_tails_and_damage_are_told_apart() {
-        assert!(is_torn_tail(&[]), "nothing after the cut");
-        assert!(is_torn_tail(&[0; 4096]), "the zeros of a prefilled file");
-        assert!(is_torn_tail(&[1, 2, 3]), "a header cut short");
+        assert!(is_torn_tail(&[], 3), "nothing after the cut");
+        assert!(is_torn_tail(&[0; 4096], 3), "the zeros of a prefilled file");
+        assert!(is_torn_tail(&[1, 2, 3], 3), "a header cut short");
         // A batch of 100 bytes whose write stopped after 40: zeros follow.
         let mut cut = header(100, 80);
         cut.extend([7u8; 24]);
         cut.extend([0u8; 1000]);
-        assert!(is_torn_tail(&cut));
+        assert!(is_torn_tail(&cut, 3));
         // The same batch running past the end of the file.
-        assert!(is_torn_tail(&cut[..60]));
+        assert!(is_torn_tail(&cut[..60], 3));
         // A complete batch (its checksum written) that failed: damage.
         let mut whole = header(100, 80);
         whole.extend([7u8; 84]);
         whole.extend([0u8; 1000]);
-        assert!(!is_torn_tail(&whole));
+        assert!(!is_torn_tail(&whole, 3));
         // An unfinished-looking batch with data after it: damage.
         let mut followed = cut.clone();
         followed[500] = 9;
-        assert!(!is_torn_tail(&followed));
+        assert!(!is_torn_tail(&followed, 3));
         // A garbage header with data after it: damage.
         let mut garbage = vec![0xffu8; 16];
         garbage.extend([5u8; 100]);
-        assert!(!is_torn_tail(&garbage));
+        assert!(!is_torn_tail(&garbage, 3));
+    }
+
+    /// A complete batch as raft-engine writes it to file `seq`: header,
+    /// entries, item metadata, and the items' crc32 signed with `seq`.
+    fn batch(seq: u32, fill: u8) -> Vec<u8> {
+        let (entries, items) = (40, 24);
+        let len = BATCH_HEADER_LEN + entries + items + BATCH_CHECKSUM_LEN;
+        let mut bytes = header(len as u64, (BATCH_HEADER_LEN + entries) as u64);
+        bytes.extend(vec![fill; entries]);
+        let item_bytes: Vec<u8> = (0..items as u8).map(|i| i ^ fill).collect();
+        bytes.extend(&item_bytes);
+        bytes.extend((crc32fast::hash(&item_bytes) ^ seq).to_le_bytes());
+        bytes
+    }
+
+    #[test]
+    fn a_recycled_files_earlier_life_is_not_damage_but_this_lifes_data_is() {
+        assert_eq!(batch_signature(&batch(2, 7)), Some(2));
+        // A crash at rest in file 5, recycled from file 2: the cut falls in
+        // the middle of one of file 2's batches, whole ones follow.
+        let mut old: Vec<u8> = batch(2, 7)[30..].to_vec();
+        old.extend(batch(2, 8));
+        old.extend(batch(2, 9));
+        assert!(is_torn_tail(&old, 5), "the earlier life behind the end");
+        // The cut right at one of file 2's batches.
+        assert!(is_torn_tail(&old[old.len() - batch(2, 9).len()..], 5));
+        // A batch of this life behind the cut: raft-engine drops it.
+        let mut dropped = old.clone();
+        dropped.extend(batch(5, 1));
+        assert!(!is_torn_tail(&dropped, 5));
+        // A batch of this life at the cut that fails its checksum, an
+        // earlier life behind it: damage (it may have been synced).
+        let mut failed = batch(5, 1);
+        failed[BATCH_HEADER_LEN + 3] ^= 0x5a;
+        let at = failed.len() - 6;
+        failed[at] ^= 0x5a;
+        failed.extend(&old);
+        assert!(!is_torn_tail(&failed, 5));
+        // Non-zero bytes that show no earlier life: damage, as before.
+        let mut unknown = vec![0xffu8; 16];
+        unknown.extend(batch(9, 1));
+        assert!(!is_torn_tail(&unknown, 5), "a batch of a later file is no earlier life");
     }
 }
