@@ -22,7 +22,10 @@
 #            is served by the others meanwhile.
 # Then the load stops and every acknowledged record is read back from every
 # node, once that node has committed it. Prints one JSON line: the faults
-# made, and `history` (acknowledged, unknown outcomes, refused, lost, the
+# made, the nodes that could not open their WAL at a start
+# (`wal_unopenable`: damage recovery cannot cut away, which stops a node at
+# every start until it is re-seeded), and `history` (acknowledged, unknown
+# outcomes, refused, lost, the
 # (shard, node) pairs checked and unchecked, and why any node could not be
 # read). Exits 1 on a loss, a shard read on no node, or nothing
 # acknowledged.
@@ -213,5 +216,9 @@ wait "$history_pid" || status=$?
 history_pid=""
 verdict=$(cat "$dir/history.json")
 [ -n "$verdict" ] || fail "walship-history printed no verdict: $(tail -1 "$dir/history.err" | tr -d '"')"
-echo "{\"shards\": $shards, \"sample\": $sample, \"seconds\": $seconds, \"seed\": $seed, \"max_disk_mib\": $cap, \"faults\": {\"kill\": ${made[kill]}, \"term\": ${made[term]}, \"freeze\": ${made[freeze]}, \"kill2\": ${made[kill2]}, \"coord\": ${made[coord]}, \"corrupt\": ${made[corrupt]}, \"missed\": ${made[missed]}}, \"history\": $verdict}"
+# Nodes whose last start failed to open their WAL (damage recovery cannot
+# cut away, such as a flipped byte in the item metadata of an older log
+# file: the node stops at start every time, ops/runbooks/corruption.md).
+unopenable=$({ grep -o "opening the WAL under [^:]*" "$log" || true; } | sed -E 's|.*/node-([0-9]+)/wal|\1|' | sort -un | paste -sd, -)
+echo "{\"shards\": $shards, \"sample\": $sample, \"seconds\": $seconds, \"seed\": $seed, \"max_disk_mib\": $cap, \"faults\": {\"kill\": ${made[kill]}, \"term\": ${made[term]}, \"freeze\": ${made[freeze]}, \"kill2\": ${made[kill2]}, \"coord\": ${made[coord]}, \"corrupt\": ${made[corrupt]}, \"missed\": ${made[missed]}}, \"wal_unopenable\": [$unopenable], \"history\": $verdict}"
 exit "$status"

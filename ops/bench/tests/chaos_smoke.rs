@@ -55,6 +55,7 @@ fn random_faults_under_load_lose_no_acknowledged_record() {
     assert_eq!(history["lost"], 0, "{history}");
     assert_eq!(history["shards_unread"], 0, "{history}");
     assert_eq!(history["checked"], 24, "8 shards on 3 nodes: {history}");
+    assert_eq!(line["wal_unopenable"], serde_json::json!([]), "{line}");
     // Nothing of the run is left behind.
     let data = kept.join("data");
     assert_eq!(common::processes_mentioning(data.to_str().unwrap()), Vec::<u32>::new());
@@ -87,6 +88,7 @@ fn flipped_wal_bytes_lose_no_acknowledged_record() {
     assert!(run.status.success(), "chaos.sh failed:\n{stdout}\n{}", String::from_utf8_lossy(&run.stderr));
     let line: serde_json::Value = serde_json::from_str(stdout.lines().last().unwrap_or("")).expect("one JSON line");
     let made = line["faults"]["corrupt"].as_u64().unwrap();
+    assert!(line["wal_unopenable"].is_array(), "the nodes that could not open their WAL are listed: {line}");
     assert!(made >= 2, "{line}");
     let listed = std::fs::read_to_string(kept.join("faults.txt")).unwrap();
     let flips = listed.lines().filter(|l| l.contains(".raftlog at ") && l.contains(" -> ")).count() as u64;
