@@ -374,8 +374,9 @@ async fn records_cut_by_the_wals_recovery_are_reported_and_refetched() {
 }
 
 /// A WAL file damaged where recovery cannot cut it away (the header of an
-/// older log file): the node stops at start, naming the WAL's directory and
-/// the runbook, every time, instead of serving from a log it cannot read.
+/// older log file): the node stops at start, naming the WAL's directory,
+/// the damaged file and the runbook, every time, instead of serving from a
+/// log it cannot read.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_node_whose_wal_cannot_be_opened_says_where_and_what_to_do() {
     let dir = tempfile::tempdir().unwrap();
@@ -437,6 +438,9 @@ async fn a_node_whose_wal_cannot_be_opened_says_where_and_what_to_do() {
         let wal = dir.path().join("wal");
         assert!(stderr.contains(&format!("opening the WAL under {}", wal.display())), "{stderr}");
         assert!(stderr.contains("ops/runbooks/corruption.md"), "{stderr}");
+        // The damaged file, named in the node's last words.
+        let last = stderr.lines().rev().find(|l| !l.trim().is_empty()).unwrap_or_default();
+        assert!(last.contains(&format!("{} is damaged at offset 0", files[0].display())), "{stderr}");
     }
 }
 

@@ -647,7 +647,9 @@ impl LogStore for EngineStore {
             .iter()
             .filter_map(|f| match f {
                 RecoveryFinding::Corruption { file, offset, detail } => Some((file.clone(), *offset, detail.clone())),
-                RecoveryFinding::TornTail { .. } | RecoveryFinding::CleanEnd { .. } => None,
+                RecoveryFinding::TornTail { .. }
+                | RecoveryFinding::CleanEnd { .. }
+                | RecoveryFinding::Unopenable { .. } => None,
             })
             .collect()
     }

@@ -94,7 +94,14 @@ impl EngineStore {
         crate::recovery_log::watch(dir, marker.as_deref().map(CleanEnd::parse));
         let engine = Engine::open_with_file_system(cfg, fs.clone());
         let recovery = crate::recovery_log::unwatch(dir);
-        let engine = engine.map_err(io)?;
+        let engine = engine.map_err(|e| match recovery.iter().find_map(RecoveryFinding::unopenable) {
+            Some((file, offset)) => StoreError::Io(format!(
+                "{} is damaged at offset {offset}, where recovery cannot cut it away (newer log files follow it, or \
+                 it is the file's header): {e}",
+                file.display()
+            )),
+            None => io(e),
+        })?;
         let created = fs.opened();
         if config.prefill && !created {
             crate::zero_fill::refill_active_tail(dir, config.target_file_bytes)

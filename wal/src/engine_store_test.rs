@@ -292,6 +292,29 @@ fn a_crash_in_a_recycled_log_file_is_a_torn_tail() {
     assert!(findings.iter().any(|f| matches!(f, RecoveryFinding::Corruption { .. })), "{findings:?}");
 }
 
+/// Damage to a batch's metadata in a log file older than the newest is
+/// damage recovery cannot cut away (newer files continue the same shards):
+/// the open fails, naming the file and the offset of the batch.
+#[test]
+fn an_older_files_damaged_batch_fails_the_open_naming_file_and_offset() {
+    let _ = crate::recovery_log::install();
+    let dir = tempfile::tempdir().unwrap();
+    let config = EngineStoreConfig { target_file_bytes: 16 << 10, ..Default::default() };
+    let store = EngineStore::open(dir.path(), &config).unwrap();
+    store.create_shard(1).unwrap();
+    append(&store, 1, 1, 100);
+    drop(store);
+    let files = log_files(dir.path(), ".raftlog");
+    assert!(files.len() >= 3, "{files:?}");
+    flip(&files[0].1, 5, payload(5).len() + 4);
+    let Err(error) = EngineStore::open(dir.path(), &config) else { panic!("opened a log it cannot read") };
+    let error = error.to_string();
+    let named = format!("{} is damaged at offset ", files[0].1.display());
+    assert!(error.contains(&named), "{error}");
+    let offset: u64 = error[error.find(&named).unwrap() + named.len()..].split(',').next().unwrap().parse().unwrap();
+    assert!(offset > 0, "{error}");
+}
+
 /// Damage to a batch's metadata in the newest file makes raft-engine's
 /// recovery drop the rest of the file: that is reported as corruption
 /// (data follows the cut), never as a torn tail.

@@ -38,6 +38,17 @@
 use std::path::{Path, PathBuf};
 use std::sync::Mutex;
 
+impl RecoveryFinding {
+    /// The file and offset of damage raft-engine refused to open the log
+    /// with.
+    pub fn unopenable(&self) -> Option<(&Path, u64)> {
+        match self {
+            RecoveryFinding::Unopenable { file, offset } => Some((file, *offset)),
+            _ => None,
+        }
+    }
+}
+
 /// Where a clean shutdown left the end of the log: the newest log file's
 /// name and the offset past its last written byte. The clean-shutdown
 /// marker holds it.
@@ -73,6 +84,9 @@ pub enum RecoveryFinding {
     TornTail { file: PathBuf, offset: u64 },
     /// What lies behind the end of the log a clean shutdown recorded.
     CleanEnd { file: PathBuf, offset: u64 },
+    /// Damage raft-engine refuses to open the log with (in a file older
+    /// than the newest, or its header): where it is.
+    Unopenable { file: PathBuf, offset: u64 },
     /// Damaged bytes recovery cut, with what came after them in the file.
     Corruption { file: PathBuf, offset: u64, detail: String },
 }
@@ -198,7 +212,12 @@ pub fn is_clean_end(end: Option<&CleanEnd>, name: &str, offset: u64, rest: &[u8]
 /// seq=3,offset=4096): ..." into the file name, its sequence number and the
 /// offset.
 fn parse_truncation(message: &str) -> Option<(String, u64, u64)> {
-    if !message.starts_with("Truncating log file due to broken ") {
+    parse_broken(message, "Truncating log file due to broken ")
+}
+
+/// [`parse_truncation`] for the message that starts with `prefix`.
+fn parse_broken(message: &str, prefix: &str) -> Option<(String, u64, u64)> {
+    if !message.starts_with(prefix) {
         return None;
     }
     let field = |name: &str| -> Option<&str> {
@@ -218,10 +237,21 @@ fn parse_truncation(message: &str) -> Option<(String, u64, u64)> {
 }
 
 /// Classifies and reports one raft-engine truncation; false if the message
-/// is not one, or names no watched file.
+/// is not one, or names no watched file. A file raft-engine refuses to open
+/// ("Failed to open log file due to broken ...": damage recovery cannot
+/// cut away, in a file older than the newest) is recorded as
+/// [`RecoveryFinding::Unopenable`], for the store's error to name it, and
+/// the message goes on to the log as it is.
 fn intercept(message: &str) -> bool {
-    let Some((name, seq, offset)) = parse_truncation(message) else { return false };
     let mut watched = WATCHED.lock().unwrap_or_else(|e| e.into_inner());
+    if let Some((name, _, offset)) = parse_broken(message, "Failed to open log file due to broken ")
+        && let Some(w) = watched.iter_mut().find(|w| w.dir.join(&name).exists())
+    {
+        let file = w.dir.join(&name);
+        w.findings.push(RecoveryFinding::Unopenable { file, offset });
+        return false;
+    }
+    let Some((name, seq, offset)) = parse_truncation(message) else { return false };
     let Some(w) = watched.iter_mut().find(|w| w.dir.join(&name).exists()) else { return false };
     let file = w.dir.join(&name);
     let rest = match std::fs::read(&file) {
