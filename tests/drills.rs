@@ -234,6 +234,14 @@ async fn a_drill_verifies_a_shard_whose_oldest_records_were_compacted() {
     }
     cluster.restart_coordinator(1);
     cluster.wait_leader(1, None, Duration::from_secs(60)).await;
+    // The shard may be led again (the replicas keep their promises) before
+    // the restarted coordinator holds its lease: a drill asked of it then is
+    // refused `not_active`.
+    wait_until("the restarted coordinator to hold its lease", Duration::from_secs(60), || {
+        let (_, view) = futures::executor::block_on(cluster.coord_get(1, "/v1/cluster"));
+        async move { view["coordinator"]["active"] == true }
+    })
+    .await;
     // The drill checks its own records (all past the compacted ones), not
     // the shard from seqno 1.
     let body = r#"{"shard": 1, "clients": 2, "phase_ms": 300}"#;
