@@ -72,8 +72,10 @@ impl CleanEnd {
     /// marker of an earlier build) or cannot be parsed.
     pub fn parse(marker: &str) -> Option<CleanEnd> {
         let (file, end) = marker.lines().nth(1)?.split_once(' ')?;
-        let valid = file.ends_with(".raftlog") && !file.contains('/');
-        valid.then(|| Some(CleanEnd { file: file.to_owned(), end: end.trim().parse().ok()? })).flatten()
+        if !file.ends_with(".raftlog") || file.contains('/') {
+            return None;
+        }
+        Some(CleanEnd { file: file.to_owned(), end: end.trim().parse().ok()? })
     }
 }
 
@@ -243,17 +245,15 @@ fn parse_broken(message: &str, prefix: &str) -> Option<(String, u64, u64)> {
 /// [`RecoveryFinding::Unopenable`], for the store's error to name it, and
 /// the message goes on to the log as it is.
 fn intercept(message: &str) -> bool {
+    let refused = parse_broken(message, "Failed to open log file due to broken ");
+    let Some((name, seq, offset)) = refused.clone().or_else(|| parse_truncation(message)) else { return false };
     let mut watched = WATCHED.lock().unwrap_or_else(|e| e.into_inner());
-    if let Some((name, _, offset)) = parse_broken(message, "Failed to open log file due to broken ")
-        && let Some(w) = watched.iter_mut().find(|w| w.dir.join(&name).exists())
-    {
-        let file = w.dir.join(&name);
+    let Some(w) = watched.iter_mut().find(|w| w.dir.join(&name).exists()) else { return false };
+    let file = w.dir.join(&name);
+    if refused.is_some() {
         w.findings.push(RecoveryFinding::Unopenable { file, offset });
         return false;
     }
-    let Some((name, seq, offset)) = parse_truncation(message) else { return false };
-    let Some(w) = watched.iter_mut().find(|w| w.dir.join(&name).exists()) else { return false };
-    let file = w.dir.join(&name);
     let rest = match std::fs::read(&file) {
         Ok(bytes) => bytes.get(offset as usize..).map(<[u8]>::to_vec).unwrap_or_default(),
         Err(_) => return false,

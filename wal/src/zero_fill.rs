@@ -355,12 +355,18 @@ impl Handle for LogHandle {
 
 /// A log file's writer: every byte raft-engine writes to a log file. The
 /// writer of an append-queue file keeps [`WrittenEnd`] at its position.
-pub struct LogWriter(<Inner as FileSystem>::Writer, Option<(u64, Arc<WrittenEnd>)>, u64);
+pub struct LogWriter {
+    inner: <Inner as FileSystem>::Writer,
+    /// This writer's id and the end it keeps, for an append-queue file.
+    tracked: Option<(u64, Arc<WrittenEnd>)>,
+    /// Where the next write lands.
+    at: u64,
+}
 
 impl LogWriter {
     fn moved_to(&mut self, at: u64) {
-        self.2 = at;
-        if let Some((id, end)) = &self.1 {
+        self.at = at;
+        if let Some((id, end)) = &self.tracked {
             end.at(*id, at);
         }
     }
@@ -372,19 +378,19 @@ impl Write for LogWriter {
         // back), and the WAL treats it as fatal.
         #[cfg(feature = "testing")]
         fail::fail_point!("wal::write", |_| Err(crate::failpoints::injected("wal::write")));
-        let written = self.0.write(buf)?;
-        self.moved_to(self.2 + written as u64);
+        let written = self.inner.write(buf)?;
+        self.moved_to(self.at + written as u64);
         Ok(written)
     }
 
     fn flush(&mut self) -> Result<()> {
-        self.0.flush()
+        self.inner.flush()
     }
 }
 
 impl Seek for LogWriter {
     fn seek(&mut self, pos: SeekFrom) -> Result<u64> {
-        let at = self.0.seek(pos)?;
+        let at = self.inner.seek(pos)?;
         self.moved_to(at);
         Ok(at)
     }
@@ -392,11 +398,11 @@ impl Seek for LogWriter {
 
 impl WriteExt for LogWriter {
     fn truncate(&mut self, offset: usize) -> Result<()> {
-        self.0.truncate(offset)
+        self.inner.truncate(offset)
     }
 
     fn allocate(&mut self, offset: usize, size: usize) -> Result<()> {
-        self.0.allocate(offset, size)
+        self.inner.allocate(offset, size)
     }
 }
 
@@ -444,6 +450,6 @@ impl FileSystem for ZeroFilledFs {
 
     fn new_writer(&self, handle: Arc<Self::Handle>) -> Result<Self::Writer> {
         let tracked = handle.1.clone().map(|path| (self.written_end.start(path), self.written_end.clone()));
-        Ok(LogWriter(self.inner.new_writer(handle.0.clone())?, tracked, 0))
+        Ok(LogWriter { inner: self.inner.new_writer(handle.0.clone())?, tracked, at: 0 })
     }
 }
