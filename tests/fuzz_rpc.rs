@@ -116,9 +116,6 @@ fn heartbeat(shard: u32) -> HeartbeatRequest {
 
 /// A valid request of every method (but the drills').
 fn seeds() -> Vec<Seed> {
-    const LOG: &str = "/walship.v1.Log/";
-    const SHIP: &str = "/tidal.replication.v1.WalShipping/";
-    const CONTROL: &str = "/walship.v1.Control/";
     let records = vec![AppendRecord { key: Bytes::from_static(b"k"), payload: Bytes::from_static(b"fuzz payload") }];
     let append = AppendRequest {
         shard_id: 1,
@@ -129,43 +126,43 @@ fn seeds() -> Vec<Seed> {
     };
     let assign = AssignRequest { shard_id: 2, epoch: 1, leader: 2, replicas: vec![1, 2, 3], ..Default::default() };
     vec![
-        seed(const_format(LOG, "Append"), false, At::Node, append.clone()),
+        seed("/walship.v1.Log/Append", false, At::Node, append.clone()),
         seed(
-            const_format(LOG, "AppendStream"),
+            "/walship.v1.Log/AppendStream",
             true,
             At::Node,
             AppendStreamRequest { request_id: 1, append: Some(append) },
         ),
         seed(
-            const_format(LOG, "Read"),
+            "/walship.v1.Log/Read",
             false,
             At::Node,
             ReadRequest { shard_id: 1, from_seqno: 1, to_seqno: 20, max_bytes: 4096, min_seqno: 1, last: 0 },
         ),
-        seed(const_format(LOG, "Tail"), true, At::Node, TailRequest { shard_id: 1, from_seqno: 30 }),
-        seed(const_format(SHIP, "ShipSegment"), false, At::Node, ship(1, 41, 1)),
-        seed(const_format(SHIP, "ShipSegments"), true, At::Node, ship(2, 41, 1)),
+        seed("/walship.v1.Log/Tail", true, At::Node, TailRequest { shard_id: 1, from_seqno: 30 }),
+        seed("/tidal.replication.v1.WalShipping/ShipSegment", false, At::Node, ship(1, 41, 1)),
+        seed("/tidal.replication.v1.WalShipping/ShipSegments", true, At::Node, ship(2, 41, 1)),
         seed(
-            const_format(SHIP, "ShipBatches"),
+            "/tidal.replication.v1.WalShipping/ShipBatches",
             true,
             At::Node,
             ShipBatch { pushes: vec![ship(1, 41, 1), ship(3, 41, 1)] },
         ),
         seed(
-            const_format(SHIP, "StreamSegments"),
+            "/tidal.replication.v1.WalShipping/StreamSegments",
             true,
             At::Node,
             StreamRequest { shard_id: 1, from_seqno: 2, epoch: 1, follower_node_id: 2 },
         ),
-        seed(const_format(SHIP, "Heartbeat"), false, At::Coordinator, heartbeat(1)),
+        seed("/tidal.replication.v1.WalShipping/Heartbeat", false, At::Coordinator, heartbeat(1)),
         seed(
-            const_format(SHIP, "HeartbeatBatch"),
+            "/tidal.replication.v1.WalShipping/HeartbeatBatch",
             true,
             At::Coordinator,
             HeartbeatBatchRequest { node_id: 2, shards: vec![heartbeat(1), heartbeat(2)], full: true },
         ),
         seed(
-            const_format(SHIP, "NodeKeepalive"),
+            "/tidal.replication.v1.WalShipping/NodeKeepalive",
             false,
             At::Node,
             NodeKeepaliveRequest {
@@ -175,19 +172,19 @@ fn seeds() -> Vec<Seed> {
                 full: true,
             },
         ),
-        seed(const_format(CONTROL, "Fence"), false, At::Node, FenceRequest { shard_id: 3, epoch: 1 }),
-        seed(const_format(CONTROL, "Assign"), false, At::Node, assign.clone()),
-        seed(const_format(CONTROL, "Position"), false, At::Node, PositionRequest { shard_id: 1 }),
+        seed("/walship.v1.Control/Fence", false, At::Node, FenceRequest { shard_id: 3, epoch: 1 }),
+        seed("/walship.v1.Control/Assign", false, At::Node, assign.clone()),
+        seed("/walship.v1.Control/Position", false, At::Node, PositionRequest { shard_id: 1 }),
         seed(
-            const_format(CONTROL, "FenceMany"),
+            "/walship.v1.Control/FenceMany",
             false,
             At::Node,
             FenceManyRequest {
                 fences: vec![FenceRequest { shard_id: 3, epoch: 1 }, FenceRequest { shard_id: 4, epoch: 1 }],
             },
         ),
-        seed(const_format(CONTROL, "AssignMany"), false, At::Node, AssignManyRequest { assigns: vec![assign] }),
-        seed(const_format(CONTROL, "EpochEnd"), false, At::Node, EpochEndRequest { shard_id: 1, epoch: 1 }),
+        seed("/walship.v1.Control/AssignMany", false, At::Node, AssignManyRequest { assigns: vec![assign] }),
+        seed("/walship.v1.Control/EpochEnd", false, At::Node, EpochEndRequest { shard_id: 1, epoch: 1 }),
         seed(
             "/dataplane.v1.PeerExchange/FetchShuffle",
             true,
@@ -208,11 +205,6 @@ fn seeds() -> Vec<Seed> {
             },
         ),
     ]
-}
-
-/// `prefix` + `method` as a `&'static str` (the raw call paths must be).
-fn const_format(prefix: &str, method: &str) -> &'static str {
-    Box::leak(format!("{prefix}{method}").into_boxed_str())
 }
 
 /// A varint of the largest u64.
