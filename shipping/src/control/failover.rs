@@ -93,6 +93,20 @@ pub fn promote(
     Some(best_spread(&healthy, &leads).unwrap_or(top))
 }
 
+/// The ties of [`promote`] for a move that may keep its leader (`keep`: a
+/// rebalance whose preferred replica was passed over, `rebalance.rs`):
+/// among equals `keep` counts as leading nothing and every other replica
+/// as leading one more than it does (`leads`), so a replica as good as the
+/// old leader does not take the shard in a move nobody planned. Rank and
+/// health still come first. Without `keep`, `leads` unchanged.
+pub fn ties_keeping(keep: Option<NodeId>, leads: impl Fn(NodeId) -> usize) -> impl Fn(NodeId) -> usize {
+    move |n| match keep {
+        Some(k) if k == n => 0,
+        Some(_) => 1 + leads(n),
+        None => leads(n),
+    }
+}
+
 /// The seqnos `best` holds that `candidate` does not, given where
 /// `candidate`'s last epoch ends in `best`'s log (`best_end_of_candidate_epoch`,
 /// from `EpochEnd`): promoting `candidate` discards them.
@@ -252,6 +266,22 @@ mod tests {
         assert_eq!(promote(&candidates, |_| false, leads).unwrap().node, 2);
         // Equal load: the lowest node id, as before.
         assert_eq!(promote(&[c(3, 2, 50), c(1, 2, 50)], |_| false, |_| 7).unwrap().node, 1);
+    }
+
+    #[test]
+    fn a_rebalance_passing_over_its_replica_keeps_the_old_leader_among_equals_only() {
+        let leads = |n: NodeId| [0, 0, 40, 10][n as usize];
+        let equal = [c(1, 2, 50), c(2, 2, 50), c(3, 2, 50)];
+        // Without a leader to keep, the tie goes to the least loaded.
+        assert_eq!(promote(&equal, |_| false, ties_keeping(None, leads)).unwrap().node, 1);
+        // The old leader (node 2, leading the most) keeps the shard.
+        assert_eq!(promote(&equal, |_| false, ties_keeping(Some(2), leads)).unwrap().node, 2);
+        // Never past rank: a replica holding more takes it.
+        let ahead = [c(1, 2, 50), c(2, 2, 50), c(3, 2, 51)];
+        assert_eq!(promote(&ahead, |_| false, ties_keeping(Some(2), leads)).unwrap().node, 3);
+        // Nor past health: a full old leader loses the tie.
+        let full_old = [c(1, 2, 50), full(2, 2, 50), c(3, 2, 50)];
+        assert_eq!(promote(&full_old, |_| false, ties_keeping(Some(2), leads)).unwrap().node, 1);
     }
 
     #[test]

@@ -460,10 +460,13 @@ impl Coordinator {
                     .iter()
                     .map(|a| Candidate { replaced: Some(a.node_id) == f.replaced, ..candidate(a) })
                     .collect();
+                // A rebalance whose preferred replica was passed over keeps
+                // the shard where it is when the old leader is as good as
+                // any: the move it planned does not become another one.
+                let keep = f.prefer.and(record.leader);
                 let mut leads = leads.lock();
-                let node = failover::promote(&ranked, loses_acknowledged, |n| leads.get(&n).copied().unwrap_or(0))
-                    .expect("answers are non-empty")
-                    .node;
+                let ties = failover::ties_keeping(keep, |n| leads.get(&n).copied().unwrap_or(0));
+                let node = failover::promote(&ranked, loses_acknowledged, ties).expect("answers are non-empty").node;
                 *leads.entry(node).or_default() += 1;
                 candidates.iter().find(|c| c.node == node).expect("every answer has a preview")
             }
@@ -543,7 +546,7 @@ pub(super) struct Failing<'a> {
     pub(super) target: Option<NodeId>,
     /// Replica to promote when it holds every acknowledged record and is
     /// healthy (a rebalance, `rebalance.rs`); otherwise the best one, as
-    /// without it.
+    /// without it, except that a tie keeps the old leader.
     pub(super) prefer: Option<NodeId>,
     pub(super) allow_loss: bool,
     pub(super) reason: String,

@@ -12,7 +12,9 @@
 //! answered the fence healthy, holds every acknowledged record and reaches
 //! the archive's end: the rules of a targeted failover without
 //! `allow_loss`. Otherwise the shard's new leader is chosen as by an
-//! automatic failover, mostly the old leader again (it holds the most):
+//! automatic failover, except that a tie keeps the old leader: the most
+//! up-to-date healthy replica, the old leader when it holds as much as
+//! any, which it mostly does:
 //! under load the preferred replica may miss the last acknowledged record
 //! at the fence (a QUORUM append waits for one follower, not both), and
 //! the move is then left to the next rebalance. So a rebalance never
@@ -247,8 +249,8 @@ impl Coordinator {
                     allow_loss: false,
                     reason: reason.to_string(),
                     // Not marked replaced: when the preferred replica lacks
-                    // a record at the fence, the best one (mostly the old
-                    // leader, which is fine) keeps the shard.
+                    // a record at the fence, the best one takes the shard,
+                    // the old leader itself when it is as good as any.
                     replaced: None,
                     record,
                     _guard: guard,
