@@ -55,7 +55,14 @@
 //! `i % n`; async-nats multiplexes the concurrent publishes of one connection.
 //! Each append is a publish that waits for its ack (timeout 30 s instead of
 //! async-nats' 5 s, so that queueing under heavy load is measured as latency
-//! rather than reported as a failure).
+//! rather than reported as a failure). A publish the client's server
+//! answers "no responders" (async-nats: "no stream found for given
+//! subject") is sent again, for up to 5 s: the stream is current once
+//! created, but the interest in its subject reaches the other servers over
+//! their routes a little later, and until then nothing received the
+//! message, so sending it again stores it once (it failed
+//! `rebuild_smoke_run_of_nats_alone` in 3 of 15 CI runs before). The
+//! failover measurement's clients do not: they retry every error themselves.
 //!
 //! # Left at defaults
 //!
@@ -98,6 +105,8 @@ pub(crate) const SERVERS: usize = 3;
 const MAX_CONNECTIONS: usize = 8;
 /// How long to wait for a publish ack (and for JetStream API requests).
 const ACK_TIMEOUT: Duration = Duration::from_secs(30);
+/// How long a publish answered "no responders" is sent again (module docs).
+const NO_RESPONDERS_RETRY: Duration = Duration::from_secs(5);
 /// How long each startup phase (listening, stream created, stream current)
 /// may take.
 const STARTUP_TIMEOUT: Duration = Duration::from_secs(30);
@@ -227,7 +236,11 @@ impl NatsCluster {
 
     /// One client on `js`, with message ids of its own for `jetstream-dedupe`.
     fn appender(&self, js: &jetstream::Context) -> Arc<dyn Appender> {
-        Arc::new(NatsAppender { js: js.clone(), msg_ids: self.acked_with_ids.clone().map(MsgIds::new) })
+        Arc::new(NatsAppender {
+            js: js.clone(),
+            msg_ids: self.acked_with_ids.clone().map(MsgIds::new),
+            no_responders_retry: NO_RESPONDERS_RETRY,
+        })
     }
 
     /// `clients` appenders over `min(clients, 8)` connections that go only
@@ -313,7 +326,10 @@ impl Cluster for NatsCluster {
         }
         Ok((0..clients)
             .map(|i| {
-                Arc::new(NatsAppender { js: contexts[i % contexts.len()].clone(), msg_ids: None }) as Arc<dyn Appender>
+                // The failover measurement retries every error itself, 1 ms
+                // apart (`failover.rs`): no retry here to slow it down.
+                let js = contexts[i % contexts.len()].clone();
+                Arc::new(NatsAppender { js, msg_ids: None, no_responders_retry: Duration::ZERO }) as Arc<dyn Appender>
             })
             .collect())
     }
@@ -339,6 +355,9 @@ struct NatsAppender {
     js: jetstream::Context,
     /// This client's message ids, for `jetstream-dedupe`.
     msg_ids: Option<MsgIds>,
+    /// How long a publish answered "no responders" is sent again (module
+    /// docs).
+    no_responders_retry: Duration,
 }
 
 /// One client's `Nats-Msg-Id`s: `<id>-<n>`, its random id in hex and the
@@ -363,21 +382,39 @@ impl MsgIds {
 impl Appender for NatsAppender {
     async fn append(&self, payload: Bytes) -> Result<()> {
         let Some(ids) = &self.msg_ids else {
-            let ack = self.js.publish(SUBJECT, payload).await.context("publishing to JetStream")?;
-            check_ack(ack.await.context("JetStream publish ack")?)?;
+            check_ack(self.publish(PublishMessage::build().payload(payload)).await?)?;
             return Ok(());
         };
         let n = ids.next.load(Ordering::Relaxed);
         let id = format!("{:016x}-{n}", ids.client);
-        let publish = PublishMessage::build().payload(payload).message_id(&id);
-        let ack = self.js.send_publish(SUBJECT, publish).await.context("publishing to JetStream")?;
-        let ack = check_ack(ack.await.context("JetStream publish ack")?)?;
+        let ack = check_ack(self.publish(PublishMessage::build().payload(payload).message_id(&id)).await?)?;
         if ack.duplicate {
             bail!("JetStream dropped message {id} as a duplicate (stream sequence {})", ack.sequence);
         }
         ids.next.store(n + 1, Ordering::Relaxed);
         ids.acked.fetch_add(1, Ordering::Relaxed);
         Ok(())
+    }
+}
+
+impl NatsAppender {
+    /// Publishes `message` and waits for its ack, sending it again while
+    /// the client's server answers "no responders", for up to
+    /// `no_responders_retry` (module docs).
+    async fn publish(&self, message: PublishMessage) -> Result<jetstream::publish::PublishAck> {
+        let started = Instant::now();
+        loop {
+            let ack = self.js.send_publish(SUBJECT, message.clone()).await.context("publishing to JetStream")?;
+            match ack.await {
+                Err(e)
+                    if e.kind() == jetstream::context::PublishErrorKind::StreamNotFound
+                        && started.elapsed() < self.no_responders_retry =>
+                {
+                    tokio::time::sleep(Duration::from_millis(20)).await;
+                }
+                ack => return ack.context("JetStream publish ack"),
+            }
+        }
     }
 }
 
@@ -554,6 +591,33 @@ mod tests {
         let (head, body) = response.split_once("\r\n\r\n").expect("HTTP response without a body");
         assert!(head.starts_with("HTTP/1.") && head.contains(" 200 "), "GET {path}: {head}");
         serde_json::from_str(body).unwrap()
+    }
+
+    #[tokio::test(flavor = "multi_thread")]
+    async fn a_publish_nobody_receives_yet_is_sent_again_and_stored_once() {
+        let tmp = tempdir();
+        let cluster = NatsCluster::start(&tmp.path().join("nats"), &nats_server()).await.unwrap();
+        let client = connect(&cluster.nodes[0], "walship-compare-test").await.unwrap();
+        let js = jetstream::new(client);
+        js.delete_stream(STREAM).await.unwrap();
+        // With the stream gone, nothing has interest in the subject: the
+        // server answers "no responders" until it is created again.
+        let appender = cluster.appenders(1).await.unwrap().pop().unwrap();
+        let appending = tokio::spawn(async move { appender.append(Bytes::from_static(b"once")).await });
+        tokio::time::sleep(Duration::from_millis(500)).await;
+        assert!(!appending.is_finished(), "the publish was answered before its stream existed");
+        cluster.create_stream().await.unwrap();
+        appending.await.unwrap().unwrap();
+        let info = wait_stream_current(&js, Duration::from_secs(30)).await.unwrap();
+        assert_eq!(info.state.messages, 1, "stored once");
+        // Past the retry bound the error is the caller's.
+        js.delete_stream(STREAM).await.unwrap();
+        let appender = cluster.appenders(1).await.unwrap().pop().unwrap();
+        let started = Instant::now();
+        let err = appender.append(Bytes::from_static(b"never")).await.unwrap_err();
+        assert!(format!("{err:#}").contains("no stream found"), "{err:#}");
+        assert!(started.elapsed() >= NO_RESPONDERS_RETRY, "{:?}", started.elapsed());
+        Box::new(cluster).stop().await.unwrap();
     }
 
     #[tokio::test(flavor = "multi_thread")]
