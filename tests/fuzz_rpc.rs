@@ -380,14 +380,17 @@ async fn channel(addr: &str) -> Channel {
     Endpoint::from_shared(format!("http://{addr}")).unwrap().connect().await.expect("connect")
 }
 
-/// The call's code: `Ok` as `Code::Ok`, a call given up as `None`.
+/// The call's code: `Ok` as `Code::Ok` (a stream that ended well without
+/// an answer too), a call given up as `None`.
 async fn call(channel: Channel, seed: &Seed, body: Vec<u8>) -> Option<Code> {
     let answer = if seed.streaming {
-        tokio::time::timeout(CALL_TIMEOUT, common::raw_stream_first(channel, seed.path, &body)).await
+        tokio::time::timeout(CALL_TIMEOUT, common::raw_stream_first(channel, seed.path, &body))
+            .await
+            .map(|r| r.map(drop))
     } else {
-        tokio::time::timeout(CALL_TIMEOUT, common::raw_unary(channel, seed.path, &body)).await
+        tokio::time::timeout(CALL_TIMEOUT, common::raw_unary(channel, seed.path, &body)).await.map(|r| r.map(drop))
     };
-    answer.ok().map(|r| r.map_or_else(|s| s.code(), |_| Code::Ok))
+    answer.ok().map(|r| r.map_or_else(|s| s.code(), |()| Code::Ok))
 }
 
 fn log_panics(path: &std::path::Path) -> Vec<String> {

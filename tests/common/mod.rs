@@ -746,20 +746,19 @@ fn raw_path(path: &'static str) -> tonic::codegen::http::uri::PathAndQuery {
     tonic::codegen::http::uri::PathAndQuery::from_static(path)
 }
 
-/// Sends `body` verbatim as the one message of a bidi-streaming RPC at
-/// `path` and returns its first answer (or the status the stream ended with).
+/// Sends `body` verbatim as the one message of a streaming RPC at `path`
+/// and returns its first answer, none when the stream ended well without
+/// one (a `StreamSegments` from a follower's own end: nothing to send), or
+/// the status the stream ended with.
 pub async fn raw_stream_first(
     channel: tonic::transport::Channel,
     path: &'static str,
     body: &[u8],
-) -> Result<bytes::Bytes, tonic::Status> {
+) -> Result<Option<bytes::Bytes>, tonic::Status> {
     let messages = tokio_stream::iter(vec![bytes::Bytes::copy_from_slice(body)]);
     let mut answers =
         ready(channel).await.streaming(member_request(messages), raw_path(path), raw::RawCodec).await?.into_inner();
-    match answers.message().await? {
-        Some(answer) => Ok(answer),
-        None => Err(tonic::Status::unknown("the stream ended without an answer or a status")),
-    }
+    answers.message().await
 }
 
 /// A codec that puts arbitrary bytes on the wire as a request body.
