@@ -100,10 +100,52 @@ fn flipped_wal_bytes_lose_no_acknowledged_record() {
     assert_eq!(common::processes_mentioning(kept.join("data").to_str().unwrap()), Vec::<u32>::new());
 }
 
+/// `--faults kill,rebalance`: rebalances asked for between kills, so
+/// that a returned node's share of the leaderships moves back to it under
+/// load. Each rebalance must be answered with its plan, and nothing
+/// acknowledged may be lost.
+#[test]
+fn rebalances_between_kills_lose_no_acknowledged_record() {
+    let keep = tempfile::tempdir().unwrap();
+    let kept = keep.path().join("run");
+    // Seed 9: three kills 7, 13 and 17 s in, then a rebalance 7 s later.
+    let run = chaos(&[
+        "--shards",
+        "30",
+        "--sample",
+        "8",
+        "--seconds",
+        "25",
+        "--seed",
+        "9",
+        "--faults",
+        "kill,rebalance",
+        "--keep",
+        kept.to_str().unwrap(),
+    ]);
+    let stdout = String::from_utf8_lossy(&run.stdout);
+    assert!(run.status.success(), "chaos.sh failed:\n{stdout}\n{}", String::from_utf8_lossy(&run.stderr));
+    let line: serde_json::Value = serde_json::from_str(stdout.lines().last().unwrap_or("")).expect("one JSON line");
+    let made = line["faults"]["rebalance"].as_u64().unwrap();
+    assert!(made >= 1 && line["faults"]["kill"].as_u64().unwrap() >= 1, "{line}");
+    let listed = std::fs::read_to_string(kept.join("faults.txt")).unwrap();
+    let answered = listed.lines().filter(|l| l.contains(" rebalance ") && l.contains(" planned, ")).count() as u64;
+    assert_eq!(answered, made, "every rebalance was answered with its plan:\n{listed}");
+    eprintln!("{listed}");
+    let history = &line["history"];
+    assert!(history["acked"].as_u64().unwrap() > 0, "{history}");
+    assert_eq!(history["lost"], 0, "{history}");
+    assert_eq!(history["shards_unread"], 0, "{history}");
+    assert_eq!(common::processes_mentioning(kept.join("data").to_str().unwrap()), Vec::<u32>::new());
+}
+
 #[test]
 fn bad_arguments_are_refused_before_anything_starts() {
     for (args, why) in [
-        (&["--faults", "kill,boom"][..], "--faults: boom is not one of kill, term, freeze, kill2, coord, corrupt"),
+        (
+            &["--faults", "kill,boom"][..],
+            "--faults: boom is not one of kill, term, freeze, kill2, coord, corrupt, rebalance",
+        ),
         (&["--faults", ""][..], "--faults names none"),
         (&["--sample", "0"][..], "--sample takes a whole number of at least 1"),
         (&["--shards", "4", "--sample", "5"][..], "--sample 5 is more than the 4 shards"),
