@@ -33,27 +33,40 @@ fn chaos(args: &[&str]) -> Output {
         .unwrap()
 }
 
+/// [`chaos`] with `args` and `--keep kept`; its JSON line, once it
+/// succeeded.
+fn chaos_kept(args: &[&str], kept: &Path) -> serde_json::Value {
+    let mut args = args.to_vec();
+    args.extend(["--keep", kept.to_str().unwrap()]);
+    let run = chaos(&args);
+    let stdout = String::from_utf8_lossy(&run.stdout);
+    assert!(run.status.success(), "chaos.sh failed:\n{stdout}\n{}", String::from_utf8_lossy(&run.stderr));
+    serde_json::from_str(stdout.lines().last().unwrap_or("")).expect("one JSON line")
+}
+
+/// The check's verdict: something acknowledged, nothing lost, every
+/// shard read.
+fn assert_nothing_lost(history: &serde_json::Value) {
+    assert!(history["acked"].as_u64().unwrap() > 0, "{history}");
+    assert_eq!(history["lost"], 0, "{history}");
+    assert_eq!(history["shards_unread"], 0, "{history}");
+}
+
 #[test]
 fn random_faults_under_load_lose_no_acknowledged_record() {
     let command = printed_command();
     assert_eq!(command[0], "ops/bench/chaos.sh");
     let keep = tempfile::tempdir().unwrap();
-    let mut args: Vec<&str> = command[1..].iter().map(String::as_str).collect();
+    let args: Vec<&str> = command[1..].iter().map(String::as_str).collect();
     let kept = keep.path().join("run");
-    args.extend(["--keep", kept.to_str().unwrap()]);
-    let run = chaos(&args);
-    let stdout = String::from_utf8_lossy(&run.stdout);
-    assert!(run.status.success(), "chaos.sh failed:\n{stdout}\n{}", String::from_utf8_lossy(&run.stderr));
-    let line: serde_json::Value = serde_json::from_str(stdout.lines().last().unwrap_or("")).expect("one JSON line");
+    let line = chaos_kept(&args, &kept);
     let faults = &line["faults"];
     let made: u64 = ["kill", "term", "freeze", "kill2", "coord"].iter().map(|k| faults[k].as_u64().unwrap()).sum();
     assert!(made >= 2, "a 20 s run makes a fault every 3 to 7 s: {line}");
     let listed = std::fs::read_to_string(kept.join("faults.txt")).unwrap();
     assert_eq!(listed.lines().count() as u64, made, "every fault made is listed:\n{listed}");
     let history = &line["history"];
-    assert!(history["acked"].as_u64().unwrap() > 0, "{history}");
-    assert_eq!(history["lost"], 0, "{history}");
-    assert_eq!(history["shards_unread"], 0, "{history}");
+    assert_nothing_lost(history);
     assert_eq!(history["checked"], 24, "8 shards on 3 nodes: {history}");
     assert_eq!(line["wal_unopenable"], serde_json::json!([]), "{line}");
     // Nothing of the run is left behind.
@@ -70,33 +83,15 @@ fn random_faults_under_load_lose_no_acknowledged_record() {
 fn flipped_wal_bytes_lose_no_acknowledged_record() {
     let keep = tempfile::tempdir().unwrap();
     let kept = keep.path().join("run");
-    let run = chaos(&[
-        "--shards",
-        "30",
-        "--sample",
-        "8",
-        "--seconds",
-        "20",
-        "--seed",
-        "5",
-        "--faults",
-        "corrupt",
-        "--keep",
-        kept.to_str().unwrap(),
-    ]);
-    let stdout = String::from_utf8_lossy(&run.stdout);
-    assert!(run.status.success(), "chaos.sh failed:\n{stdout}\n{}", String::from_utf8_lossy(&run.stderr));
-    let line: serde_json::Value = serde_json::from_str(stdout.lines().last().unwrap_or("")).expect("one JSON line");
+    let args = ["--shards", "30", "--sample", "8", "--seconds", "20", "--seed", "5", "--faults", "corrupt"];
+    let line = chaos_kept(&args, &kept);
     let made = line["faults"]["corrupt"].as_u64().unwrap();
     assert!(line["wal_unopenable"].is_array(), "the nodes that could not open their WAL are listed: {line}");
     assert!(made >= 2, "{line}");
     let listed = std::fs::read_to_string(kept.join("faults.txt")).unwrap();
     let flips = listed.lines().filter(|l| l.contains(".raftlog at ") && l.contains(" -> ")).count() as u64;
     assert_eq!(flips, made, "every flip names its file, offset and bytes:\n{listed}");
-    let history = &line["history"];
-    assert!(history["acked"].as_u64().unwrap() > 0, "{history}");
-    assert_eq!(history["lost"], 0, "{history}");
-    assert_eq!(history["shards_unread"], 0, "{history}");
+    assert_nothing_lost(&line["history"]);
     assert_eq!(common::processes_mentioning(kept.join("data").to_str().unwrap()), Vec::<u32>::new());
 }
 
@@ -109,33 +104,15 @@ fn rebalances_between_kills_lose_no_acknowledged_record() {
     let keep = tempfile::tempdir().unwrap();
     let kept = keep.path().join("run");
     // Seed 9: three kills 7, 13 and 17 s in, then a rebalance 7 s later.
-    let run = chaos(&[
-        "--shards",
-        "30",
-        "--sample",
-        "8",
-        "--seconds",
-        "25",
-        "--seed",
-        "9",
-        "--faults",
-        "kill,rebalance",
-        "--keep",
-        kept.to_str().unwrap(),
-    ]);
-    let stdout = String::from_utf8_lossy(&run.stdout);
-    assert!(run.status.success(), "chaos.sh failed:\n{stdout}\n{}", String::from_utf8_lossy(&run.stderr));
-    let line: serde_json::Value = serde_json::from_str(stdout.lines().last().unwrap_or("")).expect("one JSON line");
+    let args = ["--shards", "30", "--sample", "8", "--seconds", "25", "--seed", "9", "--faults", "kill,rebalance"];
+    let line = chaos_kept(&args, &kept);
     let made = line["faults"]["rebalance"].as_u64().unwrap();
     assert!(made >= 1 && line["faults"]["kill"].as_u64().unwrap() >= 1, "{line}");
     let listed = std::fs::read_to_string(kept.join("faults.txt")).unwrap();
     let answered = listed.lines().filter(|l| l.contains(" rebalance ") && l.contains(" planned, ")).count() as u64;
     assert_eq!(answered, made, "every rebalance was answered with its plan:\n{listed}");
     eprintln!("{listed}");
-    let history = &line["history"];
-    assert!(history["acked"].as_u64().unwrap() > 0, "{history}");
-    assert_eq!(history["lost"], 0, "{history}");
-    assert_eq!(history["shards_unread"], 0, "{history}");
+    assert_nothing_lost(&line["history"]);
     assert_eq!(common::processes_mentioning(kept.join("data").to_str().unwrap()), Vec::<u32>::new());
 }
 
